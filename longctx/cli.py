@@ -1,0 +1,64 @@
+"""`longctx` command line. Each subcommand lives beside the code it drives and registers itself.
+
+A subcommand module exposes `register(subparsers)`, which adds its parser and sets `func`
+(a callable taking the parsed args and returning an exit code). Modules are imported lazily so
+`longctx --help` stays fast; torch is imported only by the commands that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from longctx.errors import LongctxError
+
+# name -> module that registers it
+COMMANDS: dict[str, str] = {
+    "serve": "longctx.server.cli",
+    "generate": "longctx.engine.cli",
+    "score": "longctx.engine.cli",
+    "plan": "longctx.stages.plan",
+    "init-model": "longctx.checkpoint.init_random",
+    "ruler": "longctx.workloads.ruler_cli",
+    "retrieve": "longctx.workloads.retrieve_cli",
+}
+
+
+class CLIError(LongctxError):
+    """Raised by a subcommand for bad input: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longctx", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    done: set[str] = set()
+    for module in dict.fromkeys(COMMANDS.values()):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("longctx"):
+                continue  # a subcommand not built yet
+            raise
+        mod.register(sub)
+        done.add(module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except LongctxError as e:
+        print(f"longctx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Model configuration, read from a Hugging Face `config.json` (`glm_moe_dsa` or `deepseek_v32`).
+
+Nothing about the architecture is hard-coded elsewhere: every module takes a `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from longctx.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str = "glm_moe_dsa"
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    indexer_types: tuple[str, ...] = ()
+    mlp_layer_types: tuple[str, ...] = ()
+    first_k_dense_replace: int = 3
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    max_position_embeddings: int = 1_048_576
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+    # FP8 block quantisation of the checkpoint's linear weights, as `quantization_config` says.
+    quant_block: tuple[int, int] | None = None
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Elements per token per layer in the MLA cache: latent + rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        rp = self.rope_parameters
+        if rp.get("rope_type", "default") != "default":
+            mscale_all_dim = rp.get("mscale_all_dim", 0)
+            factor = rp.get("factor", 1.0)
+            if mscale_all_dim and factor > 1:
+                m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+                scale = scale * m * m
+        return scale
+
+    def is_full_indexer(self, layer: int) -> bool:
+        return self.indexer_types[layer] == "full"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        if e is None:
+            return []
+        return list(e) if isinstance(e, list | tuple) else [int(e)]
+
+    # ---- io --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unknown model_type {mt!r}: longctx runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        known = {f.name for f in fields(cls)}
+        kw: dict[str, Any] = {k: v for k, v in d.items() if k in known}
+        n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
+        if "num_experts" in d and "n_routed_experts" not in d:
+            kw["n_routed_experts"] = d["num_experts"]
+        # Rope: transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
+        rp = d.get("rope_parameters")
+        if rp is None:
+            rp = dict(d.get("rope_scaling") or {})
+            rp.setdefault("rope_type", rp.pop("type", "default"))
+            rp["rope_theta"] = d.get("rope_theta", 10000.0)
+        kw["rope_parameters"] = dict(rp)
+        # Per-layer indexer pattern (IndexShare). DeepSeek-V3.2 runs the indexer on every layer.
+        it = d.get("indexer_types")
+        if it is None:
+            pattern = d.get("index_topk_pattern")
+            if pattern is not None:
+                it = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+            elif mt == "glm_moe_dsa":
+                freq = max(int(d.get("index_topk_freq", 1)), 1)
+                off = int(d.get("index_skip_topk_offset", 2))
+                it = ["full" if max(i - off + 1, 0) % freq == 0 else "shared" for i in range(n)]
+            else:
+                it = ["full"] * n
+        kw["indexer_types"] = tuple(it)
+        mlt = d.get("mlp_layer_types")
+        if mlt is None:
+            k = min(int(d.get("first_k_dense_replace", cls.first_k_dense_replace)), n)
+            mlt = ["dense"] * k + ["sparse"] * (n - k)
+        kw["mlp_layer_types"] = tuple(mlt)
+        q = d.get("quantization_config")
+        if q:
+            if q.get("quant_method") != "fp8":
+                raise ConfigError(f"unsupported quantization_config.quant_method {q.get('quant_method')!r}")
+            kw["quant_block"] = tuple(q.get("weight_block_size", [128, 128]))
+        if "torch_dtype" not in kw and "dtype" in d:
+            kw["torch_dtype"] = d["dtype"]
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.exists():
+            raise ConfigError(f"config not found: {p}")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    def validate(self) -> None:
+        n = self.num_hidden_layers
+        if len(self.indexer_types) != n:
+            raise ConfigError(f"indexer_types has {len(self.indexer_types)} entries for {n} layers")
+        if len(self.mlp_layer_types) != n:
+            raise ConfigError(f"mlp_layer_types has {len(self.mlp_layer_types)} entries for {n} layers")
+        if n and self.indexer_types[0] != "full":
+            raise ConfigError("layer 0 must be a 'full' indexer layer: shared layers reuse an earlier top-k")
+        bad = set(self.indexer_types) - {"full", "shared"}
+        if bad:
+            raise ConfigError(f"indexer_types may hold 'full' or 'shared', not {sorted(bad)}")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError("n_routed_experts must be divisible by n_group")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ConfigError("index_head_dim must be at least qk_rope_head_dim")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json transformers reads (and longctx reads back identically)."""
+        d = asdict(self)
+        d.pop("quant_block")
+        d["indexer_types"] = list(self.indexer_types)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        d["architectures"] = [ARCHITECTURES[self.model_type]]
+        d["num_key_value_heads"] = self.num_attention_heads
+        d["head_dim"] = self.qk_rope_head_dim
+        d["dtype"] = d.pop("torch_dtype")
+        if self.model_type == "deepseek_v32":
+            d.pop("indexer_types")  # DeepSeek-V3.2 has no IndexShare: every layer is full
+        if self.quant_block is not None:
+            d["quantization_config"] = {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": list(self.quant_block),
+            }
+        return d
