@@ -1,0 +1,100 @@
+"""Requests, sampling parameters and the per-step outputs the scheduler reports.
+
+These are plain data: the scheduler, the engine process and the HTTP frontend all speak them
+(the frontend through msgpack, see `longctx/server/messages.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from longctx.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` disable them."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # return the top-N logprobs per generated token (0 = only the chosen one)
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token / stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the engine failed (message in StepOutput.error)
+
+
+@dataclass
+class Request:
+    """One sequence in the scheduler. Mutable bookkeeping only; KV lives in the page pool."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache (prefix hits + computed)
+    num_cached: int = 0  # prompt tokens served from the prefix cache
+    finish_reason: FinishReason | None = None
+    arrival: float = 0.0
+    pin_prefix: bool = False  # register the prompt's pages in the prefix cache as pinned (documents)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one scheduler step produced for one request."""
+
+    rid: str
+    new_token_ids: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_done: int = 0  # prompt tokens in the cache so far (progress of a long prefill)
+    prompt_total: int = 0
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
