@@ -1,0 +1,216 @@
+"""Prefix cache over full KV pages: requests sharing a prompt prefix share its pages.
+
+Each full page of a prompt has a chain key `key_i = blake2b(key_{i-1} || int64 bytes of page
+i's tokens)`, so a key names the whole prefix up to and including that page (a radix tree
+flattened into a dict). The cache holds one allocator reference per cached page; a request that
+reuses a page holds another. Only pages nobody else references (refcount 1), that are not pinned
+and that have no cached child page are evictable, least recently used first — evicting leaves
+first keeps every cached chain reachable from its root. Pure bookkeeping: no tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from longctx.errors import LongctxError
+from longctx.kvstore.allocator import PageAllocator
+
+
+class PrefixCacheError(LongctxError, ValueError):
+    """A pin/unpin of a key the cache does not hold, or inconsistent insert arguments."""
+
+
+@dataclass
+class _Node:
+    key: bytes
+    parent: bytes | None  # key of the previous page, None for a prompt's first page
+    tokens: bytes  # int64 bytes of this page's tokens, compared on lookup to rule out collisions
+    page: int
+    children: int = 0
+    pins: int = 0
+
+
+class PrefixCache:
+    """Maps chain keys of full pages to physical pages held in `allocator`.
+
+    `salt` separates caches whose KV differ for the same tokens (model, kv dtype, LoRA, ...).
+    """
+
+    def __init__(self, allocator: PageAllocator, salt: bytes = b"") -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._salt = salt
+        # LRU order, oldest first. A touch moves a whole chain, leaf first, so ancestors are
+        # always more recent than their descendants and one pass evicts leaves before parents.
+        self._nodes: OrderedDict[bytes, _Node] = OrderedDict()
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.evicted_pages = 0
+
+    # ---- keys ----------------------------------------------------------------------------
+    def _chunks(self, tokens: Sequence[int] | np.ndarray, n_pages: int) -> list[bytes]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        ps = self.page_size
+        return [arr[i * ps : (i + 1) * ps].tobytes() for i in range(n_pages)]
+
+    def _key(self, prev: bytes, chunk: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(prev)
+        h.update(chunk)
+        return h.digest()
+
+    def page_keys(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Chain keys of every full page of `tokens`."""
+        keys, prev = [], self._salt
+        for chunk in self._chunks(tokens, len(tokens) // self.page_size):
+            prev = self._key(prev, chunk)
+            keys.append(prev)
+        return keys
+
+    def _walk(self, tokens: Sequence[int] | np.ndarray, n_pages: int) -> list[_Node]:
+        """Cached nodes of the longest cached chain within the first `n_pages` pages."""
+        nodes, prev = [], self._salt
+        for chunk in self._chunks(tokens, n_pages):
+            prev = self._key(prev, chunk)
+            node = self._nodes.get(prev)
+            if node is None or node.tokens != chunk:
+                break
+            nodes.append(node)
+        return nodes
+
+    def _touch(self, nodes: list[_Node]) -> None:
+        for node in reversed(nodes):
+            self._nodes.move_to_end(node.key)
+
+    # ---- lookup / insert -----------------------------------------------------------------
+    def match(self, tokens: Sequence[int] | np.ndarray) -> tuple[list[int], int]:
+        """Longest cached run of full pages prefixing `tokens`: (pages, n_cached_tokens).
+
+        The caller gets one reference to each returned page (drop it with `allocator.free`).
+        At least one token is always left uncached (`n_cached_tokens < len(tokens)`) so the
+        request still computes the logits of its last prompt token.
+        """
+        nodes = self._walk(tokens, max(len(tokens) - 1, 0) // self.page_size)
+        for node in nodes:
+            self.allocator.incref(node.page)
+        self._touch(nodes)
+        n_cached = len(nodes) * self.page_size
+        self.query_tokens += len(tokens)
+        self.hit_tokens += n_cached
+        return [n.page for n in nodes], n_cached
+
+    def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int]) -> int:
+        """Register the full pages of a prefilled request; returns how many pages were new.
+
+        `pages[i]` must hold the KV of tokens[i*page_size:(i+1)*page_size]. The cache takes one
+        reference to each page it registers. A page whose prefix is already cached under
+        another physical page is skipped (the request keeps its duplicate to itself).
+        """
+        n_pages = len(tokens) // self.page_size
+        if len(pages) < n_pages:
+            raise PrefixCacheError(f"{n_pages} full pages of tokens but only {len(pages)} pages given")
+        chain: list[_Node] = []
+        prev, added = self._salt, 0
+        for i, chunk in enumerate(self._chunks(tokens, n_pages)):
+            key = self._key(prev, chunk)
+            node = self._nodes.get(key)
+            if node is None:
+                self.allocator.incref(pages[i])
+                node = _Node(key=key, parent=chain[-1].key if chain else None, tokens=chunk, page=pages[i])
+                self._nodes[key] = node
+                if chain:
+                    chain[-1].children += 1
+                added += 1
+            elif node.tokens != chunk:
+                break  # hash collision: leave the rest of this prompt uncached
+            chain.append(node)
+            prev = key
+        self._touch(chain)
+        return added
+
+    # ---- pinning -------------------------------------------------------------------------
+    def pin(self, key: bytes) -> None:
+        """Keep the page under `key` (and, through it, its ancestors) from being evicted."""
+        node = self._nodes.get(key)
+        if node is None:
+            raise PrefixCacheError(f"cannot pin key {key.hex()}: not cached")
+        node.pins += 1
+
+    def unpin(self, key: bytes) -> None:
+        node = self._nodes.get(key)
+        if node is None or node.pins == 0:
+            raise PrefixCacheError(f"cannot unpin key {key.hex()}: not pinned")
+        node.pins -= 1
+
+    def pin_prefix(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Pin every cached full page prefixing `tokens` (a document); returns the pinned keys."""
+        nodes = self._walk(tokens, len(tokens) // self.page_size)
+        for node in nodes:
+            node.pins += 1
+        return [n.key for n in nodes]
+
+    def unpin_keys(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.unpin(key)
+
+    # ---- eviction ------------------------------------------------------------------------
+    def _evictable(self, node: _Node) -> bool:
+        return node.children == 0 and node.pins == 0 and self.allocator.refcount(node.page) == 1
+
+    def evict(self, n_pages: int) -> int:
+        """Free up to `n_pages` unreferenced, unpinned leaf pages, LRU first; returns the count."""
+        freed = 0
+        progress = True
+        while freed < n_pages and progress:
+            progress = False
+            for node in list(self._nodes.values()):
+                if freed >= n_pages:
+                    break
+                if not self._evictable(node):
+                    continue
+                del self._nodes[node.key]
+                if node.parent is not None:
+                    self._nodes[node.parent].children -= 1
+                self.allocator.decref(node.page)
+                freed += 1
+                progress = True
+        self.evicted_pages += freed
+        return freed
+
+    def num_evictable(self) -> int:
+        """Pages `evict` could free right now (leaves, and parents that become leaves)."""
+        children = {k: n.children for k, n in self._nodes.items()}
+        count = 0
+        # LRU order lists descendants before ancestors, so one pass sees every cascade.
+        for node in self._nodes.values():
+            if children[node.key] == 0 and node.pins == 0 and self.allocator.refcount(node.page) == 1:
+                count += 1
+                if node.parent is not None:
+                    children[node.parent] -= 1
+        return count
+
+    def ensure_free(self, n_pages: int) -> bool:
+        """Evict until the allocator has `n_pages` free pages; False if it cannot get there."""
+        short = n_pages - self.allocator.num_free
+        if short > 0:
+            self.evict(short)
+        return self.allocator.num_free >= n_pages
+
+    # ---- stats ---------------------------------------------------------------------------
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._nodes)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "cached_pages": len(self._nodes),
+            "pinned_pages": sum(1 for n in self._nodes.values() if n.pins),
+            "hit_tokens": self.hit_tokens,
+            "query_tokens": self.query_tokens,
+            "evicted_pages": self.evicted_pages,
+        }

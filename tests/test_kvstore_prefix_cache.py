@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import pytest
+
+from longctx.kvstore.allocator import PageAllocator
+from longctx.kvstore.page_table import RequestPages
+from longctx.kvstore.prefix_cache import PrefixCache, PrefixCacheError
+
+PS = 4
+
+
+def _prefill(cache: PrefixCache, a: PageAllocator, tokens: list[int]) -> RequestPages:
+    """What the scheduler does: reuse cached pages, allocate the rest, register after prefill."""
+    pages, n_cached = cache.match(tokens)
+    r = RequestPages(PS, pages, n_cached)
+    r.append(len(tokens) - n_cached, a)
+    cache.insert(tokens, r.pages)
+    return r
+
+
+def test_shared_prefix_shares_pages_and_refcounts():
+    a = PageAllocator(32, PS)
+    c = PrefixCache(a)
+    doc = list(range(100, 112))  # 3 full pages
+    r1 = _prefill(c, a, doc + [1, 2, 3])
+    assert c.num_cached_pages == 3 and all(a.refcount(p) == 2 for p in r1.pages[:3])
+    assert a.refcount(r1.pages[3]) == 1  # partial page never cached
+    r2 = _prefill(c, a, doc + [7, 8])
+    assert r2.pages[:3] == r1.pages[:3] and r2.pages[3] != r1.pages[3]
+    assert all(a.refcount(p) == 3 for p in r1.pages[:3])
+    assert c.stats()["hit_tokens"] == 12
+    r1.release(a)
+    r2.release(a)
+    assert all(a.refcount(p) == 1 for p in r1.pages[:3])  # only the cache's reference left
+    assert a.num_used == 3 and c.num_cached_pages == 3
+    # a diverging middle page stops the chain
+    pages, n = c.match(doc[:4] + [0, 0, 0, 0] + doc[8:] + [5])
+    assert n == 4 and len(pages) == 1
+    a.free(pages)
+
+
+def test_last_token_rule():
+    a = PageAllocator(16, PS)
+    c = PrefixCache(a)
+    toks = list(range(8))  # exactly 2 full pages
+    r = _prefill(c, a, toks)
+    assert c.num_cached_pages == 2
+    pages, n = c.match(toks)
+    assert n == 4 and n < len(toks) and pages == r.pages[:1]
+    a.free(pages)
+    pages, n = c.match(toks + [9])
+    assert n == 8 and pages == r.pages
+    a.free(pages)
+    assert c.match([]) == ([], 0) and c.match(toks[:1]) == ([], 0)
+
+
+def test_lru_eviction_order_and_leaves_first():
+    a = PageAllocator(16, PS)
+    c = PrefixCache(a)
+    old = [1] * 8  # 2 pages, chain A
+    new = [2] * 8  # 2 pages, chain B
+    ra = _prefill(c, a, old + [0])
+    rb = _prefill(c, a, new + [0])
+    ra.release(a)
+    rb.release(a)
+    assert a.num_used == 4 and c.num_evictable() == 4
+    pa, _ = c.match(old + [0])  # touch A: B is now least recently used
+    a.free(pa)
+    assert c.evict(1) == 1
+    # B's leaf went first; its root survives and still matches; A is untouched
+    pb, n = c.match(new + [0])
+    assert n == 4 and all(k in c._nodes for k in c.page_keys(old))
+    # B's root is referenced by that match: only A's two pages go, leaf before root
+    assert c.evict(100) == 2
+    assert c.num_cached_pages == 1 and a.num_used == 1
+    a.free(pb)
+    assert c.evict(100) == 1 and a.num_used == 0
+
+
+def test_referenced_pages_not_evicted_and_ensure_free():
+    a = PageAllocator(6, PS)
+    c = PrefixCache(a)
+    r = _prefill(c, a, list(range(9)))  # 2 cached pages + 1 partial, all held by r
+    assert c.evict(10) == 0 and c.num_evictable() == 0
+    r.release(a)
+    assert a.num_free == 4 and c.num_evictable() == 2
+    assert c.ensure_free(5) and a.num_free == 5 and c.num_cached_pages == 1
+    assert not c.ensure_free(7)
+    assert c.stats()["evicted_pages"] == 2
+
+
+def test_pinned_never_evicted():
+    a = PageAllocator(16, PS)
+    c = PrefixCache(a)
+    doc = list(range(50, 62))
+    _prefill(c, a, doc + [0]).release(a)
+    _prefill(c, a, [9] * 8 + [0]).release(a)
+    keys = c.pin_prefix(doc)
+    assert len(keys) == 3 and c.stats()["pinned_pages"] == 3
+    assert c.evict(100) == 2
+    pages, n = c.match(doc + [1])
+    assert n == 12
+    a.free(pages)
+    c.unpin_keys(keys)
+    with pytest.raises(PrefixCacheError):
+        c.unpin(keys[0])
+    # pinning only the last key protects the whole chain (ancestors have a child)
+    c.pin(keys[-1])
+    assert c.evict(100) == 0
+    c.unpin(keys[-1])
+    assert c.evict(100) == 3 and a.num_used == 0
+    with pytest.raises(PrefixCacheError):
+        c.pin(keys[0])
+
+
+def test_duplicate_insert_and_collision_check():
+    a = PageAllocator(16, PS)
+    c = PrefixCache(a)
+    toks = list(range(8))
+    r1 = RequestPages(PS)
+    r1.append(8, a)
+    r2 = RequestPages(PS)
+    r2.append(8, a)
+    assert c.insert(toks, r1.pages) == 2
+    assert c.insert(toks, r2.pages) == 0  # already cached under r1's pages
+    assert all(a.refcount(p) == 1 for p in r2.pages)
+    # forge a collision: same key, different stored tokens -> no match
+    key0 = c.page_keys(toks)[0]
+    c._nodes[key0].tokens = b"\x00" * (8 * PS)
+    assert c.match(toks + [1]) == ([], 0)
+    with pytest.raises(PrefixCacheError):
+        c.insert(toks, r1.pages[:1])
+
+
+def test_salt_separates_caches():
+    a = PageAllocator(16, PS)
+    assert PrefixCache(a, b"fp8").page_keys([1] * 4) != PrefixCache(a, b"bf16").page_keys([1] * 4)
