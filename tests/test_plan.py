@@ -1,0 +1,235 @@
+"""`longctx plan`: parameter accounting against the source articles, the layer partition, the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from longctx.cli import main
+from longctx.config import ModelConfig
+from longctx.errors import ConfigError, LongctxError
+from longctx.model import params as P
+from longctx.stages.partition import (
+    balanced_split,
+    layer_cost,
+    partition,
+    split_from_boundaries,
+    stage_costs,
+)
+from longctx.stages.plan import parse_bytes, parse_tokens
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+M = 1_048_576
+
+
+@pytest.fixture(scope="module")
+def glm() -> ModelConfig:
+    return ModelConfig.from_json(CONFIGS / "glm-5.3.json")
+
+
+# ---- parameters vs the articles -----------------------------------------------------------------
+def test_glm_totals_match_articles(glm: ModelConfig) -> None:
+    assert glm.num_hidden_layers == 78
+    assert P.n_full_indexer_layers(glm) == 21
+    assert abs(P.params_total(glm) / 744e9 - 1) < 0.015
+    assert abs(P.params_active(glm) / 40e9 - 1) < 0.05
+    # The articles' convention (whole embedding matrix counted as active) is within 5% as well.
+    assert abs(P.params_active(glm, full_embedding=True) / 40e9 - 1) < 0.05
+
+
+def test_glm_components_match_articles(glm: ModelConfig) -> None:
+    dense, moe_full, moe_shared = P.layer_params(glm, 0), P.layer_params(glm, 6), P.layer_params(glm, 5)
+    assert abs(dense["attention"] / 165e6 - 1) < 0.005
+    assert abs(dense["indexer"] / 9.4e6 - 1) < 0.005 and moe_full["indexer"] == dense["indexer"]
+    assert moe_shared["indexer"] == 0
+    assert dense["dense_mlp"] == 3 * 6144 * 12288  # 226.5M
+    assert moe_full["routed_experts"] == 256 * 3 * 6144 * 2048
+    assert moe_full["shared_experts"] == 3 * 6144 * 2048
+    assert moe_full["router"] == 256 * 6144 + 256
+    d = P.params_by_component(glm)
+    assert d["embed"] == d["lm_head"] == 154880 * 6144
+    assert d["indexer"] == 21 * dense["indexer"]
+    assert sum(d.values()) == P.params_total(glm)
+
+
+def test_deepseek_v32_totals() -> None:
+    cfg = ModelConfig.from_json(CONFIGS / "deepseek-v3.2.json")
+    assert abs(P.params_total(cfg) / 671e9 - 1) < 0.01
+    assert abs(P.params_active(cfg) / 37e9 - 1) < 0.05
+    assert P.n_full_indexer_layers(cfg) == cfg.num_hidden_layers  # no IndexShare
+
+
+def test_weight_bytes_fp8_scales(glm: ModelConfig) -> None:
+    w = next(x for x in P.layer_weights(glm, 0) if x.name.endswith("q_a_proj.weight"))
+    assert w.shape == (2048, 6144)
+    assert w.nbytes("fp8") == 2048 * 6144 + (2048 // 128) * (6144 // 128) * 4
+    assert w.nbytes("bf16") == 2 * 2048 * 6144
+    norm = next(x for x in P.layer_weights(glm, 0) if x.name.endswith("input_layernorm.weight"))
+    assert norm.nbytes("fp8") == 2 * 6144  # norms stay bf16
+    bias = next(x for x in P.layer_weights(glm, 3) if x.name.endswith("e_score_correction_bias"))
+    assert bias.nbytes("bf16") == 4 * 256
+    fp8 = P.model_weight_bytes(glm, "fp8")
+    # ~1 byte per parameter, + bf16 embed/lm_head (1.9 GB) + scales (4 B per 16384 params).
+    assert 744e9 < fp8 < 748e9
+    assert P.model_weight_bytes(glm, "bf16") > 2 * P.params_total(glm) - 1e6
+
+
+def test_cache_bytes(glm: ModelConfig) -> None:
+    assert P.kv_bytes_per_token_per_layer(glm, "fp8_e4m3") == 656
+    assert P.kv_bytes_per_token_per_layer(glm, "bf16") == 1152
+    assert P.indexer_bytes_per_token(glm, "fp8_e4m3") == 132
+    with pytest.raises(ConfigError):
+        P.kv_bytes_per_token_per_layer(glm, "int4")
+
+
+def test_kv_at_1m_exact(glm: ModelConfig) -> None:
+    plans = partition(glm, 8, M)
+    assert sum(p.kv_bytes_host for p in plans) == 78 * 656 * M  # 53.7 GB
+    assert sum(p.kv_bytes_device for p in plans) == 78 * 656 * M
+    assert sum(p.indexer_bytes for p in plans) == 21 * 132 * M  # 2.9 GB
+    assert round(78 * 656 * M / 1e9, 1) == 53.7 and round(21 * 132 * M / 1e9, 1) == 2.9
+
+
+# ---- partition -------------------------------------------------------------------------------------
+costs_st = st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False), min_size=1, max_size=9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(costs=costs_st, pp=st.integers(1, 4), extras=st.tuples(st.floats(0, 50), st.floats(0, 50)))
+def test_balanced_split_is_optimal(costs: list[float], pp: int, extras: tuple[float, float]) -> None:
+    n = len(costs)
+    if pp > n:
+        with pytest.raises(ConfigError):
+            balanced_split(costs, pp, *extras)
+        return
+    bounds = balanced_split(costs, pp, *extras)
+    assert len(bounds) == pp and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a < b for a, b in bounds)  # non-empty
+    assert all(bounds[s][1] == bounds[s + 1][0] for s in range(pp - 1))  # contiguous
+    covered = [i for a, b in bounds for i in range(a, b)]
+    assert covered == list(range(n))  # every layer in exactly one stage
+    got = max(stage_costs(costs, bounds, *extras))
+    brute = min(
+        max(stage_costs(costs, split_from_boundaries(cuts, pp, n), *extras))
+        for cuts in itertools.combinations(range(1, n), pp - 1)
+    )
+    assert got <= brute * (1 + 1e-9) + 1e-9
+
+
+def test_manual_split(glm: ModelConfig) -> None:
+    cuts = partition(glm, 4, M, [20, 40, 60])
+    full = partition(glm, 4, M, [0, 20, 40, 60, 78])
+    assert [p.layers for p in cuts] == [p.layers for p in full] == [(0, 20), (20, 40), (40, 60), (60, 78)]
+    for bad in ([20, 40], [0, 20, 40, 60, 77], [1, 20, 40, 60, 78], [20, 20, 60], [40, 20, 60], [20, 40, 78]):
+        with pytest.raises(ConfigError) as e:
+            partition(glm, 4, M, bad)
+        assert "\n" not in str(e.value)
+
+
+def test_stage_extras_and_memory(glm: ModelConfig) -> None:
+    plans = partition(glm, 8, M, host_mem=2 * 10**12)
+    assert sum(p.n_layers for p in plans) == 78
+    assert sum(p.full_indexer_layers for p in plans) == 21
+    # Totals over stages equal the whole checkpoint (embed on stage 0, head on the last).
+    assert sum(p.weight_bytes for p in plans) == P.model_weight_bytes(glm, "fp8")
+    assert all(p.weight_bytes < 140 * 2**30 for p in plans)
+    assert plans[-1].headroom_bytes > plans[1].headroom_bytes  # lm_head logits
+    # Host limit: every stage is on one node; the pool holds the whole MLA KV per request.
+    assert {p.requests_fit_host for p in plans} == {2 * 10**12 // (78 * 656 * M)}
+    assert min(p.requests_fit for p in plans) >= 1
+
+
+def test_tp_splits_weights(glm: ModelConfig) -> None:
+    split = [20, 40, 60]
+    one, two = partition(glm, 4, M, split, tp=1), partition(glm, 4, M, split, tp=2)
+    for a, b in zip(one, two):
+        assert a.weight_bytes / 2 < b.weight_bytes < a.weight_bytes  # replicated parts stay whole
+        assert a.kv_bytes_device == b.kv_bytes_device  # the MLA latent is shared by all heads
+        assert a.kv_bytes_host == b.kv_bytes_host  # host pool once per node, not per rank
+    with pytest.raises(ConfigError):
+        partition(glm, 2, M, tp=3)  # 64 heads
+
+
+def test_hisparse_caps_device_kv(glm: ModelConfig) -> None:
+    full, cap = partition(glm, 8, M), partition(glm, 8, M, hisparse_device_tokens=65536)
+    for a, b in zip(full, cap):
+        assert b.kv_bytes_device == b.n_layers * 65536 * 656
+        assert b.kv_bytes_host == a.kv_bytes_host and b.indexer_bytes == a.indexer_bytes
+        assert b.requests_fit_device > a.requests_fit_device
+
+
+def test_indexer_layers_cost_more_at_long_context(glm: ModelConfig) -> None:
+    assert glm.is_full_indexer(6) and not glm.is_full_indexer(7)
+    short = layer_cost(glm, 6, 4096) / layer_cost(glm, 7, 4096)
+    long = layer_cost(glm, 6, M) / layer_cost(glm, 7, M)
+    assert 1.0 < short < long
+
+
+def test_parsers() -> None:
+    assert parse_bytes("141G") == 141 * 10**9 == parse_bytes("141GB")
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5T") == 1_500_000_000_000
+    assert parse_bytes("1024") == 1024
+    assert parse_tokens("1M") == M and parse_tokens("128k") == 131072
+    for bad in ("", "12X", "iB", "-3G"):
+        with pytest.raises(LongctxError):
+            parse_bytes(bad)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--config", "glm-5.3", "--gpus", "8", "--pp", "4", "--tp", "2", "--context", "1048576",
+               "--host-mem", "2T", "--json"])  # fmt: skip
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("params_total", "params_active", "kv_bytes_per_token_per_layer",
+              "indexer_bytes_per_token_per_full_layer", "context", "stages", "kv_bytes_per_request",
+              "indexer_bytes_per_request", "requests_fit"):  # fmt: skip
+        assert k in r
+    assert r["kv_bytes_per_token_per_layer"] == 656 and r["indexer_bytes_per_token_per_full_layer"] == 132
+    assert r["kv_bytes_per_request"] == 78 * 656 * M and r["indexer_bytes_per_request"] == 21 * 132 * M
+    assert len(r["stages"]) == 4
+    for s in r["stages"]:
+        for k in ("layers", "weight_bytes", "kv_bytes_device", "kv_bytes_host", "indexer_bytes",
+                  "headroom_bytes", "requests_fit"):  # fmt: skip
+            assert k in s
+    assert r["stages"][0]["layers"][0] == 0 and r["stages"][-1]["layers"][1] == 78
+    assert r["requests_fit"] == min(s["requests_fit"] for s in r["stages"])
+
+
+def test_cli_table_and_path(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--config", str(CONFIGS / "tiny.json"), "--gpus", "2", "--pp", "2", "--context", "4K",
+               "--kv-dtype", "bf16", "--layer-split", "3"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "requests that fit" in out and "0-2" in out and "3-5" in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--gpus", "8", "--pp", "4"],  # gpus != pp * tp
+        ["--gpus", "8", "--pp", "8", "--gpu-mem", "lots"],
+        ["--gpus", "8", "--pp", "8", "--layer-split", "1,2"],
+        ["--gpus", "x", "--pp", "8"],
+        ["--gpus", "8", "--pp", "8", "--context", "0"],
+        ["--gpus", "6", "--pp", "2", "--tp", "3"],
+        ["--gpus", "100", "--pp", "100"],  # more stages than layers
+    ],
+)
+def test_cli_bad_args(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--config", "glm-5.3", "--context", "1M", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("longctx plan: error:") and "\n" not in err
+
+
+def test_cli_unknown_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--config", "no-such-model", "--gpus", "1", "--pp", "1", "--context", "1K"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "glm-5.3" in err and "\n" not in err
