@@ -1,0 +1,151 @@
+"""Chat templates: GLM's prompt format, rendered with jinja2 like transformers does.
+
+The default template (written into random checkpoints' `tokenizer_config.json`) is GLM-like:
+`[gMASK]<sop>` then `<|role|>\\n{content}` per message, then `<|assistant|>\\n` as the generation
+prompt. A model directory's own template (`chat_template` in tokenizer_config.json, or
+`chat_template.jinja`) takes precedence when the caller passes it in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from longctx.errors import CheckpointError, RequestError
+
+ROLES = ("system", "user", "assistant", "observation")
+_ROLE_ALIASES = {"tool": "observation"}
+
+DEFAULT_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for m in messages %}"
+    "{% set role = 'observation' if m['role'] == 'tool' else m['role'] %}"
+    "{% if role not in ['system', 'user', 'assistant', 'observation'] %}"
+    "{{ raise_exception('unknown chat role ' + m['role']) }}"
+    "{% endif %}"
+    # transformers passes OpenAI-style content lists through unflattened: join their text parts.
+    "{% if m['content'] is string %}{% set c = m['content'] %}"
+    "{% elif m['content'] is none %}{% set c = '' %}"
+    "{% else %}{% set c = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}"
+    "{{ '<|' + role + '|>\\n' + c }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def _content_text(content: Any) -> str:
+    # OpenAI-style content may be a list of parts; only text parts mean anything to a text model.
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        parts = []
+        for p in content:
+            if isinstance(p, Mapping) and p.get("type", "text") == "text":
+                parts.append(str(p.get("text", "")))
+            elif isinstance(p, str):
+                parts.append(p)
+            else:
+                raise RequestError(f"unsupported message content part {p!r:.60}")
+        return "".join(parts)
+    raise RequestError(
+        f"message content must be a string or a list of text parts, not {type(content).__name__}"
+    )
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and flatten content to strings (a one-line RequestError on bad input)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise RequestError(f"message {i} has no 'role'")
+        role = str(m["role"])
+        if _ROLE_ALIASES.get(role, role) not in ROLES:
+            raise RequestError(f"message {i} has unknown role {role!r}; use one of {', '.join(ROLES)}, tool")
+        out.append({**m, "role": role, "content": _content_text(m.get("content"))})
+    return out
+
+
+def _render_builtin(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    # Same output as DEFAULT_CHAT_TEMPLATE, for environments without jinja2.
+    s = "[gMASK]<sop>"
+    for m in messages:
+        s += f"<|{_ROLE_ALIASES.get(m['role'], m['role'])}|>\n{m['content']}"
+    if add_generation_prompt:
+        s += "<|assistant|>\n"
+    return s
+
+
+def _raise(msg: str) -> None:
+    raise RequestError(str(msg).splitlines()[0] if msg else "chat template error")
+
+
+def _render_jinja(
+    template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **kw: Any
+) -> str:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # The same environment options transformers uses, so templates render identically.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[])
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    try:
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **kw
+        )
+    except jinja2.TemplateError as e:
+        raise RequestError(f"chat template failed: {str(e).splitlines()[0] if str(e) else e!r}") from None
+
+
+def apply_chat_template(
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+    use_jinja: bool | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """Render chat `messages` ([{"role", "content"}, ...]) into the prompt text.
+
+    `template` is a jinja chat template (default: `DEFAULT_CHAT_TEMPLATE`). With jinja2 installed
+    it renders like transformers' `apply_chat_template(tokenize=False)`; without it only the
+    default template can be rendered (by a built-in renderer with identical output).
+    `use_jinja=False` forces the built-in renderer (tests compare the two).
+    """
+    msgs = normalize_messages(messages)
+    tpl = DEFAULT_CHAT_TEMPLATE if template is None else template
+    if use_jinja is None:
+        try:
+            import jinja2  # noqa: F401
+
+            use_jinja = True
+        except ImportError:
+            use_jinja = False
+    if use_jinja:
+        return _render_jinja(tpl, msgs, add_generation_prompt, **template_kwargs)
+    if tpl != DEFAULT_CHAT_TEMPLATE:
+        raise RequestError("this model's chat template needs jinja2 (pip install jinja2)")
+    return _render_builtin(msgs, add_generation_prompt)
+
+
+def load_chat_template(model_dir: str | Path) -> str | None:
+    """A model directory's chat template (`chat_template.jinja` or tokenizer_config.json), or None."""
+    d = Path(model_dir)
+    jinja_file = d / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text()
+    cfg_file = d / "tokenizer_config.json"
+    if not cfg_file.exists():
+        return None
+    try:
+        tpl = json.loads(cfg_file.read_text()).get("chat_template")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    if isinstance(tpl, list):  # transformers also allows [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, Mapping)}
+        tpl = named.get("default")
+    return tpl if isinstance(tpl, str) else None
