@@ -45,7 +45,9 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] = ()
     first_k_dense_replace: int = 3
     rms_norm_eps: float = 1e-5
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6}
+    )
     max_position_embeddings: int = 1_048_576
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -96,9 +98,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unknown model_type {mt!r}: longctx runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+            raise ConfigError(f"unknown model_type {mt!r}: longctx runs {', '.join(SUPPORTED_MODEL_TYPES)}")
         known = {f.name for f in fields(cls)}
         kw: dict[str, Any] = {k: v for k, v in d.items() if k in known}
         n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
@@ -116,7 +116,11 @@ class ModelConfig:
         if it is None:
             pattern = d.get("index_topk_pattern")
             if pattern is not None:
-                it = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+                it = (
+                    [{"F": "full", "S": "shared"}[c] for c in pattern]
+                    if isinstance(pattern, str)
+                    else pattern
+                )
             elif mt == "glm_moe_dsa":
                 freq = max(int(d.get("index_topk_freq", 1)), 1)
                 off = int(d.get("index_skip_topk_offset", 2))

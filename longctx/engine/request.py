@@ -60,6 +60,14 @@ class Request:
     finish_reason: FinishReason | None = None
     arrival: float = 0.0
     pin_prefix: bool = False  # register the prompt's pages in the prefix cache as pinned (documents)
+    return_logits: bool = False  # score(): keep fp32 logits of every prompt position, no prefix reuse
+    seed: int = 0  # the sampling seed actually used (params.seed, or one drawn at admission)
+    logits: list = field(default_factory=list)  # score(): [n, vocab] chunks in order
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV is not computed yet (1 for a decoding request)."""
+        return self.num_tokens - self.num_computed
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,7 +79,7 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.pending > 1 or not self.output_ids
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,131 @@
+"""`longctx generate` and `longctx score`: run the engine on prompts from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from longctx.errors import LongctxError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp8_e4m3")
+    p.add_argument("--backend", default="auto", help="auto | torch | triton")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--hisparse-device-tokens", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=1_048_576)
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (tokens per step)")
+
+
+def _engine(args: argparse.Namespace):
+    from longctx import Engine
+
+    if not Path(args.model).is_dir():
+        raise LongctxError(f"model directory not found: {args.model}")
+    return Engine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        pp=args.pp,
+        tp=args.tp,
+        hisparse_device_tokens=args.hisparse_device_tokens,
+        max_context=args.max_context,
+        backend=args.backend,
+        chunk_size=args.chunk_size,
+    )
+
+
+def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
+    if args.token_ids:
+        try:
+            ids = [int(x) for x in args.token_ids.replace(",", " ").split()]
+        except ValueError:
+            raise LongctxError("--token-ids must be integers separated by commas or spaces") from None
+        return [ids]
+    if args.prompt_file:
+        p = Path(args.prompt_file)
+        if not p.exists():
+            raise LongctxError(f"prompt file not found: {p}")
+        return [p.read_text(encoding="utf-8", errors="replace")]
+    if isinstance(args.prompt, str):
+        return [args.prompt]
+    if args.prompt:
+        return list(args.prompt)
+    if not sys.stdin.isatty():
+        return [sys.stdin.read()]
+    raise LongctxError("give a prompt: PROMPT, --prompt-file, --token-ids or stdin")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 0:
+        raise LongctxError("--max-new-tokens must be >= 0")
+    prompts = _read_prompt(args)
+    with _engine(args) as eng:
+        outs = eng.generate(
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop=args.stop or None,
+            seed=args.seed,
+        )
+    for o in outs:
+        if args.json:
+            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}))
+        else:
+            print(o.text if o.text is not None else " ".join(map(str, o.token_ids)))
+    return 0
+
+
+def run_score(args: argparse.Namespace) -> int:
+    import torch
+
+    prompts = _read_prompt(args)
+    with _engine(args) as eng:
+        ids = prompts[0] if isinstance(prompts[0], list) else eng.encode(prompts[0])
+        logits = eng.score(ids)
+    lp = torch.log_softmax(logits, dim=-1)
+    # log-probability of each next token given its prefix
+    tok_lp = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    nll = float(-tok_lp.mean()) if len(ids) > 1 else float("nan")
+    result = {"tokens": len(ids), "mean_nll": nll, "perplexity": float(torch.exp(torch.tensor(nll)))}
+    if args.out:
+        torch.save(logits, args.out)
+        result["logits_file"] = args.out
+    if args.per_token:
+        result["token_logprobs"] = [None] + [round(float(x), 6) for x in tok_lp]
+    print(json.dumps(result))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _engine_args(g)
+    g.add_argument("prompt", nargs="*", default=None, help="prompt text (several give a batch)")
+    g.add_argument("--prompt-file")
+    g.add_argument("--token-ids", help="a prompt as token ids: '1,2,3'")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="one JSON object per completion")
+    g.set_defaults(func=run_generate)
+
+    s = sub.add_parser("score", help="logits of a prompt at every position (prints mean NLL / perplexity)")
+    _engine_args(s)
+    s.add_argument("prompt", nargs="?", default=None)
+    s.add_argument("--prompt-file")
+    s.add_argument("--token-ids")
+    s.add_argument("--out", help="save the [n, vocab] fp32 logits with torch.save")
+    s.add_argument("--per-token", action="store_true", help="also print each token's log-probability")
+    s.set_defaults(func=run_score)

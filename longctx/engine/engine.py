@@ -1,0 +1,374 @@
+"""`Engine`: the public, in-process API (score, generate, stats, close) and the step-level serving API.
+
+Every call goes through the real path: the scheduler plans batches over paged KV, stage workers
+run the layers (sparse attention over the indexer's top-k), the last stage samples. With pp=1 and
+tp=1 the single stage runs in this process; otherwise `longctx.stages` runs stage processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from longctx.checkpoint.tokenizer import load_tokenizer
+from longctx.config import ModelConfig
+from longctx.engine.plan import BatchPlan, BatchResult
+from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
+from longctx.engine.scheduler import Scheduler
+from longctx.engine.worker import DTYPES, StageWorker, build_model
+from longctx.errors import ConfigError, RequestError
+from longctx.kernels.common import use_triton as _use_triton
+from longctx.kvstore.allocator import PageAllocator
+from longctx.kvstore.pool import PagedKVPool, resolve_kv_kind
+from longctx.kvstore.prefix_cache import PrefixCache
+
+log = logging.getLogger("longctx.engine")
+PAGE_SIZE = 64
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' requested but CUDA is not available")
+    return dev
+
+
+class LocalRunner:
+    """pp=1, tp=1: the one stage runs in this process."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker = worker
+
+    def run(self, plan: BatchPlan) -> BatchResult:
+        h = self.worker.forward(plan)
+        return BatchResult(plan.step_id, self.worker.finish(plan, h))
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.worker.kv
+        s = {"kv_bytes_device": kv.nbytes() if hasattr(kv, "nbytes") else 0}
+        if hasattr(kv, "stats"):
+            s.update(kv.stats())
+        return {"stages": [s]}
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """Load a checkpoint and serve it. See DESIGN.md "Public surface"."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        kv_dtype: str = "auto",
+        pp: int = 1,
+        tp: int = 1,
+        hisparse_device_tokens: int | None = None,
+        max_context: int = 1_048_576,
+        backend: str = "auto",
+        *,
+        kv_pages: int | None = None,
+        chunk_size: int | None = None,
+        max_running: int = 64,
+        max_queue: int = 1024,
+        prefill_form: str = "auto",
+        layer_split: list[int] | None = None,
+        gpu_memory_utilization: float = 0.9,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = ModelConfig.from_json(self.model_dir)
+        self.device = _resolve_device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        self.dtype = DTYPES[dtype]
+        self.kv_kind = resolve_kv_kind(kv_dtype, self.device)
+        self.use_triton = _use_triton(backend, self.device)
+        if max_context < 1:
+            raise ConfigError("max_context must be positive")
+        self.max_context = max_context
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
+        self.hisparse_device_tokens = hisparse_device_tokens
+        self._ids = itertools.count()
+        self._closed = False
+
+        num_pages = kv_pages or self._default_pages(max_context)
+        if pp == 1 and tp == 1:
+            self.runner: Any = self._local_runner(num_pages, prefill_form)
+        else:
+            from longctx.stages.runtime import StageRuntime
+
+            self.runner = StageRuntime(
+                self.model_dir,
+                self.cfg,
+                pp=pp,
+                tp=tp,
+                device=self.device,
+                dtype=self.dtype,
+                kv_kind=self.kv_kind,
+                num_pages=num_pages,
+                use_triton=self.use_triton,
+                prefill_form=prefill_form,
+                hisparse_device_tokens=hisparse_device_tokens,
+                layer_split=layer_split,
+            )
+        self.allocator = PageAllocator(num_pages, PAGE_SIZE)
+        self.prefix_cache = PrefixCache(self.allocator)
+        self.scheduler = Scheduler(
+            self.allocator,
+            self.prefix_cache,
+            max_context=max_context,
+            chunk_size=self.chunk_size,
+            max_running=max_running,
+            max_queue=max_queue,
+            eos_ids=tuple(self.cfg.eos_ids()),
+        )
+        self._documents: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._stop_text: dict[str, str] = {}
+        self._requests: dict[str, Request] = {}
+
+    def _default_pages(self, max_context: int) -> int:
+        if self.device.type == "cuda":
+            per_token = PagedKVPool.bytes_per_token(
+                self.cfg, range(self.cfg.num_hidden_layers), self.kv_kind, self.dtype
+            )
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # weights are not loaded yet: leave them and activations their share
+            budget = int(free * 0.5)
+            return max(16, min(budget // (per_token * PAGE_SIZE), 2 * max_context // PAGE_SIZE + 64))
+        # CPU: room for a few requests of a modest context
+        return max(64, min(max_context, 1 << 16) * 2 // PAGE_SIZE)
+
+    def _local_runner(self, num_pages: int, prefill_form: str) -> LocalRunner:
+        cfg = self.cfg
+        layers = range(cfg.num_hidden_layers)
+        keep_fp8 = self.device.type == "cuda" and cfg.quant_block is not None
+        model = build_model(self.model_dir, cfg, layers, self.device, self.dtype, keep_fp8)
+        if self.hisparse_device_tokens:
+            from longctx.hisparse.cache import HiSparseKVCache
+
+            kv: Any = HiSparseKVCache(
+                cfg,
+                layers,
+                num_pages,
+                self.kv_kind,
+                self.dtype,
+                self.device,
+                device_tokens=self.hisparse_device_tokens,
+                page_size=PAGE_SIZE,
+                use_triton=self.use_triton,
+            )
+        else:
+            kv = PagedKVPool(cfg, layers, num_pages, self.kv_kind, self.dtype, self.device, PAGE_SIZE)
+        return LocalRunner(StageWorker(model, kv, self.device, self.use_triton, prefill_form, PAGE_SIZE))
+
+    # ---- step-level API (the server's engine process drives these) ----------------------------
+    def add_request(self, req: Request) -> None:
+        self._check_open()
+        for t in req.prompt_ids:
+            if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size:
+                raise RequestError(f"token id {t!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if req.params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the model's tokenizer (tokenizer.json)")
+        self.scheduler.add(req)
+        self._requests[req.rid] = req
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+        self._requests.pop(rid, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def step(self) -> list[StepOutput]:
+        """One scheduler iteration; outputs for every request that progressed."""
+        self._check_open()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        result = self.runner.run(plan)
+        outs = self.scheduler.update(plan, result)
+        return [self._apply_stop_strings(o) for o in outs]
+
+    def _apply_stop_strings(self, out: StepOutput) -> StepOutput:
+        req = self._requests.get(out.rid)
+        if req is None:
+            return out
+        if out.finished:
+            self._requests.pop(out.rid, None)
+            return out
+        if req.params.stop and out.new_token_ids and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids)
+            if any(s in text for s in req.params.stop):
+                self.scheduler.finish(req, FinishReason.STOP)
+                self._requests.pop(out.rid, None)
+                return StepOutput(**{**out.__dict__, "finished": True, "finish_reason": FinishReason.STOP})
+        return out
+
+    # ---- documents (long-document QA) ----------------------------------------------------------
+    def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
+        """Prefill a document once and pin its pages in the prefix cache."""
+        rid = f"doc-{next(self._ids)}"
+        req = Request(rid, list(token_ids), SamplingParams(max_new_tokens=0), pin_prefix=True)
+        self._run_to_completion([req], desc="document")
+        keys = self.prefix_cache.pin_prefix(token_ids)
+        self._documents[rid] = (list(token_ids), keys)
+        # the request's own pin (pin_prefix) was taken on release; keep exactly one
+        self.prefix_cache.unpin_keys(keys)
+        return rid, len(token_ids)
+
+    def unpin_document(self, doc_id: str) -> None:
+        doc = self._documents.pop(doc_id, None)
+        if doc is None:
+            raise RequestError(f"no document {doc_id!r}")
+        self.prefix_cache.unpin_keys(doc[1])
+
+    # ---- public API ------------------------------------------------------------------------------
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, vocab] at every position of `token_ids`, through the paged sparse path."""
+        ids = list(token_ids)
+        req = Request(f"score-{next(self._ids)}", ids, SamplingParams(max_new_tokens=0), return_logits=True)
+        self._run_to_completion([req], desc="score")
+        return torch.cat([t.float() for t in req.logits], dim=0)
+
+    def generate(
+        self,
+        prompts: list[list[int]] | list[str],
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | list[int] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """Generate for a batch of prompts (token-id lists or strings); one Completion each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise RequestError("prompts must be a list of prompts (token-id lists or strings)")
+        stop_ids = tuple(s for s in (stop or []) if isinstance(s, int))
+        stop_str = tuple(s for s in (stop or []) if isinstance(s, str))
+        reqs = []
+        for i, p in enumerate(prompts):
+            ids = self.encode(p) if isinstance(p, str) else list(p)
+            params = SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=None if seed is None else seed + i,
+                stop_token_ids=stop_ids,
+                stop=stop_str,
+                ignore_eos=ignore_eos,
+            )
+            reqs.append(Request(f"gen-{next(self._ids)}", ids, params))
+        self._run_to_completion(reqs, desc="generate")
+        return [self._completion(r) for r in reqs]
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("string prompts need the model's tokenizer (tokenizer.json)")
+        return self.tokenizer.encode(text).ids
+
+    def _completion(self, req: Request) -> Completion:
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
+        if text is not None:
+            for s in req.params.stop:
+                if s in text:
+                    text = text[: text.index(s)]
+        reason = req.finish_reason.value if req.finish_reason else FinishReason.LENGTH.value
+        return Completion(list(req.output_ids), text, reason, len(req.prompt_ids), req.num_cached)
+
+    def _run_to_completion(self, reqs: list[Request], desc: str) -> None:
+        for r in reqs:
+            self.add_request(r)
+        pending = {r.rid for r in reqs}
+        total = sum(len(r.prompt_ids) for r in reqs)
+        show = sys.stderr.isatty() and total >= 8 * self.chunk_size
+        done: dict[str, int] = {}
+        with tqdm(total=total, desc=f"{desc} prefill", unit="tok", disable=not show, leave=False) as bar:
+            while pending:
+                outs = self.step()
+                if not outs and not self.has_work():
+                    break
+                for o in outs:
+                    if o.rid in pending:
+                        bar.update(o.prompt_done - done.get(o.rid, 0))
+                        done[o.rid] = o.prompt_done
+                        if o.finished:
+                            pending.discard(o.rid)
+                            if o.error:
+                                raise RequestError(o.error)
+
+    # ---- introspection / lifecycle ------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = {
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_kind": self.kv_kind,
+            "backend": "triton" if self.use_triton else "torch",
+            "page_size": PAGE_SIZE,
+            "time": time.time(),
+        }
+        s.update(self.scheduler.stats())
+        s.update(self.runner.stats())
+        hs = [st.get("hisparse") for st in s.get("stages", []) if st.get("hisparse")]
+        if hs:
+            keys = ("hits", "misses", "swap_bytes", "swap_seconds")
+            agg = {k: sum(h[k] for h in hs) for k in keys}
+            agg["device_tokens_max"] = max(h["device_tokens_max"] for h in hs)
+            s["hisparse"] = agg
+        s["host_pool_bytes"] = sum(st.get("host_pool_bytes", 0) for st in s.get("stages", []))
+        return s
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.cfg
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RequestError("the engine is closed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.runner.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,57 @@
+"""Batch plans: what one forward pass computes, as plain data (sent to stage processes as msgpack).
+
+A plan lists rows; each row is a contiguous run of new tokens of one request, with the pages that
+hold its KV. Every stage owns a pool with the same page ids (one allocator in the scheduler), so
+the same plan drives all stages of the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    rid: str
+    token_ids: tuple[int, ...]  # the new tokens (stage 0 embeds them)
+    start: int  # absolute position of token_ids[0]
+    pages: tuple[int, ...]  # the request's page table (covers start + len(token_ids) tokens)
+    logits: str = "last"  # "last" | "all" | "none": which rows the last stage returns/samples
+    # sampling (used by the last stage when logits == "last")
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    step: int = 0  # index of the token being sampled (seeds the per-token generator)
+    logprobs: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    step_id: int
+    rows: tuple[RowPlan, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+@dataclass
+class RowResult:
+    """What the last stage returns for one row."""
+
+    rid: str
+    token_id: int | None = None  # sampled token (logits == "last")
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    logits: object | None = None  # [n, vocab] fp32 tensor (logits == "all")
+
+
+@dataclass
+class BatchResult:
+    step_id: int
+    rows: list[RowResult] = field(default_factory=list)

@@ -1,0 +1,277 @@
+"""Continuous batching with chunked prefill, page-budget admission, prefix reuse and preemption.
+
+Every request needs the KV of `all_ids[num_computed:]` computed; a decoding request has exactly one
+such token. Each step takes every decoding request first (so a long prefill never stalls other
+users' tokens), then spends the remaining token budget on prefill chunks of running requests, then
+admits waiting requests while pages allow. The row that reaches a request's last token samples its
+next token. When pages run out mid-flight the most recently admitted request is preempted: its pages
+are freed and it is recomputed later (sampling is seeded per token, so it continues identically).
+
+The scheduler holds no tensors; it produces `BatchPlan`s and consumes `BatchResult`s.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+
+from longctx.engine.plan import BatchPlan, BatchResult, RowPlan
+from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob
+from longctx.errors import RequestError
+from longctx.kvstore.allocator import OutOfPages, PageAllocator
+from longctx.kvstore.page_table import RequestPages
+from longctx.kvstore.prefix_cache import PrefixCache
+
+
+class QueueFull(RequestError):
+    """The waiting queue is at its limit (HTTP 429)."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        prefix_cache: PrefixCache | None,
+        *,
+        max_context: int,
+        chunk_size: int = 2048,
+        max_batch_tokens: int | None = None,
+        max_running: int = 64,
+        max_queue: int = 1024,
+        eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.alloc = allocator
+        self.cache = prefix_cache
+        self.page_size = allocator.page_size
+        self.max_context = max_context
+        self.chunk_size = chunk_size
+        self.max_batch_tokens = max_batch_tokens or chunk_size
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.eos_ids = tuple(eos_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pages: dict[str, RequestPages] = {}
+        self._step = 0
+        self.num_preempted = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.params.validate()
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n > self.max_context:
+            raise RequestError(
+                f"the prompt has {n} tokens, more than the maximum context of {self.max_context}"
+            )
+        need = self.alloc.pages_for(min(n + max(req.params.max_new_tokens, 1), self.max_context))
+        if need > self.alloc.num_pages:
+            raise RequestError(
+                f"the request needs {need} KV pages but the pool has {self.alloc.num_pages}; "
+                "lower max_tokens or the prompt length"
+            )
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
+        if any(r.rid == req.rid for r in self.running) or any(r.rid == req.rid for r in self.waiting):
+            raise RequestError(f"duplicate request id {req.rid!r}")
+        req.seed = req.params.seed if req.params.seed is not None else random.getrandbits(31)
+        req.arrival = req.arrival or time.monotonic()
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Request | None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                req.finish_reason = FinishReason.ABORT
+                self._release(req, cache=False)
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> BatchPlan | None:
+        rows: list[RowPlan] = []
+        budget = self.max_batch_tokens
+        # 1. decodes: one token each, never starved by prefills
+        for req in [r for r in self.running if not r.in_prefill]:
+            if req not in self.running:
+                continue  # preempted while making room for an earlier one
+            if not self._grow(req, 1):
+                continue
+            rows.append(self._row(req, 1))
+            budget -= 1
+        # 2. prefill chunks of admitted requests, oldest first
+        for req in [r for r in self.running if r.in_prefill]:
+            if budget <= 0:
+                break
+            n = min(req.pending, budget, self.chunk_size)
+            if req not in self.running or not self._grow(req, n):
+                continue
+            rows.append(self._row(req, n))
+            budget -= n
+        # 3. admission
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            pages, cached = ([], 0)
+            if self.cache is not None and not req.return_logits:
+                pages, cached = self.cache.match(req.all_ids)
+            rp = RequestPages(self.page_size, pages, cached)
+            n = min(req.num_tokens - cached, budget, self.chunk_size)
+            need = self.alloc.pages_for(cached + n) - len(pages)
+            if not self._make_room(need):
+                rp.release(self.alloc)
+                break
+            self.waiting.popleft()
+            req.num_computed = cached
+            req.num_cached = cached if not req.output_ids else req.num_cached
+            self.pages[req.rid] = rp
+            self.running.append(req)
+            rp.append(n, self.alloc)
+            rows.append(self._row(req, n, grown=True))
+            budget -= n
+        if not rows:
+            return None
+        self._step += 1
+        return BatchPlan(self._step, tuple(rows))
+
+    def _make_room(self, n_pages: int) -> bool:
+        if n_pages <= self.alloc.num_free:
+            return True
+        if self.cache is not None:
+            self.cache.ensure_free(n_pages)
+        return n_pages <= self.alloc.num_free
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Give `req` slots for n more tokens, preempting later requests if pages run out."""
+        rp = self.pages[req.rid]
+        while True:
+            need = self.alloc.pages_for(rp.num_tokens + n) - len(rp.pages)
+            if self._make_room(need):
+                rp.append(n, self.alloc)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req, cache=False)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self.num_preempted += 1
+
+    def _row(self, req: Request, n: int, grown: bool = True) -> RowPlan:
+        start = req.num_computed
+        ids = tuple(req.all_ids[start : start + n])
+        reaches_end = start + n == req.num_tokens
+        if req.return_logits:
+            mode = "all"
+        elif reaches_end and req.params.max_new_tokens > len(req.output_ids):
+            mode = "last"
+        else:
+            mode = "none"
+        p = req.params
+        return RowPlan(
+            rid=req.rid,
+            token_ids=ids,
+            start=start,
+            pages=tuple(self.pages[req.rid].pages),
+            logits=mode,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=req.seed,
+            step=len(req.output_ids),
+            logprobs=p.logprobs,
+        )
+
+    # ---- results ------------------------------------------------------------------------------
+    def update(self, plan: BatchPlan, result: BatchResult) -> list[StepOutput]:
+        by_rid = {r.rid: r for r in result.rows}
+        outs: list[StepOutput] = []
+        live = {r.rid: r for r in self.running}
+        for row in plan.rows:
+            req = live.get(row.rid)
+            if req is None or req.finished:
+                continue  # aborted meanwhile
+            res = by_rid.get(row.rid)
+            req.num_computed = row.end
+            new: tuple[int, ...] = ()
+            lps: tuple[TokenLogprob, ...] = ()
+            if res is not None and res.logits is not None:
+                req.logits.append(res.logits)
+            if res is not None and res.token_id is not None:
+                req.output_ids.append(res.token_id)
+                new = (res.token_id,)
+                if res.logprob is not None:
+                    lps = (TokenLogprob(res.token_id, res.logprob, res.top_logprobs),)
+            self._check_finish(req, new)
+            outs.append(
+                StepOutput(
+                    rid=req.rid,
+                    new_token_ids=new,
+                    finished=req.finished,
+                    finish_reason=req.finish_reason,
+                    prompt_done=min(req.num_computed, len(req.prompt_ids)),
+                    prompt_total=len(req.prompt_ids),
+                    cached_tokens=req.num_cached,
+                    logprobs=lps,
+                )
+            )
+            if req.finished:
+                self._release(req, cache=not req.return_logits)
+        return outs
+
+    def _check_finish(self, req: Request, new: tuple[int, ...]) -> None:
+        p = req.params
+        tok = new[-1] if new else None
+        if tok is not None and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
+            req.finish_reason = FinishReason.STOP
+        elif req.pending > 1 or (req.pending == 1 and not req.output_ids):
+            return  # still prefilling
+        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:
+            req.finish_reason = FinishReason.LENGTH
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Finish a running request from outside (a stop string matched on its text)."""
+        if req.finished:
+            return
+        req.finish_reason = reason
+        self._release(req, cache=True)
+
+    def _release(self, req: Request, cache: bool) -> None:
+        rp = self.pages.pop(req.rid, None)
+        if req in self.running:
+            self.running.remove(req)
+        if rp is None:
+            return
+        if cache and self.cache is not None:
+            n_full = min(req.num_computed, rp.num_tokens) // self.page_size
+            if n_full:
+                self.cache.insert(req.all_ids[: n_full * self.page_size], rp.pages[:n_full])
+                if req.pin_prefix:
+                    self.cache.pin_prefix(req.prompt_ids)
+        rp.release(self.alloc)
+
+    def stats(self) -> dict:
+        s = {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "pages_total": self.alloc.num_pages,
+            "pages_used": self.alloc.num_used,
+            "preempted": self.num_preempted,
+        }
+        if self.cache is not None:
+            s["prefix_cache"] = self.cache.stats()
+        return s
+
+
+__all__ = ["OutOfPages", "QueueFull", "Scheduler"]

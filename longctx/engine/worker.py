@@ -1,0 +1,146 @@
+"""One pipeline stage's compute: its layer range, its KV pool, and a forward over a batch plan.
+
+A `StageWorker` knows nothing about processes: the single-process engine calls it directly and the
+stage processes in `longctx/stages/` wrap it (receiving hidden states from the previous stage,
+sending them to the next).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from longctx.checkpoint.loader import iter_weights
+from longctx.config import ModelConfig
+from longctx.engine.plan import BatchPlan, RowResult
+from longctx.engine.sampling import logprobs_row, sample_row
+from longctx.model.context import ForwardContext, KVCache
+from longctx.model.model import CausalLM
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def build_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    layers: range,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_fp8: bool,
+    weight_filter=None,
+) -> CausalLM:
+    """Build layers [a, b) on the meta device and materialise them from the checkpoint."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, layers)
+    weights = iter_weights(
+        model_dir,
+        cfg,
+        layers=layers,
+        dtype=dtype,
+        keep_fp8=keep_fp8,
+        embed=model.has_embed,
+        head=model.has_head,
+    )
+    if weight_filter is not None:
+        weights = weight_filter(weights)
+    show = sys.stderr.isatty()
+    model.load_weights(
+        tqdm(
+            weights,
+            desc=f"load layers {layers.start}-{layers.stop - 1}",
+            disable=not show,
+            unit="tensor",
+            leave=False,
+        ),
+        device,
+        dtype,
+    )
+    model.finalize(dtype)
+    model.eval()
+    return model
+
+
+class StageWorker:
+    """Runs layers [a, b) of the model over batch plans, against its own KV pool."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        device: torch.device,
+        use_triton: bool,
+        prefill_form: str = "auto",
+        page_size: int = 64,
+    ) -> None:
+        self.model, self.kv, self.device = model, kv, device
+        self.use_triton, self.prefill_form, self.page_size = use_triton, prefill_form, page_size
+        self.is_first, self.is_last = model.has_embed, model.has_head
+        model.set_backend(use_triton)
+
+    def context(self, plan: BatchPlan) -> ForwardContext:
+        dev = self.device
+        positions: list[int] = []
+        q_seq: list[int] = []
+        slots: list[int] = []
+        q_start = [0]
+        ps = self.page_size
+        max_pages = max(len(r.pages) for r in plan.rows)
+        table = torch.full((len(plan.rows), max_pages), -1, dtype=torch.int32)
+        for b, r in enumerate(plan.rows):
+            n = len(r.token_ids)
+            pos = range(r.start, r.start + n)
+            positions.extend(pos)
+            q_seq.extend([b] * n)
+            slots.extend(r.pages[p // ps] * ps + p % ps for p in pos)
+            q_start.append(q_start[-1] + n)
+            table[b, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        seq_lens = [r.end for r in plan.rows]
+        return ForwardContext(
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            q_seq=torch.tensor(q_seq, dtype=torch.int32).to(dev, non_blocking=True),
+            q_start=q_start,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens_cpu=seq_lens,
+            page_table=table.to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            kv=self.kv,
+            use_triton=self.use_triton,
+            prefill_form=self.prefill_form,
+            page_size=ps,
+        )
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 0 takes the plan's token ids; later stages take the previous stage's hidden states."""
+        ctx = self.context(plan)
+        if self.is_first:
+            ids = [t for r in plan.rows for t in r.token_ids]
+            x = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        else:
+            assert hidden is not None
+            x = hidden
+        return self.model(x, ctx)
+
+    @torch.inference_mode()
+    def finish(self, plan: BatchPlan, h: torch.Tensor) -> list[RowResult]:
+        """Last stage: logits for the rows that want them, and sampled tokens."""
+        out: list[RowResult] = []
+        off = 0
+        for r in plan.rows:
+            n = len(r.token_ids)
+            if r.logits == "all":
+                out.append(RowResult(r.rid, logits=self.model.logits(h[off : off + n]).cpu()))
+            elif r.logits == "last":
+                lg = self.model.logits(h[off + n - 1 : off + n])[0]
+                tok = sample_row(lg, r.temperature, r.top_p, r.top_k, r.seed, r.step)
+                res = RowResult(r.rid, token_id=tok)
+                if r.logprobs is not None:
+                    res.logprob, res.top_logprobs = logprobs_row(lg, tok, r.logprobs)
+                out.append(res)
+            else:
+                out.append(RowResult(r.rid))
+            off += n
+        return out

@@ -1,0 +1,90 @@
+"""Device-resident paged KV pools of one stage (the non-HiSparse `KVCache`).
+
+Per layer of the stage one MLA pool [num_pages * page_size, row] and, for full-indexer layers,
+one index-key pool of the same number of rows. Row `page * page_size + offset` holds the token at
+`offset` of page `page`. Layouts (see `longctx.kernels.kv_layout`):
+- kind "fp8":  656 B per token for GLM-5.3 (512 e4m3 latent + 4 fp32 scales + 64 bf16 rope), uint8;
+- kind "bf16": latent + rope in bf16 (1152 B for GLM-5.3);
+- kind "auto": latent + rope in the model dtype (exact parity with the reference on CPU).
+Index keys: "fp8" (128 e4m3 + fp32 scale = 132 B) when the MLA kind is fp8, else the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.config import ModelConfig
+from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, index_row_bytes, mla_row_bytes
+from longctx.model.context import ForwardContext
+
+KV_KINDS = ("auto", "bf16", "fp8")
+
+
+def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
+    """Public `kv_dtype` ("auto" | "bf16" | "fp8_e4m3") -> pool kind."""
+    if kv_dtype == "auto":
+        return "fp8" if device.type == "cuda" else "auto"
+    if kv_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    if kv_dtype == "bf16":
+        return "bf16"
+    raise ValueError(f"kv_dtype must be 'auto', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
+
+
+class PagedKVPool:
+    """All KV of one stage on its device; implements `longctx.model.context.KVCache`."""
+
+    dense_readable = True
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        num_pages: int,
+        kind: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_size: int = 64,
+    ) -> None:
+        if kind not in KV_KINDS:
+            raise ValueError(f"unknown KV kind {kind!r}")
+        self.cfg, self.layers, self.kind = cfg, layers, kind
+        self.index_kind = "fp8" if kind == "fp8" else "auto"
+        self.num_pages, self.page_size = num_pages, page_size
+        self.num_slots = num_pages * page_size
+        L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+        # zero-filled so never-written rows dequantise to finite values
+        self._mla = {i: alloc_mla_pool(self.num_slots, L, R, kind, dtype, device).zero_() for i in layers}
+        self._index = {
+            i: alloc_index_pool(self.num_slots, D, self.index_kind, dtype, device).zero_()
+            for i in layers
+            if cfg.is_full_indexer(i)
+        }
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, layers: range, kind: str, dtype: torch.dtype) -> int:
+        """Device bytes one token costs across `layers` (MLA rows + index keys)."""
+        index_kind = "fp8" if kind == "fp8" else "auto"
+        mla = mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kind, dtype)
+        idx = index_row_bytes(cfg.index_head_dim, index_kind, dtype)
+        n_full = sum(1 for i in layers if cfg.is_full_indexer(i))
+        return len(layers) * mla + n_full * idx
+
+    # ---- KVCache ---------------------------------------------------------------------------
+    def mla_pool(self, layer: int) -> torch.Tensor:
+        return self._mla[layer]
+
+    def attend_pool(self, layer: int) -> torch.Tensor:
+        return self._mla[layer]
+
+    def index_pool(self, layer: int) -> torch.Tensor:
+        return self._index[layer]
+
+    def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return ctx.logical_to_rows(topk)
+
+    def after_write(self, layer: int, ctx: ForwardContext) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._mla.values(), *self._index.values()))

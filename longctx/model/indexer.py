@@ -1,0 +1,63 @@
+"""DSA lightning indexer: picks the top-k earlier tokens each query attends to.
+
+score[q, t] = sum_h w[q, h] * relu(q_h . k_t) * index_head_dim^-0.5,  w = weights_proj(x) * H^-0.5
+over every earlier token t <= pos(q) of the same request, then top-`index_topk`. Keys live in the
+stage's paged index pool (fp8 "132" layout or the model dtype); only "full" layers own an indexer,
+"shared" layers reuse the previous full layer's selection (IndexShare).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from longctx.config import ModelConfig
+from longctx.model.context import ForwardContext
+from longctx.model.linear import Linear
+from longctx.model.ops import op
+from longctx.model.rope import apply_rope_half, apply_rope_interleaved
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.interleaved = cfg.model_type == "glm_moe_dsa"
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(cfg.hidden_size, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # kept in fp32 like the reference (`_keep_in_fp32_modules`)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=torch.float32)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        fn = apply_rope_interleaved if self.interleaved else apply_rope_half
+        return torch.cat([fn(rot, cos, sin), rest], dim=-1)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] (after input norm), q_resid [T, q_lora] -> top-k positions [T, K] int32 (-1 pad)."""
+        assert ctx.cos_sin is not None
+        cos, sin = ctx.cos_sin
+        T = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
+        kv = ctx.kv
+        op("kv_layout", "write_index_k", ctx.use_triton)(
+            kv.index_pool(self.layer), ctx.slot_mapping, k, kv.index_kind
+        )
+        w = self.weights_proj(x.to(torch.float32)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        logits = op("indexer", "indexer_logits_paged", ctx.use_triton)(
+            q,
+            w,
+            kv.index_pool(self.layer),
+            ctx.page_table,
+            ctx.seq_lens,
+            ctx.q_seq,
+            ctx.positions,
+            kv.index_kind,
+        )  # [T, max_len] fp32, -inf where not causal
+        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.positions + 1)

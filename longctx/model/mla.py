@@ -1,0 +1,128 @@
+"""Multi-head latent attention (MLA) with DSA sparse selection.
+
+Per token the cache holds only the latent `c` (kv_lora_rank) and the rotated rope key `r`
+(qk_rope_head_dim). Two equivalent ways to attend over the selected tokens:
+- expanded (prefill): K_nope, V = kv_b_proj(c) per head, score = q_nope.K_nope + q_rope.r;
+- absorbed (decode): fold W_UK into the query and W_UV into the output, so the score is
+  (q_nope W_UK) . c + q_rope . r in the 512-d latent space and the output is (p @ c) W_UV.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from longctx.config import ModelConfig
+from longctx.model.context import ForwardContext
+from longctx.model.indexer import Indexer
+from longctx.model.linear import Linear
+from longctx.model.norm import RMSNorm
+from longctx.model.ops import op
+from longctx.model.rope import apply_rope_interleaved
+
+# Below this many (query x key) pairs per head a prefill row attends in the expanded form.
+EXPANDED_MAX_PAIRS = 1 << 22
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
+        self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size)
+        self.indexer = Indexer(cfg, layer) if cfg.is_full_indexer(layer) else None
+        self.w_uk: torch.Tensor | None = None  # [H, nope, L]
+        self.w_uv: torch.Tensor | None = None  # [H, v, L]
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        """Split kv_b_proj into the absorbed W_UK / W_UV once the weights are loaded."""
+        w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        self.w_uk = w[:, : self.nope].contiguous()
+        self.w_uv = w[:, self.nope :].contiguous()
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] (after input norm) -> [T, hidden]; sets ctx.prev_topk on full layers."""
+        assert ctx.cos_sin is not None
+        T = x.shape[0]
+        cos, sin = ctx.cos_sin
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = q[..., : self.nope], apply_rope_interleaved(q[..., self.nope :], cos, sin)
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(ckv[:, : self.kv_lora])
+        r = apply_rope_interleaved(ckv[:, self.kv_lora :], cos, sin)
+        kv = ctx.kv
+        op("kv_layout", "write_mla_kv", ctx.use_triton)(
+            kv.mla_pool(self.layer), ctx.slot_mapping, c, r, kv.kind
+        )
+        kv.after_write(self.layer, ctx)
+
+        if self.indexer is not None:
+            ctx.prev_topk = self.indexer(x, q_resid, ctx)
+        topk = ctx.prev_topk
+        if topk is None:
+            raise RuntimeError(f"layer {self.layer} shares top-k but no earlier full indexer layer ran")
+
+        out = x.new_empty(T, self.n_heads, self.v_dim)
+        absorbed_rows = []
+        for b in range(ctx.num_rows):
+            s, e = ctx.q_start[b], ctx.q_start[b + 1]
+            n_q, n_k = e - s, ctx.seq_lens_cpu[b]
+            form = ctx.prefill_form if kv.dense_readable else "absorbed"
+            if form == "auto":
+                form = "expanded" if (n_q > 1 and n_q * n_k <= EXPANDED_MAX_PAIRS) else "absorbed"
+            if form == "expanded" and n_q > 1:
+                out[s:e] = self._expanded(q_nope[s:e], q_rope[s:e], topk[s:e], b, ctx)
+            else:
+                absorbed_rows.append((s, e))
+        if absorbed_rows:
+            idx = torch.cat([torch.arange(s, e, device=x.device) for s, e in absorbed_rows])
+            rows = kv.resolve(self.layer, topk, ctx)
+            if idx.numel() != T:
+                rows = rows[idx]
+            out[idx] = self._absorbed(q_nope[idx], q_rope[idx], rows, ctx)
+        return self.o_proj(out.reshape(T, self.n_heads * self.v_dim))
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        assert self.w_uk is not None and self.w_uv is not None
+        q_lat = torch.einsum("thd,hdl->thl", q_nope, self.w_uk)  # [t, H, L]
+        o_lat = op("sparse_mla", "sparse_mla", ctx.use_triton)(
+            q_lat, q_rope, ctx.kv.attend_pool(self.layer), rows, self.scale, ctx.kv.kind
+        )  # [t, H, L]
+        return torch.einsum("thl,hvl->thv", o_lat.to(q_nope.dtype), self.w_uv)
+
+    def _expanded(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, topk: torch.Tensor, b: int, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Dense-masked attention of one prefill row over all its keys (the reference's form)."""
+        n_k = ctx.seq_lens_cpu[b]
+        pos = torch.arange(n_k, device=q_nope.device)
+        slots = ctx.page_table[b].long()[pos // ctx.page_size] * ctx.page_size + pos % ctx.page_size
+        c, r = op("kv_layout", "read_mla_kv", False)(
+            ctx.kv.mla_pool(self.layer), slots, ctx.kv.kind, q_nope.dtype, self.kv_lora
+        )
+        kvb = self.kv_b_proj(c).view(n_k, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kvb[..., : self.nope], kvb[..., self.nope :]
+        scores = torch.einsum("thd,shd->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_rope, r)
+        scores = scores * self.scale
+        n_q = q_nope.shape[0]
+        allowed = torch.zeros(n_q, n_k + 1, dtype=torch.bool, device=q_nope.device)
+        allowed.scatter_(1, torch.where(topk >= 0, topk.long(), n_k), True)  # -1 pads land in column n_k
+        q_pos = ctx.positions[ctx.q_start[b] : ctx.q_start[b + 1]]
+        allowed = allowed[:, :n_k] & (pos[None, :] <= q_pos[:, None])
+        scores = scores.masked_fill(~allowed[None], torch.finfo(scores.dtype).min)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        return torch.einsum("hts,shv->thv", p, v)

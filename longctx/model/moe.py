@@ -1,0 +1,89 @@
+"""Dense MLP and the MoE block (noaux_tc sigmoid router + routed experts + shared experts)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longctx.config import ModelConfig
+from longctx.model.linear import Linear
+from longctx.model.ops import op
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores + correction bias for the choice, group-limited top-k, scaled weights."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor, use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (topk_ids int64 [T, k], topk_w fp32 [T, k])."""
+        c = self.cfg
+        return op("moe", "moe_router", use_triton)(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+
+
+class Experts(nn.Module):
+    """Routed experts stacked as transformers packs them: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
+        self.gate_up_scale: torch.Tensor | None = None  # fp8 block scales [E, 2I/128, H/128]
+        self.down_scale: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, use_triton: bool) -> torch.Tensor:
+        return op("moe", "moe_experts", use_triton)(
+            x, ids, w, self.gate_up_proj, self.down_proj, "silu", self.gate_up_scale, self.down_scale
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
+        self.use_triton = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x, self.use_triton)
+        y = self.experts(x, w, ids, self.use_triton)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,53 @@
+"""Shared test fixtures: tiny random checkpoints made on the fly."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+# Kernels run under the Triton interpreter on CPU; set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_config(**overrides):
+    """configs/tiny.json with overrides (indexer_types / mlp_layer_types follow num_hidden_layers)."""
+    from pathlib import Path
+
+    from longctx.config import ModelConfig
+
+    cfg = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "configs" / "tiny.json")
+    n = overrides.get("num_hidden_layers", cfg.num_hidden_layers)
+    if "indexer_types" not in overrides and n != cfg.num_hidden_layers:
+        overrides["indexer_types"] = tuple(("full", "shared")[i % 2] if i else "full" for i in range(n))
+    if "mlp_layer_types" not in overrides and n != cfg.num_hidden_layers:
+        overrides["mlp_layer_types"] = ("dense",) + ("sparse",) * (n - 1)
+    for k in ("indexer_types", "mlp_layer_types"):
+        if k in overrides:
+            overrides[k] = tuple(overrides[k])
+    return dataclasses.replace(cfg, **overrides)
+
+
+def make_checkpoint(path, cfg, seed: int = 0, fp8: bool = False, dtype: str = "float32"):
+    from longctx.checkpoint.init_random import init_random_checkpoint
+
+    return init_random_checkpoint(cfg, path, seed=seed, dtype=dtype, fp8=fp8, std=0.08)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The default tiny model (configs/tiny.json), seed 0."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config())
+
+
+def hf_model(model_dir, dtype=torch.float32):
+    """transformers' reference model for a checkpoint directory (eager attention)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="eager"
+    )
+    return model.eval()
