@@ -1,0 +1,363 @@
+"""GPU benchmarks of sparse MLA decode, MoE experts and FP8 block GEMMs at GLM-5.3 shapes.
+
+Each bench first checks the Triton kernel against its torch reference on the GPU, then times it with
+`triton.testing.do_bench` (which flushes L2 between repetitions) and reports achieved bytes/s and FLOP/s
+against the roofline max(bytes / HBM rate, flops / GEMM peak) for ceilings passed in (or measured here:
+`measure_copy_bw`, `measure_gemm_peak`). Run: `python bench/kernels_mla_moe.py [--out DIR] [--quick]`;
+writes kernels_mla_moe.json and kernels_mla_moe.md to DIR (default bench/results). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# GLM-5.3 linear shapes (out N, in K) used on the GPU path with FP8 checkpoints.
+GLM53_LINEARS: dict[str, tuple[int, int]] = {
+    "q_a_proj": (2048, 6144),
+    "q_b_proj": (64 * (192 + 64), 2048),
+    "kv_a_proj_with_mqa": (512 + 64, 6144),
+    "o_proj": (6144, 64 * 256),
+    "shared_gate_up": (2 * 2048, 6144),
+    "shared_down": (6144, 2048),
+    "dense_gate_up": (2 * 12288, 6144),
+    "indexer_wq_b": (32 * 128, 2048),
+}
+DEVICE = "cuda"  # a module global only so the bench logic can be smoke-tested on CPU with tiny shapes
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median seconds per call (L2 flushed between calls by triton's do_bench; CUDA events otherwise)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) / 1e3
+    except ImportError:  # pragma: no cover
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[len(times) // 2]
+
+
+def measure_copy_bw(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting read + write (DESIGN.md's 'HBM copy' ceiling)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src))
+    return 2 * src.numel() / t
+
+
+def measure_gemm_peak(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
+    """Dense GEMM FLOP/s at n x n x n: bf16 via torch.mm, fp8 (e4m3) via torch._scaled_mm (per-tensor scales)."""
+    a = torch.randn(n, n, device=DEVICE)
+    b = torch.randn(n, n, device=DEVICE)
+    if dtype == torch.float8_e4m3fn:
+        a8, b8 = a.to(dtype), b.to(dtype).t()  # _scaled_mm wants the second operand column-major
+        one = torch.ones((), device=DEVICE)
+        fn = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        a, b = a.to(dtype), b.to(dtype)
+        fn = lambda: torch.mm(a, b)  # noqa: E731
+    return 2 * n**3 / time_fn(fn)
+
+
+def _roofline(
+    nbytes: float, flops: float, secs: float, hbm_bps: float, peak_flops: float
+) -> dict[str, float]:
+    roof = max(nbytes / hbm_bps, flops / peak_flops)
+    return {
+        "time_us": secs * 1e6,
+        "bytes": nbytes,
+        "flops": flops,
+        "achieved_GBps": nbytes / secs / 1e9,
+        "achieved_TFLOPs": flops / secs / 1e12,
+        "roofline_us": roof * 1e6,
+        "x_roofline": secs / roof,
+    }
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+def _ceilings(hbm_bps: float | None, peak_flops: float | None, dtype: torch.dtype) -> tuple[float, float]:
+    return hbm_bps or measure_copy_bw(), peak_flops or measure_gemm_peak(dtype)
+
+
+def _call_mla(fn: Callable[..., Any], *args: Any) -> Any:
+    *tensors, cfg = args
+    return fn(*tensors, backend="triton", **cfg)
+
+
+def _call_moe(fn: Callable[..., Any], *args: Any) -> Any:
+    x, ids, w, w_gu, w_d, s_gu, s_d, tiles = args
+    return fn(x, ids, w, w_gu, w_d, "silu", s_gu, s_d, backend="triton", tiles=tiles)
+
+
+def _best(run: Callable[[Any], Any], configs: Iterable[Any]) -> tuple[Any, float, dict[str, float]]:
+    """Time run(config) for every config (skipping ones that fail to compile); returns
+    (best config, its seconds, {str(config): seconds})."""
+    times: dict[str, float] = {}
+    best, best_t = None, math.inf
+    for cfg in configs:
+        try:
+            t = time_fn(partial(run, cfg))
+        except Exception as exc:  # an over-sized tile (out of shared memory) is just skipped
+            print(f"  config {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+            continue
+        times[str(cfg)] = t
+        if t < best_t:
+            best, best_t = cfg, t
+    return best, best_t, times
+
+
+# ---------------------------------------------------------------------------------------------- MLA
+def bench_sparse_mla_decode(
+    batches: Iterable[int] = (1, 8, 64),
+    topk: int = 2048,
+    heads: int = 64,
+    L: int = 512,
+    R: int = 64,
+    kind: str = "fp8_e4m3",
+    pool_tokens: int = 1 << 20,
+    hbm_bps: float | None = None,
+    peak_flops: float | None = None,
+    sweep: bool = True,
+) -> list[dict[str, Any]]:
+    """Decode: `batch` queries x `heads` heads, each over its own top-k rows of a `pool_tokens` pool."""
+    from longctx.kernels.kv_layout import alloc_mla_pool, mla_row_bytes, write_mla_kv
+    from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
+
+    hbm_bps, peak_flops = _ceilings(hbm_bps, peak_flops, torch.bfloat16)
+    dev = torch.device(DEVICE)
+    pool = alloc_mla_pool(pool_tokens, L, R, kind, torch.bfloat16, dev)
+    for s0 in range(0, pool_tokens, 1 << 16):
+        n = min(1 << 16, pool_tokens - s0)
+        slots = torch.arange(s0, s0 + n, device=dev)
+        write_mla_kv(pool, slots, torch.randn(n, L, device=dev), torch.randn(n, R, device=dev), kind)
+    row_bytes = mla_row_bytes(L, R, kind, torch.bfloat16)
+    scale = (192 + 64) ** -0.5
+    results = []
+    for b in batches:
+        ql = torch.randn(b, heads, L, device=dev, dtype=torch.bfloat16)
+        qr = torch.randn(b, heads, R, device=dev, dtype=torch.bfloat16)
+        idx = torch.randint(0, pool_tokens, (b, topk), device=dev, dtype=torch.int32)
+        out = sparse_mla(ql, qr, pool, idx, scale, kind, backend="triton")
+        err = _err(out, sparse_mla_ref(ql, qr, pool, idx, scale, kind))
+        configs: list[dict[str, Any]] = [{}]
+        if sweep:
+            configs += [
+                {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": st}
+                for bh in (16, 32, 64)
+                for bn in (32, 64)
+                for w in (4, 8)
+                for st in (1, 2)
+                if not (bh == 64 and bn == 64)
+            ]
+            configs += [{"num_splits": sp} for sp in (1, 2, 4, 8, 16, 32, 64)]
+            configs += [{"scale_gather": True}]
+        best, t, times = _best(partial(_call_mla, sparse_mla, ql, qr, pool, idx, scale, kind), configs)
+        nbytes = b * topk * (row_bytes + 4) + b * heads * (L + R) * 2 + b * heads * L * 2
+        flops = 2.0 * b * heads * topk * (2 * L + R)
+        res = {
+            "bench": "sparse_mla_decode",
+            "batch": b,
+            "topk": topk,
+            "heads": heads,
+            "L": L,
+            "R": R,
+            "kind": kind,
+        }
+        res |= {
+            "rel_err": err,
+            "ok": err < 2e-2,
+            "config": best,
+            "default_us": times.get("{}", math.nan) * 1e6,
+        }
+        res |= _roofline(nbytes, flops, t, hbm_bps, peak_flops)
+        results.append(res)
+        print(_line(res))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+def bench_moe(
+    batches: Iterable[int] = (1, 8, 64),
+    hidden: int = 6144,
+    experts: int = 256,
+    topk: int = 8,
+    inter: int = 2048,
+    fp8: bool = True,
+    hbm_bps: float | None = None,
+    peak_flops: float | None = None,
+    sweep: bool = True,
+) -> list[dict[str, Any]]:
+    """Routed experts at GLM-5.3 shapes (fp8 128x128 block weights by default), uniform random routing."""
+    from longctx.kernels.fp8_gemm import cdiv
+    from longctx.kernels.moe import moe_experts, moe_experts_ref
+
+    hbm_bps, peak_flops = _ceilings(hbm_bps, peak_flops, torch.bfloat16)
+    dev = torch.device(DEVICE)
+    wdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    # Random weights with scales ~ 1/sqrt(K), made on the device expert by expert (fp32 temporaries stay small).
+    w_gu = torch.empty(experts, 2 * inter, hidden, dtype=wdt, device=dev)
+    w_d = torch.empty(experts, hidden, inter, dtype=wdt, device=dev)
+    for e in range(experts):
+        w_gu[e] = torch.randn(2 * inter, hidden, device=dev).clamp(-8, 8).to(wdt)
+        w_d[e] = torch.randn(hidden, inter, device=dev).clamp(-8, 8).to(wdt)
+    s_gu = s_d = None
+    if fp8:
+        s_gu = torch.full((experts, cdiv(2 * inter, 128), cdiv(hidden, 128)), hidden**-0.5, device=dev)
+        s_d = torch.full((experts, cdiv(hidden, 128), cdiv(inter, 128)), inter**-0.5, device=dev)
+    per_expert_bytes = 3 * inter * hidden * wdt.itemsize
+    results = []
+    for b in batches:
+        x = torch.randn(b, hidden, device=dev, dtype=torch.bfloat16)
+        ids = torch.rand(b, experts, device=dev).topk(topk, dim=-1).indices
+        w = torch.rand(b, topk, device=dev)
+        y = moe_experts(x, ids, w, w_gu, w_d, "silu", s_gu, s_d, backend="triton")
+        err = _err(y, moe_experts_ref(x, ids, w, w_gu, w_d, "silu", s_gu, s_d))
+        configs: list[Any] = [None]
+        if sweep:
+            configs += [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 32, 128, 4, 5), (32, 64, 128, 4, 4)]
+            configs += [(64, 128, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3)]
+        best, t, times = _best(partial(_call_moe, moe_experts, x, ids, w, w_gu, w_d, s_gu, s_d), configs)
+        hit = int(torch.unique(ids).numel())
+        p = b * topk
+        nbytes = hit * per_expert_bytes + b * hidden * 2 * 2 + p * inter * 2 * 2 + p * hidden * 2 * 2
+        flops = 2.0 * p * 3 * inter * hidden
+        res = {"bench": "moe", "batch": b, "hidden": hidden, "experts": experts, "topk": topk, "inter": inter}
+        res |= {"fp8": fp8, "experts_hit": hit, "rel_err": err, "ok": err < 3e-2, "config": best}
+        res |= {"default_us": times.get("None", math.nan) * 1e6}
+        res |= _roofline(nbytes, flops, t, hbm_bps, peak_flops)
+        results.append(res)
+        print(_line(res))
+    return results
+
+
+# ----------------------------------------------------------------------------------------- FP8 GEMM
+def bench_fp8_gemm(
+    shapes: dict[str, tuple[int, int]] | None = None,
+    batches: Iterable[int] = (1, 8, 64, 4096),
+    quantize_act: Iterable[bool] = (False, True),
+    hbm_bps: float | None = None,
+    bf16_flops: float | None = None,
+    fp8_flops: float | None = None,
+) -> list[dict[str, Any]]:
+    """fp8_block_linear at GLM-5.3 linear shapes; also times torch bf16 matmul on the dequantised weight."""
+    from longctx.kernels.fp8_gemm import dequant_block_fp8_ref, fp8_block_linear, fp8_block_linear_ref
+
+    hbm_bps = hbm_bps or measure_copy_bw()
+    bf16_flops = bf16_flops or measure_gemm_peak(torch.bfloat16)
+    fp8_flops = fp8_flops or measure_gemm_peak(torch.float8_e4m3fn)
+    dev = torch.device(DEVICE)
+    results = []
+    for name, (n, k) in (shapes or GLM53_LINEARS).items():
+        w = torch.randn(n, k, device=dev).clamp(-8, 8).to(torch.float8_e4m3fn)
+        s = torch.full((-(-n // 128), -(-k // 128)), k**-0.5, device=dev)
+        w_bf16 = dequant_block_fp8_ref(w, s).to(torch.bfloat16)
+        for t in batches:
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            t_torch = time_fn(lambda: x @ w_bf16.T)  # noqa: B023
+            for qa in quantize_act:
+                err = _err(
+                    fp8_block_linear(x, w, s, quantize_act=qa, backend="triton"),
+                    fp8_block_linear_ref(x, w, s, quantize_act=qa),
+                )
+                secs = time_fn(lambda: fp8_block_linear(x, w, s, quantize_act=qa, backend="triton"))  # noqa: B023
+                nbytes = n * k + s.numel() * 4 + t * k * 2 + t * n * 2
+                flops = 2.0 * t * n * k
+                res = {"bench": "fp8_gemm", "layer": name, "T": t, "N": n, "K": k, "quantize_act": qa}
+                res |= {"rel_err": err, "ok": err < 2e-2, "torch_bf16_dequant_us": t_torch * 1e6}
+                res |= _roofline(nbytes, flops, secs, hbm_bps, fp8_flops if qa else bf16_flops)
+                results.append(res)
+                print(_line(res))
+    return results
+
+
+# --------------------------------------------------------------------------------------------- main
+_COLS = ("time_us", "roofline_us", "x_roofline", "achieved_GBps", "achieved_TFLOPs", "rel_err")
+
+
+def _line(res: dict[str, Any]) -> str:
+    keys = [k for k in ("bench", "layer", "batch", "T", "quantize_act", "config") if k in res]
+    head = " ".join(f"{k}={res[k]}" for k in keys)
+    return head + " | " + " ".join(f"{c}={res[c]:.4g}" for c in _COLS)
+
+
+def _markdown(results: list[dict[str, Any]], ceilings: dict[str, float]) -> str:
+    lines = [
+        "# kernels_mla_moe",
+        "",
+        "Ceilings measured in the same run: " + ", ".join(f"{k}={v:.4g}" for k, v in ceilings.items()),
+        "",
+    ]
+    lines += ["| bench | case | " + " | ".join(_COLS) + " | ok |", "|" + "---|" * (len(_COLS) + 3)]
+    for r in results:
+        case = ", ".join(f"{k}={r[k]}" for k in ("layer", "batch", "T", "quantize_act", "config") if k in r)
+        lines.append(
+            f"| {r['bench']} | {case} | " + " | ".join(f"{r[c]:.4g}" for c in _COLS) + f" | {r['ok']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--quick", action="store_true", help="no tile sweeps, fewer GEMM shapes")
+    ap.add_argument(
+        "--hbm-bps", type=float, default=None, help="HBM copy ceiling (bytes/s); measured if absent"
+    )
+    ap.add_argument("--bf16-flops", type=float, default=None)
+    ap.add_argument("--fp8-flops", type=float, default=None)
+    args = ap.parse_args(argv)
+    if not _cuda():
+        print("kernels_mla_moe: CUDA is needed for these benchmarks (the CPU tests cover correctness).")
+        return 0
+    t0 = time.time()
+    ceil = {
+        "hbm_copy_Bps": args.hbm_bps or measure_copy_bw(),
+        "bf16_gemm_flops": args.bf16_flops or measure_gemm_peak(torch.bfloat16),
+        "fp8_gemm_flops": args.fp8_flops or measure_gemm_peak(torch.float8_e4m3fn),
+    }
+    print("ceilings:", {k: f"{v:.4g}" for k, v in ceil.items()})
+    hbm, bf16, fp8 = ceil["hbm_copy_Bps"], ceil["bf16_gemm_flops"], ceil["fp8_gemm_flops"]
+    results = bench_sparse_mla_decode(hbm_bps=hbm, peak_flops=bf16, sweep=not args.quick)
+    results += bench_moe(hbm_bps=hbm, peak_flops=bf16, sweep=not args.quick)
+    shapes = {k: GLM53_LINEARS[k] for k in ("q_a_proj", "o_proj")} if args.quick else None
+    results += bench_fp8_gemm(shapes=shapes, hbm_bps=hbm, bf16_flops=bf16, fp8_flops=fp8)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "ceilings": ceil,
+        "results": results,
+        "wall_s": time.time() - t0,
+    }
+    (args.out / "kernels_mla_moe.json").write_text(json.dumps(payload, indent=1, default=str))
+    (args.out / "kernels_mla_moe.md").write_text(_markdown(results, ceil))
+    print(f"wrote {args.out / 'kernels_mla_moe.json'} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

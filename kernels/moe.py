@@ -1,0 +1,332 @@
+"""Routed experts (grouped GEMMs) and the noaux_tc router of GLM-5 / DeepSeek-V3.
+
+Expert weights, packed as transformers' `GlmMoeDsaExperts`:
+  w_gate_up [E, 2I, Hd]: rows [0, I) = gate_proj, rows [I, 2I) = up_proj; row-major per expert.
+  w_down    [E, Hd, I].
+  Either float (bf16/fp16/fp32) or float8_e4m3fn with 128x128 block scales of the packed matrices:
+  w_gate_up_scale [E, ceil(2I/128), ceil(Hd/128)] fp32, w_down_scale [E, ceil(Hd/128), ceil(I/128)] fp32,
+  dequant(w)[e, n, k] = w[e, n, k] * scale[e, n//128, k//128]. (When I % 128 == 0, as in GLM-5.3, stacking
+  the checkpoint's separate gate/up scales gives exactly this; otherwise the loader must re-block.)
+y[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j]. Ids outside [0, E)
+contribute nothing (lets expert parallelism mark non-local experts with -1).
+
+Triton path:
+  1. `moe_align` (torch, no host sync): sort the T*k (token, slot) pairs by expert and pad each expert's run to
+     a multiple of BLOCK_M; every M block then belongs to one expert (`block_expert`, -1 = unused block).
+     The block count is bounded by cdiv(T*k, BLOCK_M) + min(E, T*k), so decode at batch 1 launches
+     ~k blocks, not E.
+  2. `_gate_up_kernel`: per (M block, N tile of I) both the gate and up tiles are accumulated and
+     silu(gate) * up is written to a per-pair intermediate [T*k, I] (x's dtype).
+  3. `_down_kernel`: per (M block, N tile of Hd) intermediate @ w_down.T, times the routing weight, written
+     to a per-pair buffer [T*k, Hd]; y = its sum over the k slots (deterministic, no atomics).
+fp8 weights are dequantised in-kernel: the raw e4m3 tile goes to tl.dot (exact in bf16) and the block scale
+multiplies the [BM, BN] partial product of each 128-wide K block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import check, jit, tl, triton_interpret, use_triton
+from .fp8_gemm import cdiv, dequant_block_fp8_ref, mma
+
+
+# ---------------------------------------------------------------------------------------------- router
+def moe_router_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing exactly as transformers' `GlmMoeDsaTopkRouter.forward`.
+
+    hidden [T, Hd] (any float dtype), weight [E, Hd], bias [E] -> (topk_ids int64 [T, k], topk_w fp32 [T, k]).
+    The k slots are unordered (torch.topk(sorted=False)); ties may break differently on CPU and GPU.
+    """
+    check(hidden.dim() == 2 and weight.dim() == 2, "moe_router: hidden [T, Hd] and weight [E, Hd] expected")
+    e = weight.shape[0]
+    check(
+        e % n_group == 0 and topk_group <= n_group, f"moe_router: E={e} not divisible into {n_group} groups"
+    )
+    logits = F.linear(hidden.float(), weight.float())
+    scores = logits.sigmoid()
+    choice = scores + e_score_correction_bias.float()
+    group_scores = choice.view(-1, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(-1, e)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    topk_w = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids, topk_w * routed_scaling_factor
+
+
+# A fused Triton router does not pay: the [T, E] logits GEMM is tiny next to the experts and the grouped
+# top-k is a handful of small torch ops (no host sync), so the GPU path uses the reference as is.
+moe_router = moe_router_ref
+
+
+# ---------------------------------------------------------------------------------------------- experts
+def _check_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    w_gate_up_scale: torch.Tensor | None,
+    w_down_scale: torch.Tensor | None,
+) -> tuple[int, int, int, int, int, bool]:
+    check(act == "silu", f"moe_experts: only act='silu' is supported, got {act!r}")
+    check(x.dim() == 2 and x.is_floating_point(), "moe_experts: x must be a float [T, Hd]")
+    t, hd = x.shape
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == t, "moe_experts: topk_ids must be [T, k]")
+    check(tuple(topk_w.shape) == tuple(topk_ids.shape), "moe_experts: topk_w must match topk_ids")
+    check(not topk_ids.is_floating_point(), "moe_experts: topk_ids must be integer")
+    check(
+        w_gate_up.dim() == 3 and w_down.dim() == 3, "moe_experts: weights must be [E, 2I, Hd] and [E, Hd, I]"
+    )
+    e, two_i, hd_w = w_gate_up.shape
+    inter = two_i // 2
+    check(hd_w == hd and two_i % 2 == 0, f"moe_experts: w_gate_up {tuple(w_gate_up.shape)} vs Hd={hd}")
+    check(tuple(w_down.shape) == (e, hd, inter), f"moe_experts: w_down must be [{e}, {hd}, {inter}]")
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    check(w_down.dtype == w_gate_up.dtype, "moe_experts: w_gate_up and w_down dtypes differ")
+    if fp8:
+        for name, s, n, k in (
+            ("w_gate_up_scale", w_gate_up_scale, two_i, hd),
+            ("w_down_scale", w_down_scale, hd, inter),
+        ):
+            want = (e, cdiv(n, 128), cdiv(k, 128))
+            check(
+                s is not None and tuple(s.shape) == want and s.dtype == torch.float32,
+                f"moe_experts: fp8 weights need {name} fp32 {want}",
+            )
+    return t, hd, e, inter, topk_ids.shape[1], fp8
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str = "silu",
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: loop over the hit experts like transformers' `GlmMoeDsaExperts` (computes in x's dtype;
+    fp8 weights are dequantised to fp32 and then cast to x's dtype). Returns y [T, Hd] in x's dtype."""
+    _, _, e, _, _, fp8 = _check_experts(
+        x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale
+    )
+    y = torch.zeros_like(x)
+    ids = topk_ids.long()
+    for ex in torch.unique(ids[(ids >= 0) & (ids < e)]).tolist():
+        tok, slot = torch.where(ids == ex)
+        wg, wd = w_gate_up[ex], w_down[ex]
+        if fp8:
+            wg = dequant_block_fp8_ref(wg, w_gate_up_scale[ex])  # type: ignore[index]
+            wd = dequant_block_fp8_ref(wd, w_down_scale[ex])  # type: ignore[index]
+        gate, up = F.linear(x[tok], wg.to(x.dtype)).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, wd.to(x.dtype)) * topk_w[tok, slot, None]
+        y.index_add_(0, tok, h.to(x.dtype))
+    return y
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert into BLOCK_M-padded runs, on the device with no host sync.
+
+    topk_ids [T, k] -> (sorted_pairs int32 [NB * block_m], block_expert int32 [NB]) with
+    NB = cdiv(T*k, block_m) + min(E, T*k). sorted_pairs holds pair ids p = t*k + j (T*k = padding);
+    block b covers sorted_pairs[b*block_m : (b+1)*block_m], all of expert block_expert[b] (-1 = unused).
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    p = flat.numel()
+    e = num_experts
+    ok = (flat >= 0) & (flat < e)
+    bucket = torch.where(ok, flat, e)  # bucket E collects ids to ignore
+    counts = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
+    blocks = (counts + block_m - 1) // block_m
+    blocks[e] = 0
+    block_end = torch.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(bucket, stable=True)  # pair ids grouped by expert
+    b_sorted = bucket[order]
+    dest = block_start[b_sorted] * block_m + (torch.arange(p, device=dev) - count_start[b_sorted])
+    nb = cdiv(p, block_m) + min(e, p)
+    dest = torch.where(b_sorted < e, dest, nb * block_m)  # ignored pairs land in a dropped slot
+    sorted_pairs = torch.full((nb * block_m + 1,), p, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_expert = torch.searchsorted(block_end[:e], torch.arange(nb, device=dev), right=True)
+    block_expert = torch.where(block_expert < e, block_expert, -1).to(torch.int32)
+    return sorted_pairs[: nb * block_m], block_expert
+
+
+@jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, ws_ptr, pairs_ptr, bexp_ptr, h_ptr,
+    P, HD, I, TOPK,
+    s_xt, s_we, s_wn, s_wse, s_wsn, s_ht,
+    FP8: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ex = tl.load(bexp_ptr + pid_m)
+    if ex >= 0:
+        pair = tl.load(pairs_ptr + pid_m * BM + tl.arange(0, BM))
+        mask_m = pair < P
+        tok = (pair // TOPK).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < I
+        wg_ptr = w_ptr + ex.to(tl.int64) * s_we + offs_n[:, None].to(tl.int64) * s_wn  # gate rows
+        wu_ptr = wg_ptr + I * s_wn  # up rows: the second half of the packed matrix
+        sg_ptr = ws_ptr + ex.to(tl.int64) * s_wse + (offs_n // 128) * s_wsn
+        su_ptr = ws_ptr + ex.to(tl.int64) * s_wse + ((offs_n + I) // 128) * s_wsn
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, HD, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mask_k = offs_k < HD
+            a = tl.load(
+                x_ptr + tok[:, None] * s_xt + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            wmask = mask_n[:, None] & mask_k[None, :]
+            wg = tl.load(wg_ptr + offs_k[None, :], mask=wmask, other=0.0).to(a.dtype)  # [BN, BK]
+            wu = tl.load(wu_ptr + offs_k[None, :], mask=wmask, other=0.0).to(a.dtype)
+            if FP8:
+                acc_g += (
+                    mma(a, tl.trans(wg), F32) * tl.load(sg_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
+                )
+                acc_u += (
+                    mma(a, tl.trans(wu), F32) * tl.load(su_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
+                )
+            else:
+                acc_g += mma(a, tl.trans(wg), F32)
+                acc_u += mma(a, tl.trans(wu), F32)
+        hval = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(
+            h_ptr + pair[:, None].to(tl.int64) * s_ht + offs_n[None, :],
+            hval.to(h_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
+
+
+@jit
+def _down_kernel(
+    h_ptr, w_ptr, ws_ptr, pairs_ptr, bexp_ptr, tw_ptr, o_ptr,
+    P, HD, I,
+    s_ht, s_we, s_wn, s_wse, s_wsn, s_ot,
+    FP8: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ex = tl.load(bexp_ptr + pid_m)
+    if ex >= 0:
+        pair = tl.load(pairs_ptr + pid_m * BM + tl.arange(0, BM))
+        mask_m = pair < P
+        pair64 = pair.to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < HD
+        wd_ptr = w_ptr + ex.to(tl.int64) * s_we + offs_n[:, None].to(tl.int64) * s_wn
+        sd_ptr = ws_ptr + ex.to(tl.int64) * s_wse + (offs_n // 128) * s_wsn
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mask_k = offs_k < I
+            a = tl.load(
+                h_ptr + pair64[:, None] * s_ht + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            w = tl.load(wd_ptr + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(
+                a.dtype
+            )
+            if FP8:
+                acc += mma(a, tl.trans(w), F32) * tl.load(sd_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
+            else:
+                acc += mma(a, tl.trans(w), F32)
+        rw = tl.load(tw_ptr + pair64, mask=mask_m, other=0.0)
+        acc = acc * rw[:, None]
+        tl.store(
+            o_ptr + pair64[:, None] * s_ot + offs_n[None, :],
+            acc.to(o_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
+
+
+def _pick_moe_tiles(t: int, k: int, e: int) -> tuple[int, int, int, int, int]:
+    # Tokens per expert ~ T*k/E decides BLOCK_M: decode (a few tokens per expert) is a weight stream.
+    per_expert = t * k / max(1, e)
+    if per_expert <= 16:
+        return 16, 64, 128, 4, 4
+    if per_expert <= 64:
+        return 64, 64, 128, 4, 4
+    return 128, 128, 64, 8, 3
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str = "silu",
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    tiles: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Routed experts with the contract of `moe_experts_ref` (layouts in the module docstring); Triton when
+    `common.use_triton(backend, device)` says so, else the reference.
+
+    x [T, Hd] float, unit column stride; topk_ids [T, k] int; topk_w [T, k] float; weights and scales contiguous.
+    `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the heuristic (bench).
+    Returns y [T, Hd] in x's dtype.
+    """
+    if not use_triton(backend, x.device):
+        return moe_experts_ref(x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale)
+    t, hd, e, inter, k, fp8 = _check_experts(
+        x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale
+    )
+    check(x.stride(1) == 1, "moe_experts: x needs unit column stride")
+    check(w_gate_up.is_contiguous() and w_down.is_contiguous(), "moe_experts: weights must be contiguous")
+    if t == 0 or k == 0:
+        return torch.zeros_like(x)
+    bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(t, k, e)
+    check(bk <= 128 and 128 % bk == 0, "moe_experts: BLOCK_K must divide 128")
+    dev = x.device
+    p = t * k
+    sorted_pairs, block_expert = moe_align(topk_ids, e, bm)
+    nb = block_expert.numel()
+    h = torch.empty(p, inter, dtype=x.dtype, device=dev)
+    out = torch.zeros(p, hd, dtype=x.dtype, device=dev)  # zeros: ignored ids leave their rows untouched
+    tw = topk_w.reshape(-1).float().contiguous()
+    f32 = x.dtype == torch.float32 or triton_interpret()
+    sgu = w_gate_up_scale.contiguous() if fp8 else w_gate_up  # type: ignore[union-attr]
+    sd = w_down_scale.contiguous() if fp8 else w_down  # type: ignore[union-attr]
+    _gate_up_kernel[(nb, cdiv(inter, bn))](
+        x, w_gate_up, sgu, sorted_pairs, block_expert, h,
+        p, hd, inter, k,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0), sgu.stride(1), h.stride(0),
+        FP8=fp8, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _down_kernel[(nb, cdiv(hd, bn))](
+        h, w_down, sd, sorted_pairs, block_expert, tw, out,
+        p, hd, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
+        FP8=fp8, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out.view(t, k, hd).sum(dim=1)

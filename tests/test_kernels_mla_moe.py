@@ -1,0 +1,372 @@
+"""Sparse MLA, MoE experts/router and FP8 block GEMM: Triton (interpreter) vs torch references, and the
+references vs straightforward dense math / transformers.
+
+Tolerances (max abs error, relative to the largest |reference| value `ref_max` where stated):
+  * fp32 everywhere: 1e-4 absolute on O(1) outputs (observed ~1e-6; only summation order differs).
+  * bf16 inputs: 2e-2 * ref_max + 1e-2. The kernels round dequantised KV, softmax weights and the MoE
+    intermediate to bf16 before the tensor-core dots and write bf16 outputs (1 ulp = 2^-8 relative).
+  * lse: 1e-4 (fp32) / 2e-2 (bf16 / fp8 pools).
+  * act_quant: byte-identical to its reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest
+import torch
+from longctx.kernels.common import KernelInputError
+from longctx.kernels.fp8_gemm import (
+    act_quant,
+    act_quant_ref,
+    dequant_block_fp8_ref,
+    fp8_block_linear,
+    fp8_block_linear_ref,
+    quant_block_fp8_ref,
+)
+from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv_ref
+from longctx.kernels.moe import moe_align, moe_experts, moe_experts_ref, moe_router, moe_router_ref
+from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
+
+TRITON = "triton"
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    out, ref = out.float(), ref.float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2 * ref.abs().max().item() + 1e-2
+    err = (out - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
+
+
+# ------------------------------------------------------------------------------------------ sparse MLA
+def _pool(n: int, L: int, R: int, kind: str, dtype: torch.dtype, gen: torch.Generator):
+    lat = torch.randn(n, L, generator=gen)
+    rope = torch.randn(n, R, generator=gen)
+    pool = alloc_mla_pool(n, L, R, kind, dtype, "cpu")
+    write_mla_kv_ref(pool, torch.arange(n), lat, rope, kind)
+    return pool, lat, rope
+
+
+def _indices(tq: int, k: int, n: int, gen: torch.Generator, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Ragged top-k: query i keeps a different number of valid entries (the rest -1), scattered."""
+    idx = torch.stack(
+        [
+            torch.randperm(n, generator=gen)[:k] if k <= n else torch.randint(0, n, (k,), generator=gen)
+            for _ in range(tq)
+        ]
+    )
+    for i in range(tq):
+        keep = max(1, (k * (i + 1)) // (tq + 1))
+        drop = torch.randperm(k, generator=gen)[: k - keep]
+        idx[i, drop] = -1
+    return idx.to(dtype)
+
+
+@pytest.mark.parametrize(
+    "L,R,H,K,kind,dtype,splits",
+    [
+        (32, 8, 2, 40, "auto", torch.float32, None),
+        (32, 8, 3, 40, "auto", torch.float32, 1),
+        (64, 16, 4, 96, "fp8_e4m3", torch.float32, None),
+        (64, 16, 4, 96, "fp8_e4m3", torch.bfloat16, 4),
+        (64, 16, 2, 64, "bf16", torch.bfloat16, 1),
+        (512, 64, 2, 48, "fp8_e4m3", torch.bfloat16, None),
+        (512, 64, 3, 48, "fp8_e4m3", torch.bfloat16, 1),
+        (512, 64, 2, 40, "bf16", torch.bfloat16, 2),
+        (384, 32, 2, 40, "fp8_e4m3", torch.float32, 2),  # 3 scale groups, padded to 4 in the kernel
+    ],
+)
+def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits):
+    gen = torch.Generator().manual_seed(L * 1000 + H * 10 + K)
+    n = 70
+    pool, _, _ = _pool(n, L, R, kind, dtype, gen)
+    tq = 3
+    ql = torch.randn(tq, H, L, generator=gen).to(dtype)
+    qr = torch.randn(tq, H, R, generator=gen).to(dtype)
+    idx = _indices(tq, K, n, gen)
+    scale = 1.0 / math.sqrt(L + R)
+    gather = L == 512 and splits == 1  # the per-element scale variant (bench alternative)
+    o, lse = sparse_mla(
+        ql, qr, pool, idx, scale, kind, True, backend=TRITON, num_splits=splits, scale_gather=gather
+    )
+    ro, rlse = sparse_mla_ref(ql, qr, pool, idx, scale, kind, True)
+    assert o.dtype == dtype and o.shape == (tq, H, L) and lse.shape == (tq, H)
+    _close(o, ro, dtype, "o")
+    lse_tol = 1e-4 if (dtype == torch.float32 and kind == "auto") else 2e-2
+    assert (lse - rlse).abs().max().item() <= lse_tol
+
+
+def test_sparse_mla_topk_larger_than_context_and_empty_queries():
+    """Many -1 (top-k > context), a query with no valid index (zeros, lse=-inf), int64 indices."""
+    gen = torch.Generator().manual_seed(1)
+    n, L, R, H = 12, 32, 8, 2
+    pool, _, _ = _pool(n, L, R, "fp8_e4m3", torch.float32, gen)
+    idx = torch.full((4, 80), -1, dtype=torch.int64)
+    idx[0, :n] = torch.randperm(n, generator=gen)
+    idx[1, 70:75] = torch.tensor([3, 4, 5, 6, 7])
+    idx[2, 0] = 11  # one valid entry: output = that row's latent exactly
+    ql, qr = torch.randn(4, H, L, generator=gen), torch.randn(4, H, R, generator=gen)
+    for splits in (None, 1, 3):
+        o, lse = sparse_mla(ql, qr, pool, idx, 0.2, "fp8_e4m3", True, backend=TRITON, num_splits=splits)
+        ro, rlse = sparse_mla_ref(ql, qr, pool, idx, 0.2, "fp8_e4m3", True)
+        _close(o, ro, torch.float32, f"splits={splits}")
+        assert torch.equal(o[3], torch.zeros_like(o[3])) and torch.isneginf(lse[3]).all()
+        assert torch.isneginf(rlse[3]).all() and torch.equal(ro[3], torch.zeros_like(ro[3]))
+        assert torch.allclose(lse[:3], rlse[:3], atol=1e-4)
+    row = sparse_mla_ref(ql[2:3], qr[2:3], pool, idx[2:3, :1], 0.2, "fp8_e4m3")
+    assert torch.allclose(o[2], row[0], atol=1e-5)
+
+
+def test_sparse_mla_ref_equals_dense_attention():
+    """indices = every token (in shuffled order) == dense softmax attention over the whole context."""
+    gen = torch.Generator().manual_seed(2)
+    n, L, R, H, tq = 20, 32, 8, 3, 4
+    pool, lat, rope = _pool(n, L, R, "fp32", torch.float32, gen)
+    ql, qr = torch.randn(tq, H, L, generator=gen), torch.randn(tq, H, R, generator=gen)
+    idx = torch.stack([torch.randperm(n, generator=gen) for _ in range(tq)])
+    o, lse = sparse_mla_ref(ql, qr, pool, idx, 0.3, "fp32", True)
+    s = (torch.einsum("thl,nl->thn", ql, lat) + torch.einsum("thr,nr->thn", qr, rope)) * 0.3
+    assert torch.allclose(o, torch.softmax(s, -1) @ lat, atol=1e-5)
+    assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-5)
+    # and a causal mask expressed as -1 padding
+    causal = torch.stack([torch.where(torch.arange(n) <= 5 * i, torch.arange(n), -1) for i in range(tq)])
+    o2 = sparse_mla_ref(ql, qr, pool, causal, 0.3, "fp32")
+    s2 = s.masked_fill((causal < 0)[:, None, :], -math.inf)
+    assert torch.allclose(o2, torch.softmax(s2, -1) @ lat, atol=1e-5)
+
+
+def test_mla_absorption_identity():
+    """Expanded MLA (k_nope = W_UK c, v = W_UV c) == absorbed form (q_latent = W_UK^T q_nope, o = W_UV o_latent).
+
+    This is the identity the model relies on: q_nope . (W_UK c) == (W_UK^T q_nope) . c, and the softmax
+    weights are shared, so sum_k p_k W_UV c_k == W_UV sum_k p_k c_k."""
+    gen = torch.Generator().manual_seed(3)
+    n, L, R, H, dn, dv, tq = 30, 32, 8, 4, 16, 12, 5
+    dt = torch.float64
+    lat, rope = torch.randn(n, L, generator=gen, dtype=dt), torch.randn(n, R, generator=gen, dtype=dt)
+    w_uk = torch.randn(H, dn, L, generator=gen, dtype=dt) / math.sqrt(L)  # wkv_b's k_nope rows, per head
+    w_uv = torch.randn(H, dv, L, generator=gen, dtype=dt) / math.sqrt(L)  # wkv_b's v rows, per head
+    q_nope = torch.randn(tq, H, dn, generator=gen, dtype=dt)
+    q_rope = torch.randn(tq, H, R, generator=gen, dtype=dt)
+    idx = _indices(tq, 16, n, gen, torch.int64)
+    scale = (dn + R) ** -0.5
+    # expanded (MHA) form over the same selected tokens
+    k_nope = torch.einsum("hdl,nl->nhd", w_uk, lat)  # [n, H, dn]
+    v = torch.einsum("hdl,nl->nhd", w_uv, lat)  # [n, H, dv]
+    s = torch.einsum("thd,nhd->thn", q_nope, k_nope) + torch.einsum("thr,nr->thn", q_rope, rope)
+    sel = torch.full((tq, n), -math.inf, dtype=dt)
+    for t in range(tq):
+        valid = idx[t][idx[t] >= 0]
+        sel[t, valid] = 0.0
+    p = torch.softmax(s * scale + sel[:, None, :], -1)
+    o_expanded = torch.einsum("thn,nhd->thd", p, v)
+    # absorbed form through the reference kernel
+    q_latent = torch.einsum("hdl,thd->thl", w_uk, q_nope)
+    pool = torch.cat([lat, rope], 1)
+    o_lat = sparse_mla_ref(q_latent.float(), q_rope.float(), pool.float(), idx, scale, "fp32")
+    o_absorbed = torch.einsum("hdl,thl->thd", w_uv.float(), o_lat)
+    assert torch.allclose(o_absorbed.double(), o_expanded, atol=1e-5)
+
+
+def test_sparse_mla_rejects_bad_input():
+    pool = torch.zeros(4, 40)
+    with pytest.raises(KernelInputError):
+        sparse_mla_ref(
+            torch.zeros(1, 2, 32), torch.zeros(1, 3, 8), pool, torch.zeros(1, 4, dtype=torch.int32), 1.0
+        )
+    with pytest.raises(KernelInputError):
+        sparse_mla(torch.zeros(1, 2, 32), torch.zeros(1, 2, 8), pool, torch.zeros(1, 4), 1.0, backend=TRITON)
+    with pytest.raises(KernelInputError):  # fp8 row width that does not match L/R
+        sparse_mla_ref(torch.zeros(1, 2, 32), torch.zeros(1, 2, 8), torch.zeros(4, 50, dtype=torch.uint8),
+                       torch.zeros(1, 4, dtype=torch.int32), 1.0, "fp8_e4m3")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- MoE
+def _experts(e: int, hd: int, inter: int, wdtype, gen: torch.Generator):
+    wgu = torch.randn(e, 2 * inter, hd, generator=gen) / math.sqrt(hd)
+    wd = torch.randn(e, hd, inter, generator=gen) / math.sqrt(inter)
+    if wdtype == "fp8":
+        (wgu, sgu), (wd, sd) = quant_block_fp8_ref(wgu), quant_block_fp8_ref(wd)
+        return wgu, wd, sgu, sd
+    return wgu.to(wdtype), wd.to(wdtype), None, None
+
+
+def _skewed_ids(t: int, k: int, e: int, gen: torch.Generator) -> torch.Tensor:
+    """Expert 0: every token (many); expert 1: exactly one pair; expert 2: none; the rest random; one -1."""
+    others = torch.tensor([x for x in range(3, e)])
+    ids = others[torch.randint(0, len(others), (t, k), generator=gen)]
+    ids[:, 0] = 0
+    ids[0, 1] = 1
+    ids[-1, -1] = -1  # ignored slot (expert parallelism marks non-local experts so)
+    # distinct experts per token, as a router gives
+    for i in range(t):
+        seen = set()
+        for j in range(k):
+            while int(ids[i, j]) in seen and ids[i, j] >= 0:
+                ids[i, j] = others[(int(ids[i, j]) - 3 + 1) % len(others)]
+            seen.add(int(ids[i, j]))
+    return ids
+
+
+@pytest.mark.parametrize(
+    "t,hd,inter,e,k,xdtype,wdtype",
+    [
+        (6, 64, 32, 8, 2, torch.float32, torch.float32),
+        (20, 48, 40, 7, 3, torch.float32, torch.float32),
+        (9, 200, 72, 6, 3, torch.float32, "fp8"),  # Hd, 2I and I cross 128-blocks partially
+        (9, 200, 72, 6, 3, torch.bfloat16, "fp8"),
+        (5, 64, 32, 5, 2, torch.bfloat16, torch.bfloat16),
+        (1, 64, 32, 16, 4, torch.float32, torch.float32),  # decode: one token, most experts idle
+    ],
+)
+def test_moe_experts_triton_matches_ref(t, hd, inter, e, k, xdtype, wdtype):
+    gen = torch.Generator().manual_seed(t * 100 + hd + e)
+    wgu, wd, sgu, sd = _experts(e, hd, inter, wdtype, gen)
+    x = torch.randn(t, hd, generator=gen).to(xdtype)
+    ids = _skewed_ids(t, k, e, gen) if t > 1 else torch.randperm(e, generator=gen)[:k][None]
+    w = torch.rand(t, k, generator=gen)
+    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON)
+    ref = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd)
+    assert y.dtype == xdtype and y.shape == (t, hd)
+    _close(y, ref, xdtype, "moe")
+
+
+def test_moe_align_invariants():
+    gen = torch.Generator().manual_seed(5)
+    e, bm = 9, 4
+    ids = _skewed_ids(11, 3, e, gen)
+    pairs, bexp = moe_align(ids, e, bm)
+    flat = ids.reshape(-1)
+    p = flat.numel()
+    assert bexp.numel() == -(-p // bm) + min(e, p) and pairs.numel() == bexp.numel() * bm
+    blocks = pairs.view(-1, bm)
+    seen = []
+    for b in range(blocks.shape[0]):
+        real = blocks[b][blocks[b] < p].long()
+        if bexp[b] < 0:
+            assert real.numel() == 0
+            continue
+        assert real.numel() > 0 and (flat[real] == bexp[b]).all()
+        seen += real.tolist()
+    valid = [i for i in range(p) if 0 <= flat[i] < e]
+    assert sorted(seen) == valid  # every routed pair exactly once, ignored ids nowhere
+    used = bexp[bexp >= 0]
+    assert (used[1:] >= used[:-1]).all()  # runs sorted by expert; expert 2 (no tokens) gets no block
+    assert 2 not in used.tolist()
+
+
+def test_moe_experts_ref_matches_transformers():
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaExperts
+
+    gen = torch.Generator().manual_seed(6)
+    cfg = GlmMoeDsaConfig(hidden_size=48, moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2)
+    mod = GlmMoeDsaExperts(cfg)
+    wgu, wd, _, _ = _experts(6, 48, 24, torch.float32, gen)
+    with torch.no_grad():
+        mod.gate_up_proj.copy_(wgu)
+        mod.down_proj.copy_(wd)
+    x = torch.randn(7, 48, generator=gen)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(7)])  # expert 5 idle
+    w = torch.rand(7, 2, generator=gen)
+    with torch.no_grad():
+        want = mod(x, ids, w)
+    assert torch.allclose(moe_experts_ref(x, ids, w, wgu, wd), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", [(1, 1, True), (4, 2, True), (4, 3, False)])
+def test_moe_router_matches_transformers(n_group, topk_group, norm):
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+    gen = torch.Generator().manual_seed(7 + n_group)
+    cfg = GlmMoeDsaConfig(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group, topk_group=topk_group,
+        norm_topk_prob=norm, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    router = GlmMoeDsaTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.1)
+    h = torch.randn(10, 32, generator=gen).bfloat16()
+    with torch.no_grad():
+        _, want_w, want_ids = router(h)
+    args = (h, router.weight, router.e_score_correction_bias, 4, n_group, topk_group, norm, 2.5)
+    for fn in (moe_router_ref, moe_router):
+        ids, w = fn(*args)
+        o1, o2 = ids.sort(-1), want_ids.sort(-1)
+        assert torch.equal(o1.values, o2.values)
+        assert torch.allclose(w.gather(1, o1.indices), want_w.gather(1, o2.indices), atol=1e-6)
+        assert w.dtype == torch.float32
+
+
+# -------------------------------------------------------------------------------------------- FP8 GEMM
+def test_block_quant_roundtrip_and_ref_vs_dense():
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(200, 300, generator=gen)
+    q, s = quant_block_fp8_ref(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3)
+    deq = dequant_block_fp8_ref(q, s)
+    assert ((deq - w).abs() <= w.abs() / 16 + s.max() / 512).all()  # half an e4m3 ulp (+ subnormal step)
+    x = torch.randn(5, 300, generator=gen)
+    assert torch.allclose(fp8_block_linear_ref(x, q, s), x @ deq.T, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "t,n,k,dtype,qa",
+    [
+        (1, 200, 300, torch.float32, False),
+        (3, 130, 257, torch.bfloat16, False),
+        (33, 64, 128, torch.float32, False),
+        (5, 200, 300, torch.float32, True),
+        (17, 130, 257, torch.bfloat16, True),
+    ],
+)
+def test_fp8_block_linear_triton_matches_ref(t, n, k, dtype, qa):
+    gen = torch.Generator().manual_seed(t + n + k)
+    q, s = quant_block_fp8_ref(torch.randn(n, k, generator=gen) / math.sqrt(k))
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    out = fp8_block_linear(x, q, s, quantize_act=qa, backend=TRITON)
+    ref = fp8_block_linear_ref(x, q, s, quantize_act=qa)
+    assert out.dtype == dtype and out.shape == (t, n)
+    _close(out, ref, dtype, "fp8 gemm")
+    out32 = fp8_block_linear(x, q, s, torch.float32, quantize_act=qa, backend=TRITON)
+    assert out32.dtype == torch.float32
+
+
+def test_act_quant_exact():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 300, generator=gen) * torch.logspace(-3, 2, 300)
+    x[1, :128] = 0.0  # an all-zero group takes the 1e-4 floor
+    for xx in (x, x.bfloat16()):
+        q, s = act_quant(xx, backend=TRITON)
+        rq, rs = act_quant_ref(xx)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert (
+        (rq.float() * rs.repeat_interleave(128, -1)[:, :300] - x.bfloat16().float()).abs()
+        <= x.abs() / 8 + 1e-3
+    ).all()
+
+
+def test_fp8_linear_rejects_bad_scales():
+    q, s = quant_block_fp8_ref(torch.randn(130, 257))
+    with pytest.raises(KernelInputError):
+        fp8_block_linear_ref(torch.randn(2, 257), q, s[:1])
+    with pytest.raises(KernelInputError):
+        fp8_block_linear(torch.randn(2, 256), q, s, backend=TRITON)
+
+
+def test_bench_imports_on_cpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "kernels_mla_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_mla_moe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not torch.cuda.is_available():
+        assert mod.main([]) == 0
+        assert "CUDA" in capsys.readouterr().out
