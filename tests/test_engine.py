@@ -1,0 +1,205 @@
+"""Engine behaviour on the tiny model: paths that must agree with each other, sampling, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.engine.request import Request, SamplingParams
+from longctx.errors import RequestError
+from tests.conftest import hf_model, make_checkpoint, tiny_config
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as e:
+        yield e
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def test_prefill_then_decode_equals_score(eng):
+    prompt = rand_ids(50, 0)
+    out = eng.generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
+    full = prompt + out.token_ids
+    logits = eng.score(full)
+    # every generated token is the argmax of the full-sequence logits at its previous position
+    assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out.token_ids
+
+
+def test_chunked_prefill_equals_one_chunk(tiny_dir):
+    ids = rand_ids(90, 1)
+    with (
+        Engine(tiny_dir, device="cpu", chunk_size=13) as a,
+        Engine(tiny_dir, device="cpu", chunk_size=4096) as b,
+    ):
+        la, lb = a.score(ids), b.score(ids)
+    assert rel(la, lb) <= 1e-5
+
+
+def test_batch_equals_alone(eng):
+    prompts = [rand_ids(n, 10 + n) for n in (5, 64, 37, 100)]
+    batch = eng.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    alone = [eng.generate([p], max_new_tokens=10, ignore_eos=True)[0] for p in prompts]
+    assert [c.token_ids for c in batch] == [c.token_ids for c in alone]
+
+
+def test_prefix_cache_reuse_gives_same_tokens(eng):
+    doc = rand_ids(200, 3)
+    a = eng.generate([doc + [1, 2, 3]], max_new_tokens=6, ignore_eos=True)[0]
+    b = eng.generate([doc + [1, 2, 3]], max_new_tokens=6, ignore_eos=True)[0]
+    assert b.cached_tokens >= 192
+    assert a.token_ids == b.token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(eng):
+    p = rand_ids(30, 4)
+    kw = dict(max_new_tokens=12, temperature=1.3, top_p=0.9, top_k=50, ignore_eos=True)
+    a = eng.generate([p], seed=7, **kw)[0].token_ids
+    b = eng.generate([p], seed=7, **kw)[0].token_ids
+    c = eng.generate([rand_ids(40, 5), p], seed=6, **kw)[1].token_ids  # second prompt gets seed 6 + 1
+    d = eng.generate([p], seed=8, **kw)[0].token_ids
+    assert a == b == c
+    assert a != d
+
+
+def test_top_k_one_is_greedy(eng):
+    p = rand_ids(30, 6)
+    greedy = eng.generate([p], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    topk1 = eng.generate([p], max_new_tokens=8, temperature=5.0, top_k=1, seed=3, ignore_eos=True)[
+        0
+    ].token_ids
+    assert greedy == topk1
+
+
+def test_stop_tokens_and_strings(eng):
+    p = rand_ids(30, 7)
+    free = eng.generate([p], max_new_tokens=10, ignore_eos=True)[0].token_ids
+    stop_tok = free[4]
+    out = eng.generate([p], max_new_tokens=10, stop=[stop_tok], ignore_eos=True)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: free.index(stop_tok) + 1]
+    text = eng.tokenizer.decode(free)
+    if len(text) > 3:
+        s = text[2:4]
+        out = eng.generate([p], max_new_tokens=10, stop=[s], ignore_eos=True)[0]
+        assert out.finish_reason == "stop" and s not in out.text
+
+
+def test_string_prompts_round_trip(eng):
+    out = eng.generate(["hello wörld"], max_new_tokens=4, ignore_eos=True)[0]
+    assert len(out.token_ids) == 4 and isinstance(out.text, str)
+
+
+def test_bad_requests_are_rejected_cleanly(eng):
+    with pytest.raises(RequestError):
+        eng.generate([[]], max_new_tokens=2)
+    with pytest.raises(RequestError):
+        eng.generate([[1, 2, 10**6]], max_new_tokens=2)
+    with pytest.raises(RequestError):
+        eng.generate([[1, 2]], max_new_tokens=-1)
+    with pytest.raises(RequestError):
+        eng.generate([[1, 2]], temperature=-1.0)
+    with pytest.raises(RequestError):
+        eng.add_request(Request("x", [1] * 10, SamplingParams(top_p=0.0)))
+    # the engine still works afterwards and holds no leaked pages
+    assert len(eng.generate([[5, 6, 7]], max_new_tokens=3)[0].token_ids) <= 3
+    assert eng.stats()["running"] == 0
+
+
+def test_prompt_longer_than_max_context(tiny_dir):
+    with Engine(tiny_dir, device="cpu", max_context=64) as e:
+        with pytest.raises(RequestError, match="maximum context"):
+            e.generate([list(range(65))], max_new_tokens=1)
+        out = e.generate([rand_ids(60, 8)], max_new_tokens=10, ignore_eos=True)[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_preemption_under_page_pressure_keeps_results(tiny_dir):
+    prompts = [rand_ids(120, 20 + i) for i in range(4)]
+    with Engine(tiny_dir, device="cpu", kv_pages=1024) as big:
+        want = [c.token_ids for c in big.generate(prompts, max_new_tokens=70, ignore_eos=True)]
+    with Engine(tiny_dir, device="cpu", kv_pages=10) as small:  # 640 tokens for 4 x 190
+        got = [c.token_ids for c in small.generate(prompts, max_new_tokens=70, ignore_eos=True)]
+        assert small.scheduler.num_preempted > 0
+        assert small.stats()["pages_used"] == small.prefix_cache.num_cached_pages
+    assert got == want
+
+
+def test_quantised_kv_within_tolerance(tmp_path):
+    """fp8 / bf16 KV against the exact KV on the same prompts.
+
+    Measured on a smooth model (dense MLPs, index_topk >= the prompt, so no discrete choice can
+    flip): with MoE routing and a real top-k, a perturbation of any size can flip an expert or a
+    selected token and move a logit arbitrarily, which says nothing about the KV format.
+    e4m3 keeps 3 mantissa bits (<= 2^-4 relative per element); here that moves the logits by
+    ~5-7% of their range (measured), bf16 by ~0.5%.
+    """
+    cfg = tiny_config(index_topk=128, mlp_layer_types=("dense",) * 6)
+    d = make_checkpoint(tmp_path / "smooth", cfg, seed=2)
+    with (
+        Engine(d, device="cpu") as exact,
+        Engine(d, device="cpu", kv_dtype="fp8_e4m3") as fp8,
+        Engine(d, device="cpu", kv_dtype="bf16") as bf16,
+    ):
+        for seed in (0, 1):
+            ids = rand_ids(120, seed)
+            a, b, c = exact.score(ids), fp8.score(ids), bf16.score(ids)
+            assert rel(b, a) <= 0.12
+            assert float((a - b).abs().mean() / a.abs().mean()) <= 0.08
+            assert rel(c, a) <= 0.015
+            assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
+        assert fp8.stats()["kv_kind"] == "fp8"
+
+
+def test_deepseek_v32_matches_reference(tmp_path):
+    cfg = dataclasses.replace(
+        tiny_config(num_hidden_layers=3),
+        model_type="deepseek_v32",
+        indexer_types=("full",) * 3,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    )
+    d = make_checkpoint(tmp_path / "ds", cfg, seed=5)
+    ref = hf_model(d)
+    assert type(ref).__name__ == "DeepseekV32ForCausalLM"
+    ids = rand_ids(80, 10)
+    with Engine(d, device="cpu", chunk_size=33) as e:
+        got = e.score(ids)
+        out = e.generate([ids[:30]], max_new_tokens=10, ignore_eos=True)[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+        x = list(ids[:30])
+        for _ in range(10):
+            x.append(int(ref(torch.tensor([x])).logits[0, -1].argmax()))
+    assert rel(got, want) <= 1e-3
+    assert out.token_ids == x[30:]
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_prefill_forms_match_reference(tiny_dir, form):
+    ids = rand_ids(70, 11)
+    ref = hf_model(tiny_dir)
+    with Engine(tiny_dir, device="cpu", prefill_form=form, chunk_size=31) as e:
+        got = e.score(ids)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert rel(got, want) <= 1e-3
