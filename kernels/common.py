@@ -1,0 +1,81 @@
+"""Backend dispatch shared by every kernel wrapper in `longctx.kernels`.
+
+Each kernel module exposes a torch reference `<name>_ref` and a Triton implementation behind one
+wrapper `<name>(..., backend="auto")`. `use_triton` decides which one runs:
+
+- "torch":  always the reference (any device).
+- "triton": always Triton; on CPU this needs the interpreter (`TRITON_INTERPRET=1` set before
+            triton is imported), which is how CI tests the kernels.
+- "auto":   Triton on CUDA when triton is importable, the reference everywhere else.
+
+triton is an optional dependency, so kernels are decorated with `jit` from here: without triton it
+leaves the function undecorated (it is then never called, since `use_triton` says False).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from longctx.errors import LongctxError
+
+try:  # optional dependency
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class KernelInputError(LongctxError, ValueError):
+    """A kernel wrapper was given tensors of the wrong shape, dtype, stride or device."""
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run under the CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_triton(backend: str, device: torch.device | str) -> bool:
+    """Whether a kernel wrapper should run its Triton implementation on `device`.
+
+    Raises `KernelInputError` for an unknown backend, or for "triton" where it cannot run
+    (triton not installed, or a CPU device without the interpreter).
+    """
+    if backend not in BACKENDS:
+        raise KernelInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    dev = torch.device(device)
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return HAS_TRITON and dev.type == "cuda"
+    if not HAS_TRITON:
+        raise KernelInputError("backend='triton' requested but triton is not installed")
+    if dev.type == "cpu" and not triton_interpret():
+        raise KernelInputError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before importing triton")
+    return True
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """`triton.jit` when triton is installed, else the plain function (never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1) (Triton block sizes must be powers of two)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check(cond: bool, msg: str) -> None:
+    """Raise `KernelInputError(msg)` unless `cond` (wrappers validate inputs with this, not assert,
+    so the checks survive `python -O`)."""
+    if not cond:
+        raise KernelInputError(msg)

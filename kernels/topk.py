@@ -1,0 +1,238 @@
+"""Exact top-k indices per row (the DSA token selection), by radix select over the float bits.
+
+`topk_indices(logits [Tq, N] fp32, k, valid_len [Tq]) -> int32 [Tq, k]`: row i selects the k
+largest of logits[i, :valid_len[i]]; when valid_len[i] <= k it selects all of them and pads with -1.
+
+Contract (identical for the Triton kernel and the torch reference, which tests check bit for bit):
+- Order: the value order of IEEE floats, with -0.0 treated as +0.0; +NaN ranks above +inf and
+  -NaN below -inf (no caller should produce NaN). -inf entries inside valid_len are ordinary
+  values (selected only if fewer than k larger values exist).
+- Ties at the boundary: the lowest indices win, so the selected SET equals the first k of a
+  stable sort by (value descending, index ascending). Without ties at the boundary it equals
+  the set `torch.topk` returns.
+- Output order: selected indices ascending, then the -1 padding. Ascending order falls out of
+  the deterministic compaction, so it costs nothing.
+
+Triton algorithm (design point: N = 1,048,576 keys, k <= 2048; any N < 2^31 works): map each
+float to an int32 key whose signed order is the float order, then find the k-th largest key T with
+four histogram passes over 8 bits each (256 bins): pass L counts the digits of the keys that
+still match the prefix found so far, and the next pass starts by locating, from that histogram,
+the bucket holding the k-th largest. 8-bit digits because `tl.histogram` lowers to one warp
+ballot per index bit plus a popcount per bin owned by each lane, so its cost grows with the bin
+count: 256 bins cost ~70 integer ops per element, 2048 bins ~800.
+A count pass then records, per chunk, how many keys are > T and == T; a write pass turns those
+counts into exclusive prefix sums and stores the keys > T plus the lowest-index keys == T at
+deterministic ascending positions. Every pass runs one program per (query, chunk of CHUNK keys),
+so a single 1M-key query still fills the GPU; every pass re-reads the logits (4 MB at 1M,
+L2-resident after the first); per-chunk histograms are merged with one atomic per non-empty bin.
+Launches per call: 2 fills + 4 histogram passes + count + write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check, jit, next_pow2, tl, use_triton
+
+_NB = 256  # bins per radix pass (8-bit digits, 4 passes cover the 32-bit key)
+_LEVELS = 4
+
+
+def _check(logits: torch.Tensor, k: int, valid_len: torch.Tensor) -> None:
+    check(
+        logits.dim() == 2 and logits.dtype == torch.float32,
+        f"logits must be fp32 [Tq, N], got {tuple(logits.shape)} {logits.dtype}",
+    )
+    check(logits.stride(1) == 1, "logits must have unit stride on N")
+    check(isinstance(k, int) and k >= 0, f"k must be a non-negative int, got {k!r}")
+    check(
+        valid_len.shape == (logits.shape[0],) and valid_len.dtype in (torch.int32, torch.int64),
+        "valid_len must be int [Tq]",
+    )
+    check(valid_len.device == logits.device, "valid_len must be on the logits' device")
+    check(logits.shape[1] < 2**31, "N must fit in int32")
+
+
+def _order_key_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int32 whose signed order is the float order (-0 folded onto +0)."""
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    u = x.view(torch.int32)
+    return torch.where(u < 0, u ^ 0x7FFFFFFF, u)
+
+
+def topk_indices_ref(logits: torch.Tensor, k: int, valid_len: torch.Tensor) -> torch.Tensor:
+    """Reference: one torch.topk over an int64 key (value key, then inverted index) per row."""
+    _check(logits, k, valid_len)
+    tq, n = logits.shape
+    out = torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
+    kk = min(k, n)
+    if tq == 0 or kk == 0:
+        return out
+    shift = max(n, 1).bit_length()
+    idx = torch.arange(n, device=logits.device)
+    comp = (_order_key_ref(logits).long() << shift) | ((1 << shift) - 1 - idx)  # ties: lower index wins
+    invalid = idx[None, :] >= valid_len[:, None].long()
+    comp.masked_fill_(invalid, torch.iinfo(torch.int64).min)
+    sel = comp.topk(kk, dim=1, sorted=False).indices
+    sel = torch.where(sel >= valid_len[:, None].long(), n, sel)  # picks past valid_len become padding
+    sel = sel.sort(dim=1).values
+    out[:, :kk] = torch.where(sel == n, -1, sel).int()
+    return out
+
+
+def topk_indices(
+    logits: torch.Tensor, k: int, valid_len: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Indices (int32 [Tq, k], ascending, -1 padded) of the k largest of logits[i, :valid_len[i]].
+
+    See the module docstring for the exact tie / NaN / ordering contract.
+    """
+    _check(logits, k, valid_len)
+    if not use_triton(backend, logits.device):
+        return topk_indices_ref(logits, k, valid_len)
+    tq, n = logits.shape
+    out = torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
+    if tq == 0 or k == 0 or n == 0:
+        return out
+    chunk = 4096 if n >= 65536 else 1024
+    nch = (n + chunk - 1) // chunk
+    hist = torch.zeros((_LEVELS, tq, _NB), dtype=torch.int32, device=logits.device)
+    # per query and level: (prefix of the k-th largest key, how many keys are still needed)
+    state = torch.zeros((tq, _LEVELS, 2), dtype=torch.int32, device=logits.device)
+    counts = torch.empty((tq, nch, 2), dtype=torch.int32, device=logits.device)  # (# > T, # == T) per chunk
+    grid = (tq, nch)
+    common = dict(CHUNK=chunk, NB=_NB, num_warps=8)
+    for level in range(_LEVELS):
+        _topk_hist_kernel[grid](
+            logits, logits.stride(0), valid_len, hist, state, tq, n, k, LEVEL=level, **common
+        )
+    _topk_count_kernel[grid](
+        logits, logits.stride(0), valid_len, hist, state, counts, tq, n, k, nch, **common
+    )
+    _topk_write_kernel[grid](
+        logits, logits.stride(0), valid_len, state, counts, out, out.stride(0), n, k, nch,
+        CHUNK=chunk, NCHP=next_pow2(nch), num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------- Triton
+
+
+@jit
+def _order_key(x):
+    x = tl.where(x == 0.0, 0.0, x)
+    u = x.to(tl.int32, bitcast=True)
+    return tl.where(u < 0, u ^ 0x7FFFFFFF, u)
+
+
+@jit
+def _resolve(hist_row_ptr, krem, NB: tl.constexpr):
+    # The bucket holding the krem-th largest key, and how many keys are still needed from it.
+    offs = tl.arange(0, NB)
+    h = tl.load(hist_row_ptr + offs)
+    at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys in buckets >= b
+    b = tl.max(tl.where(at_or_above >= krem, offs, -1), axis=0)
+    above = tl.sum(tl.where(offs > b, h, 0), axis=0)
+    return b, krem - above
+
+
+@jit
+def _level_state(hist_ptr, st_ptr, q, c, Tq, K, LEVEL: tl.constexpr, NB: tl.constexpr):
+    # (prefix, k remaining) after resolving radix level LEVEL-1, i.e. the top 8*LEVEL bits of the
+    # k-th largest key (signed: key >> (32 - 8*LEVEL)); chunk 0 records it for the later passes.
+    if LEVEL == 1:
+        prefix = 0
+        krem = K
+    else:
+        prefix = tl.load(st_ptr + (q * 4 + LEVEL - 2) * 2)
+        krem = tl.load(st_ptr + (q * 4 + LEVEL - 2) * 2 + 1)
+    b, krem = _resolve(hist_ptr + ((LEVEL - 1) * Tq + q) * NB, krem, NB)
+    if LEVEL == 1:
+        prefix = b - 128
+    else:
+        prefix = prefix * 256 + b
+    if c == 0:
+        tl.store(st_ptr + (q * 4 + LEVEL - 1) * 2, prefix)
+        tl.store(st_ptr + (q * 4 + LEVEL - 1) * 2 + 1, krem)
+    return prefix, krem
+
+
+@jit
+def _topk_hist_kernel(
+    x_ptr, stride_x, valid_ptr, hist_ptr, st_ptr, Tq, N, K,
+    LEVEL: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    q = tl.program_id(0)
+    c = tl.program_id(1)
+    valid = tl.minimum(tl.maximum(tl.load(valid_ptr + q).to(tl.int32), 0), N)
+    if valid > K:  # otherwise everything valid is selected and the write pass handles it alone
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        inr = offs < valid
+        ks = _order_key(tl.load(x_ptr + q.to(tl.int64) * stride_x + offs, mask=inr, other=0.0))
+        if LEVEL == 0:
+            part = inr
+            d = (ks >> 24) + 128
+        else:
+            prefix, krem = _level_state(hist_ptr, st_ptr, q, c, Tq, K, LEVEL, NB)
+            part = inr & ((ks >> (32 - 8 * LEVEL)) == prefix)
+            d = (ks >> (24 - 8 * LEVEL)) & 255
+        # tl.histogram has no mask on older triton: count outsiders in bin 0, then take them out
+        d = tl.where(part, d, 0)
+        h = tl.histogram(d, NB)
+        nout = CHUNK - tl.sum(part.to(tl.int32), axis=0)
+        bins = tl.arange(0, NB)
+        h = h - tl.where(bins == 0, nout, 0)
+        tl.atomic_add(hist_ptr + (LEVEL * Tq + q) * NB + bins, h, mask=h > 0)
+
+
+@jit
+def _topk_count_kernel(
+    x_ptr, stride_x, valid_ptr, hist_ptr, st_ptr, cnt_ptr, Tq, N, K, NCH,
+    CHUNK: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    q = tl.program_id(0)
+    c = tl.program_id(1)
+    valid = tl.minimum(tl.maximum(tl.load(valid_ptr + q).to(tl.int32), 0), N)
+    if valid > K:
+        thr, krem = _level_state(hist_ptr, st_ptr, q, c, Tq, K, 4, NB)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        inr = offs < valid
+        ks = _order_key(tl.load(x_ptr + q.to(tl.int64) * stride_x + offs, mask=inr, other=0.0))
+        n_gt = tl.sum((inr & (ks > thr)).to(tl.int32), axis=0)
+        n_eq = tl.sum((inr & (ks == thr)).to(tl.int32), axis=0)
+        tl.store(cnt_ptr + (q * NCH + c) * 2, n_gt)
+        tl.store(cnt_ptr + (q * NCH + c) * 2 + 1, n_eq)
+
+
+@jit
+def _topk_write_kernel(
+    x_ptr, stride_x, valid_ptr, st_ptr, cnt_ptr, out_ptr, stride_o, N, K, NCH,
+    CHUNK: tl.constexpr, NCHP: tl.constexpr,
+):  # fmt: skip
+    q = tl.program_id(0)
+    c = tl.program_id(1)
+    valid = tl.minimum(tl.maximum(tl.load(valid_ptr + q).to(tl.int32), 0), N)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    inr = offs < valid
+    orow = out_ptr + q.to(tl.int64) * stride_o
+    if valid > K:
+        thr = tl.load(st_ptr + (q * 4 + 3) * 2)
+        r = tl.load(st_ptr + (q * 4 + 3) * 2 + 1)  # how many keys == thr to take, lowest index first
+        ch = tl.arange(0, NCHP)
+        cm = ch < NCH
+        gtc = tl.load(cnt_ptr + (q * NCH + ch) * 2, mask=cm, other=0)
+        eqc = tl.load(cnt_ptr + (q * NCH + ch) * 2 + 1, mask=cm, other=0)
+        eq_before = tl.cumsum(eqc, axis=0) - eqc
+        selc = gtc + tl.minimum(tl.maximum(r - eq_before, 0), eqc)
+        base = tl.sum(tl.where(ch < c, selc, 0), axis=0)
+        my_eq_before = tl.sum(tl.where(ch < c, eqc, 0), axis=0)
+        ks = _order_key(tl.load(x_ptr + q.to(tl.int64) * stride_x + offs, mask=inr, other=0.0))
+        eq = (inr & (ks == thr)).to(tl.int32)
+        eq_rank = my_eq_before + tl.cumsum(eq, axis=0) - eq
+        sel = (inr & (ks > thr)) | ((eq > 0) & (eq_rank < r))
+        seli = sel.to(tl.int32)
+        pos = base + tl.cumsum(seli, axis=0) - seli
+        tl.store(orow + pos, offs, mask=sel)
+    else:
+        tl.store(orow + offs, offs, mask=inr)

@@ -1,0 +1,218 @@
+"""KV / indexer-key layouts and writers, and the lightning-indexer logits: Triton (interpreter) vs reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from longctx.kernels import kv_layout as kvl
+from longctx.kernels.common import KernelInputError, triton_interpret, use_triton
+from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
+
+from . import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are built)
+
+# ----------------------------------------------------------------------------------- layouts
+
+
+def test_row_bytes_match_design_table():
+    assert kvl.mla_row_bytes(512, 64, "fp8_e4m3") == 656
+    assert kvl.mla_row_bytes(512, 64, "bf16") == 1152
+    assert kvl.mla_row_bytes(512, 64, "auto", torch.float32) == 2304
+    assert kvl.index_row_bytes(128, "fp8") == 132
+    assert kvl.index_row_bytes(128, "auto", torch.bfloat16) == 256
+    assert kvl.mla_row_bytes(32, 8, "fp8") == 32 + 4 + 16  # tiny config: one group of 32
+    assert kvl.index_row_bytes(16, "fp8") == 20
+    with pytest.raises(KernelInputError):
+        kvl.mla_row_bytes(192, 64, "fp8")  # not a multiple of the 128 group
+    with pytest.raises(KernelInputError):
+        kvl.is_fp8("int4")
+
+
+def test_use_triton_dispatch():
+    assert triton_interpret()
+    assert not use_triton("torch", "cpu")
+    assert not use_triton("auto", "cpu")
+    assert use_triton("triton", "cpu")
+    with pytest.raises(KernelInputError):
+        use_triton("cuda", "cpu")
+
+
+def _mla_inputs(t: int, lora: int, rope: int, dtype: torch.dtype, num_slots: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # per-token magnitudes spread over decades so the per-group scales really differ
+    mag = torch.exp(torch.randn(t, 1, generator=g) * 2)
+    latent = (torch.randn(t, lora, generator=g) * mag).to(dtype)
+    latent[0, : min(lora, 128)] = 0  # an all-zero group exercises AMAX_EPS
+    rope_x = torch.randn(t, rope, generator=g).to(dtype)
+    slots = torch.randperm(num_slots, generator=g)[:t]  # scattered over pages, crossing page boundaries
+    return latent, rope_x, slots
+
+
+@pytest.mark.parametrize("lora,rope", [(32, 8), (512, 64), (384, 64)])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "auto", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_mla_kv_triton_matches_ref_bytes(lora, rope, kind, dtype):
+    t, slots_n = 70, 3 * 64 + 5
+    latent, rope_x, slots = _mla_inputs(t, lora, rope, dtype, slots_n, seed=lora + rope)
+    pool_dtype = torch.bfloat16 if kind == "bf16" else dtype
+    a = kvl.alloc_mla_pool(slots_n, lora, rope, kind, pool_dtype, "cpu").zero_()
+    b = a.clone()
+    kvl.write_mla_kv(a, slots, latent, rope_x, kind, backend="triton")
+    kvl.write_mla_kv_ref(b, slots, latent, rope_x, kind)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # identical bytes, untouched slots still 0
+    assert a.shape[1] == (kvl.mla_row_bytes(lora, rope, kind) if kvl.is_fp8(kind) else lora + rope)
+
+
+@pytest.mark.parametrize("d", [16, 128])
+@pytest.mark.parametrize("kind", ["fp8", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_index_k_triton_matches_ref_bytes(d, kind, dtype):
+    g = torch.Generator().manual_seed(d)
+    k = (torch.randn(67, d, generator=g) * torch.exp(torch.randn(67, 1, generator=g))).to(dtype)
+    slots = torch.randperm(200, generator=g)[:67]
+    a = kvl.alloc_index_pool(200, d, kind, dtype, "cpu").zero_()
+    b = a.clone()
+    kvl.write_index_k(a, slots, k, kind, backend="triton")
+    kvl.write_index_k_ref(b, slots, k, kind)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    back = kvl.read_index_k(a, slots, kind, torch.float32)
+    if kind == "auto":
+        assert torch.equal(back, k.float())
+
+
+def _fp8_bound(x: torch.Tensor, scale_per_elem: torch.Tensor) -> torch.Tensor:
+    # e4m3 RNE: half an ulp = 2^-4 relative in the normal range, 2^-10 * scale in the subnormal
+    # range; the fp32 divide / multiply add ~2^-23 relative on top.
+    return torch.maximum(x.abs() / 16, scale_per_elem / 1024) * (1 + 1e-5) + 1e-30
+
+
+@pytest.mark.parametrize("lora,rope", [(32, 8), (512, 64)])
+def test_fp8_mla_round_trip_error_bound_and_byte_layout(lora, rope):
+    t = 40
+    latent, rope_x, slots = _mla_inputs(t, lora, rope, torch.float32, 128, seed=7)
+    pool = kvl.alloc_mla_pool(128, lora, rope, "fp8", torch.float32, "cpu").zero_()
+    kvl.write_mla_kv(pool, slots, latent, rope_x, "fp8", backend="triton")
+    lat_back, rope_back = kvl.read_mla_kv(pool, slots, "fp8", torch.float32, kv_lora_rank=lora)
+
+    grp = kvl.mla_group_size(lora)
+    amax = latent.view(t, lora // grp, grp).abs().amax(-1).clamp_min(kvl.AMAX_EPS)
+    scale = amax / 448.0
+    assert torch.all((lat_back - latent).abs() <= _fp8_bound(latent, scale.repeat_interleave(grp, 1)))
+    assert torch.all(lat_back[0, :grp] == 0)  # the zero group stays exactly zero
+    # rope is stored as bf16: RNE, half an ulp = 2^-8 relative
+    assert torch.all((rope_back - rope_x).abs() <= rope_x.abs() * 2**-8)
+
+    # the documented bytes: [0, L) e4m3 | [L, L + 4G) fp32 scales | [.., row) bf16 rope
+    rows = pool[slots]
+    scales = rows[:, lora : lora + 4 * (lora // grp)].contiguous().view(torch.float32)
+    assert torch.equal(scales, scale)
+    assert torch.equal(
+        rows[:, lora + 4 * (lora // grp) :].contiguous().view(torch.bfloat16), rope_x.bfloat16()
+    )
+    e4m3 = rows[:, :lora].contiguous().view(torch.float8_e4m3fn).float()
+    assert e4m3.abs().max() <= 448 and torch.all(e4m3.view(t, -1, grp).abs().amax(-1)[1:] == 448)
+
+
+def test_fp8_index_round_trip_error_bound():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(50, 128, generator=g) * torch.exp(torch.randn(50, 1, generator=g) * 3)
+    slots = torch.randperm(64, generator=g)[:50]
+    pool = kvl.alloc_index_pool(64, 128, "fp8", torch.float32, "cpu")
+    kvl.write_index_k(pool, slots, k, "fp8", backend="triton")
+    back = kvl.read_index_k(pool, slots, "fp8", torch.float32)
+    scale = k.abs().amax(1, keepdim=True) / 448
+    assert torch.all((back - k).abs() <= _fp8_bound(k, scale.expand_as(k)))
+    assert torch.equal(pool[slots, 128:].contiguous().view(torch.float32), scale)
+
+
+def test_write_rejects_bad_inputs():
+    pool = kvl.alloc_mla_pool(64, 32, 8, "fp8", torch.float32, "cpu")
+    lat, rope = torch.randn(4, 32), torch.randn(4, 8)
+    with pytest.raises(KernelInputError):
+        kvl.write_mla_kv(pool, torch.arange(4, dtype=torch.int32), lat, rope, "fp8")  # int32 slots
+    with pytest.raises(KernelInputError):
+        kvl.write_mla_kv(pool, torch.arange(4), torch.randn(4, 64), rope, "fp8")  # wrong row width
+    with pytest.raises(KernelInputError):
+        kvl.write_mla_kv(pool.float(), torch.arange(4), lat, rope, "fp8")  # fp8 pool must be uint8
+
+
+# ----------------------------------------------------------------------------------- indexer
+
+
+def _indexer_case(kind, dtype, heads, dim, lens, queries, seed):
+    """Pages shuffled over a pool with spare pages; queries: list of (request, positions)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    p = max(max((n + 63) // 64 for n in lens), 1) + 1  # one spare column of the page table
+    num_pages = b * p + 3
+    page_table = torch.randperm(num_pages, generator=g)[: b * p].view(b, p).int()
+    pool = kvl.alloc_index_pool(num_pages * 64, dim, kind, dtype, "cpu").zero_()
+    keys = []
+    for r, n in enumerate(lens):
+        t = torch.arange(n)
+        k = torch.randn(n, dim, generator=g).to(dtype)
+        kvl.write_index_k(pool, page_table[r, t // 64].long() * 64 + t % 64, k, kind, backend="torch")
+        keys.append(k)
+    q_seq = torch.tensor([r for r, pos in queries for _ in pos], dtype=torch.int32)
+    q_pos = torch.tensor([x for _, pos in queries for x in pos], dtype=torch.int64)
+    tq = q_seq.numel()
+    q = torch.randn(tq, heads, dim, generator=g).to(dtype)
+    w = torch.rand(tq, heads, generator=g) * heads**-0.5 * dim**-0.5
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return (q, w, pool, page_table, seq_lens, q_seq, q_pos), keys
+
+
+INDEXER_CASES = {
+    # decode batch, ragged, none a multiple of 64, one exactly a page, one of 1 token
+    "decode_ragged": (8, 16, [100, 37, 200, 64, 1], [(0, [99]), (1, [36]), (2, [199]), (3, [63]), (4, [0])]),
+    # prefill chunk crossing a page boundary plus a decode query of another request (mixed batch)
+    "prefill_mixed": (8, 16, [130, 70], [(0, list(range(58, 75))), (1, [69])]),
+    # a chunked-prefill query set that ends before the request's length (later keys masked causally)
+    "prefill_partial": (4, 32, [150], [(0, [3, 64, 65, 90])]),
+    # GLM-5.3 indexer shape: 32 heads x 128 dims
+    "glm_shape": (32, 128, [193, 65], [(0, [192]), (1, [64])]),
+}
+
+
+@pytest.mark.parametrize("case", list(INDEXER_CASES))
+@pytest.mark.parametrize("kind", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_triton_matches_ref(case, kind, dtype):
+    heads, dim, lens, queries = INDEXER_CASES[case]
+    args, _ = _indexer_case(kind, dtype, heads, dim, lens, queries, seed=len(case))
+    got = indexer_logits_paged(*args, kind, backend="triton")
+    ref = indexer_logits_paged_ref(*args, kind)
+    assert got.shape == ref.shape == (len(args[5]), max(lens)) and got.dtype == torch.float32
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert torch.all(got[~fin] == float("-inf")) and torch.all(ref[~fin] == float("-inf"))
+    # same products, fp32 accumulation in another order: fp32 rounding only
+    tol = 1e-5 * ref[fin].abs().max().clamp_min(1e-30)
+    assert (got[fin] - ref[fin]).abs().max() <= tol
+
+
+def test_indexer_ref_matches_dense_formula_and_masks():
+    heads, dim, lens, queries = INDEXER_CASES["prefill_mixed"]
+    args, keys = _indexer_case("auto", torch.float32, heads, dim, lens, queries, seed=11)
+    q, w, _, _, seq_lens, q_seq, q_pos = args
+    ref = indexer_logits_paged_ref(*args, "auto", max_len=160)
+    assert ref.shape == (q.shape[0], 160)
+    for i in range(q.shape[0]):
+        r, pos = int(q_seq[i]), int(q_pos[i])
+        k = keys[r][: pos + 1]
+        expect = (torch.relu(torch.einsum("hd,td->ht", q[i], k)) * w[i, :, None]).sum(0)
+        torch.testing.assert_close(ref[i, : pos + 1], expect, rtol=1e-5, atol=1e-6)
+        assert torch.all(ref[i, pos + 1 :] == float("-inf"))  # causal and beyond the request's length
+    got = indexer_logits_paged(*args, "auto", max_len=160, backend="triton")
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref))
+
+
+def test_indexer_rejects_bad_inputs():
+    heads, dim, lens, queries = INDEXER_CASES["decode_ragged"]
+    args, _ = _indexer_case("auto", torch.float32, heads, dim, lens, queries, seed=1)
+    q, w, pool, pt, sl, qs, qp = args
+    with pytest.raises(KernelInputError):
+        indexer_logits_paged(q.bfloat16(), w, pool, pt, sl, qs, qp, "auto")  # q dtype != pool dtype
+    with pytest.raises(KernelInputError):
+        indexer_logits_paged(q, w.bfloat16(), pool, pt, sl, qs, qp, "auto")  # w must be fp32
+    with pytest.raises(KernelInputError):
+        indexer_logits_paged(q, w, pool, pt.long(), sl, qs, qp, "auto")  # page table must be int32
