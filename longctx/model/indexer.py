@@ -59,5 +59,6 @@ class Indexer(nn.Module):
             ctx.q_seq,
             ctx.positions,
             kv.index_kind,
+            max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
         )  # [T, max_len] fp32, -inf where not causal
         return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.positions + 1)
