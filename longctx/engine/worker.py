@@ -31,10 +31,18 @@ def build_model(
     dtype: torch.dtype,
     keep_fp8: bool,
     weight_filter=None,
+    prepare=None,
 ) -> CausalLM:
-    """Build layers [a, b) on the meta device and materialise them from the checkpoint."""
+    """Build layers [a, b) on the meta device and materialise them from the checkpoint.
+
+    `prepare(model)` runs on the meta-built model before loading and `weight_filter(iterator)`
+    wraps the checkpoint stream: tensor parallelism (`longctx.stages.tp`) uses both to shrink the
+    modules to one rank's shard and slice the tensors as they stream in.
+    """
     with torch.device("meta"):
         model = CausalLM(cfg, layers)
+    if prepare is not None:
+        prepare(model)
     weights = iter_weights(
         model_dir,
         cfg,
@@ -78,6 +86,7 @@ class StageWorker:
         self.model, self.kv, self.device = model, kv, device
         self.use_triton, self.prefill_form, self.page_size = use_triton, prefill_form, page_size
         self.is_first, self.is_last = model.has_embed, model.has_head
+        self.last_topk: torch.Tensor | None = None
         model.set_backend(use_triton)
 
     def context(self, plan: BatchPlan) -> ForwardContext:
@@ -110,19 +119,30 @@ class StageWorker:
             use_triton=self.use_triton,
             prefill_form=self.prefill_form,
             page_size=ps,
+            # request ids: KV caches that keep per-request state (HiSparse) key it by these
+            extras={"rids": tuple(r.rid for r in plan.rows)},
         )
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage 0 takes the plan's token ids; later stages take the previous stage's hidden states."""
+    def forward(
+        self, plan: BatchPlan, hidden: torch.Tensor | None = None, prev_topk: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Stage 0 takes the plan's token ids; later stages take the previous stage's hidden states.
+
+        A stage whose first layer shares its top-k (IndexShare) takes the previous stage's last
+        top-k as `prev_topk` [T, index_topk]; the top-k this stage ends with is `self.last_topk`.
+        """
         ctx = self.context(plan)
+        ctx.prev_topk = prev_topk
         if self.is_first:
             ids = [t for r in plan.rows for t in r.token_ids]
             x = torch.tensor(ids, dtype=torch.int64, device=self.device)
         else:
             assert hidden is not None
             x = hidden
-        return self.model(x, ctx)
+        h = self.model(x, ctx)
+        self.last_topk = ctx.prev_topk
+        return h
 
     @torch.inference_mode()
     def finish(self, plan: BatchPlan, h: torch.Tensor) -> list[RowResult]:

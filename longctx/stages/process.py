@@ -1,0 +1,295 @@
+"""One stage process (one TP rank of one pipeline stage): join the groups, build the shard, run plans.
+
+Per plan, in the order the driver sent them: stage 0 embeds the plan's tokens, every later stage
+receives the [T, hidden] states of its predecessor (same TP rank, point-to-point; T is known from
+the plan), runs its layers, and sends the result on with `isend`, so it can start on the next plan
+while the transfer runs: with several plans submitted the pipeline stays full. The last stage's TP
+rank 0 computes logits / samples (`StageWorker.finish`) and returns the `BatchResult`.
+
+Process groups: the world is the P*T stage ranks (rank = stage * T + tp_rank); each stage has a TP
+group (NCCL on GPUs, gloo on CPU) for the all-reduces of `longctx.stages.tp` and a gloo group for
+host-pool coordination. The driver is not a member: plans and results travel through a
+`Transport` (multiprocessing queues for a local spawn, see `longctx.stages.launch` for torchrun).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from collections import deque
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from longctx.engine.plan import BatchResult
+from longctx.engine.worker import DTYPES, StageWorker, build_model
+from longctx.errors import ConfigError
+from longctx.kvstore.pool import PagedKVPool
+from longctx.stages.host import HostBackedKV, host_kv_spec, open_stage_host_pool
+from longctx.stages.messages import (
+    Failed,
+    Ready,
+    Result,
+    RunPlan,
+    Shutdown,
+    StageSpec,
+    StageStats,
+    StatsRequest,
+)
+from longctx.stages.tp import TPShard
+
+log = logging.getLogger("longctx.stages")
+MAX_PENDING_SENDS = 4  # isends of hidden states not yet known to be complete
+STORE_TIMEOUT = timedelta(minutes=10)
+
+
+class Transport(Protocol):
+    """How a stage process talks to the driver."""
+
+    def get(self, timeout: float) -> Any:
+        """The next message, or None after `timeout` seconds without one."""
+
+    def put(self, msg: Any) -> None: ...
+
+    def driver_alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class QueueTransport:
+    """Local spawn: one inbox per rank, one outbox shared by all ranks."""
+
+    def __init__(self, inbox: Any, outbox: Any) -> None:
+        self.inbox, self.outbox = inbox, outbox
+
+    def get(self, timeout: float) -> Any:
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def put(self, msg: Any) -> None:
+        self.outbox.put(msg)
+
+    def driver_alive(self) -> bool:
+        parent = multiprocessing.parent_process()
+        return parent is None or parent.is_alive()
+
+    def close(self) -> None:
+        # flush what we put (a Failed message must reach the driver before we exit)
+        self.outbox.close()
+        self.outbox.join_thread()
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
+
+
+class StageProcess:
+    """The state of one rank: groups, model shard, KV (device pool + host pool), counters."""
+
+    def __init__(self, spec: StageSpec, transport: Transport) -> None:
+        self.spec, self.transport = spec, transport
+        cuda = spec.device == "cuda"
+        if cuda:
+            local = spec.rank % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+            if spec.num_threads:
+                torch.set_num_threads(spec.num_threads)
+        self.dtype = DTYPES[spec.dtype]
+        if spec.store_host:
+            store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=STORE_TIMEOUT)
+            dist.init_process_group(
+                "nccl" if cuda else "gloo", store=store, rank=spec.rank, world_size=spec.world_size
+            )
+        self.tp_group: Any = None
+        self.ctrl_group: Any = None
+        if spec.tp > 1:
+            # every rank creates every group, in the same order
+            for s in range(spec.pp):
+                ranks = list(range(s * spec.tp, (s + 1) * spec.tp))
+                g = dist.new_group(ranks)
+                c = dist.new_group(ranks, backend="gloo") if cuda else g
+                if s == spec.stage:
+                    self.tp_group, self.ctrl_group = g, c
+
+        cfg, layers = spec.cfg, range(*spec.layers)
+        keep_fp8 = cuda and cfg.quant_block is not None
+        prepare = weight_filter = None
+        if spec.tp > 1:
+            shard = TPShard(cfg, spec.tp_rank, spec.tp)
+            group = self.tp_group
+
+            def reduce(t: torch.Tensor) -> None:
+                dist.all_reduce(t, group=group)
+
+            def prepare(m: Any) -> None:
+                shard.shard_model(m, reduce)
+
+            weight_filter = shard.shard_weights
+        model = build_model(
+            spec.model_dir, cfg, layers, self.device, self.dtype, keep_fp8, weight_filter, prepare
+        )
+        hspec = host_kv_spec(cfg, layers, spec.num_pages * spec.page_size, spec.kv_kind, self.dtype)
+        layout = open_stage_host_pool(
+            hspec, spec.stage, spec.tp_rank, spec.stage * spec.tp, self.ctrl_group, cuda
+        )
+        if spec.hisparse_device_tokens:
+            inner = self._hisparse(layout, layers)
+        else:
+            inner = PagedKVPool(
+                cfg, layers, spec.num_pages, spec.kv_kind, self.dtype, self.device, spec.page_size
+            )
+        # under HiSparse the cache itself writes the host rows it was given (or keeps its own)
+        writer = spec.tp_rank == 0 and not spec.hisparse_device_tokens
+        self.kv = HostBackedKV(inner, layout, writer, spec.use_triton)
+        # other ranks read host rows (HiSparse swap-in) only once a barrier says they are there
+        self.step_barrier = self.ctrl_group if (spec.hisparse_device_tokens and spec.tp > 1) else None
+        self.worker = StageWorker(
+            model, self.kv, self.device, spec.use_triton, spec.prefill_form, spec.page_size
+        )
+        self.hidden = cfg.hidden_size
+        # IndexShare across a stage boundary: a stage whose first layer is "shared" needs the
+        # top-k [T, index_topk] its predecessor ended with, sent right after the hidden states.
+        self.recv_topk = spec.stage > 0 and not cfg.is_full_indexer(layers.start)
+        self.send_topk = layers.stop < cfg.num_hidden_layers and not cfg.is_full_indexer(layers.stop)
+        self.steps = 0
+        self.busy_s = 0.0
+        self.tokens = 0
+        self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+
+    def _hisparse(self, layout: Any, layers: range) -> Any:
+        import inspect
+
+        try:
+            from longctx.hisparse.cache import HiSparseKVCache
+        except ImportError:
+            raise ConfigError(
+                "hisparse_device_tokens needs longctx.hisparse.cache, which is not available"
+            ) from None
+        s = self.spec
+        kwargs: dict[str, Any] = {}
+        if "host_layout" in inspect.signature(HiSparseKVCache).parameters:
+            kwargs["host_layout"] = layout
+        return HiSparseKVCache(
+            s.cfg,
+            layers,
+            s.num_pages,
+            s.kv_kind,
+            self.dtype,
+            self.device,
+            device_tokens=s.hisparse_device_tokens,
+            page_size=s.page_size,
+            use_triton=s.use_triton,
+            **kwargs,
+        )
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            msg = self.transport.get(timeout=1.0)
+            if msg is None:
+                if not self.transport.driver_alive():
+                    return
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, StatsRequest):
+                self.transport.put(StageStats(msg.seq, self.spec.stage, self.stats()))
+            elif isinstance(msg, RunPlan):
+                self.step(msg)
+            else:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def step(self, msg: RunPlan) -> None:
+        spec, plan = self.spec, msg.plan
+        h = topk = None
+        T = plan.num_tokens
+        if spec.stage > 0:
+            h = torch.empty(T, self.hidden, dtype=self.dtype, device=self.device)
+            dist.recv(h, src=spec.rank - spec.tp)
+            if self.recv_topk:
+                topk = torch.empty(T, spec.cfg.index_topk, dtype=torch.int32, device=self.device)
+                dist.recv(topk, src=spec.rank - spec.tp)
+        t0 = time.perf_counter()
+        h = self.worker.forward(plan, h, topk)
+        if spec.stage < spec.pp - 1:
+            self._send(h, spec.rank + spec.tp)
+            if self.send_topk:
+                assert self.worker.last_topk is not None
+                self._send(self.worker.last_topk, spec.rank + spec.tp)
+        elif spec.tp_rank == 0:
+            rows = self.worker.finish(plan, h)
+            payload = pickle.dumps(BatchResult(plan.step_id, rows), protocol=pickle.HIGHEST_PROTOCOL)
+            self.transport.put(Result(msg.seq, payload))
+        self.kv.end_step(self.step_barrier)
+        self.busy_s += time.perf_counter() - t0
+        self.steps += 1
+        self.tokens += plan.num_tokens
+
+    def _send(self, h: torch.Tensor, dst: int) -> None:
+        while len(self._sends) >= MAX_PENDING_SENDS:
+            self._sends.popleft()[0].wait()
+        self._sends.append((dist.isend(h.contiguous(), dst=dst), h))
+
+    def stats(self) -> dict[str, Any]:
+        s = self.spec
+        out: dict[str, Any] = {
+            "stage": s.stage,
+            "layers": list(s.layers),
+            "tp": s.tp,
+            "kv_bytes_device": self.kv.nbytes(),
+            "host_pool_bytes": self.kv.layout.spec.nbytes,
+            "host_pool_name": self.kv.layout.pool.name,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "busy_s": self.busy_s,
+        }
+        out.update(self.kv.stats())
+        return out
+
+    def close(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        self.kv.close()
+        if self.spec.store_host and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def stage_main(spec: StageSpec, transport: Transport) -> None:
+    """Entry point of a stage process: build, say Ready, run until Shutdown; report any failure."""
+    proc: StageProcess | None = None
+    code = 0
+    try:
+        proc = StageProcess(spec, transport)
+        transport.put(Ready(spec.rank, os.getpid()))
+        proc.run()
+    except BaseException as e:  # noqa: BLE001 (anything that stops a stage must reach the driver)
+        code = 1
+        traceback.print_exc(file=sys.stderr)
+        transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, _one_line(e)))
+    finally:
+        try:
+            if proc is not None and code == 0:
+                proc.close()
+        finally:
+            transport.close()
+    sys.exit(code)
+
+
+def spawn_main(spec: StageSpec, inbox: Any, outbox: Any) -> None:
+    """`multiprocessing` target for a local spawn."""
+    stage_main(spec, QueueTransport(inbox, outbox))

@@ -1,0 +1,293 @@
+"""`StageRuntime`: the driver side of the pipeline (runs in the Engine's process).
+
+It partitions the layers (`longctx.stages.partition`), spawns pp * tp stage processes
+(`longctx.stages.process`), hosts their rendezvous (a TCPStore on 127.0.0.1, port picked by the
+OS), sends every plan to every rank and collects the last stage's results.
+
+Plans in flight: `submit(plan)` returns at once and `collect()` returns the oldest outstanding
+result, so a caller can keep up to P plans in the pipeline (stage 0 works on plan k+1 while stage
+1 works on plan k). `run(plan)` is submit + collect, what the synchronous `Engine.step` uses.
+The plans in flight must be independent: a request may appear in at most one of them (its next
+token depends on the previous result). A scheduler that keeps P micro-batches in flight would
+split its running requests into P disjoint groups, submit one plan per group, and on each
+`collect()` update that group and submit its next plan (`Engine.step` stays one plan at a time).
+
+Faults: while waiting, the driver polls the processes' liveness; a stage that died or failed makes
+the waiting call (and every later one) raise `EngineDeadError` within a poll interval, and all
+other stage processes are terminated. `close()` is idempotent, also runs at interpreter exit, and
+removes any host-pool file a killed stage left behind (`cleanup_stale`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import queue
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from longctx.config import ModelConfig
+from longctx.engine.plan import BatchPlan, BatchResult
+from longctx.errors import ConfigError, EngineDeadError
+from longctx.kvstore.host_pool import NAME_PREFIX, cleanup_stale
+from longctx.stages.messages import (
+    Failed,
+    Ready,
+    Result,
+    RunPlan,
+    Shutdown,
+    StageSpec,
+    StageStats,
+    StatsRequest,
+)
+from longctx.stages.partition import partition
+from longctx.stages.tp import check_tp
+
+POLL_S = 0.1
+SHUTDOWN_GRACE_S = 5.0
+
+
+class _Procs:
+    """The spawned processes and their queues; `close` is what `weakref.finalize` calls."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.inboxes: list[Any] = []
+        self.outbox: Any = None
+        self.store: Any = None
+        self.closed = False
+
+    def close(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            for q in self.inboxes:
+                with contextlib.suppress(Exception):
+                    q.put(Shutdown())
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for p in self.procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for q in [*self.inboxes, self.outbox]:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self.store = None
+        # a stage killed between creating its host pool and unlinking it leaves the file behind
+        cleanup_stale(NAME_PREFIX)
+
+
+class StageRuntime:
+    """pp pipeline stages of tp processes each, driven from this process. See the module doc."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        *,
+        pp: int = 1,
+        tp: int = 1,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_kind: str = "auto",
+        num_pages: int = 256,
+        use_triton: bool = False,
+        prefill_form: str = "auto",
+        hisparse_device_tokens: int | None = None,
+        layer_split: list[int] | None = None,
+        page_size: int = 64,
+        num_threads: int | None = None,
+        poll_s: float = POLL_S,
+    ) -> None:
+        check_tp(cfg, tp)
+        if pp < 1 or pp > cfg.num_hidden_layers:
+            raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
+        dev = torch.device(device)
+        world = pp * tp
+        if dev.type == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(f"pp={pp} x tp={tp} needs {world} GPUs, {torch.cuda.device_count()} visible")
+        context = min(num_pages * page_size, cfg.max_position_embeddings)
+        plans = partition(cfg, pp, context, layer_split, tp=tp, gpus_per_node=max(tp, world))
+        self.layers = [p.layers for p in plans]
+        self.pp, self.tp, self.poll_s = pp, tp, poll_s
+        if num_threads is None:
+            num_threads = max(1, (os.cpu_count() or 1) // world) if dev.type == "cpu" else 0
+
+        self._p = _Procs()
+        self._finalizer = weakref.finalize(self, self._p.close)
+        # the driver hosts the rendezvous store: port 0 lets the OS pick a free port, race-free
+        self._p.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self._p.outbox = ctx.Queue()
+        dtype_name = str(dtype).replace("torch.", "")
+        from longctx.stages.process import spawn_main
+
+        self.specs: list[StageSpec] = []
+        for s, (a, b) in enumerate(self.layers):
+            for t in range(tp):
+                spec = StageSpec(
+                    model_dir=str(model_dir),
+                    cfg=cfg,
+                    pp=pp,
+                    tp=tp,
+                    stage=s,
+                    tp_rank=t,
+                    layers=(a, b),
+                    device=dev.type,
+                    dtype=dtype_name,
+                    kv_kind=kv_kind,
+                    num_pages=num_pages,
+                    page_size=page_size,
+                    use_triton=use_triton,
+                    prefill_form=prefill_form,
+                    hisparse_device_tokens=hisparse_device_tokens,
+                    store_host="127.0.0.1",
+                    store_port=self._p.store.port,
+                    num_threads=num_threads,
+                )
+                inbox = ctx.Queue()
+                proc = ctx.Process(
+                    target=spawn_main,
+                    args=(spec, inbox, self._p.outbox),
+                    name=f"longctx-stage{s}-tp{t}",
+                    daemon=True,
+                )
+                self.specs.append(spec)
+                self._p.inboxes.append(inbox)
+                self._p.procs.append(proc)
+        self._dead: str | None = None
+        self._seq = itertools.count()
+        self._pending: deque[int] = deque()
+        self._results: dict[int, bytes] = {}
+        self._stats: dict[int, dict[int, dict[str, Any]]] = {}
+        self._ready: set[int] = set()
+        try:
+            for p in self._p.procs:
+                p.start()
+            while len(self._ready) < world:
+                self._pump()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- processes ---------------------------------------------------------------------------
+    @property
+    def pids(self) -> list[list[int]]:
+        """pids[stage][tp_rank] of the stage processes."""
+        return [[self._p.procs[s * self.tp + t].pid for t in range(self.tp)] for s in range(self.pp)]
+
+    def _where(self, rank: int) -> str:
+        return (
+            f"stage {rank // self.tp} (layers {list(self.layers[rank // self.tp])}, tp rank {rank % self.tp})"
+        )
+
+    def _die(self, why: str) -> None:
+        self._dead = why
+        self._pending.clear()
+        self._p.close(graceful=False)
+        raise EngineDeadError(why)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        for rank, p in enumerate(self._p.procs):
+            if not p.is_alive():
+                # a failing stage reports why before it exits: prefer that message
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        self._dispatch(self._p.outbox.get(timeout=0.2))
+                self._die(f"{self._where(rank)} exited with code {p.exitcode}")
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Result):
+            self._results[msg.seq] = msg.payload
+        elif isinstance(msg, StageStats):
+            self._stats.setdefault(msg.seq, {})[msg.stage] = msg.stats
+        elif isinstance(msg, Ready):
+            self._ready.add(msg.rank)
+        elif isinstance(msg, Failed):
+            self._die(f"{self._where(msg.rank)} failed: {msg.message}")
+
+    def _pump(self) -> None:
+        """Handle one message from the stages, or check their liveness after `poll_s` of silence."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            msg = self._p.outbox.get(timeout=self.poll_s)
+        except queue.Empty:
+            self._check_alive()
+            return
+        self._dispatch(msg)
+
+    # ---- plans -------------------------------------------------------------------------------
+    def submit(self, plan: BatchPlan) -> int:
+        """Send `plan` into the pipeline without waiting; returns its sequence number."""
+        self._check_alive()
+        seq = next(self._seq)
+        msg = RunPlan(seq, plan)
+        for q in self._p.inboxes:
+            q.put(msg)
+        self._pending.append(seq)
+        return seq
+
+    def collect(self) -> BatchResult:
+        """The result of the oldest submitted plan (blocks; raises EngineDeadError on a fault)."""
+        if not self._pending:
+            raise RuntimeError("collect() without a submitted plan")
+        seq = self._pending[0]
+        while seq not in self._results:
+            self._pump()
+        self._pending.popleft()
+        return pickle.loads(self._results.pop(seq))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def run(self, plan: BatchPlan) -> BatchResult:
+        """Synchronous: submit + collect (with nothing else in flight)."""
+        if self._pending:
+            raise RuntimeError("run() while plans are in flight; use collect()")
+        self.submit(plan)
+        return self.collect()
+
+    # ---- introspection / lifecycle -----------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """{"stages": [per stage: layers, tp, kv_bytes_device, host_pool_bytes, steps, busy_s, ...]}."""
+        if self._dead is not None:
+            return {"stages": [], "error": self._dead}
+        seq = next(self._seq)
+        for s in range(self.pp):
+            self._p.inboxes[s * self.tp].put(StatsRequest(seq))
+        while len(self._stats.get(seq, {})) < self.pp:
+            self._pump()
+        got = self._stats.pop(seq)
+        pids = self.pids
+        return {"stages": [dict(got[s], pids=pids[s]) for s in range(self.pp)]}
+
+    def close(self) -> None:
+        """Stop every stage process and release everything. Idempotent; also runs at exit."""
+        self._finalizer()
+
+    def __enter__(self) -> StageRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,212 @@
+"""Tensor parallelism inside a pipeline stage, applied to a finished single-device `CausalLM`.
+
+As in gpt-fast's `tp.py`, the model code knows nothing about ranks: this module (1) shrinks the
+meta-built modules to one rank's shard, (2) slices the checkpoint tensors as they stream in, so a
+rank never holds a whole layer, and (3) adds forward hooks that all-reduce partial outputs.
+
+What each of `tp` ranks holds (heads h = H / tp, rank r):
+- attention: q_b_proj rows and kv_b_proj rows of heads [r h, (r+1) h), o_proj columns of the same
+  heads; `n_heads = h` (the absorbed W_UK / W_UV come from the sharded kv_b_proj in `finalize`).
+  o_proj's output is a partial sum over heads -> all-reduce (hook on o_proj).
+- replicated: embedding, q_a / kv_a projections and their norms, the indexer (every rank needs the
+  same top-k), the router, the layer norms, the final norm and lm_head.
+- dense MLP and shared experts: gate/up rows and down columns of intermediate [r I/tp, (r+1) I/tp).
+- routed experts: experts [r E/tp, (r+1) E/tp) stacked as local ids 0..; a pre-hook maps the
+  router's global ids to local ones (others -1, which the expert kernels skip).
+  The MLP/MoE output (routed + shared partials) is a partial sum -> one all-reduce (hook on mlp).
+
+FP8 block-quantised weights are sliced with their scales when the slice falls on 128-blocks;
+otherwise that tensor's shard is dequantised to the model dtype (e.g. kv_b_proj with an odd number
+of 448-row heads per rank).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from longctx.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE, dequantize_fp8_block
+from longctx.config import ModelConfig
+from longctx.errors import ConfigError
+from longctx.model.linear import Linear
+from longctx.model.model import CausalLM
+from longctx.model.moe import MLP, MoE
+
+Reduce = Callable[[torch.Tensor], None]  # in-place sum over the stage's TP ranks
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def shard_range(n: int, rank: int, tp: int) -> tuple[int, int]:
+    """[start, stop) of rank's share of n items (sizes differ by at most one)."""
+    return n * rank // tp, n * (rank + 1) // tp
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    if tp < 1:
+        raise ConfigError(f"tp must be at least 1, got {tp}")
+    if cfg.num_attention_heads % tp:
+        raise ConfigError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}")
+
+
+class TPShard:
+    """One rank's shard of a stage: which rows/columns/experts it keeps."""
+
+    def __init__(self, cfg: ModelConfig, rank: int, tp: int) -> None:
+        check_tp(cfg, tp)
+        if not 0 <= rank < tp:
+            raise ConfigError(f"tp rank {rank} outside [0, {tp})")
+        self.cfg, self.rank, self.tp = cfg, rank, tp
+        self.heads = cfg.num_attention_heads // tp
+        self.experts = shard_range(cfg.n_routed_experts, rank, tp)
+        self.block: tuple[int, int] = tuple(cfg.quant_block or DEFAULT_BLOCK)  # type: ignore[assignment]
+
+    # ---- which slice of a checkpoint tensor -------------------------------------------------
+    def _slice_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of `name`'s shard, or None if replicated."""
+        m = _LAYER.match(name)
+        if m is None or not name.endswith(".weight"):
+            return None
+        c, h0 = self.cfg, self.rank * self.heads
+        rest = m.group(2)[: -len(".weight")]
+        if rest == "self_attn.q_b_proj":
+            w = c.qk_head_dim
+            return 0, h0 * w, (h0 + self.heads) * w
+        if rest == "self_attn.kv_b_proj":
+            w = c.qk_nope_head_dim + c.v_head_dim
+            return 0, h0 * w, (h0 + self.heads) * w
+        if rest == "self_attn.o_proj":
+            w = c.v_head_dim
+            return 1, h0 * w, (h0 + self.heads) * w
+        if rest in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            a, b = shard_range(c.intermediate_size, self.rank, self.tp)
+            return (1 if rest == "mlp.down_proj" else 0), a, b
+        if rest in (
+            "mlp.shared_experts.gate_proj",
+            "mlp.shared_experts.up_proj",
+            "mlp.shared_experts.down_proj",
+        ):
+            a, b = shard_range(c.moe_intermediate_size * c.n_shared_experts, self.rank, self.tp)
+            return (1 if rest.endswith("down_proj") else 0), a, b
+        return None
+
+    def _aligned(self, dim: int, start: int, stop: int, full: int) -> bool:
+        blk = self.block[dim]
+        return start % blk == 0 and (stop % blk == 0 or stop == full)
+
+    def shard_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Filter `iter_weights`: keep this rank's experts (renumbered), slice sharded tensors.
+
+        `iter_weights(keep_fp8=True)` yields an fp8 weight immediately followed by its
+        `_scale_inv`; such pairs are sliced together (or dequantised when not block-aligned).
+        """
+        held: tuple[str, torch.Tensor, tuple[int, int, int]] | None = None
+        for name, t in weights:
+            if held is not None:
+                wname, w, (dim, a, b) = held
+                held = None
+                if name != wname + "_scale_inv":
+                    raise ConfigError(f"fp8 weight {wname} is not followed by its scale")
+                if self._aligned(dim, a, b, w.shape[dim]):
+                    blk = self.block[dim]
+                    yield wname, w.narrow(dim, a, b - a).contiguous()
+                    sa, sb = a // blk, -(-b // blk)
+                    yield name, t.narrow(dim, sa, sb - sa).contiguous()
+                else:
+                    dense = dequantize_fp8_block(w, t, self.block, torch.float32)
+                    yield wname, dense.narrow(dim, a, b - a).contiguous()
+                continue
+            m = _EXPERT.match(name)
+            if m is not None:
+                e = int(m.group(2))
+                e0, e1 = self.experts
+                if e0 <= e < e1:
+                    yield f"{m.group(1)}.{e - e0}.{m.group(3)}", t
+                continue
+            sl = self._slice_of(name)
+            if sl is None:
+                yield name, t
+            elif t.dtype == FP8_DTYPE:
+                held = (name, t, sl)
+            else:
+                dim, a, b = sl
+                yield name, t.narrow(dim, a, b - a).contiguous()
+        if held is not None:
+            raise ConfigError(f"fp8 weight {held[0]} has no scale")
+
+    # ---- the meta model ----------------------------------------------------------------------
+    def shard_model(self, model: CausalLM, reduce: Reduce | None) -> CausalLM:
+        """Shrink a meta-built model's modules to this rank's shapes and add the reduce hooks.
+
+        Call before loading weights; `reduce` is None only for tp == 1 (nothing to do).
+        """
+        if self.tp == 1:
+            return model
+        assert reduce is not None
+        for i, layer in model.model.layers.items():
+            if not any(p.is_meta for p in layer.parameters()):
+                raise ConfigError(f"layer {i}: shard_model needs the meta-built model, before loading")
+            attn = layer.self_attn
+            h = self.heads
+            _resize(attn.q_b_proj, out=h * self.cfg.qk_head_dim)
+            _resize(attn.kv_b_proj, out=h * (attn.nope + attn.v_dim))
+            _resize(attn.o_proj, inp=h * attn.v_dim)
+            attn.n_heads = h
+            attn.o_proj.register_forward_hook(_reduce_hook(reduce))
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                e0, e1 = self.experts
+                ex = mlp.experts
+                for attr in ("gate_up_proj", "down_proj"):
+                    p = getattr(ex, attr)
+                    setattr(ex, attr, _meta_param((e1 - e0, *p.shape[1:]), p.dtype))
+                ex.register_forward_pre_hook(_local_experts_hook(e0, e1))
+                if mlp.shared_experts is not None:
+                    _shard_mlp(mlp.shared_experts, self.rank, self.tp)
+            else:
+                assert isinstance(mlp, MLP)
+                _shard_mlp(mlp, self.rank, self.tp)
+            mlp.register_forward_hook(_reduce_hook(reduce))
+        return model
+
+
+def _meta_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def _resize(lin: Linear, out: int | None = None, inp: int | None = None) -> None:
+    lin.out_features = out if out is not None else lin.out_features
+    lin.in_features = inp if inp is not None else lin.in_features
+    lin.weight = _meta_param((lin.out_features, lin.in_features), lin.weight.dtype)
+
+
+def _shard_mlp(mlp: MLP, rank: int, tp: int) -> None:
+    a, b = shard_range(mlp.gate_proj.out_features, rank, tp)
+    _resize(mlp.gate_proj, out=b - a)
+    _resize(mlp.up_proj, out=b - a)
+    _resize(mlp.down_proj, inp=b - a)
+
+
+def _reduce_hook(reduce: Reduce) -> Callable[..., torch.Tensor]:
+    def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        reduce(out)
+        return out
+
+    return hook
+
+
+def _local_experts_hook(e0: int, e1: int) -> Callable[..., tuple]:
+    """Experts.forward(x, w, ids, use_triton): global expert ids -> local ids, -1 if not ours."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x, w, ids, *rest = args
+        local = torch.where((ids >= e0) & (ids < e1), ids - e0, torch.full_like(ids, -1))
+        return (x, w, local, *rest)
+
+    return hook
