@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from longctx.config import ModelConfig
+from longctx.errors import ConfigError
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, index_row_bytes, mla_row_bytes
 from longctx.model.context import ForwardContext
 
@@ -21,14 +22,19 @@ KV_KINDS = ("auto", "bf16", "fp8")
 
 
 def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
-    """Public `kv_dtype` ("auto" | "bf16" | "fp8_e4m3") -> pool kind."""
+    """Public `kv_dtype` ("auto" | "model" | "bf16" | "fp8_e4m3") -> pool kind.
+
+    "auto" is fp8 on CUDA and the model dtype elsewhere; "model" is always the model dtype.
+    """
     if kv_dtype == "auto":
         return "fp8" if device.type == "cuda" else "auto"
+    if kv_dtype == "model":
+        return "auto"
     if kv_dtype in ("fp8", "fp8_e4m3"):
         return "fp8"
     if kv_dtype == "bf16":
         return "bf16"
-    raise ValueError(f"kv_dtype must be 'auto', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
+    raise ConfigError(f"kv_dtype must be 'auto', 'model', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
 
 
 class PagedKVPool:
