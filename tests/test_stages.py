@@ -1,0 +1,149 @@
+"""Pipeline stages and TP groups as real processes (gloo on CPU) against the single-process engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.engine.plan import BatchPlan, RowPlan
+from longctx.errors import EngineDeadError
+
+PAGES = 16
+CHUNK = 29  # several prefill chunks per prompt
+PROMPT = [(i * 37 + 11) % 256 for i in range(70)]
+GEN_PROMPTS = [PROMPT[:23], PROMPT[30:61]]
+NEW = 6
+
+
+def _engine(model_dir, **kw) -> Engine:
+    return Engine(model_dir, device="cpu", kv_pages=PAGES, chunk_size=CHUNK, **kw)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    with _engine(tiny_dir) as e:
+        logits = e.score(PROMPT)
+        tokens = [c.token_ids for c in e.generate(GEN_PROMPTS, max_new_tokens=NEW, ignore_eos=True)]
+    return logits, tokens
+
+
+@pytest.fixture(scope="module")
+def pp2tp2(tiny_dir):
+    with _engine(tiny_dir, pp=2, tp=2) as e:
+        yield e
+
+
+def _check_parity(eng: Engine, reference) -> None:
+    logits, tokens = reference
+    assert _rel(eng.score(PROMPT), logits) <= 1e-5
+    got = [c.token_ids for c in eng.generate(GEN_PROMPTS, max_new_tokens=NEW, ignore_eos=True)]
+    assert got == tokens
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (3, 1), (1, 2)])
+def test_parity(tiny_dir, reference, pp, tp):
+    with _engine(tiny_dir, pp=pp, tp=tp) as eng:
+        _check_parity(eng, reference)
+        stages = eng.stats()["stages"]
+    assert len(stages) == pp
+    # the stages cover the layers in order, each with its own KV only
+    assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == eng.config.num_hidden_layers
+    assert all(a["layers"][1] == b["layers"][0] for a, b in zip(stages, stages[1:], strict=False))
+    assert all(s["tp"] == tp and s["steps"] > 0 and s["busy_s"] > 0 for s in stages)
+    assert all(s["kv_bytes_device"] > 0 and s["host_pool_bytes"] > 0 for s in stages)
+
+
+def test_parity_pp2_tp2(pp2tp2, reference):
+    _check_parity(pp2tp2, reference)
+
+
+def test_tp_ranks_share_one_host_pool_file(pp2tp2):
+    stages = pp2tp2.stats()["stages"]
+    names = [s["host_pool_name"] for s in stages]
+    assert len(set(names)) == len(stages)
+    for s in stages:
+        assert len(s["pids"]) == 2
+        for pid in s["pids"]:
+            with open(f"/proc/{pid}/maps") as f:
+                lines = [ln for ln in f if "longctx-" in ln]
+            # exactly this stage's file (shown as "(deleted)": it was unlinked after every rank attached)
+            assert lines and all(s["host_pool_name"] in ln for ln in lines), (pid, lines)
+            assert all(ln.rstrip().endswith("(deleted)") for ln in lines)
+        assert not os.path.exists(os.path.join("/dev/shm", s["host_pool_name"]))
+        assert s["host_backup_bytes"] > 0  # TP rank 0 backed up the new rows
+
+
+def _plan(step: int, rid: str, tokens: list[int], start: int, page: int) -> BatchPlan:
+    return BatchPlan(step, (RowPlan(rid, tuple(tokens), start, (page,), logits="all"),))
+
+
+def test_plans_in_flight_match_sequential(pp2tp2):
+    rt = pp2tp2.runner
+    a, b = PROMPT[:40], PROMPT[25:60]
+
+    def plans(p0: int) -> list[BatchPlan]:
+        # a's second chunk is in flight with its first: stages run plans in order, so its KV is there
+        return [
+            _plan(0, "a", a[:20], 0, p0),
+            _plan(1, "b", b[:17], 0, p0 + 1),
+            _plan(2, "a", a[20:], 20, p0),
+            _plan(3, "b", b[17:], 17, p0 + 1),
+        ]
+
+    seq = [rt.run(p) for p in plans(0)]
+    for p in plans(2):
+        rt.submit(p)
+    assert rt.in_flight == 4
+    par = [rt.collect() for _ in range(4)]
+    assert rt.in_flight == 0
+    for x, y in zip(seq, par, strict=True):
+        assert x.step_id == y.step_id
+        assert torch.equal(x.rows[0].logits, y.rows[0].logits)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie no longer holds anything
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_killed_stage_fails_fast_and_leaves_nothing(tiny_dir):
+    eng = _engine(tiny_dir, pp=2)
+    stages = eng.stats()["stages"]
+    pids = [p for s in stages for p in s["pids"]]
+    victim = stages[1]["pids"][0]
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(victim, signal.SIGKILL)
+
+    timer = threading.Timer(0.5, kill)
+    timer.start()
+    try:
+        with pytest.raises(EngineDeadError, match="stage 1"):
+            eng.generate([PROMPT[:10]], max_new_tokens=1000, ignore_eos=True)
+        assert killed_at and time.monotonic() - killed_at[0] < 5.0
+        with pytest.raises(EngineDeadError):  # the engine stays dead
+            eng.score(PROMPT[:5])
+    finally:
+        timer.cancel()
+        eng.close()
+    eng.close()  # idempotent
+    assert all(_gone(p) for p in pids)
+    for s in stages:
+        assert not os.path.exists(os.path.join("/dev/shm", s["host_pool_name"]))
+    assert not [f for f in os.listdir("/dev/shm") if any(f"-{p}-" in f for p in pids)]
