@@ -1,0 +1,220 @@
+"""Model clients for the workloads: the embedded engine, or any OpenAI-compatible server.
+
+Both take a list of `GenRequest`s and return `GenResult`s in order. The embedded engine gets
+whole batches (one `Engine.generate` call; its scheduler batches and shares prefixes); an HTTP
+client is `parallel`: the caller sends one request per thread from a pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from longctx.errors import LongctxError
+
+
+class ClientError(LongctxError):
+    """The model could not be reached or answered with an error."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One greedy generation. `prompt` is the raw text; `chat_user`, when set, is sent as the
+    user message of a chat request instead; `prompt_ids` are its token ids when known."""
+
+    prompt: str
+    max_new_tokens: int
+    chat_user: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenResult:
+    text: str
+    latency_s: float
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+class Client:
+    """Base class: `generate` a batch; `parallel` clients take concurrent single requests."""
+
+    parallel = False
+    label = "model"
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class EngineClient(Client):
+    """The embedded `longctx.Engine` (built lazily so argument errors surface before loading)."""
+
+    parallel = False
+
+    def __init__(
+        self, model_dir: str | Path, hisparse_device_tokens: int | None = None, **engine_kw: Any
+    ) -> None:
+        from longctx import Engine
+
+        kw = dict(engine_kw)
+        if hisparse_device_tokens is not None:
+            kw["hisparse_device_tokens"] = hisparse_device_tokens
+        self.label = str(model_dir)
+        self.engine = Engine(str(model_dir), **kw)
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        if not reqs:
+            return []
+        prompts: list[Any] = [list(r.prompt_ids) if r.prompt_ids is not None else r.prompt for r in reqs]
+        t0 = time.perf_counter()
+        comps = self.engine.generate(
+            prompts, max_new_tokens=max(r.max_new_tokens for r in reqs), temperature=0.0, top_p=1.0, top_k=0
+        )
+        dt = time.perf_counter() - t0
+        out = []
+        for r, c in zip(reqs, comps):
+            out.append(
+                GenResult(
+                    text=c.text,
+                    latency_s=dt,  # a batch finishes together as far as the caller can tell
+                    prompt_tokens=len(r.prompt_ids) if r.prompt_ids is not None else None,
+                    completion_tokens=len(c.token_ids),
+                    finish_reason=getattr(c, "finish_reason", None),
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class HTTPClient(Client):
+    """An OpenAI-compatible server: /v1/completions or /v1/chat/completions, plus longctx's
+    long-document endpoints (POST /v1/documents, POST /v1/documents/{id}/ask) when it has them."""
+
+    parallel = True
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        model_name: str | None = None,
+        chat: bool = False,
+        timeout_s: float = 3600.0,
+        transport: Any = None,  # an httpx transport (tests use httpx.MockTransport)
+    ) -> None:
+        import httpx
+
+        base = base_url.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[:-3]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._httpx = httpx
+        self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s, transport=transport)
+        self.chat = chat
+        self.label = base
+        self.model = model_name or self._default_model()
+
+    def _default_model(self) -> str:
+        try:
+            r = self.http.get("/v1/models")
+            if r.status_code == 200:
+                data = r.json().get("data") or []
+                if data and isinstance(data[0], dict) and data[0].get("id"):
+                    return str(data[0]["id"])
+        except self._httpx.HTTPError:
+            pass
+        except ValueError:
+            pass
+        return "default"
+
+    def _post(self, path: str, body: dict, ok_missing: bool = False) -> dict | None:
+        last: Exception | None = None
+        for attempt in range(2):  # one retry for a dropped connection
+            try:
+                r = self.http.post(path, json=body)
+            except self._httpx.TransportError as e:
+                last = e
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            if ok_missing and r.status_code in (404, 405, 501):
+                return None
+            if r.status_code >= 400:
+                raise ClientError(f"POST {path} -> HTTP {r.status_code}: {_one_line(r.text)}")
+            try:
+                return r.json()
+            except ValueError:
+                raise ClientError(f"POST {path} returned non-JSON: {_one_line(r.text)}") from None
+        raise ClientError(f"POST {self.label}{path} failed: {_one_line(str(last))}")
+
+    @staticmethod
+    def _result(body: dict, dt: float, chat: bool) -> GenResult:
+        try:
+            choice = body["choices"][0]
+            text = choice["message"]["content"] if chat else choice["text"]
+        except (KeyError, IndexError, TypeError):
+            raise ClientError(f"unexpected response: {_one_line(str(body))}") from None
+        usage = body.get("usage") or {}
+        return GenResult(
+            text=text or "",
+            latency_s=dt,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            finish_reason=choice.get("finish_reason"),
+        )
+
+    def _one(self, r: GenRequest) -> GenResult:
+        t0 = time.perf_counter()
+        common = {"model": self.model, "max_tokens": r.max_new_tokens, "temperature": 0.0, "top_p": 1.0}
+        if self.chat:
+            user = r.chat_user if r.chat_user is not None else r.prompt
+            body = self._post(
+                "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": user}]}
+            )
+        else:
+            body = self._post("/v1/completions", {**common, "prompt": r.prompt})
+        assert body is not None
+        return self._result(body, time.perf_counter() - t0, self.chat)
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        return [self._one(r) for r in reqs]
+
+    def chat_messages(self, messages: list[dict], max_tokens: int) -> GenResult:
+        """One chat completion for explicit messages."""
+        t0 = time.perf_counter()
+        body = self._post(
+            "/v1/chat/completions",
+            {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0},
+        )
+        assert body is not None
+        return self._result(body, time.perf_counter() - t0, True)
+
+    def create_document(self, text: str) -> tuple[str, int | None] | None:
+        """Upload a long document once; (id, tokens), or None when the server has no such endpoint."""
+        body = self._post("/v1/documents", {"text": text}, ok_missing=True)
+        if body is None:
+            return None
+        if "id" not in body:
+            raise ClientError(f"POST /v1/documents returned no id: {_one_line(str(body))}")
+        return str(body["id"]), body.get("tokens")
+
+    def ask_document(self, doc_id: str, question: str, max_tokens: int) -> GenResult:
+        """Ask a question about an uploaded document (the server reuses its prefilled KV)."""
+        t0 = time.perf_counter()
+        body = self._post(f"/v1/documents/{doc_id}/ask", {"question": question, "max_tokens": max_tokens})
+        assert body is not None
+        return self._result(body, time.perf_counter() - t0, True)
+
+    def close(self) -> None:
+        self.http.close()

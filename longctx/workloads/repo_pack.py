@@ -1,0 +1,162 @@
+"""Pack a repository into one prompt: every text file with a header and numbered lines.
+
+Layout (byte-cheap, since the default tokenizer spends one token per byte):
+
+    Repository <name>. Each file starts with a line "=== <path> (lines 1-<n>) ===" and each of
+    its lines is prefixed with its line number and "| ".
+
+    === src/app.py (lines 1-3) ===
+    1|     2| ...
+
+Files come in path order. Skipped, with the reason reported: binaries (a NUL byte), non-UTF-8
+text, files over `max_file_bytes`, symlinks, unreadable files, and — once the token budget is
+spent — every file after the first that does not fit ("context full"). Ignored files (by git or
+.gitignore) are not listed, only counted when that is cheap.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from longctx.workloads.gitignore import list_files
+from longctx.workloads.tokens import TokenCounter
+
+
+@dataclass(frozen=True)
+class PackedFile:
+    path: str
+    lines: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: str
+    reason: str  # binary | not utf-8 | too large | symlink | unreadable | context full
+
+
+@dataclass(frozen=True)
+class Pack:
+    """A packed repository: the prompt text and the accounting of what went in and what did not."""
+
+    text: str
+    tokens: int
+    budget: int
+    files: tuple[PackedFile, ...]
+    skipped: tuple[Skipped, ...]
+    ignored: int | None  # entries excluded by ignore rules (None: not counted, git mode)
+    method: str  # git | gitignore
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self.files]
+
+    def skipped_by_reason(self) -> dict[str, int]:
+        return dict(Counter(s.reason for s in self.skipped))
+
+    def report(self, limit: int = 20) -> str:
+        """What was left out and why, one line per file (at most `limit`), for the terminal."""
+        if not self.skipped:
+            return "all candidate files packed"
+        lines = [
+            f"left out {len(self.skipped)} files: "
+            + ", ".join(f"{n} {r}" for r, n in self.skipped_by_reason().items())
+        ]
+        for s in self.skipped[:limit]:
+            lines.append(f"  {s.path}: {s.reason}")
+        if len(self.skipped) > limit:
+            lines.append(f"  ... and {len(self.skipped) - limit} more")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "budget": self.budget,
+            "method": self.method,
+            "ignored": self.ignored,
+            "files": [f.__dict__ for f in self.files],
+            "skipped": [s.__dict__ for s in self.skipped],
+        }
+
+
+def preamble(name: str) -> str:
+    return (
+        f'Repository {name}. Each file starts with a line "=== <path> (lines 1-<n>) ===" and each '
+        'of its lines is prefixed with its line number and "| ".\n\n'
+    )
+
+
+def format_file(path: str, text: str) -> str:
+    """One file's block: a header with its path and line range, then numbered lines."""
+    lines = text.splitlines()
+    if not lines:
+        return f"=== {path} (empty) ===\n\n"
+    body = "".join(f"{i}| {line}\n" for i, line in enumerate(lines, 1))
+    return f"=== {path} (lines 1-{len(lines)}) ===\n{body}\n"
+
+
+def read_text(path: Path, max_file_bytes: int) -> tuple[str | None, str | None]:
+    """(text, None) for a packable file, or (None, reason)."""
+    if path.is_symlink():
+        return None, "symlink"
+    try:
+        size = path.stat().st_size
+        if size > max_file_bytes:
+            return None, "too large"
+        data = path.read_bytes()
+    except OSError:
+        return None, "unreadable"
+    if b"\0" in data:
+        return None, "binary"
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, "not utf-8"
+
+
+def pack_repo(
+    root: str | Path,
+    counter: TokenCounter,
+    budget: int,
+    max_file_bytes: int = 1 << 20,
+    use_git: bool | None = None,
+) -> Pack:
+    """Pack the files of `root` into at most `budget` tokens (counted with `counter`)."""
+    root = Path(root)
+    files, ignored, method = list_files(root, use_git)
+    head = preamble(root.resolve().name)
+    used = counter.count(head)
+    blocks: list[str] = []
+    packed: list[PackedFile] = []
+    skipped: list[Skipped] = []
+    full = False
+    for rel in files:
+        if full:
+            skipped.append(Skipped(rel, "context full"))
+            continue
+        text, reason = read_text(root / rel, max_file_bytes)
+        if text is None:
+            skipped.append(Skipped(rel, reason or "unreadable"))
+            continue
+        block = format_file(rel, text)
+        n = counter.count(block)
+        if used + n > budget:
+            full = True  # stop here: later files would silently reorder the repository
+            skipped.append(Skipped(rel, "context full"))
+            continue
+        used += n
+        blocks.append(block)
+        packed.append(PackedFile(rel, len(text.splitlines()), n))
+    body = head + "".join(blocks)
+    total = counter.count(body)
+    # Per-block counts can differ from the whole by merges across block boundaries; trim to fit.
+    while total > budget and packed:
+        last = packed.pop()
+        blocks.pop()
+        skipped.append(Skipped(last.path, "context full"))
+        body = head + "".join(blocks)
+        total = counter.count(body)
+    skipped.sort(key=lambda s: s.path)
+    return Pack(body, total, budget, tuple(packed), tuple(skipped), ignored, method)

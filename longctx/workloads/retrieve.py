@@ -1,0 +1,231 @@
+"""Repository-scale code retrieval: one packed repository, many questions, one prefill.
+
+The packed repository is the shared prefix of every prompt and the question comes after it,
+so the context is prefilled once and reused:
+- embedded engine: the prefix's token ids are computed once and every request starts with
+  exactly those ids, which the engine's prefix cache matches; the first question runs alone so
+  later ones find the prefix already cached;
+- server: the repository is uploaded once with POST /v1/documents and each question goes to
+  POST /v1/documents/{id}/ask; a server without those endpoints gets chat completions that all
+  begin with the same text (what prefix-caching servers reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from longctx.errors import LongctxError
+from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient
+from longctx.workloads.repo_pack import Pack
+from longctx.workloads.tokens import TokenCounter
+
+QUESTION = "\n\nQuestion about the repository above: {query}\nAnswer (cite the paths of the files you use):"
+ASK = "{query}\nCite the paths of the files you use."
+
+
+class QueryFileError(LongctxError):
+    """A queries file that cannot be read."""
+
+
+def read_queries(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file, each with a "query" (or "question") string; other keys are kept."""
+    p = Path(path)
+    if not p.is_file():
+        raise QueryFileError(f"no queries file {path}")
+    rows = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QueryFileError(f"{path}:{i}: not JSON ({e.msg})") from None
+        if isinstance(row, str):
+            row = {"query": row}
+        if not isinstance(row, dict):
+            raise QueryFileError(f'{path}:{i}: expected an object with a "query"')
+        q = row.get("query", row.get("question"))
+        if not isinstance(q, str) or not q.strip():
+            raise QueryFileError(f'{path}:{i}: no "query" string')
+        row = {k: v for k, v in row.items() if k != "question"}
+        row["query"] = q
+        rows.append(row)
+    if not rows:
+        raise QueryFileError(f"{path} has no queries")
+    return rows
+
+
+def cited_files(answer: str, paths: list[str]) -> list[str]:
+    """Packed paths the answer mentions, in order of first mention.
+
+    A path counts when it appears whole (not inside a longer path or name), or when the answer
+    names just its file name and no other packed file has that name.
+    """
+    names: dict[str, list[str]] = {}
+    for p in paths:
+        names.setdefault(p.rsplit("/", 1)[-1], []).append(p)
+    found: dict[str, int] = {}
+    for p in paths:
+        m = re.search(r"(?<![\w./-])" + re.escape(p) + r"(?![\w/-]|\.\w)", answer)
+        if m is None and "/" in p and len(names[p.rsplit("/", 1)[-1]]) == 1:
+            m = re.search(r"(?<![\w./-])" + re.escape(p.rsplit("/", 1)[-1]) + r"(?![\w/-]|\.\w)", answer)
+        if m is not None:
+            found[p] = m.start()
+    return sorted(found, key=lambda p: found[p])
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """How a question becomes a prompt: `render(text)` wraps a user message (chat) or not."""
+
+    render: Callable[[str], str] = lambda text: text
+
+    def split(self, context: str, question: str) -> tuple[str, str]:
+        """(shared prefix, per-question suffix) of the rendered prompt."""
+        full = self.render(context + question)
+        cut = full.find(context)
+        if cut < 0:
+            raise LongctxError("the chat template changes the message text; cannot share a prefix")
+        return full[: cut + len(context)], full[cut + len(context) :]
+
+
+def reserve_tokens(
+    counter: TokenCounter, queries: list[dict], prompting: Prompting, max_new_tokens: int
+) -> int:
+    """Tokens to keep free after the packed repository: the longest question, the answer, a margin."""
+    longest = max(counter.count(prompting.render(QUESTION.format(query=q["query"]))) for q in queries)
+    return longest + max_new_tokens + 16
+
+
+def run_retrieve(
+    pack: Pack,
+    queries: list[dict],
+    client: Client,
+    counter: TokenCounter,
+    out_path: str | Path,
+    max_new_tokens: int = 512,
+    concurrency: int = 4,
+    prompting: Prompting | None = None,
+) -> dict:
+    """Answer every query over the packed repository; write JSONL rows; return a summary."""
+    from tqdm import tqdm
+
+    prompting = prompting or Prompting()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(client, HTTPClient):
+        answer_many = _server_answerer(pack, queries, client, max_new_tokens)
+    else:
+        answer_many = _engine_answerer(pack, queries, client, counter, max_new_tokens, prompting)
+
+    results: dict[int, dict] = {}
+    written = 0
+    with (
+        out.open("w") as f,
+        tqdm(total=len(queries), desc="retrieve", unit="query", disable=not sys.stderr.isatty()) as bar,
+    ):
+
+        def done(i: int, res: GenResult) -> None:
+            nonlocal written
+            q = queries[i]
+            row = {
+                **{k: v for k, v in q.items() if k != "query"},
+                "query": q["query"],
+                "answer": res.text,
+                "cited_files": cited_files(res.text, pack.paths),
+                "latency_s": round(res.latency_s, 4),
+                "prompt_tokens": res.prompt_tokens,
+                "completion_tokens": res.completion_tokens,
+            }
+            results[i] = row
+            bar.update(1)
+            while written in results:  # keep the input order in the output file
+                f.write(json.dumps(results[written]) + "\n")
+                f.flush()
+                written += 1
+
+        # The first query alone prefills (and caches) the repository; the rest reuse it.
+        done(0, answer_many([0])[0])
+        rest = list(range(1, len(queries)))
+        if getattr(client, "parallel", False):
+            with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+                for i, res in zip(rest, pool.map(lambda i: answer_many([i])[0], rest)):
+                    done(i, res)
+        else:
+            for s in range(0, len(rest), max(1, concurrency)):
+                batch = rest[s : s + max(1, concurrency)]
+                for i, res in zip(batch, answer_many(batch)):
+                    done(i, res)
+
+    lat = [r["latency_s"] for r in results.values()]
+    return {
+        "queries": len(queries),
+        "mean_latency_s": sum(lat) / len(lat),
+        "files_packed": len(pack.files),
+        "files_skipped": len(pack.skipped),
+        "skipped_by_reason": pack.skipped_by_reason(),
+        "ignored": pack.ignored,
+        "context_tokens": pack.tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in results.values()),
+        "completion_tokens": sum(r["completion_tokens"] or 0 for r in results.values()),
+    }
+
+
+def _engine_answerer(
+    pack: Pack,
+    queries: list[dict],
+    client: Client,
+    counter: TokenCounter,
+    max_new_tokens: int,
+    prompting: Prompting,
+) -> Callable[[list[int]], list[GenResult]]:
+    prefix, _ = prompting.split(pack.text, QUESTION.format(query=""))
+    # Token ids of the prefix once: every request starts with exactly these ids, so the engine's
+    # prefix cache matches them (tokenizing each full prompt could merge across the seam).
+    prefix_ids = counter.encode(prefix)
+
+    def request(query: str) -> GenRequest:
+        _, suffix = prompting.split(pack.text, QUESTION.format(query=query))
+        if prefix_ids is None:
+            return GenRequest(prefix + suffix, max_new_tokens)
+        ids = counter.encode(suffix) or []
+        return GenRequest(prefix + suffix, max_new_tokens, prompt_ids=tuple(prefix_ids + ids))
+
+    def answer(idx: list[int]) -> list[GenResult]:
+        reqs = [request(queries[i]["query"]) for i in idx]
+        res = client.generate(reqs)
+        return [
+            r if r.prompt_tokens is not None else _with_prompt_tokens(r, counter.count(q.prompt))
+            for r, q in zip(res, reqs)
+        ]
+
+    return answer
+
+
+def _server_answerer(
+    pack: Pack, queries: list[dict], client: HTTPClient, max_new_tokens: int
+) -> Callable[[list[int]], list[GenResult]]:
+    doc = client.create_document(pack.text)
+
+    def answer(idx: list[int]) -> list[GenResult]:
+        out = []
+        for i in idx:
+            q = queries[i]["query"]
+            if doc is not None:
+                out.append(client.ask_document(doc[0], ASK.format(query=q), max_new_tokens))
+            else:
+                msg = [{"role": "user", "content": pack.text + QUESTION.format(query=q)}]
+                out.append(client.chat_messages(msg, max_new_tokens))
+        return out
+
+    return answer
+
+
+def _with_prompt_tokens(r: GenResult, n: int) -> GenResult:
+    return GenResult(r.text, r.latency_s, n, r.completion_tokens, r.finish_reason)

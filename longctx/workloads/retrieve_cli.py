@@ -1,0 +1,165 @@
+"""`longctx retrieve`: answer questions about a whole repository packed into one context.
+
+    longctx retrieve --repo . --queries q.jsonl --out answers.jsonl --model DIR
+    longctx retrieve --repo . --queries q.jsonl --out answers.jsonl --base-url http://host:port --max-context 131072
+
+Each line of the queries file is {"query": "..."} (other keys are copied to the output). Each
+output line has query, answer, cited_files, latency_s, prompt_tokens and completion_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from longctx.errors import LongctxError
+
+DEFAULT_MAX_CONTEXT = 1_048_576
+
+
+class UsageError(LongctxError):
+    """A bad command-line argument (one line, exit code 2)."""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "retrieve",
+        help="answer questions over a packed repository (prefilled once)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--repo", metavar="PATH", help="repository to pack")
+    p.add_argument("--queries", metavar="FILE", help='JSONL, one {"query": ...} per line')
+    p.add_argument("--out", metavar="FILE", help="JSONL answers")
+    p.add_argument("--model", metavar="DIR", help="model directory for the embedded engine")
+    p.add_argument("--base-url", metavar="URL", help="an OpenAI-compatible (or longctx) server instead")
+    p.add_argument("--api-key", metavar="KEY", help="bearer token for --base-url")
+    p.add_argument("--model-name", metavar="NAME", help="model name sent to --base-url")
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="tokenizer.json (or dir) for --base-url (default: bytes)"
+    )
+    p.add_argument(
+        "--max-context",
+        metavar="N",
+        help="context size in tokens (default: the model's, or 1,048,576 for a server)",
+    )
+    p.add_argument(
+        "--max-new-tokens", default="512", metavar="N", help="answer budget per query (default 512)"
+    )
+    p.add_argument(
+        "--max-file-bytes", default="524288", metavar="N", help="skip larger files (default 512 KiB)"
+    )
+    p.add_argument(
+        "--concurrency", default="4", metavar="N", help="queries in flight / engine batch (default 4)"
+    )
+    p.add_argument("--chat", action="store_true", help="embedded engine: wrap prompts in the chat template")
+    p.add_argument(
+        "--no-git", action="store_true", help="apply .gitignore files directly instead of asking git"
+    )
+    p.add_argument("--pack-report", metavar="FILE", help="write what was packed / left out as JSON")
+    p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
+    p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
+    p.set_defaults(func=run)
+
+
+def _int(name: str, text: str | None, lo: int = 1) -> int:
+    try:
+        v = int(str(text).replace("_", "").replace(",", ""))
+    except ValueError:
+        raise UsageError(f"{name} must be an integer, not {text!r}") from None
+    if v < lo:
+        raise UsageError(f"{name} must be >= {lo}")
+    return v
+
+
+def _model_context(model_dir: str) -> int:
+    try:
+        from longctx.config import ModelConfig
+
+        return min(ModelConfig.from_json(model_dir).max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    except LongctxError:
+        raise
+    except Exception:
+        return DEFAULT_MAX_CONTEXT
+
+
+def run(args: argparse.Namespace) -> int:
+    from longctx.workloads.repo_pack import pack_repo
+    from longctx.workloads.retrieve import Prompting, read_queries, reserve_tokens, run_retrieve
+    from longctx.workloads.tokens import load_counter
+
+    for name in ("repo", "queries", "out"):
+        if not getattr(args, name):
+            raise UsageError(f"--{name} is required")
+    if bool(args.model) == bool(args.base_url):
+        raise UsageError("give one of --model DIR or --base-url URL")
+    if not Path(args.repo).is_dir():
+        raise UsageError(f"--repo {args.repo}: not a directory")
+    if args.model and not Path(args.model).is_dir():
+        raise UsageError(f"--model {args.model}: not a directory")
+    if args.chat and args.base_url:
+        raise UsageError("--chat is for --model; servers are always asked through chat endpoints")
+    max_new = _int("--max-new-tokens", args.max_new_tokens)
+    max_file = _int("--max-file-bytes", args.max_file_bytes)
+    concurrency = _int("--concurrency", args.concurrency)
+    hisparse = (
+        _int("--hisparse-device-tokens", args.hisparse_device_tokens) if args.hisparse_device_tokens else None
+    )
+    if args.max_context:
+        max_context = _int("--max-context", args.max_context)
+    else:
+        max_context = _model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
+    queries = read_queries(args.queries)
+
+    tok_dir = args.model if args.model and (Path(args.model) / "tokenizer.json").exists() else args.tokenizer
+    counter = load_counter(tok_dir)
+    prompting = Prompting()
+    if args.chat:
+        from longctx.checkpoint.chat_template import apply_chat_template, load_chat_template
+
+        template = load_chat_template(args.model)
+        prompting = Prompting(
+            lambda text: apply_chat_template([{"role": "user", "content": text}], template=template)
+        )
+    budget = max_context - reserve_tokens(counter, queries, prompting, max_new)
+    if budget <= 0:
+        raise UsageError(
+            f"--max-context {max_context} leaves no room for the repository after questions and answers"
+        )
+    pack = pack_repo(
+        args.repo, counter, budget, max_file_bytes=max_file, use_git=False if args.no_git else None
+    )
+    print(
+        f"longctx retrieve: packed {len(pack.files)} files, {pack.tokens:,} tokens of {budget:,} available"
+        f" ({pack.method}); {pack.report()}",
+        file=sys.stderr,
+    )
+    if args.pack_report:
+        Path(args.pack_report).write_text(json.dumps(pack.to_json(), indent=2) + "\n")
+    if not pack.files:
+        raise UsageError(f"nothing to pack in {args.repo}")
+
+    from longctx.workloads.clients import EngineClient, HTTPClient
+
+    client: Any
+    if args.model:
+        client = EngineClient(args.model, hisparse_device_tokens=hisparse, device=args.device)
+    else:
+        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=True)
+    try:
+        s = run_retrieve(pack, queries, client, counter, args.out, max_new, concurrency, prompting)
+    finally:
+        client.close()
+    reasons = ", ".join(f"{n} {r}" for r, n in s["skipped_by_reason"].items()) or "none"
+    ignored = f", {s['ignored']} ignored" if s["ignored"] is not None else ""
+    print(
+        f"retrieve: {s['queries']} queries, mean latency {s['mean_latency_s']:.2f} s, "
+        f"{s['files_packed']} files packed ({s['context_tokens']:,} context tokens), "
+        f"{s['files_skipped']} skipped ({reasons}){ignored}, "
+        f"{s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion tokens -> {args.out}",
+        file=sys.stderr,
+    )
+    return 0

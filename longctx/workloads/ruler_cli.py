@@ -1,0 +1,200 @@
+"""`longctx ruler`: the 13-task RULER suite against the embedded engine or an OpenAI-compatible server.
+
+longctx ruler --model DIR --lengths 4k,32k,128k,1m --samples 20 --out runs/ruler
+longctx ruler --base-url http://host:port --tokenizer DIR --chat --out runs/other-engine
+longctx ruler --tasks niah_single_1,vt --lengths 8k --dump-dir samples/   # samples only
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from longctx.errors import LongctxError
+from longctx.workloads.ruler_tasks import TASKS, Renderer, Sample, parse_tasks, raw_render
+
+DEFAULT_LENGTHS = "4k,8k,16k,32k,64k,128k"
+MIN_LENGTH = 256
+
+
+class UsageError(LongctxError):
+    """A bad command-line argument (one line, exit code 2)."""
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'4k,32k,128k,1m' -> [4096, 32768, 131072, 1048576] (K = 1024, M = 1024**2), sorted."""
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        m = re.fullmatch(r"(\d+)([km]?)", p)
+        if not m:
+            raise UsageError(f"bad length {part.strip()!r}; use e.g. 4k,32k,128k,1m or a token count")
+        n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1 << 20}[m.group(2)]
+        if n < MIN_LENGTH:
+            raise UsageError(f"length {n} is too short; the smallest is {MIN_LENGTH}")
+        out.append(n)
+    if not out:
+        raise UsageError("--lengths is empty")
+    return sorted(set(out))
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "ruler",
+        help="RULER long-context benchmark (13 tasks)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--model", metavar="DIR", help="model directory for the embedded engine")
+    src.add_argument("--base-url", metavar="URL", help="an OpenAI-compatible server instead")
+    src.add_argument("--api-key", metavar="KEY", help="bearer token for --base-url")
+    src.add_argument(
+        "--model-name", metavar="NAME", help="model name sent to --base-url (default: its first)"
+    )
+    src.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer.json (or its dir) to count lengths with --base-url (default: bytes)",
+    )
+    p.add_argument("--tasks", default="all", help=f"comma list or 'all' ({', '.join(TASKS)})")
+    p.add_argument(
+        "--lengths", default=DEFAULT_LENGTHS, help=f"comma list of lengths (default {DEFAULT_LENGTHS})"
+    )
+    p.add_argument("--samples", default="50", metavar="N", help="samples per task and length (default 50)")
+    p.add_argument("--seed", default="42", metavar="N", help="generation seed (default 42)")
+    p.add_argument(
+        "--concurrency", default="4", metavar="N", help="requests in flight / engine batch (default 4)"
+    )
+    p.add_argument(
+        "--max-new-tokens-scale",
+        default="1.0",
+        metavar="X",
+        help="multiply RULER's per-task output budgets (default 1)",
+    )
+    p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
+    p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
+    p.add_argument("--chat", action="store_true", help="use the chat template instead of raw completion")
+    p.add_argument("--out", metavar="DIR", help="results.jsonl (resumable), results.json and ruler.png")
+    p.add_argument("--dump-dir", metavar="DIR", help="also write the generated samples to DIR/samples.jsonl")
+    p.set_defaults(func=run)
+
+
+def _int(name: str, text: str | None, lo: int = 1) -> int:
+    try:
+        v = int(str(text))
+    except ValueError:
+        raise UsageError(f"{name} must be an integer, not {text!r}") from None
+    if v < lo:
+        raise UsageError(f"{name} must be >= {lo}")
+    return v
+
+
+def _chat_renderer(model_dir: str) -> Renderer:
+    try:
+        from longctx.checkpoint.chat_template import apply_chat_template, load_chat_template
+    except ImportError:
+        raise UsageError("--chat needs longctx.checkpoint.chat_template, which is not available") from None
+    template = load_chat_template(model_dir)
+
+    def render(text: str, prefix: str) -> str:
+        return apply_chat_template([{"role": "user", "content": text}], template=template) + prefix.lstrip()
+
+    return render
+
+
+def run(args: argparse.Namespace) -> int:
+    from longctx.workloads import ruler_runner as rr
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import load_counter
+
+    if args.model and args.base_url:
+        raise UsageError("give either --model or --base-url, not both")
+    tasks = parse_tasks(args.tasks)
+    lengths = parse_lengths(args.lengths)
+    samples = _int("--samples", args.samples)
+    seed = _int("--seed", args.seed, lo=0)
+    concurrency = _int("--concurrency", args.concurrency)
+    try:
+        scale = float(args.max_new_tokens_scale)
+    except ValueError:
+        raise UsageError(
+            f"--max-new-tokens-scale must be a number, not {args.max_new_tokens_scale!r}"
+        ) from None
+    if not scale > 0:
+        raise UsageError("--max-new-tokens-scale must be > 0")
+    hisparse = (
+        _int("--hisparse-device-tokens", args.hisparse_device_tokens) if args.hisparse_device_tokens else None
+    )
+    has_model = bool(args.model or args.base_url)
+    if not has_model and not args.dump_dir:
+        raise UsageError("give --model DIR or --base-url URL (or only --dump-dir DIR to write samples)")
+    if has_model and not args.out:
+        raise UsageError("--out DIR is required to run a model")
+    if args.model and not Path(args.model).is_dir():
+        raise UsageError(f"--model {args.model}: not a directory")
+    if args.model and args.tokenizer:
+        raise UsageError(
+            "--tokenizer is for --base-url; the model directory's tokenizer is used with --model"
+        )
+
+    tok_dir = args.model if args.model else args.tokenizer
+    if args.model and not (Path(args.model) / "tokenizer.json").exists():
+        print(
+            f"longctx ruler: {args.model} has no tokenizer.json; counting lengths in bytes", file=sys.stderr
+        )
+        tok_dir = None
+    counter = load_counter(tok_dir)
+    render: Renderer = raw_render
+    if args.chat and args.model:
+        render = _chat_renderer(args.model)
+    elif args.chat:
+        render = lambda text, prefix: text  # noqa: E731  (the server applies its own template)
+    gen = RulerGenerator(counter, seed=seed, render=render, max_new_tokens_scale=scale)
+    plan = rr.RunPlan(tuple(tasks), tuple(lengths), samples, concurrency)
+    keys = rr.plan_keys(plan)
+
+    if args.dump_dir:
+        n = rr.dump_samples(gen, keys, Path(args.dump_dir))
+        print(f"longctx ruler: wrote {n} samples to {Path(args.dump_dir) / 'samples.jsonl'}", file=sys.stderr)
+    if not has_model:
+        return 0
+
+    from longctx.workloads.clients import EngineClient, GenRequest, HTTPClient
+
+    client: Any
+    if args.model:
+        client = EngineClient(args.model, hisparse_device_tokens=hisparse, device=args.device)
+    else:
+        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
+
+    def make_request(s: Sample) -> GenRequest:
+        prompt = gen.render(s.input, s.answer_prefix)
+        if args.base_url:
+            return GenRequest(prompt, s.max_new_tokens, chat_user=s.input if args.chat else None)
+        ids = counter.encode(prompt)
+        return GenRequest(prompt, s.max_new_tokens, prompt_ids=tuple(ids) if ids is not None else None)
+
+    out = Path(args.out)
+    try:
+        ran = rr.run_samples(gen, client, keys, out, make_request, concurrency)
+    finally:
+        client.close()
+    meta = {
+        "model": client.label,
+        "seed": seed,
+        "tokenizer": counter.name,
+        "chat": bool(args.chat),
+        "max_new_tokens_scale": scale,
+    }
+    summary = rr.write_report(out, meta)
+    print(rr.table(summary))
+    print(
+        f"longctx ruler: {ran} samples run now, {len(keys) - ran} already done; "
+        f"wrote {out / 'results.json'} and {out / 'ruler.png'}",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,351 @@
+"""Repository retrieval: ignore rules, packing, truncation, citations, engine and server paths, CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from longctx.cli import main
+from longctx.errors import LongctxError
+from longctx.workloads import clients
+from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient
+from longctx.workloads.gitignore import is_ignored, list_files, parse_gitignore, walk_files
+from longctx.workloads.repo_pack import format_file, pack_repo
+from longctx.workloads.retrieve import cited_files, read_queries, run_retrieve
+from longctx.workloads.tokens import ByteCounter, HFCounter
+
+FIXTURE = Path(__file__).parent / "fixtures" / "sample_repo"
+KEPT = [
+    ".gitignore",
+    "README.md",
+    "data/logo.png",
+    "docs/latin1.txt",
+    "keep.log",
+    "src/app.py",
+    "src/util/.gitignore",
+    "src/util/generated_keep.py",
+    "src/util/helpers.py",
+]
+PACKABLE = [p for p in KEPT if p not in ("data/logo.png", "docs/latin1.txt")]
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    # A copy outside the project's own git work tree, where the fixture's ignored files are tracked.
+    dst = tmp_path / "sample_repo"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+def byte_counter() -> HFCounter:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return HFCounter(tok, "byte-level")
+
+
+# ---- ignore rules --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pattern, path, is_dir, ignored",
+    [
+        ("*.log", "deep/dir/a.log", False, True),
+        ("/*.log", "deep/a.log", False, False),
+        ("build/", "build", True, True),
+        ("build/", "build", False, False),  # a file named build is not a directory
+        ("doc/*.txt", "doc/x/a.txt", False, False),  # an inner slash anchors the pattern
+        ("a/**/b", "a/b", False, True),
+        ("a/**/b", "a/x/y/b", False, True),
+        ("abc/**", "abc/x/y", False, True),
+        ("*.log\n!keep.log", "keep.log", False, False),
+        ("\\#hash", "#hash", False, True),
+        ("[!abc].txt", "d.txt", False, True),
+        ("[!abc].txt", "a.txt", False, False),
+        ("a?c", "a/c", False, False),
+    ],
+)
+def test_gitignore_patterns(pattern, path, is_dir, ignored):
+    assert is_ignored(path, is_dir, parse_gitignore(pattern)) is ignored
+
+
+def test_nested_gitignore_applies_below_its_directory():
+    rules = parse_gitignore("*.py", "sub")
+    assert is_ignored("sub/a.py", False, rules) and is_ignored("sub/x/a.py", False, rules)
+    assert not is_ignored("a.py", False, rules) and not is_ignored("other/a.py", False, rules)
+
+
+def test_walk_respects_gitignore_nested_and_negations(repo):
+    files, ignored = walk_files(repo)
+    assert files == KEPT
+    # debug.log, secrets.env, build/ (one directory), src/util/generated_code.py
+    assert ignored == 4
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_git_listing_agrees_with_the_rules(repo):
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    files, ignored, method = list_files(repo)
+    assert method == "git" and files == KEPT and ignored is None
+    assert list_files(repo, use_git=False)[2] == "gitignore"
+
+
+def test_not_a_git_tree_falls_back(repo):
+    files, _, method = list_files(repo)
+    assert method == "gitignore" and files == KEPT
+    with pytest.raises(LongctxError):
+        list_files(repo, use_git=True)
+
+
+# ---- packing -----------------------------------------------------------------------------------
+
+
+def test_pack_headers_line_numbers_and_skips(repo):
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    assert pack.paths == PACKABLE
+    assert {s.path: s.reason for s in pack.skipped} == {
+        "data/logo.png": "binary",
+        "docs/latin1.txt": "not utf-8",
+    }
+    assert pack.ignored == 4 and pack.method == "gitignore"
+    text = pack.text
+    assert (
+        '=== src/app.py (lines 1-11) ===\n1| """Entry point of the sample application."""\n2| \n3| from util'
+        in text
+    )
+    assert '=== src/util/helpers.py (lines 1-10) ===\n1| """Helpers."""\n' in text
+    assert "4| def greet(name: str) -> str:" in text
+    assert "API_KEY" not in text and "generated, ignored" not in text and "build artefact" not in text
+    assert pack.tokens == len(text.encode()) <= pack.budget
+    assert format_file("e.txt", "") == "=== e.txt (empty) ===\n\n"
+
+
+def test_huge_files_are_skipped(repo):
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, max_file_bytes=120, use_git=False)
+    reasons = {s.path: s.reason for s in pack.skipped}
+    assert reasons["README.md"] == "too large" and reasons["src/app.py"] == "too large"
+    assert "src/util/generated_keep.py" in pack.paths
+
+
+def test_truncation_when_the_context_is_small(repo):
+    full = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    budget = full.tokens // 2
+    pack = pack_repo(repo, ByteCounter(), budget=budget, use_git=False)
+    assert pack.tokens <= budget
+    assert 0 < len(pack.files) < len(full.files)
+    cut = [s.path for s in pack.skipped if s.reason == "context full"]
+    assert cut and set(cut) | set(pack.paths) == set(full.paths)
+    assert all(p > pack.paths[-1] for p in cut)  # it stops: nothing after the first file that did not fit
+    report = pack.report()
+    assert "context full" in report and cut[0] in report
+    assert pack.to_json()["skipped"][0]["reason"] in ("binary", "context full", "not utf-8")
+
+
+# ---- citations and queries -------------------------------------------------------------------------
+
+
+def test_cited_files():
+    paths = ["README.md", "src/app.py", "src/util/helpers.py", "a/util.py", "b/util.py"]
+    assert cited_files("See src/util/helpers.py, then src/app.py.", paths) == [
+        "src/util/helpers.py",
+        "src/app.py",
+    ]
+    assert cited_files("app.py calls helpers.py; README.md explains", paths) == [
+        "src/app.py",
+        "src/util/helpers.py",
+        "README.md",
+    ]
+    assert cited_files("src/app.pyc and mysrc/app.py and x/app.py", paths) == []
+    assert cited_files("util.py is ambiguous but b/util.py is not", paths) == ["b/util.py"]
+    assert cited_files("`src/app.py`", paths) == ["src/app.py"]
+
+
+def test_read_queries(tmp_path):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"query": "a?", "id": 7}\n\n{"question": "b?"}\n"c?"\n')
+    assert read_queries(q) == [{"query": "a?", "id": 7}, {"query": "b?"}, {"query": "c?"}]
+    q.write_text('{"query": "a?"}\n{oops\n')
+    with pytest.raises(LongctxError, match=":2:"):
+        read_queries(q)
+    q.write_text('{"id": 1}\n')
+    with pytest.raises(LongctxError):
+        read_queries(q)
+
+
+# ---- answering -------------------------------------------------------------------------------------
+
+
+class FakeEngine(Client):
+    """Stands in for the embedded engine: records batches and answers with a fixed text."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+        self.batches: list[list[GenRequest]] = []
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        self.batches.append(reqs)
+        return [GenResult(self.answer, 0.5, None, 7, "stop") for _ in reqs]
+
+
+QUERIES = [{"query": "Where is greet defined?", "id": "q1"}, {"query": "What runs main?"}, {"query": "Why?"}]
+
+
+def test_engine_path_shares_one_prefix(repo, tmp_path):
+    counter = byte_counter()
+    pack = pack_repo(repo, counter, budget=100_000, use_git=False)
+    engine = FakeEngine("greet is in src/util/helpers.py and app.py calls it.")
+    out = tmp_path / "answers.jsonl"
+    summary = run_retrieve(pack, QUERIES, engine, counter, out, max_new_tokens=64, concurrency=2)
+    # The first query runs alone (it prefills the repository), the rest in batches.
+    assert [len(b) for b in engine.batches] == [1, 2]
+    reqs = [r for b in engine.batches for r in b]
+    prefix = counter.encode(pack.text)
+    assert all(r.prompt_ids is not None and list(r.prompt_ids[: len(prefix)]) == prefix for r in reqs)
+    assert all(r.prompt.startswith(pack.text) and r.max_new_tokens == 64 for r in reqs)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["query"] for r in rows] == [q["query"] for q in QUERIES]
+    assert rows[0]["id"] == "q1"
+    for r in rows:
+        assert set(r) >= {"query", "answer", "cited_files", "latency_s", "prompt_tokens", "completion_tokens"}
+        assert r["cited_files"] == ["src/util/helpers.py", "src/app.py"]
+        assert r["prompt_tokens"] > pack.tokens and r["completion_tokens"] == 7
+    assert summary["queries"] == 3 and summary["files_packed"] == len(PACKABLE)
+    assert summary["skipped_by_reason"] == {"binary": 1, "not utf-8": 1}
+
+
+def _server(documents: bool, seen: list) -> httpx.MockTransport:
+    def completion(text: str) -> dict:
+        return {
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 1234, "completion_tokens": 9},
+        }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        seen.append((path, json.loads(request.content) if request.content else None))
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "served"}]})
+        if path == "/v1/documents":
+            if not documents:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, json={"id": "doc-1", "tokens": 999})
+        if path == "/v1/documents/doc-1/ask":
+            return httpx.Response(200, json=completion("See README.md"))
+        if path == "/v1/chat/completions":
+            return httpx.Response(200, json=completion("It is src/app.py"))
+        return httpx.Response(404)
+
+    return httpx.MockTransport(handler)
+
+
+def test_server_uses_the_document_endpoint(repo, tmp_path):
+    seen: list = []
+    client = HTTPClient("http://srv", transport=_server(True, seen), chat=True)
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    run_retrieve(pack, QUERIES, client, ByteCounter(), tmp_path / "a.jsonl", max_new_tokens=32, concurrency=2)
+    paths = [p for p, _ in seen]
+    assert paths.count("/v1/documents") == 1 and paths.count("/v1/documents/doc-1/ask") == 3
+    doc_body = next(b for p, b in seen if p == "/v1/documents")
+    assert doc_body == {"text": pack.text}
+    asks = [b for p, b in seen if p.endswith("/ask")]
+    assert all(b["max_tokens"] == 32 and "Where is greet" in asks[0]["question"] for b in asks[:1])
+    rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [r["cited_files"] for r in rows] == [["README.md"]] * 3
+    assert rows[0]["prompt_tokens"] == 1234 and rows[0]["completion_tokens"] == 9
+
+
+def test_server_without_documents_falls_back_to_chat(repo, tmp_path):
+    seen: list = []
+    client = HTTPClient("http://srv/v1", transport=_server(False, seen), chat=True)
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    run_retrieve(pack, QUERIES, client, ByteCounter(), tmp_path / "a.jsonl")
+    chats = [b for p, b in seen if p == "/v1/chat/completions"]
+    assert len(chats) == 3
+    assert all(b["messages"][0]["content"].startswith(pack.text) and b["model"] == "served" for b in chats)
+    rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert all(r["cited_files"] == ["src/app.py"] for r in rows)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+
+
+def test_cli_end_to_end_against_a_server(repo, tmp_path, monkeypatch, capsys):
+    seen: list = []
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, seen)))
+    q = tmp_path / "q.jsonl"
+    q.write_text("\n".join(json.dumps(x) for x in QUERIES) + "\n")
+    out, report = tmp_path / "out" / "a.jsonl", tmp_path / "pack.json"
+    argv = [
+        "retrieve",
+        "--repo",
+        str(repo),
+        "--queries",
+        str(q),
+        "--out",
+        str(out),
+        "--base-url",
+        "http://srv",
+    ]
+    argv += ["--max-context", "1000", "--max-new-tokens", "64", "--pack-report", str(report), "--no-git"]
+    assert main(argv) == 0
+    assert len(out.read_text().splitlines()) == 3
+    err = capsys.readouterr().err
+    assert "retrieve: 3 queries, mean latency" in err and "context full" in err
+    rep = json.loads(report.read_text())
+    assert rep["tokens"] <= rep["budget"] < 1000
+    assert any(s["reason"] == "context full" for s in rep["skipped"])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # neither --model nor --base-url
+        ["--model", "M", "--base-url", "http://x"],
+        ["--base-url", "http://x", "--max-context", "ten"],
+        ["--base-url", "http://x", "--max-context", "100"],  # no room after the question and answer
+        ["--base-url", "http://x", "--concurrency", "0"],
+    ],
+)
+def test_cli_bad_args_exit_2_with_one_line(extra, repo, tmp_path, capsys):
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"query": "x"}\n')
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(q), "--out", str(tmp_path / "o.jsonl"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("longctx retrieve: error:")
+
+
+def test_cli_missing_inputs(tmp_path, capsys):
+    assert main(["retrieve", "--queries", "q", "--out", "o", "--base-url", "http://x"]) == 2
+    assert (
+        main(
+            ["retrieve", "--repo", str(tmp_path / "nope"), "--queries", "q", "--out", "o", "--base-url", "u"]
+        )
+        == 2
+    )
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    argv = [
+        "retrieve",
+        "--repo",
+        str(tmp_path),
+        "--queries",
+        str(tmp_path / "bad.jsonl"),
+        "--out",
+        "o",
+        "--base-url",
+        "u",
+    ]
+    assert main(argv) == 2
+    errs = capsys.readouterr().err.strip().splitlines()
+    assert len(errs) == 3 and all(e.startswith("longctx retrieve: error:") for e in errs)

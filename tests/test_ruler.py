@@ -1,0 +1,399 @@
+"""RULER workload: scoring, length fitting, determinism, oracle runs, resume, report, CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from longctx.cli import main
+from longctx.errors import LongctxError
+from longctx.workloads import clients
+from longctx.workloads.clients import Client, GenRequest, GenResult
+from longctx.workloads.fit import LengthError
+from longctx.workloads.prose import essay_sentences
+from longctx.workloads.ruler_cli import parse_lengths
+from longctx.workloads.ruler_runner import RunPlan, plan_keys, read_rows, run_samples, write_report
+from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, parse_tasks, raw_render
+from longctx.workloads.scoring import (
+    effective_length,
+    postprocess,
+    sample_match_all,
+    string_match_all,
+    string_match_part,
+)
+from longctx.workloads.tokens import ByteCounter, HFCounter
+
+# ---- scoring ---------------------------------------------------------------------------------
+
+
+def test_string_match_all_hand_cases():
+    assert string_match_all(["The special magic number is 1234567."], [["1234567"]]) == 100.0
+    assert string_match_all(["alpha and beta"], [["alpha", "gamma"]]) == 50.0
+    assert string_match_all(["ALPHA Beta"], [["alpha", "beta"]]) == 100.0  # case-insensitive
+    assert string_match_all(["1", "2"], [["1"], ["3"]]) == 50.0  # mean over samples
+    assert string_match_all(["a b c"], [["a", "b", "x"]]) == 66.67  # rounded to 2 decimals
+    assert string_match_all(["nothing"], [["x", "y"]]) == 0.0
+    assert string_match_all([], []) == 0.0
+
+
+def test_string_match_part_hand_cases():
+    assert string_match_part(["Paris"], [["paris", "Lyon"]]) == 100.0  # any reference counts fully
+    assert string_match_part(["Lyon!"], [["Paris", "LYON"]]) == 100.0
+    assert string_match_part(["Rome"], [["Paris", "Lyon"]]) == 0.0
+    assert string_match_part(["x", "y", "z", "w"], [["x"], ["q"], ["z"], ["q"]]) == 50.0
+    # The two metrics differ exactly when only some references are found.
+    assert string_match_all(["x"], [["x", "y"]]) == 50.0
+    assert string_match_part(["x"], [["x", "y"]]) == 100.0
+
+
+def test_postprocess_and_substring_semantics():
+    assert postprocess("\t 123\x00 ") == "123"
+    assert postprocess("a\x01b") == "a\nb"
+    # Substring, not word, matching (RULER's semantics): "cat" is found inside "concatenate".
+    assert sample_match_all("concatenate", ["cat"]) == 1.0
+    assert sample_match_all("anything", []) == 0.0
+
+
+def test_effective_length():
+    assert effective_length({4096: 95.0, 8192: 86.0, 16384: 80.0, 32768: 99.0}) == 8192
+    assert effective_length({4096: 85.6}) is None  # must be strictly above the threshold
+    assert effective_length({4096: 100.0, 131072: 90.0}) == 131072
+    assert effective_length({}) is None
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+
+def byte_level_tokenizer() -> HFCounter:
+    """A byte-level tokenizer.json like longctx's default models: one token per byte."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return HFCounter(tok, "byte-level")
+
+
+def small_bpe() -> HFCounter:
+    """A small trained BPE (about 3.5 bytes per token on prose), to cover merging tokenizers."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([s for s, _ in itertools.islice(essay_sentences(9), 1500)], trainer)
+    return HFCounter(tok, "bpe")
+
+
+def test_task_table_matches_ruler():
+    assert len(TASKS) == 13
+    budgets = {t: s.max_new_tokens for t, s in TASKS.items()}
+    assert budgets["niah_single_1"] == 128 and budgets["vt"] == 30 and budgets["cwe"] == 120
+    assert budgets["fwe"] == 50 and budgets["qa_1"] == 32
+    assert {t for t, s in TASKS.items() if s.metric == "part"} == {"qa_1", "qa_2"}
+    assert parse_tasks("all") == list(TASKS)
+    assert parse_tasks("vt, cwe,vt") == ["vt", "cwe"]
+    with pytest.raises(LongctxError):
+        parse_tasks("niah_single_9")
+
+
+@pytest.mark.parametrize("counter_name", ["bytes", "byte-level", "bpe"])
+def test_lengths_within_two_percent(counter_name):
+    counter = {"bytes": ByteCounter, "byte-level": byte_level_tokenizer, "bpe": small_bpe}[counter_name]()
+    gen = RulerGenerator(counter, seed=1)
+    targets = [3000, 4096, 10_000, 40_000] if counter_name != "bpe" else [4096, 20_000]
+    for task in TASKS:
+        for L in targets:
+            for i in (0, 1):
+                s = gen.sample(task, L, i)
+                total = s.prompt_tokens + s.max_new_tokens
+                assert 0.98 * L <= total <= L, (task, L, i, total)
+                assert s.prompt_tokens == counter.count(raw_render(s.input, s.answer_prefix))
+
+
+def test_needles_and_answers_are_in_the_prompt():
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    for task, spec in TASKS.items():
+        s = gen.sample(task, 4096, 0)
+        if spec.family in ("niah", "vt"):
+            for ref in s.outputs:
+                assert ref in s.input, (task, ref)
+        if spec.family == "niah":
+            assert len(s.outputs) == spec.num_v * spec.num_q
+            assert s.answer_prefix.startswith(" The special magic")
+    mq = gen.sample("niah_multiquery", 8192, 0)
+    assert len(mq.outputs) == 4 and ", and " in mq.answer_prefix
+    assert "is hidden within" in gen.sample("niah_single_1", 4096, 0).input
+    uuid = gen.sample("niah_single_3", 4096, 0).outputs[0]
+    assert len(uuid) == 36 and uuid[14] == "4"
+    num = gen.sample("niah_single_2", 4096, 0).outputs[0]
+    assert len(num) == 7 and num.isdigit()
+
+
+def test_too_short_length_is_an_error():
+    with pytest.raises(LengthError):
+        RulerGenerator(ByteCounter()).sample("vt", 300, 0)
+
+
+def test_determinism_per_seed():
+    a = RulerGenerator(ByteCounter(), seed=7)
+    b = RulerGenerator(ByteCounter(), seed=7)
+    c = RulerGenerator(ByteCounter(), seed=8)
+    for task in ("niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe", "qa_2"):
+        first = [a.sample(task, 5000, i) for i in range(3)]
+        # Order of generation must not matter (sample 2 first in a fresh generator).
+        assert b.sample(task, 5000, 2) == first[2]
+        assert b.sample(task, 5000, 0) == first[0]
+        assert c.sample(task, 5000, 0).input != first[0].input
+        assert first[0].input != first[1].input
+
+
+def test_million_token_prompt_builds_fast():
+    import time
+
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    t0 = time.perf_counter()
+    s = gen.sample("niah_single_2", 1 << 20, 0)
+    assert time.perf_counter() - t0 < 20
+    assert 0.98 * (1 << 20) <= s.prompt_tokens + s.max_new_tokens <= 1 << 20
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+class OracleClient(Client):
+    """Answers every prompt with its sample's ground truth."""
+
+    def __init__(
+        self, answers: dict[str, str], parallel: bool = False, fail_after: int | None = None
+    ) -> None:
+        self.answers = answers
+        self.parallel = parallel
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        out = []
+        for r in reqs:
+            if self.fail_after is not None and self.calls >= self.fail_after:
+                raise RuntimeError("server went away")
+            self.calls += 1
+            out.append(GenResult(" " + self.answers[r.prompt], 0.01, None, 5, "stop"))
+        return out
+
+
+def oracle_answers(seed: int, keys) -> dict[str, str]:
+    gen = RulerGenerator(ByteCounter(), seed=seed)
+    return {raw_render(s.input, s.answer_prefix): " ".join(s.outputs) for s in (gen.sample(*k) for k in keys)}
+
+
+def make_request(gen: RulerGenerator):
+    return lambda s: GenRequest(gen.render(s.input, s.answer_prefix), s.max_new_tokens)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_oracle_scores_100_on_every_task(tmp_path, parallel):
+    keys = plan_keys(RunPlan(tuple(TASKS), (2048, 4096, 8192), 1))
+    gen = RulerGenerator(ByteCounter(), seed=5)
+    client = OracleClient(oracle_answers(5, keys), parallel=parallel)
+    assert run_samples(gen, client, keys, tmp_path, make_request(gen), concurrency=3) == len(keys)
+    summary = write_report(tmp_path, {"model": "oracle"})
+    for task in TASKS:
+        for L in ("2048", "4096", "8192"):
+            assert summary["scores"][task][L] == 100.0, (task, L)
+            assert summary["samples"][task][L] == 1
+    assert summary["effective_length"]["average"] == 8192
+    assert summary["average"] == {"2048": 100.0, "4096": 100.0, "8192": 100.0}
+
+
+def test_resume_skips_finished_samples(tmp_path):
+    keys = plan_keys(RunPlan(("niah_single_1", "vt"), (2048,), 3))
+    answers = oracle_answers(0, keys)
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    flaky = OracleClient(answers, fail_after=2)
+    with pytest.raises(RuntimeError):
+        run_samples(gen, flaky, keys, tmp_path, make_request(gen))
+    assert len(read_rows(tmp_path / "results.jsonl")) == 2
+    # A torn last line (killed mid-write) is ignored and that sample reruns.
+    with (tmp_path / "results.jsonl").open("a") as f:
+        f.write('{"task": "vt", "len')
+    good = OracleClient(answers)
+    assert run_samples(gen, good, keys, tmp_path, make_request(gen)) == 4
+    assert good.calls == 4
+    again = OracleClient(answers)
+    assert run_samples(gen, again, keys, tmp_path, make_request(gen)) == 0
+    assert again.calls == 0
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert sorted((r["task"], r["index"]) for r in rows) == sorted((t, i) for t, _, i in keys)
+    # More samples later: only the new ones run.
+    more = plan_keys(RunPlan(("niah_single_1", "vt"), (2048,), 4))
+    extra = OracleClient(oracle_answers(0, more))
+    assert run_samples(gen, extra, more, tmp_path, make_request(gen)) == 2
+    # Another seed must not mix into the same file.
+    with pytest.raises(LongctxError):
+        run_samples(RulerGenerator(ByteCounter(), seed=1), extra, more, tmp_path, make_request(gen))
+
+
+def test_report_files(tmp_path):
+    keys = plan_keys(RunPlan(("niah_single_1", "qa_1"), (2048, 4096), 2))
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    answers = oracle_answers(0, keys)
+    # Wrong answers for qa_1 at 4096 so the table is not flat.
+    answers = {p: ("nope" if "Answer the question" in p and len(p) > 3000 else a) for p, a in answers.items()}
+    run_samples(gen, OracleClient(answers), keys, tmp_path, make_request(gen))
+    summary = write_report(tmp_path, {"model": "m"})
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == json.loads(json.dumps(summary))
+    assert saved["scores"]["qa_1"] == {"2048": 100.0, "4096": 0.0}
+    assert saved["effective_length"]["qa_1"] == 2048
+    assert saved["effective_length"]["niah_single_1"] == 4096
+    assert saved["mean_latency_s"]["qa_1"]["2048"] == 0.01
+    assert saved["samples"]["niah_single_1"]["4096"] == 2
+    png = (tmp_path / "ruler.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+
+def test_parse_lengths():
+    assert parse_lengths("4k,32k,128k,1m") == [4096, 32768, 131072, 1048576]
+    assert parse_lengths("5000, 4K") == [4096, 5000]
+    for bad in ("4x", "", "100", "k"):
+        with pytest.raises(LongctxError):
+            parse_lengths(bad)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lengths", "4q", "--dump-dir", "D"],
+        ["--tasks", "nope", "--dump-dir", "D"],
+        ["--samples", "0", "--dump-dir", "D"],
+        ["--seed", "x", "--dump-dir", "D"],
+        ["--max-new-tokens-scale", "-1", "--dump-dir", "D"],
+        ["--model", "M", "--base-url", "http://x", "--out", "O"],
+        ["--base-url", "http://x"],  # no --out
+        [],  # nothing to do
+        ["--model", "/does/not/exist", "--out", "O"],
+    ],
+)
+def test_cli_bad_args_exit_2_with_one_line(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["ruler", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("longctx ruler: error:")
+
+
+def _oracle_transport(answers: dict[str, str], chat: bool, seen: list) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "oracle-model"}]})
+        body = json.loads(request.content)
+        seen.append(body)
+        if chat:
+            assert request.url.path == "/v1/chat/completions"
+            text = answers[body["messages"][0]["content"]]
+            choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        else:
+            assert request.url.path == "/v1/completions"
+            choice = {"text": answers[body["prompt"]], "finish_reason": "stop"}
+        return httpx.Response(
+            200, json={"choices": [choice], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}
+        )
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cli_against_a_server(tmp_path, monkeypatch, capsys, chat):
+    tasks = ("niah_single_2", "cwe", "qa_2")
+    keys = plan_keys(RunPlan(tasks, (2048, 4096), 2))
+    gen = RulerGenerator(ByteCounter(), seed=3, render=(lambda t, p: t) if chat else raw_render)
+    answers = {
+        gen.render(s.input, s.answer_prefix): " ".join(s.outputs) for s in (gen.sample(*k) for k in keys)
+    }
+    seen: list = []
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=_oracle_transport(answers, chat, seen))
+    )
+    out, dump = tmp_path / "out", tmp_path / "dump"
+    argv = ["ruler", "--base-url", "http://server:1/v1", "--tasks", ",".join(tasks), "--lengths", "2k,4k"]
+    argv += [
+        "--samples",
+        "2",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--dump-dir",
+        str(dump),
+        "--concurrency",
+        "3",
+    ]
+    assert main(argv + (["--chat"] if chat else [])) == 0
+    summary = json.loads((out / "results.json").read_text())
+    assert all(v == 100.0 for t in tasks for v in summary["scores"][t].values())
+    assert summary["model"] == "http://server:1"
+    assert all(b["model"] == "oracle-model" and b["temperature"] == 0.0 for b in seen)
+    assert {b["max_tokens"] for b in seen} == {128, 120, 32}
+    dumped = read_rows(dump / "samples.jsonl")
+    assert len(dumped) == len(keys)
+    assert {"task", "length", "input", "outputs"} <= set(dumped[0])
+    assert "niah_single_2" in capsys.readouterr().out  # the score table
+    # A rerun is a no-op for the server.
+    seen.clear()
+    assert main(argv) == 0
+    assert seen == []
+
+
+def test_cli_dump_only(tmp_path):
+    assert (
+        main(
+            ["ruler", "--tasks", "fwe,qa_1", "--lengths", "4k", "--samples", "3", "--dump-dir", str(tmp_path)]
+        )
+        == 0
+    )
+    rows = read_rows(tmp_path / "samples.jsonl")
+    assert [(r["task"], r["index"]) for r in rows] == [
+        ("fwe", 0),
+        ("fwe", 1),
+        ("fwe", 2),
+        ("qa_1", 0),
+        ("qa_1", 1),
+        ("qa_1", 2),
+    ]
+    assert all(0.98 * 4096 <= r["prompt_tokens"] + r["max_new_tokens"] <= 4096 for r in rows)
+
+
+# ---- the real engine ---------------------------------------------------------------------------
+
+
+def _engine_available() -> bool:
+    try:
+        import longctx.checkpoint.init_random  # noqa: F401
+        import longctx.engine.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _engine_available(), reason="longctx.engine.engine or init-model not built yet")
+def test_ruler_through_the_real_engine(tmp_path):
+    model = tmp_path / "model"
+    assert main(["init-model", "--config", "tiny", "--out", str(model)]) == 0
+    out = tmp_path / "out"
+    argv = ["ruler", "--model", str(model), "--tasks", "niah_single_1", "--lengths", "1k", "--samples", "2"]
+    argv += ["--out", str(out), "--device", "cpu", "--max-new-tokens-scale", "0.125", "--concurrency", "2"]
+    assert main(argv) == 0
+    rows = read_rows(out / "results.jsonl")
+    assert len(rows) == 2
+    assert all(0.98 * 1024 <= r["prompt_tokens"] + 16 <= 1024 for r in rows)
+    assert all(r["completion_tokens"] is not None and r["completion_tokens"] <= 16 for r in rows)
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["samples"]["niah_single_1"]["1024"] == 2
+    assert Path(out / "ruler.png").exists()
