@@ -70,8 +70,16 @@ class LocalRunner:
             s.update(kv.stats())
         return {"stages": [s]}
 
+    def release(self, rids: list[str]) -> None:
+        """Requests finished or aborted: KV caches with per-request device state free it."""
+        release = getattr(self.worker.kv, "release", None)
+        if release is not None:
+            release(rids)
+
     def close(self) -> None:
-        pass
+        close = getattr(self.worker.kv, "close", None)
+        if close is not None:
+            close()
 
 
 class Engine:
@@ -200,6 +208,7 @@ class Engine:
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
         self._requests.pop(rid, None)
+        self._release([rid])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -218,7 +227,15 @@ class Engine:
             return []
         result = self.runner.run(plan)
         outs = self.scheduler.update(plan, result)
-        return [self._apply_stop_strings(o) for o in outs]
+        outs = [self._apply_stop_strings(o) for o in outs]
+        self._release([o.rid for o in outs if o.finished])
+        return outs
+
+    def _release(self, rids: list[str]) -> None:
+        # per-request device state outside the page pool (HiSparse slots); runners without it skip
+        release = getattr(self.runner, "release", None)
+        if rids and release is not None:
+            release(rids)
 
     def _apply_stop_strings(self, out: StepOutput) -> StepOutput:
         req = self._requests.get(out.rid)

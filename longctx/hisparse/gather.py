@@ -1,0 +1,76 @@
+"""Swap-in with a device-side item count: HiSparse knows how many rows missed only on the device.
+
+`longctx.kernels.swap.swap_in_gather` takes a host-side item count; passing the padded item list
+instead would copy every padding item over PCIe, and reading the count with `.item()` would stall
+the host once per layer. `swap_in_counted` launches a grid for the padded list and lets programs
+past the device count return at once, so the decode hot path never waits for the GPU. Off CUDA (or
+with the torch backend) it reads the count and calls `swap_in_gather`'s reference, which is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from longctx.kernels.common import check, jit, next_pow2, tl
+from longctx.kernels.swap import _word_dtype, swap_in_gather
+
+
+def swap_in_counted(
+    host_pool: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_pool: torch.Tensor,
+    dst_rows: torch.Tensor,
+    count: torch.Tensor,
+    use_triton: bool,
+) -> None:
+    """host_pool[src_rows[i]] -> dst_pool[dst_rows[i]] for i < count (one row per item).
+
+    host_pool: [num_rows, row] in registered / pinned host memory (or on the device); dst_pool:
+    [num_slots, row] on the device; src_rows, dst_rows: int64 [n] on dst_pool's device; count:
+    int64 0-d tensor on dst_pool's device, 0 <= count <= n. Asynchronous on CUDA.
+    """
+    check(count.dim() == 0 and count.dtype == torch.int64, "count must be a 0-d int64 tensor")
+    n = src_rows.shape[0]
+    if n == 0:
+        return
+    if not (use_triton and dst_pool.device.type == "cuda"):
+        k = int(count)
+        backend = "triton" if use_triton else "torch"
+        swap_in_gather(host_pool, src_rows[:k], dst_pool, dst_rows[:k], backend=backend)
+        return
+    check(host_pool.device.type == "cuda" or host_pool.is_pinned(), "host_pool must be registered/pinned")
+    check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
+    row_bytes = host_pool.shape[1] * host_pool.element_size()
+    word = _word_dtype(row_bytes, host_pool, dst_pool)
+    row_w = row_bytes // word.itemsize
+    block_w = min(next_pow2(row_w), 1024)
+    items = max(1, min(16, 2048 // block_w))
+    grid = ((n + items - 1) // items,)
+    with torch.cuda.device(dst_pool.device) if dst_pool.is_cuda else contextlib.nullcontext():
+        _copy_rows_counted_kernel[grid](
+            host_pool.view(torch.uint8).view(word), src_rows, dst_pool.view(torch.uint8).view(word),
+            dst_rows, count, ROW_W=row_w, ITEMS=items, BLOCK_W=block_w, num_warps=4,
+        )  # fmt: skip
+
+
+@jit
+def _copy_rows_counted_kernel(
+    src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, count_ptr,
+    ROW_W: tl.constexpr, ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    # The same copy as kernels/swap.py's _copy_rows_kernel, with the item count read on the device.
+    pid = tl.program_id(0)
+    n = tl.load(count_ptr)
+    if pid * ITEMS >= n:
+        return
+    it = pid * ITEMS + tl.arange(0, ITEMS)
+    im = it < n
+    s = tl.load(src_rows_ptr + it, mask=im, other=0).to(tl.int64) * ROW_W
+    d = tl.load(dst_rows_ptr + it, mask=im, other=0).to(tl.int64) * ROW_W
+    for w0 in range(0, ROW_W, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        m = im[:, None] & (w < ROW_W)[None, :]
+        v = tl.load(src_ptr + s[:, None] + w[None, :], mask=m)
+        tl.store(dst_ptr + d[:, None] + w[None, :], v, mask=m)

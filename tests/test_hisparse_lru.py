@@ -1,0 +1,165 @@
+"""HiSparse LRU bookkeeping: the pure-Python policy (`SlotLRU`) and the device-tensor version in
+`HiSparseKVCache`, both checked against the same invariants on random step sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from longctx.hisparse.lru import SlotLRU
+from longctx.model.context import ForwardContext
+
+from .conftest import tiny_config
+
+# a step: (new tokens this step, requested positions as fractions of the KV length)
+_steps = st.lists(
+    st.tuples(st.integers(1, 6), st.lists(st.floats(0, 1, exclude_max=True), max_size=12)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cap=st.integers(1, 10), recent=st.integers(0, 4), steps=_steps)
+def test_slot_lru_invariants(cap, recent, steps):
+    lru = SlotLRU(cap)
+    end = 0
+    for n_new, fracs in steps:
+        end += n_new
+        newest_from = max(0, end - recent)
+        lru.begin_step(newest_from)
+        before = lru.resident()
+        want = [int(f * end) for f in fracs]
+        acc = lru.access(want)
+        after = lru.resident()
+        # at most cap resident, one slot each, all slots in range
+        assert len(after) <= cap
+        assert len(set(after.values())) == len(after)
+        assert all(0 <= s < cap for s in after.values())
+        # a hit was resident before and is never copied
+        assert set(acc.hits) <= set(before)
+        assert not set(acc.hits) & {p for p, _ in acc.misses}
+        for p in acc.hits:
+            assert after[p] == before[p]
+        # requested ones are resident unless they overflowed; overflow only when nothing was evictable
+        for p in want:
+            assert p in after or p in acc.overflow
+        if acc.overflow:
+            evictable = [v for v in after if v not in set(want) and v < newest_from]
+            assert not evictable
+        # never evict a position requested this step or one of the newest
+        for p, _ in acc.evicted:
+            assert p not in set(want) and p < newest_from
+        # freed slots are reused: a miss takes a free slot before evicting
+        assert len(acc.evicted) <= max(0, len(before) + len(acc.misses) - cap)
+
+
+def test_slot_lru_order_and_newest():
+    lru = SlotLRU(3)
+    lru.begin_step(newest_from=10)
+    assert [s for _, s in lru.access([0, 1, 2]).misses] == [0, 1, 2]
+    lru.begin_step(newest_from=10)
+    assert lru.access([0]).hits == (0,)  # 0 becomes most recent: 1 is now the LRU victim
+    lru.begin_step(newest_from=10)
+    acc = lru.access([5])
+    assert acc.evicted == ((1, 1),) and acc.misses == ((5, 1),)
+    lru.begin_step(newest_from=0)  # everything resident is "newest": nothing may go
+    acc = lru.access([7])
+    assert acc.overflow == (7,) and 7 not in lru
+    assert lru.access([2], force=[2]).refreshed == ((2, 2),)
+    assert lru.clear() == [0, 1, 2] and len(lru) == 0
+
+
+# ---- the device-tensor implementation ---------------------------------------------------------
+
+
+def _cache(n_tokens: int, num_pages: int = 4):
+    from longctx.hisparse.cache import HiSparseKVCache
+
+    cfg = tiny_config(num_hidden_layers=3, index_topk=4)  # full, shared, full
+    return HiSparseKVCache(
+        cfg, range(3), num_pages, "auto", torch.float32, torch.device("cpu"), device_tokens=n_tokens, recent=2
+    )
+
+
+def _ctx(kv, pages, start, n_q):
+    end = start + n_q
+    ps = 64
+    pos = torch.arange(start, end)
+    table = torch.tensor([pages], dtype=torch.int32)
+    return ForwardContext(
+        positions=pos,
+        q_seq=torch.zeros(n_q, dtype=torch.int32),
+        q_start=[0, n_q],
+        seq_lens=torch.tensor([end], dtype=torch.int32),
+        seq_lens_cpu=[end],
+        page_table=table,
+        slot_mapping=table.long()[0, pos // ps] * ps + pos % ps,
+        kv=kv,
+        extras={"rids": ("r0",)},
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_tokens=st.integers(5, 12),
+    steps=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 2**31 - 1)), min_size=1, max_size=12),
+)
+def test_device_lru_rows_are_exact_and_capped(n_tokens, steps):
+    """Every resolved row holds exactly the host row of its position; at most N resident; the
+    newest tokens and every requested one resident after a decode step."""
+    kv = _cache(n_tokens)
+    pages = [2, 0, 3]
+    start = 0
+    for n_q, seed in steps:
+        if start + n_q > 64 * len(pages):
+            break
+        ctx = _ctx(kv, pages, start, n_q)
+        g = torch.Generator().manual_seed(seed)
+        for layer in range(3):
+            host = kv.mla_pool(layer)
+            # the layer "writes" its new rows: a value that identifies (layer, slot)
+            host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
+                -1, host.shape[1]
+            )
+            kv.after_write(layer, ctx)
+            end = start + n_q
+            topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+            for t in range(n_q):
+                k = min(4, start + t + 1)
+                topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k]
+            if layer != 1:  # layer 1 shares layer 0's top-k (prefetched for decode steps)
+                prev = topk
+            rows = kv.resolve(layer, prev, ctx)
+            pool = kv.attend_pool(layer)
+            valid = prev >= 0
+            assert torch.all((rows >= 0) == valid)
+            want = layer * 1000 + ctx.logical_to_rows(prev).float()
+            assert torch.equal(pool[rows[valid]][:, 0], want[valid])
+            st_ = kv._states["r0"]
+            s2p = st_.slot2pos[layer, :n_tokens]
+            resident = set(s2p[s2p >= 0].tolist())
+            assert len(resident) <= n_tokens
+            assert set(range(max(0, end - kv.recent), end)) <= resident
+            if n_q == 1:
+                assert set(prev[valid].tolist()) <= resident
+            # pos2slot and slot2pos agree
+            p2s = st_.pos2slot[layer, :end]
+            for p in resident:
+                assert s2p[p2s[p]].item() == p
+            assert int((p2s >= 0).sum()) == len(resident)
+        start += n_q
+    hs = kv.stats()["hisparse"]
+    assert hs["device_tokens_max"] <= n_tokens
+    kv.release(["r0"])
+    assert kv.stats()["hisparse"]["requests"] == 0
+    kv.close()
+
+
+def test_cap_must_exceed_topk():
+    from longctx.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        _cache(4)
