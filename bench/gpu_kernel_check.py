@@ -1,0 +1,215 @@
+"""Each Triton kernel against its torch reference on the GPU, each case in its own process.
+
+A kernel that faults (misaligned address, illegal access) poisons the CUDA context, so every case
+runs in a fresh subprocess with CUDA_LAUNCH_BLOCKING=1 and reports ok / max error / the exception.
+
+    python -m bench.gpu_kernel_check [--only NAME] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    fin = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), fin):
+        return float("inf")
+    return float((a[fin] - b[fin]).abs().max() / b[fin].abs().max().clamp(min=1e-12)) if fin.any() else 0.0
+
+
+def _pool(ctx: int, batch: int, dim: int, kind: str, dev: str):
+    from longctx.kernels.kv_layout import alloc_index_pool, write_index_k_ref
+
+    pages = -(-ctx // 64)
+    pool = alloc_index_pool(batch * pages * 64, dim, kind, torch.bfloat16, dev).zero_()
+    write_index_k_ref(
+        pool,
+        torch.arange(pool.shape[0], device=dev),
+        torch.randn(pool.shape[0], dim, device=dev, dtype=torch.bfloat16),
+        kind,
+    )
+    pt = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
+    return pool, pt
+
+
+def case_kv_write(kind: str) -> float:
+    from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv, write_mla_kv_ref
+
+    a = alloc_mla_pool(5000, 512, 64, kind, torch.bfloat16, "cuda").zero_()
+    b = a.clone()
+    slots = torch.randperm(5000, device="cuda")[:3000]
+    lat, rope = torch.randn(3000, 512, device="cuda"), torch.randn(3000, 64, device="cuda")
+    write_mla_kv(a, slots, lat, rope, kind, backend="triton")
+    write_mla_kv_ref(b, slots, lat, rope, kind)
+    return 0.0 if torch.equal(a, b) else float("inf")
+
+
+def case_indexer(kind: str, ctx: int, batch: int) -> float:
+    from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
+
+    pool, pt = _pool(ctx, batch, 128, kind, "cuda")
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(batch, 32, device="cuda")
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    args = (
+        q,
+        w,
+        pool,
+        pt,
+        sl,
+        torch.arange(batch, dtype=torch.int32, device="cuda"),
+        torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda"),
+        kind,
+        ctx,
+    )
+    return rel(indexer_logits_paged(*args, backend="triton"), indexer_logits_paged_ref(*args))
+
+
+def case_topk(n: int, batch: int) -> float:
+    from longctx.kernels.topk import topk_indices, topk_indices_ref
+
+    x = torch.randn(batch, n, device="cuda")
+    v = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    return (
+        0.0 if torch.equal(topk_indices(x, 2048, v, backend="triton"), topk_indices_ref(x, 2048, v)) else 1.0
+    )
+
+
+def case_swap(rpi: int) -> float:
+    from longctx.kernels.swap import swap_in_gather, swap_in_gather_ref
+
+    host = torch.randint(0, 255, (4096 * rpi, 656), dtype=torch.uint8).pin_memory()
+    src = torch.randperm(4096, device="cuda")[:512] * rpi
+    dst = torch.randperm(512, device="cuda") * rpi
+    a = torch.zeros(512 * rpi, 656, dtype=torch.uint8, device="cuda")
+    b = a.clone()
+    swap_in_gather(host, src, a, dst, rpi, backend="triton")
+    swap_in_gather_ref(host, src, b, dst, rpi)
+    return 0.0 if torch.equal(a, b) else 1.0
+
+
+def case_sparse_mla(kind: str, batch: int) -> float:
+    from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv_ref
+    from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
+
+    pool = alloc_mla_pool(1 << 16, 512, 64, kind, torch.bfloat16, "cuda").zero_()
+    write_mla_kv_ref(
+        pool,
+        torch.arange(1 << 16, device="cuda"),
+        torch.randn(1 << 16, 512, device="cuda"),
+        torch.randn(1 << 16, 64, device="cuda"),
+        kind,
+    )
+    ql = torch.randn(batch, 64, 512, device="cuda", dtype=torch.bfloat16)
+    qr = torch.randn(batch, 64, 64, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, 1 << 16, (batch, 2048), device="cuda", dtype=torch.int32)
+    idx[:, -100:] = -1
+    return rel(
+        sparse_mla(ql, qr, pool, idx, 0.0625, kind, backend="triton"),
+        sparse_mla_ref(ql, qr, pool, idx, 0.0625, kind),
+    )
+
+
+def case_moe(fp8: bool, t: int, hidden: int, inter: int, e: int) -> float:
+    from longctx.kernels.fp8_gemm import quant_block_fp8_ref
+    from longctx.kernels.moe import moe_experts, moe_experts_ref
+
+    x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+    wgu = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
+    wd = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05
+    ids = torch.stack([torch.randperm(e, device="cuda")[:2] for _ in range(t)])
+    w = torch.rand(t, 2, device="cuda")
+    sg = sd = None
+    if fp8:
+        q = [quant_block_fp8_ref(wgu[i]) for i in range(e)]
+        r = [quant_block_fp8_ref(wd[i]) for i in range(e)]
+        wgu, sg = torch.stack([a for a, _ in q]), torch.stack([b for _, b in q])
+        wd, sd = torch.stack([a for a, _ in r]), torch.stack([b for _, b in r])
+    args = (x, ids, w, wgu, wd, "silu", sg, sd)
+    return rel(moe_experts(*args, backend="triton"), moe_experts_ref(*args))
+
+
+def case_fp8_linear(t: int, n: int, k: int) -> float:
+    from longctx.kernels.fp8_gemm import fp8_block_linear, fp8_block_linear_ref, quant_block_fp8_ref
+
+    wq, s = quant_block_fp8_ref(torch.randn(n, k, device="cuda"))
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    return rel(
+        fp8_block_linear(x, wq, s, torch.bfloat16, backend="triton"),
+        fp8_block_linear_ref(x, wq, s, torch.bfloat16),
+    )
+
+
+CASES = {
+    "kv_write_fp8": (case_kv_write, ("fp8",), 0.0),
+    "kv_write_bf16": (case_kv_write, ("bf16",), 0.0),
+    "index_fp8_1k": (case_indexer, ("fp8", 1000, 2), 1e-3),
+    "index_fp8_100k": (case_indexer, ("fp8", 100_000, 1), 1e-3),
+    "index_bf16_1k": (case_indexer, ("bf16", 1000, 2), 1e-2),
+    "topk_1m": (case_topk, (1 << 20, 1), 0.0),
+    "topk_5k_b8": (case_topk, (5000, 8), 0.0),
+    "swap_rows": (case_swap, (1,), 0.0),
+    "swap_pages": (case_swap, (64,), 0.0),
+    "mla_fp8_b1": (case_sparse_mla, ("fp8", 1), 2e-2),
+    "mla_fp8_b64": (case_sparse_mla, ("fp8", 64), 2e-2),
+    "mla_bf16_b8": (case_sparse_mla, ("bf16", 8), 2e-2),
+    "moe_bf16_tiny": (case_moe, (False, 40, 64, 32, 8), 2e-2),
+    "moe_bf16_glm": (case_moe, (False, 8, 6144, 2048, 16), 2e-2),
+    "moe_fp8_glm": (case_moe, (True, 8, 6144, 2048, 16), 2e-2),
+    "fp8_linear_b1": (case_fp8_linear, (1, 2048, 6144), 2e-2),
+    "fp8_linear_b512": (case_fp8_linear, (512, 16384, 2048), 2e-2),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.case:
+        fn, a, _ = CASES[args.case]
+        print(json.dumps({"err": fn(*a)}))
+        return 0
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    names = [n for n in CASES if not args.only or args.only in n]
+    res = {}
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    for n in names:
+        p = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_kernel_check", "--case", n],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        try:
+            err = json.loads(p.stdout.strip().splitlines()[-1])["err"]
+            r = {"ok": err <= CASES[n][2], "err": err}
+        except Exception:  # noqa: BLE001
+            tail = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-3:]
+            r = {"ok": False, "error": " | ".join(tail)[-400:]}
+        res[n] = r
+        print(n, r, flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu-kernel-check.json").write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
