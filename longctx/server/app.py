@@ -1,0 +1,130 @@
+"""The FastAPI app: lifespan (engine process up/down), auth, error shapes, small endpoints."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from longctx.server import messages as m
+from longctx.server.protocol import ApiError, error_body, validation_error
+from longctx.server.routes_documents import router as documents_router
+from longctx.server.routes_generate import router as generate_router
+from longctx.server.state import ServerSettings, ServerState, get_state
+
+log = logging.getLogger("longctx.server")
+
+
+async def require_api_key(request: Request) -> None:
+    key = get_state(request).settings.api_key
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(
+            401,
+            "invalid or missing API key (send `Authorization: Bearer KEY`)",
+            "authentication_error",
+            code="invalid_api_key",
+        )
+
+
+def create_app(settings: ServerSettings, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """An app that starts the engine process on startup and stops it on shutdown."""
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ready = await state.client.start(settings.engine_start_timeout_s)
+        log.info(
+            "engine ready: max_context=%d vocab=%d %s",
+            ready.max_context,
+            ready.vocab_size,
+            "(fake engine)" if ready.info.get("fake") else "",
+        )
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await state.client.close()
+
+    app = FastAPI(title="longctx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.longctx = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> Response:
+        return validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(e.detail), kind, code=str(e.status_code)), status_code=e.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(
+            error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500
+        )
+
+    auth = [Depends(require_api_key)]
+    app.include_router(generate_router, dependencies=auth)
+    app.include_router(documents_router, dependencies=auth)
+
+    @app.get("/health")
+    async def health() -> Response:
+        c = state.client
+        if not c.healthy or state.draining:
+            reason = "shutting down" if state.draining and c.healthy else c.dead_reason
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONResponse(
+            {
+                "status": "ok",
+                "waiting": c.num_waiting,
+                "running": c.num_running,
+                "in_flight": c.num_in_flight(),
+            }
+        )
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "longctx",
+            "max_model_len": state.max_context,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.refresh_metrics()
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/stats", dependencies=auth)
+    async def stats() -> dict[str, Any]:
+        """Fresh engine stats (pages, prefix cache, host pool, HiSparse) straight from the engine."""
+        try:
+            return await state.client.call(lambda cid: m.StatsQuery(cid), timeout=30.0)
+        except Exception as e:
+            raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
+
+    return app

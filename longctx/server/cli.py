@@ -1,0 +1,143 @@
+"""`longctx serve`: the OpenAI-compatible HTTP server (see docs/server.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+log = logging.getLogger("longctx.server")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/documents, "
+        "/v1/models, /health, /metrics. SIGTERM drains running requests and exits.",
+    )
+    p.add_argument(
+        "--model", required=True, help="model directory (config.json, safetensors, tokenizer.json)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (the URL is logged)")
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients send as `model` (default: dir name)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LONGCTX_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 (default: $LONGCTX_API_KEY)",
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=256, help="429 when more requests than this wait for admission"
+    )
+    p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument(
+        "--hisparse-device-tokens",
+        type=int,
+        default=None,
+        help="device KV slots per request and layer (HiSparse); default: all on device",
+    )
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "bf16", "fp8_e4m3"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Hidden: a compute-free engine for tests and load benches; optional JSON of FakeEngineOptions.
+    p.add_argument("--fake-engine", nargs="?", const="{}", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from longctx.cli import CLIError
+    from longctx.server.app import create_app
+    from longctx.server.engine_proc import EngineSpec
+    from longctx.server.state import ServerSettings
+
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fake = None
+    if args.fake_engine is not None:
+        try:
+            fake = json.loads(args.fake_engine)
+        except ValueError as e:
+            raise CLIError(f"--fake-engine: not JSON: {e}") from None
+        if not isinstance(fake, dict):
+            raise CLIError("--fake-engine: expected a JSON object")
+    elif not (Path(args.model) / "config.json").is_file():
+        raise CLIError(f"--model {args.model}: no config.json there")
+    for name in ("pp", "tp", "max_queue", "max_context"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    spec = EngineSpec(
+        model_dir=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        pp=args.pp,
+        tp=args.tp,
+        hisparse_device_tokens=args.hisparse_device_tokens,
+        max_context=args.max_context,
+        backend=args.backend,
+        fake=fake,
+    )
+    name = args.served_model_name or (Path(args.model).resolve().name or "longctx")
+    settings = ServerSettings(
+        spec=spec,
+        served_model_name=name,
+        api_key=args.api_key or None,
+        max_queue=args.max_queue,
+        drain_timeout_s=args.drain_timeout,
+    )
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    app = create_app(
+        settings, on_ready=lambda: log.info("longctx serving %s at %s (OpenAI API: %s/v1)", name, url, url)
+    )
+
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    config = uvicorn.Config(
+        app,
+        loop=loop,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        access_log=level <= logging.DEBUG,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal with the handlers it found at
+    # start; a no-op handler here turns a drained shutdown into a clean exit code 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    # uvicorn swallows a failed startup into a non-zero exit of its own; report it as one.
+    return 0 if server.started else 1

@@ -1,0 +1,249 @@
+"""Frontend side of the engine process: spawn it, route its outputs to waiting requests.
+
+One `EngineClient` per server. It binds two ipc:// sockets in a fresh private temp dir, spawns
+`engine_proc.main` with multiprocessing 'spawn', and runs two asyncio tasks: a receiver that
+dispatches `OutputBatch` entries to per-request queues and `RpcReply` to futures, and a watchdog
+that notices the process dying. A dead engine fails every pending request and RPC at once with
+`EngineDeadError`, and `healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from longctx.errors import EngineDeadError
+from longctx.server import engine_proc
+from longctx.server import messages as m
+
+log = logging.getLogger("longctx.server")
+
+
+class RequestHandle:
+    """Outputs of one request, in order. `get()` raises EngineDeadError if the engine dies."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.queue: asyncio.Queue[m.TokenOutput | BaseException] = asyncio.Queue()
+        self.started = False  # the engine reported progress: no longer waiting for admission
+        self.finished = False
+
+    async def get(self, timeout: float | None = None) -> m.TokenOutput | None:
+        """The next output, or None after `timeout` seconds without one."""
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class EngineClient:
+    """Owns the engine process and the two sockets to it."""
+
+    def __init__(self, spec: engine_proc.EngineSpec, log_level: int = logging.INFO) -> None:
+        self.spec = spec
+        self.log_level = log_level
+        self.proc: Any = None
+        self.ready: m.EngineReady | None = None
+        self.dead_reason: str | None = None
+        self.closing = False
+        self.num_waiting = 0
+        self.num_running = 0
+        self.stats: dict[str, Any] = {}
+        self._handles: dict[str, RequestHandle] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tmpdir: str | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: Any = None
+        self._pull: Any = None
+        self._ready_fut: asyncio.Future[m.EngineReady] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self, timeout: float = 600.0) -> m.EngineReady:
+        self._tmpdir = tempfile.mkdtemp(prefix="longctx-")
+        to_engine = f"ipc://{os.path.join(self._tmpdir, 'in')}"
+        from_engine = f"ipc://{os.path.join(self._tmpdir, 'out')}"
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(to_engine)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(from_engine)
+        self._ready_fut = asyncio.get_running_loop().create_future()
+        ctx = mp.get_context("spawn")
+        self.proc = ctx.Process(
+            target=engine_proc.main,
+            args=(self.spec, to_engine, from_engine, os.getpid(), self.log_level),
+            name="longctx-engine",
+            daemon=True,
+        )
+        self.proc.start()
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        try:
+            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), timeout)
+        except asyncio.TimeoutError:
+            self._mark_dead(f"engine did not start within {timeout:.0f} s")
+        if self.ready is None:
+            await self.close()
+            raise EngineDeadError(self.dead_reason or "engine failed to start")
+        return self.ready
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to exit, then make sure it has (terminate, kill)."""
+        self.closing = True
+        if self.proc is not None and self.proc.is_alive() and self._push is not None:
+            with contextlib.suppress(asyncio.TimeoutError, zmq.ZMQError):
+                await asyncio.wait_for(self._push.send(m.encode(m.Shutdown())), 1.0)
+            deadline = time.monotonic() + timeout
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.proc.is_alive():
+                log.warning("engine process did not exit; terminating it")
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, 5.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.join, 5.0)
+        self._mark_dead("server is shutting down")
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for s in (self._push, self._pull):
+            if s is not None:
+                s.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            if not self.closing:
+                log.error("engine is down: %s", reason)
+        err = EngineDeadError(self.dead_reason)
+        for h in self._handles.values():
+            h.finished = True
+            h.queue.put_nowait(err)
+        self._handles.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._calls.clear()
+        if self._ready_fut is not None and not self._ready_fut.done():
+            self._ready_fut.set_exception(err)
+            self._ready_fut.exception()  # retrieved here so asyncio does not warn
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            if self.proc is not None and not self.proc.is_alive():
+                if not self.closing:
+                    self._mark_dead(f"engine process exited unexpectedly (exit code {self.proc.exitcode})")
+                return
+
+    async def _receive(self) -> None:
+        assert self._pull is not None
+        while True:
+            raw = await self._pull.recv()
+            try:
+                msg = m.decode(raw)
+            except ValueError as e:
+                log.error("%s", e)
+                continue
+            if isinstance(msg, m.OutputBatch):
+                self.num_waiting, self.num_running = msg.num_waiting, msg.num_running
+                if msg.stats is not None:
+                    self.stats = dict(msg.stats)
+                for out in msg.outputs:
+                    h = self._handles.get(out.rid)
+                    if h is None:
+                        continue
+                    h.started = True
+                    if out.finished:
+                        h.finished = True
+                        del self._handles[out.rid]
+                    h.queue.put_nowait(out)
+            elif isinstance(msg, m.RpcReply):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, m.EngineReady):
+                if self._ready_fut is not None and not self._ready_fut.done():
+                    self._ready_fut.set_result(msg)
+            elif isinstance(msg, m.EngineFailed):
+                self._mark_dead(f"engine failed: {msg.error}")
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+
+    def num_queued(self) -> int:
+        """Requests sent to the engine that it has not started on (in flight or in its queue)."""
+        return sum(1 for h in self._handles.values() if not h.started)
+
+    def num_in_flight(self) -> int:
+        return len(self._handles)
+
+    async def submit(
+        self, rid: str, prompt_ids: list[int], params: m.WireSamplingParams, pin_prefix: bool = False
+    ) -> RequestHandle:
+        self._check()
+        h = RequestHandle(rid)
+        self._handles[rid] = h
+        await self._push.send(m.encode(m.AddRequest(rid, tuple(prompt_ids), params, pin_prefix)))
+        return h
+
+    async def abort(self, rid: str) -> None:
+        """Cancel a request; its pages come back as soon as the engine reads this."""
+        h = self._handles.pop(rid, None)
+        if h is None or not self.healthy:
+            return
+        h.finished = True
+        with contextlib.suppress(zmq.ZMQError):
+            await self._push.send(m.encode(m.AbortRequest(rid)))
+
+    async def call(self, make: Any, timeout: float | None = None) -> Any:
+        """Send `make(call_id)` and wait for its RpcReply; raises EngineDeadError / RuntimeError."""
+        self._check()
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self._push.send(m.encode(make(call_id)))
+        try:
+            reply: m.RpcReply = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if not reply.ok:
+            raise RpcError(reply.error or "engine call failed")
+        return reply.result
+
+
+class RpcError(RuntimeError):
+    """The engine answered an RPC with an error (its one-line message)."""

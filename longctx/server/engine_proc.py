@@ -1,0 +1,336 @@
+"""The engine process: owns an `Engine`, talks to the frontend over two ZMQ PUSH/PULL sockets.
+
+Loop: drain every pending message (add / abort / pin / unpin / stats / shutdown), run one
+`step()` when there is work, send one `OutputBatch` with everything that progressed. A bad
+request becomes an error output for that rid only; the loop itself never raises. It exits on
+`Shutdown`, or when the frontend process disappears (so a killed server leaves no orphan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from longctx.server import messages as m
+
+log = logging.getLogger("longctx.engine_proc")
+
+STATS_EVERY_S = 0.25  # how often queue/page stats ride along with the outputs
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything needed to build the engine in the child (picklable for 'spawn')."""
+
+    model_dir: str
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
+    pp: int = 1
+    tp: int = 1
+    hisparse_device_tokens: int | None = None
+    max_context: int = 1_048_576
+    backend: str = "auto"
+    fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
+
+
+def build_engine(spec: EngineSpec) -> Any:
+    if spec.fake is not None:
+        from longctx.server.fake_engine import FakeEngine
+
+        return FakeEngine(max_context=spec.max_context, **spec.fake)
+    from longctx import Engine
+
+    return Engine(
+        spec.model_dir,
+        device=spec.device,
+        dtype=spec.dtype,
+        kv_dtype=spec.kv_dtype,
+        pp=spec.pp,
+        tp=spec.tp,
+        hisparse_device_tokens=spec.hisparse_device_tokens,
+        max_context=spec.max_context,
+        backend=spec.backend,
+    )
+
+
+def _eos_ids(cfg: Any) -> tuple[int, ...]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _wire_output(o: Any) -> m.TokenOutput:
+    reason = o.finish_reason.value if o.finish_reason is not None else None
+    lps = tuple(
+        m.WireLogprob(int(lp.token_id), float(lp.logprob), tuple((int(t), float(p)) for t, p in lp.top))
+        for lp in o.logprobs
+    )
+    return m.TokenOutput(
+        rid=o.rid,
+        new_token_ids=tuple(int(t) for t in o.new_token_ids),
+        finished=bool(o.finished),
+        finish_reason=reason,
+        prompt_done=int(o.prompt_done),
+        prompt_total=int(o.prompt_total),
+        cached_tokens=int(o.cached_tokens),
+        logprobs=lps,
+        error=o.error,
+        error_kind="engine" if o.error else None,
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+
+
+class EngineLoop:
+    """The message/step loop around one engine; separate from `main` so tests can drive it."""
+
+    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None = None):
+        self.eng = engine
+        self.pull = pull
+        self.push = push
+        self.parent_pid = parent_pid
+        self.live: set[str] = set()
+        self.pins: dict[str, tuple[int, list[int]]] = {}  # rid of a document prefill -> (call id, ids)
+        self.doc_keys: dict[str, list[bytes]] = {}  # pinned document -> its prefix-cache keys
+        self.stop = False
+        self._last_stats = 0.0
+
+    def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
+        from longctx.engine.request import Request, SamplingParams
+        from longctx.errors import LongctxError
+
+        if isinstance(msg, m.AddRequest):
+            p = msg.params
+            try:
+                params = SamplingParams(
+                    max_new_tokens=p.max_new_tokens,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=p.seed,
+                    stop_token_ids=tuple(p.stop_token_ids),
+                    stop=tuple(p.stop),
+                    ignore_eos=p.ignore_eos,
+                    logprobs=p.logprobs,
+                )
+                req = Request(
+                    msg.rid, list(msg.prompt_ids), params, arrival=time.time(), pin_prefix=msg.pin_prefix
+                )
+                self.eng.add_request(req)
+                self.live.add(msg.rid)
+            except LongctxError as e:
+                kind = "queue_full" if type(e).__name__ == "QueueFull" else "request"
+                outs.append(
+                    m.TokenOutput(
+                        msg.rid, finished=True, finish_reason="error", error=str(e), error_kind=kind
+                    )
+                )
+            except Exception as e:
+                log.error("add_request %s failed:\n%s", msg.rid, traceback.format_exc())
+                outs.append(
+                    m.TokenOutput(
+                        msg.rid, finished=True, finish_reason="error", error=_one_line(e), error_kind="engine"
+                    )
+                )
+        elif isinstance(msg, m.AbortRequest):
+            if msg.rid in self.live:
+                self.live.discard(msg.rid)
+                try:
+                    self.eng.abort(msg.rid)
+                except Exception:
+                    log.error("abort %s failed:\n%s", msg.rid, traceback.format_exc())
+                outs.append(m.TokenOutput(msg.rid, finished=True, finish_reason="abort"))
+        elif isinstance(msg, m.PinDocument) and self._pins_in_loop():
+            self._start_pin(msg)
+        elif isinstance(msg, (m.PinDocument, m.UnpinDocument, m.StatsQuery)):
+            try:
+                if isinstance(msg, m.PinDocument):
+                    doc_id, n = self.eng.pin_document(list(msg.token_ids))
+                    result: Any = [str(doc_id), int(n)]
+                elif isinstance(msg, m.UnpinDocument):
+                    keys = self.doc_keys.pop(msg.doc_id, None)
+                    if keys is not None:
+                        self.eng.prefix_cache.unpin_keys(keys)
+                    else:
+                        self.eng.unpin_document(msg.doc_id)
+                    result = None
+                else:
+                    result = self._stats()
+                reply = m.RpcReply(msg.call_id, True, result)
+            except LongctxError as e:
+                reply = m.RpcReply(msg.call_id, False, error=str(e))
+            except Exception as e:
+                log.error("rpc failed:\n%s", traceback.format_exc())
+                reply = m.RpcReply(msg.call_id, False, error=_one_line(e))
+            self.push.send(m.encode(reply))
+        elif isinstance(msg, m.Shutdown):
+            self.stop = True
+        else:
+            log.error("unknown message %r", type(msg).__name__)
+
+    # ---- documents ----------------------------------------------------------------------------
+    # `Engine.pin_document` runs its own step loop, which would swallow other requests' outputs
+    # and stall them for the whole document. Engines with a prefix cache get the same effect
+    # without blocking: the document is an ordinary `pin_prefix` request (chunked prefill,
+    # interleaved with decodes); when it finishes its pages are cached and pinned, and the loop
+    # records their keys for the unpin.
+    def _pins_in_loop(self) -> bool:
+        cache = getattr(self.eng, "prefix_cache", None)
+        return cache is not None and hasattr(cache, "pin_prefix") and hasattr(cache, "unpin_keys")
+
+    def _start_pin(self, msg: m.PinDocument) -> None:
+        from longctx.engine.request import Request, SamplingParams
+        from longctx.errors import LongctxError
+
+        rid = f"pin-{msg.call_id}"
+        ids = list(msg.token_ids)
+        try:
+            self.eng.add_request(Request(rid, ids, SamplingParams(max_new_tokens=0), pin_prefix=True))
+        except LongctxError as e:
+            self.push.send(m.encode(m.RpcReply(msg.call_id, False, error=str(e))))
+            return
+        self.pins[rid] = (msg.call_id, ids)
+
+    def _finish_pin(self, out: Any) -> None:
+        call_id, ids = self.pins.pop(out.rid)
+        if out.error or (out.finish_reason is not None and out.finish_reason.value in ("error", "abort")):
+            reply = m.RpcReply(call_id, False, error=out.error or "document prefill was aborted")
+        else:
+            cache = self.eng.prefix_cache
+            keys = cache.pin_prefix(ids)  # take our own pin to learn the keys...
+            cache.unpin_keys(keys)  # ...and drop it: the request's pin (taken on release) remains
+            self.doc_keys[out.rid] = keys
+            reply = m.RpcReply(call_id, True, [out.rid, len(ids)])
+        self.push.send(m.encode(reply))
+
+    def _stats(self) -> dict[str, Any]:
+        s = dict(self.eng.stats())
+        s["num_waiting"] = int(self.eng.num_waiting())
+        s["num_running"] = int(self.eng.num_running())
+        # msgpack carries plain scalars only
+        return {str(k): v for k, v in s.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+    def _parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def run_once(self, idle_timeout_ms: int = 50) -> None:
+        outs: list[m.TokenOutput] = []
+        timeout = 0 if self.eng.has_work() else idle_timeout_ms
+        if self.pull.poll(timeout):
+            while True:
+                try:
+                    raw = self.pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = m.decode(raw)
+                except ValueError as e:
+                    log.error("%s", e)
+                    continue
+                self._handle(msg, outs)
+        if self.eng.has_work() and not self.stop:
+            try:
+                step_outs = self.eng.step()
+            except Exception as e:
+                # A failed step poisons every request in it; fail them all, keep serving new ones.
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                err = _one_line(e)
+                for rid in list(self.live):
+                    with contextlib.suppress(Exception):
+                        self.eng.abort(rid)
+                    outs.append(
+                        m.TokenOutput(
+                            rid, finished=True, finish_reason="error", error=err, error_kind="engine"
+                        )
+                    )
+                self.live.clear()
+                for rid, (call_id, _) in list(self.pins.items()):
+                    with contextlib.suppress(Exception):
+                        self.eng.abort(rid)
+                    self.push.send(m.encode(m.RpcReply(call_id, False, error=err)))
+                self.pins.clear()
+                step_outs = []
+            for o in step_outs:
+                if o.rid in self.pins:
+                    if o.finished:
+                        self._finish_pin(o)
+                    continue
+                if o.rid not in self.live:
+                    continue  # aborted while the step ran, or a pinned document's internal request
+                outs.append(_wire_output(o))
+                if o.finished:
+                    self.live.discard(o.rid)
+        now = time.monotonic()
+        stats = None
+        if now - self._last_stats >= STATS_EVERY_S:
+            self._last_stats = now
+            try:
+                stats = self._stats()
+            except Exception:
+                log.error("stats failed:\n%s", traceback.format_exc())
+        if outs or stats is not None:
+            batch = m.OutputBatch(
+                tuple(outs), int(self.eng.num_waiting()), int(self.eng.num_running()), stats
+            )
+            self.push.send(m.encode(batch))
+
+    def run(self) -> None:
+        while not self.stop:
+            self.run_once()
+            if self._parent_gone():
+                log.error("frontend process is gone; engine process exiting")
+                break
+        for rid in list(self.live):
+            with contextlib.suppress(Exception):
+                self.eng.abort(rid)
+
+
+def main(
+    spec: EngineSpec, to_engine: str, from_engine: str, parent_pid: int, log_level: int = logging.INFO
+) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(to_engine)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(from_engine)
+    eng = None
+    try:
+        try:
+            eng = build_engine(spec)
+        except Exception as e:
+            log.error("engine failed to start:\n%s", traceback.format_exc())
+            push.send(m.encode(m.EngineFailed(_one_line(e))))
+            return
+        cfg = getattr(eng, "config", None)
+        ready = m.EngineReady(
+            max_context=int(getattr(eng, "max_context", spec.max_context) or spec.max_context),
+            vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
+            eos_token_ids=_eos_ids(cfg),
+            info={"fake": spec.fake is not None, "pid": os.getpid()},
+        )
+        push.send(m.encode(ready))
+        EngineLoop(eng, pull, push, parent_pid).run()
+    finally:
+        if eng is not None:
+            try:
+                eng.close()
+            except Exception:
+                log.error("engine close failed:\n%s", traceback.format_exc())
+        pull.close(0)
+        push.close()
+        ctx.term()

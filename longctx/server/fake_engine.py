@@ -1,0 +1,222 @@
+"""A stand-in for `longctx.Engine`'s step API, for fast server tests and load benches.
+
+It has the same serving surface (add_request / abort / step / has_work / num_waiting /
+num_running / pin_document / unpin_document / stats / tokenizer / config / close) and behaves like
+a paged scheduler in miniature: admission by a page budget (a request that does not fit waits),
+chunked prefill with progress, one token per running request per step, pinned documents whose
+full pages serve as a prefix cache. It computes nothing: greedy output echoes the prompt, sampled
+output is seeded random bytes, so the text is printable under a byte-level tokenizer.
+Selected with `longctx serve --fake-engine '{"step_delay_s": 0.002, ...}'`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob
+from longctx.errors import RequestError
+
+PAGE = 64
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    vocab_size: int = 320
+    eos_token_id: int | None = 257
+    max_position_embeddings: int = 1_048_576
+
+
+@dataclass
+class FakeEngineOptions:
+    """Knobs for the simulated costs; all optional in the `--fake-engine` JSON."""
+
+    total_pages: int = 4096
+    prefill_chunk: int = 2048  # prompt tokens prefilled per step, across requests
+    step_delay_s: float = 0.002  # fixed cost of one step
+    prefill_s_per_token: float = 0.0  # extra cost per prefilled token
+    vocab_size: int = 320
+    eos_token_id: int | None = 257
+
+
+@dataclass
+class _Live:
+    req: Request
+    pages: int  # reserved at admission
+    rng: random.Random = field(default_factory=random.Random)
+
+
+class FakeEngine:
+    """Deterministic, compute-free engine with the serving API of `longctx.Engine`."""
+
+    def __init__(self, max_context: int = 1_048_576, **options: Any) -> None:
+        self.opts = FakeEngineOptions(**options)
+        self.max_context = max_context
+        self.config = FakeConfig(self.opts.vocab_size, self.opts.eos_token_id, max_context)
+        self.tokenizer = None
+        self._waiting: deque[_Live] = deque()
+        self._running: list[_Live] = []
+        self._docs: dict[str, tuple[int, ...]] = {}
+        self._doc_seq = 0
+        self._pages_used = 0
+        self._prefix_hit_tokens = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.params.validate()
+        if not req.prompt_ids:
+            raise RequestError("empty prompt")
+        if len(req.prompt_ids) > self.max_context:
+            raise RequestError(
+                f"prompt has {len(req.prompt_ids)} tokens, more than max_context {self.max_context}"
+            )
+        if any(not (0 <= t < self.opts.vocab_size) for t in req.prompt_ids):
+            raise RequestError(f"token id out of range [0, {self.opts.vocab_size})")
+        seed = req.params.seed if req.params.seed is not None else hash(req.rid)
+        need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // PAGE)
+        if need > self.opts.total_pages:
+            raise RequestError(f"request needs {need} KV pages, the pool has {self.opts.total_pages}")
+        self._waiting.append(_Live(req, 0, random.Random(seed)))
+
+    def abort(self, rid: str) -> None:
+        for q in (self._waiting, self._running):
+            for live in list(q):
+                if live.req.rid == rid:
+                    q.remove(live)
+                    self._pages_used -= live.pages
+                    live.req.finish_reason = FinishReason.ABORT
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _cached_prefix(self, prompt: list[int]) -> int:
+        best = 0
+        for doc in self._docs.values():
+            if len(doc) <= len(prompt) and tuple(prompt[: len(doc)]) == doc:
+                best = max(best, len(doc) // PAGE * PAGE)
+        return min(best, len(prompt) - 1)  # the last prompt token is always computed
+
+    def _admit(self) -> None:
+        while self._waiting:
+            live = self._waiting[0]
+            req = live.req
+            cached = max(0, self._cached_prefix(req.prompt_ids))
+            need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // PAGE) - cached // PAGE
+            if self._pages_used + need > self.opts.total_pages:
+                return  # FCFS: the head waits until pages come back
+            self._waiting.popleft()
+            live.pages = need
+            self._pages_used += need
+            req.num_cached = req.num_computed = cached
+            self._prefix_hit_tokens += cached
+            self._running.append(live)
+
+    def _next_token(self, live: _Live) -> int:
+        req, p = live.req, live.req.params
+        if p.temperature == 0:
+            return req.prompt_ids[len(req.output_ids) % len(req.prompt_ids)]
+        return (
+            live.rng.randrange(32, 127)
+            if self.opts.vocab_size > 127
+            else live.rng.randrange(self.opts.vocab_size)
+        )
+
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        outs: list[StepOutput] = []
+        budget = self.opts.prefill_chunk
+        prefilled = 0
+        for live in list(self._running):
+            req = live.req
+            new: list[int] = []
+            if req.num_computed < len(req.prompt_ids):
+                if budget <= 0:
+                    continue
+                n = min(budget, len(req.prompt_ids) - req.num_computed)
+                budget -= n
+                prefilled += n
+                req.num_computed += n
+                if req.num_computed < len(req.prompt_ids):
+                    outs.append(self._out(req, ()))
+                    continue
+            if req.params.max_new_tokens > 0:
+                tok = self._next_token(live)
+                new.append(tok)
+                req.output_ids.append(tok)
+                req.num_computed += 1
+            if len(req.output_ids) >= req.params.max_new_tokens or req.num_tokens >= self.max_context:
+                req.finish_reason = FinishReason.LENGTH
+            eos = self.opts.eos_token_id
+            if new and eos is not None and new[-1] == eos and not req.params.ignore_eos:
+                req.finish_reason = FinishReason.STOP
+            outs.append(self._out(req, tuple(new)))
+            if req.finished:
+                self._running.remove(live)
+                self._pages_used -= live.pages
+        time.sleep(self.opts.step_delay_s + prefilled * self.opts.prefill_s_per_token)
+        return outs
+
+    def _out(self, req: Request, new: tuple[int, ...]) -> StepOutput:
+        lps: tuple[TokenLogprob, ...] = ()
+        n = req.params.logprobs
+        if n is not None and new:
+            v = self.opts.vocab_size
+            lps = tuple(
+                TokenLogprob(t, -0.25, tuple(((t + i) % v, -0.25 - i) for i in range(n))) for t in new
+            )
+        return StepOutput(
+            rid=req.rid,
+            new_token_ids=new,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            prompt_done=min(req.num_computed, len(req.prompt_ids)),
+            prompt_total=len(req.prompt_ids),
+            cached_tokens=req.num_cached,
+            logprobs=lps,
+        )
+
+    # ---- documents --------------------------------------------------------------------------
+    def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
+        if not token_ids:
+            raise RequestError("empty document")
+        if len(token_ids) > self.max_context:
+            raise RequestError(
+                f"document has {len(token_ids)} tokens, more than max_context {self.max_context}"
+            )
+        time.sleep(len(token_ids) * self.opts.prefill_s_per_token)
+        self._doc_seq += 1
+        doc_id = f"doc-{self._doc_seq}"
+        self._docs[doc_id] = tuple(token_ids)
+        self._pages_used += len(token_ids) // PAGE
+        return doc_id, len(token_ids)
+
+    def unpin_document(self, doc_id: str) -> None:
+        doc = self._docs.pop(doc_id, None)
+        if doc is None:
+            raise RequestError(f"no pinned document {doc_id!r}")
+        self._pages_used -= len(doc) // PAGE
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pages_used": self._pages_used,
+            "pages_total": self.opts.total_pages,
+            "prefix_hit_tokens": self._prefix_hit_tokens,
+            "host_pool_bytes": 0,
+            "hisparse_hits": 0,
+            "hisparse_misses": 0,
+            "fake": True,
+        }
+
+    def close(self) -> None:
+        self._waiting.clear()
+        self._running.clear()

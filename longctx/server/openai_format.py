@@ -1,0 +1,146 @@
+"""OpenAI response objects (completion, chat completion, their stream chunks) and SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from starlette.responses import StreamingResponse
+
+from longctx.server import messages as m
+from longctx.server.text import TextCodec
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_comment(text: str) -> str:
+    return f": {text}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its generator.
+
+    Starlette stops iterating when the client goes away but leaves closing the async generator to
+    the garbage collector; closing it here runs the generator's `finally` at once, which is where
+    the engine request is aborted and its KV pages freed.
+    """
+
+    def __init__(self, content: Any, **kw: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers, **kw)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def completion_logprobs(codec: TextCodec, lps: list[m.WireLogprob], offset0: int = 0) -> dict[str, Any]:
+    tokens = [codec.decode([lp.token_id]) for lp in lps]
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{codec.decode([t]): p for t, p in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(codec: TextCodec, lps: list[m.WireLogprob], top_n: int) -> dict[str, Any]:
+    def entry(tid: int, p: float) -> dict[str, Any]:
+        tok = codec.decode([tid])
+        return {"token": tok, "logprob": p, "bytes": list(tok.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top[:top_n]]}
+            for lp in lps
+        ]
+    }
+
+
+def completion(
+    rid: str, model: str, text: str, finish: str | None, usage: dict | None, logprobs: Any
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "usage": usage,
+    }
+
+
+def chat_completion(rid: str, model: str, text: str, finish: str, usage: dict, logprobs: Any) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: dict,
+    finish: str | None,
+    logprobs: Any = None,
+    usage: dict | None = None,
+    empty: bool = False,
+) -> dict:
+    choices = [] if empty else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None or empty:
+        out["usage"] = usage
+    return out
+
+
+def completion_chunk(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    logprobs: Any = None,
+    usage: dict | None = None,
+    empty: bool = False,
+) -> dict:
+    choices = [] if empty else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None or empty:
+        out["usage"] = usage
+    return out

@@ -1,0 +1,172 @@
+"""OpenAI-compatible request schemas and error bodies.
+
+Validation is strict about types (no "5" for 5, no true for 1.0) and ranges; unknown fields are
+ignored so newer clients still work. Every rejection is an `ApiError`, rendered as
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+I64 = 2**63 - 1
+MAX_STOPS = 16
+
+
+class ApiError(Exception):
+    """An error the client sees as an HTTP status + OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code), status_code=self.status
+        )
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_error(e: ValidationError | Any) -> ApiError:
+    """First pydantic error -> ApiError(400) naming the offending field."""
+    errs = e.errors() if hasattr(e, "errors") else []
+    if not errs:
+        return ApiError(400, "invalid request")
+    err = errs[0]
+    loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    return ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+StopT = str | list[Annotated[str, Field(min_length=1)]] | None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by every generating endpoint."""
+
+    model: str | None = None
+    temperature: Float | None = Field(None, ge=0.0, le=100.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # -1 and 0 both mean "off"
+    seed: int | None = Field(None, ge=-(2**63), le=I64)
+    stop: StopT = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)  # accepted for compatibility, unused
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)  # accepted for compatibility, unused
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> _SamplingFields:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            raise ValueError(f"stop: at most {MAX_STOPS} stop strings")
+        if isinstance(self.stop, str) and not self.stop:
+            raise ValueError("stop: must not be empty")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0, le=I64)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
+            raise ValueError("prompt: only one prompt per request is supported")
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return self
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0, le=I64)
+    max_completion_tokens: int | None = Field(None, ge=0, le=I64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        return self
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class DocumentCreate(_Strict):
+    text: str = Field(min_length=1)
+    name: str | None = None
+
+
+class AskRequest(_SamplingFields):
+    question: str = Field(min_length=1)
+    max_tokens: int | None = Field(256, ge=0, le=I64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -1,0 +1,137 @@
+"""Long-document QA: upload a document once (prefilled and pinned in the prefix cache), ask many times.
+
+A document's prompt is the chat template around one user turn that starts with the document:
+`head + document` is tokenised on its own and pinned, and a question appends
+`"\\n\\n" + question + tail`, so every full page of the document is a cache hit.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from longctx.server import messages as m
+from longctx.server.engine_client import RpcError
+from longctx.server.generation import Generation, new_rid
+from longctx.server.protocol import ApiError, AskRequest, DocumentCreate
+from longctx.server.routes_generate import Shape, sampling, serve
+from longctx.server.state import Document, ServerState, get_state, read_json
+
+router = APIRouter()
+QUESTION_SEPARATOR = "\n\n"
+
+
+async def _document_text(request: Request, st: ServerState) -> tuple[str, str | None]:
+    ctype = request.headers.get("content-type", "")
+    if not ctype.startswith("multipart/form-data"):
+        body = await read_json(request, DocumentCreate)
+        return body.text, body.name
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except Exception as e:  # starlette raises several types for broken multipart bodies
+        raise ApiError(400, f"bad multipart body: {str(e)[:200]}", code="invalid_multipart") from None
+    try:
+        item = form.get("file")
+        if item is None:
+            text = form.get("text")
+            if not isinstance(text, str) or not text:
+                raise ApiError(400, "multipart upload needs a `file` (or `text`) field", param="file")
+            return text, None
+        if isinstance(item, str):
+            return item, None
+        data = await item.read(st.settings.max_body_bytes + 1)
+        if len(data) > st.settings.max_body_bytes:
+            raise ApiError(413, "document too large", code="body_too_large")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ApiError(
+                400, f"document is not valid UTF-8 (byte {e.start})", param="file", code="invalid_utf8"
+            ) from None
+        if not text:
+            raise ApiError(400, "document is empty", param="file")
+        return text, item.filename
+    finally:
+        await form.close()
+
+
+def _doc(st: ServerState, doc_id: str) -> Document:
+    doc = st.documents.get(doc_id)
+    if doc is None:
+        raise ApiError(
+            404, f"no document {doc_id!r}", "not_found_error", param="id", code="document_not_found"
+        )
+    return doc
+
+
+@router.post("/v1/documents")
+async def create_document(request: Request) -> dict:
+    st = get_state(request)
+    text, name = await _document_text(request, st)
+    try:
+        head, _ = st.codec.document_frame()
+    except ValueError as e:
+        raise ApiError(500, str(e), "server_error") from None
+    prefix_text = head + text
+    ids = await st.encode(prefix_text)
+    if len(ids) >= st.max_context:
+        raise ApiError(
+            400,
+            f"the document has {len(ids)} tokens; the maximum context is {st.max_context}",
+            param="text",
+            code="context_length_exceeded",
+        )
+    st.check_admission()
+    ids_t = tuple(ids)
+    try:
+        engine_id, _ = await st.client.call(lambda cid: m.PinDocument(cid, ids_t))
+    except RpcError as e:
+        raise ApiError(400, str(e), param="text") from None
+    except Exception as e:
+        raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
+    doc = Document(f"doc-{uuid.uuid4().hex[:16]}", str(engine_id), name, ids, prefix_text, len(text))
+    st.documents[doc.id] = doc
+    return doc.public()
+
+
+@router.get("/v1/documents")
+async def list_documents(request: Request) -> dict:
+    st = get_state(request)
+    return {"object": "list", "data": [d.public() for d in st.documents.values()]}
+
+
+@router.get("/v1/documents/{doc_id}")
+async def get_document(doc_id: str, request: Request) -> dict:
+    return _doc(get_state(request), doc_id).public()
+
+
+@router.delete("/v1/documents/{doc_id}")
+async def delete_document(doc_id: str, request: Request) -> dict:
+    st = get_state(request)
+    doc = _doc(st, doc_id)
+    del st.documents[doc_id]  # first, so no new question starts on it
+    try:
+        await st.client.call(lambda cid: m.UnpinDocument(cid, doc.engine_id))
+    except RpcError as e:
+        raise ApiError(500, f"unpin failed: {e}", "server_error") from None
+    except Exception as e:
+        raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
+    return {"id": doc_id, "object": "document", "deleted": True}
+
+
+@router.post("/v1/documents/{doc_id}/ask")
+async def ask_document(doc_id: str, request: Request) -> Response:
+    st = get_state(request)
+    req = await read_json(request, AskRequest)
+    st.check_model(req.model)
+    doc = _doc(st, doc_id)
+    _, tail = st.codec.document_frame()
+    ids = doc.ids + await st.encode(QUESTION_SEPARATOR + req.question + tail)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling(st, req, len(ids), req.max_tokens, logprobs)
+    st.check_admission()
+    gen = Generation(st.client, st.codec, st.metrics, new_rid("chatcmpl"), ids, params, req.stop_list())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await serve(request, st, gen, Shape(True, logprobs, include_usage), req.stream)

@@ -1,0 +1,155 @@
+"""Server settings and the per-app state every route reads (`request.app.state.longctx`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from longctx.server import messages as m
+from longctx.server.engine_client import EngineClient
+from longctx.server.engine_proc import EngineSpec
+from longctx.server.metrics import Metrics
+from longctx.server.protocol import ApiError, validation_error
+from longctx.server.text import TextCodec
+
+M = TypeVar("M", bound=BaseModel)
+BIG_TEXT = 100_000  # tokenise texts longer than this off the event loop
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What `longctx serve` was asked for."""
+
+    spec: EngineSpec
+    served_model_name: str
+    api_key: str | None = None
+    max_queue: int = 256
+    max_body_bytes: int = 128 * 2**20
+    drain_timeout_s: float = 30.0
+    engine_start_timeout_s: float = 1800.0
+
+
+@dataclass
+class Document:
+    id: str
+    engine_id: str
+    name: str | None
+    ids: list[int]  # tokens of `prefix_text`: chat-template head + document text
+    prefix_text: str
+    text_chars: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "document",
+            "name": self.name,
+            "tokens": len(self.ids),
+            "characters": self.text_chars,
+            "created": self.created,
+        }
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.codec = TextCodec(settings.spec.model_dir)
+        self.metrics = Metrics()
+        self.client = EngineClient(settings.spec)
+        self.documents: dict[str, Document] = {}
+        self.draining = False
+
+    @property
+    def ready(self) -> m.EngineReady:
+        assert self.client.ready is not None
+        return self.client.ready
+
+    @property
+    def max_context(self) -> int:
+        r = self.client.ready
+        return r.max_context if r is not None else self.settings.spec.max_context
+
+    def model_names(self) -> set[str]:
+        return {self.settings.served_model_name, self.settings.spec.model_dir}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names():
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.settings.served_model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_admission(self) -> None:
+        if self.draining:
+            raise ApiError(503, "server is shutting down", "server_error", code="shutting_down")
+        if not self.client.healthy:
+            raise ApiError(
+                503, f"engine unavailable: {self.client.dead_reason}", "server_error", code="engine_dead"
+            )
+        if self.client.num_queued() >= self.settings.max_queue:
+            raise ApiError(
+                429,
+                f"too many queued requests (limit {self.settings.max_queue}); retry later",
+                "rate_limit_error",
+                code="queue_full",
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > BIG_TEXT:
+            return await asyncio.to_thread(self.codec.encode, text, add_special_tokens)
+        return self.codec.encode(text, add_special_tokens)
+
+    def refresh_metrics(self) -> None:
+        c = self.client
+        self.metrics.update_engine(c.stats, c.num_waiting, c.num_running, c.healthy)
+        self.metrics.in_flight.set(c.num_in_flight())
+        self.metrics.documents.set(len(self.documents))
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.longctx
+
+
+async def read_json(request: Request, model: type[M]) -> M:
+    """Body -> validated model; any malformed input is ApiError(400) (413 when too large)."""
+    st = get_state(request)
+    body = await read_body(request, st.settings.max_body_bytes)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(
+            400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8"
+        ) from None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,93 @@
+"""Text <-> tokens for the frontend: tokenizer, chat template, incremental detokenizer.
+
+The model directory's `tokenizer.json` and chat template are read with the checkpoint helpers
+(`longctx.checkpoint.tokenizer` / `chat_template`), so the server renders prompts exactly as
+`longctx generate` and transformers do. A directory without a tokenizer (the fake engine's) gets
+the byte-level tokenizer random checkpoints ship.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from longctx.checkpoint.chat_template import apply_chat_template, load_chat_template
+from longctx.checkpoint.tokenizer import load_tokenizer, make_tokenizer
+from longctx.errors import LongctxError
+
+log = logging.getLogger("longctx.server")
+
+_SENTINEL = "\u2063LONGCTX_DOCUMENT\u2063"
+
+
+class TextCodec:
+    """Tokenizer + chat template of one model directory."""
+
+    def __init__(self, model_dir: str | None) -> None:
+        d = Path(model_dir) if model_dir else None
+        tok = load_tokenizer(d) if d is not None and d.is_dir() else None
+        if tok is None:
+            log.info("no tokenizer.json in %s: using the byte-level tokenizer", model_dir)
+            tok = make_tokenizer()
+        self.tok: Any = tok
+        self.chat_template = load_chat_template(d) if d is not None and d.is_dir() else None
+
+    # ---- tokens -----------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    # ---- chat -------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for `messages` (raises ValueError on a template error)."""
+        try:
+            return apply_chat_template(messages, add_generation_prompt, template=self.chat_template)
+        except LongctxError as e:
+            raise ValueError(str(e)) from None
+
+    def document_frame(self) -> tuple[str, str]:
+        """(text before, text after) the user turn's content in a one-message chat.
+
+        A document prompt is `before + document + separator + question + after`; tokenising
+        `before + document` on its own keeps the document's tokens a stable prefix.
+        """
+        text = self.render_chat([{"role": "user", "content": _SENTINEL}])
+        before, sep, after = text.partition(_SENTINEL)
+        if not sep:
+            raise ValueError("the chat template drops the user's message")
+        return before, after
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything.
+
+    vLLM's scheme: decode a short window ending at the new tokens and emit the part after the
+    previously emitted window; hold back while the tail is an incomplete UTF-8 sequence.
+    """
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, new_ids: list[int] | tuple[int, ...]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self.codec.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.codec.decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete sequence decodes to U+FFFD)."""
+        prefix_text = self.codec.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.codec.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
