@@ -276,6 +276,7 @@ class HiSparseKVCache:
 
     # ---- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        self._wait_side()
         main, side = self._acc["main"].tolist(), self._acc["side"].tolist()
         if self._events:
             torch.cuda.synchronize(self.device)
@@ -494,6 +495,9 @@ class HiSparseKVCache:
         stream = self._side
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
+            # made on the main stream, read on the side one: keep their memory until it is done
+            topk.record_stream(stream)
+            ctx.page_table.record_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else _null():
             acc = self._acc["side" if stream is not None else "main"]
             for b in todo:
