@@ -163,3 +163,32 @@ def test_cap_must_exceed_topk():
 
     with pytest.raises(ConfigError):
         _cache(4)
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.uint8, 656), (torch.float32, 40), (torch.bfloat16, 18)])
+def test_counted_swap_kernel_interpreted(dtype, width):
+    """The device-count swap kernel (run by the Triton interpreter) copies exactly `count` items."""
+    from longctx.kernels.common import HAS_TRITON, next_pow2, triton_interpret
+    from longctx.kernels.swap import _word_dtype
+
+    from longctx.hisparse.gather import _copy_rows_counted_kernel
+
+    if not (HAS_TRITON and triton_interpret()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(width)
+    host = torch.randint(0, 100, (50, width), generator=g).to(dtype)
+    dst = torch.zeros(30, width, dtype=dtype)
+    src_rows = torch.randperm(50, generator=g)[:20]
+    dst_rows = torch.randperm(30, generator=g)[:20]
+    count = torch.tensor(13)
+    word = _word_dtype(width * host.element_size(), host, dst)
+    row_w = width * host.element_size() // word.itemsize
+    block_w = min(next_pow2(row_w), 1024)
+    items = max(1, min(16, 2048 // block_w))
+    _copy_rows_counted_kernel[((20 + items - 1) // items,)](
+        host.view(torch.uint8).view(word), src_rows, dst.view(torch.uint8).view(word), dst_rows, count,
+        ROW_W=row_w, ITEMS=items, BLOCK_W=block_w,
+    )  # fmt: skip
+    want = torch.zeros_like(dst)
+    want[dst_rows[:13]] = host[src_rows[:13]]
+    assert torch.equal(dst, want)
