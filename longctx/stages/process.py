@@ -207,7 +207,8 @@ class StageProcess:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, StatsRequest):
-                self.transport.put(StageStats(msg.seq, self.spec.stage, self.stats()))
+                if self.spec.tp_rank == 0:  # one answer per stage
+                    self.transport.put(StageStats(msg.seq, self.spec.stage, self.stats()))
             elif isinstance(msg, RunPlan):
                 self.step(msg)
             else:

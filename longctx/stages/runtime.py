@@ -54,10 +54,23 @@ from longctx.stages.tp import check_tp
 
 POLL_S = 0.1
 SHUTDOWN_GRACE_S = 5.0
+# set by `longctx.stages.launch` under torchrun: the next StageRuntime drives those ranks
+_ATTACHED: list[Any] = []
 
 
-class _Procs:
-    """The spawned processes and their queues; `close` is what `weakref.finalize` calls."""
+def attached_stages(stages: Any) -> None:
+    """Make the next `StageRuntime` (e.g. the one an Engine builds) use `stages` instead of spawning."""
+    _ATTACHED.append(stages)
+
+
+class SpawnedStages:
+    """Local stage processes (torch.multiprocessing spawn), one inbox queue each, one outbox.
+
+    The interface `StageRuntime` drives (also implemented by `longctx.stages.launch` for
+    torchrun): `rendezvous()` -> (store host, port) ("" if the process group exists),
+    `start(specs)`, `send(rank, msg)`, `get(timeout)` (None on timeout), `dead()` (a (rank, exit
+    code) of a stage that is gone, or None), `close(graceful)`.
+    """
 
     def __init__(self) -> None:
         self.procs: list[Any] = []
@@ -65,6 +78,45 @@ class _Procs:
         self.outbox: Any = None
         self.store: Any = None
         self.closed = False
+
+    def rendezvous(self) -> tuple[str, int]:
+        # the driver hosts the store; port 0 lets the OS pick a free port, race-free
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        return "127.0.0.1", int(self.store.port)
+
+    def start(self, specs: list[StageSpec]) -> None:
+        from longctx.stages.process import spawn_main
+
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        for spec in specs:
+            inbox = ctx.Queue()
+            self.inboxes.append(inbox)
+            self.procs.append(
+                ctx.Process(
+                    target=spawn_main,
+                    args=(spec, inbox, self.outbox),
+                    name=f"longctx-stage{spec.stage}-tp{spec.tp_rank}",
+                    daemon=True,
+                )
+            )
+        for p in self.procs:
+            p.start()
+
+    def send(self, rank: int, msg: Any) -> None:
+        self.inboxes[rank].put(msg)
+
+    def get(self, timeout: float) -> Any:
+        try:
+            return self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def dead(self) -> tuple[int, int | None] | None:
+        for rank, p in enumerate(self.procs):
+            if not p.is_alive():
+                return rank, p.exitcode
+        return None
 
     def close(self, graceful: bool = True) -> None:
         if self.closed:
@@ -115,14 +167,24 @@ class StageRuntime:
         page_size: int = 64,
         num_threads: int | None = None,
         poll_s: float = POLL_S,
+        stages: Any = None,
     ) -> None:
         check_tp(cfg, tp)
         if pp < 1 or pp > cfg.num_hidden_layers:
             raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
         dev = torch.device(device)
         world = pp * tp
-        if dev.type == "cuda" and torch.cuda.device_count() < world:
-            raise ConfigError(f"pp={pp} x tp={tp} needs {world} GPUs, {torch.cuda.device_count()} visible")
+        # `stages`: how the processes are run; default a local spawn, under torchrun the
+        # already-running ranks (`longctx.stages.launch` passes them through `attached_stages`)
+        if stages is None:
+            stages = _ATTACHED.pop() if _ATTACHED else SpawnedStages()
+        if isinstance(stages, SpawnedStages):
+            if dev.type == "cuda" and torch.cuda.device_count() < world:
+                raise ConfigError(
+                    f"pp={pp} x tp={tp} needs {world} GPUs, {torch.cuda.device_count()} visible"
+                )
+        elif stages.world_size != world:
+            raise ConfigError(f"pp={pp} x tp={tp} needs {world} ranks, the launch has {stages.world_size}")
         context = min(num_pages * page_size, cfg.max_position_embeddings)
         plans = partition(cfg, pp, context, layer_split, tp=tp, gpus_per_node=max(tp, world))
         self.layers = [p.layers for p in plans]
@@ -130,57 +192,42 @@ class StageRuntime:
         if num_threads is None:
             num_threads = max(1, (os.cpu_count() or 1) // world) if dev.type == "cpu" else 0
 
-        self._p = _Procs()
+        self._p = stages
         self._finalizer = weakref.finalize(self, self._p.close)
-        # the driver hosts the rendezvous store: port 0 lets the OS pick a free port, race-free
-        self._p.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-        ctx = mp.get_context("spawn")
-        self._p.outbox = ctx.Queue()
+        store_host, store_port = self._p.rendezvous()
         dtype_name = str(dtype).replace("torch.", "")
-        from longctx.stages.process import spawn_main
-
-        self.specs: list[StageSpec] = []
-        for s, (a, b) in enumerate(self.layers):
-            for t in range(tp):
-                spec = StageSpec(
-                    model_dir=str(model_dir),
-                    cfg=cfg,
-                    pp=pp,
-                    tp=tp,
-                    stage=s,
-                    tp_rank=t,
-                    layers=(a, b),
-                    device=dev.type,
-                    dtype=dtype_name,
-                    kv_kind=kv_kind,
-                    num_pages=num_pages,
-                    page_size=page_size,
-                    use_triton=use_triton,
-                    prefill_form=prefill_form,
-                    hisparse_device_tokens=hisparse_device_tokens,
-                    store_host="127.0.0.1",
-                    store_port=self._p.store.port,
-                    num_threads=num_threads,
-                )
-                inbox = ctx.Queue()
-                proc = ctx.Process(
-                    target=spawn_main,
-                    args=(spec, inbox, self._p.outbox),
-                    name=f"longctx-stage{s}-tp{t}",
-                    daemon=True,
-                )
-                self.specs.append(spec)
-                self._p.inboxes.append(inbox)
-                self._p.procs.append(proc)
+        self.specs: list[StageSpec] = [
+            StageSpec(
+                model_dir=str(model_dir),
+                cfg=cfg,
+                pp=pp,
+                tp=tp,
+                stage=s,
+                tp_rank=t,
+                layers=(a, b),
+                device=dev.type,
+                dtype=dtype_name,
+                kv_kind=kv_kind,
+                num_pages=num_pages,
+                page_size=page_size,
+                use_triton=use_triton,
+                prefill_form=prefill_form,
+                hisparse_device_tokens=hisparse_device_tokens,
+                store_host=store_host,
+                store_port=store_port,
+                num_threads=num_threads,
+            )
+            for s, (a, b) in enumerate(self.layers)
+            for t in range(tp)
+        ]
         self._dead: str | None = None
         self._seq = itertools.count()
         self._pending: deque[int] = deque()
         self._results: dict[int, bytes] = {}
         self._stats: dict[int, dict[int, dict[str, Any]]] = {}
-        self._ready: set[int] = set()
+        self._ready: dict[int, int] = {}  # rank -> pid
         try:
-            for p in self._p.procs:
-                p.start()
+            self._p.start(self.specs)
             while len(self._ready) < world:
                 self._pump()
         except BaseException:
@@ -191,7 +238,7 @@ class StageRuntime:
     @property
     def pids(self) -> list[list[int]]:
         """pids[stage][tp_rank] of the stage processes."""
-        return [[self._p.procs[s * self.tp + t].pid for t in range(self.tp)] for s in range(self.pp)]
+        return [[self._ready[s * self.tp + t] for t in range(self.tp)] for s in range(self.pp)]
 
     def _where(self, rank: int) -> str:
         return (
@@ -207,13 +254,13 @@ class StageRuntime:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        for rank, p in enumerate(self._p.procs):
-            if not p.is_alive():
-                # a failing stage reports why before it exits: prefer that message
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        self._dispatch(self._p.outbox.get(timeout=0.2))
-                self._die(f"{self._where(rank)} exited with code {p.exitcode}")
+        gone = self._p.dead()
+        if gone is not None:
+            # a failing stage reports why before it exits: prefer that message
+            deadline = time.monotonic() + 0.5
+            while (msg := self._p.get(max(0.0, deadline - time.monotonic()))) is not None:
+                self._dispatch(msg)
+            self._die(f"{self._where(gone[0])} exited with code {gone[1]}")
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, Result):
@@ -221,7 +268,7 @@ class StageRuntime:
         elif isinstance(msg, StageStats):
             self._stats.setdefault(msg.seq, {})[msg.stage] = msg.stats
         elif isinstance(msg, Ready):
-            self._ready.add(msg.rank)
+            self._ready[msg.rank] = msg.pid
         elif isinstance(msg, Failed):
             self._die(f"{self._where(msg.rank)} failed: {msg.message}")
 
@@ -229,9 +276,8 @@ class StageRuntime:
         """Handle one message from the stages, or check their liveness after `poll_s` of silence."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        try:
-            msg = self._p.outbox.get(timeout=self.poll_s)
-        except queue.Empty:
+        msg = self._p.get(self.poll_s)
+        if msg is None:
             self._check_alive()
             return
         self._dispatch(msg)
@@ -242,8 +288,8 @@ class StageRuntime:
         self._check_alive()
         seq = next(self._seq)
         msg = RunPlan(seq, plan)
-        for q in self._p.inboxes:
-            q.put(msg)
+        for rank in range(self.pp * self.tp):
+            self._p.send(rank, msg)
         self._pending.append(seq)
         return seq
 
@@ -275,7 +321,7 @@ class StageRuntime:
             return {"stages": [], "error": self._dead}
         seq = next(self._seq)
         for s in range(self.pp):
-            self._p.inboxes[s * self.tp].put(StatsRequest(seq))
+            self._p.send(s * self.tp, StatsRequest(seq))
         while len(self._stats.get(seq, {})) < self.pp:
             self._pump()
         got = self._stats.pop(seq)
