@@ -207,15 +207,18 @@ def _indexer_kernel(
             nmask = offs_n < lim
             page = tl.load(pt_ptr + b * stride_pb + offs_n // PAGE, mask=nmask, other=0)
             slot = page.to(tl.int64) * PAGE + offs_n % PAGE  # [BLOCK_N]
+            # Row starts are only 4-byte aligned for 132-byte rows; without this hint the compiler
+            # derives a 16-byte alignment from `% PAGE` and emits misaligned vector loads.
+            row0 = tl.multiple_of(slot * ROW, 4)
             kmask = nmask[:, None] & dmask[None, :]
             if FP8:
                 kp = pool_ptr.to(tl.pointer_type(tl.float8e4nv))
-                k = tl.load(kp + slot[:, None] * ROW + offs_d[None, :], mask=kmask, other=0.0)
+                k = tl.load(kp + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
                 k = k.to(qt.dtype)
                 sp = pool_ptr.to(tl.pointer_type(tl.float32))
                 kscale = tl.load(sp + slot * (ROW // 4) + D // 4, mask=nmask, other=0.0)
             else:
-                k = tl.load(pool_ptr + slot[:, None] * ROW + offs_d[None, :], mask=kmask, other=0.0)
+                k = tl.load(pool_ptr + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
             if INTERPRET:  # the interpreter's dot reads bf16 as raw uint16; fp32 is exact for both
                 s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
             elif IEEE:
