@@ -100,6 +100,7 @@ def create_app(settings: ServerSettings, on_ready: Callable[[], None] | None = N
                 "waiting": c.num_waiting,
                 "running": c.num_running,
                 "in_flight": c.num_in_flight(),
+                "engine_pid": state.ready.info.get("pid"),
             }
         )
 

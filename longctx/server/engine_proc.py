@@ -219,8 +219,18 @@ class EngineLoop:
         s = dict(self.eng.stats())
         s["num_waiting"] = int(self.eng.num_waiting())
         s["num_running"] = int(self.eng.num_running())
-        # msgpack carries plain scalars only
-        return {str(k): v for k, v in s.items() if isinstance(v, (int, float, str, bool)) or v is None}
+        s["documents"] = len(self.doc_keys)
+        # msgpack carries plain scalars; nested dicts ({"prefix_cache": {"hit_tokens"}}) flatten
+        # one level to "prefix_cache_hit_tokens"
+        flat: dict[str, Any] = {}
+        for k, v in s.items():
+            if isinstance(v, dict):
+                for k2, v2 in v.items():
+                    if isinstance(v2, (int, float, str, bool)):
+                        flat[f"{k}_{k2}"] = v2
+            elif isinstance(v, (int, float, str, bool)) or v is None:
+                flat[str(k)] = v
+        return flat
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid

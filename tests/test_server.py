@@ -1,0 +1,344 @@
+"""The HTTP server as users meet it: a real `longctx serve` subprocess on a free port.
+
+These run against the compute-free fake engine (`--fake-engine`) so they are fast and
+deterministic; tests/test_server_real.py repeats the core paths on the real engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from longctx.server.testing import ServerProcess
+
+MAX_CONTEXT = 4096
+FAKE = json.dumps({"step_delay_s": 0.002, "prefill_chunk": 256, "total_pages": 4096})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = tmp_path_factory.mktemp("fake-model")
+    with ServerProcess(
+        str(model), "--fake-engine", FAKE, "--max-context", str(MAX_CONTEXT), "--served-model-name", "fake"
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def stats(server) -> dict:
+    return httpx.get(server.url + "/v1/stats", timeout=10).json()
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ---- the openai client ---------------------------------------------------------------------------
+
+
+def test_openai_completions(client):
+    r = client.completions.create(model="fake", prompt="hello world", max_tokens=5, temperature=0)
+    assert r.choices[0].text == "hello"  # the fake engine echoes the prompt greedily
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 11 and r.usage.completion_tokens == 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+    chunks = list(
+        client.completions.create(
+            model="fake",
+            prompt="hello world",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_openai_chat(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="fake", messages=msgs, max_tokens=6, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    # the fake engine echoes the prompt: [gMASK] <sop> <|system|> are special, skipped in text
+    assert r.choices[0].message.content == "\nbe"
+    assert r.usage.completion_tokens == 6
+
+    stream = client.chat.completions.create(
+        model="fake",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "\nbe"
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["fake"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "longctx_queue_length",
+        "longctx_running_requests",
+        "longctx_generated_tokens_total",
+        "longctx_generation_tokens_per_second",
+        "longctx_time_to_first_token_seconds_bucket",
+        "longctx_inter_token_latency_seconds_bucket",
+        "longctx_kv_pages_used",
+        "longctx_prefix_cache_hit_tokens",
+        "longctx_host_pool_bytes",
+        "longctx_hisparse_hit_rate",
+    ):
+        assert name in text, name
+
+
+def test_stop_strings_and_logprobs(client):
+    r = client.completions.create(
+        model="fake", prompt="abcdefgh", max_tokens=8, temperature=0, stop=["de", "zz"]
+    )
+    assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(
+            model="fake", prompt="abcdefgh", max_tokens=8, temperature=0, stop="ef", stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == "abcd"
+    r = client.completions.create(model="fake", prompt="abc", max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["a", "b", "c"] and len(lp.top_logprobs[0]) == 2 and lp.text_offset == [0, 1, 2]
+    r = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 2 and len(content[0].top_logprobs) == 3
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(
+        model="fake", prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 5}
+    )
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_prefill_progress_comments(server):
+    body = {"prompt": "p" * 1500, "max_tokens": 2, "stream": True}
+    lines = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+    progress = [line for line in lines if line.startswith(": prefill ")]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert len(progress) >= 4 and all(lines.index(p) < first_data for p in progress)
+    done = [int(p.split()[2].split("/")[0]) for p in progress]
+    assert done == sorted(done) and all(p.endswith("/1500") for p in progress)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_concurrent_streaming_clients(server):
+    def one(i: int) -> tuple[str, str]:
+        body = {"prompt": f"client {i:02d} says hi", "max_tokens": 24, "temperature": 0, "stream": True}
+        text, reason = "", None
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    text += ch["text"]
+                    reason = ch["finish_reason"] or reason
+        return text, reason
+
+    with cf.ThreadPoolExecutor(20) as ex:
+        results = list(ex.map(one, range(20)))
+    for i, (text, reason) in enumerate(results):
+        assert reason == "length"
+        assert text == (f"client {i:02d} says hi" * 2)[:24]
+
+
+def test_disconnect_aborts_and_frees_pages(server):
+    assert wait_for(lambda: stats(server)["num_running"] == 0)
+    base = stats(server)["pages_used"]
+    body = {"prompt": "abc", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: {")
+            if n == 3:
+                assert stats(server)["pages_used"] > base  # the request holds its pages
+                break
+    # closing the connection aborts the request: its pages come back long before 3000 tokens
+    assert wait_for(lambda: stats(server)["pages_used"] == base and stats(server)["num_running"] == 0, 3.0)
+
+
+def test_non_streaming_disconnect_aborts(server):
+    base = stats(server)["pages_used"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3000}, timeout=0.5)
+    assert wait_for(lambda: stats(server)["pages_used"] == base and stats(server)["num_running"] == 0, 3.0)
+
+
+# ---- long documents ------------------------------------------------------------------------------
+
+DOC = "The quick brown fox jumps over the lazy dog. " * 30  # 1350 characters (bytes: 1 token each)
+
+
+def test_document_qa(server, client):
+    r = httpx.post(server.url + "/v1/documents", json={"text": DOC}, timeout=30)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["tokens"] > len(DOC) and doc["id"].startswith("doc-")
+    covered = doc["tokens"] // 64 * 64  # prefix caching works in whole 64-token pages
+    for _ in range(2):
+        a = httpx.post(
+            server.url + f"/v1/documents/{doc['id']}/ask",
+            json={"question": "What does the fox do?", "max_tokens": 4},
+            timeout=30,
+        ).json()
+        assert a["object"] == "chat.completion"
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= covered
+        assert a["usage"]["prompt_tokens"] > doc["tokens"]
+    # an ordinary chat request that starts with the document reuses it too
+    r = client.chat.completions.create(
+        model="fake", max_tokens=2, messages=[{"role": "user", "content": DOC + "\n\nSummarise."}]
+    )
+    assert r.usage.prompt_tokens_details.cached_tokens >= covered
+    # streaming ask
+    with httpx.stream(
+        "POST",
+        server.url + f"/v1/documents/{doc['id']}/ask",
+        json={"question": "Who?", "max_tokens": 3, "stream": True},
+        timeout=30,
+    ) as s:
+        data = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert (
+        data[0]["object"] == "chat.completion.chunk" and data[-1]["choices"][0]["finish_reason"] == "length"
+    )
+
+    assert doc["id"] in [d["id"] for d in httpx.get(server.url + "/v1/documents").json()["data"]]
+    assert httpx.get(server.url + f"/v1/documents/{doc['id']}").json()["tokens"] == doc["tokens"]
+    pages = stats(server)["pages_used"]
+    assert httpx.delete(server.url + f"/v1/documents/{doc['id']}").json()["deleted"] is True
+    assert stats(server)["pages_used"] < pages
+    assert httpx.get(server.url + f"/v1/documents/{doc['id']}").status_code == 404
+    assert (
+        httpx.post(server.url + f"/v1/documents/{doc['id']}/ask", json={"question": "?"}).status_code == 404
+    )
+
+
+def test_document_multipart_upload(server):
+    r = httpx.post(server.url + "/v1/documents", files={"file": ("notes.txt", DOC.encode(), "text/plain")})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["name"] == "notes.txt" and doc["characters"] == len(DOC)
+    a = httpx.post(
+        server.url + f"/v1/documents/{doc['id']}/ask", json={"question": "?", "max_tokens": 2}
+    ).json()
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= doc["tokens"] // 64 * 64
+    httpx.delete(server.url + f"/v1/documents/{doc['id']}")
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+C, CH, D = "/v1/completions", "/v1/chat/completions", "/v1/documents"
+U = {"role": "user", "content": "hi"}
+BAD = [
+    # (method, path, body (dict -> JSON, bytes -> raw), status)
+    ("POST", C, b'{"prompt": "x", ', 400),
+    ("POST", C, b"[1, 2]", 400),
+    ("POST", C, b'{"prompt": "\xff\xfe"}', 400),
+    ("POST", C, b"", 400),
+    ("POST", C, b'{"prompt": "x", "temperature": NaN}', 400),
+    ("POST", C, {"prompt": 5}, 400),
+    ("POST", C, {}, 400),
+    ("POST", C, {"prompt": "x", "max_tokens": "5"}, 400),
+    ("POST", C, {"prompt": "x", "max_tokens": -1}, 400),
+    ("POST", C, {"prompt": "x", "max_tokens": 1.5}, 400),
+    ("POST", C, {"prompt": "x", "max_tokens": 10**30}, 400),
+    ("POST", C, {"prompt": "x", "temperature": -0.5}, 400),
+    ("POST", C, {"prompt": "x", "temperature": "hot"}, 400),
+    ("POST", C, {"prompt": "x", "top_p": 0}, 400),
+    ("POST", C, {"prompt": "x", "top_p": 1.5}, 400),
+    ("POST", C, {"prompt": "x", "top_k": -5}, 400),
+    ("POST", C, {"prompt": "x", "n": 2}, 400),
+    ("POST", C, {"prompt": "x", "logprobs": 50}, 400),
+    ("POST", C, {"prompt": "x", "stop": [""]}, 400),
+    ("POST", C, {"prompt": "x", "stop": 5}, 400),
+    ("POST", C, {"prompt": "x", "seed": "s"}, 400),
+    ("POST", C, {"prompt": "x", "stream": "yes"}, 400),
+    ("POST", C, {"prompt": ["a", "b"]}, 400),
+    ("POST", C, {"prompt": ""}, 400),
+    ("POST", C, {"prompt": [10**6]}, 400),
+    ("POST", C, {"prompt": "x" * (MAX_CONTEXT + 1)}, 400),
+    ("POST", C, {"prompt": "x", "model": "gpt-4"}, 404),
+    ("POST", CH, {"messages": []}, 400),
+    ("POST", CH, {"model": "fake"}, 400),
+    ("POST", CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("POST", CH, {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("POST", CH, {"messages": [{"content": "hi"}]}, 400),
+    ("POST", CH, {"messages": ["hi"]}, 400),
+    ("POST", CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, 400),
+    ("POST", CH, {"messages": [U], "top_logprobs": 2}, 400),
+    ("POST", CH, {"messages": [U], "max_tokens": -3}, 400),
+    ("POST", CH, {"messages": [U], "n": 3}, 400),
+    ("POST", CH, {"messages": [U], "model": "nope"}, 404),
+    ("POST", CH, {"messages": [{"role": "user", "content": "y" * (MAX_CONTEXT + 10)}]}, 400),
+    ("POST", D, {"text": ""}, 400),
+    ("POST", D, {"text": 7}, 400),
+    ("POST", D, {"text": "z" * (MAX_CONTEXT + 10)}, 400),
+    ("POST", D + "/doc-missing/ask", {"question": "?"}, 404),
+    ("GET", D + "/doc-missing", None, 404),
+    ("DELETE", D + "/doc-missing", None, 404),
+    ("GET", "/v1/nothing-here", None, 404),
+    ("GET", C, None, 405),
+]
+
+
+def test_bad_inputs_get_4xx_and_server_stays_healthy(server):
+    with httpx.Client(base_url=server.url, timeout=30) as h:
+        for method, path, body, status in BAD:
+            kw = (
+                {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+            )
+            r = h.request(method, path, **kw)
+            assert r.status_code == status, (
+                method,
+                path,
+                body if not isinstance(body, dict) else str(body)[:80],
+                r.status_code,
+                r.text[:200],
+            )
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
+        # malformed multipart uploads
+        r = h.post(D, files={"other": ("a.txt", b"abc")})
+        assert r.status_code == 400, r.text
+        r = h.post(D, files={"file": ("a.txt", b"\xff\xfe\xfd")})
+        assert r.status_code == 400, r.text
+        r = h.post(D, content=b"--xx\r\nbroken", headers={"content-type": "multipart/form-data; boundary=xx"})
+        assert r.status_code == 400, r.text
+        assert h.get("/health").status_code == 200
+        assert h.post(C, json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+    assert "Traceback" not in server.log()

@@ -1,0 +1,225 @@
+"""Server robustness: API key, queue limit (429), fuzzed request bodies, engine death, SIGTERM drain.
+
+Each test starts its own `longctx serve --fake-engine` subprocess (about a second each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from longctx.server.testing import ServerProcess
+
+
+def fake_server(tmp_path, *args: str, **opts) -> ServerProcess:
+    return ServerProcess(str(tmp_path), "--fake-engine", json.dumps(opts), *args)
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ---- API key + fuzz (one server) -----------------------------------------------------------------
+
+KEY = "sekrit-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    with fake_server(
+        tmp_path_factory.mktemp("keyed"), "--api-key", KEY, "--max-context", "256", step_delay_s=0.0
+    ) as s:
+        yield s
+
+
+def test_api_key(keyed):
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert httpx.post(keyed.url + "/v1/completions", json=body).status_code == 401
+    r = httpx.post(keyed.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    assert httpx.post(keyed.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(keyed.url + "/health").status_code == 200  # probes need no key
+
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20)
+json_values = st.recursive(
+    json_scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
+SAMPLING = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "logprobs",
+    "ignore_eos",
+    "presence_penalty",
+    "max_completion_tokens",
+    "top_logprobs",
+    "echo",
+]
+small_ints = st.integers(-3, 300)
+field_values = {
+    "max_tokens": small_ints | json_values,
+    "temperature": st.floats(-1, 3) | json_values,
+    "top_p": st.floats(-0.5, 1.5) | json_values,
+    "stream": st.booleans() | json_values,
+    "logprobs": st.integers(-1, 25) | st.booleans() | json_values,
+    "stop": st.lists(st.text(max_size=3), max_size=3) | json_values,
+    "model": st.sampled_from(["fake", "x"]) | json_values,
+}
+
+
+def _fields() -> st.SearchStrategy:
+    return st.fixed_dictionaries({}, optional={k: field_values.get(k, json_values) for k in SAMPLING})
+
+
+message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "bad"]) | json_values,
+        "content": st.text(max_size=30) | json_values,
+        "name": json_values,
+    },
+)
+completion_body = st.tuples(
+    _fields(),
+    st.fixed_dictionaries(
+        {},
+        optional={"prompt": st.text(max_size=40) | st.lists(st.integers(-5, 400), max_size=8) | json_values},
+    ),
+)
+chat_body = st.tuples(
+    _fields(), st.fixed_dictionaries({}, optional={"messages": st.lists(message, max_size=3) | json_values})
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    which=st.sampled_from(["completions", "chat"]),
+    comp=completion_body,
+    chat=chat_body,
+    junk=st.one_of(st.none(), json_values, st.binary(max_size=40)),
+)
+def test_fuzz_request_schema_never_5xx(keyed, which, comp, chat, junk):
+    path = "/v1/completions" if which == "completions" else "/v1/chat/completions"
+    fields, extra = comp if which == "completions" else chat
+    body: dict | object = {**fields, **extra}
+    with httpx.Client(base_url=keyed.url, headers=AUTH, timeout=30) as h:
+        if junk is not None and isinstance(junk, bytes):
+            r = h.post(path, content=junk)
+        elif junk is not None and not isinstance(junk, dict):
+            r = h.post(path, content=json.dumps(junk))
+        else:  # json.dumps, unlike httpx, writes NaN / Infinity: the server must reject those too
+            r = h.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code < 500, (body, r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert h.get("/health").status_code == 200
+
+
+# ---- admission -----------------------------------------------------------------------------------
+
+
+def test_queue_limit_429(tmp_path):
+    # 8 pages of 64 tokens: a request for ~400 tokens takes 7, so the next ones wait for pages
+    with fake_server(
+        tmp_path, "--max-queue", "2", "--max-context", "512", total_pages=8, step_delay_s=0.003
+    ) as s:
+        body = {"prompt": "abc", "max_tokens": 400}
+        results: list[int] = []
+
+        def post():
+            results.append(httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code)
+
+        threads = [threading.Thread(target=post) for _ in range(3)]
+        threads[0].start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        threads[1].start()
+        threads[2].start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["in_flight"] == 3)
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        for t in threads:
+            t.join(60)
+        assert results == [200, 200, 200]
+
+
+def test_engine_death_fails_fast_with_503(tmp_path):
+    with fake_server(tmp_path, step_delay_s=0.01) as s:
+        health = httpx.get(s.url + "/health").json()
+        got: list[httpx.Response] = []
+
+        def long_request():
+            got.append(
+                httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 100000}, timeout=30)
+            )
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        t0 = time.monotonic()
+        os.kill(health["engine_pid"], signal.SIGKILL)
+        t.join(10)
+        assert got and got[0].status_code == 503 and time.monotonic() - t0 < 3
+        assert "engine" in got[0].json()["error"]["message"]
+        h = httpx.get(s.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "unhealthy"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert s.stop() == 0
+
+
+def test_sigterm_drains_and_exits_cleanly(tmp_path):
+    s = fake_server(tmp_path, step_delay_s=0.01).start()
+    try:
+        children = psutil.Process(s.pid).children(recursive=True)
+        assert children  # the engine process (and multiprocessing's resource tracker)
+        lines: list[str] = []
+
+        def stream():
+            body = {"prompt": "abc", "max_tokens": 60, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert s.proc.wait(30) == 0
+        # the running request finished normally during the drain
+        assert lines[-1] == "data: [DONE]"
+        finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
+        assert finals[-1] == "length"
+        assert wait_for(
+            lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+        )
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/health", timeout=2)
+        assert "Traceback" not in s.log()
+    finally:
+        s.stop()
