@@ -1,0 +1,141 @@
+"""The server end to end on the real engine: the tiny random model on CPU, in a subprocess.
+
+Kept to few, short generations: each decode step of the real engine costs tens of milliseconds
+on CPU. tests/test_server.py covers the same surface in depth on the fake engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from longctx.server.testing import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    with ServerProcess(
+        str(tiny_dir), "--device", "cpu", "--max-context", "2048", "--served-model-name", "tiny"
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def stats(server) -> dict:
+    return httpx.get(server.url + "/v1/stats", timeout=30).json()
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_openai_client_real_engine(client):
+    kw = dict(model="tiny", prompt="The capital of France is", max_tokens=4, temperature=0, ignore_eos=True)
+    r = client.completions.create(
+        **{k: v for k, v in kw.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=kw["prompt"],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text  # greedy: same tokens
+
+    msgs = [{"role": "user", "content": "hello"}]
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert c.usage.completion_tokens == 3 and len(c.choices[0].logprobs.content) == 3
+    assert all(x.logprob <= 0 for x in c.choices[0].logprobs.content)
+    s = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(x.choices[0].delta.content or "" for x in s if x.choices) == c.choices[0].message.content
+    assert s[-1].usage.completion_tokens == 3
+
+
+def test_concurrent_streams_real_engine(server):
+    def one(i: int) -> str | None:
+        body = {"prompt": f"request number {i}", "max_tokens": 3, "stream": True, "ignore_eos": True}
+        reason = None
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    reason = json.loads(line[6:])["choices"][0]["finish_reason"] or reason
+        return reason
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        assert list(ex.map(one, range(16))) == ["length"] * 16
+
+
+def test_disconnect_returns_pages_real_engine(server):
+    assert wait_for(lambda: stats(server)["num_running"] == 0)
+    base = stats(server)["pages_used"]
+    body = {"prompt": "abc", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: {")
+            if n == 2:
+                assert stats(server)["pages_used"] > base
+                break
+    assert wait_for(lambda: stats(server)["pages_used"] == base and stats(server)["num_running"] == 0)
+
+
+def test_document_cached_and_progress_real_engine(server):
+    text = "Paris is the capital of France. " * 12  # 384 bytes -> ~390 tokens with the chat head
+    doc = httpx.post(server.url + "/v1/documents", json={"text": text}, timeout=120).json()
+    covered = doc["tokens"] // 64 * 64
+    for _ in range(2):
+        a = httpx.post(
+            server.url + f"/v1/documents/{doc['id']}/ask",
+            json={"question": "What is the capital?", "max_tokens": 2},
+            timeout=120,
+        ).json()
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= covered, a
+    assert stats(server).get("prefix_cache_pinned_pages", covered // 64) >= covered // 64
+    httpx.delete(server.url + f"/v1/documents/{doc['id']}")
+
+    # a prompt longer than one prefill chunk (512 tokens on CPU) reports its progress first
+    lines = []
+    body = {"prompt": "x" * 600, "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
+    progress = [line for line in lines if line.startswith(": prefill ")]
+    assert progress and progress[0] == ": prefill 512/600", lines[:5]
+    assert lines[-1] == "data: [DONE]"
