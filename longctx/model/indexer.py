@@ -50,6 +50,20 @@ class Indexer(nn.Module):
             kv.index_pool(self.layer), ctx.slot_mapping, k, kv.index_kind
         )
         w = self.weights_proj(x.to(torch.float32)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        if ctx.use_triton and not ctx.is_decode:
+            # prefill chunk: fused logits + top-k, so the [T, context] logits are never materialised
+            return op("indexer_topk", "indexer_topk_paged", ctx.use_triton)(
+                q,
+                w,
+                kv.index_pool(self.layer),
+                ctx.page_table,
+                ctx.seq_lens,
+                ctx.q_seq,
+                ctx.positions,
+                kv.index_kind,
+                self.topk,
+                max_len=max(ctx.seq_lens_cpu),
+            )
         logits = op("indexer", "indexer_logits_paged", ctx.use_triton)(
             q,
             w,
