@@ -1,0 +1,129 @@
+"""`python -m longctx.train`: train (or resume) the retrieval model. See docs/training.md."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+
+def _ensure_kernels() -> None:
+    """Make `longctx.kernels` importable from a plain checkout (no `pip install -e`), as on the GPU box.
+
+    The installed package maps the repo's top-level `kernels/` to `longctx.kernels`; without the
+    install, register that directory under the same name before anything imports it.
+    """
+    import longctx
+
+    if importlib.util.find_spec("longctx.kernels") is not None:
+        return
+    root = Path(longctx.__file__).resolve().parents[1] / "kernels"
+    spec = importlib.util.spec_from_file_location(
+        "longctx.kernels", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["longctx.kernels"] = mod
+    spec.loader.exec_module(mod)
+    longctx.kernels = mod  # type: ignore[attr-defined]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from longctx.train.data import DataConfig
+    from longctx.train.loop import TrainConfig
+
+    t, d = TrainConfig(), DataConfig()
+    p = argparse.ArgumentParser(prog="python -m longctx.train", description=__doc__)
+    p.add_argument("--config", default=t.model_config, help="model config.json (default %(default)s)")
+    p.add_argument("--out", required=True, help="output directory (checkpoint + trainer state + log)")
+    p.add_argument("--resume", default=None, help="a previous --out directory to continue from")
+    p.add_argument("--steps", type=int, default=t.steps, help="total steps of the schedule (%(default)s)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this wall time")
+    p.add_argument("--device", default=t.device, help="auto | cpu | cuda (%(default)s)")
+    p.add_argument("--seed", type=int, default=t.seed)
+    p.add_argument("--lr", type=float, default=t.lr)
+    p.add_argument("--warmup-steps", type=int, default=t.warmup_steps)
+    p.add_argument(
+        "--dense-warmup-steps",
+        type=int,
+        default=t.dense_warmup_steps,
+        help="steps of dense attention while the indexer warms up (%(default)s)",
+    )
+    p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
+    p.add_argument(
+        "--curriculum",
+        default=",".join(f"{a}:{b}" for a, b in d.curriculum),
+        help="STEP:SEQLEN,... sequence length from each step on (%(default)s)",
+    )
+    p.add_argument("--text-fraction", type=float, default=d.text_fraction)
+    p.add_argument("--lm-weight", type=float, default=t.lm_weight)
+    p.add_argument("--kl-weight", type=float, default=t.kl_weight)
+    p.add_argument("--kl-rows", type=int, default=t.kl_rows)
+    p.add_argument("--save-every", type=int, default=t.save_every)
+    p.add_argument("--log-every", type=int, default=t.log_every)
+    p.add_argument("--print-every", type=int, default=t.print_every)
+    p.add_argument("--num-workers", type=int, default=t.num_workers)
+    p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default=t.save_dtype)
+    p.add_argument("--save-momentum", action="store_true", help="also keep AdamW's first moments")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=t.eval_samples,
+        help="NIAH samples per task and length through longctx.Engine at the end (0: none)",
+    )
+    p.add_argument("--eval-lengths", default=",".join(map(str, t.eval_lengths)))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _ensure_kernels()
+    from longctx.errors import LongctxError
+    from longctx.train.data import DataConfig, parse_curriculum
+    from longctx.train.loop import TrainConfig, train
+
+    args = build_parser().parse_args(argv)
+    try:
+        data = DataConfig(
+            seed=args.seed,
+            tokens_per_step=args.tokens_per_step,
+            curriculum=parse_curriculum(args.curriculum),
+            text_fraction=args.text_fraction,
+        )
+        cfg = dataclasses.replace(
+            TrainConfig(),
+            model_config=args.config,
+            out=args.out,
+            resume=args.resume,
+            steps=args.steps,
+            max_minutes=args.max_minutes,
+            seed=args.seed,
+            device=args.device,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            dense_warmup_steps=args.dense_warmup_steps,
+            lm_weight=args.lm_weight,
+            kl_weight=args.kl_weight,
+            kl_rows=args.kl_rows,
+            save_every=args.save_every,
+            log_every=args.log_every,
+            print_every=args.print_every,
+            num_workers=args.num_workers,
+            save_dtype=args.save_dtype,
+            save_momentum=args.save_momentum,
+            eval_samples=args.eval_samples,
+            eval_lengths=tuple(int(x) for x in args.eval_lengths.split(",") if x.strip()),
+            data=data,
+        )
+        summary = train(cfg)
+    except LongctxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Training batches generated on the fly: RULER-style retrieval in the byte-level tokenizer, plus prose.
+
+Retrieval rows are RULER samples from the workloads' own generator (`RulerGenerator`: the same
+needle formats, haystacks, questions and answer prefixes the suite asks, fitted exactly to a
+length in byte tokens), each with a fresh generator seed so every row has its own haystack:
+
+    [task text + answer prefix] [" " answer] <|endoftext|> [prose filling the row]
+
+covering single and multi-key needles (numbers, words and UUIDs as keys/values) in noise,
+essay-prose and distractor-needle haystacks, multi-value and multi-query needles, and
+variable-tracking chains. Plain-text rows (essay prose) keep the model a language model.
+
+Every target position has a kind: ANSWER (the answer bytes and the EOS after them), LM (the
+rest: task text, haystack, prose), or IGNORE. The loss weights them separately (loop.py).
+A batch is a pure function of (DataConfig, step): resuming at step n regenerates the batches a
+run would have seen, and rows/seq lengths follow a curriculum over steps.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
+from longctx.errors import LongctxError
+from longctx.workloads.prose import essay_sentences
+from longctx.workloads.ruler_tasks import TASKS, RulerGenerator
+from longctx.workloads.tokens import ByteCounter
+
+EOS_ID = NUM_BYTES + SPECIAL_TOKENS.index("<|endoftext|>")
+PAD_ID = NUM_BYTES + SPECIAL_TOKENS.index("<|pad|>")
+IGNORE, LM, ANSWER = 0, 1, 2
+
+# The retrieval families of RULER, equally likely by default (cwe/fwe/qa are left to later work).
+DEFAULT_TASKS: tuple[tuple[str, float], ...] = (
+    ("niah_single_1", 1.0),
+    ("niah_single_2", 1.0),
+    ("niah_single_3", 1.0),
+    ("niah_multikey_1", 1.0),
+    ("niah_multikey_2", 1.0),
+    ("niah_multikey_3", 1.0),
+    ("niah_multivalue", 1.0),
+    ("niah_multiquery", 1.0),
+    ("vt", 1.0),
+)
+
+
+class DataError(LongctxError):
+    """A data configuration that cannot produce batches."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What batches a run sees. `curriculum`: (first step, sequence length) pairs, ascending."""
+
+    seed: int = 0
+    tokens_per_step: int = 32768
+    curriculum: tuple[tuple[int, int], ...] = ((0, 1024), (1500, 4096), (4000, 8192), (6000, 16384))
+    text_fraction: float = 0.1  # rows of plain prose
+    min_length_fraction: float = 0.5  # a retrieval sample fills [fraction * S, S] tokens
+    tasks: tuple[tuple[str, float], ...] = field(default=DEFAULT_TASKS)
+
+    def __post_init__(self) -> None:
+        if not self.curriculum or self.curriculum[0][0] != 0:
+            raise DataError("curriculum must start at step 0")
+        if any(b[0] <= a[0] for a, b in zip(self.curriculum, self.curriculum[1:])):
+            raise DataError("curriculum steps must increase")
+        bad = [t for t, _ in self.tasks if t not in TASKS]
+        if bad:
+            raise DataError(f"unknown task {bad[0]!r}")
+        if any(s < 64 for _, s in self.curriculum):
+            raise DataError("sequence lengths must be at least 64")
+
+    def seq_len(self, step: int) -> int:
+        return [s for first, s in self.curriculum if first <= step][-1]
+
+    def batch_size(self, step: int) -> int:
+        return max(1, self.tokens_per_step // self.seq_len(step))
+
+
+def parse_curriculum(text: str) -> tuple[tuple[int, int], ...]:
+    """'0:1024,1500:4096' -> ((0, 1024), (1500, 4096))."""
+    try:
+        pairs = [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise DataError(f"curriculum {text!r}: expected STEP:LENGTH,STEP:LENGTH,...") from None
+    if any(len(p) != 2 for p in pairs):
+        raise DataError(f"curriculum {text!r}: expected STEP:LENGTH,STEP:LENGTH,...")
+    return tuple((a, b) for a, b in pairs)  # type: ignore[misc]
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, S] int64 inputs
+    targets: torch.Tensor  # [B, S] int64 next tokens (PAD where kind is IGNORE)
+    kind: torch.Tensor  # [B, S] uint8: IGNORE / LM / ANSWER per target
+    step: int
+    tasks: list[str]
+
+
+def answer_text(task: str, outputs: tuple[str, ...]) -> str:
+    """The completion after the answer prefix: RULER's example style for vt, a sentence otherwise."""
+    if TASKS[task].family == "vt":
+        return " " + " ".join(outputs)
+    return " " + ", ".join(outputs) + "."
+
+
+def _prose(rng: random.Random, n_bytes: int) -> bytes:
+    out: list[str] = []
+    size = 0
+    for i, (s, par) in enumerate(essay_sentences(rng.getrandbits(32))):
+        piece = ("" if i == 0 else "\n\n" if par else " ") + s
+        out.append(piece)
+        size += len(piece)
+        if size >= n_bytes:
+            break
+    return "".join(out).encode("utf-8")[:n_bytes]
+
+
+def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str]:
+    names = [t for t, _ in cfg.tasks]
+    task = rng.choices(names, weights=[w for _, w in cfg.tasks])[0]
+    length = rng.randint(max(64, int(cfg.min_length_fraction * S)), S)
+    # half RULER's output budget: every answer here (+ EOS) fits in 64 tokens, the prompt gets the rest
+    gen = RulerGenerator(ByteCounter(), seed=rng.getrandbits(32), max_new_tokens_scale=0.5)
+    sample = None
+    for t, L in ((task, length), (task, S), ("niah_single_1", S)):
+        try:
+            sample = gen.sample(t, L, 0)
+            task = t
+            break
+        except LongctxError:
+            continue
+    if sample is None:
+        raise DataError(f"sequence length {S} is too short for any retrieval task")
+    prompt = list((sample.input + sample.answer_prefix).encode("utf-8"))
+    answer = list(answer_text(task, sample.outputs).encode("utf-8")) + [EOS_ID]
+    ids = prompt + answer
+    kinds = [LM] * len(prompt) + [ANSWER] * len(answer)
+    return ids, kinds, task
+
+
+def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], list[int], str]:
+    """S + 1 token ids and their kinds (the kind of token i is that of target i - 1)."""
+    rng = random.Random(f"{cfg.seed}:{step}:{row}")
+    if rng.random() < cfg.text_fraction:
+        ids, kinds, task = [], [], "text"
+    else:
+        ids, kinds, task = _retrieval(rng, cfg, S)
+        ids, kinds = ids[: S + 1], kinds[: S + 1]
+    need = S + 1 - len(ids)
+    if need > 0:
+        ids += list(_prose(rng, need))
+        kinds += [LM] * need
+    return ids, kinds, task
+
+
+def make_batch(cfg: DataConfig, step: int) -> Batch:
+    """The batch of `step`: [batch_size(step), seq_len(step)], deterministic in (cfg, step)."""
+    S, B = cfg.seq_len(step), cfg.batch_size(step)
+    rows = [make_row(cfg, step, r, S) for r in range(B)]
+    full = torch.tensor([ids for ids, _, _ in rows], dtype=torch.int64)  # [B, S + 1]
+    kinds = torch.tensor([k for _, k, _ in rows], dtype=torch.uint8)
+    kind = kinds[:, 1:].contiguous()  # the kind of a target is that of the token it predicts
+    return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(), kind, step, [t for _, _, t in rows])
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """Steps [start, stop) as a map-style dataset, so DataLoader workers build batches in parallel."""
+
+    def __init__(self, cfg: DataConfig, start: int, stop: int) -> None:
+        self.cfg, self.start, self.stop = cfg, start, stop
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __getitem__(self, i: int) -> Batch:
+        return make_batch(self.cfg, self.start + i)
+
+
+def collate(b: Batch) -> Batch:
+    return b

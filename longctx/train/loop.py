@@ -1,0 +1,272 @@
+"""The training loop: AdamW + cosine schedule, two DSA stages, deadline checkpoints, resume, JSONL log.
+
+Stages (DeepSeek-V3.2's indexer recipe, adapted to training from scratch): for the first
+`dense_warmup_steps` attention is dense (causal) and the indexer learns, by KL, to predict where
+the main attention looks; afterwards attention runs over the indexer's top-k (the inference
+model), the indexer keeps training by KL on its selected set, and the main model trains through
+the sparse attention. See docs/training.md for the recipe and the numbers.
+
+Loss = CE(answer tokens) + lm_weight * CE(all other tokens) + kl_weight * mean indexer KL.
+The indexer sees detached inputs, so the KL trains only the indexer and the CE only the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from longctx.config import ModelConfig
+from longctx.errors import ConfigError
+from longctx.train.checkpoint import (
+    load_model_weights,
+    read_training,
+    restore_moments,
+    save_training,
+)
+from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
+from longctx.train.model import TrainCausalLM
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The recipe. Every field is a CLI flag (`python -m longctx.train --help`)."""
+
+    model_config: str = "configs/retrieval.json"
+    out: str = "runs/retrieval"
+    resume: str | None = None
+    steps: int = 10000  # length of the cosine schedule (over all resumed runs)
+    max_minutes: float | None = None  # stop (and save) at this wall-clock budget
+    seed: int = 0
+    device: str = "auto"
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    lm_weight: float = 0.2
+    kl_weight: float = 1.0
+    kl_rows: int = 256  # query rows per sequence that the indexer KL is computed on
+    dense_warmup_steps: int = 300
+    bias_update_rate: float = 1e-3
+    save_every: int = 500
+    log_every: int = 10
+    print_every: int = 0  # also print a log line every N steps (0: only at saves)
+    num_workers: int = 4
+    save_dtype: str = "bfloat16"
+    save_momentum: bool = False
+    eval_samples: int = 0  # NIAH samples per (task, length) after training (0: no eval)
+    eval_lengths: tuple[int, ...] = (1024, 4096)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine from lr to lr * min_lr_ratio at `steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    lo = cfg.lr * cfg.min_lr_ratio
+    return lo + (cfg.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def build_optimizer(model: TrainCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # matrices decay; norms, biases and the embedding table do not
+        (decay if p.dim() >= 2 and "embed_tokens" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw: dict[str, Any] = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **kw)
+
+
+def kl_rows(batch_kind: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Query rows for the indexer KL: every answer position first, then random others. [B, min(n, S)]."""
+    B, S = batch_kind.shape
+    score = torch.rand(B, S, generator=gen, device=batch_kind.device) + 2.0 * (batch_kind == ANSWER)
+    return score.topk(min(n, S), dim=1).indices.sort(dim=1).values
+
+
+def compute_loss(
+    model: TrainCausalLM, batch: Batch, cfg: TrainConfig, step: int, device: torch.device
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """One forward: the total loss and the (device, unsynced) metrics."""
+    ids = batch.ids.to(device, non_blocking=True)
+    targets = batch.targets.to(device, non_blocking=True)
+    kind = batch.kind.to(device, non_blocking=True)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+    rows = kl_rows(kind, cfg.kl_rows, gen) if cfg.kl_weight > 0 else None
+    sparse = step >= cfg.dense_warmup_steps
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
+    with amp:
+        h, aux = model.forward_train(ids, sparse=sparse, kl_rows=rows)
+        logits = model.logits(h)  # [B, S, V] fp32
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    ans, lm = kind == ANSWER, kind == LM
+    n_ans = ans.sum()
+    loss_ans = (ce * ans).sum() / n_ans.clamp(min=1)
+    loss_lm = (ce * lm).sum() / lm.sum().clamp(min=1)
+    kl = torch.stack(aux.indexer_kl).mean() if aux.indexer_kl else ce.new_zeros(())
+    loss = loss_ans + cfg.lm_weight * loss_lm + cfg.kl_weight * kl
+    with torch.no_grad():
+        right = logits.argmax(-1) == targets
+        has = ans.any(1)
+        exact = (has & ~(ans & ~right).any(1)).sum() / has.sum().clamp(min=1)
+        acc = (right & ans).sum() / n_ans.clamp(min=1)
+    metrics = {
+        "loss": loss.detach(),
+        "loss_answer": loss_ans.detach(),
+        "loss_lm": loss_lm.detach(),
+        "indexer_kl": kl.detach(),
+        "answer_acc": acc,
+        "answer_exact": exact,
+    }
+    return loss, metrics, aux.expert_load
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) training; saves to cfg.out. Returns a summary dict (also written as summary.json)."""
+    t_start = time.monotonic()
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    mcfg = ModelConfig.from_json(cfg.model_config)
+    save_dtype = getattr(torch, cfg.save_dtype)
+
+    model = TrainCausalLM(mcfg)
+    start, log_rows = 0, []
+    state = None
+    if cfg.resume:
+        state = read_training(cfg.resume)
+        start, log_rows = int(state["step"]), state["log"]
+        load_model_weights(model, cfg.resume, torch.device("cpu"))
+    else:
+        model.init_weights(cfg.seed)
+    model.to(device)
+    opt = build_optimizer(model, cfg, device)
+    if state is not None:
+        restore_moments(model, opt, state["moments"], start)
+
+    recipe = cfg.to_json()
+    out = Path(cfg.out)
+    deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
+    eval_reserve = 45.0 if cfg.eval_samples else 0.0
+    loader = torch.utils.data.DataLoader(
+        BatchDataset(cfg.data, start, max(start, cfg.steps)),
+        batch_size=None,
+        shuffle=False,
+        num_workers=cfg.num_workers if device.type == "cuda" else 0,
+        collate_fn=collate,
+        prefetch_factor=4 if device.type == "cuda" and cfg.num_workers else None,
+        persistent_workers=False,
+    )
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not sys.stderr.isatty())
+    step = start
+    tokens = 0
+    t_log, tok_log = time.monotonic(), 0
+    acc: dict[str, torch.Tensor] = {}
+    n_acc = 0
+    stopped = "steps"
+    model.train()
+    for batch in loader:
+        if deadline is not None and time.monotonic() + eval_reserve >= deadline:
+            stopped = "deadline"
+            break
+        lr = lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, metrics, loads = compute_loss(model, batch, cfg, step, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        model.update_router_bias(loads, cfg.bias_update_rate)
+        metrics["grad_norm"] = gnorm.detach()
+        for k, v in metrics.items():
+            acc[k] = acc.get(k, 0.0) + v.float()
+        n_acc += 1
+        step += 1
+        n_tok = batch.ids.numel()
+        tokens += n_tok
+        tok_log += n_tok
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.monotonic()
+            row = {k: round(float(v) / n_acc, 5) for k, v in acc.items()}
+            row.update(
+                step=step,
+                lr=lr,
+                seq_len=batch.ids.shape[1],
+                batch=batch.ids.shape[0],
+                stage="sparse" if step - 1 >= cfg.dense_warmup_steps else "dense",
+                tokens_per_s=round(tok_log / max(now - t_log, 1e-9), 1),
+                elapsed_s=round(now - t_start, 1),
+            )
+            log_rows.append(row)
+            bar.set_postfix(loss=row["loss"], acc=row["answer_acc"])
+            if cfg.print_every and step % cfg.print_every == 0:
+                print(json.dumps(row), flush=True)
+            acc, n_acc, t_log, tok_log = {}, 0, now, 0
+        if step % cfg.save_every == 0 and step < cfg.steps:
+            save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
+            print(f"saved step {step} to {out}", flush=True)
+    bar.close()
+    del loader
+    save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
+    train_s = time.monotonic() - t_start
+    summary: dict[str, Any] = {
+        "steps_done": step - start,
+        "step": step,
+        "stopped": stopped,
+        "seconds": round(train_s, 1),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
+        "last": log_rows[-1] if log_rows else None,
+        "out": str(out),
+        "device": str(device),
+    }
+    if cfg.eval_samples:
+        from longctx.train.evaluate import niah_eval
+
+        del opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        summary["eval"] = niah_eval(
+            out, lengths=cfg.eval_lengths, samples=cfg.eval_samples, device=str(device)
+        )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,268 @@
+"""The training-time forward of `CausalLM`: same modules, same names, batched [B, S], differentiable.
+
+Nothing here forks the math. Norms, rope, every projection, the indexer's q/k/weights and the MoE
+router + experts are the inference modules and kernel references themselves; what differs is only
+how attention is evaluated:
+
+- attention is the *expanded* MLA form over all keys of a row at once, through
+  `scaled_dot_product_attention` (flash on the GPU for the dense causal case), with the DSA
+  selection applied as a boolean mask (top-k AND causal), exactly what `MLAttention._expanded`
+  computes for a prefill row, so gradients flow to everything but the discrete selection;
+- the indexer (DeepSeek-V3.2's recipe) sees *detached* inputs and is trained only by a KL loss
+  towards the main attention distribution (softmax per head, summed over heads, L1-normalised),
+  over every causal key in the dense warm-up stage and over its own selected set in the sparse
+  stage; the main model is trained only by the LM loss;
+- shared (IndexShare) layers reuse the last full layer's selection.
+
+MoE balance is auxiliary-loss free (DeepSeek-V3): the forward counts the tokens routed to each
+expert and `update_router_bias` nudges `e_score_correction_bias` (which only steers the choice,
+never the weights) by `rate * sign(mean_load - load)` after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from longctx.config import ModelConfig
+from longctx.model.indexer import Indexer
+from longctx.model.mla import MLAttention
+from longctx.model.model import CausalLM
+from longctx.model.moe import MoE
+from longctx.model.ops import op
+from longctx.model.rope import apply_rope_interleaved
+
+# Query rows per chunk when scoring all keys for the top-k (bounds [chunk, heads, S] fp32).
+_SELECT_ELEMS = 1 << 27
+_NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
+
+
+@dataclass
+class TrainAux:
+    """What one training forward reports besides the hidden states."""
+
+    indexer_kl: list[torch.Tensor] = field(default_factory=list)  # one scalar per full layer
+    expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E] token counts
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class TrainCausalLM(CausalLM):
+    """`CausalLM` over all layers, plus `forward_train(ids [B, S])`. State-dict names are the checkpoint's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        if not (self.has_embed and self.has_head):
+            raise ValueError("training needs the whole model")
+
+    # ---- parameters ------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic init: N(0, std) matrices (output projections scaled by 1/sqrt(2L), as GPT-2
+        does), unit norms, zero biases and router correction bias; then marks trainable params."""
+        g = torch.Generator().manual_seed(seed)
+        out_scale = 1.0 / math.sqrt(2 * self.cfg.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):
+                p.zero_()
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                p.fill_(1.0)
+            else:
+                s = std * (
+                    out_scale if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0
+                )
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
+        self.mark_trainable()
+
+    def mark_trainable(self) -> None:
+        """Every float parameter trains except the router's correction bias (updated by rule)."""
+        for name, p in self.named_parameters():
+            p.requires_grad_(not name.endswith("e_score_correction_bias"))
+
+    @torch.no_grad()
+    def update_router_bias(self, loads: dict[int, torch.Tensor], rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: raise under-loaded experts' bias, lower over-loaded."""
+        if rate <= 0:
+            return
+        for i, load in loads.items():
+            mlp = self.model.layers[str(i)].mlp
+            assert isinstance(mlp, MoE)
+            load = load.float()
+            mlp.gate.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward_train(
+        self, ids: torch.Tensor, sparse: bool, kl_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, TrainAux]:
+        """ids [B, S] (row b holds positions 0..S-1) -> final-normed hidden states [B, S, hidden].
+
+        `sparse`: attend over the indexer's top-k (the inference model); otherwise dense causal
+        attention (the warm-up stage). `kl_rows` [B, R] (query positions): compute the indexer KL
+        on those rows; None skips it (evaluation).
+        """
+        B, S = ids.shape
+        dev = ids.device
+        assert self.model.embed_tokens is not None and self.model.norm is not None
+        h = self.model.embed_tokens(ids).reshape(B * S, -1)
+        cos, sin = self.rotary(torch.arange(S, device=dev), torch.float32)
+        cos, sin = cos.repeat(B, 1), sin.repeat(B, 1)  # [B*S, rope/2], row-major like h
+        aux = TrainAux()
+        mask: torch.Tensor | None = None  # [B, S, S] selection of the last full layer (None: causal)
+        for i, layer in zip(self.layer_range, self.model.layers.values()):
+            attn = layer.self_attn
+            a, mask = self._attention(
+                attn, layer.input_layernorm(h), B, S, cos, sin, mask, sparse, kl_rows, aux
+            )
+            h = h + a
+            x = layer.post_attention_layernorm(h)
+            if isinstance(layer.mlp, MoE):
+                m, aux.expert_load[i] = self._moe(layer.mlp, x)
+            else:
+                m = layer.mlp(x)
+            h = h + m
+        return self.model.norm(h).view(B, S, -1), aux
+
+    def _attention(
+        self,
+        attn: MLAttention,
+        x: torch.Tensor,
+        B: int,
+        S: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        sparse: bool,
+        kl_rows: torch.Tensor | None,
+        aux: TrainAux,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T, H, nope, rope, vd = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim
+        # the same projections, norms and rope as MLAttention.forward
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        q = attn.q_b_proj(q_resid).view(T, H, nope + rope)
+        q_nope, q_rope = q[..., :nope], apply_rope_interleaved(q[..., nope:], cos, sin)
+        ckv = attn.kv_a_proj_with_mqa(x)
+        c = attn.kv_a_layernorm(ckv[:, : attn.kv_lora])
+        r = apply_rope_interleaved(ckv[:, attn.kv_lora :], cos, sin)
+        kvb = attn.kv_b_proj(c).view(T, H, nope + vd)
+        k_nope, v = kvb[..., :nope], kvb[..., nope:]
+        # expanded form: score = q_nope.k_nope + q_rope.r == [q_nope, q_rope] . [k_nope, r]
+        Q = torch.cat([q_nope, q_rope.to(q_nope.dtype)], -1).view(B, S, H, -1).transpose(1, 2)
+        r_h = r.to(k_nope.dtype)[:, None, :].expand(T, H, rope)
+        K = torch.cat([k_nope, r_h], -1).view(B, S, H, -1).transpose(1, 2)
+        V = v.reshape(B, S, H, vd).transpose(1, 2)
+
+        if attn.indexer is not None:
+            qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
+            mask = self._select(qi, ki, wi, attn.indexer.topk) if sparse and S > attn.indexer.topk else None
+            if kl_rows is not None:
+                aux.indexer_kl.append(
+                    self._indexer_kl(qi, ki, wi, Q.detach(), K.detach(), mask, kl_rows, attn.scale)
+                )
+        if mask is None:
+            o = F.scaled_dot_product_attention(Q, K, V.to(Q.dtype), is_causal=True, scale=attn.scale)
+        else:
+            o = F.scaled_dot_product_attention(Q, K, V.to(Q.dtype), attn_mask=mask[:, None], scale=attn.scale)
+        o = o.transpose(1, 2).reshape(T, H * vd)
+        return attn.o_proj(o), mask
+
+    # ---- indexer ---------------------------------------------------------------------------
+    def _indexer_qkw(
+        self,
+        idx: Indexer,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        B: int,
+        S: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's queries [B, S, Hi, D], keys [B, S, D] and head weights [B, S, Hi], in fp32."""
+        T = B * S
+        with _no_autocast(x.device):
+            x, q_resid = x.float(), q_resid.float()
+            q = idx._rope(idx.wq_b(q_resid).view(T, idx.n_heads, idx.head_dim), cos, sin)
+            k = idx._rope(idx.k_norm(idx.wk(x)), cos, sin)
+            w = idx.weights_proj(x).float() * (idx.n_heads**-0.5 * idx.head_dim**-0.5)
+        return q.view(B, S, idx.n_heads, idx.head_dim), k.view(B, S, -1), w.view(B, S, idx.n_heads)
+
+    @torch.no_grad()
+    def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+        """Top-k selection as the engine makes it (same logits, same top-k routine) -> mask [B, S, S]."""
+        B, S, Hi, D = qi.shape
+        topk_fn = op("topk", "topk_indices", False)
+        pos = torch.arange(S, device=qi.device)
+        mask = torch.zeros(B, S, S + 1, dtype=torch.bool, device=qi.device)
+        step = max(1, _SELECT_ELEMS // (Hi * S))
+        for b in range(B):
+            for s0 in range(0, S, step):
+                s1 = min(S, s0 + step)
+                # the reference's order of operations: relu(q @ k.T) * w, summed over heads
+                sc = torch.relu(qi[b, s0:s1].reshape(-1, D) @ ki[b].T).view(s1 - s0, Hi, S)
+                logits = (sc * wi[b, s0:s1, :, None]).sum(1)
+                logits.masked_fill_(pos[None, :] > pos[s0:s1, None], float("-inf"))
+                sel = topk_fn(logits, topk, pos[s0:s1] + 1)  # [rows, K] int32, -1 pads
+                mask[b, s0:s1].scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
+        return mask[:, :, :S] & (pos[None, :] <= pos[:, None])
+
+    def _indexer_kl(
+        self,
+        qi: torch.Tensor,
+        ki: torch.Tensor,
+        wi: torch.Tensor,
+        Q: torch.Tensor,
+        K: torch.Tensor,
+        mask: torch.Tensor | None,
+        rows: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """KL(main attention, summed over heads and normalised || softmax of index scores) on `rows`.
+
+        Dense stage: over every causal key. Sparse stage: over the selected set only (DSA's
+        L_I = sum_t KL(p_{t,S_t} || softmax(I_{t,S_t}))). Gradients reach only the indexer.
+        """
+        B, S = qi.shape[:2]
+        bi = torch.arange(B, device=qi.device)[:, None]
+        pos = torch.arange(S, device=qi.device)
+        allowed = pos[None, None, :] <= rows[..., None]  # [B, R, S]
+        if mask is not None:
+            allowed = allowed & mask[bi, rows]
+        with _no_autocast(qi.device):
+            with torch.no_grad():
+                Qr = Q.transpose(1, 2)[bi, rows].float()  # [B, R, H, dq]
+                sc = torch.einsum("brhd,bhsd->bhrs", Qr, K.float()) * scale
+                sc = sc.masked_fill(~allowed[:, None], float("-inf"))
+                p = torch.softmax(sc, dim=-1).mean(1)  # [B, R, S], rows sum to 1
+            s = torch.relu(torch.einsum("brhd,bsd->brhs", qi[bi, rows], ki))
+            logits = (s * wi[bi, rows][..., None]).sum(2)  # [B, R, S]
+            logq = torch.log_softmax(logits.masked_fill(~allowed, _NEG), dim=-1)
+            kl = p * (torch.log(p.clamp_min(1e-20)) - logq)
+            return torch.where(allowed, kl, 0.0).sum(-1).mean()
+
+    # ---- MoE -------------------------------------------------------------------------------
+    def _moe(self, moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inference MoE's router and experts (the torch references; both differentiable)."""
+        c = self.cfg
+        with _no_autocast(x.device):  # the reference routes in fp32
+            ids, w = op("moe", "moe_router", False)(
+                x.float(),
+                moe.gate.weight,
+                moe.gate.e_score_correction_bias,
+                c.num_experts_per_tok,
+                c.n_group,
+                c.topk_group,
+                c.norm_topk_prob,
+                c.routed_scaling_factor,
+            )
+        y = op("moe", "moe_experts", False)(
+            x, ids, w, moe.experts.gate_up_proj, moe.experts.down_proj, "silu"
+        )
+        if moe.shared_experts is not None:
+            y = y + moe.shared_experts(x)
+        load = torch.bincount(ids.flatten(), minlength=c.n_routed_experts).detach()
+        return y, load

@@ -1,0 +1,154 @@
+"""Training: the loss falls, the indexer learns by KL, checkpoints load in the engine with the same
+logits as the training forward, and resume continues. CPU, tiny configs, well under a minute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx.config import ModelConfig
+from longctx.train.__main__ import main
+from longctx.train.checkpoint import MODEL_FILES, TRAINER_STATE, load_model_weights, read_training
+from longctx.train.data import ANSWER, EOS_ID, DataConfig, answer_text, make_batch
+from longctx.train.loop import TrainConfig, build_optimizer, compute_loss
+from longctx.train.model import TrainCausalLM
+from longctx.workloads.ruler_tasks import TASKS
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.json"
+CPU = torch.device("cpu")
+
+
+def _model(seed: int = 0, std: float = 0.02) -> TrainCausalLM:
+    torch.manual_seed(seed)
+    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    m.init_weights(seed, std)
+    return m
+
+
+def test_batches_are_deterministic_and_mark_answers() -> None:
+    cfg = DataConfig(seed=3, tokens_per_step=2048, curriculum=((0, 512), (2, 1024)), text_fraction=0.0)
+    a, b = make_batch(cfg, 1), make_batch(cfg, 1)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.kind, b.kind) and a.tasks == b.tasks
+    assert a.ids.shape == (4, 512) and make_batch(cfg, 2).ids.shape == (2, 1024)
+    assert not torch.equal(a.ids, make_batch(cfg, 0).ids)
+    for r, task in enumerate(a.tasks):
+        assert task in TASKS
+        ans = a.targets[r][a.kind[r] == ANSWER].tolist()
+        assert ans[-1] == EOS_ID  # the answer ends the sample
+        text = bytes(ans[:-1]).decode()
+        assert text.startswith(" ") and text == answer_text(
+            task, tuple(text.strip(" .").split(", ")) if TASKS[task].family != "vt" else tuple(text.split())
+        )
+        # inputs are the targets shifted by one
+        assert torch.equal(a.ids[r, 1:], a.targets[r, :-1])
+
+
+def test_overfits_a_fixed_batch_through_sparse_attention() -> None:
+    m = _model()
+    data = DataConfig(tokens_per_step=512, curriculum=((0, 512),), text_fraction=0.0)
+    cfg = TrainConfig(data=data, dense_warmup_steps=0, kl_rows=16, lr=3e-3, warmup_steps=1, steps=20)
+    batch = make_batch(data, 0)
+    assert batch.ids.shape[1] > m.cfg.index_topk  # the selection really drops keys
+    opt = build_optimizer(m, cfg, CPU)
+    losses = []
+    for step in range(20):
+        loss, metrics, loads = compute_loss(m, batch, cfg, step, CPU)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        m.update_router_bias(loads, 1e-3)
+        losses.append(float(metrics["loss_answer"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+    bias = m.model.layers["1"].mlp.gate.e_score_correction_bias
+    assert bias.abs().sum() > 0  # the balancing rule moved the router bias
+
+
+def test_indexer_warmup_kl_decreases() -> None:
+    # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
+    m = _model(seed=1, std=0.3)
+    idx_params = [p for n, p in m.named_parameters() if ".indexer." in n]
+    for n, p in m.named_parameters():
+        p.requires_grad_(".indexer." in n)
+    opt = torch.optim.AdamW(idx_params, lr=1e-2)
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(48)[None]
+    kls = []
+    for _ in range(20):
+        _, aux = m.forward_train(ids, sparse=False, kl_rows=rows)
+        kl = torch.stack(aux.indexer_kl).mean()
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+        kls.append(float(kl.detach()))
+    assert kls[0] > 0.05 and kls[-1] < 0.6 * kls[0], kls
+
+
+def _train_cli(out: Path, steps: int, resume: Path | None = None) -> dict:
+    args = [
+        "--config", str(TINY), "--out", str(out), "--steps", str(steps), "--device", "cpu",
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "2",
+        "--warmup-steps", "2", "--save-every", "3", "--log-every", "1", "--kl-rows", "32",
+        "--save-dtype", "float32", "--seed", "5",
+    ]  # fmt: skip
+    if resume is not None:
+        args += ["--resume", str(resume)]
+    assert main(args) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_checkpoint_loads_in_engine_with_training_logits_and_resumes(tmp_path: Path) -> None:
+    from longctx import Engine
+
+    a = tmp_path / "a"
+    s = _train_cli(a, steps=4)
+    assert s["step"] == 4 and s["stopped"] == "steps"
+    assert all((a / f).exists() for f in MODEL_FILES) and (a / TRAINER_STATE).exists()
+    log = [json.loads(x) for x in (a / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and {r["stage"] for r in log} == {"dense", "sparse"}
+    assert {"loss", "answer_acc", "lr", "tokens_per_s"} <= set(log[0])
+
+    # the saved checkpoint through the real engine == the training forward (eval mode, fp32)
+    cfg = ModelConfig.from_json(a)
+    m = TrainCausalLM(cfg)
+    load_model_weights(m, a, CPU)
+    m.eval()
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        h, _ = m.forward_train(ids, sparse=True)
+        train_logits = m.logits(h)[0]
+        h_dense, _ = m.forward_train(ids, sparse=False)
+        dense_logits = m.logits(h_dense)[0]
+    with Engine(a, device="cpu", dtype="float32") as eng:
+        eng_logits = eng.score(ids[0].tolist())
+    scale = eng_logits.abs().max()
+    assert float((train_logits - eng_logits).abs().max() / scale) <= 1e-4
+    # and the selection matters at this length: dense attention would not match
+    assert ids.shape[1] > cfg.index_topk
+    assert float((dense_logits - eng_logits).abs().max() / scale) > 1e-3
+
+    # resume continues from the saved step, with the saved weights and optimizer state
+    b = tmp_path / "b"
+    s2 = _train_cli(b, steps=6, resume=a)
+    assert s2["step"] == 6 and s2["steps_done"] == 2
+    st = read_training(b)
+    assert st["step"] == 6 and [r["step"] for r in st["log"]] == [1, 2, 3, 4, 5, 6]
+    assert st["moments"] and all("exp_avg_sq" in v for v in st["moments"].values())
+
+
+@pytest.mark.parametrize("length", [640])
+def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
+    from longctx.train.checkpoint import save_model
+    from longctx.train.evaluate import niah_eval
+
+    m = _model()
+    save_model(m, tmp_path, torch.float32)
+    r = niah_eval(
+        tmp_path, lengths=(length,), tasks=("niah_single_1",), samples=2, device="cpu", max_new_tokens=4
+    )
+    assert set(r) == {f"niah_single_1@{length}", "avg", "examples"}
+    assert 0.0 <= r["avg"] <= 100.0
