@@ -91,7 +91,9 @@ class EngineClient:
             target=engine_proc.main,
             args=(self.spec, to_engine, from_engine, os.getpid(), self.log_level),
             name="longctx-engine",
-            daemon=True,
+            # not daemonic: the engine spawns its own stage processes (pp/tp > 1); it exits by
+            # itself when this process goes away (engine_proc watches its parent pid)
+            daemon=False,
         )
         self.proc.start()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]

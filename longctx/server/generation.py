@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,7 @@ class Generation:
         self.rid, self.prompt_ids, self.params, self.stop = rid, prompt_ids, params, stop
         self.t0 = time.monotonic()
 
-    async def events(self, keepalive: bool = False) -> AsyncIterator[Event]:
+    async def events(self, keepalive: bool = False) -> AsyncGenerator[Event, None]:
         detok = IncrementalDetokenizer(self.codec)
         holdback = max((len(s) for s in self.stop), default=1) - 1
         text = ""  # everything decoded so far (stop strings are searched in it)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,7 @@ def _final(st: ServerState, rid: str, model: str, done: Done, shape: Shape) -> d
 
 
 async def _stream(
-    st: ServerState, rid: str, model: str, shape: Shape, first: Any, events: AsyncIterator[Any]
+    st: ServerState, rid: str, model: str, shape: Shape, first: Any, events: AsyncGenerator[Any, None]
 ) -> AsyncIterator[str]:
     sent_role = False
     status = "200"
