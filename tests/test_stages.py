@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -147,3 +149,29 @@ def test_killed_stage_fails_fast_and_leaves_nothing(tiny_dir):
     for s in stages:
         assert not os.path.exists(os.path.join("/dev/shm", s["host_pool_name"]))
     assert not [f for f in os.listdir("/dev/shm") if any(f"-{p}-" in f for p in pids)]
+
+
+def test_hisparse_swaps_in_from_the_shared_host_pool(tiny_dir, reference):
+    """pp=2 x tp=2 with a device cap below the context: misses come from the stage's one host pool."""
+    with _engine(tiny_dir, pp=2, tp=2, hisparse_device_tokens=40) as eng:
+        _check_parity(eng, reference)
+        s = eng.stats()
+    assert s["hisparse"]["misses"] > 0 and s["hisparse"]["device_tokens_max"] <= 40
+    assert all(st["hisparse"]["requests"] == 0 for st in s["stages"])  # released when finished
+
+
+def test_stage_processes_end_with_the_interpreter(tiny_dir):
+    """An engine never closed: its stage processes still go when the driver exits."""
+    code = (
+        "import sys; from longctx import Engine\n"
+        f"e = Engine({str(tiny_dir)!r}, device='cpu', kv_pages=4, pp=2)\n"
+        "print(' '.join(str(p) for s in e.stats()['stages'] for p in s['pids']), flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)

@@ -119,4 +119,8 @@ class HostBackedKV:
         return int(self.inner.nbytes()) if hasattr(self.inner, "nbytes") else 0
 
     def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+        self._host = {}
         self.layout.pool.close()

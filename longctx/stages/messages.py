@@ -1,6 +1,6 @@
 """What the driver (the Engine's process) and the stage processes tell each other.
 
-Driver -> every rank of every stage (in order, one inbox per rank): `RunPlan`, `StatsRequest`
+Driver -> every rank of every stage (in order, one inbox per rank): `RunPlan`, `Release`, `StatsRequest`
 (TP rank 0 of each stage only), `Shutdown`. Ranks -> driver (one outbox): `Ready`, `Result` (last
 stage, TP rank 0), `StageStats`, `Failed`. All are small frozen dataclasses, pickled; results carry
 their logits pickled by value (`payload`), never as shared-memory tensor handles.
@@ -51,6 +51,13 @@ class StageSpec:
 class RunPlan:
     seq: int
     plan: BatchPlan
+
+
+@dataclass(frozen=True)
+class Release:
+    """Requests that finished or were aborted: caches with per-request state (HiSparse) free it."""
+
+    rids: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from longctx.stages.host import HostBackedKV, host_kv_spec, open_stage_host_pool
 from longctx.stages.messages import (
     Failed,
     Ready,
+    Release,
     Result,
     RunPlan,
     Shutdown,
@@ -211,6 +212,10 @@ class StageProcess:
                     self.transport.put(StageStats(msg.seq, self.spec.stage, self.stats()))
             elif isinstance(msg, RunPlan):
                 self.step(msg)
+            elif isinstance(msg, Release):
+                release = getattr(self.kv.inner, "release", None)
+                if release is not None:
+                    release(list(msg.rids))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
@@ -270,7 +275,7 @@ class StageProcess:
             dist.destroy_process_group()
 
 
-def stage_main(spec: StageSpec, transport: Transport) -> None:
+def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False) -> None:
     """Entry point of a stage process: build, say Ready, run until Shutdown; report any failure."""
     proc: StageProcess | None = None
     code = 0
@@ -288,9 +293,15 @@ def stage_main(spec: StageSpec, transport: Transport) -> None:
                 proc.close()
         finally:
             transport.close()
+    if exit_process:
+        # everything is flushed and released; skip the interpreter teardown (seconds for torch +
+        # gloo on a loaded machine) so a shutdown does not wait on it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
 def spawn_main(spec: StageSpec, inbox: Any, outbox: Any) -> None:
     """`multiprocessing` target for a local spawn."""
-    stage_main(spec, QueueTransport(inbox, outbox))
+    stage_main(spec, QueueTransport(inbox, outbox), exit_process=True)

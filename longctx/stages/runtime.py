@@ -42,6 +42,7 @@ from longctx.kvstore.host_pool import NAME_PREFIX, cleanup_stale
 from longctx.stages.messages import (
     Failed,
     Ready,
+    Release,
     Result,
     RunPlan,
     Shutdown,
@@ -302,6 +303,13 @@ class StageRuntime:
             self._pump()
         self._pending.popleft()
         return pickle.loads(self._results.pop(seq))
+
+    def release(self, rids: list[str]) -> None:
+        """Finished / aborted requests: every rank frees their per-request KV state, in plan order."""
+        self._check_alive()
+        msg = Release(tuple(rids))
+        for rank in range(self.pp * self.tp):
+            self._p.send(rank, msg)
 
     @property
     def in_flight(self) -> int:
