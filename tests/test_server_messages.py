@@ -1,0 +1,142 @@
+"""Wire messages and the engine-process loop, in process (no HTTP, no subprocess)."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from longctx.server import messages as m
+from longctx.server.engine_proc import EngineLoop
+from longctx.server.fake_engine import FakeEngine
+
+SP = m.WireSamplingParams(max_new_tokens=3, temperature=0.0, stop=("out", "batch"))
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        m.AddRequest("r1", (1, 2, 3), SP, True),
+        m.AbortRequest("r1"),
+        m.PinDocument(7, (5, 6)),
+        m.UnpinDocument(8, "doc-1"),
+        m.StatsQuery(9),
+        m.Shutdown(),
+        m.EngineReady(4096, 320, (257,), {"fake": True}),
+        m.EngineFailed("boom"),
+        m.OutputBatch(
+            (
+                m.TokenOutput(
+                    "r", (1, 2), True, "stop", 3, 3, 0, (m.WireLogprob(1, -0.5, ((1, -0.5), (2, -1.5))),)
+                ),
+            ),
+            2,
+            1,
+            {"pages_used": 3, "x": 1.5},
+        ),
+        m.RpcReply(3, True, ("doc-1", 100)),  # arrays decode as tuples
+    ],
+)
+def test_round_trip(msg):
+    assert m.decode(m.encode(msg)) == msg
+
+
+def test_garbage_is_a_value_error():
+    with pytest.raises(ValueError):
+        m.decode(b"\xc1\xc1")
+    with pytest.raises(TypeError):
+        m.encode(object())
+
+
+class _Loop:
+    """An EngineLoop wired to this test through inproc sockets."""
+
+    def __init__(self, engine):
+        self.ctx = zmq.Context()
+        self.to_engine, pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.to_engine.bind("inproc://to")
+        pull.connect("inproc://to")
+        push, self.from_engine = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.from_engine.bind("inproc://from")
+        push.connect("inproc://from")
+        self.loop = EngineLoop(engine, pull, push)
+        self.socks = [self.to_engine, pull, push, self.from_engine]
+
+    def send(self, msg):
+        self.to_engine.send(m.encode(msg))
+
+    def run(self, n=1):
+        outs, replies = [], []
+        for _ in range(n):
+            self.loop.run_once(idle_timeout_ms=5)
+            while self.from_engine.poll(0):
+                msg = m.decode(self.from_engine.recv())
+                if isinstance(msg, m.OutputBatch):
+                    outs.extend(msg.outputs)
+                else:
+                    replies.append(msg)
+        return outs, replies
+
+    def close(self):
+        for s in self.socks:
+            s.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def loop():
+    lp = _Loop(FakeEngine(max_context=256, step_delay_s=0.0))
+    yield lp
+    lp.close()
+
+
+def test_loop_generates_aborts_and_isolates_errors(loop):
+    loop.send(m.AddRequest("good", (104, 105), m.WireSamplingParams(max_new_tokens=3, temperature=0.0)))
+    loop.send(m.AddRequest("bad", (), m.WireSamplingParams(max_new_tokens=3)))  # empty prompt
+    loop.send(m.AddRequest("neg", (1,), m.WireSamplingParams(max_new_tokens=3, temperature=-1.0)))
+    loop.send(m.AddRequest("long", (1,) * 300, m.WireSamplingParams(max_new_tokens=1)))
+    loop.send(m.AddRequest("slow", (1, 2), m.WireSamplingParams(max_new_tokens=100)))
+    outs, _ = loop.run(6)
+    by = {}
+    for o in outs:
+        by.setdefault(o.rid, []).append(o)
+    assert [t for o in by["good"] for t in o.new_token_ids] == [104, 105, 104]
+    assert by["good"][-1].finished and by["good"][-1].finish_reason == "length"
+    for rid in ("bad", "neg", "long"):
+        assert len(by[rid]) == 1 and by[rid][0].error and by[rid][0].error_kind == "request"
+    assert not by["slow"][-1].finished
+    loop.send(m.AbortRequest("slow"))
+    outs, _ = loop.run(1)
+    assert [(o.rid, o.finish_reason) for o in outs] == [("slow", "abort")]
+    assert loop.loop.eng.stats()["pages_used"] == 0
+
+
+def test_loop_rpcs(loop):
+    loop.send(m.PinDocument(1, tuple(range(100))))
+    loop.send(m.StatsQuery(2))
+    _, replies = loop.run(1)
+    assert replies[0] == m.RpcReply(1, True, ("doc-1", 100))
+    assert replies[1].ok and replies[1].result["pages_used"] == 1
+    loop.send(m.UnpinDocument(3, "doc-404"))
+    loop.send(m.UnpinDocument(4, "doc-1"))
+    _, replies = loop.run(1)
+    assert not replies[0].ok and "doc-404" in replies[0].error
+    assert replies[1].ok
+
+
+def test_loop_survives_a_failing_step(loop):
+    loop.send(m.AddRequest("a", (1, 2), m.WireSamplingParams(max_new_tokens=50)))
+    loop.run(2)
+    real_step = loop.loop.eng.step
+
+    def boom():
+        raise RuntimeError("device fell over\nsecond line")
+
+    loop.loop.eng.step = boom
+    outs, _ = loop.run(1)
+    assert [(o.rid, o.error_kind, o.error) for o in outs] == [
+        ("a", "engine", "RuntimeError: device fell over")
+    ]
+    loop.loop.eng.step = real_step
+    loop.send(m.AddRequest("b", (3,), m.WireSamplingParams(max_new_tokens=1)))
+    outs, _ = loop.run(3)
+    assert any(o.rid == "b" and o.finished and o.new_token_ids for o in outs)
