@@ -128,8 +128,10 @@ def test_document_cached_and_progress_real_engine(server):
             timeout=120,
         ).json()
         assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= covered, a
-    assert stats(server).get("prefix_cache_pinned_pages", covered // 64) >= covered // 64
-    httpx.delete(server.url + f"/v1/documents/{doc['id']}")
+    assert stats(server)["prefix_cache_pinned_pages"] >= covered // 64
+    pinned = stats(server)["prefix_cache_pinned_pages"]
+    assert httpx.delete(server.url + f"/v1/documents/{doc['id']}").status_code == 200
+    assert stats(server)["prefix_cache_pinned_pages"] == pinned - covered // 64  # unpinned
 
     # a prompt longer than one prefill chunk (512 tokens on CPU) reports its progress first
     lines = []
