@@ -181,6 +181,7 @@ class StageProcess:
                 "hisparse_device_tokens needs longctx.hisparse.cache, which is not available"
             ) from None
         s = self.spec
+        assert s.hisparse_device_tokens is not None
         kwargs: dict[str, Any] = {}
         if "host_layout" in inspect.signature(HiSparseKVCache).parameters:
             kwargs["host_layout"] = layout

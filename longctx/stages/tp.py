@@ -31,6 +31,7 @@ from torch import nn
 from longctx.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE, dequantize_fp8_block
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
+from longctx.model.layer import DecoderLayer
 from longctx.model.linear import Linear
 from longctx.model.model import CausalLM
 from longctx.model.moe import MLP, MoE
@@ -152,6 +153,7 @@ class TPShard:
         for i, layer in model.model.layers.items():
             if not any(p.is_meta for p in layer.parameters()):
                 raise ConfigError(f"layer {i}: shard_model needs the meta-built model, before loading")
+            assert isinstance(layer, DecoderLayer)
             attn = layer.self_attn
             h = self.heads
             _resize(attn.q_b_proj, out=h * self.cfg.qk_head_dim)
