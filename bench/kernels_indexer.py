@@ -51,6 +51,16 @@ def time_fn(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
         return sorted(times)[len(times) // 2]
 
 
+def _graph_fields(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Kernel-only time from CUDA graph replay (no launch overhead); see kernels_mla_moe.time_graph."""
+    try:
+        from bench.kernels_mla_moe import graph_fields
+    except ImportError:  # run as a script: bench/ itself is on sys.path
+        from kernels_mla_moe import graph_fields  # type: ignore[no-redef]
+
+    return graph_fields(fn)
+
+
 def measure_ceilings(hbm_bytes: int = 2 << 30, h2d_bytes: int = 1 << 30) -> dict[str, float]:
     """{"hbm_copy_Bps": d2d copy rate counting read + write, "pinned_h2d_Bps": one bulk pinned H2D copy}."""
     hbm = (
@@ -119,6 +129,7 @@ def bench_indexer_decode(
             args = (q, w, pool, pt, seq_lens, q_seq, q_pos, kind, ctx)
             err = _rel_err(indexer_logits_paged(*args, backend="triton"), indexer_logits_paged_ref(*args))
             t = time_fn(partial(indexer_logits_paged, *args, backend="triton"))
+            graph = _graph_fields(partial(indexer_logits_paged, *args, backend="triton"))
             nbytes = (
                 batch * ctx * (pool.shape[1] * pool.element_size() + 4 + 4 / kvl.PAGE_SIZE)
             )  # keys + logits + page ids
@@ -127,7 +138,9 @@ def bench_indexer_decode(
                 "bench": "indexer_decode", "kind": kind, "ctx": ctx, "batch": batch, "heads": heads, "dim": dim,
                 "time_s": t, "bytes": nbytes, "rate_Bps": rate, "ceiling": "hbm_copy_Bps",
                 "ceiling_Bps": ceilings["hbm_copy_Bps"], "frac_of_ceiling": rate / ceilings["hbm_copy_Bps"],
-                "max_rel_err": err, "ok": err <= 1e-4,
+                "max_rel_err": err, "ok": err <= 1e-4, **graph,
+                "graph_frac_of_ceiling": nbytes / (graph["graph_us"] * 1e-6) / ceilings["hbm_copy_Bps"]
+                if graph["graph_us"] else None,
             })  # fmt: skip
             del pool, pt
             torch.cuda.empty_cache()
@@ -147,10 +160,14 @@ def bench_topk(
             exact = torch.equal(topk_indices(x, k, valid, backend="triton"), topk_indices_ref(x, k, valid))
             t = time_fn(partial(topk_indices, x, k, valid, backend="triton"))
             t_torch = time_fn(partial(torch.topk, x, k, dim=1, sorted=False))
+            graph = _graph_fields(partial(topk_indices, x, k, valid, backend="triton"))
+            graph["torch_topk_graph_us"] = _graph_fields(partial(torch.topk, x, k, dim=1, sorted=False))[
+                "graph_us"
+            ]
             out.append({
                 "bench": "topk", "n": n, "k": k, "batch": batch, "time_s": t, "rate_Bps": batch * n * 4 / t,
                 "ceiling": "target_100us_per_1M_query", "target_s": TOPK_TARGET_S * batch * n / (1 << 20),
-                "torch_topk_s": t_torch, "ok": exact,
+                "torch_topk_s": t_torch, "ok": exact, **graph,
             })  # fmt: skip
     return out
 

@@ -19,6 +19,8 @@ Two Triton GEMMs compute x @ dequant(w).T with fp32 accumulation:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .common import check, jit, tl, triton_interpret, use_triton
@@ -114,23 +116,28 @@ def mma(a, b, F32: tl.constexpr):
 @jit
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr,
-    T, N, K,
-    stride_xt, stride_xst, stride_wn, stride_wsn, stride_ot,
+    T, N, K, K_SPLIT,
+    stride_xt, stride_xst, stride_wn, stride_wsn, stride_ot, stride_os,
     A8: tl.constexpr, F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    # One program = one [BM, BN] output tile; BK divides 128 so a K tile never straddles a scale block.
+    # One program = one [BM, BN] output tile over the K range [pid_k*K_SPLIT, +K_SPLIT) (split-K; K_SPLIT is a
+    # multiple of 128 so a K tile never straddles a scale block, and BK divides 128). With one split it
+    # writes the output; with several it writes an fp32 partial o_ptr[pid_k] that `_splitk_sum_kernel` adds.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < T
     mask_n = offs_n < N
     ws_row = ws_ptr + (offs_n // 128) * stride_wsn  # [BN] scale rows of this tile's weight rows
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_hi
         a = tl.load(
             x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
             mask=mask_m[:, None] & mask_k[None, :],
@@ -140,7 +147,7 @@ def _fp8_linear_kernel(
             w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
             mask=mask_n[:, None] & mask_k[None, :],
             other=0.0,
-        )  # [BN, BK] e4m3
+        )  # [BN, BK] e4m3: each thread loads 16 contiguous bytes of a row (K is the unit-stride dim)
         wsc = tl.load(ws_row + k0 // 128, mask=mask_n, other=0.0)  # [BN]
         if A8:
             asc = tl.load(xs_ptr + offs_m * stride_xst + k0 // 128, mask=mask_m, other=0.0)
@@ -149,10 +156,21 @@ def _fp8_linear_kernel(
             # e4m3 is exact in bf16/fp16/fp32, so the block scale can wait for the [BM, BN] partial.
             acc += mma(a, tl.trans(w.to(a.dtype)), F32) * wsc[None, :]
     tl.store(
-        o_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :],
+        o_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :],
         acc.to(o_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
+
+
+@jit
+def _splitk_sum_kernel(p_ptr, o_ptr, S, TN, stride_ps, BLOCK: tl.constexpr):
+    # out.flat[i] = sum_s partial[s].flat[i] in fixed split order (deterministic, no atomics).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < TN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    tl.store(o_ptr + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -190,12 +208,35 @@ def act_quant(
 
 
 def _pick_tiles(t: int, quantize_act: bool) -> tuple[int, int, int, int, int]:
-    # Decode (small T) is a weight stream: narrow M, many N tiles to fill the SMs, deep pipelining.
+    # Decode (small T) is a weight stream: narrow M (16 is the smallest tensor-core M), BN=64 rows of 128
+    # bytes per K tile (each of the 128 threads issues 4 x 16-byte loads), 4 stages of loads in flight;
+    # split-K (`_pick_splits`) then provides the CTAs. ~90 registers/thread, 4 * (4 KB + 8 KB) = 48 KB of
+    # shared memory: 4 CTAs per SM.
     if t <= 16:
         return 16, 64, 128, 4, 4
     if t <= 64:
         return 64, 64, 128, 4, 4
     return 128, 128, 128 if quantize_act else 64, 8, 3
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pick_splits(tiles_mn: int, k: int, num_sms: int) -> int:
+    """Split-K factor: enough CTAs for ~4 per SM (a weight stream needs many loads in flight per SM, and
+    at T=1 q_a_proj has only 32 output tiles for 132 SMs), but at least 2 scale blocks (256 of K) per
+    split so the fp32 partials ([S, T, N], L2-resident) stay small next to the weights."""
+    target = 4 * num_sms
+    if tiles_mn >= target:
+        return 1
+    kb = cdiv(k, FP8_BLOCK)
+    return max(1, min(cdiv(target, tiles_mn), kb // 2))
 
 
 def fp8_block_linear(
@@ -207,12 +248,15 @@ def fp8_block_linear(
     *,
     backend: str = "auto",
     tiles: tuple[int, int, int, int, int] | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """x [T, K] (bf16/fp16/fp32, unit column stride) @ dequant(w_fp8 [N, K] e4m3 contiguous, scale_inv).T.
 
     Returns [T, N] in `out_dtype` (default x's). `quantize_act` quantises x per 1x128 group and runs an fp8 x fp8
     GEMM (see module docstring). `backend` as `common.use_triton` ("auto": Triton on CUDA, else the reference).
-    `tiles` = (BM, BN, BK, num_warps, num_stages) overrides the tile heuristic (bench).
+    `tiles` = (BM, BN, BK, num_warps, num_stages) overrides the tile heuristic (bench); `split_k` the split-K
+    factor (None: enough CTAs for the SMs at small T; the split count is rounded to whole 128-column blocks).
+    No host sync and no host->device copy: safe inside CUDA graph capture.
     """
     if not use_triton(backend, x.device):
         return fp8_block_linear_ref(x, w_fp8, scale_inv, out_dtype, quantize_act)
@@ -227,17 +271,27 @@ def fp8_block_linear(
     out = torch.empty(t, n, dtype=out_dtype, device=x.device)
     if t == 0 or n == 0:
         return out
+    if k == 0:
+        return out.zero_()
     bm, bn, bk, warps, stages = tiles or _pick_tiles(t, quantize_act)
     check(bk <= 128 and 128 % bk == 0, "fp8_block_linear: BK must divide 128")
     if quantize_act:
         xq, xs = act_quant(x, backend=backend)
     else:
         xq, xs = x, scale_inv  # xs unused by the kernel
-    grid = (cdiv(t, bm), cdiv(n, bn))
-    _fp8_linear_kernel[grid](
-        xq, xs, w_fp8, scale_inv, out, t, n, k,
-        xq.stride(0), xs.stride(0), w_fp8.stride(0), scale_inv.stride(0), out.stride(0),
+    tiles_mn = cdiv(t, bm) * cdiv(n, bn)
+    splits = split_k if split_k is not None else _pick_splits(tiles_mn, k, _num_sms(x.device))
+    kb = cdiv(k, FP8_BLOCK)
+    k_split = cdiv(kb, max(1, min(splits, kb))) * FP8_BLOCK  # whole scale blocks per split
+    splits = cdiv(k, k_split)
+    dst = out if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
+    _fp8_linear_kernel[(cdiv(t, bm), cdiv(n, bn), splits)](
+        xq, xs, w_fp8, scale_inv, dst, t, n, k, k_split,
+        xq.stride(0), xs.stride(0), w_fp8.stride(0), scale_inv.stride(0), n, t * n if splits > 1 else 0,
         A8=quantize_act, F32=x.dtype == torch.float32 or triton_interpret(),
         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if splits > 1:
+        blk = 1024
+        _splitk_sum_kernel[(cdiv(t * n, blk),)](dst, out, splits, t * n, t * n, BLOCK=blk, num_warps=4)
     return out

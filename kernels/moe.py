@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check, jit, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, dequant_block_fp8_ref, mma
 
 
@@ -155,8 +155,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     ok = (flat >= 0) & (flat < e)
     bucket = torch.where(ok, flat, e)  # bucket E collects ids to ignore
     counts = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
-    blocks = (counts + block_m - 1) // block_m
-    blocks[e] = 0
+    # Blocks per expert; bucket E (ignored ids) gets none. No `blocks[e] = 0`: a Python scalar stored into a
+    # CUDA tensor is a pageable host->device copy (a stream sync, and it breaks CUDA graph capture).
+    blocks = torch.cat([(counts[:e] + block_m - 1) // block_m, counts[e:] * 0])
     block_end = torch.cumsum(blocks, 0)
     block_start = block_end - blocks
     count_start = torch.cumsum(counts, 0) - counts
@@ -266,14 +267,50 @@ def _down_kernel(
         )
 
 
-def _pick_moe_tiles(t: int, k: int, e: int) -> tuple[int, int, int, int, int]:
-    # Tokens per expert ~ T*k/E decides BLOCK_M: decode (a few tokens per expert) is a weight stream.
+# Shared memory per SM on the H200 is 227 KB (232448 bytes per block); keep a margin for Triton's own
+# layout-conversion scratch.
+_SMEM_BUDGET = 200 * 1024
+
+
+def _moe_smem(bm: int, bn: int, bk: int, stages: int, x_bytes: int, w_bytes: int) -> int:
+    """Shared memory of the pipelined gate-up kernel (the larger of the two): per stage an x tile and the
+    gate and up weight tiles, each in the dtype it is loaded in."""
+    return stages * (bm * bk * x_bytes + 2 * bn * bk * w_bytes)
+
+
+def _pick_moe_tiles(
+    t: int, k: int, e: int, hd: int = 1 << 30, inter: int = 1 << 30, x_bytes: int = 2, w_bytes: int = 1
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for T tokens, top-k of E experts, hidden `hd`,
+    intermediate `inter`, activation/weight element sizes. Never returns a config over the shared-memory
+    budget: stages, then BLOCK_K, then BLOCK_N shrink until it fits (fp32 weights at tiny dims used to ask
+    for 288 KB)."""
     per_expert = t * k / max(1, e)
     if per_expert <= 16:
-        return 16, 64, 128, 4, 4
-    if per_expert <= 64:
-        return 64, 64, 128, 4, 4
-    return 128, 128, 64, 8, 3
+        # Decode is a weight stream: BLOCK_M=16 (the smallest tensor-core M); BLOCK_N=32 doubles the CTAs
+        # per expert over 64 (at batch 1 only ~8 experts are hit, 2048/32 = 64 gate-up CTAs each -> 512 CTAs
+        # on 132 SMs, ~4 resident per SM at ~100 registers/thread) so enough 16-byte weight loads are in
+        # flight per SM to approach HBM rate; 5 stages keep ~4 K tiles of loads outstanding per CTA.
+        bm, bn, bk, warps, stages = 16, 32, 128, 4, 5
+    elif per_expert <= 64:
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    # Tiles no larger than the problem (tiny test models: hd 64, inter 32); tl.dot needs >= 16.
+    bk = min(bk, max(16, next_pow2(min(hd, inter))))
+    bn = min(bn, max(16, next_pow2(max(hd, inter))))
+    while _moe_smem(bm, bn, bk, stages, x_bytes, w_bytes) > _SMEM_BUDGET:
+        if stages > 2:
+            stages -= 1
+        elif bk > 32:
+            bk //= 2
+        elif bn > 16:
+            bn //= 2
+        elif bm > 16:
+            bm //= 2
+        else:
+            break
+    return bm, bn, bk, warps, stages
 
 
 def moe_experts(
@@ -305,7 +342,9 @@ def moe_experts(
     check(w_gate_up.is_contiguous() and w_down.is_contiguous(), "moe_experts: weights must be contiguous")
     if t == 0 or k == 0:
         return torch.zeros_like(x)
-    bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(t, k, e)
+    bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(
+        t, k, e, hd, inter, x.element_size(), w_gate_up.element_size()
+    )
     check(bk <= 128 and 128 % bk == 0, "moe_experts: BLOCK_K must divide 128")
     dev = x.device
     p = t * k

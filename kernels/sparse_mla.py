@@ -32,6 +32,7 @@ dims (32/8, 64/16) and 512/64 share one kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -232,9 +233,24 @@ def _combine_kernel(
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:  # get_device_properties per call costs host time on the decode path
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pick_splits(tq: int, n_hb: int, k: int, block_n: int, num_sms: int) -> int:
+    """Decode split-K: programs for ~1 wave of 132 SMs (one 8-warp CTA of this kernel per SM: ~200 registers
+    per thread), each split at least 64 tokens (2 BLOCK_N=32 tiles, so the gather of the next tile overlaps
+    the dots of this one). Batch 1 / 64 heads / top-2048: 4 head blocks x 32 splits = 128 CTAs of 64 rows
+    (the old >= 128-token rule gave 64 CTAs, half the SMs idle). The fp32 partials, S x H x L x 4 bytes
+    (4 MB at S=32), stay in the 50 MB L2 between the two kernels."""
+    base = tq * n_hb
+    if base >= num_sms:
+        return 1
+    return max(1, min(cdiv(k, max(64, 2 * block_n)), cdiv(num_sms, base)))
 
 
 def sparse_mla(
@@ -301,10 +317,7 @@ def sparse_mla(
     bn = block_n or (32 if block_l >= 512 else 64)
     n_hb = cdiv(h, bh)
     if num_splits is None:
-        base = tq * n_hb
-        # Split until ~2 waves of programs, but keep >= 128 tokens per split: each split writes an fp32
-        # [H, L] partial, which would otherwise outweigh the 656-byte rows it reads.
-        num_splits = 1 if base >= _num_sms(dev) else min(cdiv(k, 128), cdiv(2 * _num_sms(dev), base))
+        num_splits = _pick_splits(tq, n_hb, k, bn, _num_sms(dev))
     num_splits = max(1, min(num_splits, cdiv(k, bn)))
     chunk = cdiv(cdiv(k, num_splits), bn) * bn
     num_splits = cdiv(k, chunk)

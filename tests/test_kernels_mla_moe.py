@@ -337,6 +337,39 @@ def test_fp8_block_linear_triton_matches_ref(t, n, k, dtype, qa):
     assert out32.dtype == torch.float32
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 3, 64])
+@pytest.mark.parametrize("t,k,qa", [(1, 640, False), (2, 300, True), (1, 300, False)])
+def test_fp8_block_linear_split_k_matches_ref(split_k, t, k, qa):
+    """Split-K (the small-T decode path): whole 128-column blocks per split, a partial last block, more
+    splits asked for than blocks; fp32 partials summed in a fixed order."""
+    gen = torch.Generator().manual_seed(split_k * 7 + k)
+    n = 72
+    q, s = quant_block_fp8_ref(torch.randn(n, k, generator=gen) / math.sqrt(k))
+    x = torch.randn(t, k, generator=gen)
+    out = fp8_block_linear(x, q, s, quantize_act=qa, backend=TRITON, split_k=split_k)
+    _close(out, fp8_block_linear_ref(x, q, s, quantize_act=qa), torch.float32, f"split_k={split_k}")
+
+
+def test_fp8_pick_splits_fills_the_gpu():
+    from longctx.kernels.fp8_gemm import _pick_splits
+
+    # q_a_proj at T=1: 32 tiles of BN=64 over N=2048, K=6144 (48 scale blocks) on 132 SMs
+    assert 32 * _pick_splits(32, 6144, 132) >= 4 * 132
+    assert _pick_splits(384 * 2, 6144, 132) == 1  # enough tiles already (prefill / dense_gate_up)
+    assert _pick_splits(1, 128, 132) == 1  # one scale block: nothing to split
+
+
+@pytest.mark.parametrize("x_bytes,w_bytes", [(4, 4), (2, 2), (2, 1), (4, 1)])
+@pytest.mark.parametrize("t,hd,inter", [(1, 64, 32), (64, 6144, 2048), (4096, 6144, 2048), (8, 48, 40)])
+def test_moe_tiles_fit_shared_memory(x_bytes, w_bytes, t, hd, inter):
+    """fp32 weights at tiny dims once asked for 288 KB of shared memory (H200 limit 227 KB)."""
+    from longctx.kernels.moe import _SMEM_BUDGET, _moe_smem, _pick_moe_tiles
+
+    bm, bn, bk, _, st = _pick_moe_tiles(t, 8, 256, hd, inter, x_bytes, w_bytes)
+    assert _moe_smem(bm, bn, bk, st, x_bytes, w_bytes) <= _SMEM_BUDGET
+    assert 128 % bk == 0 and bk >= 16 and bn >= 16 and bm >= 16
+
+
 def test_act_quant_exact():
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(4, 300, generator=gen) * torch.logspace(-3, 2, 300)
