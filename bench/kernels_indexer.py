@@ -130,6 +130,14 @@ def bench_indexer_decode(
             err = _rel_err(indexer_logits_paged(*args, backend="triton"), indexer_logits_paged_ref(*args))
             t = time_fn(partial(indexer_logits_paged, *args, backend="triton"))
             graph = _graph_fields(partial(indexer_logits_paged, *args, backend="triton"))
+            if batch == 1 and ctx >= 1 << 20:  # knob sweep on the headline case, kernel-only (graph) times
+                graph["sweep_graph_us"] = {
+                    f"block_n={bn},warps={nw}": _graph_fields(
+                        partial(indexer_logits_paged, *args, backend="triton", block_n=bn, num_warps=nw)
+                    )["graph_us"]
+                    for bn in (64, 128, 256, 512)
+                    for nw in (4, 8)
+                }
             nbytes = (
                 batch * ctx * (pool.shape[1] * pool.element_size() + 4 + 4 / kvl.PAGE_SIZE)
             )  # keys + logits + page ids

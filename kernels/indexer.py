@@ -125,13 +125,17 @@ def indexer_logits_paged(
     max_len: int | None = None,
     *,
     backend: str = "auto",
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Indexer logits [Tq, max_len] fp32 (-inf where invalid); see the module docstring.
 
     q [Tq, H, D], w [Tq, H] fp32, index_pool [S, D+4] uint8 (fp8) or [S, D] (dense),
     page_table int32 [B, P], seq_lens int [B], q_seq int [Tq] (request of each query),
     q_pos int [Tq] (absolute position of each query). `max_len` defaults to max(seq_lens), which
-    costs a device sync; pass it when known. Queries sorted by request are fastest (the kernel
+    costs a device sync; pass it when known (the decode path does: then there is no host sync and no
+    host->device copy, so the call can be captured in a CUDA graph). `block_n` (keys per program, a power of
+    two >= 16) and `num_warps` are bench knobs; None picks the defaults. Queries sorted by request are fastest (the kernel
     tiles BLOCK_M neighbouring queries and loops over the requests they span).
     """
     _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind)
@@ -147,7 +151,8 @@ def indexer_logits_paged(
     # Decode (one query per request) gains nothing from query tiles; prefill shares each key tile
     # between BLOCK_M queries so keys are read Tq / BLOCK_M times instead of Tq times.
     block_m = 1 if tq <= page_table.shape[0] else max(1, min(8, 128 // hp))
-    block_n = 128 if d <= 128 else 64
+    block_n = block_n or (128 if d <= 128 else 64)
+    check(block_n >= 16 and block_n & (block_n - 1) == 0, "indexer: block_n must be a power of two >= 16")
     grid = (_cdiv(tq, block_m), _cdiv(max_len, block_n))
     fp8 = is_fp8(kind)
     _indexer_kernel[grid](
@@ -155,7 +160,7 @@ def indexer_logits_paged(
         seq_lens, q_seq, q_pos, out, out.stride(0), tq, max_len,
         H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=fp8, PAGE=PAGE_SIZE,
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        INTERPRET=triton_interpret(), num_warps=4,
+        INTERPRET=triton_interpret(), num_warps=num_warps or 4,
     )  # fmt: skip
     return out
 

@@ -25,7 +25,7 @@ counts into exclusive prefix sums and stores the keys > T plus the lowest-index 
 deterministic ascending positions. Every pass runs one program per (query, chunk of CHUNK keys),
 so a single 1M-key query still fills the GPU; every pass re-reads the logits (4 MB at 1M,
 L2-resident after the first); per-chunk histograms are merged with one atomic per non-empty bin.
-Launches per call: 2 fills + 4 histogram passes + count + write.
+Launches per call: 1 memset + 4 histogram passes + count + write (the write pass pads with -1 itself).
 """
 
 from __future__ import annotations
@@ -91,14 +91,17 @@ def topk_indices(
     if not use_triton(backend, logits.device):
         return topk_indices_ref(logits, k, valid_len)
     tq, n = logits.shape
-    out = torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
     if tq == 0 or k == 0 or n == 0:
-        return out
+        return torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
+    # No fill of `out`: the write pass stores the -1 padding itself (one launch fewer).
+    out = torch.empty((tq, k), dtype=torch.int32, device=logits.device)
     chunk = 4096 if n >= 65536 else 1024
     nch = (n + chunk - 1) // chunk
-    hist = torch.zeros((_LEVELS, tq, _NB), dtype=torch.int32, device=logits.device)
-    # per query and level: (prefix of the k-th largest key, how many keys are still needed)
-    state = torch.zeros((tq, _LEVELS, 2), dtype=torch.int32, device=logits.device)
+    # One zeroed buffer (one memset launch) for the histograms and, per query and level, (prefix of the
+    # k-th largest key, how many keys are still needed).
+    scratch = torch.zeros(_LEVELS * tq * _NB + tq * _LEVELS * 2, dtype=torch.int32, device=logits.device)
+    hist = scratch[: _LEVELS * tq * _NB].view(_LEVELS, tq, _NB)
+    state = scratch[_LEVELS * tq * _NB :].view(tq, _LEVELS, 2)
     counts = torch.empty((tq, nch, 2), dtype=torch.int32, device=logits.device)  # (# > T, # == T) per chunk
     grid = (tq, nch)
     common = dict(CHUNK=chunk, NB=_NB, num_warps=8)
@@ -236,3 +239,8 @@ def _topk_write_kernel(
         tl.store(orow + pos, offs, mask=sel)
     else:
         tl.store(orow + offs, offs, mask=inr)
+        # Fewer than k valid keys: positions [valid, K) are -1 padding (the wrapper does not pre-fill).
+        # Program c pads [c*CHUNK, +CHUNK), then every NCH*CHUNK further (K may exceed N).
+        for p0 in range(c * CHUNK, K, NCH * CHUNK):
+            pp = p0 + tl.arange(0, CHUNK)
+            tl.store(orow + pp, tl.full([CHUNK], -1, tl.int32), mask=(pp >= valid) & (pp < K))
