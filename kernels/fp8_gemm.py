@@ -15,6 +15,9 @@ Two Triton GEMMs compute x @ dequant(w).T with fp32 accumulation:
   * `quantize_act=True` ("w8a8"): x is quantised with `act_quant` and both operands go to `tl.dot` as fp8
     (Hopper fp8 tensor cores, 2x the bf16 rate); partial products are scaled by x_scale[m, kb] * scale_inv[nb, kb].
     This is the prefill-sized fast path; its reference quantises x the same way.
+Small T (decode) is a weight stream with few output tiles (q_a_proj at T=1: 32 tiles of 64 rows for 132
+SMs), so the same kernel runs split-K: each program covers whole 128-column scale blocks of K and writes an
+fp32 partial, and `_splitk_sum_kernel` adds the partials in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -233,7 +236,7 @@ def _pick_splits(tiles_mn: int, k: int, num_sms: int) -> int:
     at T=1 q_a_proj has only 32 output tiles for 132 SMs), but at least 2 scale blocks (256 of K) per
     split so the fp32 partials ([S, T, N], L2-resident) stay small next to the weights."""
     target = 4 * num_sms
-    if tiles_mn >= target:
+    if tiles_mn >= 2 * num_sms:  # prefill-sized grids: partials would cost more than they recover
         return 1
     kb = cdiv(k, FP8_BLOCK)
     return max(1, min(cdiv(target, tiles_mn), kb // 2))
