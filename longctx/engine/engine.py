@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
 from longctx.config import ModelConfig
+from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
 from longctx.engine.scheduler import Scheduler
@@ -56,10 +58,13 @@ def _resolve_device(device: str) -> torch.device:
 class LocalRunner:
     """pp=1, tp=1: the one stage runs in this process."""
 
-    def __init__(self, worker: StageWorker) -> None:
+    def __init__(self, worker: StageWorker, graphs: DecodeGraphs | None = None) -> None:
         self.worker = worker
+        self.graphs = graphs
 
     def run(self, plan: BatchPlan) -> BatchResult:
+        if self.graphs is not None and self.graphs.bucket(plan) is not None:
+            return BatchResult(plan.step_id, self.worker.finish(plan, None, self.graphs.run(plan)))
         h = self.worker.forward(plan)
         return BatchResult(plan.step_id, self.worker.finish(plan, h))
 
@@ -104,6 +109,7 @@ class Engine:
         prefill_form: str = "auto",
         layer_split: list[int] | None = None,
         gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
@@ -126,7 +132,7 @@ class Engine:
 
         num_pages = kv_pages or self._default_pages(max_context)
         if pp == 1 and tp == 1:
-            self.runner: Any = self._local_runner(num_pages, prefill_form)
+            self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs)
         else:
             from longctx.stages.runtime import StageRuntime
 
@@ -171,7 +177,7 @@ class Engine:
         # CPU: room for a few requests of a modest context
         return max(64, min(max_context, 1 << 16) * 2 // PAGE_SIZE)
 
-    def _local_runner(self, num_pages: int, prefill_form: str) -> LocalRunner:
+    def _local_runner(self, num_pages: int, prefill_form: str, cuda_graphs: bool | None) -> LocalRunner:
         cfg = self.cfg
         layers = range(cfg.num_hidden_layers)
         keep_fp8 = self.device.type == "cuda" and cfg.quant_block is not None
@@ -191,8 +197,17 @@ class Engine:
                 use_triton=self.use_triton,
             )
         else:
-            kv = PagedKVPool(cfg, layers, num_pages, self.kv_kind, self.dtype, self.device, PAGE_SIZE)
-        return LocalRunner(StageWorker(model, kv, self.device, self.use_triton, prefill_form, PAGE_SIZE))
+            # one page more than the allocator hands out: padding rows of captured decode batches
+            kv = PagedKVPool(cfg, layers, num_pages + 1, self.kv_kind, self.dtype, self.device, PAGE_SIZE)
+        worker = StageWorker(model, kv, self.device, self.use_triton, prefill_form, PAGE_SIZE)
+        if cuda_graphs is None:  # on by default on CUDA; LONGCTX_CUDA_GRAPHS=0 turns them off
+            cuda_graphs = self.device.type == "cuda" and os.environ.get("LONGCTX_CUDA_GRAPHS", "1") != "0"
+        graphs = None
+        if cuda_graphs and not self.hisparse_device_tokens:
+            graphs = DecodeGraphs(
+                worker, self.max_context, dummy_page=num_pages, capture=self.device.type == "cuda"
+            )
+        return LocalRunner(worker, graphs)
 
     # ---- step-level API (the server's engine process drives these) ----------------------------
     def add_request(self, req: Request) -> None:

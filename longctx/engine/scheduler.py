@@ -170,7 +170,7 @@ class Scheduler:
 
     def _row(self, req: Request, n: int, grown: bool = True) -> RowPlan:
         start = req.num_computed
-        ids = tuple(req.all_ids[start : start + n])
+        ids = tuple(req.token_slice(start, start + n))
         reaches_end = start + n == req.num_tokens
         if req.return_logits:
             mode = "all"

@@ -145,16 +145,27 @@ class StageWorker:
         return h
 
     @torch.inference_mode()
-    def finish(self, plan: BatchPlan, h: torch.Tensor) -> list[RowResult]:
-        """Last stage: logits for the rows that want them, and sampled tokens."""
+    def finish(
+        self, plan: BatchPlan, h: torch.Tensor | None, last_logits: torch.Tensor | None = None
+    ) -> list[RowResult]:
+        """Last stage: logits for the rows that want them, and sampled tokens.
+
+        `last_logits` [rows, vocab]: already computed logits of each row's last token (a replayed
+        decode graph); then `h` is not needed.
+        """
         out: list[RowResult] = []
         off = 0
-        for r in plan.rows:
+        for i, r in enumerate(plan.rows):
             n = len(r.token_ids)
             if r.logits == "all":
+                assert h is not None
                 out.append(RowResult(r.rid, logits=self.model.logits(h[off : off + n]).cpu()))
             elif r.logits == "last":
-                lg = self.model.logits(h[off + n - 1 : off + n])[0]
+                if last_logits is not None:
+                    lg = last_logits[i]
+                else:
+                    assert h is not None
+                    lg = self.model.logits(h[off + n - 1 : off + n])[0]
                 tok = sample_row(lg, r.temperature, r.top_p, r.top_k, r.seed, r.step)
                 res = RowResult(r.rid, token_id=tok)
                 if r.logprobs is not None:

@@ -23,4 +23,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        y = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            # padding rows of a captured decode batch get no expert work
+            return h + self.mlp(y, ctx.extras.get("valid"))
+        return h + self.mlp(y)

@@ -81,8 +81,11 @@ class MoE(nn.Module):
         )
         self.use_triton = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden]; `valid` [T] bool masks rows out of the routed experts (ids -> -1)."""
         ids, w = self.gate(x, self.use_triton)
+        if valid is not None:
+            ids = ids.masked_fill(~valid[:, None], -1)
         y = self.experts(x, w, ids, self.use_triton)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -1,0 +1,182 @@
+"""Decode steps replayed from CUDA graphs, one per (batch bucket, context bucket).
+
+At batch 1 an eager decode step of a many-layer MoE model is bound by kernel launches and Python.
+A decode plan (every row one token, pp=1, all KV on the device) is padded to the next batch bucket
+and run by replaying a graph captured over static input buffers:
+
+- ids, positions, seq_lens, slot_mapping [B]; page_table [B, ctx_bucket / 64]; valid [B];
+- padding rows point at a reserved dummy page, have seq_len 1, and are masked out of the MoE (their
+  expert ids become -1), so they cost one key of attention and no expert work;
+- the indexer's logits width is the context bucket (a host-known bound, no device sync);
+- the graph ends with the lm_head: sampling reads the [B, vocab] logits outside the graph.
+
+Anything else (prefill chunks, HiSparse, pipeline stages, shapes outside the buckets) runs eagerly.
+On CPU the same static-buffer path runs without capture (`capture=False`), which is how its
+bookkeeping is tested.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from longctx.engine.plan import BatchPlan
+from longctx.model.context import ForwardContext
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_CTX_BUCKET = 4096
+
+
+@dataclass
+class _Captured:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+    table: torch.Tensor
+    valid: torch.Tensor
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    ctx: ForwardContext | None = None
+
+
+class DecodeGraphs:
+    """Captures lazily on first use of a bucket; `run(plan)` returns fp32 logits [rows, vocab]."""
+
+    def __init__(
+        self,
+        worker,
+        max_context: int,
+        dummy_page: int,
+        capture: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+    ) -> None:
+        self.worker = worker
+        self.page_size = worker.page_size
+        self.dummy_page = dummy_page
+        self.capture = capture
+        self.batch_buckets = batch_buckets
+        self.ctx_buckets: list[int] = []
+        c = MIN_CTX_BUCKET
+        while True:  # powers of 4 from 4K until one holds max_context
+            self.ctx_buckets.append(c)
+            if c >= max_context:
+                break
+            c *= 4
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._pool = None
+        self.replays = 0
+
+    # ---- eligibility --------------------------------------------------------------------------
+    def bucket(self, plan: BatchPlan) -> tuple[int, int] | None:
+        w = self.worker
+        if not (w.is_first and w.is_last) or not getattr(w.kv, "dense_readable", False):
+            return None
+        rows = plan.rows
+        if len(rows) > self.batch_buckets[-1] or any(
+            len(r.token_ids) != 1 or r.logits != "last" for r in rows
+        ):
+            return None
+        longest = max(r.end for r in rows)
+        i = bisect.bisect_left(self.ctx_buckets, longest)
+        if i == len(self.ctx_buckets):
+            return None
+        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(rows))]
+        return b, self.ctx_buckets[i]
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def _buffers(self, b: int, ctx_len: int) -> _Captured:
+        dev = self.worker.device
+        pages = ctx_len // self.page_size
+        return _Captured(
+            ids=torch.zeros(b, dtype=torch.int64, device=dev),
+            positions=torch.zeros(b, dtype=torch.int64, device=dev),
+            seq_lens=torch.ones(b, dtype=torch.int32, device=dev),
+            slots=torch.full((b,), self.dummy_page * self.page_size, dtype=torch.int64, device=dev),
+            table=torch.full((b, pages), self.dummy_page, dtype=torch.int32, device=dev),
+            valid=torch.zeros(b, dtype=torch.bool, device=dev),
+        )
+
+    def _context(self, c: _Captured, ctx_len: int) -> ForwardContext:
+        w = self.worker
+        b = c.ids.shape[0]
+        return ForwardContext(
+            positions=c.positions,
+            q_seq=torch.arange(b, dtype=torch.int32, device=w.device),
+            q_start=list(range(b + 1)),
+            seq_lens=c.seq_lens,
+            seq_lens_cpu=[ctx_len] * b,
+            page_table=c.table,
+            slot_mapping=c.slots,
+            kv=w.kv,
+            use_triton=w.use_triton,
+            prefill_form="absorbed",
+            page_size=self.page_size,
+            extras={"valid": c.valid, "rids": ()},
+        )
+
+    def _forward(self, c: _Captured) -> torch.Tensor:
+        assert c.ctx is not None
+        c.ctx.prev_topk = None
+        return self.worker.model.logits(self.worker.model(c.ids, c.ctx))
+
+    def _get(self, b: int, ctx_len: int) -> _Captured:
+        key = (b, ctx_len)
+        c = self._graphs.get(key)
+        if c is not None:
+            return c
+        c = self._buffers(b, ctx_len)
+        c.ctx = self._context(c, ctx_len)
+        if self.capture:
+            s = torch.cuda.Stream(self.worker.device)
+            s.wait_stream(torch.cuda.current_stream(self.worker.device))
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm-up: compile every kernel, settle the allocator
+                    self._forward(c)
+            torch.cuda.current_stream(self.worker.device).wait_stream(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                c.logits = self._forward(c)
+            c.graph = g
+        self._graphs[key] = c
+        return c
+
+    # ---- replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, plan: BatchPlan) -> torch.Tensor:
+        key = self.bucket(plan)
+        assert key is not None, "not a graph-eligible decode plan"
+        b, ctx_len = key
+        c = self._get(b, ctx_len)
+        n = len(plan.rows)
+        ps = self.page_size
+        # host side: fill the static inputs (padding rows keep the dummy page)
+        ids = torch.tensor([r.token_ids[0] for r in plan.rows], dtype=torch.int64)
+        pos = torch.tensor([r.start for r in plan.rows], dtype=torch.int64)
+        table = torch.full((b, ctx_len // ps), self.dummy_page, dtype=torch.int32)
+        for i, r in enumerate(plan.rows):
+            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        slots = table[torch.arange(n), (pos // ps)].long() * ps + pos % ps
+        c.ids[:n].copy_(ids, non_blocking=True)
+        c.ids[n:] = 0
+        c.positions[:n].copy_(pos, non_blocking=True)
+        c.positions[n:] = 0
+        c.seq_lens[:n].copy_(pos + 1, non_blocking=True)
+        c.seq_lens[n:] = 1
+        c.slots[:n].copy_(slots, non_blocking=True)
+        c.slots[n:] = self.dummy_page * ps
+        c.table.copy_(table, non_blocking=True)
+        c.valid[:n] = True
+        c.valid[n:] = False
+        if c.graph is not None:
+            c.graph.replay()
+            assert c.logits is not None
+            logits = c.logits
+        else:
+            logits = self._forward(c)
+        self.replays += 1
+        return logits[:n]
