@@ -184,7 +184,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     recipe = cfg.to_json()
     out = Path(cfg.out)
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
-    eval_reserve = 45.0 if cfg.eval_samples else 0.0
+    eval_reserve = 60.0 if cfg.eval_samples else 0.0  # engine start + Triton compiles + decoding
     loader = torch.utils.data.DataLoader(
         BatchDataset(cfg.data, start, max(start, cfg.steps)),
         batch_size=None,
@@ -265,8 +265,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         del opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        summary["eval"] = niah_eval(
-            out, lengths=cfg.eval_lengths, samples=cfg.eval_samples, device=str(device)
-        )
+        try:
+            summary["eval"] = niah_eval(
+                out, lengths=cfg.eval_lengths, samples=cfg.eval_samples, device=str(device)
+            )
+        except Exception as e:  # the checkpoint is saved: report the eval failure, keep the run
+            msg = str(e).splitlines()[0] if str(e) else ""
+            summary["eval"] = {"error": f"{type(e).__name__}: {msg}"}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

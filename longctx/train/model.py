@@ -159,7 +159,7 @@ class TrainCausalLM(CausalLM):
 
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            mask = self._select(qi, ki, wi, attn.indexer.topk) if sparse and S > attn.indexer.topk else None
+            mask = self._select(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
             if kl_rows is not None:
                 aux.indexer_kl.append(
                     self._indexer_kl(qi, ki, wi, Q.detach(), K.detach(), mask, kl_rows, attn.scale)
