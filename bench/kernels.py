@@ -117,10 +117,18 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
     return out
 
 
+def _g(us: float | None) -> str:
+    return f"{us:.1f} us" if us else "n/a"
+
+
+def _r(x: float | None) -> str:
+    return f"{x:.2f}x roofline" if x else "n/a"
+
+
 def table(s: dict[str, Any], ceil: dict[str, float]) -> str:
     rows = [
-        "| figure | time | achieved | ceiling | ratio | target |",
-        "|---|---|---|---|---|---|",
+        "| figure | time (eager call) | achieved | ceiling | ratio | target | kernel time in a CUDA graph |",
+        "|---|---|---|---|---|---|---|",
         f"| HBM copy (read+write) | | {ceil['hbm_copy_Bps'] / 1e12:.2f} TB/s | | | |",
         f"| pinned H2D | | {ceil['pinned_h2d_Bps'] / 1e9:.1f} GB/s | | | |",
         f"| bf16 GEMM 8192^3 | | {ceil.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s | | | |",
