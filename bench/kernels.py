@@ -129,48 +129,51 @@ def table(s: dict[str, Any], ceil: dict[str, float]) -> str:
     rows = [
         "| figure | time (eager call) | achieved | ceiling | ratio | target | kernel time in a CUDA graph |",
         "|---|---|---|---|---|---|---|",
-        f"| HBM copy (read+write) | | {ceil['hbm_copy_Bps'] / 1e12:.2f} TB/s | | | |",
-        f"| pinned H2D | | {ceil['pinned_h2d_Bps'] / 1e9:.1f} GB/s | | | |",
-        f"| bf16 GEMM 8192^3 | | {ceil.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s | | | |",
-        f"| fp8 GEMM 8192^3 | | {ceil.get('fp8_gemm_flops', 0) / 1e12:.0f} TFLOP/s | | | |",
+        f"| HBM copy (read+write) | | {ceil['hbm_copy_Bps'] / 1e12:.2f} TB/s | | | | |",
+        f"| pinned H2D | | {ceil['pinned_h2d_Bps'] / 1e9:.1f} GB/s | | | | |",
+        f"| bf16 GEMM 8192^3 | | {ceil.get('bf16_gemm_flops', 0) / 1e12:.0f} TFLOP/s | | | | |",
+        f"| fp8 GEMM 8192^3 | | {ceil.get('fp8_gemm_flops', 0) / 1e12:.0f} TFLOP/s | | | | |",
     ]
     if "swap_in" in s:
         x = s["swap_in"]
         rows.append(
             f"| swap-in, 64-token pages, registered host | {x['time_s'] * 1e6:.0f} us | "
             f"{x['rate_Bps'] / 1e9:.1f} GB/s | {x['ceiling_Bps'] / 1e9:.1f} GB/s | "
-            f"{x['fraction_of_h2d']:.2f} of H2D | >= 0.90 |"
+            f"{x['fraction_of_h2d']:.2f} of H2D | >= 0.90 | |"
         )
     if "indexer_decode_1m" in s:
         x = s["indexer_decode_1m"]
         rows.append(
             f"| indexer logits, 1M fp8 keys, batch 1 | {x['time_s'] * 1e6:.0f} us | "
             f"{x['rate_Bps'] / 1e12:.2f} TB/s | {x['ceiling_Bps'] / 1e12:.2f} TB/s | "
-            f"{x['fraction_of_hbm']:.2f} of HBM | >= 0.80 |"
+            f"{x['fraction_of_hbm']:.2f} of HBM | >= 0.80 | {_g(x.get('graph_us'))}"
+            + (f", {x['graph_fraction_of_hbm']:.2f} of HBM |" if x.get("graph_fraction_of_hbm") else " |")
         )
     if "topk_1m" in s:
         x = s["topk_1m"]
         rows.append(
             f"| top-2048 of 1M, batch 1 | {x['time_us']:.0f} us | (torch.topk {x['torch_topk_us']:.0f} us) "
-            f"| | | <= 100 us |"
+            f"| | | <= 100 us | {_g(x.get('graph_us'))} |"
         )
     if "sparse_mla_decode" in s:
         x = s["sparse_mla_decode"]
         rows.append(
             f"| sparse MLA decode, top-2048 fp8, 64 heads, batch 1 | {x.get('time_s', 0) * 1e6:.1f} us | | "
-            f"roofline {x.get('roofline_s', 0) * 1e6:.1f} us | {x.get('roofline_ratio', 0):.2f} | <= 1.25 |"
+            f"roofline {x.get('roofline_s', 0) * 1e6:.1f} us | {x.get('roofline_ratio', 0):.2f} | <= 1.25 | "
+            f"{_g(x.get('graph_us'))} ({_r(x.get('graph_roofline_ratio'))}) |"
         )
     for b, x in s.get("moe_decode", {}).items():
         rows.append(
             f"| MoE 256 experts top-8 fp8, batch {b} | {x['time_us']:.0f} us | | "
-            f"roofline {x['roofline_us']:.0f} us | {x['roofline_ratio']:.2f} | |"
+            f"roofline {x['roofline_us']:.0f} us | {x['roofline_ratio']:.2f} | | "
+            f"{_g(x.get('graph_us'))} ({_r(x.get('graph_roofline_ratio'))}) |"
         )
     if "layer_decode_1m" in s:
         x = s["layer_decode_1m"]
         rows.append(
             f"| GLM-5.3 MoE layer decode step, 1M, fp8 | {x['time_s'] * 1e6:.0f} us | "
             f"{x['bytes'] / x['time_s'] / 1e12:.2f} TB/s | roofline {x['roofline_s'] * 1e6:.0f} us | "
-            f"{x['roofline_ratio']:.2f} | <= 1.3 |"
+            f"{x['roofline_ratio']:.2f} | <= 1.3 | {_g(x['graph_s'] * 1e6 if x.get('graph_s') else None)} |"
         )
     return "\n".join(rows)
 
