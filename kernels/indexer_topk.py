@@ -316,15 +316,17 @@ def _fused_kernel(
             lmask = (pos < lim) & (pos < seqlen)
             page = tl.load(pt_ptr + b * stride_pb + pos // PAGE, mask=lmask, other=0)
             slot = page.to(tl.int64) * PAGE + pos % PAGE  # [BK]
+            # 132-byte rows are only 4-byte aligned: stop the compiler deriving 16 from `% PAGE`
+            row0 = tl.multiple_of(slot * ROW, 4)
             kmask = lmask[:, None] & dmask[None, :]
             if FP8:
                 kp = pool_ptr.to(tl.pointer_type(tl.float8e4nv))
-                kt_ = tl.load(kp + slot[:, None] * ROW + offs_d[None, :], mask=kmask, other=0.0)
+                kt_ = tl.load(kp + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
                 kt_ = kt_.to(qT.dtype)
                 sp = pool_ptr.to(tl.pointer_type(tl.float32))
                 kscale = tl.load(sp + slot * (ROW // 4) + D // 4, mask=lmask, other=0.0)
             else:
-                kt_ = tl.load(pool_ptr + slot[:, None] * ROW + offs_d[None, :], mask=kmask, other=0.0)
+                kt_ = tl.load(pool_ptr + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
                 kt_ = kt_.to(qT.dtype)
             if IEEE:
                 s = tl.dot(kt_, qT, input_precision="ieee")

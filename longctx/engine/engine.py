@@ -203,7 +203,10 @@ class Engine:
         if cuda_graphs is None:  # on by default on CUDA; LONGCTX_CUDA_GRAPHS=0 turns them off
             cuda_graphs = self.device.type == "cuda" and os.environ.get("LONGCTX_CUDA_GRAPHS", "1") != "0"
         graphs = None
-        if cuda_graphs and not self.hisparse_device_tokens:
+        # the torch references read sizes back to the host, so on CUDA only the Triton path is captured
+        # (on CPU nothing is captured: the static-buffer path runs as is)
+        capturable = self.use_triton or self.device.type != "cuda"
+        if cuda_graphs and capturable and not self.hisparse_device_tokens:
             graphs = DecodeGraphs(
                 worker, self.max_context, dummy_page=num_pages, capture=self.device.type == "cuda"
             )
