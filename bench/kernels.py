@@ -67,6 +67,8 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
             "ceiling_Bps": r["ceiling_Bps"],
             "fraction_of_hbm": r["frac_of_ceiling"],
             "ok": r["ok"],
+            "graph_us": r.get("graph_us"),
+            "graph_fraction_of_hbm": r.get("graph_frac_of_ceiling"),
         }
     r = _pick(res.get("topk", []), n=1 << 20, batch=1)
     if r:
@@ -76,6 +78,7 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
             "target_us": 100.0,
             "torch_topk_us": r["torch_topk_s"] * 1e6,
             "ok": r["ok"],
+            "graph_us": r.get("graph_us"),
         }
     mla = res.get("sparse_mla_decode", [])
     if mla:
@@ -88,8 +91,16 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
             "bytes": r["bytes"],
             "flops": r["flops"],
             "ok": r["ok"],
+            "graph_us": r.get("graph_us"),
+            "graph_roofline_ratio": r.get("graph_x_roofline"),
             "by_batch": {
-                str(x["batch"]): {"time_us": x["time_us"], "roofline_ratio": x["x_roofline"]} for x in mla
+                str(x["batch"]): {
+                    "time_us": x["time_us"],
+                    "roofline_ratio": x["x_roofline"],
+                    "graph_us": x.get("graph_us"),
+                    "graph_roofline_ratio": x.get("graph_x_roofline"),
+                }
+                for x in mla
             },
         }
     moe = res.get("moe", [])
@@ -99,6 +110,8 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
                 "time_us": x["time_us"],
                 "roofline_us": x["roofline_us"],
                 "roofline_ratio": x["x_roofline"],
+                "graph_us": x.get("graph_us"),
+                "graph_roofline_ratio": x.get("graph_x_roofline"),
             }
             for x in moe
         }
