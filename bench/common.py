@@ -6,6 +6,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def time_fn(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
-    """Median seconds per call (triton's do_bench, which flushes L2 between calls)."""
-    from triton.testing import do_bench
-
+    """Median seconds per call (triton's do_bench, which flushes L2 between calls; CUDA events
+    via `time_cuda` if triton is missing)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:  # pragma: no cover
+        return time_cuda(fn)
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) / 1e3
 
 
@@ -37,49 +41,74 @@ def time_cuda(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _copy_rate(src: torch.Tensor, dst: torch.Tensor, both_ways: bool) -> float:
-    t = time_fn(lambda: dst.copy_(src, non_blocking=True), warmup=3, rep=20)
+def copy_rate(src: torch.Tensor, dst: torch.Tensor, both_ways: bool, warmup: int = 3, rep: int = 20) -> float:
+    """Bytes/s of `dst.copy_(src)`, counting read + write when `both_ways` (device-to-device)."""
+    t = time_fn(lambda: dst.copy_(src, non_blocking=True), warmup=warmup, rep=rep)
     return (2 if both_ways else 1) * src.numel() / t
 
 
+def gemm_flops(
+    dtype: torch.dtype = torch.bfloat16,
+    n: int = 8192,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+    device: str = "cuda",
+) -> float:
+    """Dense n x n x n GEMM FLOP/s: torch.mm in `dtype`, or for fp8 (e4m3) torch._scaled_mm with
+    per-tensor scales and a column-major second operand. `timer` maps a call to seconds (default
+    `time_fn`). Raises whatever the torch build raises for an unsupported fp8 GEMM."""
+    timer = timer or time_fn
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    if dtype == torch.float8_e4m3fn:
+        a8 = a.to(dtype)
+        b8 = b.to(dtype).t().contiguous().t()  # _scaled_mm wants the second operand column-major
+        one = torch.ones((), device=device)
+        fn = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        a, b = a.to(dtype), b.to(dtype)
+        fn = lambda: torch.mm(a, b)  # noqa: E731
+    return 2 * n**3 / timer(fn)
+
+
 def measure_ceilings(
-    hbm_bytes: int = 4 << 30, h2d_bytes: int = 1 << 30, gemm: bool = True
+    hbm_bytes: int = 4 << 30,
+    h2d_bytes: int = 1 << 30,
+    gemm: bool = True,
+    copy_warmup: int = 3,
+    copy_rep: int = 20,
 ) -> dict[str, float]:
     """HBM copy rate (read + write), pinned H2D bulk copy rate, bf16 and fp8 dense GEMM rates."""
-    hbm = _copy_rate(
+    hbm = copy_rate(
         torch.empty(hbm_bytes // 2, dtype=torch.uint8, device="cuda"),
         torch.empty(hbm_bytes // 2, dtype=torch.uint8, device="cuda"),
         both_ways=True,
+        warmup=copy_warmup,
+        rep=copy_rep,
     )
-    h2d = _copy_rate(
+    h2d = copy_rate(
         torch.empty(h2d_bytes, dtype=torch.uint8, pin_memory=True),
         torch.empty(h2d_bytes, dtype=torch.uint8, device="cuda"),
         both_ways=False,
+        warmup=copy_warmup,
+        rep=copy_rep,
     )
     out = {"hbm_copy_Bps": hbm, "pinned_h2d_Bps": h2d}
     if gemm:
-        n = 8192
-        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        out["bf16_gemm_flops"] = 2 * n**3 / time_fn(lambda: x @ y, warmup=5, rep=20)
+        timer = partial(time_fn, warmup=5, rep=20)
+        out["bf16_gemm_flops"] = gemm_flops(torch.bfloat16, timer=timer)
         try:
-            xf = x.to(torch.float8_e4m3fn)
-            yf = y.t().contiguous().to(torch.float8_e4m3fn).t()
-            one = torch.ones((), device="cuda")
-            out["fp8_gemm_flops"] = (
-                2
-                * n**3
-                / time_fn(
-                    lambda: torch._scaled_mm(xf, yf, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                    warmup=5,
-                    rep=20,
-                )
-            )
+            out["fp8_gemm_flops"] = gemm_flops(torch.float8_e4m3fn, timer=timer)
         except Exception as e:  # noqa: BLE001 - report, don't die
             out["fp8_gemm_error"] = str(e).splitlines()[0]
-        del x, y
     torch.cuda.empty_cache()
     return out
+
+
+def write_json_md(out_dir: Path, name: str, data: Any, md: str, **json_kw: Any) -> None:
+    """out_dir/<name>.json (indent 1) and out_dir/<name>.md, for the benches that write only to --out."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1, **json_kw))
+    (out_dir / f"{name}.md").write_text(md)
 
 
 def environment() -> dict[str, Any]:

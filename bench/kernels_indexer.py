@@ -15,9 +15,8 @@ and exits 0. The lead's bench/kernels.py imports the bench_* functions and measu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,59 +27,18 @@ from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_r
 from longctx.kernels.swap import swap_in_gather, swap_in_gather_ref
 from longctx.kernels.topk import topk_indices, topk_indices_ref
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+from bench.common import time_fn  # noqa: E402
+from bench.kernels_mla_moe import graph_fields as _graph_fields  # noqa: E402
+
 TOPK_TARGET_S = 100e-6  # DESIGN.md: top-2048 of 1M in <= 100 us
-
-
-def time_fn(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
-    """Median seconds per call: triton's do_bench (flushes L2), else CUDA events."""
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) / 1e3
-    except ImportError:  # pragma: no cover
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return sorted(times)[len(times) // 2]
-
-
-def _graph_fields(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Kernel-only time from CUDA graph replay (no launch overhead); see kernels_mla_moe.time_graph."""
-    try:
-        from bench.kernels_mla_moe import graph_fields
-    except ImportError:  # run as a script: bench/ itself is on sys.path
-        from kernels_mla_moe import graph_fields  # type: ignore[no-redef]
-
-    return graph_fields(fn)
 
 
 def measure_ceilings(hbm_bytes: int = 2 << 30, h2d_bytes: int = 1 << 30) -> dict[str, float]:
     """{"hbm_copy_Bps": d2d copy rate counting read + write, "pinned_h2d_Bps": one bulk pinned H2D copy}."""
-    hbm = (
-        2
-        * (hbm_bytes // 2)
-        / _time_copy(
-            torch.empty(hbm_bytes // 2, dtype=torch.uint8, device="cuda"),
-            torch.empty(hbm_bytes // 2, dtype=torch.uint8, device="cuda"),
-        )
-    )
-    h2d = h2d_bytes / _time_copy(
-        torch.empty(h2d_bytes, dtype=torch.uint8, pin_memory=True),
-        torch.empty(h2d_bytes, dtype=torch.uint8, device="cuda"),
-    )
-    torch.cuda.empty_cache()
-    return {"hbm_copy_Bps": hbm, "pinned_h2d_Bps": h2d}
-
-
-def _time_copy(src: torch.Tensor, dst: torch.Tensor) -> float:
-    return time_fn(lambda: dst.copy_(src, non_blocking=True), warmup=5, rep=50)
+    return common.measure_ceilings(hbm_bytes, h2d_bytes, gemm=False, copy_warmup=5, copy_rep=50)
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -320,12 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             + bench_swap_in(ceilings=ceilings)
             + bench_kv_write(ceilings=ceilings)
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels_indexer.json").write_text(
-        json.dumps({"ceilings": ceilings, "results": results}, indent=1)
-    )
     md = _markdown(results, ceilings)
-    (args.out / "kernels_indexer.md").write_text(md)
+    common.write_json_md(args.out, "kernels_indexer", {"ceilings": ceilings, "results": results}, md)
     print(md)
     return 0 if all(r["ok"] for r in results) else 1
 

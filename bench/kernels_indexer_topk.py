@@ -20,10 +20,10 @@ is needed and exits 0. `run_bench(...)` returns the same dict for the lead's dri
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,10 @@ from longctx.kernels.indexer import indexer_logits_paged
 from longctx.kernels.indexer_topk import indexer_topk_paged
 from longctx.kernels.topk import topk_indices
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import gemm_flops, time_cuda, write_json_md  # noqa: E402
+
 CTX = 1 << 20
 H, D, K = 32, 128, 2048
 SMALL_1M_FULL_LAYERS = 3  # configs/small-1m.json: indexer_types has 3 "full" layers
@@ -40,35 +44,15 @@ SMALL_1M_FULL_LAYERS = 3  # configs/small-1m.json: indexer_types has 3 "full" la
 
 def _time(fn: Callable[[], Any], reps: int = 3) -> float:
     """Median seconds of `reps` calls after one warm-up (calls here take 10 ms - 1 s)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return time_cuda(fn, iters=reps, warmup=1)
 
 
 def gemm_peaks(n: int = 8192) -> dict[str, Any]:
     """Measured dense GEMM FLOP/s: bf16 (torch.matmul) and fp8 e4m3 (torch._scaled_mm), n^3."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    out: dict[str, Any] = {"bf16_flops": 2 * n**3 / _time(lambda: a @ b, reps=10)}
+    timer = partial(_time, reps=10)
+    out: dict[str, Any] = {"bf16_flops": gemm_flops(torch.bfloat16, n, timer=timer)}
     try:
-        a8 = a.to(torch.float8_e4m3fn)
-        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major second operand
-        one = torch.ones((), device="cuda")
-        out["fp8_flops"] = (
-            2
-            * n**3
-            / _time(
-                lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=10
-            )
-        )
+        out["fp8_flops"] = gemm_flops(torch.float8_e4m3fn, n, timer=timer)
     except Exception as e:  # pragma: no cover - depends on the torch build
         out["fp8_error"] = repr(e)
     return out
@@ -296,10 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kernels_indexer_topk: CUDA is needed for this benchmark; nothing to do.", file=sys.stderr)
         return 0
     res = run_bench(args.quick)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels_indexer_topk.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
-    (args.out / "kernels_indexer_topk.md").write_text(md)
+    write_json_md(args.out, "kernels_indexer_topk", res, md)
     print(md)
     return 0 if res["ok"] else 1
 

@@ -10,7 +10,6 @@ writes kernels_mla_moe.json and kernels_mla_moe.md to DIR (default bench/results
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -20,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import copy_rate, gemm_flops, time_fn, write_json_md  # noqa: E402
 
 # GLM-5.3 linear shapes (out N, in K) used on the GPU path with FP8 checkpoints.
 GLM53_LINEARS: dict[str, tuple[int, int]] = {
@@ -37,26 +40,6 @@ DEVICE = "cuda"  # a module global only so the bench logic can be smoke-tested o
 
 def _cuda() -> bool:
     return torch.cuda.is_available()
-
-
-def time_fn(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
-    """Median seconds per call (L2 flushed between calls by triton's do_bench; CUDA events otherwise)."""
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) / 1e3
-    except ImportError:  # pragma: no cover
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(20):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]
 
 
 def time_graph(fn: Callable[[], Any], reps: int = 20, flush_bytes: int = 256 << 20) -> float:
@@ -112,23 +95,12 @@ def graph_fields(fn: Callable[[], Any]) -> dict[str, Any]:
 def measure_copy_bw(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate in bytes/s, counting read + write (DESIGN.md's 'HBM copy' ceiling)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src))
-    return 2 * src.numel() / t
+    return copy_rate(src, torch.empty_like(src), both_ways=True, warmup=25, rep=100)
 
 
 def measure_gemm_peak(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
     """Dense GEMM FLOP/s at n x n x n: bf16 via torch.mm, fp8 (e4m3) via torch._scaled_mm (per-tensor scales)."""
-    a = torch.randn(n, n, device=DEVICE)
-    b = torch.randn(n, n, device=DEVICE)
-    if dtype == torch.float8_e4m3fn:
-        a8, b8 = a.to(dtype), b.to(dtype).t()  # _scaled_mm wants the second operand column-major
-        one = torch.ones((), device=DEVICE)
-        fn = lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-    else:
-        a, b = a.to(dtype), b.to(dtype)
-        fn = lambda: torch.mm(a, b)  # noqa: E731
-    return 2 * n**3 / time_fn(fn)
+    return gemm_flops(dtype, n, device=DEVICE)
 
 
 def _roofline(
@@ -144,6 +116,23 @@ def _roofline(
         "roofline_us": roof * 1e6,
         "x_roofline": secs / roof,
     }
+
+
+def _record(
+    results: list[dict[str, Any]],
+    res: dict[str, Any],
+    roof: dict[str, float],
+    graph: dict[str, Any],
+    **extra: Any,
+) -> None:
+    """Appends res + roofline + graph time (+ extra) and its graph/roofline ratio to results; prints it."""
+    res |= roof
+    res |= graph
+    res |= extra
+    if graph["graph_us"]:
+        res["graph_x_roofline"] = graph["graph_us"] / res["roofline_us"]
+    results.append(res)
+    print(_line(res))
 
 
 def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -207,7 +196,7 @@ def bench_sparse_mla_decode(
         write_mla_kv(pool, slots, torch.randn(n, L, device=dev), torch.randn(n, R, device=dev), kind)
     row_bytes = mla_row_bytes(L, R, kind, torch.bfloat16)
     scale = (192 + 64) ** -0.5
-    results = []
+    results: list[dict[str, Any]] = []
     for b in batches:
         ql = torch.randn(b, heads, L, device=dev, dtype=torch.bfloat16)
         qr = torch.randn(b, heads, R, device=dev, dtype=torch.bfloat16)
@@ -247,12 +236,7 @@ def bench_sparse_mla_decode(
             "default_us": times.get("{}", math.nan) * 1e6,
             "sweep_us": {c: v * 1e6 for c, v in times.items()},
         }
-        res |= _roofline(nbytes, flops, t, hbm_bps, peak_flops)
-        res |= graph
-        if graph["graph_us"]:
-            res["graph_x_roofline"] = graph["graph_us"] / res["roofline_us"]
-        results.append(res)
-        print(_line(res))
+        _record(results, res, _roofline(nbytes, flops, t, hbm_bps, peak_flops), graph)
     return results
 
 
@@ -286,7 +270,7 @@ def bench_moe(
         s_gu = torch.full((experts, cdiv(2 * inter, 128), cdiv(hidden, 128)), hidden**-0.5, device=dev)
         s_d = torch.full((experts, cdiv(hidden, 128), cdiv(inter, 128)), inter**-0.5, device=dev)
     per_expert_bytes = 3 * inter * hidden * wdt.itemsize
-    results = []
+    results: list[dict[str, Any]] = []
     for b in batches:
         x = torch.randn(b, hidden, device=dev, dtype=torch.bfloat16)
         ids = torch.rand(b, experts, device=dev).topk(topk, dim=-1).indices
@@ -308,12 +292,7 @@ def bench_moe(
         res |= {"fp8": fp8, "experts_hit": hit, "rel_err": err, "ok": err < 3e-2, "config": best}
         res |= {"default_us": times.get("None", math.nan) * 1e6}
         res |= {"sweep_us": {c: v * 1e6 for c, v in times.items()}}
-        res |= _roofline(nbytes, flops, t, hbm_bps, peak_flops)
-        res |= graph
-        if graph["graph_us"]:
-            res["graph_x_roofline"] = graph["graph_us"] / res["roofline_us"]
-        results.append(res)
-        print(_line(res))
+        _record(results, res, _roofline(nbytes, flops, t, hbm_bps, peak_flops), graph)
     return results
 
 
@@ -333,7 +312,7 @@ def bench_fp8_gemm(
     bf16_flops = bf16_flops or measure_gemm_peak(torch.bfloat16)
     fp8_flops = fp8_flops or measure_gemm_peak(torch.float8_e4m3fn)
     dev = torch.device(DEVICE)
-    results = []
+    results: list[dict[str, Any]] = []
     for name, (n, k) in (shapes or GLM53_LINEARS).items():
         w = torch.randn(n, k, device=dev).clamp(-8, 8).to(torch.float8_e4m3fn)
         s = torch.full((-(-n // 128), -(-k // 128)), k**-0.5, device=dev)
@@ -354,13 +333,8 @@ def bench_fp8_gemm(
                 flops = 2.0 * t * n * k
                 res = {"bench": "fp8_gemm", "layer": name, "T": t, "N": n, "K": k, "quantize_act": qa}
                 res |= {"rel_err": err, "ok": err < 2e-2, "torch_bf16_dequant_us": t_torch * 1e6}
-                res |= _roofline(nbytes, flops, secs, hbm_bps, fp8_flops if qa else bf16_flops)
-                res |= graph
-                res["torch_bf16_dequant_graph_us"] = graph_torch["graph_us"]
-                if graph["graph_us"]:
-                    res["graph_x_roofline"] = graph["graph_us"] / res["roofline_us"]
-                results.append(res)
-                print(_line(res))
+                roof = _roofline(nbytes, flops, secs, hbm_bps, fp8_flops if qa else bf16_flops)
+                _record(results, res, roof, graph, torch_bf16_dequant_graph_us=graph_torch["graph_us"])
     return results
 
 
@@ -415,15 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     results += bench_moe(hbm_bps=hbm, peak_flops=bf16, sweep=not args.quick)
     shapes = {k: GLM53_LINEARS[k] for k in ("q_a_proj", "o_proj")} if args.quick else None
     results += bench_fp8_gemm(shapes=shapes, hbm_bps=hbm, bf16_flops=bf16, fp8_flops=fp8)
-    args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "device": torch.cuda.get_device_name(),
         "ceilings": ceil,
         "results": results,
         "wall_s": time.time() - t0,
     }
-    (args.out / "kernels_mla_moe.json").write_text(json.dumps(payload, indent=1, default=str))
-    (args.out / "kernels_mla_moe.md").write_text(_markdown(results, ceil))
+    write_json_md(args.out, "kernels_mla_moe", payload, _markdown(results, ceil), default=str)
     print(f"wrote {args.out / 'kernels_mla_moe.json'} and .md")
     return 0
 
