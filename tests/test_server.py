@@ -8,43 +8,26 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
-import openai
 import pytest
 
-from longctx.server.testing import ServerProcess
+from .server_helpers import check_disconnect_frees_pages, fake_server, openai_client, stats, wait_for
 
 MAX_CONTEXT = 4096
-FAKE = json.dumps({"step_delay_s": 0.002, "prefill_chunk": 256, "total_pages": 4096})
+FAKE = {"step_delay_s": 0.002, "prefill_chunk": 256, "total_pages": 4096}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = tmp_path_factory.mktemp("fake-model")
-    with ServerProcess(
-        str(model), "--fake-engine", FAKE, "--max-context", str(MAX_CONTEXT), "--served-model-name", "fake"
-    ) as s:
+    with fake_server(model, "--max-context", str(MAX_CONTEXT), "--served-model-name", "fake", **FAKE) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def stats(server) -> dict:
-    return httpx.get(server.url + "/v1/stats", timeout=10).json()
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return openai_client(server)
 
 
 # ---- the openai client ---------------------------------------------------------------------------
@@ -179,18 +162,14 @@ def test_concurrent_streaming_clients(server):
 
 
 def test_disconnect_aborts_and_frees_pages(server):
-    assert wait_for(lambda: stats(server)["num_running"] == 0)
-    base = stats(server)["pages_used"]
-    body = {"prompt": "abc", "max_tokens": 3000, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-        n = 0
-        for line in r.iter_lines():
-            n += line.startswith("data: {")
-            if n == 3:
-                assert stats(server)["pages_used"] > base  # the request holds its pages
-                break
     # closing the connection aborts the request: its pages come back long before 3000 tokens
-    assert wait_for(lambda: stats(server)["pages_used"] == base and stats(server)["num_running"] == 0, 3.0)
+    check_disconnect_frees_pages(
+        server,
+        {"prompt": "abc", "max_tokens": 3000, "stream": True},
+        after_events=3,
+        http_timeout=30,
+        free_within=3.0,
+    )
 
 
 def test_non_streaming_disconnect_aborts(server):

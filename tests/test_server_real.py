@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
-import openai
 import pytest
 
 from longctx.server.testing import ServerProcess
+
+from . import server_helpers
+from .server_helpers import check_disconnect_frees_pages, openai_client
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +28,11 @@ def server(tiny_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def stats(server) -> dict:
-    return httpx.get(server.url + "/v1/stats", timeout=30).json()
-
-
-def wait_for(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
+    return server_helpers.stats(server, timeout=30)
 
 
 def test_openai_client_real_engine(client):
@@ -104,17 +96,16 @@ def test_concurrent_streams_real_engine(server):
 
 
 def test_disconnect_returns_pages_real_engine(server):
-    assert wait_for(lambda: stats(server)["num_running"] == 0)
-    base = stats(server)["pages_used"]
-    body = {"prompt": "abc", "max_tokens": 1500, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        n = 0
-        for line in r.iter_lines():
-            n += line.startswith("data: {")
-            if n == 2:
-                assert stats(server)["pages_used"] > base
-                break
-    assert wait_for(lambda: stats(server)["pages_used"] == base and stats(server)["num_running"] == 0)
+    check_disconnect_frees_pages(
+        server,
+        {"prompt": "abc", "max_tokens": 1500, "stream": True, "ignore_eos": True},
+        after_events=2,
+        http_timeout=60,
+        free_within=10.0,
+        idle_within=10.0,
+        stats_timeout=30,
+        interval=0.05,
+    )
 
 
 def test_document_cached_and_progress_real_engine(server):

@@ -17,21 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from longctx.server.testing import ServerProcess
-
-
-def fake_server(tmp_path, *args: str, **opts) -> ServerProcess:
-    return ServerProcess(str(tmp_path), "--fake-engine", json.dumps(opts), *args)
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
-
+from .server_helpers import fake_server, wait_for
 
 # ---- API key + fuzz (one server) -----------------------------------------------------------------
 
