@@ -51,3 +51,36 @@ def hf_model(model_dir, dtype=torch.float32):
         str(model_dir), dtype=dtype, attn_implementation="eager"
     )
     return model.eval()
+
+
+def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after prompt from a transformers model, recomputed from scratch each step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    """n token ids in [0, 256) from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def byte_level_counter():
+    """A byte-level BPE HFCounter like longctx's default models' tokenizer.json: one token per byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from longctx.workloads.tokens import HFCounter
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return HFCounter(tok, "byte-level")

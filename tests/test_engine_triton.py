@@ -6,21 +6,13 @@ import pytest
 import torch
 
 from longctx import Engine
-from tests.conftest import hf_model, make_checkpoint, tiny_config
+from tests.conftest import hf_greedy, hf_model, make_checkpoint, rand_ids, rel, tiny_config
 
 pytest.importorskip("triton")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def ids_of(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_triton_fp32_matches_reference(tiny_dir):
-    ids = ids_of(70, 0)
+    ids = rand_ids(70, 0)
     ref = hf_model(tiny_dir)
     with Engine(tiny_dir, device="cpu", backend="triton", chunk_size=40) as e:
         assert e.stats()["backend"] == "triton"
@@ -28,11 +20,8 @@ def test_triton_fp32_matches_reference(tiny_dir):
         out = e.generate([ids[:30]], max_new_tokens=6, ignore_eos=True)[0].token_ids
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
-        x = list(ids[:30])
-        for _ in range(6):
-            x.append(int(ref(torch.tensor([x])).logits[0, -1].argmax()))
     assert rel(got, want) <= 1e-3
-    assert out == x[30:]
+    assert out == hf_greedy(ref, ids[:30], 6)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
@@ -41,7 +30,7 @@ def test_triton_bf16_matches_torch_bf16(tmp_path, kv_dtype):
     # top-k covering the prompt) where no discrete routing/selection choice can amplify it
     cfg = tiny_config(index_topk=128, mlp_layer_types=("dense",) * 6)
     d = make_checkpoint(tmp_path / "smooth", cfg, seed=3)
-    ids = ids_of(90, 1)
+    ids = rand_ids(90, 1)
     with (
         Engine(d, device="cpu", dtype="bfloat16", kv_dtype=kv_dtype, backend="torch") as t,
         Engine(d, device="cpu", dtype="bfloat16", kv_dtype=kv_dtype, backend="triton") as k,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longctx import Engine
-from tests.conftest import hf_model, make_checkpoint, tiny_config
+from tests.conftest import hf_greedy, hf_model, make_checkpoint, tiny_config
 
 TOL = 1e-3  # fp32: max |diff| / max |logit|
 
@@ -70,9 +70,5 @@ def test_greedy_generate_matches_reference(model_pair):
     prompt = torch.randint(0, 256, (40,)).tolist()
     with Engine(d, device="cpu") as eng:
         out = eng.generate([prompt], max_new_tokens=18, ignore_eos=True)[0]
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(18):  # recomputed from scratch each step
-            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert out.token_ids == ids[len(prompt) :]
+    assert out.token_ids == hf_greedy(ref, prompt, 18)
     assert out.finish_reason == "length"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from longctx.cli import main
 from longctx.errors import LongctxError
@@ -19,7 +18,8 @@ from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient
 from longctx.workloads.gitignore import is_ignored, list_files, parse_gitignore, walk_files
 from longctx.workloads.repo_pack import format_file, pack_repo
 from longctx.workloads.retrieve import cited_files, read_queries, run_retrieve
-from longctx.workloads.tokens import ByteCounter, HFCounter
+from longctx.workloads.tokens import ByteCounter
+from tests.conftest import byte_level_counter
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sample_repo"
 KEPT = [
@@ -42,14 +42,6 @@ def repo(tmp_path: Path) -> Path:
     dst = tmp_path / "sample_repo"
     shutil.copytree(FIXTURE, dst)
     return dst
-
-
-def byte_counter() -> HFCounter:
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return HFCounter(tok, "byte-level")
 
 
 # ---- ignore rules --------------------------------------------------------------------------------
@@ -199,7 +191,7 @@ QUERIES = [{"query": "Where is greet defined?", "id": "q1"}, {"query": "What run
 
 
 def test_engine_path_shares_one_prefix(repo, tmp_path):
-    counter = byte_counter()
+    counter = byte_level_counter()
     pack = pack_repo(repo, counter, budget=100_000, use_git=False)
     engine = FakeEngine("greet is in src/util/helpers.py and app.py calls it.")
     out = tmp_path / "answers.jsonl"

@@ -28,6 +28,7 @@ from longctx.workloads.scoring import (
     string_match_part,
 )
 from longctx.workloads.tokens import ByteCounter, HFCounter
+from tests.conftest import byte_level_counter
 
 # ---- scoring ---------------------------------------------------------------------------------
 
@@ -70,15 +71,6 @@ def test_effective_length():
 # ---- generation ------------------------------------------------------------------------------
 
 
-def byte_level_tokenizer() -> HFCounter:
-    """A byte-level tokenizer.json like longctx's default models: one token per byte."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return HFCounter(tok, "byte-level")
-
-
 def small_bpe() -> HFCounter:
     """A small trained BPE (about 3.5 bytes per token on prose), to cover merging tokenizers."""
     tok = Tokenizer(models.BPE())
@@ -103,7 +95,7 @@ def test_task_table_matches_ruler():
 
 @pytest.mark.parametrize("counter_name", ["bytes", "byte-level", "bpe"])
 def test_lengths_within_two_percent(counter_name):
-    counter = {"bytes": ByteCounter, "byte-level": byte_level_tokenizer, "bpe": small_bpe}[counter_name]()
+    counter = {"bytes": ByteCounter, "byte-level": byte_level_counter, "bpe": small_bpe}[counter_name]()
     gen = RulerGenerator(counter, seed=1)
     targets = [3000, 4096, 10_000, 40_000] if counter_name != "bpe" else [4096, 20_000]
     for task in TASKS:
