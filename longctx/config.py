@@ -193,3 +193,19 @@ class ModelConfig:
                 "weight_block_size": list(self.quant_block),
             }
         return d
+
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def resolve_config(spec: str) -> ModelConfig:
+    """A config file, a model directory, or a name from the repo's configs/ (`tiny` or `tiny.json`
+    -> configs/tiny.json). Used by `longctx init-model` and `longctx plan`."""
+    p = Path(spec)
+    if p.exists():
+        return ModelConfig.from_json(p)
+    named = CONFIGS_DIR / (spec if spec.endswith(".json") else f"{spec}.json")
+    if "/" not in spec and named.exists():
+        return ModelConfig.from_json(named)
+    known = ", ".join(sorted(q.stem for q in CONFIGS_DIR.glob("*.json"))) or "none found"
+    raise ConfigError(f"config {spec!r} not found: not a file, nor a name in configs/ ({known})")

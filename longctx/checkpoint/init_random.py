@@ -26,7 +26,7 @@ from longctx.checkpoint.layout import (
     keeps_fp32,
     scale_shape,
 )
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, resolve_config
 from longctx.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -186,19 +186,6 @@ def init_random_checkpoint(
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
-def resolve_config(spec: str) -> ModelConfig:
-    """A config file, a model directory, or a name from the repo's configs/ (`tiny` -> configs/tiny.json)."""
-    p = Path(spec)
-    if p.exists():
-        return ModelConfig.from_json(p)
-    configs = Path(__file__).resolve().parents[2] / "configs"
-    named = configs / (spec if spec.endswith(".json") else f"{spec}.json")
-    if "/" not in spec and named.exists():
-        return ModelConfig.from_json(named)
-    known = ", ".join(sorted(q.stem for q in configs.glob("*.json"))) or "none found"
-    raise ConfigError(f"config {spec!r} not found: not a file, nor a name in configs/ ({known})")
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "init-model",

@@ -7,19 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from longctx.engine.args import add_engine_args, engine_kwargs
 from longctx.errors import LongctxError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
-    p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp8_e4m3")
-    p.add_argument("--backend", default="auto", help="auto | torch | triton")
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--hisparse-device-tokens", type=int, default=None)
-    p.add_argument("--max-context", type=int, default=1_048_576)
+    add_engine_args(p, model_help="checkpoint directory (config.json + safetensors)", choices=False)
     p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (tokens per step)")
 
 
@@ -28,18 +21,7 @@ def _engine(args: argparse.Namespace):
 
     if not Path(args.model).is_dir():
         raise LongctxError(f"model directory not found: {args.model}")
-    return Engine(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
-        pp=args.pp,
-        tp=args.tp,
-        hisparse_device_tokens=args.hisparse_device_tokens,
-        max_context=args.max_context,
-        backend=args.backend,
-        chunk_size=args.chunk_size,
-    )
+    return Engine(args.model, **engine_kwargs(args), chunk_size=args.chunk_size)
 
 
 def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:

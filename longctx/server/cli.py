@@ -10,6 +10,8 @@ import signal
 import socket
 from pathlib import Path
 
+from longctx.engine.args import add_engine_args, engine_kwargs
+
 log = logging.getLogger("longctx.server")
 
 
@@ -20,9 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/documents, "
         "/v1/models, /health, /metrics. SIGTERM drains running requests and exits.",
     )
-    p.add_argument(
-        "--model", required=True, help="model directory (config.json, safetensors, tokenizer.json)"
-    )
+    add_engine_args(p, model_help="model directory (config.json, safetensors, tokenizer.json)", choices=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (the URL is logged)")
     p.add_argument(
@@ -36,19 +36,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-queue", type=int, default=256, help="429 when more requests than this wait for admission"
     )
-    p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument(
-        "--hisparse-device-tokens",
-        type=int,
-        default=None,
-        help="device KV slots per request and layer (HiSparse); default: all on device",
-    )
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "bf16", "fp8_e4m3"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests"
     )
@@ -90,18 +77,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("pp", "tp", "max_queue", "max_context"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
-    spec = EngineSpec(
-        model_dir=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
-        pp=args.pp,
-        tp=args.tp,
-        hisparse_device_tokens=args.hisparse_device_tokens,
-        max_context=args.max_context,
-        backend=args.backend,
-        fake=fake,
-    )
+    spec = EngineSpec(model_dir=args.model, **engine_kwargs(args), fake=fake)
     name = args.served_model_name or (Path(args.model).resolve().name or "longctx")
     settings = ServerSettings(
         spec=spec,

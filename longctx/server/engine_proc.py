@@ -47,18 +47,9 @@ def build_engine(spec: EngineSpec) -> Any:
 
         return FakeEngine(max_context=spec.max_context, **spec.fake)
     from longctx import Engine
+    from longctx.engine.args import engine_kwargs
 
-    return Engine(
-        spec.model_dir,
-        device=spec.device,
-        dtype=spec.dtype,
-        kv_dtype=spec.kv_dtype,
-        pp=spec.pp,
-        tp=spec.tp,
-        hisparse_device_tokens=spec.hisparse_device_tokens,
-        max_context=spec.max_context,
-        backend=spec.backend,
-    )
+    return Engine(spec.model_dir, **engine_kwargs(spec))
 
 
 def _eos_ids(cfg: Any) -> tuple[int, ...]:

@@ -11,11 +11,10 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from longctx.cli import CLIError
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, resolve_config
 from longctx.model.params import (
     KV_DTYPES,
     WEIGHT_DTYPES,
@@ -28,7 +27,6 @@ from longctx.model.params import (
 )
 from longctx.stages.partition import DEFAULT_CHUNK, DEFAULT_GPU_MEM, PAGE_TOKENS, StagePlan, partition
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
 
@@ -56,18 +54,6 @@ def parse_int(text: str, what: str) -> int:
         return int(text)
     except ValueError:
         raise CLIError(f"{what} {text!r} is not an integer") from None
-
-
-def resolve_config(name_or_path: str) -> ModelConfig:
-    """A config.json path, a model directory, or a name from the repo's configs/ (tiny, glm-5.3, ...)."""
-    p = Path(name_or_path)
-    if p.exists():
-        return ModelConfig.from_json(p)
-    q = CONFIG_DIR / f"{name_or_path}.json"
-    if q.exists():
-        return ModelConfig.from_json(q)
-    names = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.json")))
-    raise CLIError(f"config {name_or_path!r} is neither a path nor a known name ({names})")
 
 
 def build_report(cfg: ModelConfig, plans: list[StagePlan], opts: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,61 @@
+"""The engine-construction flags shared by `longctx generate/score` and `longctx serve`.
+
+`add_engine_args(parser)` declares them; `engine_kwargs(obj)` reads them back (off an argparse
+namespace or a `server.engine_proc.EngineSpec`) as `Engine(model_dir, **engine_kwargs(obj))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# Engine keyword arguments that both commands expose, in Engine's positional order.
+ENGINE_FIELDS = (
+    "device",
+    "dtype",
+    "kv_dtype",
+    "pp",
+    "tp",
+    "hisparse_device_tokens",
+    "max_context",
+    "backend",
+)
+
+_CHOICES = {
+    "device": ["auto", "cpu", "cuda"],
+    "dtype": ["auto", "bfloat16", "float32", "float16"],
+    "kv_dtype": ["auto", "model", "bf16", "fp8_e4m3"],
+    "backend": ["auto", "torch", "triton"],
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: bool) -> None:
+    """--model (required) and the ENGINE_FIELDS flags, with the same names and defaults everywhere.
+
+    `choices=True` lets argparse reject unknown --device/--dtype/--kv-dtype/--backend values (serve);
+    with False they reach `Engine`, which also accepts aliases (e.g. --kv-dtype fp8) and raises a
+    ConfigError on the rest (generate/score).
+    """
+
+    def pick(name: str) -> dict[str, Any]:
+        return {"choices": _CHOICES[name]} if choices else {"help": " | ".join(_CHOICES[name])}
+
+    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--device", default="auto", **pick("device"))
+    p.add_argument("--dtype", default="auto", **pick("dtype"))
+    p.add_argument("--kv-dtype", default="auto", **pick("kv_dtype"))
+    p.add_argument("--backend", default="auto", **pick("backend"))
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument(
+        "--hisparse-device-tokens",
+        type=int,
+        default=None,
+        help="device KV slots per request and layer (HiSparse); default: all on device",
+    )
+    p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
+
+
+def engine_kwargs(obj: Any) -> dict[str, Any]:
+    """{field: obj.field} for ENGINE_FIELDS: an argparse namespace or an EngineSpec -> Engine kwargs."""
+    return {name: getattr(obj, name) for name in ENGINE_FIELDS}
