@@ -115,3 +115,17 @@ class StepOutput:
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
+
+    @classmethod
+    def of(cls, req: Request, new: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StepOutput:
+        """req's state after a step that produced `new` tokens (with their `logprobs`)."""
+        return cls(
+            rid=req.rid,
+            new_token_ids=new,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            prompt_done=min(req.num_computed, len(req.prompt_ids)),
+            prompt_total=len(req.prompt_ids),
+            cached_tokens=req.num_cached,
+            logprobs=logprobs,
+        )

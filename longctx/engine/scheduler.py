@@ -214,18 +214,7 @@ class Scheduler:
                 if res.logprob is not None:
                     lps = (TokenLogprob(res.token_id, res.logprob, res.top_logprobs),)
             self._check_finish(req, new)
-            outs.append(
-                StepOutput(
-                    rid=req.rid,
-                    new_token_ids=new,
-                    finished=req.finished,
-                    finish_reason=req.finish_reason,
-                    prompt_done=min(req.num_computed, len(req.prompt_ids)),
-                    prompt_total=len(req.prompt_ids),
-                    cached_tokens=req.num_cached,
-                    logprobs=lps,
-                )
-            )
+            outs.append(StepOutput.of(req, new, lps))
             if req.finished:
                 self._release(req, cache=not req.return_logits)
         return outs

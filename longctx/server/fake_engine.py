@@ -174,16 +174,7 @@ class FakeEngine:
             lps = tuple(
                 TokenLogprob(t, -0.25, tuple(((t + i) % v, -0.25 - i) for i in range(n))) for t in new
             )
-        return StepOutput(
-            rid=req.rid,
-            new_token_ids=new,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            prompt_done=min(req.num_computed, len(req.prompt_ids)),
-            prompt_total=len(req.prompt_ids),
-            cached_tokens=req.num_cached,
-            logprobs=lps,
-        )
+        return StepOutput.of(req, new, lps)
 
     # ---- documents --------------------------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:

@@ -102,6 +102,20 @@ def chat_completion(rid: str, model: str, text: str, finish: str, usage: dict, l
     }
 
 
+def _chunk(rid: str, model: str, obj: str, choice: dict, usage: dict | None, empty: bool) -> dict:
+    """One streamed chunk: `choice` as the only choice, or no choices (the usage-only last chunk)."""
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if empty else [choice],
+    }
+    if usage is not None or empty:
+        out["usage"] = usage
+    return out
+
+
 def chat_chunk(
     rid: str,
     model: str,
@@ -111,17 +125,8 @@ def chat_chunk(
     usage: dict | None = None,
     empty: bool = False,
 ) -> dict:
-    choices = [] if empty else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None or empty:
-        out["usage"] = usage
-    return out
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return _chunk(rid, model, "chat.completion.chunk", choice, usage, empty)
 
 
 def completion_chunk(
@@ -133,14 +138,5 @@ def completion_chunk(
     usage: dict | None = None,
     empty: bool = False,
 ) -> dict:
-    choices = [] if empty else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None or empty:
-        out["usage"] = usage
-    return out
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return _chunk(rid, model, "text_completion", choice, usage, empty)
