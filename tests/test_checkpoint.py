@@ -232,7 +232,7 @@ def test_init_is_deterministic_and_seeded():
 @pytest.mark.parametrize("shape", [(1, 1), (64, 32), (128, 128), (200, 130), (257, 384)])
 @pytest.mark.parametrize("block", [(128, 128), (64, 32)])
 def test_fp8_quant_dequant_bounds(shape, block):
-    g = torch.Generator().manual_seed(hash((shape, block)) & 0xFFFF)
+    g = torch.Generator().manual_seed(sum(shape) * 131 + sum(block))
     w = torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])  # wide dynamic range
     q, s = quantize_fp8_block(w, block)
     assert q.dtype == FP8_DTYPE and q.shape == w.shape

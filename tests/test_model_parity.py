@@ -10,9 +10,15 @@ from tests.conftest import hf_greedy, hf_model, make_checkpoint, tiny_config
 
 TOL = 1e-3  # fp32: max |diff| / max |logit|
 
+# Parity is exact up to rounding except where a discrete choice is tied: the top-k takes the lower
+# index among keys of equal score (longctx.kernels.topk) while torch.topk's order among ties is
+# unspecified. Exact ties come from relu zeroing every indexer head of a key (probability 2^-heads),
+# so these configs use 16 indexer heads, and fixed checkpoint seeds (not Python's salted `hash`).
+SEEDS = {"tiny": 11, "dense-full": 12, "shared-groups": 13}
+
 CONFIGS = {
     # the default tiny: F S F S S F, dense + MoE, 2 groups
-    "tiny": {},
+    "tiny": dict(index_n_heads=16),
     # dense-heavy, all full indexers, one expert group, wider heads
     "dense-full": dict(
         num_hidden_layers=4,
@@ -21,6 +27,7 @@ CONFIGS = {
         n_group=1,
         topk_group=1,
         num_attention_heads=2,
+        index_n_heads=16,
         index_topk=24,
         norm_topk_prob=False,
     ),
@@ -34,6 +41,7 @@ CONFIGS = {
         n_group=4,
         topk_group=2,
         qk_rope_head_dim=16,
+        index_n_heads=16,
         index_topk=8,
         routed_scaling_factor=1.5,
     ),
@@ -47,7 +55,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def model_pair(request, tmp_path_factory):
     cfg = tiny_config(**CONFIGS[request.param])
-    d = make_checkpoint(tmp_path_factory.mktemp(request.param), cfg, seed=hash(request.param) % 1000)
+    d = make_checkpoint(tmp_path_factory.mktemp(request.param), cfg, seed=SEEDS[request.param])
     return d, cfg, hf_model(d)
 
 
