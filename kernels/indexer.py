@@ -170,6 +170,28 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @jit
+def load_index_keys(pool_ptr, slot, kmask, offs_d, like, ROW: tl.constexpr, FP8: tl.constexpr):
+    """Key tile [BK, DP] of the paged index pool at `slot` [BK] (int64), as like.dtype: fp8 rows of
+    ROW (D + 4) bytes, or dense rows of ROW elements. Shared by the indexer and fused top-k kernels."""
+    # Row starts are only 4-byte aligned for 132-byte rows; without this hint the compiler derives a
+    # 16-byte alignment from the caller's `% PAGE` and emits misaligned vector loads (faults on H200).
+    row0 = tl.multiple_of(slot * ROW, 4)
+    if FP8:
+        kp = pool_ptr.to(tl.pointer_type(tl.float8e4nv))
+        k = tl.load(kp + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
+    else:
+        k = tl.load(pool_ptr + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
+    return k.to(like.dtype)  # a no-op for dense rows, which have q's dtype
+
+
+@jit
+def load_index_scales(pool_ptr, slot, mask, D: tl.constexpr, ROW: tl.constexpr):
+    """The fp32 scales [BK] stored after the D fp8 bytes of each index row at `slot`."""
+    sp = pool_ptr.to(tl.pointer_type(tl.float32))
+    return tl.load(sp + slot * (ROW // 4) + D // 4, mask=mask, other=0.0)
+
+
+@jit
 def _indexer_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, pool_ptr, pt_ptr, stride_pb,
     seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, Tq, max_len,
@@ -212,18 +234,9 @@ def _indexer_kernel(
             nmask = offs_n < lim
             page = tl.load(pt_ptr + b * stride_pb + offs_n // PAGE, mask=nmask, other=0)
             slot = page.to(tl.int64) * PAGE + offs_n % PAGE  # [BLOCK_N]
-            # Row starts are only 4-byte aligned for 132-byte rows; without this hint the compiler
-            # derives a 16-byte alignment from `% PAGE` and emits misaligned vector loads.
-            row0 = tl.multiple_of(slot * ROW, 4)
-            kmask = nmask[:, None] & dmask[None, :]
+            k = load_index_keys(pool_ptr, slot, nmask[:, None] & dmask[None, :], offs_d, qt, ROW, FP8)
             if FP8:
-                kp = pool_ptr.to(tl.pointer_type(tl.float8e4nv))
-                k = tl.load(kp + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
-                k = k.to(qt.dtype)
-                sp = pool_ptr.to(tl.pointer_type(tl.float32))
-                kscale = tl.load(sp + slot * (ROW // 4) + D // 4, mask=nmask, other=0.0)
-            else:
-                k = tl.load(pool_ptr + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
+                kscale = load_index_scales(pool_ptr, slot, nmask, D, ROW)
             if INTERPRET:  # the interpreter's dot reads bf16 as raw uint16; fp32 is exact for both
                 s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
             elif IEEE:

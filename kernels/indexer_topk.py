@@ -51,7 +51,13 @@ import math
 import torch
 
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
-from .indexer import _check_inputs, indexer_logits_paged, indexer_logits_paged_ref
+from .indexer import (
+    _check_inputs,
+    indexer_logits_paged,
+    indexer_logits_paged_ref,
+    load_index_keys,
+    load_index_scales,
+)
 from .kv_layout import PAGE_SIZE, is_fp8
 from .topk import topk_indices, topk_indices_ref
 
@@ -316,18 +322,10 @@ def _fused_kernel(
             lmask = (pos < lim) & (pos < seqlen)
             page = tl.load(pt_ptr + b * stride_pb + pos // PAGE, mask=lmask, other=0)
             slot = page.to(tl.int64) * PAGE + pos % PAGE  # [BK]
-            # 132-byte rows are only 4-byte aligned: stop the compiler deriving 16 from `% PAGE`
-            row0 = tl.multiple_of(slot * ROW, 4)
-            kmask = lmask[:, None] & dmask[None, :]
+            # (the 4-byte row alignment hint H200 needs is inside load_index_keys)
+            kt_ = load_index_keys(pool_ptr, slot, lmask[:, None] & dmask[None, :], offs_d, qT, ROW, FP8)
             if FP8:
-                kp = pool_ptr.to(tl.pointer_type(tl.float8e4nv))
-                kt_ = tl.load(kp + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
-                kt_ = kt_.to(qT.dtype)
-                sp = pool_ptr.to(tl.pointer_type(tl.float32))
-                kscale = tl.load(sp + slot * (ROW // 4) + D // 4, mask=lmask, other=0.0)
-            else:
-                kt_ = tl.load(pool_ptr + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
-                kt_ = kt_.to(qT.dtype)
+                kscale = load_index_scales(pool_ptr, slot, lmask, D, ROW)
             if IEEE:
                 s = tl.dot(kt_, qT, input_precision="ieee")
             else:
