@@ -78,7 +78,11 @@ def run_score(args: argparse.Namespace) -> int:
     # log-probability of each next token given its prefix
     tok_lp = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     nll = float(-tok_lp.mean()) if len(ids) > 1 else float("nan")
-    result = {"tokens": len(ids), "mean_nll": nll, "perplexity": float(torch.exp(torch.tensor(nll)))}
+    result: dict[str, object] = {
+        "tokens": len(ids),
+        "mean_nll": nll,
+        "perplexity": float(torch.exp(torch.tensor(nll))),
+    }
     if args.out:
         torch.save(logits, args.out)
         result["logits_file"] = args.out

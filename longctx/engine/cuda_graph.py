@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class DecodeGraphs:
                 break
             c *= 4
         self._graphs: dict[tuple[int, int], _Captured] = {}
-        self._pool = None
+        self._pool: Any = None
         self.replays = 0
 
     # ---- eligibility --------------------------------------------------------------------------

@@ -314,7 +314,7 @@ class Engine:
         stop_str = tuple(s for s in (stop or []) if isinstance(s, str))
         reqs = []
         for i, p in enumerate(prompts):
-            ids = self.encode(p) if isinstance(p, str) else list(p)
+            ids: list[int] = self.encode(p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
             params = SamplingParams(
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,

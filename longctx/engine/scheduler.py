@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from typing import Any
 
 from longctx.engine.plan import BatchPlan, BatchResult, RowPlan
 from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob
@@ -120,7 +121,8 @@ class Scheduler:
         # 3. admission
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            pages, cached = ([], 0)
+            pages: list[int] = []
+            cached = 0
             if self.cache is not None and not req.return_logits:
                 pages, cached = self.cache.match(req.all_ids)
             rp = RequestPages(self.page_size, pages, cached)
@@ -250,8 +252,8 @@ class Scheduler:
                     self.cache.pin_prefix(req.prompt_ids)
         rp.release(self.alloc)
 
-    def stats(self) -> dict:
-        s = {
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = {
             "waiting": len(self.waiting),
             "running": len(self.running),
             "pages_total": self.alloc.num_pages,

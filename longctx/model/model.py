@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,9 +150,9 @@ class CausalLM(nn.Module):
         self, m: re.Match, t: torch.Tensor, device: torch.device | str, dtype: torch.dtype
     ) -> None:
         prefix, e, which, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-        experts = self.get_submodule(prefix)
+        experts: Any = self.get_submodule(prefix)
         I = self.cfg.moe_intermediate_size
-        target = experts.down_proj if which == "down_proj" else experts.gate_up_proj
+        target: Any = experts.down_proj if which == "down_proj" else experts.gate_up_proj
         rows = (
             slice(0, None)
             if which == "down_proj"
@@ -187,4 +188,4 @@ class CausalLM(nn.Module):
     def finalize(self, dtype: torch.dtype) -> None:
         """Derived tensors (absorbed MLA weights) once all weights are in place."""
         for layer in self.model.layers.values():
-            layer.self_attn.finalize(dtype)
+            layer.self_attn.finalize(dtype)  # type: ignore[operator, union-attr]

@@ -146,7 +146,9 @@ def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], l
     """S + 1 token ids and their kinds (the kind of token i is that of target i - 1)."""
     rng = random.Random(f"{cfg.seed}:{step}:{row}")
     if rng.random() < cfg.text_fraction:
-        ids, kinds, task = [], [], "text"
+        ids: list[int] = []
+        kinds: list[int] = []
+        task = "text"
     else:
         ids, kinds, task = _retrieval(rng, cfg, S)
         ids, kinds = ids[: S + 1], kinds[: S + 1]

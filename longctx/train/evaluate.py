@@ -41,7 +41,7 @@ def niah_eval(
     with Engine(model_dir, device=device, dtype=dtype, max_context=max(lengths) + max_new_tokens + 64) as eng:
         outs = eng.generate([p for *_, p in items], max_new_tokens=max_new_tokens, temperature=0.0)
     scores: dict[str, list[float]] = {}
-    examples = []
+    examples: list[dict[str, Any]] = []
     for (t, L, s, _), o in zip(items, outs):
         text = bytes(b for b in o.token_ids if b < 256).decode("utf-8", errors="replace")
         scores.setdefault(f"{t}@{L}", []).append(METRICS[TASKS[t].metric](text, list(s.outputs)))

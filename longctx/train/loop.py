@@ -93,7 +93,8 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def build_optimizer(model: TrainCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -190,7 +191,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         batch_size=None,
         shuffle=False,
         num_workers=cfg.num_workers if device.type == "cuda" else 0,
-        collate_fn=collate,
+        collate_fn=collate,  # type: ignore[arg-type]
         prefetch_factor=4 if device.type == "cuda" and cfg.num_workers else None,
         persistent_workers=False,
     )
@@ -226,7 +227,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.monotonic()
-            row = {k: round(float(v) / n_acc, 5) for k, v in acc.items()}
+            row: dict[str, Any] = {k: round(float(v) / n_acc, 5) for k, v in acc.items()}
             row.update(
                 step=step,
                 lr=lr,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,7 @@ class TrainCausalLM(CausalLM):
         cos, sin = cos.repeat(B, 1), sin.repeat(B, 1)  # [B*S, rope/2], row-major like h
         aux = TrainAux()
         mask: torch.Tensor | None = None  # [B, S, S] selection of the last full layer (None: causal)
+        layer: Any
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
             a, mask = self._attention(
