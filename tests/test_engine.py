@@ -191,3 +191,25 @@ def test_prefill_forms_match_reference(tiny_dir, form):
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     assert rel(got, want) <= 1e-3
+
+
+def test_blocking_calls_keep_step_api_outputs(eng):
+    """generate() / pin_document() step the engine; a step-API request in flight loses nothing."""
+    prompt = rand_ids(40, 30)
+    want = eng.generate([prompt], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    eng.add_request(Request("served", list(prompt), SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    eng.step()  # the served request starts
+    eng.generate([rand_ids(20, 31)], max_new_tokens=5, ignore_eos=True)
+    doc, n = eng.pin_document(rand_ids(150, 32))
+    got: list[int] = []
+    finished = False
+    for _ in range(50):
+        for o in eng.step():
+            if o.rid == "served":
+                got += list(o.new_token_ids)
+                finished = finished or o.finished
+        if finished:
+            break
+    assert finished and got == want
+    assert n == 150 and eng.stats()["prefix_cache"]["pinned_pages"] >= 2
+    eng.unpin_document(doc)

@@ -164,6 +164,7 @@ class Engine:
         self._documents: dict[str, tuple[list[int], list[bytes]]] = {}
         self._stop_text: dict[str, str] = {}
         self._requests: dict[str, Request] = {}
+        self._held: list[StepOutput] = []  # step-API outputs produced inside a blocking call
 
     def _default_pages(self, max_context: int) -> int:
         if self.device.type == "cuda":
@@ -238,8 +239,18 @@ class Engine:
         return len(self.scheduler.running)
 
     def step(self) -> list[StepOutput]:
-        """One scheduler iteration; outputs for every request that progressed."""
+        """One scheduler iteration; outputs for every request that progressed.
+
+        Outputs of requests added through `add_request` that progressed while a blocking call
+        (`generate`, `score`, `pin_document`) was stepping the engine are delivered here first.
+        """
         self._check_open()
+        if self._held:
+            held, self._held = self._held, []
+            return held
+        return self._step()
+
+    def _step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -274,12 +285,10 @@ class Engine:
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
         """Prefill a document once and pin its pages in the prefix cache."""
         rid = f"doc-{next(self._ids)}"
-        req = Request(rid, list(token_ids), SamplingParams(max_new_tokens=0), pin_prefix=True)
+        req = Request(rid, list(token_ids), SamplingParams(max_new_tokens=0))
         self._run_to_completion([req], desc="document")
-        keys = self.prefix_cache.pin_prefix(token_ids)
-        self._documents[rid] = (list(token_ids), keys)
-        # the request's own pin (pin_prefix) was taken on release; keep exactly one
-        self.prefix_cache.unpin_keys(keys)
+        # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
+        self._documents[rid] = (list(token_ids), self.prefix_cache.pin_prefix(token_ids))
         return rid, len(token_ids)
 
     def unpin_document(self, doc_id: str) -> None:
@@ -352,11 +361,14 @@ class Engine:
         done: dict[str, int] = {}
         with tqdm(total=total, desc=f"{desc} prefill", unit="tok", disable=not show, leave=False) as bar:
             while pending:
-                outs = self.step()
+                self._check_open()
+                outs = self._step()
                 if not outs and not self.has_work():
                     break
                 for o in outs:
-                    if o.rid in pending:
+                    if o.rid not in pending:
+                        self._held.append(o)  # another caller's request: keep it for step()
+                    else:
                         bar.update(o.prompt_done - done.get(o.rid, 0))
                         done[o.rid] = o.prompt_done
                         if o.finished:
