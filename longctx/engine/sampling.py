@@ -15,12 +15,25 @@ def _token_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * _MIX) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def sample_row(
+def sample_rows(logits: torch.Tensor, rows: list) -> list[int]:
+    """logits [R, vocab] -> one token per row (rows carry temperature/top_p/top_k/seed/step).
+
+    Every row's choice stays on the device; the batch is read back with a single transfer, the
+    step's only host synchronisation.
+    """
+    toks = torch.argmax(logits, dim=-1)
+    for i, r in enumerate(rows):
+        if r.temperature > 0.0:
+            toks[i] = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step)
+    return toks.tolist()
+
+
+def _sample(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, step: int
-) -> int:
-    """logits [vocab] fp32 -> token id."""
+) -> torch.Tensor:
+    """A 0-d tensor on logits' device: argmax when temperature is 0, else a seeded draw."""
     if temperature <= 0.0:
-        return int(torch.argmax(logits).item())
+        return torch.argmax(logits)
     x = logits.float() / temperature
     if top_k and top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
@@ -34,7 +47,7 @@ def sample_row(
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
     gen = torch.Generator(device=probs.device).manual_seed(_token_seed(seed, step))
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return torch.multinomial(probs, 1, generator=gen)[0]
 
 
 def logprobs_row(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from longctx.checkpoint.loader import iter_weights
 from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan, RowResult
-from longctx.engine.sampling import logprobs_row, sample_row
+from longctx.engine.sampling import logprobs_row, sample_rows
 from longctx.model.context import ForwardContext, KVCache
 from longctx.model.model import CausalLM
 
@@ -153,25 +153,28 @@ class StageWorker:
         `last_logits` [rows, vocab]: already computed logits of each row's last token (a replayed
         decode graph); then `h` is not needed.
         """
-        out: list[RowResult] = []
+        out: list[RowResult] = [RowResult(r.rid) for r in plan.rows]
+        last: list[int] = []  # rows that sample
+        ends: list[int] = []  # their last token's index in h
         off = 0
         for i, r in enumerate(plan.rows):
             n = len(r.token_ids)
             if r.logits == "all":
                 assert h is not None
-                out.append(RowResult(r.rid, logits=self.model.logits(h[off : off + n]).cpu()))
+                out[i].logits = self.model.logits(h[off : off + n]).cpu()
             elif r.logits == "last":
-                if last_logits is not None:
-                    lg = last_logits[i]
-                else:
-                    assert h is not None
-                    lg = self.model.logits(h[off + n - 1 : off + n])[0]
-                tok = sample_row(lg, r.temperature, r.top_p, r.top_k, r.seed, r.step)
-                res = RowResult(r.rid, token_id=tok)
-                if r.logprobs is not None:
-                    res.logprob, res.top_logprobs = logprobs_row(lg, tok, r.logprobs)
-                out.append(res)
-            else:
-                out.append(RowResult(r.rid))
+                last.append(i)
+                ends.append(off + n - 1)
             off += n
+        if last:
+            if last_logits is None:
+                assert h is not None
+                last_logits = self.model.logits(h[ends])  # one lm_head GEMM for every sampling row
+            else:
+                last_logits = last_logits[last]
+            rows = [plan.rows[i] for i in last]
+            for i, r, tok, lg in zip(last, rows, sample_rows(last_logits, rows), last_logits):
+                out[i].token_id = tok
+                if r.logprobs is not None:
+                    out[i].logprob, out[i].top_logprobs = logprobs_row(lg, tok, r.logprobs)
         return out
