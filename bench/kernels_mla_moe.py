@@ -83,10 +83,10 @@ def time_graph(fn: Callable[[], Any], reps: int = 20, flush_bytes: int = 256 << 
     return max(med(g_fn) - med(g_flush), 0.0) / reps
 
 
-def graph_fields(fn: Callable[[], Any]) -> dict[str, Any]:
+def graph_fields(fn: Callable[[], Any], reps: int = 20) -> dict[str, Any]:
     """{"graph_us": kernel-only microseconds} or {"graph_us": None, "graph_error": why capture failed}."""
     try:
-        return {"graph_us": time_graph(fn) * 1e6}
+        return {"graph_us": time_graph(fn, reps=reps) * 1e6}
     except Exception as exc:  # noqa: BLE001 - a capture failure is reported, not fatal
         torch.cuda.synchronize()
         return {"graph_us": None, "graph_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
@@ -171,6 +171,68 @@ def _best(run: Callable[[Any], Any], configs: Iterable[Any]) -> tuple[Any, float
 
 
 # ---------------------------------------------------------------------------------------------- MLA
+# impl="heads" tiles always timed (a handful: BLOCK_N x warps around the default), the full grid with sweep.
+_HEADS_MINI: list[dict[str, Any]] = [
+    {"impl": "heads", **c}
+    for c in ({}, {"block_n": 64}, {"block_n": 16}, {"num_stages": 3}, {"num_stages": 1})
+]
+_HEADS_FULL: list[dict[str, Any]] = [
+    {"impl": "heads", "block_n": bn, "num_warps": w, "num_stages": st}
+    for bn in (16, 32, 64)
+    for w in (8, 16)  # 4 warps would need 256 accumulator registers per thread
+    for st in (1, 2, 3)
+]
+
+
+def _split_configs(sweep: bool, prefill: bool) -> list[dict[str, Any]]:
+    if prefill:  # ~80 ms a call at 8192 queries: the caller's form only
+        return [{"num_splits": 1}]
+    configs: list[dict[str, Any]] = [{}]
+    if sweep:
+        configs += [
+            {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": st}
+            for bh in (16, 32, 64)
+            for bn in (32, 64)
+            for w in (4, 8)
+            for st in (1, 2)
+            if not (bh == 64 and bn == 64)
+        ]
+        configs += [{"num_splits": sp} for sp in (1, 2, 4, 8, 16, 32, 64)]
+        configs += [{"block_h": bh, "num_splits": sp} for bh in (32, 64) for sp in (8, 16, 32, 64)]
+        configs += [{"scale_gather": True}]
+    return configs
+
+
+def _heads_configs(sweep: bool, prefill: bool) -> list[dict[str, Any]]:
+    configs = [dict(c) for c in (_HEADS_FULL if sweep else _HEADS_MINI)]
+    if prefill:
+        return [c | {"num_splits": 1} for c in configs]
+    if sweep:
+        configs += [{"impl": "heads", "num_splits": sp} for sp in (1, 2, 4, 8, 16, 32)]
+    return configs
+
+
+def _mla_impl(
+    call: Callable[[dict[str, Any]], Any],
+    ref: torch.Tensor,
+    rows: int,
+    configs: list[dict[str, Any]],
+    graph_reps: int,
+) -> dict[str, Any]:
+    """Error (on the first `rows` queries) of the first config, best config by do_bench, its graph time."""
+    err = _err(call(configs[0])[:rows], ref)
+    best, t, times = _best(call, configs)
+    graph = graph_fields(partial(call, best if best is not None else configs[0]), reps=graph_reps)
+    return {
+        "rel_err": err,
+        "ok": err < 2e-2,
+        "config": best,
+        "time_us": t * 1e6,
+        "default_us": times.get(str(configs[0]), math.nan) * 1e6,
+        "sweep_us": {c: v * 1e6 for c, v in times.items()},
+    } | graph
+
+
 def bench_sparse_mla_decode(
     batches: Iterable[int] = (1, 8, 64),
     topk: int = 2048,
@@ -182,8 +244,16 @@ def bench_sparse_mla_decode(
     hbm_bps: float | None = None,
     peak_flops: float | None = None,
     sweep: bool = True,
+    prefill_queries: Iterable[int] = (8192,),
+    prefill_window: int = 1 << 15,
 ) -> list[dict[str, Any]]:
-    """Decode: `batch` queries x `heads` heads, each over its own top-k rows of a `pool_tokens` pool."""
+    """Decode: `batch` queries x `heads` heads, each over its own top-k rows of a `pool_tokens` pool; then a
+    prefill chunk of `prefill_queries` queries (bench "sparse_mla_prefill", num_splits=1 as the model runs it).
+
+    Both implementations are timed on every shape: the row's main fields are the default impl="split"
+    (comparable with earlier runs); row["impl_heads"] holds impl="heads" (same fields: rel_err, config,
+    time_us, graph_us, sweep_us, achieved_TFLOPs) and row["impl_graph_us"] / row["heads_speedup"] compare
+    the two kernel-only (CUDA graph) times. Prefill checks the first 64 queries against the reference."""
     from longctx.kernels.kv_layout import alloc_mla_pool, mla_row_bytes, write_mla_kv
     from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
 
@@ -197,46 +267,45 @@ def bench_sparse_mla_decode(
     row_bytes = mla_row_bytes(L, R, kind, torch.bfloat16)
     scale = (192 + 64) ** -0.5
     results: list[dict[str, Any]] = []
-    for b in batches:
+    shapes = [(b, False) for b in batches] + [(q, True) for q in prefill_queries]
+    for b, prefill in shapes:
         ql = torch.randn(b, heads, L, device=dev, dtype=torch.bfloat16)
         qr = torch.randn(b, heads, R, device=dev, dtype=torch.bfloat16)
-        idx = torch.randint(0, pool_tokens, (b, topk), device=dev, dtype=torch.int32)
-        out = sparse_mla(ql, qr, pool, idx, scale, kind, backend="triton")
-        err = _err(out, sparse_mla_ref(ql, qr, pool, idx, scale, kind))
-        configs: list[dict[str, Any]] = [{}]
-        if sweep:
-            configs += [
-                {"block_h": bh, "block_n": bn, "num_warps": w, "num_stages": st}
-                for bh in (16, 32, 64)
-                for bn in (32, 64)
-                for w in (4, 8)
-                for st in (1, 2)
-                if not (bh == 64 and bn == 64)
-            ]
-            configs += [{"num_splits": sp} for sp in (1, 2, 4, 8, 16, 32, 64)]
-            configs += [{"block_h": bh, "num_splits": sp} for bh in (32, 64) for sp in (8, 16, 32, 64)]
-            configs += [{"scale_gather": True}]
-        best, t, times = _best(partial(_call_mla, sparse_mla, ql, qr, pool, idx, scale, kind), configs)
-        graph = graph_fields(partial(_call_mla, sparse_mla, ql, qr, pool, idx, scale, kind, best or {}))
+        if prefill:
+            # A chunk's queries select from one shared window (2**15 rows, ~21 MB: mostly L2 hits, as the
+            # top-k of neighbouring queries overlap), so this row times the compute side of the kernel.
+            lo = max(0, pool_tokens - prefill_window)
+            idx = torch.randint(lo, pool_tokens, (b, topk), device=dev, dtype=torch.int32)
+        else:
+            idx = torch.randint(0, pool_tokens, (b, topk), device=dev, dtype=torch.int32)
+        rows = min(b, 64)
+        ref = sparse_mla_ref(ql[:rows], qr[:rows], pool, idx[:rows], scale, kind)
+        call = partial(_call_mla, sparse_mla, ql, qr, pool, idx, scale, kind)
+        reps = 3 if prefill else 20
+        split = _mla_impl(call, ref, rows, _split_configs(sweep, prefill), reps)
+        try:  # the opt-in kernel failing (compile, shared memory) must not lose the default's numbers
+            head = _mla_impl(call, ref, rows, _heads_configs(sweep, prefill), reps)
+        except Exception as exc:  # noqa: BLE001
+            head = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}", "time_us": math.nan}
+            head["graph_us"] = None
         nbytes = b * topk * (row_bytes + 4) + b * heads * (L + R) * 2 + b * heads * L * 2
         flops = 2.0 * b * heads * topk * (2 * L + R)
-        res = {
-            "bench": "sparse_mla_decode",
-            "batch": b,
-            "topk": topk,
-            "heads": heads,
-            "L": L,
-            "R": R,
-            "kind": kind,
-        }
-        res |= {
-            "rel_err": err,
-            "ok": err < 2e-2,
-            "config": best,
-            "default_us": times.get("{}", math.nan) * 1e6,
-            "sweep_us": {c: v * 1e6 for c, v in times.items()},
-        }
-        _record(results, res, _roofline(nbytes, flops, t, hbm_bps, peak_flops), graph)
+        bench = "sparse_mla_prefill" if prefill else "sparse_mla_decode"
+        res = {"bench": bench, "batch": b, "topk": topk, "heads": heads, "L": L, "R": R, "kind": kind}
+        res |= {k: split[k] for k in ("rel_err", "ok", "config", "default_us", "sweep_us")}
+        head["achieved_TFLOPs"] = flops / head["time_us"] / 1e6
+        if head["graph_us"]:
+            head["graph_TFLOPs"] = flops / head["graph_us"] / 1e6
+        ig = {"split": split["graph_us"], "heads": head["graph_us"]}
+        extra: dict[str, Any] = {"impl_heads": head, "impl_graph_us": ig}
+        if ig["split"] and ig["heads"]:
+            extra["heads_speedup"] = ig["split"] / ig["heads"]
+        graph = {k: split[k] for k in ("graph_us", "graph_error") if k in split}
+        roof = _roofline(nbytes, flops, split["time_us"] / 1e6, hbm_bps, peak_flops)
+        _record(results, res, roof, graph, **extra)
+        print(
+            f"  impl=heads config={head['config']} time_us={head['time_us']:.4g} graph_us={head['graph_us']}"
+        )
     return results
 
 

@@ -28,6 +28,10 @@ Triton kernel `_sparse_mla_kernel`, one program per (query, head block of BLOCK_
 fp8 rows are dequantised in the load (the [BLOCK_N, L/G] scales are broadcast over a [BLOCK_N, L/G, G] view of
 the tile, which is then cast to the query dtype for the tensor cores). L and R are padded to powers of two (>= 16) with masks, so tiny test
 dims (32/8, 64/16) and 512/64 share one kernel.
+
+`impl="heads"` (opt-in, kernels.sparse_mla_heads): one program per (query, K split) with all heads in the M
+dimension of the dots (64 heads -> M = 64, wgmma-sized) and the latent cut into <= 4 value blocks of 128; each
+key tile is gathered once per query instead of once per head block. Same splits/combine and semantics.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ import torch
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, mma
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
+from .sparse_mla_heads import heads_blocks, pick_splits_heads, sparse_mla_heads_kernel
 
 _LOG2E = 1.4426950408889634
+IMPLS = ("split", "heads")
 
 
 def _check(
@@ -263,6 +269,7 @@ def sparse_mla(
     return_lse: bool = False,
     *,
     backend: str = "auto",
+    impl: str = "split",
     num_splits: int | None = None,
     block_h: int | None = None,
     block_n: int | None = None,
@@ -276,7 +283,11 @@ def sparse_mla(
     q_latent [Tq, H, L], q_rope [Tq, H, R]: same float dtype, unit last stride. indices [Tq, K] int32/int64,
     unit last stride. `num_splits=None` picks the decode split-K so the grid covers ~2 waves of SMs; 1 is the
     prefill form. The keyword-only tile knobs are for the bench; None picks defaults for the shape.
+    `impl`: "split" (default: BLOCK_H heads of one query per program) or "heads" (all heads of a query per
+    program, value dim in 128-column blocks; kernels.sparse_mla_heads). block_h caps the heads per program
+    (heads default 64); scale_gather applies to "split" only.
     """
+    check(impl in IMPLS, f"sparse_mla: impl must be one of {IMPLS}, got {impl!r}")
     if not use_triton(backend, q_latent.device):
         return sparse_mla_ref(q_latent, q_rope, kv_pool, indices, sm_scale, kind, return_lse)
     tq, h, L, R, k = _check(q_latent, q_rope, kv_pool, indices, kind)
@@ -313,11 +324,19 @@ def sparse_mla(
 
     block_l = max(16, next_pow2(L))
     block_r = max(16, next_pow2(R))
-    bh = block_h or min(32 if block_l <= 256 else 16, max(16, next_pow2(h)))
-    bn = block_n or (32 if block_l >= 512 else 64)
+    if impl == "heads":
+        block_v, nv = heads_blocks(L, group, fp8)
+        bh = block_h or min(64, max(16, next_pow2(h)))
+        bn = block_n or 32  # shared-memory budget at 64 heads, see sparse_mla_heads
+    else:
+        bh = block_h or min(32 if block_l <= 256 else 16, max(16, next_pow2(h)))
+        bn = block_n or (32 if block_l >= 512 else 64)
     n_hb = cdiv(h, bh)
     if num_splits is None:
-        num_splits = _pick_splits(tq, n_hb, k, bn, _num_sms(dev))
+        if impl == "heads":
+            num_splits = pick_splits_heads(tq * n_hb, k, bn, _num_sms(dev))
+        else:
+            num_splits = _pick_splits(tq, n_hb, k, bn, _num_sms(dev))
     num_splits = max(1, min(num_splits, cdiv(k, bn)))
     chunk = cdiv(cdiv(k, num_splits), bn) * bn
     num_splits = cdiv(k, chunk)
@@ -331,16 +350,27 @@ def sparse_mla(
     else:
         o_dst = torch.empty(tq, h, num_splits, L, dtype=torch.float32, device=dev)
         l_dst = torch.empty(tq, h, num_splits, dtype=torch.float32, device=dev)
-    _sparse_mla_kernel[(tq * n_hb, num_splits)](
-        q_latent, q_rope, indices, lat, rope, scl, o_dst, l_dst,
-        qk_scale, h, k, chunk, n_hb,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), indices.stride(0),
-        s_lat, s_rope, s_scl, rope_off, scl_off,
-        o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
-        L=L, R=R, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, GROUP=group,
-        NG=ng, NG_PAD=next_pow2(ng), SCALE_GATHER=scale_gather, F32=f32,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    if impl == "heads":
+        sparse_mla_heads_kernel[(tq * n_hb, num_splits)](
+            q_latent, q_rope, indices, lat, rope, scl, o_dst, l_dst,
+            qk_scale, h, k, chunk, n_hb,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), indices.stride(0),
+            s_lat, s_rope, s_scl, rope_off, scl_off,
+            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
+            L=L, R=R, BLOCK_V=block_v, NV=nv, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, GROUP=group,
+            F32=f32, num_warps=num_warps or 8, num_stages=num_stages or 2,
+        )  # fmt: skip
+    else:
+        _sparse_mla_kernel[(tq * n_hb, num_splits)](
+            q_latent, q_rope, indices, lat, rope, scl, o_dst, l_dst,
+            qk_scale, h, k, chunk, n_hb,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), indices.stride(0),
+            s_lat, s_rope, s_scl, rope_off, scl_off,
+            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
+            L=L, R=R, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, GROUP=group,
+            NG=ng, NG_PAD=next_pow2(ng), SCALE_GATHER=scale_gather, F32=f32,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(tq, h)](
             o_dst, l_dst, o, lse, num_splits, L,

@@ -79,7 +79,8 @@ def _indices(tq: int, k: int, n: int, gen: torch.Generator, dtype: torch.dtype =
         (384, 32, 2, 40, "fp8_e4m3", torch.float32, 2),  # 3 scale groups, padded to 4 in the kernel
     ],
 )
-def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits):
+@pytest.mark.parametrize("impl", ["split", "heads"])
+def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits, impl):
     gen = torch.Generator().manual_seed(L * 1000 + H * 10 + K)
     n = 70
     pool, _, _ = _pool(n, L, R, kind, dtype, gen)
@@ -88,9 +89,19 @@ def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits):
     qr = torch.randn(tq, H, R, generator=gen).to(dtype)
     idx = _indices(tq, K, n, gen)
     scale = 1.0 / math.sqrt(L + R)
-    gather = L == 512 and splits == 1  # the per-element scale variant (bench alternative)
+    gather = L == 512 and splits == 1 and impl == "split"  # the per-element scale variant (bench alternative)
     o, lse = sparse_mla(
-        ql, qr, pool, idx, scale, kind, True, backend=TRITON, num_splits=splits, scale_gather=gather
+        ql,
+        qr,
+        pool,
+        idx,
+        scale,
+        kind,
+        True,
+        backend=TRITON,
+        impl=impl,
+        num_splits=splits,
+        scale_gather=gather,
     )
     ro, rlse = sparse_mla_ref(ql, qr, pool, idx, scale, kind, True)
     assert o.dtype == dtype and o.shape == (tq, H, L) and lse.shape == (tq, H)
@@ -99,7 +110,8 @@ def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits):
     assert (lse - rlse).abs().max().item() <= lse_tol
 
 
-def test_sparse_mla_topk_larger_than_context_and_empty_queries():
+@pytest.mark.parametrize("impl", ["split", "heads"])
+def test_sparse_mla_topk_larger_than_context_and_empty_queries(impl):
     """Many -1 (top-k > context), a query with no valid index (zeros, lse=-inf), int64 indices."""
     gen = torch.Generator().manual_seed(1)
     n, L, R, H = 12, 32, 8, 2
@@ -110,7 +122,9 @@ def test_sparse_mla_topk_larger_than_context_and_empty_queries():
     idx[2, 0] = 11  # one valid entry: output = that row's latent exactly
     ql, qr = torch.randn(4, H, L, generator=gen), torch.randn(4, H, R, generator=gen)
     for splits in (None, 1, 3):
-        o, lse = sparse_mla(ql, qr, pool, idx, 0.2, "fp8_e4m3", True, backend=TRITON, num_splits=splits)
+        o, lse = sparse_mla(
+            ql, qr, pool, idx, 0.2, "fp8_e4m3", True, backend=TRITON, impl=impl, num_splits=splits
+        )
         ro, rlse = sparse_mla_ref(ql, qr, pool, idx, 0.2, "fp8_e4m3", True)
         _close(o, ro, torch.float32, f"splits={splits}")
         assert torch.equal(o[3], torch.zeros_like(o[3])) and torch.isneginf(lse[3]).all()
@@ -118,6 +132,39 @@ def test_sparse_mla_topk_larger_than_context_and_empty_queries():
         assert torch.allclose(lse[:3], rlse[:3], atol=1e-4)
     row = sparse_mla_ref(ql[2:3], qr[2:3], pool, idx[2:3, :1], 0.2, "fp8_e4m3")
     assert torch.allclose(o[2], row[0], atol=1e-5)
+
+
+def test_sparse_mla_heads_head_blocks_and_tiles():
+    """impl="heads" with more heads than one program holds (block_h=16 -> 2 head blocks, the last ragged),
+    BLOCK_N=16 tiles and the 16-warp config the bench sweeps; bf16 pool, fp32 queries (exact dots)."""
+    gen = torch.Generator().manual_seed(11)
+    n, L, R, H, tq = 50, 64, 16, 20, 2
+    pool, _, _ = _pool(n, L, R, "bf16", torch.float32, gen)
+    ql, qr = torch.randn(tq, H, L, generator=gen), torch.randn(tq, H, R, generator=gen)
+    idx = _indices(tq, 40, n, gen)
+    ro, rlse = sparse_mla_ref(ql, qr, pool, idx, 0.2, "bf16", True)
+    for kw in ({"block_h": 16, "block_n": 16}, {"num_splits": 3, "num_warps": 16, "num_stages": 3}):
+        o, lse = sparse_mla(ql, qr, pool, idx, 0.2, "bf16", True, backend=TRITON, impl="heads", **kw)
+        _close(o, ro, torch.float32, f"heads {kw}")
+        assert torch.allclose(lse, rlse, atol=1e-4)
+
+
+def test_sparse_mla_heads_tiling_choices():
+    from longctx.kernels.sparse_mla_heads import heads_blocks, pick_splits_heads
+
+    assert heads_blocks(512, 128, True) == (128, 4)  # GLM-5 / DeepSeek-V3.2: one 128-group per value block
+    assert heads_blocks(384, 128, True) == (128, 3)
+    assert heads_blocks(48, 48, True) == (16, 3)  # a block never straddles a scale group
+    assert heads_blocks(64, 1, False) == (16, 4)
+    with pytest.raises(KernelInputError):
+        heads_blocks(1024, 128, True)  # more than 4 value blocks
+    assert pick_splits_heads(64, 2048, 32, 132) == 2  # batch 64: 128 CTAs, one wave
+    assert pick_splits_heads(8, 2048, 32, 132) == 16
+    assert pick_splits_heads(1, 2048, 32, 132) == 32  # capped at 2 tiles per split
+    assert pick_splits_heads(8192, 2048, 32, 132) == 1  # prefill
+    with pytest.raises(KernelInputError):
+        sparse_mla(torch.zeros(1, 2, 32), torch.zeros(1, 2, 8), torch.zeros(4, 40),
+                   torch.zeros(1, 4, dtype=torch.int32), 1.0, backend=TRITON, impl="dense")  # fmt: skip
 
 
 def test_sparse_mla_ref_equals_dense_attention():

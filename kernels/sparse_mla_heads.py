@@ -1,0 +1,221 @@
+"""Sparse MLA, `impl="heads"`: every head of a query in the M dimension of the tensor-core dots.
+
+Same math, layouts and contract as `sparse_mla.sparse_mla_ref` (see that module's docstring); this module
+only holds the Triton kernel and its tile choices, and `sparse_mla.sparse_mla(..., impl="heads")` launches it.
+
+Why a second kernel. `impl="split"` puts BLOCK_H (16-32) heads of ONE query in M, so at 64 heads each query's
+rows are gathered by 4 programs and every dot is an M=16 dot, which Hopper runs as the old mma.sync path
+(wgmma needs M = 64 per warpgroup). Here one program per (query, K split) holds all heads (64 -> M = 64):
+  * each gathered key tile [BLOCK_N, L + R] is loaded ONCE per query and feeds one [64, L+R] x [L+R, BN]
+    score dot (chained over the V blocks and the rope part) and the [64, BN] x [BN, L] value dot;
+  * the 512-wide latent (value/output) dimension is cut into NV <= 4 column blocks of BLOCK_V (128 for
+    L = 512, FlashMLA-style). A block never straddles an fp8 scale group (BLOCK_V divides the group), so
+    the dequant of a block is one fp32 scale per row broadcast over [BLOCK_N, BLOCK_V], fused into the load.
+    The rope part stays bf16 (no scale).
+
+Scores are computed once per key tile and P is reused for all NV value blocks (not recomputed per block):
+  * recomputing S per value block (one program per (query, value block)) would cost NV x the QK^T work,
+    (4 * 576 + 512) / (576 + 512) = 2.6x the FLOPs at L=512, and 4x the gathers; prefill is compute-bound,
+    so that loses;
+  * keeping all NV accumulators in one program costs registers: [64, 512] fp32 = 128 KB, i.e. 128
+    registers/thread at 8 warps (num_warps=8 default; 4 warps would need 256). P stays in registers as the
+    wgmma A operand (bf16); S/P add ~8 registers at BN=32.
+  * shared memory: Q [64, 576] bf16 = 72 KB (loop-invariant wgmma A operand, loaded once), the gathered
+    fp8 tile + rope + scales per cp.async stage, and the dequantised bf16 copy as the wgmma B operand.
+Static check (triton 3.9 AOT for sm_90a, runtime-like divisibility, ptxas 13): BN=32 / 8 warps / 2 stages
+-> 255 registers, 36 B spill, 124 KB smem (one CTA per SM); BN=16 -> 0 spill, 99 KB; BN=64 -> 152 B spill,
+173 KB; 16 warps -> capped at 128 registers, 480 B spill. Known cost: Triton lays a dot whose result feeds
+another dot out as warpsPerCTA [num_warps, 1], so at M = 64 and 8 warps both warpgroups compute the same
+S tile (QK^T runs twice, ~1.5x the tensor-core work of the ideal); the P.V dots split N across the two
+warpgroups. Removing that needs warp specialisation (FlashMLA's producer/consumer split), not a Triton tile.
+Decode (Tq < #SMs) splits K so Tq x splits fills one wave of 132 SMs at one CTA each (`pick_splits_heads`);
+the fp32 partials are merged by `sparse_mla._combine_kernel`. Prefill (Tq >= #SMs) runs one split.
+"""
+
+from __future__ import annotations
+
+from .common import check, jit, next_pow2, tl
+from .fp8_gemm import cdiv
+
+MAX_NV = 4  # value blocks held per program (acc0..acc3)
+
+
+@jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b with fp32 accumulation (F32: exact fp32 operands, for fp32 models and the interpreter,
+    whose bf16 dot is broken; see fp8_gemm.mma)."""
+    if F32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@jit
+def _load_q(base, offs_h, mask_h, s_h, J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.constexpr):
+    offs_v = J * BLOCK_V + tl.arange(0, BLOCK_V)
+    return tl.load(
+        base + offs_h[:, None] * s_h + offs_v[None, :],
+        mask=mask_h[:, None] & (offs_v < L)[None, :],
+        other=0.0,
+    )
+
+
+@jit
+def _load_kv(
+    lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off,
+    J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """Value block J of the gathered rows, [BLOCK_N, BLOCK_V], dequantised (fp32 for fp8 pools). The block
+    lies inside scale group (J * BLOCK_V) // GROUP, so its scale is one [BLOCK_N] vector."""
+    offs_v = J * BLOCK_V + tl.arange(0, BLOCK_V)
+    c = tl.load(
+        lat_ptr + row[:, None] * s_lat + offs_v[None, :],
+        mask=valid[:, None] & (offs_v < L)[None, :],
+        other=0.0,
+    )
+    if FP8:
+        sc = tl.load(scl_ptr + row * s_scl + scl_off + (J * BLOCK_V) // GROUP, mask=valid, other=0.0)
+        c = c.to(tl.float32) * sc[:, None]
+    return c
+
+
+@jit
+def _store_o(obase, o, mask_h, J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.constexpr):
+    offs_v = J * BLOCK_V + tl.arange(0, BLOCK_V)
+    tl.store(
+        obase + offs_v[None, :], o.to(obase.dtype.element_ty), mask=mask_h[:, None] & (offs_v < L)[None, :]
+    )
+
+
+@jit
+def sparse_mla_heads_kernel(
+    ql_ptr, qr_ptr, idx_ptr, lat_ptr, rope_ptr, scl_ptr, o_ptr, lse_ptr,
+    qk_scale, H, K, CHUNK, N_HB,
+    s_qlt, s_qlh, s_qrt, s_qrh, s_it,
+    s_lat, s_rope, s_scl, rope_off, scl_off,
+    s_ot, s_oh, s_os, s_lt, s_lh, s_ls,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_V: tl.constexpr, NV: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    # grid (Tq * N_HB, splits); N_HB = 1 whenever H <= BLOCK_H (64), i.e. one program per (query, split).
+    pid = tl.program_id(0)
+    t = (pid // N_HB).to(tl.int64)  # int64: Tq * H * L passes 2**31 in long prefill chunks
+    pid_h = pid % N_HB
+    sp = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    qbase = ql_ptr + t * s_qlt
+    # Query blocks, loop-invariant (the compiler keeps them in shared memory as wgmma A operands).
+    q0 = _load_q(qbase, offs_h, mask_h, s_qlh, 0, L, BLOCK_V)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NV > 1:
+        q1 = _load_q(qbase, offs_h, mask_h, s_qlh, 1, L, BLOCK_V)
+    if NV > 2:
+        q2 = _load_q(qbase, offs_h, mask_h, s_qlh, 2, L, BLOCK_V)
+    if NV > 3:
+        q3 = _load_q(qbase, offs_h, mask_h, s_qlh, 3, L, BLOCK_V)
+    qr = tl.load(
+        qr_ptr + t * s_qrt + offs_h[:, None] * s_qrh + offs_r[None, :],
+        mask=mask_h[:, None] & mask_r[None, :],
+        other=0.0,
+    )  # [BH, BR]
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # Unused accumulators (NV < 4) are carried unchanged and folded away by the compiler.
+    acc0 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    k_lo = sp * CHUNK
+    k_hi = tl.minimum(k_lo + CHUNK, K)
+    for n0 in range(k_lo, k_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * s_it + offs_n, mask=offs_n < k_hi, other=-1)
+        valid = idx >= 0
+        row = tl.where(valid, idx, 0).to(tl.int64)
+        r = tl.load(
+            rope_ptr + row[:, None] * s_rope + rope_off + offs_r[None, :],
+            mask=valid[:, None] & mask_r[None, :],
+            other=0.0,
+        ).to(qr.dtype)  # [BN, BR]
+        # S = Q_rope R^T + sum_j Q_j C_j^T, one accumulator chained through the wgmmas: [BH, BN]
+        s = _dot(qr, tl.trans(r), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), F32)
+        c0 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 0, L, BLOCK_V, FP8, GROUP)
+        c0 = c0.to(q0.dtype)
+        s = _dot(q0, tl.trans(c0), s, F32)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        if NV > 1:
+            c1 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 1, L, BLOCK_V, FP8, GROUP)
+            c1 = c1.to(q0.dtype)
+            s = _dot(q1, tl.trans(c1), s, F32)
+        if NV > 2:
+            c2 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 2, L, BLOCK_V, FP8, GROUP)
+            c2 = c2.to(q0.dtype)
+            s = _dot(q2, tl.trans(c2), s, F32)
+        if NV > 3:
+            c3 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 3, L, BLOCK_V, FP8, GROUP)
+            c3 = c3.to(q0.dtype)
+            s = _dot(q3, tl.trans(c3), s, F32)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-padding so far: keep exp2 finite
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        pb = p.to(q0.dtype)  # one P for every value block
+        acc0 = _dot(pb, c0, acc0 * alpha[:, None], F32)
+        if NV > 1:
+            acc1 = _dot(pb, c1, acc1 * alpha[:, None], F32)
+        if NV > 2:
+            acc2 = _dot(pb, c2, acc2 * alpha[:, None], F32)
+        if NV > 3:
+            acc3 = _dot(pb, c3, acc3 * alpha[:, None], F32)
+    has = l_i > 0.0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    obase = o_ptr + t * s_ot + sp * s_os + offs_h[:, None] * s_oh
+    _store_o(obase, acc0 * inv[:, None], mask_h, 0, L, BLOCK_V)
+    if NV > 1:
+        _store_o(obase, acc1 * inv[:, None], mask_h, 1, L, BLOCK_V)
+    if NV > 2:
+        _store_o(obase, acc2 * inv[:, None], mask_h, 2, L, BLOCK_V)
+    if NV > 3:
+        _store_o(obase, acc3 * inv[:, None], mask_h, 3, L, BLOCK_V)
+    tl.store(lse_ptr + t * s_lt + offs_h * s_lh + sp * s_ls, lse, mask=mask_h)
+
+
+def heads_blocks(L: int, group: int, fp8: bool) -> tuple[int, int]:
+    """(BLOCK_V, NV): power-of-two value blocks (>= 16, <= 128), at most MAX_NV of them covering L; for fp8
+    pools BLOCK_V divides the scale group so a block has one scale per row."""
+    bv = min(128, max(16, next_pow2(cdiv(L, MAX_NV))))
+    if fp8:
+        while bv > 16 and group % bv:
+            bv //= 2
+        check(group % bv == 0, f"sparse_mla impl='heads': fp8 group {group} is not a multiple of 16")
+    nv = cdiv(L, bv)
+    check(nv <= MAX_NV, f"sparse_mla impl='heads': L={L} needs {nv} > {MAX_NV} value blocks of {bv}")
+    return bv, nv
+
+
+def pick_splits_heads(programs: int, k: int, block_n: int, num_sms: int) -> int:
+    """K splits for `programs` (query, head block) programs at one CTA per SM: least wave-time, counted as
+    ceil(programs * splits / SMs) waves x key tiles per split (after the wrapper rounds a split to whole
+    tiles), fewest splits on ties; each split >= 2 key tiles so the next gather overlaps this tile's dots.
+    Top-2048, BLOCK_N=32: batch 64 -> 2 splits (128 CTAs, one wave), batch 8 -> 16, batch 1 -> 32."""
+    if programs >= num_sms:
+        return 1  # prefill: many waves already
+    tiles = cdiv(k, block_n)
+    best: tuple[int, int] = (tiles * cdiv(programs, num_sms), 1)
+    for s in range(2, max(1, cdiv(k, 2 * block_n)) + 1):
+        per = cdiv(tiles, s)
+        eff = cdiv(tiles, per)
+        best = min(best, (cdiv(programs * eff, num_sms) * per, eff))
+    return best[1]
