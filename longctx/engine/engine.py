@@ -8,6 +8,7 @@ tp=1 the single stage runs in this process; otherwise `longctx.stages` runs stag
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -108,7 +109,6 @@ class Engine:
         max_queue: int = 1024,
         prefill_form: str = "auto",
         layer_split: list[int] | None = None,
-        gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -161,7 +161,7 @@ class Engine:
             max_queue=max_queue,
             eos_ids=tuple(self.cfg.eos_ids()),
         )
-        self._documents: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._documents: dict[str, list[bytes]] = {}  # doc id -> its pinned prefix-cache page keys
         self._stop_text: dict[str, str] = {}
         self._requests: dict[str, Request] = {}
         self._held: list[StepOutput] = []  # step-API outputs produced inside a blocking call
@@ -274,11 +274,15 @@ class Engine:
             self._requests.pop(out.rid, None)
             return out
         if req.params.stop and out.new_token_ids and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids)
+            # A new match must end in the new tokens, so only a tail can hold it: a stop string of
+            # n characters spans at most 4n tokens (one UTF-8 byte per token at worst), plus one
+            # token whose partial character may decode as U+FFFD.
+            window = 4 * max(len(s) for s in req.params.stop) + len(out.new_token_ids) + 1
+            text = self.tokenizer.decode(req.output_ids[-window:])
             if any(s in text for s in req.params.stop):
                 self.scheduler.finish(req, FinishReason.STOP)
                 self._requests.pop(out.rid, None)
-                return StepOutput(**{**out.__dict__, "finished": True, "finish_reason": FinishReason.STOP})
+                return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP)
         return out
 
     # ---- documents (long-document QA) ----------------------------------------------------------
@@ -288,14 +292,14 @@ class Engine:
         req = Request(rid, list(token_ids), SamplingParams(max_new_tokens=0))
         self._run_to_completion([req], desc="document")
         # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
-        self._documents[rid] = (list(token_ids), self.prefix_cache.pin_prefix(token_ids))
+        self._documents[rid] = self.prefix_cache.pin_prefix(token_ids)
         return rid, len(token_ids)
 
     def unpin_document(self, doc_id: str) -> None:
-        doc = self._documents.pop(doc_id, None)
-        if doc is None:
+        keys = self._documents.pop(doc_id, None)
+        if keys is None:
             raise RequestError(f"no document {doc_id!r}")
-        self.prefix_cache.unpin_keys(doc[1])
+        self.prefix_cache.unpin_keys(keys)
 
     # ---- public API ------------------------------------------------------------------------------
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -137,7 +137,7 @@ class Scheduler:
             self.pages[req.rid] = rp
             self.running.append(req)
             rp.append(n, self.alloc)
-            rows.append(self._row(req, n, grown=True))
+            rows.append(self._row(req, n))
             budget -= n
         if not rows:
             return None
@@ -170,7 +170,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preempted += 1
 
-    def _row(self, req: Request, n: int, grown: bool = True) -> RowPlan:
+    def _row(self, req: Request, n: int) -> RowPlan:
         start = req.num_computed
         ids = tuple(req.token_slice(start, start + n))
         reaches_end = start + n == req.num_tokens
