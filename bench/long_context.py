@@ -280,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap-b", type=int, default=None, help="device tokens for the 128K request")
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--phases", default="check,1m,128k", help="any of check (tiny model on the GPU), 1m, 128k")
+    p.add_argument(
+        "--prompt",
+        choices=("random", "ruler"),
+        default="random",
+        help="random token ids, or a RULER niah_single_1 sample in bytes (for the trained byte-level model)",
+    )
     p.add_argument("--quick", action="store_true", help="CPU, tiny config, tiny lengths")
     p.add_argument("--out", default=None, help="extra output dir (default $OUT when set)")
     args = p.parse_args(argv)
@@ -319,16 +325,34 @@ def main(argv: list[str] | None = None) -> int:
         data["gpu_check"] = {"tokens_match_uncapped": int(ok), "hisparse": pair["capped"]["hisparse"]}
         if not ok:
             print("HiSparse GPU check FAILED: capped tokens differ from uncapped", file=sys.stderr)
+
+    def make_prompt(n: int) -> list[int]:
+        if args.prompt == "random":
+            return torch.randint(0, vocab, (n,), generator=gen).tolist()
+        from longctx.workloads.ruler_tasks import RulerGenerator
+        from longctx.workloads.tokens import ByteCounter
+
+        s = RulerGenerator(ByteCounter(), seed=7, max_new_tokens_scale=0.5).sample(
+            "niah_single_1", n - args.decode, 0
+        )
+        return list((s.input + s.answer_prefix).encode("utf-8"))
+
+    if args.prompt == "ruler":
+        for k in ("request_1m", "decode_128k"):  # keep the random-weights figures beside the new ones
+            if k in data and data[k].get("prompt", "random") == "random":
+                data[k + "_random_prompt"] = data.pop(k)
     if "1m" in phases:
         cap = max(cfg.index_topk + 2, math.floor(args.cap_fraction * args.ctx) - 1)  # + 1 trash row
-        prompt = torch.randint(0, vocab, (args.ctx,), generator=gen).tolist()
+        prompt = make_prompt(args.ctx)
         pair = run_pair(model_dir, device, prompt, args.decode, cap, args.chunk, "1m")
         data["request_1m"] = summarise_1m(pair, cfg, ceilings)
+        data["request_1m"]["prompt"] = args.prompt
     if "128k" in phases:
         cap_b = args.cap_b or max(cfg.index_topk + 2, math.floor(args.cap_fraction * args.ctx_b) - 1)
-        prompt = torch.randint(0, vocab, (args.ctx_b,), generator=gen).tolist()
+        prompt = make_prompt(args.ctx_b)
         pair = run_pair(model_dir, device, prompt, args.decode, cap_b, args.chunk, "128k")
         data["decode_128k"] = summarise_128k(pair)
+        data["decode_128k"]["prompt"] = args.prompt
     data["ceilings"] = ceilings or data.get("ceilings", {})
     data["command"] = "python -m bench.long_context " + " ".join(sys.argv[1:] if argv is None else argv)
     data["config"] = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)

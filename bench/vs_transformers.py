@@ -175,7 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="an existing small-1m checkpoint")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--sparse-mla-heads-min",
+        type=int,
+        default=None,
+        help="sparse MLA uses impl='heads' from this many queries up (default: the kernel's HEADS_MIN_QUERIES)",
+    )
     args = ap.parse_args(argv)
+    if args.sparse_mla_heads_min is not None:
+        from longctx.kernels import sparse_mla as _sm
+
+        _sm.HEADS_MIN_QUERIES = args.sparse_mla_heads_min
     if not torch.cuda.is_available():
         print("bench/vs_transformers.py needs CUDA; nothing to do on this machine")
         return 0
@@ -195,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = {} if args.skip_hf else hf_run(model_dir, lengths + ([] if args.quick else [32768]), decode_tokens)
     long_lengths = [131072] + ([1 << 20] if args.long else [])
     lc = lc_run(model_dir, lengths, decode_tokens, long_lengths, [8, 32], max_context=(1 << 20) + 4096)
+    from longctx.kernels import sparse_mla as _sm
+
     res: dict = {"env": environment(), "ceilings": ceil, "transformers": hf, "longctx": lc}
+    res["sparse_mla_heads_min_queries"] = _sm.HEADS_MIN_QUERIES
     for n in lengths:
         k = f"{n // 1024}k"
         if hf.get("decode_ms", {}).get(n):

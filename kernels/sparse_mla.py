@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -48,6 +49,21 @@ from .sparse_mla_heads import heads_blocks, pick_splits_heads, sparse_mla_heads_
 
 _LOG2E = 1.4426950408889634
 IMPLS = ("split", "heads")
+# impl="auto": "heads" from this many queries up (prefill chunks), "split" below (decode). The
+# environment variable LONGCTX_SPARSE_MLA_IMPL (split | heads | auto) overrides the choice for benches.
+HEADS_MIN_QUERIES = 1 << 30  # "split" everywhere until an H200 run picks the crossover
+
+
+def resolve_impl(impl: str, tq: int) -> str:
+    """The kernel variant `impl` means for `tq` queries ("auto" -> HEADS_MIN_QUERIES, or the env override)."""
+    if impl == "auto":
+        impl = os.environ.get("LONGCTX_SPARSE_MLA_IMPL", "auto")
+        check(
+            impl in IMPLS + ("auto",), f"LONGCTX_SPARSE_MLA_IMPL must be split, heads or auto, got {impl!r}"
+        )
+    if impl == "auto":
+        impl = "heads" if tq >= HEADS_MIN_QUERIES else "split"
+    return impl
 
 
 def _check(
@@ -269,7 +285,7 @@ def sparse_mla(
     return_lse: bool = False,
     *,
     backend: str = "auto",
-    impl: str = "split",
+    impl: str = "auto",
     num_splits: int | None = None,
     block_h: int | None = None,
     block_n: int | None = None,
@@ -283,14 +299,15 @@ def sparse_mla(
     q_latent [Tq, H, L], q_rope [Tq, H, R]: same float dtype, unit last stride. indices [Tq, K] int32/int64,
     unit last stride. `num_splits=None` picks the decode split-K so the grid covers ~2 waves of SMs; 1 is the
     prefill form. The keyword-only tile knobs are for the bench; None picks defaults for the shape.
-    `impl`: "split" (default: BLOCK_H heads of one query per program) or "heads" (all heads of a query per
-    program, value dim in 128-column blocks; kernels.sparse_mla_heads). block_h caps the heads per program
+    `impl`: "split" (BLOCK_H heads of one query per program), "heads" (all heads of a query per program,
+    value dim in 128-column blocks; kernels.sparse_mla_heads) or "auto" (`resolve_impl`). block_h caps the heads per program
     (heads default 64); scale_gather applies to "split" only.
     """
-    check(impl in IMPLS, f"sparse_mla: impl must be one of {IMPLS}, got {impl!r}")
+    check(impl in IMPLS + ("auto",), f"sparse_mla: impl must be one of {IMPLS} or auto, got {impl!r}")
     if not use_triton(backend, q_latent.device):
         return sparse_mla_ref(q_latent, q_rope, kv_pool, indices, sm_scale, kind, return_lse)
     tq, h, L, R, k = _check(q_latent, q_rope, kv_pool, indices, kind)
+    impl = resolve_impl(impl, tq)
     check(q_latent.stride(2) == 1 and q_rope.stride(2) == 1, "sparse_mla: q needs unit last stride")
     check(indices.stride(1) == 1 or k <= 1, "sparse_mla: indices need unit last stride")
     check(kv_pool.stride(1) == 1, "sparse_mla: kv_pool needs unit column stride")

@@ -450,3 +450,17 @@ def test_bench_imports_on_cpu(capsys):
     if not torch.cuda.is_available():
         assert mod.main([]) == 0
         assert "CUDA" in capsys.readouterr().out
+
+
+def test_sparse_mla_impl_auto_resolves(monkeypatch):
+    from longctx.kernels import sparse_mla as sm
+
+    monkeypatch.delenv("LONGCTX_SPARSE_MLA_IMPL", raising=False)
+    assert sm.resolve_impl("split", 10**6) == "split" and sm.resolve_impl("heads", 1) == "heads"
+    monkeypatch.setattr(sm, "HEADS_MIN_QUERIES", 64)
+    assert sm.resolve_impl("auto", 63) == "split" and sm.resolve_impl("auto", 64) == "heads"
+    monkeypatch.setenv("LONGCTX_SPARSE_MLA_IMPL", "split")
+    assert sm.resolve_impl("auto", 10**6) == "split"
+    monkeypatch.setenv("LONGCTX_SPARSE_MLA_IMPL", "bogus")
+    with pytest.raises(Exception, match="LONGCTX_SPARSE_MLA_IMPL"):
+        sm.resolve_impl("auto", 1)

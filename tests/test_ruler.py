@@ -389,3 +389,13 @@ def test_ruler_through_the_real_engine(tmp_path):
     summary = json.loads((out / "results.json").read_text())
     assert summary["samples"]["niah_single_1"]["1024"] == 2
     assert Path(out / "ruler.png").exists()
+
+
+def test_plan_takes_tasks_in_turns_a_batch_at_a_time() -> None:
+    keys = plan_keys(RunPlan(("niah_single_1", "vt"), (2048, 4096), 5, concurrency=2))
+    assert len(keys) == len(set(keys)) == 2 * 2 * 5
+    assert keys[:6] == [
+        ("niah_single_1", 2048, 0), ("niah_single_1", 2048, 1), ("vt", 2048, 0), ("vt", 2048, 1),
+        ("niah_single_1", 2048, 2), ("niah_single_1", 2048, 3),
+    ]  # fmt: skip
+    assert [k[1] for k in keys] == sorted(k[1] for k in keys)  # shortest lengths first

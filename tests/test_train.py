@@ -152,3 +152,37 @@ def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
     )
     assert set(r) == {f"niah_single_1@{length}", "avg", "examples"}
     assert 0.0 <= r["avg"] <= 100.0
+
+
+def test_schedule_fits_the_budget() -> None:
+    from longctx.train.loop import NOMINAL_STEPS, fit_schedule
+
+    data = DataConfig(curriculum=((0, 1024), (1500, 4096), (4000, 8192), (6000, 16384)))
+    cfg = TrainConfig(data=data, steps=0, max_minutes=10)
+    step_s = {1024: 0.05, 4096: 0.08, 8192: 0.1, 16384: 0.2}
+    fitted = fit_schedule(cfg, step_s, 600.0)
+    n, cur = fitted.steps, fitted.data.curriculum
+    assert [S for _, S in cur] == [1024, 4096, 8192, 16384] and cur[0][0] == 0
+    # the phases keep their proportions of the schedule
+    for (first, _), (got, _) in zip(data.curriculum, cur):
+        assert abs(got - first * n / NOMINAL_STEPS) <= 1
+    bounds = [a for a, _ in cur] + [n]
+    spent = sum((b - a) * step_s[S] for a, b, (_, S) in zip(bounds, bounds[1:], cur))
+    assert 0.85 * 600 <= spent <= 600
+
+
+def test_auto_schedule_from_the_cli(tmp_path: Path) -> None:
+    out = tmp_path / "auto"
+    args = [
+        "--config", str(TINY), "--out", str(out), "--steps", "0", "--max-minutes", "0.3", "--device", "cpu",
+        "--tokens-per-step", "1024", "--curriculum", "0:512,5000:768", "--dense-warmup-steps", "2",
+        "--warmup-steps", "2", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
+    ]  # fmt: skip
+    assert main(args) == 0
+    st = read_training(out)
+    steps, cur = st["recipe"]["steps"], st["recipe"]["data"]["curriculum"]
+    assert steps > 2 and [S for _, S in cur] == [512, 768] and cur[1][0] == round(5000 * steps / 10000)
+    # a resumed --steps 0 run keeps that plan
+    s2 = main(args[:3] + [str(tmp_path / "b")] + args[4:] + ["--resume", str(out), "--max-minutes", "0.05"])
+    assert s2 == 0
+    assert read_training(tmp_path / "b")["recipe"]["steps"] == steps

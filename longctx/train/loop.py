@@ -44,7 +44,7 @@ class TrainConfig:
     model_config: str = "configs/retrieval.json"
     out: str = "runs/retrieval"
     resume: str | None = None
-    steps: int = 10000  # length of the cosine schedule (over all resumed runs)
+    steps: int = 10000  # length of the cosine schedule (over all resumed runs); 0: fit to max_minutes
     max_minutes: float | None = None  # stop (and save) at this wall-clock budget
     seed: int = 0
     device: str = "auto"
@@ -72,6 +72,48 @@ class TrainConfig:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+NOMINAL_STEPS = TrainConfig.steps  # with steps=0 the curriculum's step numbers are read out of this
+
+
+def probe_step_seconds(
+    model: TrainCausalLM, cfg: TrainConfig, device: torch.device, reps: int = 3
+) -> dict[int, float]:
+    """Seconds of one sparse-stage forward + backward at each curriculum length (no optimizer step)."""
+    from longctx.train.data import make_batch
+
+    out: dict[int, float] = {}
+    step = max(cfg.dense_warmup_steps, 0)
+    for first, S in cfg.data.curriculum:
+        if S in out:
+            continue
+        batch = make_batch(cfg.data, first)
+        times = []
+        for i in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss, _, _ = compute_loss(model, batch, cfg, step, device)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+        out[S] = sorted(times)[len(times) // 2]
+    return out
+
+
+def fit_schedule(cfg: TrainConfig, step_s: dict[int, float], budget_s: float) -> TrainConfig:
+    """The schedule length N whose curriculum (step numbers scaled by N / NOMINAL_STEPS) fills budget_s."""
+    cur = cfg.data.curriculum
+    bounds = [first / NOMINAL_STEPS for first, _ in cur] + [1.0]
+    per_step = sum((b - a) * step_s[S] for (a, b), (_, S) in zip(zip(bounds, bounds[1:]), cur))
+    n = max(cfg.warmup_steps + 1, int(budget_s / (per_step * 1.06)))  # 6%: optimizer, logging, saves
+    scaled = tuple((round(first * n / NOMINAL_STEPS), S) for first, S in cur)
+    scaled = tuple(p for i, p in enumerate(scaled) if i == 0 or p[0] > scaled[i - 1][0])
+    return dataclasses.replace(cfg, steps=n, data=dataclasses.replace(cfg.data, curriculum=scaled))
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -149,6 +191,39 @@ def compute_loss(
     return loss, metrics, aux.expert_load
 
 
+def _auto_schedule(
+    cfg: TrainConfig, model: TrainCausalLM, device: torch.device, state: dict[str, Any] | None, t_start: float
+) -> TrainConfig:
+    """steps=0: a resumed run keeps the schedule it was planned with; a fresh one times each length and
+    fits the schedule to what is left of max_minutes."""
+    if state is not None and int(state["recipe"].get("steps", 0)) > 0:
+        r = state["recipe"]
+        cur = tuple((int(a), int(b)) for a, b in r["data"]["curriculum"])
+        return dataclasses.replace(
+            cfg, steps=int(r["steps"]), data=dataclasses.replace(cfg.data, curriculum=cur)
+        )
+    if cfg.max_minutes is None:
+        raise ConfigError("--steps 0 (fit the schedule to the time budget) needs --max-minutes")
+    model.train()
+    step_s = probe_step_seconds(model, cfg, device)
+    left = t_start + 60 * cfg.max_minutes - time.monotonic() - (60.0 if cfg.eval_samples else 0.0)
+    fitted = fit_schedule(cfg, step_s, left)
+    print(
+        json.dumps(
+            {
+                "plan": {
+                    "step_seconds": step_s,
+                    "budget_s": round(left, 1),
+                    "steps": fitted.steps,
+                    "curriculum": fitted.data.curriculum,
+                }
+            }
+        ),
+        flush=True,
+    )
+    return fitted
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -178,6 +253,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     else:
         model.init_weights(cfg.seed)
     model.to(device)
+    if cfg.steps <= 0:
+        cfg = _auto_schedule(cfg, model, device, state, t_start)
     opt = build_optimizer(model, cfg, device)
     if state is not None:
         restore_moments(model, opt, state["moments"], start)

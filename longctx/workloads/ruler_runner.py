@@ -34,8 +34,19 @@ class RunPlan:
 
 
 def plan_keys(plan: RunPlan) -> list[Key]:
-    """Every (task, length, index), shortest lengths first so early results are useful."""
-    return [(t, L, i) for L in plan.lengths for t in plan.tasks for i in range(plan.samples)]
+    """Every (task, length, index), shortest lengths first so early results are useful.
+
+    Within a length the tasks take turns, a batch (`concurrency` samples of one task) at a time,
+    so a run stopped part-way has scores for every task rather than all samples of the first few.
+    """
+    c = max(1, plan.concurrency)
+    return [
+        (t, L, i)
+        for L in plan.lengths
+        for j in range(0, plan.samples, c)
+        for t in plan.tasks
+        for i in range(j, min(j + c, plan.samples))
+    ]
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -1,0 +1,192 @@
+"""RULER-style retrieval scores of a trained checkpoint through longctx (issue 10's measurement).
+
+`run` scores the listed tasks at each length through `longctx ruler` (the embedded engine, raw
+prompts as training formats them, greedy, RULER's string_match_all), one engine per length so a
+HiSparse cap can be a fraction of that length; results.jsonl in the run directory is resumable, so a
+run cut off by the device tool's 10-minute limit keeps every sample it finished. `merge` combines
+run directories (capped and uncapped, from different GPUs or calls) into
+bench/results/retrieval-h200.{json,md} and a PNG of score vs length.
+
+    python -m bench.retrieval_eval run --model DIR --lengths 4k,32k,128k --samples 20 --out R/uncapped
+    python -m bench.retrieval_eval run --model DIR --lengths 1m --samples 3 --cap-fraction 0.1 --out R/capped
+    python -m bench.retrieval_eval merge R/uncapped R/capped [--out bench/results]
+
+Keys of the JSON: `<task>.<len>` (0-100; at 1m the HiSparse-capped run, elsewhere the uncapped one),
+`<task>.1m_uncapped` / `<task>.<len>_capped` for the other kind, `avg_niah.<len>` (the mean over the
+tasks when every task has a score at that length), `samples.<task>.<len>`, and
+`capped_minus_uncapped.1m` (mean over tasks scored both ways).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+)
+ONE_M = 1 << 20
+RUN_META = "run.json"
+# training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
+MAX_NEW_TOKENS_SCALE = "0.5"
+
+
+def length_name(n: int) -> str:
+    return f"{n >> 20}m" if n % ONE_M == 0 else f"{n >> 10}k" if n % 1024 == 0 else str(n)
+
+
+def run(args: argparse.Namespace) -> int:
+    from longctx.cli import main as cli
+    from longctx.workloads.ruler_cli import parse_lengths
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = parse_lengths(args.lengths)
+    meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
+    meta["device_tokens"] = {}
+    rc = 0
+    for L in lengths:
+        argv = [
+            "ruler", "--model", str(args.model), "--tasks", args.tasks, "--lengths", str(L),
+            "--samples", str(args.samples), "--concurrency", str(args.concurrency),
+            "--max-new-tokens-scale", MAX_NEW_TOKENS_SCALE, "--seed", str(args.seed), "--out", str(out),
+        ]  # fmt: skip
+        if args.cap_fraction:
+            cap = max(1, int(args.cap_fraction * L))
+            meta["device_tokens"][str(L)] = cap
+            argv += ["--hisparse-device-tokens", str(cap)]
+        (out / RUN_META).write_text(json.dumps(meta, indent=2) + "\n")
+        t = time.perf_counter()
+        rc = cli(argv) or rc
+        print(f"retrieval_eval: {length_name(L)} done in {time.perf_counter() - t:.0f}s", flush=True)
+    return rc
+
+
+def collect(run_dirs: list[Path]) -> dict:
+    """Per (task, length, capped): the scores of every finished sample, from each run's results.jsonl."""
+    from longctx.workloads.ruler_runner import read_rows
+
+    scores: dict[tuple[str, int, bool], list[float]] = {}
+    latency: dict[tuple[str, int, bool], list[float]] = {}
+    for d in run_dirs:
+        meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
+        capped = bool(meta.get("cap_fraction"))
+        for r in read_rows(d / "results.jsonl"):
+            k = (r["task"], int(r["length"]), capped)
+            scores.setdefault(k, []).append(float(r["score"]))
+            if r.get("latency_s") is not None:
+                latency.setdefault(k, []).append(float(r["latency_s"]))
+    return {"scores": scores, "latency": latency}
+
+
+def merge(args: argparse.Namespace) -> int:
+    from bench.common import write_results
+
+    got = collect([Path(d) for d in args.runs])
+    res: dict = {"tasks": list(TASKS), "samples": {}, "mean_latency_s": {}}
+    by_len: dict[tuple[int, bool], dict[str, float]] = {}
+    for (task, L, capped), v in sorted(got["scores"].items()):
+        plain = capped == (L >= ONE_M)  # the headline at 1M is the capped run, elsewhere the uncapped
+        suffix = "" if plain else ("_capped" if capped else "_uncapped")
+        key = f"{task}.{length_name(L)}{suffix}"
+        res[key] = round(100 * sum(v) / len(v), 1)
+        res["samples"][key] = len(v)
+        lat = got["latency"].get((task, L, capped))
+        if lat:
+            res["mean_latency_s"][key] = round(sum(lat) / len(lat), 2)
+        by_len.setdefault((L, capped), {})[task] = res[key]
+    for (L, capped), row in sorted(by_len.items()):
+        if all(t in row for t in TASKS):
+            plain = capped == (L >= ONE_M)
+            suffix = "" if plain else ("_capped" if capped else "_uncapped")
+            res[f"avg_niah.{length_name(L)}{suffix}"] = round(sum(row.values()) / len(row), 1)
+    both = [t for t in TASKS if t in by_len.get((ONE_M, True), {}) and t in by_len.get((ONE_M, False), {})]
+    if both:
+        res["capped_minus_uncapped.1m"] = round(
+            sum(by_len[(ONE_M, True)][t] - by_len[(ONE_M, False)][t] for t in both) / len(both), 1
+        )
+    lengths = sorted({L for L, _ in by_len})
+    head = "| task | " + " | ".join(length_name(L) for L in lengths) + " |"
+    rows = [head, "|---" * (len(lengths) + 1) + "|"]
+    for t in TASKS:
+        cells = []
+        for L in lengths:
+            u, c = by_len.get((L, False), {}).get(t), by_len.get((L, True), {}).get(t)
+            cell = "-" if u is None else f"{u:.0f}"
+            if c is not None:
+                cell = f"{c:.0f} capped" if u is None else f"{u:.0f} / {c:.0f} capped"
+            cells.append(cell)
+        rows.append(f"| {t} | " + " | ".join(cells) + " |")
+    table = "\n".join(rows)
+    print(table)
+    out = Path(args.out) if args.out else None
+    write_results("retrieval-h200", res, table, out)
+    plot(by_len, (out or Path(__file__).resolve().parent / "results") / "retrieval-h200.png")
+    return 0
+
+
+def plot(by_len: dict[tuple[int, bool], dict[str, float]], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for capped, style in ((False, "-o"), (True, "--s")):
+        for t in TASKS:
+            pts = sorted((L, row[t]) for (L, c), row in by_len.items() if c == capped and t in row)
+            if pts:
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    label=t + (" (capped 10%)" if capped else ""),
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-2, 102)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("score (%)")
+    ax.set_title("retrieval model through longctx (H200)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="score tasks at lengths into a resumable run directory")
+    r.add_argument("--model", required=True)
+    r.add_argument("--lengths", default="4k,32k,128k")
+    r.add_argument("--tasks", default=",".join(TASKS))
+    r.add_argument("--samples", type=int, default=20)
+    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--seed", type=int, default=42)
+    r.add_argument(
+        "--cap-fraction", type=float, default=None, help="HiSparse device tokens as a fraction of L"
+    )
+    r.add_argument("--out", required=True)
+    r.set_defaults(func=run)
+    m = sub.add_parser("merge", help="combine run directories into retrieval-h200.{json,md,png}")
+    m.add_argument("runs", nargs="+")
+    m.add_argument("--out", default=None, help="directory for the results (default bench/results)")
+    m.set_defaults(func=merge)
+    args = ap.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
