@@ -186,3 +186,21 @@ def test_auto_schedule_from_the_cli(tmp_path: Path) -> None:
     s2 = main(args[:3] + [str(tmp_path / "b")] + args[4:] + ["--resume", str(out), "--max-minutes", "0.05"])
     assert s2 == 0
     assert read_training(tmp_path / "b")["recipe"]["steps"] == steps
+
+
+def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> None:
+    cfg = DataConfig(tokens_per_step=4096, curriculum=((0, 512),), copy_fraction=1.0)
+    b = make_batch(cfg, 0)
+    assert set(b.tasks) == {"copy"}
+    words = bytes(b.ids[0].tolist()).decode().split()
+    assert len(set(words)) < len(words)  # strings recur
+    a = tmp_path / "a"
+    _train_cli(a, steps=2)
+    b_dir = tmp_path / "b"
+    args = [
+        "--config", str(TINY), "--out", str(b_dir), "--steps", "2", "--device", "cpu", "--init-from", str(a),
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--copy-fraction", "0.5", "--kl-rows", "16",
+        "--save-dtype", "float32",
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert read_training(b_dir)["step"] == 2

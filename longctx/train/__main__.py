@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=t.model_config, help="model config.json (default %(default)s)")
     p.add_argument("--out", required=True, help="output directory (checkpoint + trainer state + log)")
     p.add_argument("--resume", default=None, help="a previous --out directory to continue from")
+    p.add_argument("--init-from", default=None, help="a checkpoint to start from (weights only, step 0)")
     p.add_argument("--steps", type=int, default=t.steps, help="total steps of the schedule (%(default)s)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop and save after this wall time")
     p.add_argument("--device", default=t.device, help="auto | cpu | cuda (%(default)s)")
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="STEP:SEQLEN,... sequence length from each step on (%(default)s)",
     )
     p.add_argument("--text-fraction", type=float, default=d.text_fraction)
+    p.add_argument(
+        "--copy-fraction", type=float, default=d.copy_fraction, help="rows of recurring random strings"
+    )
     p.add_argument("--lm-weight", type=float, default=t.lm_weight)
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
@@ -91,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_step=args.tokens_per_step,
             curriculum=parse_curriculum(args.curriculum),
             text_fraction=args.text_fraction,
+            copy_fraction=args.copy_fraction,
         )
         cfg = dataclasses.replace(
             TrainConfig(),
             model_config=args.config,
             out=args.out,
             resume=args.resume,
+            init_from=args.init_from,
             steps=args.steps,
             max_minutes=args.max_minutes,
             seed=args.seed,

@@ -59,6 +59,7 @@ class DataConfig:
     tokens_per_step: int = 32768
     curriculum: tuple[tuple[int, int], ...] = ((0, 1024), (1500, 4096), (4000, 8192), (6000, 16384))
     text_fraction: float = 0.1  # rows of plain prose
+    copy_fraction: float = 0.0  # rows of random strings that recur (only copying predicts them)
     min_length_fraction: float = 0.5  # a retrieval sample fills [fraction * S, S] tokens
     tasks: tuple[tuple[str, float], ...] = field(default=DEFAULT_TASKS)
 
@@ -119,6 +120,20 @@ def _prose(rng: random.Random, n_bytes: int) -> bytes:
     return "".join(out).encode("utf-8")[:n_bytes]
 
 
+def _copy_row(rng: random.Random, n: int) -> list[int]:
+    """Random strings (8-48 letters/digits) drawn with replacement from a small pool: every repeat is
+    predictable only by finding its earlier occurrence (the induction pattern retrieval is built on)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(rng.randint(4, 24))]
+    out: list[str] = []
+    size = 0
+    while size < n:
+        w = rng.choice(pool)
+        out.append(w)
+        size += len(w) + 1
+    return list(" ".join(out).encode("ascii")[:n])
+
+
 def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str]:
     names = [t for t, _ in cfg.tasks]
     task = rng.choices(names, weights=[w for _, w in cfg.tasks])[0]
@@ -145,7 +160,10 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
 def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], list[int], str]:
     """S + 1 token ids and their kinds (the kind of token i is that of target i - 1)."""
     rng = random.Random(f"{cfg.seed}:{step}:{row}")
-    if rng.random() < cfg.text_fraction:
+    u = rng.random()
+    if u < cfg.copy_fraction:
+        return _copy_row(rng, S + 1), [LM] * (S + 1), "copy"
+    if u - cfg.copy_fraction < cfg.text_fraction:
         ids: list[int] = []
         kinds: list[int] = []
         task = "text"

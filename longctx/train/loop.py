@@ -44,6 +44,7 @@ class TrainConfig:
     model_config: str = "configs/retrieval.json"
     out: str = "runs/retrieval"
     resume: str | None = None
+    init_from: str | None = None  # start from these weights (fresh optimizer, step 0)
     steps: int = 10000  # length of the cosine schedule (over all resumed runs); 0: fit to max_minutes
     max_minutes: float | None = None  # stop (and save) at this wall-clock budget
     seed: int = 0
@@ -252,6 +253,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         load_model_weights(model, cfg.resume, torch.device("cpu"))
     else:
         model.init_weights(cfg.seed)
+        if cfg.init_from:
+            load_model_weights(model, cfg.init_from, torch.device("cpu"))
+            model.mark_trainable()
     model.to(device)
     if cfg.steps <= 0:
         cfg = _auto_schedule(cfg, model, device, state, t_start)
