@@ -127,7 +127,7 @@ def _copy_row(rng: random.Random, n: int) -> list[int]:
     pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(rng.randint(4, 24))]
     out: list[str] = []
     size = 0
-    while size < n:
+    while size <= n:  # the joined text is size - 1 bytes long
         w = rng.choice(pool)
         out.append(w)
         size += len(w) + 1
