@@ -99,6 +99,13 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
                     "roofline_ratio": x["x_roofline"],
                     "graph_us": x.get("graph_us"),
                     "graph_roofline_ratio": x.get("graph_x_roofline"),
+                    # impl="heads" (the default since this run): graph time and its roofline ratio
+                    "heads_graph_us": x.get("impl_heads", {}).get("graph_us"),
+                    "heads_graph_roofline_ratio": (
+                        x["impl_heads"]["graph_us"] / x["roofline_us"]
+                        if x.get("impl_heads", {}).get("graph_us")
+                        else None
+                    ),
                 }
                 for x in mla
             },
@@ -175,6 +182,12 @@ def table(s: dict[str, Any], ceil: dict[str, float]) -> str:
             f"roofline {x.get('roofline_s', 0) * 1e6:.1f} us | {x.get('roofline_ratio', 0):.2f} | <= 1.25 | "
             f"{_g(x.get('graph_us'))} ({_r(x.get('graph_roofline_ratio'))}) |"
         )
+        for b, y in x.get("by_batch", {}).items():
+            if y.get("heads_graph_us"):
+                rows.append(
+                    f"| sparse MLA, batch {b}: split / heads (default) in a graph | {_g(y.get('graph_us'))} / "
+                    f"{_g(y['heads_graph_us'])} | | | heads {_r(y.get('heads_graph_roofline_ratio'))} | | |"
+                )
     for b, x in s.get("moe_decode", {}).items():
         rows.append(
             f"| MoE 256 experts top-8 fp8, batch {b} | {x['time_us']:.0f} us | | "

@@ -29,7 +29,7 @@ fp8 rows are dequantised in the load (the [BLOCK_N, L/G] scales are broadcast ov
 the tile, which is then cast to the query dtype for the tensor cores). L and R are padded to powers of two (>= 16) with masks, so tiny test
 dims (32/8, 64/16) and 512/64 share one kernel.
 
-`impl="heads"` (opt-in, kernels.sparse_mla_heads): one program per (query, K split) with all heads in the M
+`impl="heads"` (the default through impl="auto"; kernels.sparse_mla_heads): one program per (query, K split) with all heads in the M
 dimension of the dots (64 heads -> M = 64, wgmma-sized) and the latent cut into <= 4 value blocks of 128; each
 key tile is gathered once per query instead of once per head block. Same splits/combine and semantics.
 """
@@ -49,9 +49,11 @@ from .sparse_mla_heads import heads_blocks, pick_splits_heads, sparse_mla_heads_
 
 _LOG2E = 1.4426950408889634
 IMPLS = ("split", "heads")
-# impl="auto": "heads" from this many queries up (prefill chunks), "split" below (decode). The
-# environment variable LONGCTX_SPARSE_MLA_IMPL (split | heads | auto) overrides the choice for benches.
-HEADS_MIN_QUERIES = 1 << 30  # "split" everywhere until an H200 run picks the crossover
+# impl="auto": "heads" from this many queries up, "split" below. H200, GLM-5.3 shapes (64 heads, fp8,
+# top-2048; bench/results/kernels-h200.md): heads is as fast at batch 1 inside a graph (22.3 vs 22.8 us)
+# and faster from batch 8 (35 vs 132 us), 64 (195 vs 608 us) and an 8192-query prefill chunk (13.7 vs
+# 63.7 ms), so it is used everywhere. LONGCTX_SPARSE_MLA_IMPL (split | heads | auto) overrides for benches.
+HEADS_MIN_QUERIES = 1
 
 
 def resolve_impl(impl: str, tq: int) -> str:
@@ -344,7 +346,7 @@ def sparse_mla(
     if impl == "heads":
         block_v, nv = heads_blocks(L, group, fp8)
         bh = block_h or min(64, max(16, next_pow2(h)))
-        bn = block_n or 32  # shared-memory budget at 64 heads, see sparse_mla_heads
+        bn = block_n or (64 if tq >= 8 else 32)  # H200 sweep: 64 wins from batch 8 up, 32 ~ 16 at batch 1
     else:
         bh = block_h or min(32 if block_l <= 256 else 16, max(16, next_pow2(h)))
         bn = block_n or (32 if block_l >= 512 else 64)

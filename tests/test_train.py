@@ -3,6 +3,7 @@ logits as the training forward, and resume continues. CPU, tiny configs, well un
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def _model(seed: int = 0, std: float = 0.02) -> TrainCausalLM:
 
 
 def test_batches_are_deterministic_and_mark_answers() -> None:
-    cfg = DataConfig(seed=3, tokens_per_step=2048, curriculum=((0, 512), (2, 1024)), text_fraction=0.0)
+    cfg = DataConfig(
+        seed=3, tokens_per_step=2048, curriculum=((0, 512), (2, 1024)), text_fraction=0.0, copy_fraction=0.0
+    )
     a, b = make_batch(cfg, 1), make_batch(cfg, 1)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.kind, b.kind) and a.tasks == b.tasks
     assert a.ids.shape == (4, 512) and make_batch(cfg, 2).ids.shape == (2, 1024)
@@ -49,7 +52,7 @@ def test_batches_are_deterministic_and_mark_answers() -> None:
 
 def test_overfits_a_fixed_batch_through_sparse_attention() -> None:
     m = _model()
-    data = DataConfig(tokens_per_step=512, curriculum=((0, 512),), text_fraction=0.0)
+    data = DataConfig(tokens_per_step=512, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
     cfg = TrainConfig(data=data, dense_warmup_steps=0, kl_rows=16, lr=3e-3, warmup_steps=1, steps=20)
     batch = make_batch(data, 0)
     assert batch.ids.shape[1] > m.cfg.index_topk  # the selection really drops keys
@@ -169,6 +172,10 @@ def test_schedule_fits_the_budget() -> None:
     bounds = [a for a, _ in cur] + [n]
     spent = sum((b - a) * step_s[S] for a, b, (_, S) in zip(bounds, bounds[1:], cur))
     assert 0.85 * 600 <= spent <= 600
+    # the dense warm-up scales with the schedule; one past the nominal end keeps the run dense
+    assert abs(fitted.dense_warmup_steps - cfg.dense_warmup_steps * n / NOMINAL_STEPS) <= 1
+    always = fit_schedule(dataclasses.replace(cfg, dense_warmup_steps=10**9), step_s, 600.0)
+    assert always.dense_warmup_steps == 10**9
 
 
 def test_auto_schedule_from_the_cli(tmp_path: Path) -> None:
@@ -204,3 +211,14 @@ def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> No
     ]  # fmt: skip
     assert main(args) == 0
     assert read_training(b_dir)["step"] == 2
+
+
+def test_shipped_wip_checkpoint_loads_and_retrieves_at_512() -> None:
+    """The part-trained retrieval model (models-shipped/retrieval-wip) through the real engine on the CPU:
+    it must keep finding the needle in short niah_single_1 prompts (measured 4 of 8)."""
+    from longctx.train.evaluate import niah_eval
+
+    wip = ROOT / "models-shipped" / "retrieval-wip"
+    r = niah_eval(wip, lengths=(512,), tasks=("niah_single_1",), samples=8, device="cpu", dtype="float32",
+                  max_new_tokens=12)  # fmt: skip
+    assert r["niah_single_1@512"] >= 37.5, r

@@ -57,9 +57,19 @@ class DataConfig:
 
     seed: int = 0
     tokens_per_step: int = 32768
-    curriculum: tuple[tuple[int, int], ...] = ((0, 1024), (1500, 4096), (4000, 8192), (6000, 16384))
+    # short rows first: retrieval appears at 512 (after the copy rows teach induction), then length
+    curriculum: tuple[tuple[int, int], ...] = (
+        (0, 512),
+        (1500, 1024),
+        (3500, 2048),
+        (5500, 4096),
+        (7000, 8192),
+        (8500, 16384),
+    )
     text_fraction: float = 0.1  # rows of plain prose
-    copy_fraction: float = 0.0  # rows of random strings that recur (only copying predicts them)
+    # rows of random strings that recur (only copying predicts them): without them the H200 runs never
+    # learned retrieval (docs/training.md, "What the runs showed")
+    copy_fraction: float = 0.3
     min_length_fraction: float = 0.5  # a retrieval sample fills [fraction * S, S] tokens
     tasks: tuple[tuple[str, float], ...] = field(default=DEFAULT_TASKS)
 

@@ -56,10 +56,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    lm_weight: float = 0.2
+    lm_weight: float = 0.5
     kl_weight: float = 1.0
     kl_rows: int = 256  # query rows per sequence that the indexer KL is computed on
-    dense_warmup_steps: int = 300
+    dense_warmup_steps: int = 5500  # dense attention until the 4096 phase (retrieval first, then sparsity)
     bias_update_rate: float = 1e-3
     save_every: int = 500
     log_every: int = 10
@@ -107,14 +107,21 @@ def probe_step_seconds(
 
 
 def fit_schedule(cfg: TrainConfig, step_s: dict[int, float], budget_s: float) -> TrainConfig:
-    """The schedule length N whose curriculum (step numbers scaled by N / NOMINAL_STEPS) fills budget_s."""
+    """The schedule length N whose curriculum (step numbers scaled by N / NOMINAL_STEPS) fills budget_s.
+
+    The dense warm-up is scaled the same way (a value past NOMINAL_STEPS keeps the whole run dense).
+    The probe times sparse steps, which bounds the dense ones from above."""
     cur = cfg.data.curriculum
     bounds = [first / NOMINAL_STEPS for first, _ in cur] + [1.0]
     per_step = sum((b - a) * step_s[S] for (a, b), (_, S) in zip(zip(bounds, bounds[1:]), cur))
     n = max(cfg.warmup_steps + 1, int(budget_s / (per_step * 1.06)))  # 6%: optimizer, logging, saves
     scaled = tuple((round(first * n / NOMINAL_STEPS), S) for first, S in cur)
     scaled = tuple(p for i, p in enumerate(scaled) if i == 0 or p[0] > scaled[i - 1][0])
-    return dataclasses.replace(cfg, steps=n, data=dataclasses.replace(cfg.data, curriculum=scaled))
+    dense = min(cfg.dense_warmup_steps, 1 << 40)
+    dense = round(dense * n / NOMINAL_STEPS) if dense <= NOMINAL_STEPS else dense  # past the end: stays dense
+    return dataclasses.replace(
+        cfg, steps=n, dense_warmup_steps=dense, data=dataclasses.replace(cfg.data, curriculum=scaled)
+    )
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -201,7 +208,10 @@ def _auto_schedule(
         r = state["recipe"]
         cur = tuple((int(a), int(b)) for a, b in r["data"]["curriculum"])
         return dataclasses.replace(
-            cfg, steps=int(r["steps"]), data=dataclasses.replace(cfg.data, curriculum=cur)
+            cfg,
+            steps=int(r["steps"]),
+            dense_warmup_steps=int(r.get("dense_warmup_steps", cfg.dense_warmup_steps)),
+            data=dataclasses.replace(cfg.data, curriculum=cur),
         )
     if cfg.max_minutes is None:
         raise ConfigError("--steps 0 (fit the schedule to the time budget) needs --max-minutes")
@@ -216,6 +226,7 @@ def _auto_schedule(
                     "step_seconds": step_s,
                     "budget_s": round(left, 1),
                     "steps": fitted.steps,
+                    "dense_warmup_steps": fitted.dense_warmup_steps,
                     "curriculum": fitted.data.curriculum,
                 }
             }
