@@ -37,6 +37,7 @@ TASKS = (
     "vt",
 )
 ONE_M = 1 << 20
+RESULTS = Path(__file__).resolve().parent / "results"
 RUN_META = "run.json"
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
 MAX_NEW_TOKENS_SCALE = "0.5"
@@ -91,8 +92,6 @@ def collect(run_dirs: list[Path]) -> dict:
 
 
 def merge(args: argparse.Namespace) -> int:
-    from bench.common import write_results
-
     got = collect([Path(d) for d in args.runs])
     res: dict = {"tasks": list(TASKS), "samples": {}, "mean_latency_s": {}}
     by_len: dict[tuple[int, bool], dict[str, float]] = {}
@@ -130,9 +129,11 @@ def merge(args: argparse.Namespace) -> int:
         rows.append(f"| {t} | " + " | ".join(cells) + " |")
     table = "\n".join(rows)
     print(table)
-    out = Path(args.out) if args.out else None
-    write_results("retrieval-h200", res, table, out)
-    plot(by_len, (out or Path(__file__).resolve().parent / "results") / "retrieval-h200.png")
+    out = Path(args.out) if args.out else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "retrieval-h200.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "retrieval-h200.md").write_text(table + "\n")
+    plot(by_len, out / "retrieval-h200.png")
     return 0
 
 

@@ -1,0 +1,166 @@
+"""Where step time goes: torch.profiler over a longctx prefill or decode steps of small-1m on the GPU.
+
+Prints the top CUDA kernels by total time, the wall time and the GPU busy time (their gap is host
+work and launch latency), and writes step-profile-<phase>-....json under --out.
+- `--phase prefill`: one prefill of `--tokens` (which of indexer, top-k, sparse MLA, MoE, GEMMs
+  dominate the prefill issue 9 compares with transformers);
+- `--phase decode`: `--steps` batch-`--batch` decode steps at context `--tokens` (CUDA graphs as
+  the engine runs them), against issue 9's decode roofline.
+The prefill form and the sparse-MLA variant are switchable so one run can compare them.
+
+    python -m bench.step_profile [--phase prefill|decode] [--tokens 16384] [--batch 1] [--steps 32]
+                                 [--prefill-form auto|absorbed|expanded] [--sparse-mla-heads-min N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--phase", choices=("prefill", "decode"), default="prefill")
+    ap.add_argument("--tokens", type=int, default=16384, help="prompt length (decode: the context)")
+    ap.add_argument("--batch", type=int, default=1, help="decode: requests stepped together")
+    ap.add_argument("--steps", type=int, default=32, help="decode: steps profiled")
+    ap.add_argument("--prefill-form", default="auto")
+    ap.add_argument("--sparse-mla-heads-min", type=int, default=None)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--config", default="configs/small-1m.json", help="config of the random checkpoint")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("bench/step_profile.py needs CUDA (or --device cpu for a smoke run)")
+        return 0
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    from longctx.kernels import sparse_mla as sm
+
+    from longctx import Engine
+    from longctx.checkpoint.init_random import init_random_checkpoint
+    from longctx.config import ModelConfig
+    from longctx.engine.request import Request, SamplingParams
+
+    if args.sparse_mla_heads_min is not None:
+        sm.HEADS_MIN_QUERIES = args.sparse_mla_heads_min
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = Path(tempfile.mkdtemp()) / "model"
+        init_random_checkpoint(ModelConfig.from_json(ROOT / args.config), model_dir, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    res: dict = {
+        "phase": args.phase,
+        "tokens": args.tokens,
+        "batch": args.batch,
+        "prefill_form": args.prefill_form,
+        "heads_min": sm.HEADS_MIN_QUERIES,
+    }
+    dtype = "bfloat16" if cuda else "float32"
+    with Engine(model_dir, device=args.device, dtype=dtype, prefill_form=args.prefill_form) as eng:
+
+        def prefill(n: int, tag: str) -> float:
+            ids = torch.randint(0, 256, (n,), generator=gen).tolist()
+            eng.add_request(Request(tag, ids, SamplingParams(max_new_tokens=1, ignore_eos=True)))
+            sync()
+            t = time.perf_counter()
+            while not any(o.finished for o in eng.step()):
+                pass
+            sync()
+            return time.perf_counter() - t
+
+        def decode(tag: str, steps: int, wrap: Any = contextlib.nullcontext) -> float:
+            """Seconds per decode step of `batch` requests at context `tokens`; only the decode steps
+            run inside `wrap()` (the profiler), not the prefill before them."""
+            for i in range(args.batch):
+                ids = torch.randint(0, 256, (args.tokens,), generator=gen).tolist()
+                params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
+                eng.add_request(Request(f"{tag}-{i}", ids, params))
+            live = set(range(args.batch))
+            while not all(len(eng._requests[f"{tag}-{i}"].output_ids) >= 1 for i in range(args.batch)):
+                eng.step()  # prefill until every request has its first token
+            sync()
+            with wrap():
+                t, n = time.perf_counter(), 0
+                for _ in range(steps):
+                    outs = eng.step()
+                    n += 1
+                    live -= {int(o.rid.rsplit("-", 1)[1]) for o in outs if o.finished}
+                    if not live:
+                        break
+                sync()
+                dt = (time.perf_counter() - t) / max(1, n)
+            while eng.has_work():
+                eng.step()
+            return dt
+
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(activities=acts)
+        if args.phase == "prefill":
+            prefill(min(2048, args.tokens), "warm")
+            prefill(args.tokens, "warm2")
+            with prof:
+                dt = prefill(args.tokens, "prof")
+            plain = prefill(args.tokens, "plain")
+        else:
+            decode("warm", 8)  # compiles and captures this (batch, context) bucket
+            dt = decode("prof", args.steps, lambda: prof)
+            plain = decode("plain", args.steps)
+    res["seconds_profiled"] = dt
+    res["seconds"] = plain
+    per = args.tokens if args.phase == "prefill" else args.batch
+    res["tok_s"] = per / plain
+    # self time per op: device kernels on the GPU; on the CPU (smoke run) the ops' own CPU time
+    rows = []
+    total = 0.0
+    for e in prof.key_averages():
+        if cuda:
+            t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append((t, e.key, e.count))
+            total += t
+    rows.sort(reverse=True)
+    res["busy_s"] = total / 1e6  # the profiled region: one prefill, or the decode steps
+    res["top"] = [
+        {"kernel": k[:120], "ms": t / 1e3, "share": t / total, "calls": c} for t, k, c in rows[: args.top]
+    ]
+    if args.phase == "prefill":
+        what = f"prefill {args.tokens} tokens: {plain:.3f} s ({per / plain:.0f} tok/s)"
+    else:
+        what = (
+            f"decode batch {args.batch} at {args.tokens}: {plain * 1e3:.3f} ms/step ({per / plain:.0f} tok/s)"
+        )
+    print(f"{what}; {'GPU' if cuda else 'CPU'} busy {total / 1e3:.2f} ms in the profiled region")
+    for r in res["top"]:
+        print(f"{r['ms']:9.2f} ms {100 * r['share']:5.1f}% {r['calls']:6d}  {r['kernel']}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"step-profile-{args.phase}-{args.tokens}-b{args.batch}-{args.prefill_form}.json"
+        (args.out / name).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
