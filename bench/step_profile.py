@@ -131,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     per = args.tokens if args.phase == "prefill" else args.batch
     res["tok_s"] = per / plain
     # self time per op: device kernels on the GPU; on the CPU (smoke run) the ops' own CPU time
+    from torch.autograd import DeviceType
+
     rows = []
     total = 0.0
     for e in prof.key_averages():
         if cuda:
+            # kernels only: a CPU op's self device time repeats the kernels it launched
+            if e.device_type != DeviceType.CUDA:
+                continue
             t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
         else:
             t = e.self_cpu_time_total
