@@ -47,3 +47,44 @@ def test_train_report_on_the_committed_logs(tmp_path: Path) -> None:
     assert main([f"{p.stem}={p}" for p in logs] + ["--out", str(tmp_path / "curves")]) == 0
     table = (tmp_path / "curves.md").read_text()
     assert all(p.stem in table for p in logs) and (tmp_path / "curves.png").exists()
+
+
+def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
+    """bench/session.sh with a stand-in python that logs its arguments: with two GPUs lane A trains
+    then evaluates on GPU 0 and lane B checks on GPU 1 then waits for the model; `collect` packs."""
+    import os
+    import subprocess
+    import tarfile
+    import time
+
+    fake = tmp_path / "py"
+    calls = tmp_path / "calls"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'
+        'if [ "$1" = "-c" ]; then echo 2; exit 0; fi\n'
+        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
+        'mkdir -p $o; echo w > $o/model.safetensors; echo "{}" > $o/train_log.jsonl; fi\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(tmp_path / "s"), "OUT": str(tmp_path / "out")}
+    run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
+                                    capture_output=True, text=True)  # fmt: skip
+    run("start")
+    deadline = time.time() + 60
+    while time.time() < deadline and (not calls.exists() or "--cap-fraction" not in calls.read_text()):
+        time.sleep(0.5)
+    run("stop")
+    lines = calls.read_text().splitlines()
+    gpu0 = [x for x in lines if x.startswith("0 ")]
+    gpu1 = [x for x in lines if x.startswith("1 ")]
+    assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
+    assert "4k,32k,128k" in gpu0[1] and "long_context" in gpu0[2]
+    assert "gpu_check" in gpu1[0] and "step_profile" in gpu1[1] and "--cap-fraction 0.1" in gpu1[-1]
+    # the capped 1M lane started only once the model existed
+    assert lines.index(gpu1[-1]) > lines.index(gpu0[0])
+    out = run("collect").stdout
+    assert "results.tgz" in out and "model.tar.00" in out
+    with tarfile.open(tmp_path / "out" / "results.tgz") as t:
+        names = t.getnames()
+    assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names

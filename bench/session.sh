@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# One device session's GPU work, run detached so it goes on between device calls (the machine stays
+# held while calls follow each other; each call is <= 10 minutes and the machine is given back 30 s
+# after the last one ends):
+#
+#   bash bench/session.sh start     # launch both lanes (setsid) and return
+#   bash bench/session.sh status    # what each lane is doing, last lines of its log
+#   bash bench/session.sh collect   # pack what is done so far into $OUT (safe to repeat)
+#   bash bench/session.sh stop      # kill both lanes
+#
+# Lane A (GPU 0): train the retrieval model for TRAIN_MINUTES (bench/train_bg.sh, TRAIN_ARGS as
+#   there; default: from models-shipped/retrieval-wip), then score it through longctx
+#   (bench/retrieval_eval.py, uncapped at 4k/32k/128k), HiSparse at 128K with a RULER prompt
+#   (bench/long_context.py --prompt ruler), then uncapped 1M samples until stopped.
+# Lane B (GPU 1): the GPU checks (bench/gpu_check.py: graph vs eager tokens, transformers parity),
+#   decode / prefill profiles (bench/step_profile.py), then, once the model exists, HiSparse-capped
+#   1M samples until stopped. With one GPU the checks and profiles run first (undisturbed), then
+#   lane A, with the capped 1M samples beside lane A's evaluation.
+# Every job's output lands under $SESSION (default /tmp/longctx-session); `collect` copies the small
+# files into $OUT/results.tgz and the trained model into $OUT/model.tar.NN.
+set -uo pipefail
+S=${SESSION:-/tmp/longctx-session}
+PY=${PYTHON:-python3}
+TRAIN_WORK=$S/train
+export TRAIN_WORK PYTHONUNBUFFERED=1
+MODEL=$TRAIN_WORK/ckpt
+export S PY MODEL
+cmd=${1:-status}
+ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
+
+lane_a() {
+  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-18} \
+    TRAIN_ARGS=${TRAIN_ARGS:---init-from models-shipped/retrieval-wip} bash bench/train_bg.sh start
+  bash bench/train_bg.sh wait
+  touch "$S/model.ready"
+  export CUDA_VISIBLE_DEVICES=0
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k,32k,128k --samples 20 --out "$S/eval/uncapped"
+  "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
+    --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"
+}
+
+lane_b_checks() {
+  export CUDA_VISIBLE_DEVICES=$1
+  "$PY" -m bench.gpu_check --out "$S/checks"
+  for args in "--phase decode --tokens 2048" "--phase decode --tokens 131072" \
+    "--phase decode --tokens 2048 --batch 8" "--phase prefill --tokens 16384"; do
+    # shellcheck disable=SC2086
+    "$PY" -m bench.step_profile $args --out "$S/profiles"
+  done
+}
+
+lane_b_capped() {
+  export CUDA_VISIBLE_DEVICES=$1
+  while [ ! -f "$S/model.ready" ]; do sleep 10; done
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
+    --tasks niah_single_1,niah_multikey_1 --cap-fraction 0.1 --out "$S/eval/capped_1m"
+}
+
+case "$cmd" in
+start)
+  mkdir -p "$S/logs"
+  rm -f "$S/model.ready"
+  n=$(ngpu)
+  echo "$n GPU(s); session dir $S"
+  if [ "$n" -ge 2 ]; then
+    setsid nohup bash -c "$(declare -f lane_a); lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
+    setsid nohup bash -c "$(declare -f lane_b_checks lane_b_capped); lane_b_checks 1; lane_b_capped 1" \
+      >"$S/logs/lane_b.log" 2>&1 </dev/null &
+  else
+    B=$S/logs/lane_b.log
+    setsid nohup bash -c "$(declare -f lane_a lane_b_checks lane_b_capped)
+      lane_b_checks 0 >'$B' 2>&1; lane_b_capped 0 >>'$B' 2>&1 & lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
+  fi
+  sleep 2
+  echo started
+  ;;
+status)
+  bash bench/train_bg.sh status 2
+  for f in "$S"/logs/*.log; do
+    echo "== $f"
+    grep -v '^\s*$' "$f" | tail -n "${2:-3}" | cut -c1-300
+  done
+  find "$S/eval" -name results.jsonl -exec sh -c 'echo "$1: $(wc -l <"$1") samples"' _ {} \; 2>/dev/null
+  exit 0
+  ;;
+collect)
+  OUT=${OUT:-.out/session}
+  mkdir -p "$OUT"
+  cp "$TRAIN_WORK/stdout.log" "$S/logs/train_stdout.log" 2>/dev/null
+  [ -f "$MODEL/train_log.jsonl" ] && cp "$MODEL/train_log.jsonl" "$S/logs/"
+  (cd "$S" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.log' \
+    -o -name '*.png' \) -not -path './train/*' -print0 | tar --null -czf "$OUT/results.tgz" -T -)
+  if [ -f "$MODEL/model.safetensors" ]; then
+    OUT=$OUT bash bench/train_bg.sh collect ${COLLECT_FULL:+full} >/dev/null
+  fi
+  ls -l "$OUT"
+  ;;
+stop)
+  pkill -f "lane_[ab]" ; pkill -f "m bench[.]" ; pkill -f "m longctx[.]train" ; pkill -f "m longctx[.]cli"
+  echo stopped
+  ;;
+*)
+  echo "usage: bench/session.sh start|status|collect|stop"; exit 2
+  ;;
+esac
