@@ -88,3 +88,11 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "out" / "results.tgz") as t:
         names = t.getnames()
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
+
+
+def test_host_step_measures_a_decode_step_without_the_model() -> None:
+    from bench.host_step import measure
+
+    m = measure(batch=3, context=5000, steps=5)
+    assert set(m) == {"schedule_ms", "graph_inputs_ms", "update_ms", "total_ms"}
+    assert all(v > 0 for v in m.values())

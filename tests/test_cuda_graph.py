@@ -43,3 +43,38 @@ def test_buckets_and_eligibility(tiny_dir):
         assert graphs.bucket(BatchPlan(1, (dec,) * 65)) is None  # beyond the largest bucket
     with Engine(tiny_dir, device="cpu", cuda_graphs=False) as e:
         assert e.runner.graphs is None
+
+
+def test_page_table_rows_are_updated_incrementally_and_exactly():
+    """The device page table of a bucket follows the plans: appended pages write only their entries,
+    a new request (or a new pages_epoch after preemption) rewrites its row, rows that become padding
+    go back to the dummy page. After every step it equals a table built from scratch."""
+    from types import SimpleNamespace
+
+    from longctx.engine.plan import BatchPlan, RowPlan
+
+    graphs = DecodeGraphs(SimpleNamespace(page_size=64, device=torch.device("cpu")), 1 << 14, dummy_page=99,
+                          capture=False)  # fmt: skip
+    c = graphs._buffers(4, 4096)
+    writes = []
+
+    def row(rid, pages, epoch):
+        return RowPlan(rid, (1,), len(pages) * 64 - 1, tuple(pages), "last", pages_epoch=epoch)
+
+    steps = [
+        [row("a", [1, 2], 1), row("b", [5], 2), row("c", [7, 8, 9], 3)],
+        [row("a", [1, 2], 1), row("b", [5, 6], 2), row("c", [7, 8, 9], 3)],  # b grew by one page
+        [row("a", [1, 2, 3], 1), row("d", [11], 4)],  # c gone (padding), d replaces b in row 1
+        [row("a", [20, 21, 22], 5), row("d", [11], 4)],  # a preempted and re-admitted: new epoch
+        [row("a", [20, 21, 22], 5), row("d", [11], 4)],  # nothing changed
+    ]
+    for rows in steps:
+        plan = BatchPlan(1, tuple(rows))
+        before = c.table.clone()
+        graphs._update_table(c, plan)
+        want = torch.full_like(c.table, 99)
+        for i, r in enumerate(rows):
+            want[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        assert torch.equal(c.table, want), (rows, c.table[:, :4])
+        writes.append(int((c.table != before).sum()))
+    assert writes[1] == 1 and writes[4] == 0  # one appended entry; an unchanged step writes nothing

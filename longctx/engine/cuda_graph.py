@@ -18,7 +18,7 @@ bookkeeping is tested.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,8 @@ class _Captured:
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     ctx: ForwardContext | None = None
+    # what each row of `table` holds: (rid, pages_epoch, number of pages), None = dummy
+    row_keys: list[tuple[str, int, int] | None] = field(default_factory=list)
 
 
 class DecodeGraphs:
@@ -98,6 +100,7 @@ class DecodeGraphs:
             slots=torch.full((b,), self.dummy_page * self.page_size, dtype=torch.int64, device=dev),
             table=torch.full((b, pages), self.dummy_page, dtype=torch.int32, device=dev),
             valid=torch.zeros(b, dtype=torch.bool, device=dev),
+            row_keys=[None] * b,
         )
 
     def _context(self, c: _Captured, ctx_len: int) -> ForwardContext:
@@ -146,6 +149,43 @@ class DecodeGraphs:
         self._graphs[key] = c
         return c
 
+    def _update_table(self, c: _Captured, plan: BatchPlan) -> None:
+        """Bring the device page table of bucket `c` to the plan's rows, writing only what changed."""
+        rows: list[int] = []  # entries to write: (row, col) -> value
+        cols: list[int] = []
+        vals: list[int] = []
+        full: list[int] = []  # rows rewritten whole (a new request in the row, or a padding row)
+        for i in range(len(c.row_keys)):
+            r = plan.rows[i] if i < len(plan.rows) else None
+            key = (r.rid, r.pages_epoch, len(r.pages)) if r is not None else None
+            old = c.row_keys[i]
+            if key == old and (r is None or r.pages_epoch):  # epoch 0: unknown, always rewrite
+                continue
+            if (
+                r is not None
+                and old is not None
+                and r.pages_epoch
+                and old[:2] == key[:2]  # type: ignore[index]
+                and old[2] <= len(r.pages)
+            ):
+                rows += [i] * (len(r.pages) - old[2])
+                cols += range(old[2], len(r.pages))
+                vals += r.pages[old[2] :]
+            else:
+                full.append(i)
+            c.row_keys[i] = key
+        dev = c.table.device
+        if full:
+            host = torch.full((len(full), c.table.shape[1]), self.dummy_page, dtype=torch.int32)
+            for j, i in enumerate(full):
+                if i < len(plan.rows):
+                    pages = plan.rows[i].pages
+                    host[j, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            c.table[torch.tensor(full, device=dev)] = host.to(dev, non_blocking=True)
+        if rows:
+            idx = torch.tensor([rows, cols], dtype=torch.int64).to(dev, non_blocking=True)
+            c.table[idx[0], idx[1]] = torch.tensor(vals, dtype=torch.int32).to(dev, non_blocking=True)
+
     # ---- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, plan: BatchPlan) -> torch.Tensor:
@@ -155,13 +195,15 @@ class DecodeGraphs:
         c = self._get(b, ctx_len)
         n = len(plan.rows)
         ps = self.page_size
-        # host side: fill the static inputs (padding rows keep the dummy page)
+        # host side: fill the static inputs (padding rows keep the dummy page). The page table is
+        # kept on the device between steps and only new entries are written: a row's pages grow at
+        # their end while its (rid, pages_epoch) holds, so most steps copy nothing of it.
         ids = torch.tensor([r.token_ids[0] for r in plan.rows], dtype=torch.int64)
         pos = torch.tensor([r.start for r in plan.rows], dtype=torch.int64)
-        table = torch.full((b, ctx_len // ps), self.dummy_page, dtype=torch.int32)
-        for i, r in enumerate(plan.rows):
-            table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
-        slots = table[torch.arange(n), (pos // ps)].long() * ps + pos % ps
+        slots = torch.tensor(
+            [r.pages[r.start // ps] * ps + r.start % ps for r in plan.rows], dtype=torch.int64
+        )
+        self._update_table(c, plan)
         c.ids[:n].copy_(ids, non_blocking=True)
         c.ids[n:] = 0
         c.positions[:n].copy_(pos, non_blocking=True)
@@ -170,7 +212,6 @@ class DecodeGraphs:
         c.seq_lens[n:] = 1
         c.slots[:n].copy_(slots, non_blocking=True)
         c.slots[n:] = self.dummy_page * ps
-        c.table.copy_(table, non_blocking=True)
         c.valid[:n] = True
         c.valid[n:] = False
         if c.graph is not None:

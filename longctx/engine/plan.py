@@ -24,6 +24,9 @@ class RowPlan:
     seed: int = 0
     step: int = 0  # index of the token being sampled (seeds the per-token generator)
     logprobs: int | None = None
+    # pages only grow at their end within one epoch (`RequestPages.epoch`): consumers that cache a
+    # row's page table (the decode graphs) copy just the new entries; 0 = unknown, always refresh
+    pages_epoch: int = 0
 
     @property
     def end(self) -> int:

@@ -47,9 +47,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed (message in StepOutput.error)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence in the scheduler. Mutable bookkeeping only; KV lives in the page pool."""
+    """One sequence in the scheduler. Mutable bookkeeping only; KV lives in the page pool.
+
+    Compared by identity (`eq=False`): the scheduler's `req in self.running` checks must not compare
+    whole prompts field by field (that made a batch-64 step cost over a millisecond of host time)."""
 
     rid: str
     prompt_ids: list[int]

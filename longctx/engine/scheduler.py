@@ -136,7 +136,7 @@ class Scheduler:
             req.num_cached = cached if not req.output_ids else req.num_cached
             self.pages[req.rid] = rp
             self.running.append(req)
-            rp.append(n, self.alloc)
+            rp.grow(n, self.alloc)
             rows.append(self._row(req, n))
             budget -= n
         if not rows:
@@ -157,7 +157,7 @@ class Scheduler:
         while True:
             need = self.alloc.pages_for(rp.num_tokens + n) - len(rp.pages)
             if self._make_room(need):
-                rp.append(n, self.alloc)
+                rp.grow(n, self.alloc)
                 return True
             victim = self.running[-1]
             self._preempt(victim)
@@ -181,11 +181,13 @@ class Scheduler:
         else:
             mode = "none"
         p = req.params
+        rp = self.pages[req.rid]
         return RowPlan(
             rid=req.rid,
             token_ids=ids,
             start=start,
-            pages=tuple(self.pages[req.rid].pages),
+            pages=rp.as_tuple(),
+            pages_epoch=rp.epoch,
             logits=mode,
             temperature=p.temperature,
             top_p=p.top_p,

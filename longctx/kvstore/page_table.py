@@ -7,6 +7,7 @@ into numpy arrays (the caller moves them to torch / the device).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,13 @@ class RequestPages:
     `num_tokens` counts tokens whose KV slot is assigned (written or being written this step).
     Pages that came from the prefix cache are full and shared, so new tokens never land in
     them: a cached prefix always ends on a page boundary.
+
+    Within one `epoch` (a number unique to this object) the page list only grows at its end, so a
+    consumer that has seen the first n pages of (epoch) needs only the new ones (`DecodeGraphs`
+    keeps its device page tables that way). `as_tuple()` is cached until the list changes.
     """
+
+    _epochs = itertools.count(1)
 
     def __init__(self, page_size: int, pages: Sequence[int] = (), num_tokens: int = 0) -> None:
         if num_tokens > len(pages) * page_size or num_tokens < 0:
@@ -29,6 +36,14 @@ class RequestPages:
         self.page_size = page_size
         self.pages: list[int] = list(pages)
         self.num_tokens = num_tokens
+        self.epoch = next(self._epochs)
+        self._tuple: tuple[int, ...] | None = None
+
+    def as_tuple(self) -> tuple[int, ...]:
+        """The pages as a tuple, rebuilt only after they changed (O(1) on most decode steps)."""
+        if self._tuple is None or len(self._tuple) != len(self.pages):
+            self._tuple = tuple(self.pages)
+        return self._tuple
 
     @property
     def capacity(self) -> int:
@@ -46,10 +61,17 @@ class RequestPages:
             return []
         new = allocator.alloc(need)
         self.pages.extend(new)
+        self._tuple = None
         return new
 
     def append(self, n_new: int, allocator: PageAllocator) -> np.ndarray:
         """Assign slots to `n_new` more tokens (allocating pages); returns their rows (int64)."""
+        start = self.num_tokens
+        self.grow(n_new, allocator)
+        return self.slots(start, start + n_new)
+
+    def grow(self, n_new: int, allocator: PageAllocator) -> None:
+        """`append` without computing the rows (the scheduler's per-step call)."""
         if n_new < 0:
             raise PageError(f"cannot append {n_new} tokens")
         start = self.num_tokens
@@ -58,20 +80,21 @@ class RequestPages:
             raise PageError(f"page {self.pages[start // self.page_size]} is shared; cannot append into it")
         self.ensure_capacity(start + n_new, allocator)
         self.num_tokens = start + n_new
-        return self.slots(start, start + n_new)
 
     def slots(self, start: int, end: int) -> np.ndarray:
         """Physical token rows of tokens [start, end) as int64."""
         if not (0 <= start <= end <= self.capacity):
             raise PageError(f"token range [{start}, {end}) outside capacity {self.capacity}")
         t = np.arange(start, end, dtype=np.int64)
-        pages = np.asarray(self.pages, dtype=np.int64)
-        return pages[t // self.page_size] * self.page_size + t % self.page_size
+        first = start // self.page_size  # only the pages the range touches: O(range), not O(context)
+        pages = np.asarray(self.pages[first : -(-end // self.page_size)], dtype=np.int64)
+        return pages[t // self.page_size - first] * self.page_size + t % self.page_size
 
     def release(self, allocator: PageAllocator) -> None:
         """Drop this request's reference to every page (idempotent)."""
         allocator.free(self.pages)
         self.pages, self.num_tokens = [], 0
+        self.epoch, self._tuple = next(self._epochs), None  # a new list from here on
 
     def __repr__(self) -> str:
         return f"RequestPages(num_tokens={self.num_tokens}, pages={len(self.pages)})"
