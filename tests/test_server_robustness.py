@@ -169,8 +169,8 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
         t0 = time.monotonic()
         os.kill(health["engine_pid"], signal.SIGKILL)
-        t.join(10)
-        assert got and got[0].status_code == 503 and time.monotonic() - t0 < 3
+        t.join(15)
+        assert got and got[0].status_code == 503 and time.monotonic() - t0 < 5  # seconds, on a loaded 2-core CI box
         assert "engine" in got[0].json()["error"]["message"]
         h = httpx.get(s.url + "/health")
         assert h.status_code == 503 and h.json()["status"] == "unhealthy"

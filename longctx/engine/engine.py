@@ -27,7 +27,7 @@ from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
 from longctx.engine.scheduler import Scheduler
-from longctx.engine.worker import DTYPES, StageWorker, build_model
+from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
 from longctx.errors import ConfigError, RequestError
 from longctx.kernels.common import use_triton as _use_triton
 from longctx.kvstore.allocator import PageAllocator
@@ -64,10 +64,17 @@ class LocalRunner:
         self.graphs = graphs
 
     def run(self, plan: BatchPlan) -> BatchResult:
+        return self.resolve(self.launch(plan))
+
+    def launch(self, plan: BatchPlan) -> PendingRows:
+        """Queue the step on the device; its sampled tokens stay there until `resolve`."""
         if self.graphs is not None and self.graphs.bucket(plan) is not None:
-            return BatchResult(plan.step_id, self.worker.finish(plan, None, self.graphs.run(plan)))
-        h = self.worker.forward(plan)
-        return BatchResult(plan.step_id, self.worker.finish(plan, h))
+            return self.worker.finish_async(plan, None, self.graphs.run(plan))
+        return self.worker.finish_async(plan, self.worker.forward(plan))
+
+    def resolve(self, pending: PendingRows) -> BatchResult:
+        """Wait for a launched step and read its tokens back (the step's one host synchronisation)."""
+        return BatchResult(pending.plan.step_id, self.worker.resolve(pending))
 
     def stats(self) -> dict[str, Any]:
         kv = self.worker.kv
@@ -110,6 +117,7 @@ class Engine:
         prefill_form: str = "auto",
         layer_split: list[int] | None = None,
         cuda_graphs: bool | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
@@ -165,6 +173,12 @@ class Engine:
         self._stop_text: dict[str, str] = {}
         self._requests: dict[str, Request] = {}
         self._held: list[StepOutput] = []  # step-API outputs produced inside a blocking call
+        # overlapped decode (plan step n+1 while step n runs): on by default for one CUDA stage;
+        # LONGCTX_OVERLAP=0 turns it off. Stage runtimes (pp/tp > 1) run steps one at a time.
+        if overlap is None:
+            overlap = self.device.type == "cuda" and os.environ.get("LONGCTX_OVERLAP", "1") != "0"
+        self.overlap = bool(overlap) and isinstance(self.runner, LocalRunner)
+        self._pending: PendingRows | None = None  # a launched step whose tokens are not read yet
 
     def _default_pages(self, max_context: int) -> int:
         if self.device.type == "cuda":
@@ -230,7 +244,7 @@ class Engine:
         self._release([rid])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._pending is not None or self.scheduler.has_work()
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -251,10 +265,30 @@ class Engine:
         return self._step()
 
     def _step(self) -> list[StepOutput]:
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        result = self.runner.run(plan)
+        if not self.overlap:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return []
+            return self._finish_step(plan, self.runner.run(plan))
+        # Overlapped: step n was launched by the previous call (or is launched now). While the GPU
+        # runs it, plan step n+1 (a pure decode continuation); then read step n's tokens (the one
+        # synchronisation), update, and launch n+1 before returning, so the GPU is busy while the
+        # caller handles step n's outputs and comes back.
+        pending, self._pending = self._pending, None
+        if pending is None:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return []
+            pending = self.runner.launch(plan)
+        nxt = self.scheduler.plan_continuation(pending.plan)
+        outs = self._finish_step(pending.plan, self.runner.resolve(pending))
+        if nxt is not None:
+            nxt = self.scheduler.confirm_continuation(nxt)
+            if nxt is not None:
+                self._pending = self.runner.launch(nxt)
+        return outs
+
+    def _finish_step(self, plan: BatchPlan, result: BatchResult) -> list[StepOutput]:
         outs = self.scheduler.update(plan, result)
         outs = [self._apply_stop_strings(o) for o in outs]
         self._release([o.rid for o in outs if o.finished])
@@ -412,6 +446,7 @@ class Engine:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._pending = None  # a launched step nobody will read
             self.runner.close()
 
     def __enter__(self) -> Engine:

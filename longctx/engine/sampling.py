@@ -15,17 +15,15 @@ def _token_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * _MIX) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def sample_rows(logits: torch.Tensor, rows: list) -> list[int]:
-    """logits [R, vocab] -> one token per row (rows carry temperature/top_p/top_k/seed/step).
-
-    Every row's choice stays on the device; the batch is read back with a single transfer, the
-    step's only host synchronisation.
-    """
+def sample_rows_device(logits: torch.Tensor, rows: list) -> torch.Tensor:
+    """logits [R, vocab] -> one token per row (rows carry temperature/top_p/top_k/seed/step), as an
+    int64 tensor on logits' device. Nothing is read back here: the caller reads the whole batch with
+    one transfer, the step's only host synchronisation (`StageWorker.resolve`)."""
     toks = torch.argmax(logits, dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0.0:
             toks[i] = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step)
-    return toks.tolist()
+    return toks
 
 
 def _sample(

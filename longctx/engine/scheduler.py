@@ -12,6 +12,7 @@ The scheduler holds no tensors; it produces `BatchPlan`s and consumes `BatchResu
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -56,6 +57,7 @@ class Scheduler:
         self.pages: dict[str, RequestPages] = {}
         self._step = 0
         self.num_preempted = 0
+        self.num_overlapped = 0  # steps planned while the previous one ran (plan_continuation)
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -197,6 +199,69 @@ class Scheduler:
             logprobs=p.logprobs,
         )
 
+    # ---- overlapped decode ---------------------------------------------------------------------
+    def plan_continuation(self, plan: BatchPlan) -> BatchPlan | None:
+        """Step n+1 of a pure decode batch, planned while step n runs (its tokens still unknown).
+
+        Only when nothing else could change the batch: no request waiting, every running request
+        decoding in `plan`, none about to reach its token or context limit, pages free for all.
+        The rows carry placeholder tokens; `confirm_continuation` fills them after `update` and
+        drops requests that finished at step n (their pages, this extra slot included, are freed
+        by the release that finished them).
+        """
+        if self.waiting or len(plan.rows) != len(self.running):
+            return None
+        live = {r.rid: r for r in self.running}
+        for row in plan.rows:
+            req = live.get(row.rid)
+            if (
+                req is None
+                or len(row.token_ids) != 1
+                or row.logits != "last"
+                or row.end != req.num_tokens  # the row samples the request's next token
+                or len(req.output_ids) + 2 > req.params.max_new_tokens
+                or row.end + 1 >= self.max_context
+            ):
+                return None
+        need = sum(
+            self.alloc.pages_for(self.pages[r.rid].num_tokens + 1) - len(self.pages[r.rid].pages)
+            for r in plan.rows
+        )
+        if not self._make_room(need):
+            return None
+        rows = []
+        for row in plan.rows:
+            req = live[row.rid]
+            rp = self.pages[row.rid]
+            rp.grow(1, self.alloc)
+            rows.append(
+                dataclasses.replace(
+                    row,
+                    token_ids=(-1,),
+                    start=row.end,
+                    pages=rp.as_tuple(),
+                    pages_epoch=rp.epoch,
+                    step=len(req.output_ids) + 1,
+                )
+            )
+        self._step += 1
+        return BatchPlan(self._step, tuple(rows))
+
+    def confirm_continuation(self, nxt: BatchPlan) -> BatchPlan | None:
+        """After `update` of step n: the continuation with step n's tokens, without finished requests."""
+        live = {r.rid: r for r in self.running}
+        rows = []
+        for row in nxt.rows:
+            req = live.get(row.rid)
+            if req is None or req.finished:
+                continue
+            assert req.num_computed == row.start and req.num_tokens == row.end, (req, row)
+            rows.append(dataclasses.replace(row, token_ids=(req.output_ids[-1],)))
+        if not rows:
+            return None
+        self.num_overlapped += 1
+        return BatchPlan(nxt.step_id, tuple(rows))
+
     # ---- results ------------------------------------------------------------------------------
     def update(self, plan: BatchPlan, result: BatchResult) -> list[StepOutput]:
         by_rid = {r.rid: r for r in result.rows}
@@ -261,6 +326,7 @@ class Scheduler:
             "pages_total": self.alloc.num_pages,
             "pages_used": self.alloc.num_used,
             "preempted": self.num_preempted,
+            "overlapped_steps": self.num_overlapped,
         }
         if self.cache is not None:
             s["prefix_cache"] = self.cache.stats()

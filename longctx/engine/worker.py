@@ -8,6 +8,7 @@ sending them to the next).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from tqdm import tqdm
 from longctx.checkpoint.loader import iter_weights
 from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan, RowResult
-from longctx.engine.sampling import logprobs_row, sample_rows
+from longctx.engine.sampling import logprobs_row, sample_rows_device
 from longctx.model.context import ForwardContext, KVCache
 from longctx.model.model import CausalLM
 
@@ -153,6 +154,14 @@ class StageWorker:
         `last_logits` [rows, vocab]: already computed logits of each row's last token (a replayed
         decode graph); then `h` is not needed.
         """
+        return self.resolve(self.finish_async(plan, h, last_logits))
+
+    @torch.inference_mode()
+    def finish_async(
+        self, plan: BatchPlan, h: torch.Tensor | None, last_logits: torch.Tensor | None = None
+    ) -> PendingRows:
+        """`finish` up to the sampled tokens, which stay on the device (nothing waits for the GPU
+        unless a row asked for all its logits); `resolve` reads them back."""
         out: list[RowResult] = [RowResult(r.rid) for r in plan.rows]
         last: list[int] = []  # rows that sample
         ends: list[int] = []  # their last token's index in h
@@ -166,15 +175,37 @@ class StageWorker:
                 last.append(i)
                 ends.append(off + n - 1)
             off += n
+        toks = None
         if last:
             if last_logits is None:
                 assert h is not None
                 last_logits = self.model.logits(h[ends])  # one lm_head GEMM for every sampling row
             else:
                 last_logits = last_logits[last]
-            rows = [plan.rows[i] for i in last]
-            for i, r, tok, lg in zip(last, rows, sample_rows(last_logits, rows), last_logits):
-                out[i].token_id = tok
-                if r.logprobs is not None:
-                    out[i].logprob, out[i].top_logprobs = logprobs_row(lg, tok, r.logprobs)
-        return out
+            toks = sample_rows_device(last_logits, [plan.rows[i] for i in last])
+        return PendingRows(plan, out, last, toks, last_logits)
+
+    @torch.inference_mode()
+    def resolve(self, p: PendingRows) -> list[RowResult]:
+        """Read the sampled tokens back (the step's one host synchronisation) and fill the results.
+        A replayed graph's logits buffer is overwritten by the next replay: resolve before it."""
+        if p.toks is None:
+            return p.out
+        assert p.last_logits is not None
+        for i, tok, lg in zip(p.last, p.toks.tolist(), p.last_logits):
+            p.out[i].token_id = tok
+            r = p.plan.rows[i]
+            if r.logprobs is not None:
+                p.out[i].logprob, p.out[i].top_logprobs = logprobs_row(lg, tok, r.logprobs)
+        return p.out
+
+
+@dataclass
+class PendingRows:
+    """A last stage's step whose sampled tokens are still on the device (`StageWorker.finish_async`)."""
+
+    plan: BatchPlan
+    out: list[RowResult]
+    last: list[int]  # rows that sample, in plan order
+    toks: torch.Tensor | None  # [len(last)] on the device
+    last_logits: torch.Tensor | None  # [len(last), vocab]
