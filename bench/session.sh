@@ -44,6 +44,7 @@ lane_b_checks() {
   export CUDA_VISIBLE_DEVICES=$1
   "$PY" -m bench.gpu_check --out "$S/checks"
   for args in "--phase decode --tokens 2048" "--phase decode --tokens 131072" \
+    "--phase decode --tokens 131072 --hisparse-device-tokens 13107" \
     "--phase decode --tokens 2048 --batch 8" "--phase prefill --tokens 16384"; do
     # shellcheck disable=SC2086
     "$PY" -m bench.step_profile $args --out "$S/profiles"

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="decode: steps profiled")
     ap.add_argument("--prefill-form", default="auto")
     ap.add_argument("--sparse-mla-heads-min", type=int, default=None)
+    ap.add_argument(
+        "--hisparse-device-tokens", type=int, default=None, help="profile the HiSparse-capped path"
+    )
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--config", default="configs/small-1m.json", help="config of the random checkpoint")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script")
@@ -75,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         "heads_min": sm.HEADS_MIN_QUERIES,
     }
     dtype = "bfloat16" if cuda else "float32"
-    with Engine(model_dir, device=args.device, dtype=dtype, prefill_form=args.prefill_form) as eng:
+    res["hisparse_device_tokens"] = args.hisparse_device_tokens
+    with Engine(
+        model_dir,
+        device=args.device,
+        dtype=dtype,
+        prefill_form=args.prefill_form,
+        hisparse_device_tokens=args.hisparse_device_tokens,
+    ) as eng:
 
         def prefill(n: int, tag: str) -> float:
             ids = torch.randint(0, 256, (n,), generator=gen).tolist()
@@ -162,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['ms']:9.2f} ms {100 * r['share']:5.1f}% {r['calls']:6d}  {r['kernel']}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"step-profile-{args.phase}-{args.tokens}-b{args.batch}-{args.prefill_form}.json"
+        cap = f"-cap{args.hisparse_device_tokens}" if args.hisparse_device_tokens else ""
+        name = f"step-profile-{args.phase}-{args.tokens}-b{args.batch}-{args.prefill_form}{cap}.json"
         (args.out / name).write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
