@@ -64,14 +64,18 @@ start)
   rm -f "$S/model.ready"
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
+  : >"$S/pids"  # each lane is a process group of its own (setsid): `stop` kills those groups only
   if [ "$n" -ge 2 ]; then
     setsid nohup bash -c "$(declare -f lane_a); lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
+    echo $! >>"$S/pids"
     setsid nohup bash -c "$(declare -f lane_b_checks lane_b_capped); lane_b_checks 1; lane_b_capped 1" \
       >"$S/logs/lane_b.log" 2>&1 </dev/null &
+    echo $! >>"$S/pids"
   else
     B=$S/logs/lane_b.log
     setsid nohup bash -c "$(declare -f lane_a lane_b_checks lane_b_capped)
       lane_b_checks 0 >'$B' 2>&1; lane_b_capped 0 >>'$B' 2>&1 & lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
+    echo $! >>"$S/pids"
   fi
   sleep 2
   echo started
@@ -98,7 +102,9 @@ collect)
   ls -l "$OUT"
   ;;
 stop)
-  pkill -f "lane_[ab]" ; pkill -f "m bench[.]" ; pkill -f "m longctx[.]train" ; pkill -f "m longctx[.]cli"
+  # only this session's process groups: never other users' or tests' processes with similar names
+  while read -r pid; do kill -- -"$pid" 2>/dev/null; done <"$S/pids" 2>/dev/null
+  bash bench/train_bg.sh stop >/dev/null
   echo stopped
   ;;
 *)

@@ -5,6 +5,7 @@
 #   TRAIN_GPU=0 TRAIN_MINUTES=14 bash bench/train_bg.sh start   # detached (setsid): survives the call
 #   bash bench/train_bg.sh status                              # last log lines, running or not
 #   bash bench/train_bg.sh wait                                # block until training has exited
+#   bash bench/train_bg.sh stop                                # kill this training (its process group)
 #   bash bench/train_bg.sh collect [full]                      # pack into $OUT: the shipped model as
 #                                                              # model.tar.NN (15 MiB parts), logs;
 #                                                              # `full` adds the trainer state (resume)
@@ -29,6 +30,7 @@ start)
       --print-every 100 --save-every 500 --num-workers 8 "${@:4}" >"$3" 2>&1
     echo $? >"$(dirname "$1")/done"' \
     "$PY" "$CKPT" "${TRAIN_MINUTES:-14}" "$LOG" "${EXTRA[@]}" </dev/null >/dev/null 2>&1 &
+  echo $! >"$WORK/pid"  # setsid made it a process group leader: `stop` kills that group only
   sleep 1
   echo "training started on GPU ${TRAIN_GPU:-0} for ${TRAIN_MINUTES:-14} min; log $LOG"
   ;;
@@ -40,6 +42,10 @@ status)
 wait)
   while [ ! -f "$WORK/done" ]; do sleep 5; done
   echo "training exited with $(cat "$WORK/done")"
+  ;;
+stop)
+  [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
+  echo "training stopped"
   ;;
 collect)
   OUT=${OUT:-.out/train}
@@ -59,6 +65,6 @@ collect)
   ls -l "$OUT"
   ;;
 *)
-  echo "usage: bench/train_bg.sh start|status|wait|collect [full]"; exit 2
+  echo "usage: bench/train_bg.sh start|status|wait|stop|collect [full]"; exit 2
   ;;
 esac

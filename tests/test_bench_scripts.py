@@ -75,6 +75,10 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     while time.time() < deadline and (not calls.exists() or "--cap-fraction" not in calls.read_text()):
         time.sleep(0.5)
     run("stop")
+    # stop ends this session's processes only (it once matched every `longctx.cli` on the machine)
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "s")], capture_output=True, text=True).stdout
+    assert left.strip() == ""
     lines = calls.read_text().splitlines()
     gpu0 = [x for x in lines if x.startswith("0 ")]
     gpu1 = [x for x in lines if x.startswith("1 ")]
@@ -96,3 +100,27 @@ def test_host_step_measures_a_decode_step_without_the_model() -> None:
     m = measure(batch=3, context=5000, steps=5)
     assert set(m) == {"schedule_ms", "graph_inputs_ms", "update_ms", "total_ms"}
     assert all(v > 0 for v in m.values())
+
+
+def test_session_stop_kills_its_lanes_and_nothing_else(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import time
+
+    fake = tmp_path / "py"
+    fake.write_text('#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then echo 2; exit 0; fi\nsleep 60\n')
+    fake.chmod(0o755)
+    bystander = subprocess.Popen(["bash", "-c", "exec -a 'python3 -m longctx.cli serve' sleep 60"])
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(tmp_path / "s")}
+    try:
+        subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
+        time.sleep(1.0)
+        assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout  # lanes running
+        subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
+        deadline = time.time() + 5
+        while time.time() < deadline and subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout:
+            time.sleep(0.1)
+        assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
+        assert bystander.poll() is None  # a process with a longctx-like name is not touched
+    finally:
+        bystander.kill()
