@@ -113,12 +113,19 @@ def test_session_stop_kills_its_lanes_and_nothing_else(tmp_path: Path) -> None:
     bystander = subprocess.Popen(["bash", "-c", "exec -a 'python3 -m longctx.cli serve' sleep 60"])
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(tmp_path / "s")}
     try:
-        subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
+        subprocess.run(
+            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
         time.sleep(1.0)
         assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout  # lanes running
-        subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
+        subprocess.run(
+            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
         deadline = time.time() + 5
-        while time.time() < deadline and subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout:
+        while (
+            time.time() < deadline
+            and subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
+        ):
             time.sleep(0.1)
         assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
         assert bystander.poll() is None  # a process with a longctx-like name is not touched

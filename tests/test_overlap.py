@@ -91,3 +91,22 @@ def test_preemption_under_page_pressure(tiny_dir):
         assert got == want
         assert ov.scheduler.num_preempted > 0 and ov.stats()["overlapped_steps"] > 0
         assert ov.stats()["pages_used"] == ov.prefix_cache.num_cached_pages
+
+
+def test_a_failed_launch_keeps_the_finished_steps_outputs(tiny_dir, monkeypatch):
+    with Engine(tiny_dir, device="cpu", overlap=True) as eng:
+        eng.add_request(Request("a", PROMPTS[0], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+        assert eng.step()[0].new_token_ids  # prefill (no continuation after a prefill row)
+        assert eng.step()[0].new_token_ids  # a decode step; its continuation is launched
+        assert eng._pending is not None
+        real = eng.runner.launch
+
+        def boom(plan):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(eng.runner, "launch", boom)
+        second = eng.step()  # resolves the launched step: its token is delivered despite the failure
+        assert second and second[0].new_token_ids
+        with pytest.raises(RuntimeError, match="device lost"):
+            eng.step()
+        monkeypatch.setattr(eng.runner, "launch", real)

@@ -179,6 +179,7 @@ class Engine:
             overlap = self.device.type == "cuda" and os.environ.get("LONGCTX_OVERLAP", "1") != "0"
         self.overlap = bool(overlap) and isinstance(self.runner, LocalRunner)
         self._pending: PendingRows | None = None  # a launched step whose tokens are not read yet
+        self._deferred: Exception | None = None
 
     def _default_pages(self, max_context: int) -> int:
         if self.device.type == "cuda":
@@ -274,6 +275,9 @@ class Engine:
         # runs it, plan step n+1 (a pure decode continuation); then read step n's tokens (the one
         # synchronisation), update, and launch n+1 before returning, so the GPU is busy while the
         # caller handles step n's outputs and comes back.
+        if self._deferred is not None:  # launching the last continuation failed: report it now
+            err, self._deferred = self._deferred, None
+            raise err
         pending, self._pending = self._pending, None
         if pending is None:
             plan = self.scheduler.schedule()
@@ -285,7 +289,10 @@ class Engine:
         if nxt is not None:
             nxt = self.scheduler.confirm_continuation(nxt)
             if nxt is not None:
-                self._pending = self.runner.launch(nxt)
+                try:
+                    self._pending = self.runner.launch(nxt)
+                except Exception as e:  # step n's outputs are already applied: deliver them first
+                    self._deferred = e
         return outs
 
     def _finish_step(self, plan: BatchPlan, result: BatchResult) -> list[StepOutput]:
