@@ -151,7 +151,9 @@ def indexer_logits_paged(
     # Decode (one query per request) gains nothing from query tiles; prefill shares each key tile
     # between BLOCK_M queries so keys are read Tq / BLOCK_M times instead of Tq times.
     block_m = 1 if tq <= page_table.shape[0] else max(1, min(8, 128 // hp))
-    block_n = block_n or (128 if d <= 128 else 64)
+    # H200 sweep, decode batch 1 at 1M keys, in a graph (bench/results/kernels-h200.json):
+    # block_n 64 / 4 warps 108 us, 128: 133-140 us, 256-512: 140-157 us -> 64 for decode
+    block_n = block_n or (64 if block_m == 1 or d > 128 else 128)
     check(block_n >= 16 and block_n & (block_n - 1) == 0, "indexer: block_n must be a power of two >= 16")
     grid = (_cdiv(tq, block_m), _cdiv(max_len, block_n))
     fp8 = is_fp8(kind)
