@@ -1,7 +1,8 @@
 """Host time of one decode step outside the model (CPU only, no GPU needed): the scheduler's
 `schedule`, the decode graphs' input preparation (`DecodeGraphs.run` with the forward stubbed out)
-and `update`, for a grid of batch sizes and contexts. This is the time the GPU waits for between
-graph replays; it must not grow with the context.
+and `update`, for a grid of batch sizes and contexts; and the eager path's `StageWorker.context`
+(HiSparse decode, prefill chunks). This is the time the GPU waits for between steps; it must not
+grow with the context.
 
     python -m bench.host_step [--steps 100] [--out DIR]     # writes host-step-cpu.{json,md}
 """
@@ -69,6 +70,30 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
     return out
 
 
+def measure_context(batch: int, context: int, tokens: int, steps: int) -> float:
+    """Median ms of `StageWorker.context` for `batch` rows of `tokens` new tokens at `context`."""
+    from longctx.engine.plan import BatchPlan, RowPlan
+    from longctx.engine.worker import StageWorker
+
+    model = SimpleNamespace(has_embed=True, has_head=True, set_backend=lambda _: None)
+    worker = StageWorker(model, None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    pages = tuple(range(context // 64 + steps + 2))
+    times = []
+    for i in range(steps):
+        start = context - tokens + i
+        rows = tuple(
+            RowPlan(f"r{j}", (1,) * tokens, start, pages[: -(-(start + tokens) // 64)], pages_epoch=j + 1)
+            for j in range(batch)
+        )
+        t = time.perf_counter()
+        worker.context(BatchPlan(i, rows))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+CONTEXT_GRID = ((1, 1 << 20, 1), (64, 131072, 1), (1, 1 << 20, 8192))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
@@ -86,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {b} | {c:,} | {m['schedule_ms']:.3f} | {m['graph_inputs_ms']:.3f} | {m['update_ms']:.3f} | "
             f"{m['total_ms']:.3f} |"
         )
+    rows += [
+        "",
+        "| eager `StageWorker.context` | batch | context | new tokens per row | ms |",
+        "|---|---|---|---|---|",
+    ]
+    for b, c, n in CONTEXT_GRID:
+        ms = measure_context(b, c, n, max(5, args.steps // 5))
+        res[f"context_b{b}_ctx{c}_n{n}_ms"] = ms
+        rows.append(f"| | {b} | {c:,} | {n} | {ms:.3f} |")
     table = "\n".join(rows)
     print(table)
     if args.out is not None:

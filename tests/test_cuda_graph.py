@@ -78,3 +78,21 @@ def test_page_table_rows_are_updated_incrementally_and_exactly():
         assert torch.equal(c.table, want), (rows, c.table[:, :4])
         writes.append(int((c.table != before).sum()))
     assert writes[1] == 1 and writes[4] == 0  # one appended entry; an unchanged step writes nothing
+
+
+def test_worker_page_rows_follow_the_plans():
+    """StageWorker's cached page rows equal the plan's pages through growth, new epochs and epoch 0."""
+    from longctx.engine.plan import RowPlan
+    from longctx.engine.worker import PageRows
+
+    rows = PageRows(limit=3)
+    seq = [
+        ("a", [1], 1), ("a", [1, 2], 1), ("a", [1, 2, 3, 4, 5], 1),  # grows (buffer regrows too)
+        ("a", [9, 8], 2),  # preempted and re-admitted: new epoch, shorter list
+        ("b", [4, 5], 0), ("b", [6, 7], 0),  # epoch 0: always rebuilt
+        ("c", [1], 3), ("d", [2], 4), ("e", [3], 5),  # over the limit: the cache is cleared, still exact
+        ("a", [9, 8, 7], 2),
+    ]  # fmt: skip
+    for rid, pages, epoch in seq:
+        got = rows.get(RowPlan(rid, (1,), 0, tuple(pages), pages_epoch=epoch))
+        assert got.tolist() == pages and got.dtype == torch.int32

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from longctx.checkpoint.loader import iter_weights
 from longctx.config import ModelConfig
-from longctx.engine.plan import BatchPlan, RowResult
+from longctx.engine.plan import BatchPlan, RowPlan, RowResult
 from longctx.engine.sampling import logprobs_row, sample_rows_device
 from longctx.model.context import ForwardContext, KVCache
 from longctx.model.model import CausalLM
@@ -88,34 +88,37 @@ class StageWorker:
         self.use_triton, self.prefill_form, self.page_size = use_triton, prefill_form, page_size
         self.is_first, self.is_last = model.has_embed, model.has_head
         self.last_topk: torch.Tensor | None = None
+        self._page_rows = PageRows()
         model.set_backend(use_triton)
 
     def context(self, plan: BatchPlan) -> ForwardContext:
         dev = self.device
-        positions: list[int] = []
-        q_seq: list[int] = []
-        slots: list[int] = []
-        q_start = [0]
         ps = self.page_size
+        q_start = [0]
+        for r in plan.rows:
+            q_start.append(q_start[-1] + len(r.token_ids))
         max_pages = max(len(r.pages) for r in plan.rows)
         table = torch.full((len(plan.rows), max_pages), -1, dtype=torch.int32)
+        positions = torch.empty(q_start[-1], dtype=torch.int64)
+        q_seq = torch.empty(q_start[-1], dtype=torch.int32)
+        slots = torch.empty(q_start[-1], dtype=torch.int64)
         for b, r in enumerate(plan.rows):
-            n = len(r.token_ids)
-            pos = range(r.start, r.start + n)
-            positions.extend(pos)
-            q_seq.extend([b] * n)
-            slots.extend(r.pages[p // ps] * ps + p % ps for p in pos)
-            q_start.append(q_start[-1] + n)
-            table[b, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+            s0, s1 = q_start[b], q_start[b + 1]
+            pages = self._page_rows.get(r)  # int32 [len(r.pages)], kept between steps
+            table[b, : pages.numel()] = pages
+            pos = torch.arange(r.start, r.end, dtype=torch.int64)
+            positions[s0:s1] = pos
+            q_seq[s0:s1] = b
+            slots[s0:s1] = pages[pos // ps].long() * ps + pos % ps
         seq_lens = [r.end for r in plan.rows]
         return ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            q_seq=torch.tensor(q_seq, dtype=torch.int32).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            q_seq=q_seq.to(dev, non_blocking=True),
             q_start=q_start,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
             seq_lens_cpu=seq_lens,
             page_table=table.to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
             kv=self.kv,
             use_triton=self.use_triton,
             prefill_form=self.prefill_form,
@@ -198,6 +201,34 @@ class StageWorker:
             if r.logprobs is not None:
                 p.out[i].logprob, p.out[i].top_logprobs = logprobs_row(lg, tok, r.logprobs)
         return p.out
+
+
+class PageRows:
+    """CPU int32 copies of plan rows' page lists, extended in place while a row's (rid, pages_epoch)
+    holds (pages only grow at their end within an epoch), so building a step's page table costs
+    O(new pages) instead of O(context) per row. Rows with epoch 0 are always rebuilt."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._rows: dict[str, tuple[int, torch.Tensor, int]] = {}  # rid -> (epoch, buffer, used)
+        self.limit = limit
+
+    def get(self, r: RowPlan) -> torch.Tensor:
+        n = len(r.pages)
+        hit = self._rows.get(r.rid)
+        if hit is None or not r.pages_epoch or hit[0] != r.pages_epoch or hit[2] > n:
+            if hit is None and len(self._rows) >= self.limit:
+                self._rows.clear()  # finished requests' rows; live ones are rebuilt on their next step
+            buf, have = torch.tensor(r.pages, dtype=torch.int32), n
+        else:
+            _, buf, have = hit
+            if n > buf.numel():
+                grown = torch.empty(max(n, 2 * buf.numel()), dtype=torch.int32)
+                grown[:have] = buf[:have]
+                buf = grown
+            if n > have:
+                buf[have:n] = torch.tensor(r.pages[have:n], dtype=torch.int32)
+        self._rows[r.rid] = (r.pages_epoch, buf, n)
+        return buf[:n]
 
 
 @dataclass
