@@ -110,3 +110,35 @@ def test_a_failed_launch_keeps_the_finished_steps_outputs(tiny_dir, monkeypatch)
         with pytest.raises(RuntimeError, match="device lost"):
             eng.step()
         monkeypatch.setattr(eng.runner, "launch", real)
+
+
+def test_real_server_with_overlap(tiny_dir):
+    """The HTTP server's engine loop with overlap on (forced on CPU): concurrent greedy streams give
+    the engine's tokens, and a client that disconnects mid-stream still frees its pages."""
+    import concurrent.futures as cf
+
+    import httpx
+
+    from longctx.server.testing import ServerProcess
+
+    from .server_helpers import check_disconnect_frees_pages
+
+    prompts = ["The capital of France is", "Once upon a time", "abc"]
+    with Engine(tiny_dir, device="cpu", overlap=False) as eng:
+        want = [c.text for c in eng.generate(prompts, max_new_tokens=6, ignore_eos=True)]
+    with ServerProcess(
+        str(tiny_dir), "--device", "cpu", "--max-context", "2048", env={"LONGCTX_OVERLAP": "1"}
+    ) as s:
+
+        def complete(p: str) -> str:
+            body = {"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(complete, prompts))
+        assert got == want
+        body = {"prompt": "x" * 300, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        check_disconnect_frees_pages(s, body, after_events=3, http_timeout=60, free_within=20)
+        assert httpx.get(s.url + "/v1/stats", timeout=30).json()["overlapped_steps"] > 0

@@ -174,9 +174,11 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._held: list[StepOutput] = []  # step-API outputs produced inside a blocking call
         # overlapped decode (plan step n+1 while step n runs): on by default for one CUDA stage;
-        # LONGCTX_OVERLAP=0 turns it off. Stage runtimes (pp/tp > 1) run steps one at a time.
+        # LONGCTX_OVERLAP=0 turns it off, =1 on (also on CPU, where it only reorders host work).
+        # Stage runtimes (pp/tp > 1) run steps one at a time.
         if overlap is None:
-            overlap = self.device.type == "cuda" and os.environ.get("LONGCTX_OVERLAP", "1") != "0"
+            env = os.environ.get("LONGCTX_OVERLAP", "")
+            overlap = env == "1" or (env != "0" and self.device.type == "cuda")
         self.overlap = bool(overlap) and isinstance(self.runner, LocalRunner)
         self._pending: PendingRows | None = None  # a launched step whose tokens are not read yet
         self._deferred: Exception | None = None
