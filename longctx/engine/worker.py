@@ -99,17 +99,15 @@ class StageWorker:
             q_start.append(q_start[-1] + len(r.token_ids))
         max_pages = max(len(r.pages) for r in plan.rows)
         table = torch.full((len(plan.rows), max_pages), -1, dtype=torch.int32)
-        positions = torch.empty(q_start[-1], dtype=torch.int64)
-        q_seq = torch.empty(q_start[-1], dtype=torch.int32)
-        slots = torch.empty(q_start[-1], dtype=torch.int64)
         for b, r in enumerate(plan.rows):
-            s0, s1 = q_start[b], q_start[b + 1]
             pages = self._page_rows.get(r)  # int32 [len(r.pages)], kept between steps
             table[b, : pages.numel()] = pages
-            pos = torch.arange(r.start, r.end, dtype=torch.int64)
-            positions[s0:s1] = pos
-            q_seq[s0:s1] = b
-            slots[s0:s1] = pages[pos // ps].long() * ps + pos % ps
+        # every row's positions and slots at once: row b holds tokens [start_b, start_b + n_b)
+        n_tok = torch.tensor([len(r.token_ids) for r in plan.rows], dtype=torch.int64)
+        q_seq = torch.repeat_interleave(torch.arange(len(plan.rows), dtype=torch.int32), n_tok)
+        first = torch.tensor([r.start for r in plan.rows], dtype=torch.int64) - torch.tensor(q_start[:-1])
+        positions = torch.arange(q_start[-1], dtype=torch.int64) + first[q_seq.long()]
+        slots = table[q_seq.long(), positions // ps].long() * ps + positions % ps
         seq_lens = [r.end for r in plan.rows]
         return ForwardContext(
             positions=positions.to(dev, non_blocking=True),
