@@ -13,8 +13,8 @@
 #   (bench/retrieval_eval.py, uncapped at 4k/32k/128k), HiSparse at 128K with a RULER prompt
 #   (bench/long_context.py --prompt ruler), then uncapped 1M samples until stopped.
 # Lane B (GPU 1): the GPU checks (bench/gpu_check.py: graph vs eager tokens, transformers parity),
-#   decode / prefill profiles (bench/step_profile.py), then, once the model exists, HiSparse-capped
-#   1M samples until stopped. With one GPU the checks and profiles run first (undisturbed), then
+#   decode / prefill profiles (bench/step_profile.py), bench/vs_transformers.py, the indexer kernels,
+#   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks and profiles run first (undisturbed), then
 #   lane A, with the capped 1M samples beside lane A's evaluation.
 # Every job's output lands under $SESSION (default /tmp/longctx-session); `collect` copies the small
 # files into $OUT/results.tgz and the trained model into $OUT/model.tar.NN.
@@ -49,6 +49,9 @@ lane_b_checks() {
     # shellcheck disable=SC2086
     "$PY" -m bench.step_profile $args --out "$S/profiles"
   done
+  # end to end against transformers (overlap and the host-step changes), and the indexer's default
+  "$PY" -m bench.vs_transformers --out "$S/vs"
+  "$PY" -m bench.kernels --skip kv_write,topk,swap_in,sparse_mla_decode,moe,fp8_gemm,layer --out "$S/kernels"
 }
 
 lane_b_capped() {

@@ -85,6 +85,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert "4k,32k,128k" in gpu0[1] and "long_context" in gpu0[2]
     assert "gpu_check" in gpu1[0] and "step_profile" in gpu1[1] and "--cap-fraction 0.1" in gpu1[-1]
+    assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
     # the capped 1M lane started only once the model existed
     assert lines.index(gpu1[-1]) > lines.index(gpu0[0])
     out = run("collect").stdout
