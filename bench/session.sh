@@ -18,6 +18,8 @@
 #   lane A, with the capped 1M samples beside lane A's evaluation.
 # Every job's output lands under $SESSION (default /tmp/longctx-session); `collect` copies the small
 # files into $OUT/results.tgz and the trained model into $OUT/model.tar.NN.
+# Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
+# end every call with `collect`, since the machine (and /tmp) goes back 30 s after the last call.
 set -uo pipefail
 S=${SESSION:-/tmp/longctx-session}
 PY=${PYTHON:-python3}
@@ -29,7 +31,7 @@ cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
 lane_a() {
-  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-18} \
+  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
     TRAIN_ARGS=${TRAIN_ARGS:---init-from models-shipped/retrieval-wip} bash bench/train_bg.sh start
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
