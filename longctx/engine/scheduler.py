@@ -129,8 +129,7 @@ class Scheduler:
                 pages, cached = self.cache.match(req.all_ids)
             rp = RequestPages(self.page_size, pages, cached)
             n = min(req.num_tokens - cached, budget, self.chunk_size)
-            need = self.alloc.pages_for(cached + n) - len(pages)
-            if not self._make_room(need):
+            if not self._make_room(rp.pages_missing(n)):
                 rp.release(self.alloc)
                 break
             self.waiting.popleft()
@@ -157,8 +156,7 @@ class Scheduler:
         """Give `req` slots for n more tokens, preempting later requests if pages run out."""
         rp = self.pages[req.rid]
         while True:
-            need = self.alloc.pages_for(rp.num_tokens + n) - len(rp.pages)
-            if self._make_room(need):
+            if self._make_room(rp.pages_missing(n)):
                 rp.grow(n, self.alloc)
                 return True
             victim = self.running[-1]
@@ -223,11 +221,7 @@ class Scheduler:
                 or row.end + 1 >= self.max_context
             ):
                 return None
-        need = sum(
-            self.alloc.pages_for(self.pages[r.rid].num_tokens + 1) - len(self.pages[r.rid].pages)
-            for r in plan.rows
-        )
-        if not self._make_room(need):
+        if not self._make_room(sum(max(0, self.pages[r.rid].pages_missing(1)) for r in plan.rows)):
             return None
         rows = []
         for row in plan.rows:

@@ -56,13 +56,20 @@ class RequestPages:
         """
         if allocator.page_size != self.page_size:
             raise PageError(f"allocator page size {allocator.page_size} != request's {self.page_size}")
-        need = -(-n_tokens // self.page_size) - len(self.pages)
+        need = self._missing(n_tokens)
         if need <= 0:
             return []
         new = allocator.alloc(need)
         self.pages.extend(new)
         self._tuple = None
         return new
+
+    def pages_missing(self, n_new: int) -> int:
+        """Pages to allocate before `n_new` more tokens fit (<= 0: they already do)."""
+        return self._missing(self.num_tokens + n_new)
+
+    def _missing(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size) - len(self.pages)
 
     def append(self, n_new: int, allocator: PageAllocator) -> np.ndarray:
         """Assign slots to `n_new` more tokens (allocating pages); returns their rows (int64)."""
