@@ -47,6 +47,13 @@ def length_name(n: int) -> str:
     return f"{n >> 20}m" if n % ONE_M == 0 else f"{n >> 10}k" if n % 1024 == 0 else str(n)
 
 
+def result_key(length: int, capped: bool) -> str:
+    """'128k', '1m', '1m_uncapped', '4k_capped': the headline at 1M is the capped run, elsewhere the uncapped."""
+    if capped == (length >= ONE_M):
+        return length_name(length)
+    return length_name(length) + ("_capped" if capped else "_uncapped")
+
+
 def run(args: argparse.Namespace) -> int:
     from longctx.cli import main as cli
     from longctx.workloads.ruler_cli import parse_lengths
@@ -96,9 +103,7 @@ def merge(args: argparse.Namespace) -> int:
     res: dict = {"tasks": list(TASKS), "samples": {}, "mean_latency_s": {}}
     by_len: dict[tuple[int, bool], dict[str, float]] = {}
     for (task, L, capped), v in sorted(got["scores"].items()):
-        plain = capped == (L >= ONE_M)  # the headline at 1M is the capped run, elsewhere the uncapped
-        suffix = "" if plain else ("_capped" if capped else "_uncapped")
-        key = f"{task}.{length_name(L)}{suffix}"
+        key = f"{task}.{result_key(L, capped)}"
         res[key] = round(100 * sum(v) / len(v), 1)
         res["samples"][key] = len(v)
         lat = got["latency"].get((task, L, capped))
@@ -107,9 +112,7 @@ def merge(args: argparse.Namespace) -> int:
         by_len.setdefault((L, capped), {})[task] = res[key]
     for (L, capped), row in sorted(by_len.items()):
         if all(t in row for t in TASKS):
-            plain = capped == (L >= ONE_M)
-            suffix = "" if plain else ("_capped" if capped else "_uncapped")
-            res[f"avg_niah.{length_name(L)}{suffix}"] = round(sum(row.values()) / len(row), 1)
+            res[f"avg_niah.{result_key(L, capped)}"] = round(sum(row.values()) / len(row), 1)
     both = [t for t in TASKS if t in by_len.get((ONE_M, True), {}) and t in by_len.get((ONE_M, False), {})]
     if both:
         res["capped_minus_uncapped.1m"] = round(
