@@ -117,8 +117,9 @@ def fit_schedule(cfg: TrainConfig, step_s: dict[int, float], budget_s: float) ->
     n = max(cfg.warmup_steps + 1, int(budget_s / (per_step * 1.06)))  # 6%: optimizer, logging, saves
     scaled = tuple((round(first * n / NOMINAL_STEPS), S) for first, S in cur)
     scaled = tuple(p for i, p in enumerate(scaled) if i == 0 or p[0] > scaled[i - 1][0])
-    dense = min(cfg.dense_warmup_steps, 1 << 40)
-    dense = round(dense * n / NOMINAL_STEPS) if dense <= NOMINAL_STEPS else dense  # past the end: stays dense
+    dense = cfg.dense_warmup_steps
+    if dense <= NOMINAL_STEPS:  # past the nominal end the whole run stays dense
+        dense = round(dense * n / NOMINAL_STEPS)
     return dataclasses.replace(
         cfg, steps=n, dense_warmup_steps=dense, data=dataclasses.replace(cfg.data, curriculum=scaled)
     )
@@ -200,10 +201,15 @@ def compute_loss(
 
 
 def _auto_schedule(
-    cfg: TrainConfig, model: TrainCausalLM, device: torch.device, state: dict[str, Any] | None, t_start: float
+    cfg: TrainConfig,
+    model: TrainCausalLM,
+    device: torch.device,
+    state: dict[str, Any] | None,
+    t_start: float,
+    eval_reserve: float,
 ) -> TrainConfig:
     """steps=0: a resumed run keeps the schedule it was planned with; a fresh one times each length and
-    fits the schedule to what is left of max_minutes."""
+    fits the schedule to what is left of max_minutes (less `eval_reserve` seconds for the final eval)."""
     if state is not None and int(state["recipe"].get("steps", 0)) > 0:
         r = state["recipe"]
         cur = tuple((int(a), int(b)) for a, b in r["data"]["curriculum"])
@@ -217,7 +223,7 @@ def _auto_schedule(
         raise ConfigError("--steps 0 (fit the schedule to the time budget) needs --max-minutes")
     model.train()
     step_s = probe_step_seconds(model, cfg, device)
-    left = t_start + 60 * cfg.max_minutes - time.monotonic() - (60.0 if cfg.eval_samples else 0.0)
+    left = t_start + 60 * cfg.max_minutes - time.monotonic() - eval_reserve
     fitted = fit_schedule(cfg, step_s, left)
     print(
         json.dumps(
@@ -262,14 +268,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         state = read_training(cfg.resume)
         start, log_rows = int(state["step"]), state["log"]
         load_model_weights(model, cfg.resume, torch.device("cpu"))
+    elif cfg.init_from:  # the loader marks the weights trainable, as on resume
+        load_model_weights(model, cfg.init_from, torch.device("cpu"))
     else:
         model.init_weights(cfg.seed)
-        if cfg.init_from:
-            load_model_weights(model, cfg.init_from, torch.device("cpu"))
-            model.mark_trainable()
     model.to(device)
+    eval_reserve = 60.0 if cfg.eval_samples else 0.0  # engine start + Triton compiles + decoding
     if cfg.steps <= 0:
-        cfg = _auto_schedule(cfg, model, device, state, t_start)
+        cfg = _auto_schedule(cfg, model, device, state, t_start, eval_reserve)
     opt = build_optimizer(model, cfg, device)
     if state is not None:
         restore_moments(model, opt, state["moments"], start)
@@ -277,7 +283,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     recipe = cfg.to_json()
     out = Path(cfg.out)
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
-    eval_reserve = 60.0 if cfg.eval_samples else 0.0  # engine start + Triton compiles + decoding
     loader = torch.utils.data.DataLoader(
         BatchDataset(cfg.data, start, max(start, cfg.steps)),
         batch_size=None,
