@@ -155,25 +155,20 @@ class DecodeGraphs:
         cols: list[int] = []
         vals: list[int] = []
         full: list[int] = []  # rows rewritten whole (a new request in the row, or a padding row)
-        for i in range(len(c.row_keys)):
-            r = plan.rows[i] if i < len(plan.rows) else None
-            key = (r.rid, r.pages_epoch, len(r.pages)) if r is not None else None
-            old = c.row_keys[i]
-            if key == old and (r is None or r.pages_epoch):  # epoch 0: unknown, always rewrite
+        for i, old in enumerate(c.row_keys):
+            if i >= len(plan.rows):
+                if old is not None:
+                    full.append(i)
+                    c.row_keys[i] = None
                 continue
-            if (
-                r is not None
-                and old is not None
-                and r.pages_epoch
-                and old[:2] == key[:2]  # type: ignore[index]
-                and old[2] <= len(r.pages)
-            ):
-                rows += [i] * (len(r.pages) - old[2])
+            r = plan.rows[i]
+            if old is not None and old[0] == r.rid and r.pages_extend(old[1], old[2]):
+                rows += [i] * (len(r.pages) - old[2])  # often none: the table is already right
                 cols += range(old[2], len(r.pages))
                 vals += r.pages[old[2] :]
             else:
                 full.append(i)
-            c.row_keys[i] = key
+            c.row_keys[i] = (r.rid, r.pages_epoch, len(r.pages))
         dev = c.table.device
         if full:
             host = torch.full((len(full), c.table.shape[1]), self.dummy_page, dtype=torch.int32)

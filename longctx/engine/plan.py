@@ -32,6 +32,11 @@ class RowPlan:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
+    def pages_extend(self, epoch: int, n: int) -> bool:
+        """Whether a copy of this request's first `n` pages taken at `epoch` is still a prefix of
+        `pages` (so only pages[n:] are new). Epoch 0 means unknown: never."""
+        return bool(self.pages_epoch) and epoch == self.pages_epoch and n <= len(self.pages)
+
 
 @dataclass(frozen=True)
 class BatchPlan:

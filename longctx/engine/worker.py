@@ -213,7 +213,7 @@ class PageRows:
     def get(self, r: RowPlan) -> torch.Tensor:
         n = len(r.pages)
         hit = self._rows.get(r.rid)
-        if hit is None or not r.pages_epoch or hit[0] != r.pages_epoch or hit[2] > n:
+        if hit is None or not r.pages_extend(hit[0], hit[2]):
             if hit is None and len(self._rows) >= self.limit:
                 self._rows.clear()  # finished requests' rows; live ones are rebuilt on their next step
             buf, have = torch.tensor(r.pages, dtype=torch.int32), n
