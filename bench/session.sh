@@ -18,6 +18,8 @@
 #   lane A, with the capped 1M samples beside lane A's evaluation.
 # Every job's output lands under $SESSION (default /tmp/longctx-session); `collect` copies the small
 # files into $OUT/results.tgz and the trained model into $OUT/model.tar.NN.
+# Knobs (environment): TRAIN_MINUTES, TRAIN_ARGS (bench/train_bg.sh), PROFILES (the step profiles of
+#   the checks), VS=0 (no vs_transformers / indexer kernels in the checks), EVAL=0 (train only).
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
 # end every call with `collect`, since the machine (and /tmp) goes back 30 s after the last call.
 set -uo pipefail
@@ -36,6 +38,7 @@ lane_a() {
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0
+  [ "${EVAL:-1}" = 1 ] || return 0  # EVAL=0: train only (evaluate in a later call, by hand)
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k,32k,128k --samples 20 --out "$S/eval/uncapped"
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
@@ -45,12 +48,18 @@ lane_a() {
 lane_b_checks() {
   export CUDA_VISIBLE_DEVICES=$1
   "$PY" -m bench.gpu_check --out "$S/checks"
-  for args in "--phase decode --tokens 2048" "--phase decode --tokens 131072" \
-    "--phase decode --tokens 131072 --hisparse-device-tokens 13107" \
-    "--phase decode --tokens 2048 --batch 8" "--phase prefill --tokens 16384"; do
+  # PROFILES: ';'-separated bench.step_profile argument lists (default: decode at 2K, 128K, 128K
+  # HiSparse-capped, batch 8, and a 16K prefill)
+  local profiles=${PROFILES:-"--phase decode --tokens 2048;--phase decode --tokens 131072;\
+--phase decode --tokens 131072 --hisparse-device-tokens 13107;--phase decode --tokens 2048 --batch 8;\
+--phase prefill --tokens 16384"}
+  local args
+  IFS=';' read -r -a plist <<<"$profiles"
+  for args in "${plist[@]}"; do
     # shellcheck disable=SC2086
     "$PY" -m bench.step_profile $args --out "$S/profiles"
   done
+  [ "${VS:-1}" = 1 ] || return 0  # VS=0: leave out the end-to-end comparison and the indexer kernels
   # end to end against transformers (overlap and the host-step changes), and the indexer's default
   "$PY" -m bench.vs_transformers --out "$S/vs"
   "$PY" -m bench.kernels --skip kv_write,topk,swap_in,sparse_mla_decode,moe,fp8_gemm,layer --out "$S/kernels"
@@ -79,7 +88,7 @@ start)
   else
     B=$S/logs/lane_b.log
     setsid nohup bash -c "$(declare -f lane_a lane_b_checks lane_b_capped)
-      lane_b_checks 0 >'$B' 2>&1; lane_b_capped 0 >>'$B' 2>&1 & lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
+      lane_b_checks 0 >'$B' 2>&1; [ \"\${EVAL:-1}\" = 1 ] && { lane_b_capped 0 >>'$B' 2>&1 & }; lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
     echo $! >>"$S/pids"
   fi
   sleep 2
