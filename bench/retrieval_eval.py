@@ -10,6 +10,7 @@ bench/results/retrieval-h200.{json,md} and a PNG of score vs length.
     python -m bench.retrieval_eval run --model DIR --lengths 4k,32k,128k --samples 20 --out R/uncapped
     python -m bench.retrieval_eval run --model DIR --lengths 1m --samples 3 --cap-fraction 0.1 --out R/capped
     python -m bench.retrieval_eval merge R/uncapped R/capped [--out bench/results]
+    python -m bench.retrieval_eval gate R/uncapped --length 4k --min 20   # exit 0: scores reach 20
 
 Keys of the JSON: `<task>.<len>` (0-100; at 1m the HiSparse-capped run, elsewhere the uncapped one),
 `<task>.1m_uncapped` / `<task>.<len>_capped` for the other kind, `avg_niah.<len>` (the mean over the
@@ -98,6 +99,28 @@ def collect(run_dirs: list[Path]) -> dict:
     return {"scores": scores, "latency": latency}
 
 
+def gate(args: argparse.Namespace) -> int:
+    """Exit 0 when the mean score over the tasks run at `--length` reaches `--min` (0-100), else 1.
+
+    bench/session.sh asks this after a quick 4K run, before spending minutes of device time on the
+    long lengths for a model that does not retrieve."""
+    from longctx.workloads.ruler_cli import parse_lengths
+
+    (L,) = parse_lengths(args.length)
+    got = collect([Path(args.run)])["scores"]
+    per_task = {t: 100 * sum(v) / len(v) for (t, n, _), v in got.items() if n == L and v}
+    if not per_task:
+        print(f"gate: no finished samples at {length_name(L)} in {args.run}")
+        return 1
+    mean = sum(per_task.values()) / len(per_task)
+    ok = mean >= args.min
+    print(
+        f"gate: mean {mean:.1f} over {len(per_task)} tasks at {length_name(L)} "
+        f"{'>=' if ok else '<'} {args.min:g}: {'go on' if ok else 'stop'}"
+    )
+    return 0 if ok else 1
+
+
 def merge(args: argparse.Namespace) -> int:
     got = collect([Path(d) for d in args.runs])
     res: dict = {"tasks": list(TASKS), "samples": {}, "mean_latency_s": {}}
@@ -184,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)
+    g = sub.add_parser("gate", help="exit 0 when a run's mean score at a length reaches --min")
+    g.add_argument("run")
+    g.add_argument("--length", default="4k")
+    g.add_argument("--min", type=float, default=20.0)
+    g.set_defaults(func=gate)
     m = sub.add_parser("merge", help="combine run directories into retrieval-h200.{json,md,png}")
     m.add_argument("runs", nargs="+")
     m.add_argument("--out", default=None, help="directory for the results (default bench/results)")

@@ -16,6 +16,10 @@
 #   decode / prefill profiles (bench/step_profile.py), bench/vs_transformers.py, the indexer kernels,
 #   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks and profiles run first (undisturbed), then
 #   lane A, with the capped 1M samples beside lane A's evaluation.
+# The lanes run from a copy of the tree in $SESSION/src (installed there), so a later call's carry
+# that replaces the checkout does not pull the files out from under them.
+# The evaluation is gated: 4K first, and 32K/128K/1M (and the capped 1M lane) only when the 4K
+# average reaches EVAL_GATE (default 20 of 100).
 # Every job's output lands under $SESSION (default /tmp/longctx-session); `collect` copies the small
 # files into $OUT/results.tgz and the trained model into $OUT/model.tar.NN.
 # Knobs (environment): TRAIN_MINUTES, TRAIN_ARGS (bench/train_bg.sh), PROFILES (the step profiles of
@@ -38,8 +42,15 @@ lane_a() {
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0
-  [ "${EVAL:-1}" = 1 ] || return 0  # EVAL=0: train only (evaluate in a later call, by hand)
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k,32k,128k --samples 20 --out "$S/eval/uncapped"
+  [ "${EVAL:-1}" = 1 ] || { touch "$S/eval.stop"; return 0; }  # EVAL=0: train only
+  # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --out "$S/eval/uncapped"
+  if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then
+    touch "$S/eval.stop"
+    return 0
+  fi
+  touch "$S/eval.go"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k,128k --samples 20 --out "$S/eval/uncapped"
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"
@@ -67,30 +78,44 @@ lane_b_checks() {
 
 lane_b_capped() {
   export CUDA_VISIBLE_DEVICES=$1
-  while [ ! -f "$S/model.ready" ]; do sleep 10; done
+  while [ ! -f "$S/eval.go" ]; do
+    [ -f "$S/eval.stop" ] && return 0
+    sleep 10
+  done
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --cap-fraction 0.1 --out "$S/eval/capped_1m"
+}
+
+run_lanes() {
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$S/logs/pip.log" 2>&1 \
+    || echo "pip install -e of the copy failed (see $S/logs/pip.log); running from the copy anyway"
+  if [ "$1" -ge 2 ]; then
+    lane_a >"$S/logs/lane_a.log" 2>&1 &
+    { lane_b_checks 1; lane_b_capped 1; } >"$S/logs/lane_b.log" 2>&1 &
+  else  # one GPU: the checks and profiles first, undisturbed; then training and its evaluation
+    lane_b_checks 0 >"$S/logs/lane_b.log" 2>&1
+    lane_b_capped 0 >>"$S/logs/lane_b.log" 2>&1 &
+    lane_a >"$S/logs/lane_a.log" 2>&1 &
+  fi
+  wait
 }
 
 case "$cmd" in
 start)
   mkdir -p "$S/logs"
-  rm -f "$S/model.ready"
+  rm -f "$S/model.ready" "$S/eval.go" "$S/eval.stop"
+  # The lanes run from a private copy of the tree, installed there: the device tool replaces a carried
+  # folder on every call, and a lane whose working directory was replaced under it finds no `bench`
+  # (that cost a whole evaluation once). Later calls' status/collect may run from any copy.
+  rm -rf "$S/src" && mkdir -p "$S/src"
+  tar -cf - bench configs kernels longctx models-shipped pyproject.toml README.md | tar -xf - -C "$S/src"
+  cd "$S/src" || exit 1
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
-  : >"$S/pids"  # each lane is a process group of its own (setsid): `stop` kills those groups only
-  if [ "$n" -ge 2 ]; then
-    setsid nohup bash -c "$(declare -f lane_a); lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
-    echo $! >>"$S/pids"
-    setsid nohup bash -c "$(declare -f lane_b_checks lane_b_capped); lane_b_checks 1; lane_b_capped 1" \
-      >"$S/logs/lane_b.log" 2>&1 </dev/null &
-    echo $! >>"$S/pids"
-  else
-    B=$S/logs/lane_b.log
-    setsid nohup bash -c "$(declare -f lane_a lane_b_checks lane_b_capped)
-      lane_b_checks 0 >'$B' 2>&1; [ \"\${EVAL:-1}\" = 1 ] && { lane_b_capped 0 >>'$B' 2>&1 & }; lane_a" >"$S/logs/lane_a.log" 2>&1 </dev/null &
-    echo $! >>"$S/pids"
-  fi
+  # one process group (setsid) holds every lane: `stop` kills that group and nothing else
+  setsid nohup bash -c "$(declare -f run_lanes lane_a lane_b_checks lane_b_capped); run_lanes $n" \
+    >"$S/logs/session.log" 2>&1 </dev/null &
+  echo $! >"$S/pids"
   sleep 2
   echo started
   ;;

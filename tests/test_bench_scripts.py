@@ -83,7 +83,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu0 = [x for x in lines if x.startswith("0 ")]
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
-    assert "4k,32k,128k" in gpu0[1] and "long_context" in gpu0[2]
+    # a quick 4K score, the gate on it, then the long lengths
+    assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
+    assert "32k,128k" in gpu0[3] and "long_context" in gpu0[4]
     assert "gpu_check" in gpu1[0] and "step_profile" in gpu1[1] and "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
     # the capped 1M lane started only once the model existed
@@ -93,6 +95,41 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "out" / "results.tgz") as t:
         names = t.getnames()
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
+
+
+def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(tmp_path: Path) -> None:
+    """A model under the 4K gate gets no 32K-1M runs (neither lane), and the lanes' working
+    directory is the session's own copy of the tree, not the (replaceable) checkout."""
+    import os
+    import subprocess
+    import time
+
+    fake = tmp_path / "py"
+    calls = tmp_path / "calls"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$CUDA_VISIBLE_DEVICES $PWD $*" >> {calls}\n'
+        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+        'if [ "$3" = "gate" ]; then exit 1; fi\n'
+        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
+        "mkdir -p $o; echo w > $o/model.safetensors; fi\n"
+    )
+    fake.chmod(0o755)
+    s = tmp_path / "s"
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "VS": "0", "PROFILES": "--phase decode"}
+    subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (s / "eval.stop").exists():
+        time.sleep(0.3)
+    time.sleep(1.0)  # the capped lane sees the stop marker within its poll
+    lines = calls.read_text().splitlines()
+    subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
+    assert (s / "eval.stop").exists() and not (s / "eval.go").exists()
+    assert any("retrieval_eval gate" in x for x in lines)
+    assert not any("32k" in x or "long_context" in x or "--cap-fraction" in x for x in lines)
+    work = [x.split()[1] for x in lines if " -m " in x and "pip" not in x]
+    assert work and all(w == str(s / "src") for w in work)
+    assert (s / "src" / "bench" / "session.sh").exists() and not (s / "src" / "tests").exists()
 
 
 def test_host_step_measures_a_decode_step_without_the_model() -> None:
