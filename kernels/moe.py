@@ -68,9 +68,89 @@ def moe_router_ref(
     return topk_ids, topk_w * routed_scaling_factor
 
 
-# A fused Triton router does not pay: the [T, E] logits GEMM is tiny next to the experts and the grouped
-# top-k is a handful of small torch ops (no host sync), so the GPU path uses the reference as is.
-moe_router = moe_router_ref
+@jit
+def _router_select_kernel(
+    logits_ptr, bias_ptr, ids_ptr, w_ptr,
+    E, scaling,
+    EG: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, EGP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    # One program per token: everything after the logits GEMM (sigmoid, bias, group-limited top-k,
+    # the weights of the chosen experts), which torch spends ~13 kernels on.
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GP)
+    j = tl.arange(0, EGP)
+    ok = (g[:, None] < G) & (j[None, :] < EG)
+    e = g[:, None] * EG + j[None, :]  # [GP, EGP] expert ids
+    NEG = float("-inf")
+    lg = tl.load(logits_ptr + t * E + e, mask=ok, other=0.0)
+    scores = tl.sigmoid(lg)
+    choice = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), NEG)
+    # group score: the sum of the two best choices in the group (the first best masked by position)
+    m1 = tl.max(choice, axis=1)
+    a1 = tl.argmax(choice, axis=1)
+    m2 = tl.max(tl.where(j[None, :] == a1[:, None], NEG, choice), axis=1)
+    gs = tl.where(g < G, m1 + m2, NEG)
+    keep = tl.zeros([GP], dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(gs, axis=0)
+        keep = keep | (g == best)
+        gs = tl.where(g == best, NEG, gs)
+    choice = tl.where(keep[:, None], choice, NEG)
+    ks = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int64)
+    ws = tl.zeros([KP], dtype=tl.float32)
+    for i in tl.static_range(K):
+        # the best remaining expert; of tied ones the lowest id
+        m = tl.max(tl.max(choice, axis=1), axis=0)
+        best = tl.min(tl.min(tl.where(choice == m, e, E), axis=1), axis=0)
+        sel = e == best
+        ids = tl.where(ks == i, best.to(tl.int64), ids)
+        ws = tl.where(ks == i, tl.sum(tl.sum(tl.where(sel, scores, 0.0), axis=1), axis=0), ws)
+        choice = tl.where(sel, NEG, choice)
+    if NORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    tl.store(ids_ptr + t * K + ks, ids, mask=ks < K)
+    tl.store(w_ptr + t * K + ks, ws * scaling, mask=ks < K)
+
+
+def moe_router(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_router_ref`'s contract: the [T, E] logits by one fp32 GEMM, everything after it in one
+    kernel (a program per token). The k slots come out best first; which of two tied experts wins
+    may differ from torch.topk (the reference leaves that unspecified too)."""
+    if not use_triton(backend, hidden.device):
+        return moe_router_ref(
+            hidden, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+            routed_scaling_factor,
+        )  # fmt: skip
+    check(hidden.dim() == 2 and weight.dim() == 2, "moe_router: hidden [T, Hd] and weight [E, Hd] expected")
+    t, e = hidden.shape[0], weight.shape[0]
+    check(
+        e % n_group == 0 and topk_group <= n_group, f"moe_router: E={e} not divisible into {n_group} groups"
+    )
+    check(0 < top_k <= e and e_score_correction_bias.shape == (e,), "moe_router: top_k in (0, E], bias [E]")
+    logits = F.linear(hidden.float(), weight.float()).contiguous()
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
+    w = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
+    if t:
+        eg = e // n_group
+        _router_select_kernel[(t,)](
+            logits, e_score_correction_bias.float().contiguous(), ids, w, e, float(routed_scaling_factor),
+            EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
+            KP=next_pow2(top_k), NORM=bool(norm_topk_prob),
+        )  # fmt: skip
+    return ids, w
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -141,7 +221,61 @@ def moe_experts_ref(
     return y
 
 
+@jit
+def _align_kernel(
+    ids_ptr, pairs_ptr, bexp_ptr,
+    P, E, NB,
+    BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BNB: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    # One program: `moe_align_ref` for few pairs (decode), by a [pairs, experts] one-hot and cumsums.
+    p = tl.arange(0, BP)
+    ex = tl.arange(0, BE)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    oh = ((ids[:, None] == ex[None, :]) & (p[:, None] < P) & (ex[None, :] < E)).to(tl.int32)
+    counts = tl.sum(oh, axis=0)  # [BE]
+    blocks = (counts + BM - 1) // BM
+    block_end = tl.cumsum(blocks, axis=0)
+    block_start = block_end - blocks
+    rank = tl.sum((tl.cumsum(oh, axis=0) - oh) * oh, axis=1)  # earlier pairs of the same expert
+    start = tl.sum(oh * block_start[None, :], axis=1)
+    valid = tl.sum(oh, axis=1) > 0
+    # every slot starts as padding (P); then each valid pair lands at its slot
+    for s0 in tl.range(0, NB * BM, BS):
+        so = s0 + tl.arange(0, BS)
+        tl.store(pairs_ptr + so, tl.zeros([BS], dtype=tl.int32) + P, mask=so < NB * BM)
+    tl.debug_barrier()
+    tl.store(pairs_ptr + start * BM + rank, p.to(tl.int32), mask=valid)
+    b = tl.arange(0, BNB)
+    owner = tl.sum(((block_end[None, :] <= b[:, None]) & (ex[None, :] < E)).to(tl.int32), axis=1)
+    tl.store(bexp_ptr + b, tl.where(owner < E, owner, -1), mask=b < NB)
+
+
+# One program holds a [pairs, experts] one-hot: above this many elements the torch sort is used.
+_ALIGN_ONE_PROGRAM_MAX = 1 << 16
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align_ref`, as one kernel when there are few pairs (decode) on the Triton path."""
+    p = topk_ids.numel()
+    e = num_experts
+    if topk_ids.device.type != "cuda" and not triton_interpret():
+        return moe_align_ref(topk_ids, e, block_m)
+    bp, be = next_pow2(p), next_pow2(e)
+    if p == 0 or bp * be > _ALIGN_ONE_PROGRAM_MAX:
+        return moe_align_ref(topk_ids, e, block_m)
+    nb = cdiv(p, block_m) + min(e, p)
+    pairs = torch.empty(nb * block_m, dtype=torch.int32, device=topk_ids.device)
+    bexp = torch.empty(nb, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1).contiguous(), pairs, bexp, p, e, nb,
+        BM=block_m, BP=bp, BE=be, BNB=next_pow2(nb), BS=min(1024, next_pow2(nb * block_m)),
+    )  # fmt: skip
+    return pairs, bexp
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, slot) pairs by expert into BLOCK_M-padded runs, on the device with no host sync.
 
     topk_ids [T, k] -> (sorted_pairs int32 [NB * block_m], block_expert int32 [NB]) with

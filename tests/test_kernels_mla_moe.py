@@ -28,7 +28,14 @@ from longctx.kernels.fp8_gemm import (
     quant_block_fp8_ref,
 )
 from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv_ref
-from longctx.kernels.moe import moe_align, moe_experts, moe_experts_ref, moe_router, moe_router_ref
+from longctx.kernels.moe import (
+    moe_align,
+    moe_align_ref,
+    moe_experts,
+    moe_experts_ref,
+    moe_router,
+    moe_router_ref,
+)
 from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
 
 TRITON = "triton"
@@ -342,12 +349,47 @@ def test_moe_router_matches_transformers(n_group, topk_group, norm):
     with torch.no_grad():
         _, want_w, want_ids = router(h)
     args = (h, router.weight, router.e_score_correction_bias, 4, n_group, topk_group, norm, 2.5)
-    for fn in (moe_router_ref, moe_router):
+    for fn in (moe_router_ref, moe_router, lambda *a: moe_router(*a, backend=TRITON)):
         ids, w = fn(*args)
         o1, o2 = ids.sort(-1), want_ids.sort(-1)
         assert torch.equal(o1.values, o2.values)
         assert torch.allclose(w.gather(1, o1.indices), want_w.gather(1, o2.indices), atol=1e-6)
         assert w.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "t,e,k,n_group,topk_group,norm",
+    [(1, 256, 8, 8, 4, True), (5, 256, 8, 8, 4, True), (3, 16, 4, 1, 1, True), (4, 12, 6, 3, 2, False),
+     (2, 8, 2, 1, 1, True), (64, 16, 4, 1, 1, True)],
+)  # fmt: skip
+def test_moe_router_kernel_matches_reference(t, e, k, n_group, topk_group, norm):
+    """GLM-5's shape (256 experts in 8 groups, top-4 groups, top-8), small-1m's, and a top-k that is not
+    a power of two: the same experts and weights as the reference (slots compared as sets)."""
+    gen = torch.Generator().manual_seed(t * 100 + e + k)
+    h = torch.randn(t, 64, generator=gen).bfloat16()
+    wt = torch.randn(e, 64, generator=gen)
+    bias = torch.randn(e, generator=gen) * 0.05
+    args = (h, wt, bias, k, n_group, topk_group, norm, 2.5)
+    ids, w = moe_router(*args, backend=TRITON)
+    rids, rw = moe_router_ref(*args)
+    assert ids.shape == (t, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+    o1, o2 = ids.sort(-1), rids.sort(-1)
+    assert torch.equal(o1.values, o2.values)
+    torch.testing.assert_close(w.gather(1, o1.indices), rw.gather(1, o2.indices), rtol=1e-5, atol=1e-6)
+    assert (ids[:, :-1] != ids[:, 1:]).all()  # k distinct experts
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (1, 8, 256, 16), (8, 4, 16, 16), (64, 4, 16, 16),
+                                      (11, 3, 9, 4), (32, 8, 256, 16), (5, 2, 8, 64)])  # fmt: skip
+def test_moe_align_kernel_equals_reference(t, k, e, bm):
+    gen = torch.Generator().manual_seed(t + k + e)
+    ids = _skewed_ids(t, k, e, gen) if t > 1 else torch.randperm(e, generator=gen)[:k][None]
+    ids = ids.clone()
+    if t > 2:
+        ids[1, 0] = -1  # an id outside [0, E) (expert parallelism's "not local") is dropped
+    pairs, bexp = moe_align(ids, e, bm)
+    rp, rb = moe_align_ref(ids, e, bm)
+    assert torch.equal(pairs, rp) and torch.equal(bexp, rb)
 
 
 # -------------------------------------------------------------------------------------------- FP8 GEMM

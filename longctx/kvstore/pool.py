@@ -37,6 +37,9 @@ def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
     raise ConfigError(f"kv_dtype must be 'auto', 'model', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
 
 
+ROWS_OF_TOPK = "rows_of_topk"  # ForwardContext.extras key: (top-k tensor, its pool rows) of this pass
+
+
 class PagedKVPool:
     """All KV of one stage on its device; implements `longctx.model.context.KVCache`."""
 
@@ -87,7 +90,13 @@ class PagedKVPool:
         return self._index[layer]
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return ctx.logical_to_rows(topk)
+        # shared (IndexShare) layers pass their full layer's top-k tensor itself: translate it once
+        hit = ctx.extras.get(ROWS_OF_TOPK)
+        if hit is not None and hit[0] is topk:
+            return hit[1]
+        rows = ctx.logical_to_rows(topk)
+        ctx.extras[ROWS_OF_TOPK] = (topk, rows)
+        return rows
 
     def after_write(self, layer: int, ctx: ForwardContext) -> None:
         pass

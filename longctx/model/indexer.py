@@ -43,8 +43,11 @@ class Indexer(nn.Module):
         assert ctx.cos_sin is not None
         cos, sin = ctx.cos_sin
         T = x.shape[0]
-        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
+        rope = op("rope", "apply_rope", ctx.use_triton)
+        q = rope(
+            self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim, self.interleaved
+        )
+        k = rope(self.k_norm(self.wk(x)), cos, sin, self.rope_dim, self.interleaved)  # [T, D]
         kv = ctx.kv
         op("kv_layout", "write_index_k", ctx.use_triton)(
             kv.index_pool(self.layer), ctx.slot_mapping, k, kv.index_kind

@@ -22,8 +22,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        y = self.post_attention_layernorm(h)
+        y, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), ctx), x)
         if isinstance(self.mlp, MoE):
             # padding rows of a captured decode batch get no expert work
             return h + self.mlp(y, ctx.extras.get("valid"))

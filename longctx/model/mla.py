@@ -18,7 +18,6 @@ from longctx.model.indexer import Indexer
 from longctx.model.linear import Linear
 from longctx.model.norm import RMSNorm
 from longctx.model.ops import op
-from longctx.model.rope import apply_rope_interleaved
 
 # Below this many (query x key) pairs per head a prefill row attends in the expanded form.
 EXPANDED_MAX_PAIRS = 1 << 22
@@ -56,12 +55,13 @@ class MLAttention(nn.Module):
         assert ctx.cos_sin is not None
         T = x.shape[0]
         cos, sin = ctx.cos_sin
+        rope = op("rope", "apply_rope", ctx.use_triton)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., : self.nope], apply_rope_interleaved(q[..., self.nope :], cos, sin)
+        q_nope, q_rope = q[..., : self.nope], rope(q[..., self.nope :], cos, sin)
         ckv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(ckv[:, : self.kv_lora])
-        r = apply_rope_interleaved(ckv[:, self.kv_lora :], cos, sin)
+        r = rope(ckv[:, self.kv_lora :], cos, sin)
         kv = ctx.kv
         op("kv_layout", "write_mla_kv", ctx.use_triton)(
             kv.mla_pool(self.layer), ctx.slot_mapping, c, r, kv.kind
@@ -86,11 +86,11 @@ class MLAttention(nn.Module):
                 out[s:e] = self._expanded(q_nope[s:e], q_rope[s:e], topk[s:e], b, ctx)
             else:
                 absorbed_rows.append((s, e))
-        if absorbed_rows:
+        if len(absorbed_rows) == ctx.num_rows:  # every row (all of decode): no gather, no scatter
+            out = self._absorbed(q_nope, q_rope, kv.resolve(self.layer, topk, ctx), ctx)
+        elif absorbed_rows:
             idx = torch.cat([torch.arange(s, e, device=x.device) for s, e in absorbed_rows])
-            rows = kv.resolve(self.layer, topk, ctx)
-            if idx.numel() != T:
-                rows = rows[idx]
+            rows = kv.resolve(self.layer, topk, ctx)[idx]
             out[idx] = self._absorbed(q_nope[idx], q_rope[idx], rows, ctx)
         return self.o_proj(out.reshape(T, self.n_heads * self.v_dim))
 

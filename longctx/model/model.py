@@ -85,7 +85,7 @@ class CausalLM(nn.Module):
 
     def set_backend(self, use_triton: bool) -> None:
         for m in self.modules():
-            if isinstance(m, Linear | MoE):
+            if isinstance(m, Linear | MoE | RMSNorm):
                 m.use_triton = use_triton
 
     # ---- weights -----------------------------------------------------------------------------

@@ -1,9 +1,15 @@
-"""RMSNorm as the reference computes it: normalise in fp32, scale in the input dtype."""
+"""RMSNorm as the reference computes it: normalise in fp32, scale in the input dtype.
+
+The math is `longctx.kernels.norm.rms_norm_ref`; with the Triton backend one kernel computes it, and
+`add_forward` fuses the residual add in front of the norm (DecoderLayer's post-attention norm).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from longctx.model.ops import op
 
 
 class RMSNorm(nn.Module):
@@ -11,9 +17,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if self.use_triton and x.dim() == 2:
+            return op("norm", "rms_norm", True)(x, self.weight, self.eps)
+        return op("norm", "rms_norm", False)(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        if self.use_triton and x.dim() == 2:
+            return op("norm", "add_rms_norm", True)(x, residual, self.weight, self.eps)
+        h = x + residual
+        return self(h), h
