@@ -169,3 +169,17 @@ def test_session_stop_kills_its_lanes_and_nothing_else(tmp_path: Path) -> None:
         assert bystander.poll() is None  # a process with a longctx-like name is not touched
     finally:
         bystander.kill()
+
+
+def test_launch_count_of_a_decode_step_stays_fused() -> None:
+    """The launches of one decode step (Triton path, interpreter) on tiny.json: the norms, rope and
+    router are one kernel each, and the step stays near its measured 274 launches (825 before the
+    fused kernels): a regression here is a slower decode on the GPU."""
+    from bench.launch_count import count_decode_step
+
+    ops = count_decode_step(ROOT / "configs" / "tiny.json", batch=1, context=70)
+    assert ops["triton._rms_norm_kernel"] == 6 * 4 + 1
+    assert ops["triton._rope_kernel"] == 6 * 2 + 3 * 2  # MLA q, k every layer; indexer q, k per full layer
+    assert ops["triton._router_select_kernel"] == 5 and ops["triton._align_kernel"] == 5
+    assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk"} & set(ops)
+    assert sum(ops.values()) <= 290, ops.most_common(20)

@@ -1,0 +1,122 @@
+"""Device kernels one decode step launches, counted on the CPU (no GPU needed).
+
+At batch 1 a decode step of a many-layer MoE model costs what its kernel launches cost (~2.5 us
+each on the H200 even inside a CUDA graph: bench/results/step-profile-*.json), so the count is the
+figure to drive down between GPU sessions. The engine runs the Triton path under the interpreter;
+every non-view aten op and every Triton kernel launch in one `Engine.step()` of a decode counts
+once, by name.
+
+    python -m bench.launch_count [--config configs/tiny.json] [--batch 1] [--context 300] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+
+# aten ops that launch nothing on a GPU: views, metadata, allocation
+_FREE = {
+    "view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "t",
+    "transpose", "permute", "alias", "detach", "split", "split_with_sizes", "unbind", "chunk", "narrow",
+    "empty", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "_reshape_alias",
+    "reshape", "view_as", "resolve_conj", "resolve_neg", "unfold", "empty_like", "is_nonzero",
+    "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel", "dim", "size", "stride",
+    "promote_types", "result_type", "detach_", "is_same_size", "contiguous",
+}  # fmt: skip
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
+        # `.to` to the dtype a tensor already has returns it: no kernel
+        if not self.paused and name not in _FREE and not (name == "to" and args and out is args[0]):
+            self.ops["aten." + name] += 1
+        return out
+
+
+def count_decode_step(config: Path, batch: int, context: int) -> Counter[str]:
+    import triton.runtime.interpreter as interp
+
+    from longctx import Engine
+    from longctx.checkpoint.init_random import init_random_checkpoint
+    from longctx.config import ModelConfig
+    from longctx.engine.request import Request, SamplingParams
+
+    model = Path(tempfile.mkdtemp()) / "model"
+    init_random_checkpoint(ModelConfig.from_json(config), model, seed=0)
+    counter = _Count()
+    run = interp.GridExecutor.__call__
+
+    def launch(self, *a, **k):  # type: ignore[no-untyped-def]
+        counter.ops["triton." + self.fn.__name__] += 1
+        counter.paused += 1  # the interpreter's own tensor copies are not device work
+        try:
+            return run(self, *a, **k)
+        finally:
+            counter.paused -= 1
+
+    gen = torch.Generator().manual_seed(0)
+    with Engine(model, device="cpu", dtype="float32", backend="triton") as eng:
+        for i in range(batch):
+            ids = torch.randint(0, 256, (context,), generator=gen).tolist()
+            eng.add_request(Request(f"r{i}", ids, SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        while not all(eng._requests[f"r{i}"].output_ids for i in range(batch)):
+            eng.step()
+        eng.step()  # one decode step to settle lazily built state
+        interp.GridExecutor.__call__ = launch  # type: ignore[method-assign]
+        try:
+            with counter:
+                eng.step()
+        finally:
+            interp.GridExecutor.__call__ = run  # type: ignore[method-assign]
+    return counter.ops
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny.json")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from longctx.config import ModelConfig
+
+    cfg = ModelConfig.from_json(args.config)
+    ops = count_decode_step(args.config, args.batch, args.context)
+    total = sum(ops.values())
+    layers = cfg.num_hidden_layers
+    print(
+        f"decode step, batch {args.batch}, {layers} layers: {total} launches ({total / layers:.1f} per layer)"
+    )
+    for name, n in ops.most_common(args.top):
+        print(f"{n:6d}  {name}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = {"config": str(args.config), "batch": args.batch, "layers": layers, "launches": total,
+               "per_layer": round(total / layers, 1), "ops": dict(ops.most_common())}  # fmt: skip
+        (args.out / f"launch-count-b{args.batch}.json").write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
