@@ -409,3 +409,60 @@ def _store_cast(ptr, x, mask):
         tl.store(ptr.to(tl.pointer_type(tl.int16)), _bf16_bits(x), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------- paged addressing
+
+
+def logical_to_rows_ref(
+    positions: torch.Tensor, page_table: torch.Tensor, q_seq: torch.Tensor, page_size: int = PAGE_SIZE
+) -> torch.Tensor:
+    """Logical token positions [T, K] of each query's request (-1 = none) -> pool rows int64 [T, K]
+    (-1 stays -1): row = page_table[q_seq[t], pos // page_size] * page_size + pos % page_size."""
+    valid = positions >= 0
+    pos = positions.clamp(min=0).long()
+    pages = page_table.long()[q_seq.long()[:, None], pos // page_size]
+    rows = pages * page_size + pos % page_size
+    return torch.where(valid, rows, torch.full_like(rows, -1))
+
+
+@jit
+def _logical_to_rows_kernel(
+    pos_ptr, table_ptr, seq_ptr, out_ptr, K, s_pos, s_table,
+    PAGE: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    km = k < K
+    p = tl.load(pos_ptr + t * s_pos + k, mask=km, other=-1).to(tl.int64)
+    b = tl.load(seq_ptr + t).to(tl.int64)
+    ok = km & (p >= 0)
+    page = tl.load(table_ptr + b * s_table + p // PAGE, mask=ok, other=0).to(tl.int64)
+    tl.store(out_ptr + t * K + k, tl.where(ok, page * PAGE + p % PAGE, -1), mask=km)
+
+
+def logical_to_rows(
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    q_seq: torch.Tensor,
+    page_size: int = PAGE_SIZE,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`logical_to_rows_ref` in one kernel (torch spends ~10 on it). positions [T, K] int (unit
+    column stride), page_table [B, P] int (unit column stride), q_seq [T] int."""
+    if not use_triton(backend, positions.device):
+        return logical_to_rows_ref(positions, page_table, q_seq, page_size)
+    check(positions.dim() == 2 and positions.stride(1) == 1, "logical_to_rows: positions [T, K], unit stride")
+    check(page_table.dim() == 2 and page_table.stride(1) == 1, "logical_to_rows: page_table [B, P]")
+    check(q_seq.shape == (positions.shape[0],), "logical_to_rows: q_seq must be [T]")
+    check(not positions.dtype.is_floating_point, "logical_to_rows: positions must be integers")
+    t, k = positions.shape
+    out = torch.empty(t, k, dtype=torch.int64, device=positions.device)
+    if t and k:
+        bk = min(next_pow2(k), 1024)
+        _logical_to_rows_kernel[(t, -(-k // bk))](
+            positions, page_table, q_seq.contiguous(), out, k, positions.stride(0), page_table.stride(0),
+            PAGE=page_size, BK=bk,
+        )  # fmt: skip
+    return out

@@ -228,3 +228,23 @@ def test_indexer_block_knobs_match_ref(block_n, num_warps):
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert (got[fin] - ref[fin]).abs().max() <= 1e-5 * ref[fin].abs().max().clamp_min(1e-30)
+
+
+@pytest.mark.parametrize("t,k,b", [(1, 2048, 1), (5, 300, 3), (8, 16, 8), (3, 1, 2)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_logical_to_rows_matches_reference(t, k, b, dtype):
+    """Top-k positions across page boundaries, -1 pads, rows of different requests and lengths."""
+    g = torch.Generator().manual_seed(t * 7 + k + b)
+    pages = 40
+    table = torch.randperm(b * pages, generator=g).view(b, pages).to(torch.int32)
+    table[0, 30:] = -1  # a shorter request: its table is padded
+    q_seq = torch.randint(0, b, (t,), generator=g).to(torch.int32)
+    lens = torch.where(q_seq == 0, 30 * 64, pages * 64)
+    pos = (torch.rand(t, k, generator=g) * lens[:, None]).long()
+    pos[torch.rand(t, k, generator=g) < 0.2] = -1
+    pos = pos.to(dtype)
+    got = kvl.logical_to_rows(pos, table, q_seq, 64, backend="triton")
+    want = kvl.logical_to_rows_ref(pos, table, q_seq, 64)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    with pytest.raises(KernelInputError):
+        kvl.logical_to_rows(pos.float(), table, q_seq, backend="triton")

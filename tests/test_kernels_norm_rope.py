@@ -98,3 +98,20 @@ def test_rope_rejects_bad_inputs():
         apply_rope(x, cos, sin, rope_dim=7, backend="triton")
     with pytest.raises(KernelInputError):
         apply_rope(x, cos.double(), sin.double(), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,i", [(1, 512), (3, 96), (5, 1500)])
+def test_silu_mul_matches_reference(dtype, t, i):
+    from longctx.kernels.activation import silu_mul, silu_mul_ref
+
+    g = torch.Generator().manual_seed(t + i)
+    x = (3 * torch.randn(t, 2 * i, generator=g)).to(dtype)
+    got = silu_mul(x, backend="triton")
+    want = silu_mul_ref(x)
+    assert got.shape == (t, i) and got.dtype == dtype
+    # exp differs in its last bit between implementations: one ulp in bf16
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(KernelInputError):
+        silu_mul(torch.randn(2, 5), backend="triton")

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from longctx.model.ops import op
+
 
 class KVCache(Protocol):
     """What an attention layer needs from the KV store of its stage.
@@ -69,8 +71,6 @@ class ForwardContext:
 
     def logical_to_rows(self, topk: torch.Tensor) -> torch.Tensor:
         """Top-k logical positions [T, K] -> physical rows of the paged pool (-1 stays -1)."""
-        valid = topk >= 0
-        pos = topk.clamp(min=0).long()
-        pages = self.page_table.long()[self.q_seq.long()[:, None], pos // self.page_size]
-        rows = pages * self.page_size + pos % self.page_size
-        return torch.where(valid, rows, torch.full_like(rows, -1))
+        return op("kv_layout", "logical_to_rows", self.use_triton)(
+            topk, self.page_table, self.q_seq, self.page_size
+        )

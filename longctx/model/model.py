@@ -20,7 +20,7 @@ from longctx.errors import CheckpointError
 from longctx.model.context import ForwardContext
 from longctx.model.layer import DecoderLayer
 from longctx.model.linear import Linear
-from longctx.model.moe import MoE
+from longctx.model.moe import MLP, MoE
 from longctx.model.norm import RMSNorm
 from longctx.model.rope import RotaryEmbedding
 
@@ -85,7 +85,7 @@ class CausalLM(nn.Module):
 
     def set_backend(self, use_triton: bool) -> None:
         for m in self.modules():
-            if isinstance(m, Linear | MoE | RMSNorm):
+            if isinstance(m, Linear | MoE | RMSNorm | MLP):
                 m.use_triton = use_triton
 
     # ---- weights -----------------------------------------------------------------------------
@@ -189,3 +189,6 @@ class CausalLM(nn.Module):
         """Derived tensors (absorbed MLA weights) once all weights are in place."""
         for layer in self.model.layers.values():
             layer.self_attn.finalize(dtype)  # type: ignore[operator, union-attr]
+        for m in self.modules():
+            if isinstance(m, MLP):
+                m.finalize()

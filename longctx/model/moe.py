@@ -12,15 +12,32 @@ from longctx.model.ops import op
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Dense layers and the shared experts."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Dense layers and the shared experts.
+
+    After loading (`finalize`), plain (non-fp8) gate and up weights become two halves of one
+    [2I, H] tensor, so the Triton path runs one GEMM and one `silu_mul` kernel instead of two GEMMs,
+    a silu and a mul (no extra memory: the parameters are views of it)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.use_triton = False
+        self._gate_up: torch.Tensor | None = None
+
+    def finalize(self) -> None:
+        g, u = self.gate_proj, self.up_proj
+        if g.weight_scale_inv is not None or u.weight_scale_inv is not None or g.weight.is_meta:
+            return
+        gu = torch.cat([g.weight.detach(), u.weight.detach()])
+        g.weight = nn.Parameter(gu[: g.out_features], requires_grad=False)
+        u.weight = nn.Parameter(gu[g.out_features :], requires_grad=False)
+        self._gate_up = gu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and self._gate_up is not None and x.dim() == 2:
+            return self.down_proj(op("activation", "silu_mul", True)(F.linear(x, self._gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
