@@ -37,8 +37,12 @@ cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
 lane_a() {
+  # default: docs/training.md's next recipe (run 5's lessons): from the WIP weights at a small lr,
+  # lengthening in small steps only once the answer exact match reaches 0.8
   TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
-    TRAIN_ARGS=${TRAIN_ARGS:---init-from models-shipped/retrieval-wip} bash bench/train_bg.sh start
+    TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 4e-4 --warmup-steps 50 \
+--advance-exact 0.8 --curriculum 0:512,1500:768,3000:1024,4500:1536,6000:2048,7500:3072,9000:4096 \
+--dense-warmup-steps 6000"} bash bench/train_bg.sh start
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0

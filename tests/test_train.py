@@ -195,6 +195,46 @@ def test_auto_schedule_from_the_cli(tmp_path: Path) -> None:
     assert read_training(tmp_path / "b")["recipe"]["steps"] == steps
 
 
+def test_gate_waits_for_exact_match_over_the_window() -> None:
+    from longctx.train.loop import gate_ready, next_length, realized_curriculum
+
+    cfg = TrainConfig(advance_exact=0.8, advance_window=3, advance_min_steps=20,
+                      data=DataConfig(curriculum=((0, 512), (10, 768), (20, 1024))))  # fmt: skip
+    rows = [{"step": s, "answer_exact": e} for s, e in [(10, 0.2), (20, 0.9), (30, 0.9), (40, 0.7)]]
+    assert not gate_ready(rows[:3], 0, cfg)  # the window's mean is 0.67
+    assert gate_ready(rows[:3] + [{"step": 40, "answer_exact": 0.95}], 0, cfg)
+    assert gate_ready(rows, 0, cfg)  # (0.9 + 0.9 + 0.7) / 3 >= 0.8
+    assert not gate_ready(rows + [{"step": 50, "answer_exact": 0.3}], 0, cfg)
+    assert not gate_ready([{"step": s, "answer_exact": 1.0} for s in (31, 32, 33)], 20, cfg)  # too soon
+    assert gate_ready([{"step": s, "answer_exact": 1.0} for s in (38, 39, 40)], 20, cfg)
+    assert realized_curriculum(cfg, None) == ((0, 512),)
+    assert next_length(cfg, ((0, 512),)) == 768 and next_length(cfg, ((0, 512), (5, 768), (9, 1024))) is None
+    st = {"recipe": {"realized_curriculum": [[0, 512], [7, 768]]}}
+    assert realized_curriculum(cfg, st) == ((0, 512), (7, 768))
+
+
+def test_gated_curriculum_advances_restarts_the_data_and_resumes(tmp_path: Path, monkeypatch) -> None:
+    """With the gate open every 3 steps: lengths 512 -> 640 -> 768 at steps 3 and 6 (the batches
+    after an advance are at the new length, not prefetched old ones), the realized curriculum is
+    saved, and a resumed run keeps it."""
+    import longctx.train.loop as loop
+
+    monkeypatch.setattr(loop, "gate_ready", lambda rows, start, cfg: rows[-1]["step"] - start >= 3)
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (1000, 640), (2000, 768)))
+    cfg = TrainConfig(model_config=str(TINY), out=str(tmp_path / "g"), steps=10, device="cpu",
+                      warmup_steps=2, dense_warmup_steps=2, log_every=1, kl_rows=16, save_every=100,
+                      save_dtype="float32", advance_exact=0.5, data=data)  # fmt: skip
+    loop.train(cfg)
+    st = read_training(tmp_path / "g")
+    lens = [r["seq_len"] for r in st["log"]]
+    assert lens == [512] * 3 + [640] * 3 + [768] * 4
+    assert [tuple(x) for x in st["recipe"]["realized_curriculum"]] == [(0, 512), (3, 640), (6, 768)]
+    resumed = dataclasses.replace(cfg, out=str(tmp_path / "r"), resume=str(tmp_path / "g"), steps=12)
+    loop.train(resumed)
+    st2 = read_training(tmp_path / "r")
+    assert [r["seq_len"] for r in st2["log"]][10:] == [768, 768]
+
+
 def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> None:
     cfg = DataConfig(tokens_per_step=4096, curriculum=((0, 512),), copy_fraction=1.0)
     b = make_batch(cfg, 0)

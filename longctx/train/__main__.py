@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm-weight", type=float, default=t.lm_weight)
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
+    p.add_argument(
+        "--advance-exact",
+        type=float,
+        default=t.advance_exact,
+        help="gated curriculum: move to the next length once the answer exact match reaches this "
+        "(0: follow the curriculum's steps)",
+    )
+    p.add_argument("--advance-window", type=int, default=t.advance_window, help="log rows the gate averages")
+    p.add_argument("--advance-min-steps", type=int, default=t.advance_min_steps)
     p.add_argument("--save-every", type=int, default=t.save_every)
     p.add_argument("--log-every", type=int, default=t.log_every)
     p.add_argument("--print-every", type=int, default=t.print_every)
@@ -113,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             lm_weight=args.lm_weight,
             kl_weight=args.kl_weight,
             kl_rows=args.kl_rows,
+            advance_exact=args.advance_exact,
+            advance_window=args.advance_window,
+            advance_min_steps=args.advance_min_steps,
             save_every=args.save_every,
             log_every=args.log_every,
             print_every=args.print_every,

@@ -67,6 +67,13 @@ class TrainConfig:
     num_workers: int = 4
     save_dtype: str = "bfloat16"
     save_momentum: bool = False
+    # gated curriculum (advance_exact > 0): the curriculum's lengths in order, each next one only once
+    # the answer exact match (mean of the last advance_window log rows at this length) reaches
+    # advance_exact, after at least advance_min_steps steps at it; the curriculum's step numbers are
+    # then ignored. Run 5 showed what moving on by the clock does to a half-learned skill.
+    advance_exact: float = 0.0
+    advance_window: int = 10
+    advance_min_steps: int = 100
     eval_samples: int = 0  # NIAH samples per (task, length) after training (0: no eval)
     eval_lengths: tuple[int, ...] = (1024, 4096)
     data: DataConfig = field(default_factory=DataConfig)
@@ -242,6 +249,28 @@ def _auto_schedule(
     return fitted
 
 
+def gate_ready(rows: list[dict[str, Any]], phase_start: int, cfg: TrainConfig) -> bool:
+    """Whether the gated curriculum moves on: enough steps at this length and the answer exact match
+    of its last `advance_window` log rows at least `advance_exact` on average."""
+    recent = [r for r in rows if r["step"] > phase_start][-cfg.advance_window :]
+    if len(recent) < cfg.advance_window or recent[-1]["step"] - phase_start < cfg.advance_min_steps:
+        return False
+    return sum(float(r["answer_exact"]) for r in recent) / len(recent) >= cfg.advance_exact
+
+
+def realized_curriculum(cfg: TrainConfig, state: dict[str, Any] | None) -> tuple[tuple[int, int], ...]:
+    """The gated curriculum so far: (first step, length) of every length reached (resumes keep it)."""
+    got = (state or {}).get("recipe", {}).get("realized_curriculum")
+    if got:
+        return tuple((int(a), int(b)) for a, b in got)
+    return ((0, cfg.data.curriculum[0][1]),)
+
+
+def next_length(cfg: TrainConfig, realized: tuple[tuple[int, int], ...]) -> int | None:
+    planned = [s for _, s in cfg.data.curriculum]
+    return planned[len(realized)] if len(realized) < len(planned) else None
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -281,17 +310,27 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         restore_moments(model, opt, state["moments"], start)
 
     recipe = cfg.to_json()
+    gated = cfg.advance_exact > 0
+    data = cfg.data
+    realized = cfg.data.curriculum
+    if gated:
+        realized = realized_curriculum(cfg, state)
+        data = dataclasses.replace(cfg.data, curriculum=realized)
+        recipe["realized_curriculum"] = realized
     out = Path(cfg.out)
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
-    loader = torch.utils.data.DataLoader(
-        BatchDataset(cfg.data, start, max(start, cfg.steps)),
-        batch_size=None,
-        shuffle=False,
-        num_workers=cfg.num_workers if device.type == "cuda" else 0,
-        collate_fn=collate,  # type: ignore[arg-type]
-        prefetch_factor=4 if device.type == "cuda" and cfg.num_workers else None,
-        persistent_workers=False,
-    )
+
+    def make_loader(from_step: int) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            BatchDataset(data, from_step, max(from_step, cfg.steps)),
+            batch_size=None,
+            shuffle=False,
+            num_workers=cfg.num_workers if device.type == "cuda" else 0,
+            collate_fn=collate,  # type: ignore[arg-type]
+            prefetch_factor=4 if device.type == "cuda" and cfg.num_workers else None,
+            persistent_workers=False,
+        )
+
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not sys.stderr.isatty())
     step = start
     tokens = 0
@@ -300,50 +339,63 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     n_acc = 0
     stopped = "steps"
     model.train()
-    for batch in loader:
-        if deadline is not None and time.monotonic() + eval_reserve >= deadline:
-            stopped = "deadline"
-            break
-        lr = lr_at(cfg, step)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, metrics, loads = compute_loss(model, batch, cfg, step, device)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        model.update_router_bias(loads, cfg.bias_update_rate)
-        metrics["grad_norm"] = gnorm.detach()
-        for k, v in metrics.items():
-            acc[k] = acc.get(k, 0.0) + v.float()
-        n_acc += 1
-        step += 1
-        n_tok = batch.ids.numel()
-        tokens += n_tok
-        tok_log += n_tok
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            now = time.monotonic()
-            row: dict[str, Any] = {k: round(float(v) / n_acc, 5) for k, v in acc.items()}
-            row.update(
-                step=step,
-                lr=lr,
-                seq_len=batch.ids.shape[1],
-                batch=batch.ids.shape[0],
-                stage="sparse" if step - 1 >= cfg.dense_warmup_steps else "dense",
-                tokens_per_s=round(tok_log / max(now - t_log, 1e-9), 1),
-                elapsed_s=round(now - t_start, 1),
-            )
-            log_rows.append(row)
-            bar.set_postfix(loss=row["loss"], acc=row["answer_acc"])
-            if cfg.print_every and step % cfg.print_every == 0:
-                print(json.dumps(row), flush=True)
-            acc, n_acc, t_log, tok_log = {}, 0, now, 0
-        if step % cfg.save_every == 0 and step < cfg.steps:
-            save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
-            print(f"saved step {step} to {out}", flush=True)
+    loader: torch.utils.data.DataLoader | None = make_loader(start)
+    while loader is not None:
+        advanced = False
+        for batch in loader:
+            if deadline is not None and time.monotonic() + eval_reserve >= deadline:
+                stopped = "deadline"
+                break
+            lr = lr_at(cfg, step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, metrics, loads = compute_loss(model, batch, cfg, step, device)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            model.update_router_bias(loads, cfg.bias_update_rate)
+            metrics["grad_norm"] = gnorm.detach()
+            for k, v in metrics.items():
+                acc[k] = acc.get(k, 0.0) + v.float()
+            n_acc += 1
+            step += 1
+            n_tok = batch.ids.numel()
+            tokens += n_tok
+            tok_log += n_tok
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                now = time.monotonic()
+                row: dict[str, Any] = {k: round(float(v) / n_acc, 5) for k, v in acc.items()}
+                row.update(
+                    step=step,
+                    lr=lr,
+                    seq_len=batch.ids.shape[1],
+                    batch=batch.ids.shape[0],
+                    stage="sparse" if step - 1 >= cfg.dense_warmup_steps else "dense",
+                    tokens_per_s=round(tok_log / max(now - t_log, 1e-9), 1),
+                    elapsed_s=round(now - t_start, 1),
+                )
+                log_rows.append(row)
+                bar.set_postfix(loss=row["loss"], acc=row["answer_acc"])
+                if cfg.print_every and step % cfg.print_every == 0:
+                    print(json.dumps(row), flush=True)
+                acc, n_acc, t_log, tok_log = {}, 0, now, 0
+                nxt = next_length(cfg, realized) if gated else None
+                if nxt is not None and step < cfg.steps and gate_ready(log_rows, realized[-1][0], cfg):
+                    realized = (*realized, (step, nxt))
+                    data = dataclasses.replace(data, curriculum=realized)
+                    recipe["realized_curriculum"] = realized
+                    print(json.dumps({"advance": {"step": step, "seq_len": nxt}}), flush=True)
+                    advanced = True
+            if step % cfg.save_every == 0 and step < cfg.steps:
+                save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
+                print(f"saved step {step} to {out}", flush=True)
+            if advanced:
+                break  # the prefetched batches are at the old length: a new loader from this step
+        del loader
+        loader = make_loader(step) if advanced and stopped != "deadline" else None
     bar.close()
-    del loader
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
     train_s = time.monotonic() - t_start
     summary: dict[str, Any] = {
