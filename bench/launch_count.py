@@ -53,7 +53,9 @@ class _Count(TorchDispatchMode):
         return out
 
 
-def count_decode_step(config: Path, batch: int, context: int) -> Counter[str]:
+def count_decode_step(
+    config: Path, batch: int, context: int, hisparse_device_tokens: int | None = None
+) -> Counter[str]:
     import triton.runtime.interpreter as interp
 
     from longctx import Engine
@@ -75,7 +77,9 @@ def count_decode_step(config: Path, batch: int, context: int) -> Counter[str]:
             counter.paused -= 1
 
     gen = torch.Generator().manual_seed(0)
-    with Engine(model, device="cpu", dtype="float32", backend="triton") as eng:
+    with Engine(
+        model, device="cpu", dtype="float32", backend="triton", hisparse_device_tokens=hisparse_device_tokens
+    ) as eng:
         for i in range(batch):
             ids = torch.randint(0, 256, (context,), generator=gen).tolist()
             eng.add_request(Request(f"r{i}", ids, SamplingParams(max_new_tokens=4, ignore_eos=True)))
@@ -96,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny.json")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--hisparse-device-tokens", type=int, default=None, help="count the capped path")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from longctx.config import ModelConfig
 
     cfg = ModelConfig.from_json(args.config)
-    ops = count_decode_step(args.config, args.batch, args.context)
+    ops = count_decode_step(args.config, args.batch, args.context, args.hisparse_device_tokens)
     total = sum(ops.values())
     layers = cfg.num_hidden_layers
     print(
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         res = {"config": str(args.config), "batch": args.batch, "layers": layers, "launches": total,
                "per_layer": round(total / layers, 1), "ops": dict(ops.most_common())}  # fmt: skip
-        (args.out / f"launch-count-b{args.batch}.json").write_text(json.dumps(res, indent=2) + "\n")
+        cap = f"-cap{args.hisparse_device_tokens}" if args.hisparse_device_tokens else ""
+        (args.out / f"launch-count-b{args.batch}{cap}.json").write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
 
