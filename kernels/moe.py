@@ -33,6 +33,16 @@ from .fp8_gemm import cdiv, dequant_block_fp8_ref, mma
 
 
 # ---------------------------------------------------------------------------------------------- router
+def _check_router(hidden: torch.Tensor, weight: torch.Tensor, n_group: int, topk_group: int) -> int:
+    """Validates the router's inputs; returns E."""
+    check(hidden.dim() == 2 and weight.dim() == 2, "moe_router: hidden [T, Hd] and weight [E, Hd] expected")
+    e = weight.shape[0]
+    check(
+        e % n_group == 0 and topk_group <= n_group, f"moe_router: E={e} not divisible into {n_group} groups"
+    )
+    return e
+
+
 def moe_router_ref(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -48,11 +58,7 @@ def moe_router_ref(
     hidden [T, Hd] (any float dtype), weight [E, Hd], bias [E] -> (topk_ids int64 [T, k], topk_w fp32 [T, k]).
     The k slots are unordered (torch.topk(sorted=False)); ties may break differently on CPU and GPU.
     """
-    check(hidden.dim() == 2 and weight.dim() == 2, "moe_router: hidden [T, Hd] and weight [E, Hd] expected")
-    e = weight.shape[0]
-    check(
-        e % n_group == 0 and topk_group <= n_group, f"moe_router: E={e} not divisible into {n_group} groups"
-    )
+    e = _check_router(hidden, weight, n_group, topk_group)
     logits = F.linear(hidden.float(), weight.float())
     scores = logits.sigmoid()
     choice = scores + e_score_correction_bias.float()
@@ -134,11 +140,7 @@ def moe_router(
             hidden, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
             routed_scaling_factor,
         )  # fmt: skip
-    check(hidden.dim() == 2 and weight.dim() == 2, "moe_router: hidden [T, Hd] and weight [E, Hd] expected")
-    t, e = hidden.shape[0], weight.shape[0]
-    check(
-        e % n_group == 0 and topk_group <= n_group, f"moe_router: E={e} not divisible into {n_group} groups"
-    )
+    t, e = hidden.shape[0], _check_router(hidden, weight, n_group, topk_group)
     check(0 < top_k <= e and e_score_correction_bias.shape == (e,), "moe_router: top_k in (0, E], bias [E]")
     logits = F.linear(hidden.float(), weight.float()).contiguous()
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
