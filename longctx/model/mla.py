@@ -86,7 +86,7 @@ class MLAttention(nn.Module):
                 out[s:e] = self._expanded(q_nope[s:e], q_rope[s:e], topk[s:e], b, ctx)
             else:
                 absorbed_rows.append((s, e))
-        if len(absorbed_rows) == ctx.num_rows:  # every row (all of decode): no gather, no scatter
+        if absorbed_rows and len(absorbed_rows) == ctx.num_rows:  # all rows (decode): no gather/scatter
             out = self._absorbed(q_nope, q_rope, kv.resolve(self.layer, topk, ctx), ctx)
         elif absorbed_rows:
             idx = torch.cat([torch.arange(s, e, device=x.device) for s, e in absorbed_rows])
