@@ -167,6 +167,80 @@ def case_fp8_linear(t: int, n: int, k: int) -> float:
     )
 
 
+def case_norm(add: bool) -> float:
+    from longctx.kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+
+    x = torch.randn(7, 6144, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(6144, device="cuda", dtype=torch.bfloat16)
+    if add:
+        (y, h), (yr, hr) = add_rms_norm(x, r, w, 1e-5, backend="triton"), add_rms_norm_ref(x, r, w, 1e-5)
+        return max(rel(y, yr), rel(h, hr))
+    return rel(rms_norm(x[:, :512], w[:512], 1e-6, backend="triton"), rms_norm_ref(x[:, :512], w[:512], 1e-6))
+
+
+def case_rope(interleaved: bool) -> float:
+    """Bit-exact on the GPU too (each op rounds to bf16 as torch's do)."""
+    from longctx.kernels.rope import apply_rope, apply_rope_ref
+
+    q = torch.randn(5, 64, 256, device="cuda", dtype=torch.bfloat16)[..., 192:]  # MLA q[..., nope:]
+    f = torch.randint(0, 1 << 20, (5, 1), device="cuda").float() * torch.rand(32, device="cuda")
+    cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
+    k = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)  # indexer q: rope on the first 64
+    a = apply_rope(q, cos, sin, backend="triton")
+    b = apply_rope(k, cos, sin, 64, interleaved, backend="triton")
+    return float(
+        not (
+            torch.equal(a, apply_rope_ref(q, cos, sin))
+            and torch.equal(b, apply_rope_ref(k, cos, sin, 64, interleaved))
+        )
+    )
+
+
+def case_silu_mul() -> float:
+    from longctx.kernels.activation import silu_mul, silu_mul_ref
+
+    x = torch.randn(9, 2 * 2048, device="cuda", dtype=torch.bfloat16)
+    return rel(silu_mul(x, backend="triton"), silu_mul_ref(x))
+
+
+def case_router(t: int) -> float:
+    """GLM-5's router (256 experts, 8 groups, top-4 groups, top-8): same experts, same weights."""
+    from longctx.kernels.moe import moe_router, moe_router_ref
+
+    h = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 6144, device="cuda") * 0.02
+    bias = torch.randn(256, device="cuda") * 0.01
+    args = (h, w, bias, 8, 8, 4, True, 2.5)
+    ids, wt = moe_router(*args, backend="triton")
+    rids, rwt = moe_router_ref(*args)
+    a, b = ids.sort(-1), rids.sort(-1)
+    if not torch.equal(a.values, b.values):
+        return float("inf")
+    return rel(wt.gather(1, a.indices), rwt.gather(1, b.indices))
+
+
+def case_align(t: int, k: int, e: int) -> float:
+    from longctx.kernels.moe import moe_align, moe_align_ref
+
+    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
+    (p, b), (pr, br) = moe_align(ids, e, 16), moe_align_ref(ids, e, 16)
+    return float(not (torch.equal(p, pr) and torch.equal(b, br)))
+
+
+def case_logical_rows() -> float:
+    from longctx.kernels.kv_layout import logical_to_rows, logical_to_rows_ref
+
+    table = torch.randperm(4 * 300, device="cuda", dtype=torch.int64).view(4, 300).int()
+    pos = torch.randint(-1, 300 * 64, (8, 2048), device="cuda", dtype=torch.int32)
+    seq = torch.randint(0, 4, (8,), device="cuda", dtype=torch.int32)
+    return float(
+        not torch.equal(
+            logical_to_rows(pos, table, seq, backend="triton"), logical_to_rows_ref(pos, table, seq)
+        )
+    )
+
+
 CASES = {
     "kv_write_fp8": (case_kv_write, ("fp8",), 0.07),
     "index_write_fp8": (case_index_write, (), 0.07),
@@ -186,6 +260,16 @@ CASES = {
     "moe_fp8_glm": (case_moe, (True, 8, 6144, 2048, 16), 2e-2),
     "fp8_linear_b1": (case_fp8_linear, (1, 2048, 6144), 2e-2),
     "fp8_linear_b512": (case_fp8_linear, (512, 16384, 2048), 2e-2),
+    "rms_norm": (case_norm, (False,), 1.6e-2),
+    "add_rms_norm": (case_norm, (True,), 1.6e-2),
+    "rope_interleaved": (case_rope, (True,), 0.0),
+    "rope_half": (case_rope, (False,), 0.0),
+    "silu_mul": (case_silu_mul, (), 1e-2),
+    "router_glm_b1": (case_router, (1,), 1e-5),
+    "router_glm_b64": (case_router, (64,), 1e-5),
+    "align_b1": (case_align, (1, 8, 256), 0.0),
+    "align_b64": (case_align, (64, 4, 16), 0.0),
+    "logical_to_rows": (case_logical_rows, (), 0.0),
 }
 
 

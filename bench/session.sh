@@ -62,6 +62,7 @@ lane_a() {
 
 lane_b_checks() {
   export CUDA_VISIBLE_DEVICES=$1
+  "$PY" -m bench.gpu_kernel_check --out "$S/checks"  # each kernel vs its reference, a process each
   "$PY" -m bench.gpu_check --out "$S/checks"
   # PROFILES: ';'-separated bench.step_profile argument lists (default: decode at 2K, 128K, 128K
   # HiSparse-capped, batch 8, and a 16K prefill)

@@ -87,7 +87,8 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     assert "32k,128k" in gpu0[3] and "long_context" in gpu0[4]
-    assert "gpu_check" in gpu1[0] and "step_profile" in gpu1[1] and "--cap-fraction 0.1" in gpu1[-1]
+    assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
+    assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
     # the capped 1M lane started only once the model existed
     assert lines.index(gpu1[-1]) > lines.index(gpu0[0])
