@@ -30,6 +30,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Kernel name patterns -> the part of the model they belong to (first match wins), for the shares
+# issue 9 asks about (the indexer's share of a long prefill, say).
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("indexer + top-k + sorts", ("indexer", "topk", "TopK", "_hist", "radixSort", "RadixSort", "sort")),
+    ("sparse MLA", ("sparse_mla", "_combine_kernel")),
+    ("MoE experts + router", ("_gate_up_kernel", "_down_kernel", "_align", "_router")),
+    ("GEMMs (projections)", ("nvjet", "gemm", "Gemm", "cutlass", "xmma", "sm90_", "fp8_block")),
+    ("KV / swap copies", ("_write_", "_copy_rows", "swap", "Memcpy", "memcpy")),
+    ("norm / rope / activation", ("_rms_norm", "_rope", "_silu_mul", "rsqrt", "layer_norm")),
+)
+
+
+def kernel_groups(rows: list[tuple[float, str, int]]) -> dict[str, dict[str, float]]:
+    """(time, kernel name, launches) rows -> per group: ms, share of the total, launches."""
+    total = sum(t for t, _, _ in rows) or 1.0
+    out: dict[str, dict[str, float]] = {}
+    for t, name, n in rows:
+        g = next((g for g, pats in GROUPS if any(p in name for p in pats)), "other (elementwise etc.)")
+        d = out.setdefault(g, {"ms": 0.0, "share": 0.0, "launches": 0})
+        d["ms"] += t / 1e3
+        d["share"] += t / total
+        d["launches"] += n
+    return {
+        g: {k: round(v, 4) for k, v in d.items()} for g, d in sorted(out.items(), key=lambda x: -x[1]["ms"])
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -161,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     res["top"] = [
         {"kernel": k[:120], "ms": t / 1e3, "share": t / total, "calls": c} for t, k, c in rows[: args.top]
     ]
+    res["launches"] = sum(c for _, _, c in rows)
+    res["groups"] = kernel_groups(rows)
     if args.phase == "prefill":
         what = f"prefill {args.tokens} tokens: {plain:.3f} s ({per / plain:.0f} tok/s)"
     else:
@@ -168,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             f"decode batch {args.batch} at {args.tokens}: {plain * 1e3:.3f} ms/step ({per / plain:.0f} tok/s)"
         )
     print(f"{what}; {'GPU' if cuda else 'CPU'} busy {total / 1e3:.2f} ms in the profiled region")
+    for g, d in res["groups"].items():
+        print(f"{d['ms']:9.2f} ms {100 * d['share']:5.1f}% {int(d['launches']):6d}  [{g}]")
     for r in res["top"]:
         print(f"{r['ms']:9.2f} ms {100 * r['share']:5.1f}% {r['calls']:6d}  {r['kernel']}")
     if args.out:

@@ -20,6 +20,17 @@ def test_step_profile_prefill_and_decode_on_cpu(tmp_path: Path) -> None:
     assert files == ["step-profile-decode-200-b2-auto.json", "step-profile-prefill-300-b1-auto.json"]
     d = json.loads((tmp_path / files[0]).read_text())
     assert d["seconds"] > 0 and d["busy_s"] > 0 and len(d["top"]) == 5
+    assert d["launches"] >= sum(r["calls"] for r in d["top"])
+    assert abs(sum(g["share"] for g in d["groups"].values()) - 1) < 1e-2
+
+
+def test_step_profile_groups_kernels_by_model_part() -> None:
+    from bench.step_profile import kernel_groups
+
+    g = kernel_groups([(3000.0, "_indexer_kernel", 3), (1000.0, "sparse_mla_heads_kernel", 8),
+                       (500.0, "nvjet_sm90_tst_128x8", 10), (500.0, "vectorized_elementwise_kernel", 40)])  # fmt: skip
+    assert g["indexer + top-k + sorts"]["share"] == 0.6 and g["sparse MLA"]["launches"] == 8
+    assert list(g)[0] == "indexer + top-k + sorts" and "other (elementwise etc.)" in g
 
 
 def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
