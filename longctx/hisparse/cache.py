@@ -22,14 +22,17 @@ for the GPU: residency lookup is one gather, victims are the lowest stamps among
 neither requested this step nor holding one of the `recent` newest tokens, misses get victims
 by rank, and `swap_in_counted` copies exactly the misses (count stays on the device).
 
-Per step and layer:
-1. `after_write(layer)`: the new rows are in the host pool; the newest `recent` tokens of each
-   request are (re)copied into device slots, so the newest tokens are always resident.
+Per step (`_begin`, at the first layer): the newest `recent` tokens of each request get their
+slots in every layer of the stage at once (one placement over all layers; each layer keeps its
+own LRU), so the newest tokens are always resident. Then per layer:
+1. `after_write(layer)`: the new rows are in the host pool; they are copied into the slots chosen
+   at the start of the step.
 2. full layers: the indexer's top-k -> `resolve(layer)` places this layer's misses and returns
    slot rows; it then PREFETCHES the following shared layers' misses with the same top-k (on a
    side CUDA stream that the shared layers' `after_write` / `resolve` wait for; synchronously
-   on CPU). Only tokens from before this step are prefetched: this step's rows of a later layer
-   are not written yet (they become resident in that layer's `after_write`).
+   on CPU), all the shared layers in one placement. Only tokens from before this step are
+   prefetched: this step's rows of a later layer are not written yet (that layer's
+   `after_write` copies them into their slots).
 3. shared layers: `resolve` finds everything resident (prefetched) and only maps rows.
 
 Prefill chunks (several queries per request) may need more distinct tokens than N at once. The
@@ -199,6 +202,8 @@ class HiSparseKVCache:
         self._slots = {i: self._new_slot_buffer(0) for i in layers}
         self._states: dict[Any, _Req] = {}
         self._rows: list[_Req] = []  # the current step's request states, by batch row
+        # per batch row: (host rows, slot rows [layers, M], copy mask [layers, M]) of its newest tokens
+        self._newest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._ctx: ForwardContext | None = None
         self._now = 0
         self._step_pool: dict[int, torch.Tensor] = {}
@@ -221,16 +226,13 @@ class HiSparseKVCache:
         return pool if pool is not None else self._slots[layer]
 
     def after_write(self, layer: int, ctx: ForwardContext) -> None:
-        """The new rows are in the host pool: copy each request's newest ones into its slots."""
+        """The new rows are in the host pool: copy each request's newest ones into the slots
+        `_begin` chose for them in every layer."""
         self._begin(ctx)
         self._wait_side()
         li = self._index_of[layer]
-        for b, st in enumerate(self._rows):
-            end = ctx.seq_lens_cpu[b]
-            n_q = ctx.q_start[b + 1] - ctx.q_start[b]
-            lo = max(end - n_q, st.newest_from)
-            pos = torch.arange(lo, end, device=self.device)
-            self._place(layer, li, b, st, pos, ctx, self._acc["main"], force=True)
+        for src, dst, copy in self._newest:
+            self._swap(layer, src, dst[li], copy[li], True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Top-k logical positions [T, K] (-1 = none) -> rows of `attend_pool(layer)` (-1 stays)."""
@@ -243,11 +245,12 @@ class HiSparseKVCache:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
             q = topk[s:e].long()
             if (layer, b) not in self._prefetched:
-                u, ovf = self._place(layer, li, b, st, q.reshape(-1), ctx, self._acc["main"])
+                u, ovf, dst, copy = self._place([li], b, st, q.reshape(-1), ctx, self._acc["main"])
+                self._swap(layer, self._phys(ctx, b, u.clamp(min=0)), dst[0], copy[0], False)
                 if ovf is not None:
-                    n = int(ovf.sum())  # host read only where overflow is possible (prefill)
+                    n = int(ovf[0].sum())  # host read only where overflow is possible (prefill)
                     if n:
-                        overflow.append((b, u[ovf]))
+                        overflow.append((b, u[ovf[0]]))
             slot = st.pos2slot[li][q.clamp(min=0)].long()
             rows[s:e] = torch.where((q >= 0) & (slot >= 0), st.base + slot, -1)
         if overflow:
@@ -364,6 +367,16 @@ class HiSparseKVCache:
             st.seen = end
             st.newest_from = max(0, end - self.recent)
             self._rows.append(st)
+        # the newest tokens of every request, placed in all layers at once; each layer's
+        # `after_write` then only copies its freshly written rows into these slots
+        every = list(range(len(self.layers)))
+        self._newest = []
+        for b, st in enumerate(self._rows):
+            end = ctx.seq_lens_cpu[b]
+            lo = max(end - (ctx.q_start[b + 1] - ctx.q_start[b]), st.newest_from)
+            pos = torch.arange(lo, end, device=self.device)
+            u, _, dst, copy = self._place(every, b, st, pos, ctx, self._acc["main"], force=True)
+            self._newest.append((self._phys(ctx, b, u.clamp(min=0)), dst, copy))
 
     def _wait_side(self) -> None:
         if self._side is not None:
@@ -375,55 +388,60 @@ class HiSparseKVCache:
 
     def _place(
         self,
-        layer: int,
-        li: int,
+        lis: list[int],
         b: int,
         st: _Req,
         pos: torch.Tensor,
         ctx: ForwardContext,
         acc: torch.Tensor,
         force: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Make `pos` (int64 [M], -1 = none, duplicates allowed) resident in (request, layer).
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Make `pos` (int64 [M], -1 = none, duplicates allowed) resident in (request, layer) for
+        each of the stage-local layer indices `lis` at once (each layer its own LRU).
 
-        Returns (u, overflow): the sorted positions and, when overflow was possible, the mask of
-        those that found no slot (else None). `force`: rows were rewritten on the host, copy them
-        even if resident (and count them apart from hits / misses).
+        Returns (u, overflow, dst, copy): the sorted positions [M]; per layer [len(lis), M] the
+        mask of those that found no slot (None where overflow is impossible, so decode never
+        reads it on the host), the slot-buffer row of each position and whether its host row must
+        be copied there (the caller does, `_swap`). `force`: rows were rewritten on the host: copy
+        them even if resident (and count them apart from hits / misses).
         """
-        N, now = self.N, self._now
+        N, now, dev = self.N, self._now, pos.device
         u = torch.sort(pos).values
         first = torch.ones_like(u, dtype=torch.bool)
         first[1:] = u[1:] != u[:-1]
         m = first & (u >= 0)
         uc = u.clamp(min=0)
-        p2s, s2p, stamp = st.pos2slot[li], st.slot2pos[li], st.stamp[li]
-        sink_pos = p2s.shape[0] - 1
-        slot = p2s[uc].long()
+        P, S = st.pos2slot.shape[1], N + 1  # row lengths; column P - 1 / N is each layer's sink
+        li = torch.tensor(lis, dtype=torch.int64, device=dev)
+        bp, bs = li[:, None] * P, li[:, None] * S  # each layer's offset in the flattened tables
+        p2s, s2p, stamp = st.pos2slot.view(-1), st.slot2pos.view(-1), st.stamp.view(-1)
+        slot = p2s[bp + uc].long()  # [L', M]
         res = m & (slot >= 0)
-        stamp[torch.where(res, slot, N)] = now  # touch hits; they may not be evicted this step
+        stamp[bs + torch.where(res, slot, N)] = now  # touch hits; they may not be evicted this step
         need = m & (slot < 0)
-        key = torch.where((s2p[:N] >= st.newest_from) | (stamp[:N] == now), _BIG, stamp[:N])
-        order = torch.argsort(key, stable=True)  # free slots (stamp -1) first, then LRU
-        cap = (key < _BIG).sum()
-        rank = torch.cumsum(need.long(), 0) - 1
+        s2p_n, stamp_n = st.slot2pos[li, :N], st.stamp[li, :N]
+        key = torch.where((s2p_n >= st.newest_from) | (stamp_n == now), _BIG, stamp_n)
+        order = torch.argsort(key, dim=1, stable=True)  # free slots (stamp -1) first, then LRU
+        cap = (key < _BIG).sum(1, keepdim=True)
+        rank = torch.cumsum(need.long(), 1) - 1
         placed = need & (rank < cap)
-        vslot = torch.where(placed, order[rank.clamp(0, N - 1)], N)
-        old = s2p[vslot]
-        p2s[torch.where(placed & (old >= 0), old, sink_pos)] = -1  # evict
-        s2p[vslot] = u
-        p2s[torch.where(placed, uc, sink_pos)] = vslot.to(torch.int32)
-        stamp[vslot] = now
+        vslot = torch.where(placed, order.gather(1, rank.clamp(0, N - 1)), N)
+        sv = bs + vslot
+        old = s2p[sv]
+        p2s[bp + torch.where(placed & (old >= 0), old, P - 1)] = -1  # evict
+        s2p[sv] = u.expand_as(vslot)
+        p2s[bp + torch.where(placed, uc, P - 1)] = vslot.to(torch.int32)
+        stamp[sv] = now
         copy = placed | (res & force)
         dst = st.base + torch.where(placed, vslot, slot)
-        self._swap(layer, self._phys(ctx, b, uc), dst, copy, force)
         if force:
             acc[2] += copy.sum()
         else:
             acc[0] += res.sum()
             acc[1] += need.sum()
-        acc[3] = torch.maximum(acc[3], (s2p[:N] >= 0).sum())
-        possible = int(pos.numel()) + self.recent > N
-        return u, (need & ~placed) if possible and not force else None
+        acc[3] = torch.maximum(acc[3], (st.slot2pos[li, :N] >= 0).sum(1).max())
+        possible = int(pos.numel()) + self.recent > N and not force
+        return u, (need & ~placed) if possible else None, dst, copy
 
     def _swap(
         self, layer: int, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor, force: bool
@@ -500,13 +518,18 @@ class HiSparseKVCache:
             ctx.page_table.record_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else _null():
             acc = self._acc["side" if stream is not None else "main"]
+            shared = self._shared_after[layer]
+            lis = [self._index_of[s] for s in shared]
             for b in todo:
                 st = self._rows[b]
                 start = ctx.seq_lens_cpu[b] - 1
                 q = topk[ctx.q_start[b]].long()
                 q = torch.where(q < start, q, -1)  # this step's rows of later layers are not written yet
-                for s in self._shared_after[layer]:
-                    self._place(s, self._index_of[s], b, st, q, ctx, acc)
+                # one placement for all the shared layers (each its own LRU), then their copies
+                u, _, dst, copy = self._place(lis, b, st, q, ctx, acc)
+                src = self._phys(ctx, b, u.clamp(min=0))
+                for k, s in enumerate(shared):
+                    self._swap(s, src, dst[k], copy[k], False)
                     self._prefetched.add((s, b))
 
 
