@@ -29,8 +29,8 @@ def _silu_mul_kernel(x_ptr, y_ptr, I, sx, sy, BLOCK: tl.constexpr):
     u = tl.load(x_ptr + t * sx + I + c, mask=m, other=0.0)
     dt = g.dtype
     gf = g.to(tl.float32)
-    s = round_as(gf / (1.0 + tl.exp(-gf)), dt)
-    tl.store(y_ptr + t * sy + c, round_as(s * u.to(tl.float32), dt).to(dt), mask=m)
+    s = round_as(gf / (1.0 + tl.exp(-gf)), g)
+    tl.store(y_ptr + t * sy + c, round_as(s * u.to(tl.float32), g).to(dt), mask=m)
 
 
 def silu_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -82,17 +82,17 @@ def check(cond: bool, msg: str) -> None:
 
 
 @jit
-def round_as(x, dt: tl.constexpr):
-    """fp32 `x` rounded to the nearest value of dtype `dt` (ties to even), still in fp32.
+def round_as(x, like):
+    """fp32 `x` rounded to the nearest value of `like`'s dtype (ties to even), still in fp32.
 
     Kernels that must reproduce torch's rounding of intermediate results (torch rounds every op's
     output to the tensor dtype) round with this instead of `.to(dt)`: the Triton interpreter
     converts fp32 -> bf16 by truncation, the GPU and torch to nearest even; exact integer ops agree
     everywhere. Finite inputs; fp32 passes through."""
     y = x
-    if dt == tl.bfloat16:
+    if like.dtype == tl.bfloat16:
         u = x.to(tl.int32, bitcast=True)
         y = ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    elif dt == tl.float16:
+    elif like.dtype == tl.float16:
         y = x.to(tl.float16).to(tl.float32)
     return y

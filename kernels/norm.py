@@ -47,14 +47,13 @@ def _rms_norm_kernel(
     if ADD:
         # the sum rounds to the input dtype first, as `x + residual` does in torch
         r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0)
-        x = round_as(x.to(tl.float32) + r.to(tl.float32), x.dtype).to(x.dtype)
+        x = round_as(x.to(tl.float32) + r.to(tl.float32), x).to(x.dtype)
         tl.store(h_ptr + row * sh + cols, x, mask=m)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    n = round_as(xf * inv, x.dtype)
+    n = round_as(xf * inv, x)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    out_dt = y_ptr.dtype.element_ty
-    tl.store(y_ptr + row * sy + cols, round_as(n * w, out_dt).to(out_dt), mask=m)
+    tl.store(y_ptr + row * sy + cols, round_as(n * w, x).to(x.dtype), mask=m)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -69,7 +68,7 @@ def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     t, d = x.shape
-    y = torch.empty(t, d, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if t:
         r = residual if residual is not None else x
@@ -84,7 +83,7 @@ def _launch(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
     """`rms_norm_ref` in one kernel. x [T, D] float (rows may be strided), weight [D]."""
-    if not use_triton(backend, x.device):
+    if not use_triton(backend, x.device) or weight.dtype != x.dtype:
         return rms_norm_ref(x, weight, eps)
     _check(x, weight, "rms_norm")
     return _launch(x, None, weight, eps)[0]
@@ -94,7 +93,7 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm_ref` in one kernel: (norm of x + residual, x + residual)."""
-    if not use_triton(backend, x.device):
+    if not use_triton(backend, x.device) or weight.dtype != x.dtype:
         return add_rms_norm_ref(x, residual, weight, eps)
     _check(x, weight, "add_rms_norm")
     check(

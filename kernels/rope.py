@@ -58,12 +58,12 @@ def _rope_kernel(
     dt = a.dtype
     af, bf = a.to(tl.float32), b.to(tl.float32)
     # each product and each sum rounds to x's dtype, as the torch reference's separate ops do
-    ac = round_as(af * c[None, :], dt)
-    bs = round_as(bf * s[None, :], dt)
-    bc = round_as(bf * c[None, :], dt)
-    as_ = round_as(af * s[None, :], dt)
-    tl.store(yrow + j[None, :], round_as(ac - bs, dt).to(dt), mask=m)
-    tl.store(yrow + R2 + j[None, :], round_as(bc + as_, dt).to(dt), mask=m)
+    ac = round_as(af * c[None, :], a)
+    bs = round_as(bf * s[None, :], a)
+    bc = round_as(bf * c[None, :], a)
+    as_ = round_as(af * s[None, :], a)
+    tl.store(yrow + j[None, :], round_as(ac - bs, a).to(dt), mask=m)
+    tl.store(yrow + R2 + j[None, :], round_as(bc + as_, a).to(dt), mask=m)
     # the unrotated rest of each head
     k = 2 * R2 + tl.arange(0, BD)
     km = hm[:, None] & (k < D)[None, :]
