@@ -204,6 +204,7 @@ class HiSparseKVCache:
         self._rows: list[_Req] = []  # the current step's request states, by batch row
         # per batch row: (host rows, slot rows [layers, M], copy mask [layers, M]) of its newest tokens
         self._newest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._layer_id_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._ctx: ForwardContext | None = None
         self._now = 0
         self._step_pool: dict[int, torch.Tensor] = {}
@@ -405,14 +406,14 @@ class HiSparseKVCache:
         be copied there (the caller does, `_swap`). `force`: rows were rewritten on the host: copy
         them even if resident (and count them apart from hits / misses).
         """
-        N, now, dev = self.N, self._now, pos.device
+        N, now = self.N, self._now
         u = torch.sort(pos).values
         first = torch.ones_like(u, dtype=torch.bool)
         first[1:] = u[1:] != u[:-1]
         m = first & (u >= 0)
         uc = u.clamp(min=0)
         P, S = st.pos2slot.shape[1], N + 1  # row lengths; column P - 1 / N is each layer's sink
-        li = torch.tensor(lis, dtype=torch.int64, device=dev)
+        li = self._layer_ids(lis)
         bp, bs = li[:, None] * P, li[:, None] * S  # each layer's offset in the flattened tables
         p2s, s2p, stamp = st.pos2slot.view(-1), st.slot2pos.view(-1), st.stamp.view(-1)
         slot = p2s[bp + uc].long()  # [L', M]
@@ -442,6 +443,15 @@ class HiSparseKVCache:
         acc[3] = torch.maximum(acc[3], (st.slot2pos[li, :N] >= 0).sum(1).max())
         possible = int(pos.numel()) + self.recent > N and not force
         return u, (need & ~placed) if possible else None, dst, copy
+
+    def _layer_ids(self, lis: list[int]) -> torch.Tensor:
+        """`lis` as a device tensor, made once per distinct list: a fresh `torch.tensor(..., device)`
+        per step would be a blocking host->device copy."""
+        key = tuple(lis)
+        t = self._layer_id_cache.get(key)
+        if t is None:
+            t = self._layer_id_cache[key] = torch.tensor(lis, dtype=torch.int64, device=self.device)
+        return t
 
     def _swap(
         self, layer: int, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor, force: bool
