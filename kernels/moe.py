@@ -97,7 +97,7 @@ def _router_select_kernel(
     a1 = tl.argmax(choice, axis=1)
     m2 = tl.max(tl.where(j[None, :] == a1[:, None], NEG, choice), axis=1)
     gs = tl.where(g < G, m1 + m2, NEG)
-    keep = tl.zeros([GP], dtype=tl.int1)
+    keep = g < 0  # all False
     for _ in tl.static_range(TOPK_GROUP):
         best = tl.argmax(gs, axis=0)
         keep = keep | (g == best)
