@@ -192,3 +192,33 @@ def test_counted_swap_kernel_interpreted(dtype, width):
     want = torch.zeros_like(dst)
     want[dst_rows[:13]] = host[src_rows[:13]]
     assert torch.equal(dst, want)
+
+
+def test_decode_bookkeeping_makes_no_host_sync():
+    """A decode step's placements (newest tokens, a full layer's misses, the shared layer's prefetch)
+    read nothing back and copy nothing from the host: on CUDA each of those would stall the step.
+    The copies themselves (`_swap`: the device-counted kernel on CUDA, a CPU gather here) are stubbed."""
+    from .test_kernels_graph_safe import _audit
+
+    kv = _cache(12)
+    pages = [2, 0, 3]
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(start: int, n_q: int) -> tuple:
+        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+        for t in range(n_q):
+            k = min(4, start + t + 1)
+            topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k]
+        return _ctx(kv, pages, start, n_q), topk
+
+    def step(ctx, topk) -> None:  # type: ignore[no-untyped-def]
+        for layer in range(3):  # layer 1 shares layer 0's top-k (prefetched: a decode row)
+            kv.after_write(layer, ctx)
+            kv.resolve(layer, topk, ctx)
+
+    step(*inputs(0, 20))  # prefill; every layer list's device ids are made once
+    step(*inputs(20, 1))
+    kv._swap = lambda *a, **k: None  # type: ignore[method-assign]
+    args = inputs(21, 1)
+    bad = _audit(lambda: step(*args))
+    assert not bad, bad

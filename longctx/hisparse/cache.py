@@ -207,6 +207,8 @@ class HiSparseKVCache:
         self._layer_id_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._ctx: ForwardContext | None = None
         self._now = 0
+        self._now_t = torch.zeros((), dtype=torch.int64, device=self.device)  # the clock, on the device
+        self._minus1 = torch.full((), -1, dtype=torch.int32, device=self.device)
         self._step_pool: dict[int, torch.Tensor] = {}
         self._prefetched: set[tuple[int, int]] = set()
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -350,6 +352,7 @@ class HiSparseKVCache:
         self._wait_side()
         self._ctx = ctx
         self._now += 1
+        self._now_t.fill_(self._now)
         self._step_pool.clear()
         self._prefetched.clear()
         rids = ctx.extras.get("rids")
@@ -418,7 +421,10 @@ class HiSparseKVCache:
         p2s, s2p, stamp = st.pos2slot.view(-1), st.slot2pos.view(-1), st.stamp.view(-1)
         slot = p2s[bp + uc].long()  # [L', M]
         res = m & (slot >= 0)
-        stamp[bs + torch.where(res, slot, N)] = now  # touch hits; they may not be evicted this step
+        # values stored through index_put_ are device scalars: a Python number there is a pageable
+        # host->device copy and a stream sync on CUDA (this path once did three per layer and step)
+        now_t, minus1 = self._now_t, self._minus1
+        stamp[bs + torch.where(res, slot, N)] = now_t  # touch hits; they may not be evicted this step
         need = m & (slot < 0)
         s2p_n, stamp_n = st.slot2pos[li, :N], st.stamp[li, :N]
         key = torch.where((s2p_n >= st.newest_from) | (stamp_n == now), _BIG, stamp_n)
@@ -429,10 +435,10 @@ class HiSparseKVCache:
         vslot = torch.where(placed, order.gather(1, rank.clamp(0, N - 1)), N)
         sv = bs + vslot
         old = s2p[sv]
-        p2s[bp + torch.where(placed & (old >= 0), old, P - 1)] = -1  # evict
+        p2s[bp + torch.where(placed & (old >= 0), old, P - 1)] = minus1  # evict
         s2p[sv] = u.expand_as(vslot)
         p2s[bp + torch.where(placed, uc, P - 1)] = vslot.to(torch.int32)
-        stamp[sv] = now
+        stamp[sv] = now_t
         copy = placed | (res & force)
         dst = st.base + torch.where(placed, vslot, slot)
         if force:
