@@ -421,8 +421,8 @@ class HiSparseKVCache:
         p2s, s2p, stamp = st.pos2slot.view(-1), st.slot2pos.view(-1), st.stamp.view(-1)
         slot = p2s[bp + uc].long()  # [L', M]
         res = m & (slot >= 0)
-        # values stored through index_put_ are device scalars: a Python number there is a pageable
-        # host->device copy and a stream sync on CUDA (this path once did three per layer and step)
+        # values stored through index_put_ are device scalars: for a CUDA destination PyTorch makes a
+        # Python number a CPU scalar tensor (the store that once put a host->device copy in moe_align)
         now_t, minus1 = self._now_t, self._minus1
         stamp[bs + torch.where(res, slot, N)] = now_t  # touch hits; they may not be evicted this step
         need = m & (slot < 0)
