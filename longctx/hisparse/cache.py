@@ -470,11 +470,13 @@ class HiSparseKVCache:
             if not force:
                 self._swap_s += time.perf_counter() - t0
             return
-        order = torch.argsort((~mask).to(torch.int8), stable=True)  # the copies first
+        if mask.numel() > 1:  # the copies first (a single item already is: a decode step's newest token)
+            order = torch.argsort((~mask).to(torch.int8), stable=True)
+            src, dst = src[order], dst[order]
         a = torch.cuda.Event(enable_timing=True)
         z = torch.cuda.Event(enable_timing=True)
         a.record()
-        swap_in_counted(host, src[order], slots, dst[order], mask.sum(), self.use_triton)
+        swap_in_counted(host, src, slots, dst, mask.sum(), self.use_triton)
         z.record()
         if not force:
             self._events.append((a, z))
