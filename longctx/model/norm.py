@@ -20,13 +20,10 @@ class RMSNorm(nn.Module):
         self.use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and x.dim() == 2:
-            return op("norm", "rms_norm", True)(x, self.weight, self.eps)
-        return op("norm", "rms_norm", False)(x, self.weight, self.eps)
+        return op("norm", "rms_norm", self.use_triton and x.dim() == 2)(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
-        if self.use_triton and x.dim() == 2:
-            return op("norm", "add_rms_norm", True)(x, residual, self.weight, self.eps)
-        h = x + residual
-        return self(h), h
+        return op("norm", "add_rms_norm", self.use_triton and x.dim() == 2)(
+            x, residual, self.weight, self.eps
+        )
