@@ -15,7 +15,6 @@ from longctx.config import ModelConfig
 from longctx.model.context import ForwardContext
 from longctx.model.linear import Linear
 from longctx.model.ops import op
-from longctx.model.rope import apply_rope_half, apply_rope_interleaved
 
 
 class Indexer(nn.Module):
@@ -32,11 +31,6 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # kept in fp32 like the reference (`_keep_in_fp32_modules`)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=torch.float32)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        fn = apply_rope_interleaved if self.interleaved else apply_rope_half
-        return torch.cat([fn(rot, cos, sin), rest], dim=-1)
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] (after input norm), q_resid [T, q_lora] -> top-k positions [T, K] int32 (-1 pad)."""

@@ -188,8 +188,11 @@ class TrainCausalLM(CausalLM):
         T = B * S
         with _no_autocast(x.device):
             x, q_resid = x.float(), q_resid.float()
-            q = idx._rope(idx.wq_b(q_resid).view(T, idx.n_heads, idx.head_dim), cos, sin)
-            k = idx._rope(idx.k_norm(idx.wk(x)), cos, sin)
+            rope = op("rope", "apply_rope", False)  # the inference indexer's rope, its torch reference
+            q = rope(
+                idx.wq_b(q_resid).view(T, idx.n_heads, idx.head_dim), cos, sin, idx.rope_dim, idx.interleaved
+            )
+            k = rope(idx.k_norm(idx.wk(x)), cos, sin, idx.rope_dim, idx.interleaved)
             w = idx.weights_proj(x).float() * (idx.n_heads**-0.5 * idx.head_dim**-0.5)
         return q.view(B, S, idx.n_heads, idx.head_dim), k.view(B, S, -1), w.view(B, S, idx.n_heads)
 
