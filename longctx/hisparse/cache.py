@@ -50,7 +50,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,6 +92,16 @@ class _Req:
         )
         grown[:, :cap] = self.pos2slot[:, :cap]
         self.pos2slot = grown
+
+
+class _Placed(NamedTuple):
+    """What `HiSparseKVCache._place` decided for positions `u` in each of its layers."""
+
+    u: torch.Tensor  # [M] the positions, sorted (-1 = none)
+    overflow: torch.Tensor | None  # [L', M] found no slot; None where that cannot happen (decode)
+    src: torch.Tensor  # [M] their rows in the host pool
+    dst: torch.Tensor  # [L', M] their slot-buffer rows
+    copy: torch.Tensor  # [L', M] whether the host row must be copied there
 
 
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -248,12 +258,12 @@ class HiSparseKVCache:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
             q = topk[s:e].long()
             if (layer, b) not in self._prefetched:
-                u, ovf, dst, copy = self._place([li], b, st, q.reshape(-1), ctx, self._acc["main"])
-                self._swap(layer, self._phys(ctx, b, u.clamp(min=0)), dst[0], copy[0], False)
-                if ovf is not None:
-                    n = int(ovf[0].sum())  # host read only where overflow is possible (prefill)
+                p = self._place([li], b, st, q.reshape(-1), ctx, self._acc["main"])
+                self._swap(layer, p.src, p.dst[0], p.copy[0], False)
+                if p.overflow is not None:
+                    n = int(p.overflow[0].sum())  # host read only where overflow is possible (prefill)
                     if n:
-                        overflow.append((b, u[ovf[0]]))
+                        overflow.append((b, p.u[p.overflow[0]]))
             slot = st.pos2slot[li][q.clamp(min=0)].long()
             rows[s:e] = torch.where((q >= 0) & (slot >= 0), st.base + slot, -1)
         if overflow:
@@ -379,8 +389,8 @@ class HiSparseKVCache:
             end = ctx.seq_lens_cpu[b]
             lo = max(end - (ctx.q_start[b + 1] - ctx.q_start[b]), st.newest_from)
             pos = torch.arange(lo, end, device=self.device)
-            u, _, dst, copy = self._place(every, b, st, pos, ctx, self._acc["main"], force=True)
-            self._newest.append((self._phys(ctx, b, u.clamp(min=0)), dst, copy))
+            p = self._place(every, b, st, pos, ctx, self._acc["main"], force=True)
+            self._newest.append((p.src, p.dst, p.copy))
 
     def _wait_side(self) -> None:
         if self._side is not None:
@@ -399,15 +409,12 @@ class HiSparseKVCache:
         ctx: ForwardContext,
         acc: torch.Tensor,
         force: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """Make `pos` (int64 [M], -1 = none, duplicates allowed) resident in (request, layer) for
-        each of the stage-local layer indices `lis` at once (each layer its own LRU).
-
-        Returns (u, overflow, dst, copy): the sorted positions [M]; per layer [len(lis), M] the
-        mask of those that found no slot (None where overflow is impossible, so decode never
-        reads it on the host), the slot-buffer row of each position and whether its host row must
-        be copied there (the caller does, `_swap`). `force`: rows were rewritten on the host: copy
-        them even if resident (and count them apart from hits / misses).
+    ) -> _Placed:
+        """Make `pos` (int64 [M], -1 = none, duplicates allowed) of batch row `b` resident in
+        (request, layer) for each of the stage-local layer indices `lis` at once (each layer its
+        own LRU). The caller copies (`_swap`) what `copy` marks. The overflow mask is None where
+        overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
+        on the host: copy them even if resident (and count them apart from hits / misses).
         """
         N, now = self.N, self._now
         u = torch.sort(pos).values
@@ -448,7 +455,7 @@ class HiSparseKVCache:
             acc[1] += need.sum()
         acc[3] = torch.maximum(acc[3], (st.slot2pos[li, :N] >= 0).sum(1).max())
         possible = int(pos.numel()) + self.recent > N and not force
-        return u, (need & ~placed) if possible else None, dst, copy
+        return _Placed(u, (need & ~placed) if possible else None, self._phys(ctx, b, uc), dst, copy)
 
     def _layer_ids(self, lis: list[int]) -> torch.Tensor:
         """`lis` as a device tensor, made once per distinct list: a fresh `torch.tensor(..., device)`
@@ -544,10 +551,9 @@ class HiSparseKVCache:
                 q = topk[ctx.q_start[b]].long()
                 q = torch.where(q < start, q, -1)  # this step's rows of later layers are not written yet
                 # one placement for all the shared layers (each its own LRU), then their copies
-                u, _, dst, copy = self._place(lis, b, st, q, ctx, acc)
-                src = self._phys(ctx, b, u.clamp(min=0))
+                p = self._place(lis, b, st, q, ctx, acc)
                 for k, s in enumerate(shared):
-                    self._swap(s, src, dst[k], copy[k], False)
+                    self._swap(s, p.src, p.dst[k], p.copy[k], False)
                     self._prefetched.add((s, b))
 
 
