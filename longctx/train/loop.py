@@ -394,7 +394,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if advanced:
                 break  # the prefetched batches are at the old length: a new loader from this step
         del loader
-        loader = make_loader(step) if advanced and stopped != "deadline" else None
+        loader = make_loader(step) if advanced else None  # a deadline stop never advances
     bar.close()
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
     train_s = time.monotonic() - t_start
