@@ -219,7 +219,7 @@ def _auto_schedule(
     fits the schedule to what is left of max_minutes (less `eval_reserve` seconds for the final eval)."""
     if state is not None and int(state["recipe"].get("steps", 0)) > 0:
         r = state["recipe"]
-        cur = tuple((int(a), int(b)) for a, b in r["data"]["curriculum"])
+        cur = _pairs(r["data"]["curriculum"])
         return dataclasses.replace(
             cfg,
             steps=int(r["steps"]),
@@ -249,6 +249,11 @@ def _auto_schedule(
     return fitted
 
 
+def _pairs(rows: Any) -> tuple[tuple[int, int], ...]:
+    """A curriculum as saved in the trainer state (JSON lists) -> ((first step, length), ...)."""
+    return tuple((int(a), int(b)) for a, b in rows)
+
+
 def gate_ready(rows: list[dict[str, Any]], phase_start: int, cfg: TrainConfig) -> bool:
     """Whether the gated curriculum moves on: enough steps at this length and the answer exact match
     of its last `advance_window` log rows at least `advance_exact` on average."""
@@ -262,7 +267,7 @@ def realized_curriculum(cfg: TrainConfig, state: dict[str, Any] | None) -> tuple
     """The gated curriculum so far: (first step, length) of every length reached (resumes keep it)."""
     got = (state or {}).get("recipe", {}).get("realized_curriculum")
     if got:
-        return tuple((int(a), int(b)) for a, b in got)
+        return _pairs(got)
     return ((0, cfg.data.curriculum[0][1]),)
 
 
