@@ -213,6 +213,24 @@ def test_gate_waits_for_exact_match_over_the_window() -> None:
     assert realized_curriculum(cfg, st) == ((0, 512), (7, 768))
 
 
+def test_gated_dense_warmup_follows_its_length() -> None:
+    """Under the gate, attention turns sparse as many steps into the same length as planned."""
+    from longctx.train.loop import NEVER, gated_dense_warmup
+
+    cur = ((0, 512), (10, 768), (20, 1024))
+    cfg = TrainConfig(steps=100, dense_warmup_steps=12, data=DataConfig(curriculum=cur))
+    assert gated_dense_warmup(cfg, ((0, 512),)) == NEVER  # 768 not reached: dense
+    assert gated_dense_warmup(cfg, ((0, 512), (7, 768))) == 9
+    assert gated_dense_warmup(cfg, ((0, 512), (40, 768), (41, 1024))) == 42  # may fall in a later length
+    assert gated_dense_warmup(dataclasses.replace(cfg, dense_warmup_steps=5), ((0, 512),)) == 5
+    assert (
+        gated_dense_warmup(dataclasses.replace(cfg, dense_warmup_steps=25), ((0, 512), (7, 768), (40, 1024)))
+        == 45
+    )
+    assert gated_dense_warmup(dataclasses.replace(cfg, dense_warmup_steps=10**6), cur) == 10**6  # all dense
+    assert gated_dense_warmup(cfg, cur) == 12  # realized as planned: the plain schedule
+
+
 def test_gated_curriculum_advances_restarts_the_data_and_resumes(tmp_path: Path, monkeypatch) -> None:
     """With the gate open every 3 steps: lengths 512 -> 640 -> 768 at steps 3 and 6 (the batches
     after an advance are at the new length, not prefetched old ones), the realized curriculum is
@@ -222,17 +240,20 @@ def test_gated_curriculum_advances_restarts_the_data_and_resumes(tmp_path: Path,
     monkeypatch.setattr(loop, "gate_ready", lambda rows, start, cfg: rows[-1]["step"] - start >= 3)
     data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (1000, 640), (2000, 768)))
     cfg = TrainConfig(model_config=str(TINY), out=str(tmp_path / "g"), steps=10, device="cpu",
-                      warmup_steps=2, dense_warmup_steps=2, log_every=1, kl_rows=16, save_every=100,
+                      warmup_steps=2, dense_warmup_steps=1001, log_every=1, kl_rows=16, save_every=100,
                       save_dtype="float32", advance_exact=0.5, data=data)  # fmt: skip
     loop.train(cfg)
     st = read_training(tmp_path / "g")
     lens = [r["seq_len"] for r in st["log"]]
     assert lens == [512] * 3 + [640] * 3 + [768] * 4
+    # planned sparse 1 step into 640 (1001 = 1000 + 1): 640 came at step 3, so sparse from step 4
+    assert [r["stage"] for r in st["log"]] == ["dense"] * 4 + ["sparse"] * 6
     assert [tuple(x) for x in st["recipe"]["realized_curriculum"]] == [(0, 512), (3, 640), (6, 768)]
     resumed = dataclasses.replace(cfg, out=str(tmp_path / "r"), resume=str(tmp_path / "g"), steps=12)
     loop.train(resumed)
     st2 = read_training(tmp_path / "r")
     assert [r["seq_len"] for r in st2["log"]][10:] == [768, 768]
+    assert [r["stage"] for r in st2["log"]][10:] == ["sparse", "sparse"]
 
 
 def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> None:

@@ -271,6 +271,22 @@ def realized_curriculum(cfg: TrainConfig, state: dict[str, Any] | None) -> tuple
     return ((0, cfg.data.curriculum[0][1]),)
 
 
+NEVER = 1 << 62  # a step no run reaches
+
+
+def gated_dense_warmup(cfg: TrainConfig, realized: tuple[tuple[int, int], ...]) -> int:
+    """The step where attention turns sparse under a gated curriculum: as many steps into the same
+    curriculum length as `dense_warmup_steps` is into its length in the nominal schedule (NEVER
+    while that length is not reached). The warm-up follows the length it was set against: run 6
+    turned sparse by the clock at 768 tokens while the gate still held it there, and its answer
+    exact match fell from 0.49 to 0.10."""
+    d = cfg.dense_warmup_steps
+    i = sum(1 for first, _ in cfg.data.curriculum if first <= d) - 1
+    if i < 0:  # before the first length
+        return d
+    return realized[i][0] + d - cfg.data.curriculum[i][0] if i < len(realized) else NEVER
+
+
 def next_length(cfg: TrainConfig, realized: tuple[tuple[int, int], ...]) -> int | None:
     planned = [s for _, s in cfg.data.curriculum]
     return planned[len(realized)] if len(realized) < len(planned) else None
@@ -316,12 +332,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     recipe = cfg.to_json()
     gated = cfg.advance_exact > 0
+    nominal = cfg  # the schedule as planned; under the gate, `cfg` carries the realized warm-up end
     data = cfg.data
     realized = cfg.data.curriculum
     if gated:
         realized = realized_curriculum(cfg, state)
         data = dataclasses.replace(cfg.data, curriculum=realized)
         recipe["realized_curriculum"] = realized
+        cfg = dataclasses.replace(cfg, dense_warmup_steps=gated_dense_warmup(nominal, realized))
     out = Path(cfg.out)
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
 
@@ -386,12 +404,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 if cfg.print_every and step % cfg.print_every == 0:
                     print(json.dumps(row), flush=True)
                 acc, n_acc, t_log, tok_log = {}, 0, now, 0
-                nxt = next_length(cfg, realized) if gated else None
+                nxt = next_length(nominal, realized) if gated else None
                 if nxt is not None and step < cfg.steps and gate_ready(log_rows, realized[-1][0], cfg):
                     realized = (*realized, (step, nxt))
                     data = dataclasses.replace(data, curriculum=realized)
                     recipe["realized_curriculum"] = realized
-                    print(json.dumps({"advance": {"step": step, "seq_len": nxt}}), flush=True)
+                    cfg = dataclasses.replace(cfg, dense_warmup_steps=gated_dense_warmup(nominal, realized))
+                    sparse_from = cfg.dense_warmup_steps if cfg.dense_warmup_steps < NEVER else None
+                    print(
+                        json.dumps({"advance": {"step": step, "seq_len": nxt, "sparse_from": sparse_from}}),
+                        flush=True,
+                    )
                     advanced = True
             if step % cfg.save_every == 0 and step < cfg.steps:
                 save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
