@@ -24,6 +24,18 @@ def test_step_profile_prefill_and_decode_on_cpu(tmp_path: Path) -> None:
     assert abs(sum(g["share"] for g in d["groups"].values()) - 1) < 1e-2
 
 
+def test_prefill_chunk_sweep_on_cpu(tmp_path: Path) -> None:
+    from bench.prefill_chunks import main
+
+    args = ["--device", "cpu", "--config", "configs/tiny.json", "--tokens", "300", "--out", str(tmp_path)]
+    assert main([*args, "--chunks", "64,128"]) == 0
+    d = json.loads((tmp_path / "prefill-chunks-300.json").read_text())
+    assert set(d["sweep"]) == {"64", "128"} and all(v["tok_s"] > 0 for v in d["sweep"].values())
+    assert d["best_chunk"] in (64, 128) and len(d["chunk_ms_first_last"]) == 2
+    assert abs(sum(g["share"] for g in d["groups"].values()) - 1) < 1e-2
+    assert main([*args, "--chunks", "0"]) == 2  # a bad sweep is refused with a message
+
+
 def test_step_profile_groups_kernels_by_model_part() -> None:
     from bench.step_profile import kernel_groups
 
