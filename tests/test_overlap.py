@@ -31,6 +31,8 @@ def test_generate_matches_and_overlaps(tiny_dir, graphs):
         got = [o.token_ids for o in ov.generate(PROMPTS, max_new_tokens=10)]
         assert got == want
         assert ov.stats()["overlapped_steps"] > 0 and base.stats()["overlapped_steps"] == 0
+        # the continuations took their tokens from the device samples: no wait for the host between steps
+        assert ov.stats()["device_fed_steps"] > 0 and base.stats()["device_fed_steps"] == 0
         # an early stop on a token one request produces mid-way, and seeded sampling
         stop = want[1][3]
         kw = dict(max_new_tokens=12, stop=[stop], temperature=0.8, seed=11)
@@ -39,6 +41,27 @@ def test_generate_matches_and_overlaps(tiny_dir, graphs):
         assert a == b
         # no page is left behind by the continuations of requests that stopped
         assert ov.allocator.num_used == base.allocator.num_used
+
+
+def test_logprobs_continuations_wait_for_the_host(tiny_dir):
+    """A step whose logits are read back (logprobs) is not followed by a device-fed continuation
+    (the next replay would overwrite its logits); tokens and logprobs equal the plain engine's."""
+
+    def run(eng):
+        for i, p in enumerate(PROMPTS[:2]):
+            eng.add_request(
+                Request(f"r{i}", p, SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2))
+            )
+        got: dict[str, list] = {}
+        while eng.has_work():
+            for o in eng.step():
+                got.setdefault(o.rid, []).extend((lp.token_id, round(lp.logprob, 5)) for lp in o.logprobs)
+        return got
+
+    base, ov = _engines(tiny_dir, cuda_graphs=True)
+    with base, ov:
+        assert run(ov) == run(base)
+        assert ov.stats()["overlapped_steps"] > 0 and ov.stats()["device_fed_steps"] == 0
 
 
 def test_stop_strings_and_context_limit(tiny_dir):
@@ -101,7 +124,7 @@ def test_a_failed_launch_keeps_the_finished_steps_outputs(tiny_dir, monkeypatch)
         assert eng._pending is not None
         real = eng.runner.launch
 
-        def boom(plan):
+        def boom(plan, tokens=None):
             raise RuntimeError("device lost")
 
         monkeypatch.setattr(eng.runner, "launch", boom)

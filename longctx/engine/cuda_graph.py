@@ -183,7 +183,9 @@ class DecodeGraphs:
 
     # ---- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: BatchPlan) -> torch.Tensor:
+    def run(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the plan's bucket; `tokens` [rows] on the device replaces the plan's token ids (an
+        overlapped continuation launched before the previous step's tokens reached the host)."""
         key = self.bucket(plan)
         assert key is not None, "not a graph-eligible decode plan"
         b, ctx_len = key
@@ -193,13 +195,17 @@ class DecodeGraphs:
         # host side: fill the static inputs (padding rows keep the dummy page). The page table is
         # kept on the device between steps and only new entries are written: a row's pages grow at
         # their end while its (rid, pages_epoch) holds, so most steps copy nothing of it.
-        ids = torch.tensor([r.token_ids[0] for r in plan.rows], dtype=torch.int64)
         pos = torch.tensor([r.start for r in plan.rows], dtype=torch.int64)
         slots = torch.tensor(
             [r.pages[r.start // ps] * ps + r.start % ps for r in plan.rows], dtype=torch.int64
         )
         self._update_table(c, plan)
-        c.ids[:n].copy_(ids, non_blocking=True)
+        if tokens is None:
+            c.ids[:n].copy_(
+                torch.tensor([r.token_ids[0] for r in plan.rows], dtype=torch.int64), non_blocking=True
+            )
+        else:
+            c.ids[:n].copy_(tokens)
         c.ids[n:] = 0
         c.positions[:n].copy_(pos, non_blocking=True)
         c.positions[n:] = 0

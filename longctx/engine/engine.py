@@ -56,6 +56,16 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _device_fed(p: PendingRows) -> bool:
+    """Whether a continuation of `p` can take its tokens from `p`'s device samples: every row
+    sampled one token and none reads its logits back (logprobs) after the next replay."""
+    return (
+        p.toks is not None
+        and len(p.last) == len(p.plan.rows)
+        and all(r.logprobs is None for r in p.plan.rows)
+    )
+
+
 class LocalRunner:
     """pp=1, tp=1: the one stage runs in this process."""
 
@@ -66,11 +76,12 @@ class LocalRunner:
     def run(self, plan: BatchPlan) -> BatchResult:
         return self.resolve(self.launch(plan))
 
-    def launch(self, plan: BatchPlan) -> PendingRows:
-        """Queue the step on the device; its sampled tokens stay there until `resolve`."""
+    def launch(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> PendingRows:
+        """Queue the step on the device; its sampled tokens stay there until `resolve`. `tokens`:
+        the rows' input tokens as a device tensor (the previous step's samples, not yet read)."""
         if self.graphs is not None and self.graphs.bucket(plan) is not None:
-            return self.worker.finish_async(plan, None, self.graphs.run(plan))
-        return self.worker.finish_async(plan, self.worker.forward(plan))
+            return self.worker.finish_async(plan, None, self.graphs.run(plan, tokens))
+        return self.worker.finish_async(plan, self.worker.forward(plan, tokens=tokens))
 
     def resolve(self, pending: PendingRows) -> BatchResult:
         """Wait for a launched step and read its tokens back (the step's one host synchronisation)."""
@@ -182,6 +193,7 @@ class Engine:
         self.overlap = bool(overlap) and isinstance(self.runner, LocalRunner)
         self._pending: PendingRows | None = None  # a launched step whose tokens are not read yet
         self._deferred: Exception | None = None
+        self.device_fed_steps = 0  # continuations launched with their tokens still on the device
 
     def _default_pages(self, max_context: int) -> int:
         if self.device.type == "cuda":
@@ -274,9 +286,12 @@ class Engine:
                 return []
             return self._finish_step(plan, self.runner.run(plan))
         # Overlapped: step n was launched by the previous call (or is launched now). While the GPU
-        # runs it, plan step n+1 (a pure decode continuation); then read step n's tokens (the one
-        # synchronisation), update, and launch n+1 before returning, so the GPU is busy while the
-        # caller handles step n's outputs and comes back.
+        # runs it, plan step n+1 (a pure decode continuation) and launch it at once, its input
+        # tokens taken on the device from step n's samples, so the GPU never waits for the host;
+        # then read step n's tokens (the one synchronisation) and update. Rows whose request
+        # finishes at step n compute one token nobody reads (their pages hold the slot until the
+        # release). With logprobs the logits of step n must be read before the next replay
+        # overwrites them: then n+1 is launched after the read, with the host's tokens.
         if self._deferred is not None:  # launching the last continuation failed: report it now
             err, self._deferred = self._deferred, None
             raise err
@@ -287,8 +302,18 @@ class Engine:
                 return []
             pending = self.runner.launch(plan)
         nxt = self.scheduler.plan_continuation(pending.plan)
+        early: PendingRows | None = None
+        if nxt is not None and _device_fed(pending):
+            try:
+                early = self.runner.launch(nxt, tokens=pending.toks)
+            except Exception as e:  # step n's outputs go back first
+                self._deferred, nxt = e, None
         outs = self._finish_step(pending.plan, self.runner.resolve(pending))
-        if nxt is not None:
+        if early is not None and nxt is not None:
+            self.scheduler.confirm_continuation(nxt)  # checks and counts; finished rows are skipped at update
+            self._pending = early
+            self.device_fed_steps += 1
+        elif nxt is not None:
             nxt = self.scheduler.confirm_continuation(nxt)
             if nxt is not None:
                 try:
@@ -434,6 +459,7 @@ class Engine:
             "time": time.time(),
         }
         s.update(self.scheduler.stats())
+        s["device_fed_steps"] = self.device_fed_steps
         s.update(self.runner.stats())
         hs = [st.get("hisparse") for st in s.get("stages", []) if st.get("hisparse")]
         if hs:

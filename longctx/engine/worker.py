@@ -127,16 +127,23 @@ class StageWorker:
 
     @torch.inference_mode()
     def forward(
-        self, plan: BatchPlan, hidden: torch.Tensor | None = None, prev_topk: torch.Tensor | None = None
+        self,
+        plan: BatchPlan,
+        hidden: torch.Tensor | None = None,
+        prev_topk: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Stage 0 takes the plan's token ids; later stages take the previous stage's hidden states.
+        """Stage 0 takes the plan's token ids (or `tokens`, the same on the device, for a continuation
+        launched before they reached the host); later stages take the previous stage's hidden states.
 
         A stage whose first layer shares its top-k (IndexShare) takes the previous stage's last
         top-k as `prev_topk` [T, index_topk]; the top-k this stage ends with is `self.last_topk`.
         """
         ctx = self.context(plan)
         ctx.prev_topk = prev_topk
-        if self.is_first:
+        if self.is_first and tokens is not None:
+            x = tokens.to(torch.int64)
+        elif self.is_first:
             ids = [t for r in plan.rows for t in r.token_ids]
             x = torch.tensor(ids, dtype=torch.int64, device=self.device)
         else:
