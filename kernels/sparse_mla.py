@@ -23,7 +23,7 @@ Triton kernel `_sparse_mla_kernel`, one program per (query, head block of BLOCK_
 (Tq * H/BLOCK_H, num_splits), head block fastest so one query's programs share its rows in L2:
   * decode form (num_splits > 1, "flash-decoding"): split s handles indices[t, s*chunk : (s+1)*chunk] and
     writes a normalised partial output and its lse to fp32 scratch; `_combine_kernel` (one program per
-    (query, head)) merges the splits. This is what fills 132 SMs at batch 1 (64 heads, top-2048).
+    (query, head, 128 latent columns)) merges the splits. This is what fills 132 SMs at batch 1 (64 heads, top-2048).
   * prefill form (num_splits == 1): the same kernel, grid (Tq * H/BLOCK_H, 1), writes o/lse directly.
 fp8 rows are dequantised in the load (the [BLOCK_N, L/G] scales are broadcast over a [BLOCK_N, L/G, G] view of
 the tile, which is then cast to the query dtype for the tensor cores). L and R are padded to powers of two (>= 16) with masks, so tiny test
@@ -234,8 +234,11 @@ def _combine_kernel(
     s_opt, s_oph, s_ops, s_lpt, s_lph, s_ot, s_oh, s_lt,
     BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
+    """One program per (query, head, BLOCK_L slice of the latent): at batch 1 the 64 heads alone
+    would leave half the SMs idle while each program walked all 512 columns."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    lb = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
     lse_s = tl.load(lp_ptr + t * s_lpt + h * s_lph + offs_s, mask=offs_s < S, other=float("-inf"))
     m = tl.max(lse_s, axis=0)
@@ -244,16 +247,18 @@ def _combine_kernel(
     tot = tl.sum(w, axis=0)
     w = w / tl.where(tot > 0.0, tot, 1.0)
     base = op_ptr + t * s_opt + h * s_oph
-    for l0 in range(0, L, BLOCK_L):
-        offs_l = l0 + tl.arange(0, BLOCK_L)
-        part = tl.load(
-            base + offs_s[:, None] * s_ops + offs_l[None, :],
-            mask=(offs_s[:, None] < S) & (offs_l[None, :] < L),
-            other=0.0,
+    offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
+    part = tl.load(
+        base + offs_s[:, None] * s_ops + offs_l[None, :],
+        mask=(offs_s[:, None] < S) & (offs_l[None, :] < L),
+        other=0.0,
+    )
+    o = tl.sum(part * w[:, None], axis=0)
+    tl.store(o_ptr + t * s_ot + h * s_oh + offs_l, o.to(o_ptr.dtype.element_ty), mask=offs_l < L)
+    if lb == 0:
+        tl.store(
+            lse_ptr + t * s_lt + h, tl.where(tot > 0.0, m_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), m)
         )
-        o = tl.sum(part * w[:, None], axis=0)
-        tl.store(o_ptr + t * s_ot + h * s_oh + offs_l, o.to(o_ptr.dtype.element_ty), mask=offs_l < L)
-    tl.store(lse_ptr + t * s_lt + h, tl.where(tot > 0.0, m_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), m))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -391,10 +396,11 @@ def sparse_mla(
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     if num_splits > 1:
-        _combine_kernel[(tq, h)](
+        block_c = min(128, block_l)
+        _combine_kernel[(tq, h, cdiv(L, block_c))](
             o_dst, l_dst, o, lse, num_splits, L,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1),
             o.stride(0), o.stride(1), lse.stride(0),
-            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_L=min(128, block_l),
+            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_L=block_c,
         )  # fmt: skip
     return (o, lse) if return_lse else o
