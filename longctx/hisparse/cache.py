@@ -92,15 +92,19 @@ class _Rows(NamedTuple):
     base: torch.Tensor  # [B] int64 first slot-buffer row of the block
     table: torch.Tensor  # [B, pages] int32 page table rows
     valid: torch.Tensor | None  # [B] bool, False = a padding row of a captured batch (None: all real)
+    trow: torch.Tensor  # [B, layers] int64 (block, layer) row of the flattened tables
+    p_at: torch.Tensor  # [B, layers] its offset in flat pos2slot
+    s_at: torch.Tensor  # [B, layers] its offset in flat slot2pos / stamp
 
-    def take(self, i: torch.Tensor) -> _Rows:
+    def take(self, i: torch.Tensor | slice) -> _Rows:
         v = None if self.valid is None else self.valid[i]
-        return _Rows(self.blk[i], self.newest_from[i], self.base[i], self.table[i], v)
+        return _Rows(
+            self.blk[i], self.newest_from[i], self.base[i], self.table[i], v, self.trow[i],
+            self.p_at[i], self.s_at[i],
+        )  # fmt: skip
 
     def row(self, b: int) -> _Rows:
-        v = None if self.valid is None else self.valid[b : b + 1]
-        s = slice(b, b + 1)
-        return _Rows(self.blk[s], self.newest_from[s], self.base[s], self.table[s], v)
+        return self.take(slice(b, b + 1))
 
 
 class _Placed(NamedTuple):
@@ -233,13 +237,15 @@ class HiSparseKVCache:
         self.layout_version = 0  # bumped whenever the buffers above are reallocated
         self._grow(max(1, max_requests))
         self._states: dict[Any, _Req] = {}
-        # device layer-id lists, made once: a fresh `torch.tensor(..., device)` per step would be a
-        # blocking host->device copy (and is not allowed inside a graph capture)
-        self._layer_id_cache: dict[tuple[int, ...], torch.Tensor] = {}
-        self._every = self._layer_ids(range(n_l))
-        self._one = [self._layer_ids([li]) for li in range(n_l)]
+        self._layer_offsets = torch.arange(n_l, device=self.device)
+        # the stage layers a placement covers, as slices of [layers] (free views of per-step tensors):
+        # a full layer's shared layers follow it, so theirs are consecutive
+        self._every = slice(0, n_l)
+        self._one = [slice(li, li + 1) for li in range(n_l)]
         self._shared_ids = {
-            f: self._layer_ids([self._index_of[s] for s in sh]) for f, sh in self._shared_after.items() if sh
+            f: slice(self._index_of[f] + 1, self._index_of[f] + 1 + len(sh))
+            for f, sh in self._shared_after.items()
+            if sh
         }
         # the current step (set by `_begin`)
         self._ctx: ForwardContext | None = None
@@ -349,6 +355,7 @@ class HiSparseKVCache:
     # ---- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         self._wait_side()
+        self._fold_resident(slice(1, None))
         main, side = self._acc["main"].tolist(), self._acc["side"].tolist()
         if self._events:
             torch.cuda.synchronize(self.device)
@@ -412,8 +419,17 @@ class HiSparseKVCache:
             self._grow(2 * self._blocks)
         return self._free_blocks.pop()
 
+    def _fold_resident(self, blocks: int | slice) -> None:
+        """Fold the most slots ever held per (request, layer) into the stats: a block's count only
+        grows until it is reset (an eviction frees the slot it fills), so this is read at reset and
+        at `stats` time instead of in every placement of a step."""
+        acc = self._acc["main"]
+        held = (self._s2p[blocks, :, : self.N] >= 0).sum(-1).max()
+        acc[3] = torch.maximum(acc[3], held)
+
     def _reset(self, block: int) -> None:
         """Forget the block's residency (only the positions its last owner can have placed)."""
+        self._fold_resident(block)
         self._p2s[block, :, : self._block_hi[block]].fill_(-1)
         self._s2p[block].fill_(-1)
         self._stamp[block].fill_(-1)
@@ -443,9 +459,10 @@ class HiSparseKVCache:
             blk = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         self._now_t.add_(1)  # the step clock ticks on the device (in a replayed graph too)
         end = ctx.seq_lens.long()
+        trow = blk[:, None] * len(self.layers) + self._layer_offsets
         rows = _Rows(
             blk, (end - self.recent).clamp(min=0), 1 + (blk - 1) * self.N, ctx.page_table,
-            ctx.extras.get("valid"),
+            ctx.extras.get("valid"), trow, trow * self._P, trow * (self.N + 1),
         )  # fmt: skip
         self._all = rows
         self._pure = all(n == 1 for n in nq)
@@ -490,24 +507,23 @@ class HiSparseKVCache:
         r = self._all
         assert r is not None
         if self._pure:  # token t is batch row t
-            blk, base = r.blk, r.base
+            at, base = r.p_at[:, li], r.base
         else:
             qs = ctx.q_seq.long()
-            blk, base = r.blk[qs], r.base[qs]
-        at = (blk * len(self.layers) + li) * self._P
+            at, base = r.p_at[qs, li], r.base[qs]
         slot = self._p2s.view(-1)[at[:, None] + q.clamp(min=0)].long()
         return torch.where((q >= 0) & (slot >= 0), base[:, None] + slot, -1)
 
     def _place(
         self,
-        li: torch.Tensor,
+        li: slice,
         r: _Rows,
         pos: torch.Tensor,
         acc: torch.Tensor,
         force: bool = False,
     ) -> _Placed:
         """Make `pos` (int64 [B, M], -1 = none, duplicates allowed) of rows `r` resident in
-        (request, layer) for each of the stage-local layer indices `li` [L'] at once (each layer its
+        (request, layer) for each of the stage-local layers `li` (L' of them) at once (each layer its
         own LRU). The caller copies (`_swap`) what `copy` marks. The overflow mask is None where
         overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
         on the host: copy them even if resident (and count them apart from hits / misses).
@@ -518,8 +534,8 @@ class HiSparseKVCache:
         first[:, 1:] = u[:, 1:] != u[:, :-1]
         m = (first & (u >= 0))[:, None, :]  # [B, 1, M]
         uc = u.clamp(min=0)[:, None, :]
-        row = r.blk[:, None] * len(self.layers) + li[None, :]  # [B, L'] (block, layer) table row
-        bp, bs = (row * P)[..., None], (row * S)[..., None]  # each one's offset in the flat tables
+        row = r.trow[:, li]  # [B, L'] (block, layer) table rows
+        bp, bs = r.p_at[:, li, None], r.s_at[:, li, None]  # their offsets in the flat tables
         p2s, s2p, stamp = self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1)
         slot = p2s[bp + uc].long()  # [B, L', M]
         res = m & (slot >= 0)
@@ -549,18 +565,9 @@ class HiSparseKVCache:
         else:
             acc[0] += res.sum()
             acc[1] += need.sum()
-        held = (s2p_n >= 0).sum(-1) + placed.sum(-1) - (placed & (old >= 0)).sum(-1)  # [B, L']
-        acc[3] = torch.maximum(acc[3], held.max())
         possible = pos.shape[1] + self.recent > N and not force
         ovf = (need & ~placed) if possible else None
         return _Placed(u, ovf, self._phys(r.table, u.clamp(min=0)), dst, copy)
-
-    def _layer_ids(self, lis: Iterable[int]) -> torch.Tensor:
-        key = tuple(lis)
-        t = self._layer_id_cache.get(key)
-        if t is None:
-            t = self._layer_id_cache[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
-        return t
 
     def _swap(
         self, layer: int, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor, force: bool
