@@ -4,9 +4,12 @@ At batch 1 a decode step of a many-layer MoE model costs what its kernel launche
 each on the H200 even inside a CUDA graph: bench/results/step-profile-*.json), so the count is the
 figure to drive down between GPU sessions. The engine runs the Triton path under the interpreter;
 every non-view aten op and every Triton kernel launch in one `Engine.step()` of a decode counts
-once, by name.
+once, by name. With `--graphs` the step goes through `DecodeGraphs` (its static-buffer path runs
+uncaptured on the CPU) and only the region a CUDA graph would capture and replay is counted (the
+input copies before a replay are not).
 
-    python -m bench.launch_count [--config configs/tiny.json] [--batch 1] [--context 300] [--out DIR]
+    python -m bench.launch_count [--config configs/tiny.json] [--batch 1] [--context 300] [--graphs]
+        [--hisparse-device-tokens N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class _Count(TorchDispatchMode):
 
 
 def count_decode_step(
-    config: Path, batch: int, context: int, hisparse_device_tokens: int | None = None
+    config: Path, batch: int, context: int, hisparse_device_tokens: int | None = None, graphs: bool = False
 ) -> Counter[str]:
     import triton.runtime.interpreter as interp
 
@@ -78,7 +81,12 @@ def count_decode_step(
 
     gen = torch.Generator().manual_seed(0)
     with Engine(
-        model, device="cpu", dtype="float32", backend="triton", hisparse_device_tokens=hisparse_device_tokens
+        model,
+        device="cpu",
+        dtype="float32",
+        backend="triton",
+        hisparse_device_tokens=hisparse_device_tokens,
+        cuda_graphs=graphs,
     ) as eng:
         for i in range(batch):
             ids = torch.randint(0, 256, (context,), generator=gen).tolist()
@@ -87,9 +95,22 @@ def count_decode_step(
             eng.step()
         eng.step()  # one decode step to settle lazily built state
         interp.GridExecutor.__call__ = launch  # type: ignore[method-assign]
+        dg = eng.runner.graphs
         try:
-            with counter:
+            if dg is None:
+                with counter:
+                    eng.step()
+            else:  # only what the graph replays
+                forward = dg._forward
+                replays = dg.replays
+
+                def captured(c):  # type: ignore[no-untyped-def]
+                    with counter:
+                        return forward(c)
+
+                dg._forward = captured
                 eng.step()
+                assert dg.replays == replays + 1, "the step did not go through the decode graphs"
         finally:
             interp.GridExecutor.__call__ = run  # type: ignore[method-assign]
     return counter.ops
@@ -101,25 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--hisparse-device-tokens", type=int, default=None, help="count the capped path")
+    ap.add_argument("--graphs", action="store_true", help="count what a replayed decode graph runs")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from longctx.config import ModelConfig
 
     cfg = ModelConfig.from_json(args.config)
-    ops = count_decode_step(args.config, args.batch, args.context, args.hisparse_device_tokens)
+    ops = count_decode_step(args.config, args.batch, args.context, args.hisparse_device_tokens, args.graphs)
     total = sum(ops.values())
     layers = cfg.num_hidden_layers
+    where = " (inside the decode graph)" if args.graphs else ""
     print(
-        f"decode step, batch {args.batch}, {layers} layers: {total} launches ({total / layers:.1f} per layer)"
+        f"decode step{where}, batch {args.batch}, {layers} layers: {total} launches"
+        f" ({total / layers:.1f} per layer)"
     )
     for name, n in ops.most_common(args.top):
         print(f"{n:6d}  {name}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        res = {"config": str(args.config), "batch": args.batch, "layers": layers, "launches": total,
+        res = {"config": str(args.config), "batch": args.batch, "layers": layers, "graphs": args.graphs,
+               "launches": total,
                "per_layer": round(total / layers, 1), "ops": dict(ops.most_common())}  # fmt: skip
         cap = f"-cap{args.hisparse_device_tokens}" if args.hisparse_device_tokens else ""
+        cap += "-graph" if args.graphs else ""
         (args.out / f"launch-count-b{args.batch}{cap}.json").write_text(json.dumps(res, indent=2) + "\n")
     return 0
 

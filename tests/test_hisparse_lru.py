@@ -75,13 +75,14 @@ def test_slot_lru_order_and_newest():
 # ---- the device-tensor implementation ---------------------------------------------------------
 
 
-def _cache(n_tokens: int, num_pages: int = 4):
+def _cache(n_tokens: int, num_pages: int = 4, **kw):
     from longctx.hisparse.cache import HiSparseKVCache
 
     cfg = tiny_config(num_hidden_layers=3, index_topk=4)  # full, shared, full
     return HiSparseKVCache(
-        cfg, range(3), num_pages, "auto", torch.float32, torch.device("cpu"), device_tokens=n_tokens, recent=2
-    )
+        cfg, range(3), num_pages, "auto", torch.float32, torch.device("cpu"), device_tokens=n_tokens, recent=2,
+        **kw,
+    )  # fmt: skip
 
 
 def _ctx(kv, pages, start, n_q):
@@ -138,15 +139,15 @@ def test_device_lru_rows_are_exact_and_capped(n_tokens, steps):
             assert torch.all((rows >= 0) == valid)
             want = layer * 1000 + ctx.logical_to_rows(prev).float()
             assert torch.equal(pool[rows[valid]][:, 0], want[valid])
-            st_ = kv._states["r0"]
-            s2p = st_.slot2pos[layer, :n_tokens]
+            blk = kv._states["r0"].block
+            s2p = kv._s2p[blk, layer, :n_tokens]
             resident = set(s2p[s2p >= 0].tolist())
             assert len(resident) <= n_tokens
             assert set(range(max(0, end - kv.recent), end)) <= resident
             if n_q == 1:
                 assert set(prev[valid].tolist()) <= resident
             # pos2slot and slot2pos agree
-            p2s = st_.pos2slot[layer, :end]
+            p2s = kv._p2s[blk, layer, :end]
             for p in resident:
                 assert s2p[p2s[p]].item() == p
             assert int((p2s >= 0).sum()) == len(resident)
@@ -195,30 +196,59 @@ def test_counted_swap_kernel_interpreted(dtype, width):
 
 
 def test_decode_bookkeeping_makes_no_host_sync():
-    """A decode step's placements (newest tokens, a full layer's misses, the shared layer's prefetch)
-    read nothing back and copy nothing from the host: on CUDA each of those would stall the step.
-    The copies themselves (`_swap`: the device-counted kernel on CUDA, a CPU gather here) are stubbed."""
+    """A decode step's bookkeeping as a captured graph runs it: the rows are bound on the host first
+    (`bind_rows`), the step reads their block ids and a padding row's mask from device buffers.
+    Its placements (newest tokens, a full layer's misses, the shared layer's prefetch) and the
+    device-counted swap-in copies (the Triton kernel, interpreted) read nothing back and make no
+    host tensor: on CUDA each of those would stall the step or break the capture. The step is still
+    exact, and the padding row places nothing."""
+    from longctx.kernels.common import HAS_TRITON, triton_interpret
+
     from .test_kernels_graph_safe import _audit
 
-    kv = _cache(12)
-    pages = [2, 0, 3]
+    if not (HAS_TRITON and triton_interpret()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    kv = _cache(12, use_triton=True, max_requests=2)
+    pages, dummy = [2, 0, 3], 1
     g = torch.Generator().manual_seed(0)
 
-    def inputs(start: int, n_q: int) -> tuple:
+    def topk_for(start: int, n_q: int) -> torch.Tensor:
         topk = torch.full((n_q, 4), -1, dtype=torch.int64)
         for t in range(n_q):
             k = min(4, start + t + 1)
             topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k]
-        return _ctx(kv, pages, start, n_q), topk
+        return topk
 
-    def step(ctx, topk) -> None:  # type: ignore[no-untyped-def]
-        for layer in range(3):  # layer 1 shares layer 0's top-k (prefetched: a decode row)
+    def step(ctx, topk) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+        rows = []
+        for layer in range(3):  # layer 1 shares layer 0's top-k (prefetched: decode rows)
+            host = kv.mla_pool(layer)
+            val = layer * 1000 + ctx.slot_mapping.float()
+            host[ctx.slot_mapping] = val[:, None].expand(-1, host.shape[1])
             kv.after_write(layer, ctx)
-            kv.resolve(layer, topk, ctx)
+            rows.append(kv.resolve(layer, topk, ctx))
+        return rows
 
-    step(*inputs(0, 20))  # prefill; every layer list's device ids are made once
-    step(*inputs(20, 1))
-    kv._swap = lambda *a, **k: None  # type: ignore[method-assign]
-    args = inputs(21, 1)
-    bad = _audit(lambda: step(*args))
-    assert not bad, bad
+    step(_ctx(kv, pages, 0, 20), topk_for(0, 20))  # an eager prefill and decode step
+    step(_ctx(kv, pages, 20, 1), topk_for(20, 1))
+    for pos in (21, 22, 23):
+        # a captured batch of 2: row 0 is r0, row 1 padding (block 0, the dummy page, one key)
+        blk = kv.bind_rows(["r0"], [pos], [pos + 1])
+        table = torch.tensor([pages, [dummy] * 3], dtype=torch.int32)
+        slots = torch.tensor([pages[pos // 64] * 64 + pos % 64, dummy * 64])
+        ctx = ForwardContext(
+            positions=torch.tensor([pos, 0]), q_seq=torch.tensor([0, 1], dtype=torch.int32), q_start=[0, 1, 2],
+            seq_lens=torch.tensor([pos + 1, 1], dtype=torch.int32), seq_lens_cpu=[4096, 4096],
+            page_table=table, slot_mapping=slots, kv=kv,
+            extras={"rids": (), "kv_blocks": torch.tensor(blk + [0]), "valid": torch.tensor([True, False])},
+        )  # fmt: skip
+        topk = torch.cat([topk_for(pos, 1), torch.tensor([[0, -1, -1, -1]])])
+        out: list[list[torch.Tensor]] = []
+        bad = _audit(lambda: out.append(step(ctx, topk)))  # noqa: B023
+        assert not bad, bad
+        for layer, rows in enumerate(out[0]):
+            assert torch.all(rows[1] == -1)  # the padding row attends to nothing
+            pool = kv.attend_pool(layer)
+            want = layer * 1000 + ctx.logical_to_rows(topk[:1]).float()
+            assert torch.equal(pool[rows[0][topk[0] >= 0]][:, 0], want[0][topk[0] >= 0])
+    assert torch.all(kv._p2s[0, :, :-1] == -1) and torch.all(kv._s2p[0, :, :-1] == -1)

@@ -10,7 +10,12 @@ and run by replaying a graph captured over static input buffers:
 - the indexer's logits width is the context bucket (a host-known bound, no device sync);
 - the graph ends with the lm_head: sampling reads the [B, vocab] logits outside the graph.
 
-Anything else (prefill chunks, HiSparse, pipeline stages, shapes outside the buckets) runs eagerly.
+A KV cache with per-request device state (HiSparse: `bind_rows`, `layout_version`) is bound on the
+host before each replay and its block ids go into one more static buffer, `kv_blocks` [B] (padding
+rows: block 0, which nothing is placed in); its step clock ticks inside the graph. When the cache
+reallocates its buffers (`layout_version` changes) every captured graph is dropped and recaptured.
+
+Anything else (prefill chunks, pipeline stages, shapes outside the buckets) runs eagerly.
 On CPU the same static-buffer path runs without capture (`capture=False`), which is how its
 bookkeeping is tested.
 """
@@ -18,6 +23,7 @@ bookkeeping is tested.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,7 @@ class _Captured:
     slots: torch.Tensor
     table: torch.Tensor
     valid: torch.Tensor
+    blocks: torch.Tensor  # [B] int64 per-request KV state of each row (caches with `bind_rows`)
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     ctx: ForwardContext | None = None
@@ -70,12 +77,15 @@ class DecodeGraphs:
             c *= 4
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool: Any = None
+        self._kv_version = getattr(getattr(worker, "kv", None), "layout_version", None)
         self.replays = 0
+        self.recaptures = 0  # times every graph was dropped because the KV cache reallocated
 
     # ---- eligibility --------------------------------------------------------------------------
     def bucket(self, plan: BatchPlan) -> tuple[int, int] | None:
         w = self.worker
-        if not (w.is_first and w.is_last) or not getattr(w.kv, "dense_readable", False):
+        per_request = hasattr(w.kv, "bind_rows")  # HiSparse: its own state per request, bound per step
+        if not (w.is_first and w.is_last) or not (getattr(w.kv, "dense_readable", False) or per_request):
             return None
         rows = plan.rows
         if len(rows) > self.batch_buckets[-1] or any(
@@ -100,6 +110,7 @@ class DecodeGraphs:
             slots=torch.full((b,), self.dummy_page * self.page_size, dtype=torch.int64, device=dev),
             table=torch.full((b, pages), self.dummy_page, dtype=torch.int32, device=dev),
             valid=torch.zeros(b, dtype=torch.bool, device=dev),
+            blocks=torch.zeros(b, dtype=torch.int64, device=dev),
             row_keys=[None] * b,
         )
 
@@ -118,13 +129,15 @@ class DecodeGraphs:
             use_triton=w.use_triton,
             prefill_form="absorbed",
             page_size=self.page_size,
-            extras={"valid": c.valid, "rids": ()},
+            extras={"valid": c.valid, "rids": (), "kv_blocks": c.blocks},
         )
 
     def _forward(self, c: _Captured) -> torch.Tensor:
+        """The captured region: the layers and the lm_head over the static buffers. A fresh context
+        object per call (same tensors): KV caches tell one forward pass from the next by it."""
         assert c.ctx is not None
-        c.ctx.prev_topk = None
-        return self.worker.model.logits(self.worker.model(c.ids, c.ctx))
+        ctx = dataclasses.replace(c.ctx, prev_topk=None, cos_sin=None, cos_sin_index=None)
+        return self.worker.model.logits(self.worker.model(c.ids, ctx))
 
     def _get(self, b: int, ctx_len: int) -> _Captured:
         key = (b, ctx_len)
@@ -189,9 +202,19 @@ class DecodeGraphs:
         key = self.bucket(plan)
         assert key is not None, "not a graph-eligible decode plan"
         b, ctx_len = key
-        c = self._get(b, ctx_len)
         n = len(plan.rows)
         ps = self.page_size
+        kv = self.worker.kv
+        blocks = None
+        if hasattr(kv, "bind_rows"):  # before `_get`: binding may grow (reallocate) the cache
+            blocks = kv.bind_rows([r.rid for r in plan.rows], [r.start for r in plan.rows],
+                                  [r.end for r in plan.rows])  # fmt: skip
+            if kv.layout_version != self._kv_version:
+                if self._graphs:
+                    self.recaptures += 1
+                self._graphs.clear()  # they hold the old buffers' addresses
+                self._kv_version = kv.layout_version
+        c = self._get(b, ctx_len)
         # host side: fill the static inputs (padding rows keep the dummy page). The page table is
         # kept on the device between steps and only new entries are written: a row's pages grow at
         # their end while its (rid, pages_epoch) holds, so most steps copy nothing of it.
@@ -215,6 +238,9 @@ class DecodeGraphs:
         c.slots[n:] = self.dummy_page * ps
         c.valid[:n] = True
         c.valid[n:] = False
+        if blocks is not None:
+            c.blocks[:n].copy_(torch.tensor(blocks, dtype=torch.int64), non_blocking=True)
+            c.blocks[n:] = 0
         if c.graph is not None:
             c.graph.replay()
             assert c.logits is not None

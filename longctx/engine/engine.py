@@ -151,7 +151,7 @@ class Engine:
 
         num_pages = kv_pages or self._default_pages(max_context)
         if pp == 1 and tp == 1:
-            self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs)
+            self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs, max_running)
         else:
             from longctx.stages.runtime import StageRuntime
 
@@ -207,27 +207,35 @@ class Engine:
         # CPU: room for a few requests of a modest context
         return max(64, min(max_context, 1 << 16) * 2 // PAGE_SIZE)
 
-    def _local_runner(self, num_pages: int, prefill_form: str, cuda_graphs: bool | None) -> LocalRunner:
+    def _local_runner(
+        self, num_pages: int, prefill_form: str, cuda_graphs: bool | None, max_running: int
+    ) -> LocalRunner:
         cfg = self.cfg
         layers = range(cfg.num_hidden_layers)
         keep_fp8 = self.device.type == "cuda" and cfg.quant_block is not None
         model = build_model(self.model_dir, cfg, layers, self.device, self.dtype, keep_fp8)
+        # one page more than the allocator hands out: padding rows of captured decode batches
         if self.hisparse_device_tokens:
             from longctx.hisparse.cache import HiSparseKVCache
 
+            N = self.hisparse_device_tokens
             kv: Any = HiSparseKVCache(
                 cfg,
                 layers,
-                num_pages,
+                num_pages + 1,
                 self.kv_kind,
                 self.dtype,
                 self.device,
-                device_tokens=self.hisparse_device_tokens,
+                device_tokens=N,
                 page_size=PAGE_SIZE,
                 use_triton=self.use_triton,
+                # per-request bookkeeping and slot blocks allocated now, so decode graphs never see
+                # them move: as many requests as may run at once, as long as their slots hold no
+                # more rows than the pages do (more concurrent requests grow them, and recapture)
+                max_requests=max(1, min(max_running, num_pages * PAGE_SIZE // N)),
+                max_context=self.max_context,
             )
         else:
-            # one page more than the allocator hands out: padding rows of captured decode batches
             kv = PagedKVPool(cfg, layers, num_pages + 1, self.kv_kind, self.dtype, self.device, PAGE_SIZE)
         worker = StageWorker(model, kv, self.device, self.use_triton, prefill_form, PAGE_SIZE)
         if cuda_graphs is None:  # on by default on CUDA; LONGCTX_CUDA_GRAPHS=0 turns them off
@@ -236,7 +244,7 @@ class Engine:
         # the torch references read sizes back to the host, so on CUDA only the Triton path is captured
         # (on CPU nothing is captured: the static-buffer path runs as is)
         capturable = self.use_triton or self.device.type != "cuda"
-        if cuda_graphs and capturable and not self.hisparse_device_tokens:
+        if cuda_graphs and capturable:
             graphs = DecodeGraphs(
                 worker, self.max_context, dummy_page=num_pages, capture=self.device.type == "cuda"
             )

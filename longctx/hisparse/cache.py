@@ -11,16 +11,25 @@ Where each thing lives (one stage, layers [a, b)):
 - `index_pool(layer)`: indexer keys, fully on the device (small: 132 B per token per full layer).
 - `attend_pool(layer)`: a device slot buffer [1 + blocks * N, row] per layer. Row 0 is a trash
   row; each live request owns one block of N slots (the same block in every layer), so
-  (request, layer) holds at most N device tokens. Blocks are handed out on a request's first
-  step, returned by `release(rids)`, and the buffers grow by doubling when more are needed.
+  (request, layer) holds at most N device tokens.
 
-Per (request, layer) the bookkeeping is device tensors: `pos2slot` [layers, ctx + 1] int32
-(logical position -> slot, -1 absent, last column a sink for masked writes), `slot2pos`
-[layers, N + 1] and `stamp` [layers, N + 1] (last step the slot was used; column N a sink). The
-policy is `longctx.hisparse.lru.SlotLRU`'s, done with sort / cumsum / scatter so nothing waits
-for the GPU: residency lookup is one gather, victims are the lowest stamps among slots that are
-neither requested this step nor holding one of the `recent` newest tokens, misses get victims
-by rank, and `swap_in_counted` copies exactly the misses (count stays on the device).
+Bookkeeping is batched device tensors addressed by block id, allocated at construction for
+`max_requests` blocks: `pos2slot` [1 + blocks, layers, P] int32 (logical position -> slot, -1
+absent; P = max context + 1, column P - 1 a sink for masked writes), `slot2pos` and `stamp`
+[1 + blocks, layers, N + 1] int64 (last step the slot was used; column N a sink). Block 0 is the
+padding block of a captured decode batch's padding rows (nothing is ever placed in it). Blocks
+are handed out on a request's first step (`bind_rows`, on the host) and returned by
+`release(rids)`; only when more requests run at once than `max_requests` do the tables and slot
+buffers grow (doubling), which bumps `layout_version` so captured graphs are dropped.
+
+The policy is `longctx.hisparse.lru.SlotLRU`'s, done with sort / cumsum / scatter over every batch
+row at once so nothing waits for the GPU: residency lookup is one gather, victims are the lowest
+stamps among slots that are neither requested this step nor holding one of the `recent` newest
+tokens, misses get victims by rank, and `swap_in_counted` copies exactly the misses (count stays
+on the device). The step clock is a device scalar incremented at the start of each step, and each
+row's block, newest position (`seq_lens`) and page table are read from the step's device tensors,
+so a decode step has no host state baked into its ops: `DecodeGraphs` binds the rows
+(`bind_rows`) and fills `extras["kv_blocks"]` next to the page table, then replays.
 
 Per step (`_begin`, at the first layer): the newest `recent` tokens of each request get their
 slots in every layer of the stage at once (one placement over all layers; each layer keeps its
@@ -29,10 +38,10 @@ own LRU), so the newest tokens are always resident. Then per layer:
    at the start of the step.
 2. full layers: the indexer's top-k -> `resolve(layer)` places this layer's misses and returns
    slot rows; it then PREFETCHES the following shared layers' misses with the same top-k (on a
-   side CUDA stream that the shared layers' `after_write` / `resolve` wait for; synchronously
-   on CPU), all the shared layers in one placement. Only tokens from before this step are
-   prefetched: this step's rows of a later layer are not written yet (that layer's
-   `after_write` copies them into their slots).
+   side CUDA stream that the shared layers' `after_write` / `resolve` wait for; on the capturing
+   stream inside a graph capture; synchronously on CPU), all the shared layers in one placement.
+   Only tokens from before this step are prefetched: this step's rows of a later layer are not
+   written yet (that layer's `after_write` copies them into their slots).
 3. shared layers: `resolve` finds everything resident (prefetched) and only maps rows.
 
 Prefill chunks (several queries per request) may need more distinct tokens than N at once. The
@@ -40,15 +49,16 @@ choice here is "raise N for the step": the LRU places as many misses as it has e
 the rest (overflow) are copied into a per-step pool `[slot buffer | overflow rows]` that
 `attend_pool(layer)` returns for that layer until the next step. Overflow rows never become
 resident, so `device_tokens_max` <= N always; the per-step extra is reported as
-`overflow_rows_max`. Only rows where overflow is possible (n_q * K + recent > N) read a count on
-the host; decode rows never do. Results are exact: every attended row is a byte copy of the host
-row the paged pool would hold.
+`overflow_rows_max`. Prefill rows are placed one row at a time and only they read an overflow
+count on the host; decode rows are placed together and never do. Results are exact: every
+attended row is a byte copy of the host row the paged pool would hold.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -62,46 +72,49 @@ from longctx.kernels.swap import swap_in_gather
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
 from longctx.model.context import ForwardContext
 
+log = logging.getLogger("longctx.hisparse")
 _BIG = 1 << 62  # LRU key of slots that may not be evicted this step
 
 
 @dataclass
 class _Req:
-    """Device bookkeeping of one request across the stage's layers."""
+    """Host bookkeeping of one request: its block of slots and how far its KV reached."""
 
     block: int
-    base: int  # first slot-buffer row of the block
-    pos2slot: torch.Tensor  # [layers, cap + 1] int32, -1 = not resident; column cap is a sink
-    slot2pos: torch.Tensor  # [layers, N + 1] int64, -1 = free; column N is a sink
-    stamp: torch.Tensor  # [layers, N + 1] int64, step of last use (-1 = never)
-    seen: int = 0  # KV length after the last step (a restart from below it resets the state)
-    newest_from: int = 0  # positions >= this are pinned this step
+    seen: int = 0  # KV length after the last step (a restart from below it resets the block)
 
-    def reset(self) -> None:
-        self.pos2slot.fill_(-1)
-        self.slot2pos.fill_(-1)
-        self.stamp.fill_(-1)
 
-    def ensure_capacity(self, n: int) -> None:
-        cap = self.pos2slot.shape[1] - 1
-        if n <= cap:
-            return
-        new_cap = max(n, 2 * cap)
-        grown = torch.full(
-            (self.pos2slot.shape[0], new_cap + 1), -1, dtype=torch.int32, device=self.pos2slot.device
-        )
-        grown[:, :cap] = self.pos2slot[:, :cap]
-        self.pos2slot = grown
+class _Rows(NamedTuple):
+    """Device state of (some of) a step's batch rows."""
+
+    blk: torch.Tensor  # [B] int64 block id (0 = the padding block)
+    newest_from: torch.Tensor  # [B] int64: positions >= this are pinned this step
+    base: torch.Tensor  # [B] int64 first slot-buffer row of the block
+    table: torch.Tensor  # [B, pages] int32 page table rows
+    valid: torch.Tensor | None  # [B] bool, False = a padding row of a captured batch (None: all real)
+    trow: torch.Tensor  # [B, layers] int64 (block, layer) row of the flattened tables
+    p_at: torch.Tensor  # [B, layers] its offset in flat pos2slot
+    s_at: torch.Tensor  # [B, layers] its offset in flat slot2pos / stamp
+
+    def take(self, i: torch.Tensor | slice) -> _Rows:
+        v = None if self.valid is None else self.valid[i]
+        return _Rows(
+            self.blk[i], self.newest_from[i], self.base[i], self.table[i], v, self.trow[i],
+            self.p_at[i], self.s_at[i],
+        )  # fmt: skip
+
+    def row(self, b: int) -> _Rows:
+        return self.take(slice(b, b + 1))
 
 
 class _Placed(NamedTuple):
-    """What `HiSparseKVCache._place` decided for positions `u` in each of its layers."""
+    """What `HiSparseKVCache._place` decided for positions `u` of rows [B] in each of its layers [L']."""
 
-    u: torch.Tensor  # [M] the positions, sorted (-1 = none)
-    overflow: torch.Tensor | None  # [L', M] found no slot; None where that cannot happen (decode)
-    src: torch.Tensor  # [M] their rows in the host pool
-    dst: torch.Tensor  # [L', M] their slot-buffer rows
-    copy: torch.Tensor  # [L', M] whether the host row must be copied there
+    u: torch.Tensor  # [B, M] the positions, sorted per row (-1 = none)
+    overflow: torch.Tensor | None  # [B, L', M] found no slot; None where that cannot happen (decode)
+    src: torch.Tensor  # [B, M] their rows in the host pool
+    dst: torch.Tensor  # [B, L', M] their slot-buffer rows
+    copy: torch.Tensor  # [B, L', M] whether the host row must be copied there
 
 
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -128,6 +141,8 @@ class HiSparseKVCache:
     the model's `index_topk` so one decode query's selection always fits. `recent` newest tokens
     of each request stay resident (default min(64, (N - index_topk) // 2)). `host_layout` is the
     stage's shared host KV layout (pipeline stages pass theirs); None creates a private pool.
+    `max_requests`: blocks allocated up front (more concurrent requests grow the buffers);
+    `max_context`: the longest request (default: every page).
     """
 
     dense_readable = False
@@ -145,6 +160,8 @@ class HiSparseKVCache:
         use_triton: bool = False,
         host_layout: HostKVLayout | None = None,
         recent: int | None = None,
+        max_requests: int = 1,
+        max_context: int | None = None,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -207,20 +224,40 @@ class HiSparseKVCache:
             elif last_full is not None:
                 self._shared_after[last_full].append(i)
 
-        self._num_blocks = 0
+        n_l = len(layers)
+        ctx_cap = self.num_slots if max_context is None else min(max_context, self.num_slots)
+        self._P = ctx_cap + 1  # pos2slot row length; column P - 1 is the sink
+        self._blocks = 0
         self._free_blocks: list[int] = []
+        self._block_hi: list[int] = [0]  # per block: KV length its tables may hold since its reset
+        self._p2s = torch.full((1, n_l, self._P), -1, dtype=torch.int32, device=self.device)
+        self._s2p = torch.full((1, n_l, self.N + 1), -1, dtype=torch.int64, device=self.device)
+        self._stamp = torch.full((1, n_l, self.N + 1), -1, dtype=torch.int64, device=self.device)
         self._slots = {i: self._new_slot_buffer(0) for i in layers}
+        self.layout_version = 0  # bumped whenever the buffers above are reallocated
+        self._grow(max(1, max_requests))
         self._states: dict[Any, _Req] = {}
-        self._rows: list[_Req] = []  # the current step's request states, by batch row
-        # per batch row: (host rows, slot rows [layers, M], copy mask [layers, M]) of its newest tokens
-        self._newest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._layer_id_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._layer_offsets = torch.arange(n_l, device=self.device)
+        # the stage layers a placement covers, as slices of [layers] (free views of per-step tensors):
+        # a full layer's shared layers follow it, so theirs are consecutive
+        self._every = slice(0, n_l)
+        self._one = [slice(li, li + 1) for li in range(n_l)]
+        self._shared_ids = {
+            f: slice(self._index_of[f] + 1, self._index_of[f] + 1 + len(sh))
+            for f, sh in self._shared_after.items()
+            if sh
+        }
+        # the current step (set by `_begin`)
         self._ctx: ForwardContext | None = None
-        self._now = 0
+        self._all: _Rows | None = None  # every batch row
+        self._dec: tuple[torch.Tensor | None, _Rows] | None = None  # decode rows: (token ids, rows)
+        self._pure = False  # every row is a decode row
+        self._pre: list[int] = []  # prefill rows (placed one at a time)
+        self._newest: _Placed | None = None
         self._now_t = torch.zeros((), dtype=torch.int64, device=self.device)  # the clock, on the device
         self._minus1 = torch.full((), -1, dtype=torch.int32, device=self.device)
         self._step_pool: dict[int, torch.Tensor] = {}
-        self._prefetched: set[tuple[int, int]] = set()
+        self._prefetched: set[int] = set()  # layers whose decode rows were placed by a prefetch
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
         self._acc = {k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side")}
@@ -243,36 +280,61 @@ class HiSparseKVCache:
         `_begin` chose for them in every layer."""
         self._begin(ctx)
         self._wait_side()
+        p = self._newest
+        assert p is not None
         li = self._index_of[layer]
-        for src, dst, copy in self._newest:
-            self._swap(layer, src, dst[li], copy[li], True)
+        self._swap(layer, p.src, p.dst[:, li], p.copy[:, li], True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Top-k logical positions [T, K] (-1 = none) -> rows of `attend_pool(layer)` (-1 stays)."""
         self._begin(ctx)
         self._wait_side()
+        assert self._all is not None
         li = self._index_of[layer]
-        rows = torch.full(topk.shape, -1, dtype=torch.int64, device=topk.device)
+        q = topk.long()
+        acc = self._acc["main"]
+        if self._dec is not None and layer not in self._prefetched:  # every decode row at once
+            tok, rows = self._dec
+            p = self._place(self._one[li], rows, self._masked(q if tok is None else q[tok], rows), acc)
+            self._swap(layer, p.src, p.dst[:, 0], p.copy[:, 0], False)
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
-        for b, st in enumerate(self._rows):
+        for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
-            q = topk[s:e].long()
-            if (layer, b) not in self._prefetched:
-                p = self._place([li], b, st, q.reshape(-1), ctx, self._acc["main"])
-                self._swap(layer, p.src, p.dst[0], p.copy[0], False)
-                if p.overflow is not None:
-                    n = int(p.overflow[0].sum())  # host read only where overflow is possible (prefill)
-                    if n:
-                        overflow.append((b, p.u[p.overflow[0]]))
-            slot = st.pos2slot[li][q.clamp(min=0)].long()
-            rows[s:e] = torch.where((q >= 0) & (slot >= 0), st.base + slot, -1)
+            p = self._place(self._one[li], self._all.row(b), q[s:e].reshape(1, -1), acc)
+            self._swap(layer, p.src, p.dst[:, 0], p.copy[:, 0], False)
+            if p.overflow is not None:
+                n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
+                if n:
+                    overflow.append((b, p.u[0][p.overflow[0, 0]]))
+        rows_out = self._lookup(li, q, ctx)
         if overflow:
-            self._build_step_pool(layer, topk, ctx, rows, overflow)
-        if layer in self._shared_after and self._shared_after[layer]:
-            self._prefetch(layer, topk, ctx)
-        return rows
+            self._build_step_pool(layer, topk, ctx, rows_out, overflow)
+        if layer in self._shared_ids:
+            self._prefetch(layer, q, ctx)
+        return rows_out
 
     # ---- request lifecycle -------------------------------------------------------------------------
+    def bind_rows(self, rids: Sequence[Any], starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+        """Host side of a step: the block of each batch row's request (new requests get one; a
+        request restarted from below what it had computed gets its block reset). Row b computes
+        positions [starts[b], ends[b]). A decode graph calls this before each replay and copies the
+        ids into its static `kv_blocks` buffer; an eager step calls it from `_begin`."""
+        self._wait_side()
+        blocks = []
+        for rid, start, end in zip(rids, starts, ends):
+            if end > self._P - 1:
+                raise ConfigError(f"request {rid!r} reaches {end} tokens, HiSparse holds {self._P - 1}")
+            st = self._states.get(rid)
+            if st is None:
+                st = self._states[rid] = _Req(self._alloc_block())
+                self._reset(st.block)
+            elif start < st.seen:  # recomputed from scratch (preempted): old residency is void
+                self._reset(st.block)
+            st.seen = end
+            self._block_hi[st.block] = max(self._block_hi[st.block], end)
+            blocks.append(st.block)
+        return blocks
+
     def release(self, rids: Iterable[Any]) -> None:
         """Free the device slots of finished / aborted requests."""
         self._wait_side()
@@ -293,6 +355,7 @@ class HiSparseKVCache:
     # ---- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         self._wait_side()
+        self._fold_resident(slice(1, None))
         main, side = self._acc["main"].tolist(), self._acc["side"].tolist()
         if self._events:
             torch.cuda.synchronize(self.device)
@@ -310,6 +373,7 @@ class HiSparseKVCache:
                 "newest_copy_bytes": (main[2] + side[2]) * self.row_bytes,
                 "overflow_rows_max": max(main[4], side[4]),
                 "requests": len(self._states),
+                "blocks": self._blocks,
             },
             "host_pool_bytes": self.host_layout.spec.nbytes,
         }
@@ -320,11 +384,7 @@ class HiSparseKVCache:
 
     def nbytes(self) -> int:
         """Device bytes held: slot buffers, index keys and bookkeeping."""
-        meta = sum(
-            t.numel() * t.element_size()
-            for st in self._states.values()
-            for t in (st.pos2slot, st.slot2pos, st.stamp)
-        )
+        meta = sum(t.numel() * t.element_size() for t in (self._p2s, self._s2p, self._stamp))
         idx = sum(t.numel() * t.element_size() for t in self._index.values())
         return self.device_kv_bytes() + idx + meta
 
@@ -332,165 +392,214 @@ class HiSparseKVCache:
     def _new_slot_buffer(self, blocks: int) -> torch.Tensor:
         return torch.zeros(1 + blocks * self.N, self._row_width, dtype=self._row_dtype, device=self.device)
 
+    def _grow(self, n: int) -> None:
+        """Room for `n` blocks (ids 1..n; 0 is the padding block). Reallocates: captured graphs that
+        hold the old buffers are stale afterwards (`layout_version`)."""
+        old = self._blocks
+        if old:
+            log.info("HiSparse: more than %d concurrent requests, growing to %d blocks", old, n)
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            g = torch.full((1 + n, *t.shape[1:]), -1, dtype=t.dtype, device=t.device)
+            g[: t.shape[0]] = t
+            return g
+
+        self._p2s, self._s2p, self._stamp = grown(self._p2s), grown(self._s2p), grown(self._stamp)
+        for i, buf in self._slots.items():
+            g = self._new_slot_buffer(n)
+            g[: buf.shape[0]] = buf
+            self._slots[i] = g
+        self._free_blocks = list(range(n, old, -1)) + self._free_blocks  # pop() hands out old + 1 first
+        self._block_hi += [0] * (n - old)
+        self._blocks = n
+        self.layout_version += 1
+
     def _alloc_block(self) -> int:
         if not self._free_blocks:
-            old = self._num_blocks
-            new = max(1, 2 * old)
-            for i, buf in self._slots.items():
-                grown = self._new_slot_buffer(new)
-                grown[: buf.shape[0]] = buf
-                self._slots[i] = grown
-            self._free_blocks = list(range(new - 1, old - 1, -1))
-            self._num_blocks = new
+            self._grow(2 * self._blocks)
         return self._free_blocks.pop()
 
-    def _new_state(self) -> _Req:
-        block = self._alloc_block()
-        n_l, dev = len(self.layers), self.device
-        return _Req(
-            block=block,
-            base=1 + block * self.N,
-            pos2slot=torch.full((n_l, 1), -1, dtype=torch.int32, device=dev),
-            slot2pos=torch.full((n_l, self.N + 1), -1, dtype=torch.int64, device=dev),
-            stamp=torch.full((n_l, self.N + 1), -1, dtype=torch.int64, device=dev),
-        )
+    def _fold_resident(self, blocks: int | slice) -> None:
+        """Fold the most slots ever held per (request, layer) into the stats: a block's count only
+        grows until it is reset (an eviction frees the slot it fills), so this is read at reset and
+        at `stats` time instead of in every placement of a step."""
+        acc = self._acc["main"]
+        held = (self._s2p[blocks, :, : self.N] >= 0).sum(-1).max()
+        acc[3] = torch.maximum(acc[3], held)
+
+    def _reset(self, block: int) -> None:
+        """Forget the block's residency (only the positions its last owner can have placed)."""
+        self._fold_resident(block)
+        self._p2s[block, :, : self._block_hi[block]].fill_(-1)
+        self._s2p[block].fill_(-1)
+        self._stamp[block].fill_(-1)
+        self._block_hi[block] = 0
 
     def _begin(self, ctx: ForwardContext) -> None:
-        """First call of a forward pass: bind batch rows to request states, advance the clock."""
+        """First call of a forward pass: the step's rows on the device, the clock, the newest tokens.
+
+        Everything after the binding reads only device tensors (the block ids, `seq_lens`,
+        `positions`, the page table and the `valid` mask of a captured batch), so it can run inside
+        a captured graph; the Python branches depend only on the batch's shape (q_start)."""
         if ctx is self._ctx:
             return
         self._wait_side()
         self._ctx = ctx
-        self._now += 1
-        self._now_t.fill_(self._now)
         self._step_pool.clear()
         self._prefetched.clear()
-        rids = ctx.extras.get("rids")
-        if rids is None:  # contexts built without request ids: key by the first page (no sharing)
-            rids = [("page", p) for p in ctx.page_table[:, 0].tolist()]
-        self._rows = []
-        for b, rid in enumerate(rids):
-            end = ctx.seq_lens_cpu[b]
-            start = end - (ctx.q_start[b + 1] - ctx.q_start[b])
-            st = self._states.get(rid)
-            if st is None:
-                st = self._states[rid] = self._new_state()
-            elif start < st.seen:  # recomputed from scratch (preempted): old residency is void
-                st.reset()
-            st.ensure_capacity(end)
-            st.seen = end
-            st.newest_from = max(0, end - self.recent)
-            self._rows.append(st)
+        dev = self.device
+        nq = [ctx.q_start[b + 1] - ctx.q_start[b] for b in range(ctx.num_rows)]
+        blk = ctx.extras.get("kv_blocks")
+        if blk is None:  # an eager step binds its rows here (a decode graph bound them before replay)
+            rids = ctx.extras.get("rids")
+            if rids is None:  # contexts built without request ids: key by the first page (no sharing)
+                rids = [("page", p) for p in ctx.page_table[:, 0].tolist()]
+            ends = list(ctx.seq_lens_cpu)
+            ids = self.bind_rows(rids, [e - n for e, n in zip(ends, nq)], ends)
+            blk = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        self._now_t.add_(1)  # the step clock ticks on the device (in a replayed graph too)
+        end = ctx.seq_lens.long()
+        trow = blk[:, None] * len(self.layers) + self._layer_offsets
+        rows = _Rows(
+            blk, (end - self.recent).clamp(min=0), 1 + (blk - 1) * self.N, ctx.page_table,
+            ctx.extras.get("valid"), trow, trow * self._P, trow * (self.N + 1),
+        )  # fmt: skip
+        self._all = rows
+        self._pure = all(n == 1 for n in nq)
+        self._pre = [b for b, n in enumerate(nq) if n > 1]
+        dec = [b for b, n in enumerate(nq) if n == 1]
+        if self._pure:
+            self._dec = (None, rows)
+        elif dec:  # a mixed batch is never captured: host-made index tensors are fine here
+            tok = torch.tensor([ctx.q_start[b] for b in dec]).to(dev, non_blocking=True)
+            self._dec = (tok, rows.take(torch.tensor(dec).to(dev, non_blocking=True)))
+        else:
+            self._dec = None
         # the newest tokens of every request, placed in all layers at once; each layer's
         # `after_write` then only copies its freshly written rows into these slots
-        every = list(range(len(self.layers)))
-        self._newest = []
-        for b, st in enumerate(self._rows):
-            end = ctx.seq_lens_cpu[b]
-            lo = max(end - (ctx.q_start[b + 1] - ctx.q_start[b]), st.newest_from)
-            pos = torch.arange(lo, end, device=self.device)
-            p = self._place(every, b, st, pos, ctx, self._acc["main"], force=True)
-            self._newest.append((p.src, p.dst, p.copy))
+        M = min(self.recent, max(nq))
+        start = end - 1 if self._pure else end - torch.tensor(nq).to(dev, non_blocking=True)
+        lo = torch.maximum(start, rows.newest_from)
+        pos = end[:, None] - M + torch.arange(M, device=dev)
+        pos = self._masked(torch.where(pos >= lo[:, None], pos, -1), rows)
+        self._newest = self._place(self._every, rows, pos, self._acc["main"], force=True)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _wait_side(self) -> None:
-        if self._side is not None:
+        # nothing runs on the side stream while a graph is captured (see `_prefetch`)
+        if self._side is not None and not self._capturing():
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _phys(self, ctx: ForwardContext, b: int, pos: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _masked(pos: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """Padding rows of a captured batch request nothing."""
+        return pos if rows.valid is None else torch.where(rows.valid[:, None], pos, -1)
+
+    def _phys(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Host-pool rows of positions pos [B, M] (>= 0) of the rows whose page tables are `table`."""
         ps = self.page_size
-        return ctx.page_table[b].long()[pos // ps] * ps + pos % ps
+        return table.gather(1, pos // ps).long() * ps + pos % ps
+
+    def _lookup(self, li: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Positions q [T, K] (-1 = none) -> their slot-buffer rows in stage layer `li` (-1: not resident)."""
+        r = self._all
+        assert r is not None
+        if self._pure:  # token t is batch row t
+            at, base = r.p_at[:, li], r.base
+        else:
+            qs = ctx.q_seq.long()
+            at, base = r.p_at[qs, li], r.base[qs]
+        slot = self._p2s.view(-1)[at[:, None] + q.clamp(min=0)].long()
+        return torch.where((q >= 0) & (slot >= 0), base[:, None] + slot, -1)
 
     def _place(
         self,
-        lis: list[int],
-        b: int,
-        st: _Req,
+        li: slice,
+        r: _Rows,
         pos: torch.Tensor,
-        ctx: ForwardContext,
         acc: torch.Tensor,
         force: bool = False,
     ) -> _Placed:
-        """Make `pos` (int64 [M], -1 = none, duplicates allowed) of batch row `b` resident in
-        (request, layer) for each of the stage-local layer indices `lis` at once (each layer its
+        """Make `pos` (int64 [B, M], -1 = none, duplicates allowed) of rows `r` resident in
+        (request, layer) for each of the stage-local layers `li` (L' of them) at once (each layer its
         own LRU). The caller copies (`_swap`) what `copy` marks. The overflow mask is None where
         overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
         on the host: copy them even if resident (and count them apart from hits / misses).
         """
-        N, now = self.N, self._now
-        u = torch.sort(pos).values
+        N, P, S = self.N, self._P, self.N + 1  # row lengths; column P - 1 / N is each layer's sink
+        u = torch.sort(pos, dim=1).values
         first = torch.ones_like(u, dtype=torch.bool)
-        first[1:] = u[1:] != u[:-1]
-        m = first & (u >= 0)
-        uc = u.clamp(min=0)
-        P, S = st.pos2slot.shape[1], N + 1  # row lengths; column P - 1 / N is each layer's sink
-        li = self._layer_ids(lis)
-        bp, bs = li[:, None] * P, li[:, None] * S  # each layer's offset in the flattened tables
-        p2s, s2p, stamp = st.pos2slot.view(-1), st.slot2pos.view(-1), st.stamp.view(-1)
-        slot = p2s[bp + uc].long()  # [L', M]
+        first[:, 1:] = u[:, 1:] != u[:, :-1]
+        m = (first & (u >= 0))[:, None, :]  # [B, 1, M]
+        uc = u.clamp(min=0)[:, None, :]
+        row = r.trow[:, li]  # [B, L'] (block, layer) table rows
+        bp, bs = r.p_at[:, li, None], r.s_at[:, li, None]  # their offsets in the flat tables
+        p2s, s2p, stamp = self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1)
+        slot = p2s[bp + uc].long()  # [B, L', M]
         res = m & (slot >= 0)
         # values stored through index_put_ are device scalars: for a CUDA destination PyTorch makes a
         # Python number a CPU scalar tensor (the store that once put a host->device copy in moe_align)
         now_t, minus1 = self._now_t, self._minus1
         stamp[bs + torch.where(res, slot, N)] = now_t  # touch hits; they may not be evicted this step
         need = m & (slot < 0)
-        s2p_n, stamp_n = st.slot2pos[li, :N], st.stamp[li, :N]
-        key = torch.where((s2p_n >= st.newest_from) | (stamp_n == now), _BIG, stamp_n)
-        order = torch.argsort(key, dim=1, stable=True)  # free slots (stamp -1) first, then LRU
-        cap = (key < _BIG).sum(1, keepdim=True)
-        rank = torch.cumsum(need.long(), 1) - 1
+        s2p_n = self._s2p.view(-1, S)[row][..., :N]  # [B, L', N]
+        stamp_n = self._stamp.view(-1, S)[row][..., :N]
+        key = torch.where((s2p_n >= r.newest_from[:, None, None]) | (stamp_n == now_t), _BIG, stamp_n)
+        order = torch.argsort(key, dim=-1, stable=True)  # free slots (stamp -1) first, then LRU
+        cap = (key < _BIG).sum(-1, keepdim=True)
+        rank = torch.cumsum(need.long(), -1) - 1
         placed = need & (rank < cap)
-        vslot = torch.where(placed, order.gather(1, rank.clamp(0, N - 1)), N)
+        vslot = torch.where(placed, order.gather(-1, rank.clamp(0, N - 1)), N)
         sv = bs + vslot
         old = s2p[sv]
         p2s[bp + torch.where(placed & (old >= 0), old, P - 1)] = minus1  # evict
-        s2p[sv] = u.expand_as(vslot)
+        s2p[sv] = u[:, None, :].expand_as(vslot)
         p2s[bp + torch.where(placed, uc, P - 1)] = vslot.to(torch.int32)
         stamp[sv] = now_t
         copy = placed | (res & force)
-        dst = st.base + torch.where(placed, vslot, slot)
+        dst = r.base[:, None, None] + torch.where(placed, vslot, slot)
         if force:
             acc[2] += copy.sum()
         else:
             acc[0] += res.sum()
             acc[1] += need.sum()
-        acc[3] = torch.maximum(acc[3], (st.slot2pos[li, :N] >= 0).sum(1).max())
-        possible = int(pos.numel()) + self.recent > N and not force
-        return _Placed(u, (need & ~placed) if possible else None, self._phys(ctx, b, uc), dst, copy)
-
-    def _layer_ids(self, lis: list[int]) -> torch.Tensor:
-        """`lis` as a device tensor, made once per distinct list: a fresh `torch.tensor(..., device)`
-        per step would be a blocking host->device copy."""
-        key = tuple(lis)
-        t = self._layer_id_cache.get(key)
-        if t is None:
-            t = self._layer_id_cache[key] = torch.tensor(lis, dtype=torch.int64, device=self.device)
-        return t
+        possible = pos.shape[1] + self.recent > N and not force
+        ovf = (need & ~placed) if possible else None
+        return _Placed(u, ovf, self._phys(r.table, u.clamp(min=0)), dst, copy)
 
     def _swap(
         self, layer: int, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor, force: bool
     ) -> None:
-        host, slots = self._host[layer], self._slots[layer]
-        if self.device.type != "cuda":
-            t0 = time.perf_counter()
+        """host row src[i] -> slot-buffer row dst[i] where mask[i] (any shapes, flattened)."""
+        src, dst, mask = src.reshape(-1), dst.reshape(-1), mask.reshape(-1)
+        slots = self._slots[layer]
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        if not (cuda or self.use_triton):  # the torch path (CPU): a host-sized gather
             idx = mask.nonzero().squeeze(1)
-            swap_in_gather(host, src[idx], slots, dst[idx], backend="torch")
-            if not force:
-                self._swap_s += time.perf_counter() - t0
-            return
-        if mask.numel() > 1:  # the copies first (a single item already is: a decode step's newest token)
-            order = torch.argsort((~mask).to(torch.int8), stable=True)
-            src, dst = src[order], dst[order]
-        a = torch.cuda.Event(enable_timing=True)
-        z = torch.cuda.Event(enable_timing=True)
-        a.record()
-        swap_in_counted(host, src, slots, dst, mask.sum(), self.use_triton)
-        z.record()
-        if not force:
-            self._events.append((a, z))
-            if len(self._events) >= 4096:  # fold now and then so the list stays small
-                torch.cuda.synchronize(self.device)
-                self._swap_s += sum(x.elapsed_time(y) for x, y in self._events) / 1e3
-                self._events.clear()
+            swap_in_gather(self._host[layer], src[idx], slots, dst[idx], backend="torch")
+        else:  # the copies first, then a kernel that reads their count on the device
+            if mask.numel() > 1:  # (a single item already is: a decode step's newest token)
+                order = torch.argsort((~mask).to(torch.int8), stable=True)
+                src, dst = src[order], dst[order]
+            timed = cuda and not force and not self._capturing()
+            if timed:
+                a = torch.cuda.Event(enable_timing=True)
+                z = torch.cuda.Event(enable_timing=True)
+                a.record()
+            # on CUDA the source is the device alias of the registered host rows (no pinned check)
+            swap_in_counted(self._write_view[layer], src, slots, dst, mask.sum(), self.use_triton)
+            if timed:
+                z.record()
+                self._events.append((a, z))
+                if len(self._events) >= 4096:  # fold now and then so the list stays small
+                    torch.cuda.synchronize(self.device)
+                    self._swap_s += sum(x.elapsed_time(y) for x, y in self._events) / 1e3
+                    self._events.clear()
+        if not cuda and not force:
+            self._swap_s += time.perf_counter() - t0
 
     def _build_step_pool(
         self,
@@ -510,7 +619,7 @@ class HiSparseKVCache:
             dst = torch.arange(off, off + ov.numel(), device=self.device)
             swap_in_gather(
                 self._host[layer],
-                self._phys(ctx, b, ov),
+                self._phys(ctx.page_table[b : b + 1], ov[None])[0],
                 pool,
                 dst,
                 backend="triton" if self.use_triton else "torch",
@@ -525,36 +634,29 @@ class HiSparseKVCache:
         acc[4] = torch.maximum(acc[4], torch.tensor(n_ovf, device=self.device))
         self._step_pool[layer] = pool
 
-    def _prefetch(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> None:
-        """Place the following shared layers' misses now (their top-k is this layer's)."""
-        K = topk.shape[1]
-        todo = [
-            b
-            for b in range(len(self._rows))
-            if ctx.q_start[b + 1] - ctx.q_start[b] == 1 and K + self.recent <= self.N
-        ]
-        if not todo:
+    def _prefetch(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> None:
+        """Place the following shared layers' misses now (their top-k is this layer's q [T, K])."""
+        if self._dec is None or q.shape[1] + self.recent > self.N:
             return
-        stream = self._side
+        tok, rows = self._dec
+        # a side stream overlaps the copies with this layer's attention; inside a graph capture the
+        # prefetch stays on the capturing stream (no cross-stream events or record_stream in a graph)
+        stream = None if self._capturing() else self._side
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             # made on the main stream, read on the side one: keep their memory until it is done
-            topk.record_stream(stream)
+            q.record_stream(stream)
             ctx.page_table.record_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else _null():
             acc = self._acc["side" if stream is not None else "main"]
-            shared = self._shared_after[layer]
-            lis = [self._index_of[s] for s in shared]
-            for b in todo:
-                st = self._rows[b]
-                start = ctx.seq_lens_cpu[b] - 1
-                q = topk[ctx.q_start[b]].long()
-                q = torch.where(q < start, q, -1)  # this step's rows of later layers are not written yet
-                # one placement for all the shared layers (each its own LRU), then their copies
-                p = self._place(lis, b, st, q, ctx, acc)
-                for k, s in enumerate(shared):
-                    self._swap(s, p.src, p.dst[k], p.copy[k], False)
-                    self._prefetched.add((s, b))
+            qd, start = (q, ctx.positions) if tok is None else (q[tok], ctx.positions[tok])
+            # this step's rows of later layers are not written yet
+            qd = torch.where(qd < start[:, None], qd, -1)
+            # one placement for all the shared layers (each its own LRU), then their copies
+            p = self._place(self._shared_ids[layer], rows, self._masked(qd, rows), acc)
+            for k, s in enumerate(self._shared_after[layer]):
+                self._swap(s, p.src, p.dst[:, k], p.copy[:, k], False)
+                self._prefetched.add(s)
 
 
 class _null:

@@ -3,8 +3,10 @@
 `longctx.kernels.swap.swap_in_gather` takes a host-side item count; passing the padded item list
 instead would copy every padding item over PCIe, and reading the count with `.item()` would stall
 the host once per layer. `swap_in_counted` launches a grid for the padded list and lets programs
-past the device count return at once, so the decode hot path never waits for the GPU. Off CUDA (or
-with the torch backend) it reads the count and calls `swap_in_gather`'s reference, which is exact.
+past the device count return at once, so the decode hot path never waits for the GPU (and can be
+captured in a CUDA graph). The Triton kernel also runs on CPU under the interpreter
+(`TRITON_INTERPRET=1`), which is how CI checks that path; with the torch backend it reads the count
+and calls `swap_in_gather`'s reference, which is exact.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 
 import torch
 
-from longctx.kernels.common import check, jit, next_pow2, tl
+from longctx.kernels.common import check, jit, next_pow2, tl, triton_interpret
 from longctx.kernels.swap import _word_dtype, swap_in_gather
 
 
@@ -27,20 +29,23 @@ def swap_in_counted(
 ) -> None:
     """host_pool[src_rows[i]] -> dst_pool[dst_rows[i]] for i < count (one row per item).
 
-    host_pool: [num_rows, row] in registered / pinned host memory (or on the device); dst_pool:
-    [num_slots, row] on the device; src_rows, dst_rows: int64 [n] on dst_pool's device; count:
+    host_pool: [num_rows, row] in registered / pinned host memory, or a tensor on dst_pool's device
+    (on CUDA: a device alias of registered host memory); dst_pool: [num_slots, row] on the device; src_rows, dst_rows: int64 [n] on dst_pool's device; count:
     int64 0-d tensor on dst_pool's device, 0 <= count <= n. Asynchronous on CUDA.
     """
     check(count.dim() == 0 and count.dtype == torch.int64, "count must be a 0-d int64 tensor")
     n = src_rows.shape[0]
     if n == 0:
         return
-    if not (use_triton and dst_pool.device.type == "cuda"):
+    if not (use_triton and (dst_pool.device.type == "cuda" or triton_interpret())):
         k = int(count)
         backend = "triton" if use_triton else "torch"
         swap_in_gather(host_pool, src_rows[:k], dst_pool, dst_rows[:k], backend=backend)
         return
-    check(host_pool.device.type == "cuda" or host_pool.is_pinned(), "host_pool must be registered/pinned")
+    check(
+        host_pool.device == dst_pool.device or host_pool.is_pinned(),
+        "host_pool must be registered/pinned host memory or on dst_pool's device",
+    )
     check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
     row_bytes = host_pool.shape[1] * host_pool.element_size()
     word = _word_dtype(row_bytes, host_pool, dst_pool)

@@ -1,0 +1,123 @@
+"""The HiSparse-capped decode step through `DecodeGraphs` (static buffers, padding rows, block ids
+bound before each replay), run without capture on CPU: it must give the eager capped path's tokens
+and logits while requests join and finish (blocks reused, buffers grown), and the region a CUDA
+graph would capture must make no host sync and no host-made tensor."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.engine.cuda_graph import DecodeGraphs
+from longctx.engine.request import Request, SamplingParams
+
+from .conftest import make_checkpoint, tiny_config
+
+CAP = 24  # tiny.json: index_topk 16, so a decode query fits and prefill chunks overflow
+KW = {"device": "cpu", "prefill_form": "absorbed", "chunk_size": 48, "kv_pages": 24}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("hisparse-graphs"), tiny_config(), seed=3)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# (step at which it is added, prompt length, new tokens): requests join while others decode, finish
+# at different steps, and later ones take the blocks earlier ones gave back
+_SCHEDULE = [(0, 130, 20), (0, 20, 16), (6, 70, 14), (10, 40, 18), (20, 90, 12), (26, 25, 14), (34, 60, 10)]
+
+
+def _drive(eng: Engine, max_running: int) -> tuple[dict[str, list[int]], dict[tuple[str, int], torch.Tensor]]:
+    """Run the schedule through the step API; returns tokens per request and the logits each
+    sampling row was given, by (request, position)."""
+    eng.scheduler.max_running = max_running
+    worker = eng.runner.worker
+    logits: dict[tuple[str, int], torch.Tensor] = {}
+    finish = worker.finish_async
+
+    def spy(plan, h, last_logits=None):  # type: ignore[no-untyped-def]
+        p = finish(plan, h, last_logits)
+        for j, i in enumerate(p.last):
+            r = plan.rows[i]
+            logits[(r.rid, r.end)] = p.last_logits[j].clone()
+        return p
+
+    worker.finish_async = spy
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    todo = list(enumerate(_SCHEDULE))
+    while todo or eng.has_work():
+        while todo and todo[0][1][0] <= step:
+            i, (_, n, new) = todo.pop(0)
+            rid = f"r{i}"
+            eng.add_request(Request(rid, _ids(n, i), SamplingParams(max_new_tokens=new, ignore_eos=True)))
+        for out in eng.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        step += 1
+    return tokens, logits
+
+
+def test_capped_graph_path_matches_eager(model_dir):
+    with Engine(model_dir, **KW, hisparse_device_tokens=CAP) as eng:
+        assert eng.runner.graphs is None
+        want, want_logits = _drive(eng, 3)
+    with Engine(model_dir, **KW) as eng:
+        uncapped, _ = _drive(eng, 3)
+    assert want == uncapped
+    # one block allocated at start: the second concurrent request grows the buffers mid-run, which
+    # must drop the decode graphs made over the old ones
+    with Engine(model_dir, **KW, hisparse_device_tokens=CAP, cuda_graphs=True, max_running=1) as eng:
+        graphs = eng.runner.graphs
+        assert isinstance(graphs, DecodeGraphs) and not graphs.capture
+        kv = eng.runner.worker.kv
+        assert kv.stats()["hisparse"]["blocks"] == 1
+        got, got_logits = _drive(eng, 3)
+        hs = kv.stats()["hisparse"]
+        assert graphs.replays >= 30
+        assert {b for b, _ in graphs._graphs} >= {2, 4}  # 3 rows -> bucket 4 with a padding row
+        assert hs["blocks"] < len(_SCHEDULE) and hs["requests"] == 0  # blocks were reused
+        assert graphs.recaptures >= 1
+        assert hs["misses"] > 0 and 0 < hs["device_tokens_max"] <= CAP
+    assert got == want
+    assert got_logits.keys() == want_logits.keys()
+    for k, v in want_logits.items():
+        assert torch.allclose(got_logits[k], v, rtol=1e-5, atol=1e-5), k
+
+
+def test_capped_decode_step_is_graph_safe(model_dir):
+    """The whole capped decode step that DecodeGraphs captures (every layer, HiSparse placement and
+    swap-in, the lm_head), on the Triton path (interpreted), passes the graph-safety audit of
+    tests/test_kernels_graph_safe.py: no host read, no host-made tensor, no data-dependent shape."""
+    from longctx.kernels.common import HAS_TRITON, triton_interpret
+
+    from .test_kernels_graph_safe import _audit
+
+    if not (HAS_TRITON and triton_interpret()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    with Engine(model_dir, **KW, backend="triton", hisparse_device_tokens=CAP, cuda_graphs=True) as eng:
+        graphs = eng.runner.graphs
+        forward = graphs._forward
+        bad: Counter[str] = Counter()
+        audited = 0
+
+        def spy(c):  # type: ignore[no-untyped-def]
+            nonlocal audited
+            out = []
+            bad.update(_audit(lambda: out.append(forward(c))))
+            audited += 1
+            return out[0]
+
+        graphs._forward = spy
+        # batch 3: bucket 4, one padding row; contexts past CAP, so decode steps evict and swap in
+        prompts = [_ids(40, 1), _ids(30, 2), _ids(35, 3)]
+        outs = eng.generate(prompts, max_new_tokens=3, ignore_eos=True)
+        assert audited >= 2 and all(len(o.token_ids) == 3 for o in outs)
+        assert eng.stats()["hisparse"]["misses"] > 0
+    assert not bad, dict(bad)
