@@ -24,7 +24,7 @@ import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.fp8_gemm import act_quant, fp8_block_linear, quant_block_fp8_ref
 from longctx.kernels.indexer import indexer_logits_paged
-from longctx.kernels.moe import moe_align, moe_experts, moe_router
+from longctx.kernels.moe import moe_align, moe_combine, moe_experts, moe_router
 from longctx.kernels.sparse_mla import sparse_mla
 from longctx.kernels.topk import topk_indices
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,6 +155,13 @@ def test_moe_graph_safe():
     wgu = torch.randn(e, 2 * inter, hd, generator=g) / 8
     wd = torch.randn(e, hd, inter, generator=g) / 8
     _audited("moe_experts", lambda: moe_experts(x, ids, w, wgu, wd, "silu", backend="triton"))
+    shared, resid = torch.randn(t, hd, generator=g), torch.randn(t, hd, generator=g)
+    _audited(
+        "moe_experts + shared + residual",
+        lambda: moe_experts(x, ids, w, wgu, wd, "silu", shared=shared, residual=resid, backend="triton"),
+    )
+    pairs = torch.randn(t, k, hd, generator=g)
+    _audited("moe_combine", lambda: moe_combine(pairs, ids.masked_fill(ids == 3, -1), e, shared, resid))
     q_gu, s_gu = quant_block_fp8_ref(wgu)
     q_d, s_d = quant_block_fp8_ref(wd)
     _audited(
