@@ -24,6 +24,7 @@ import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.fp8_gemm import act_quant, fp8_block_linear, quant_block_fp8_ref
 from longctx.kernels.indexer import indexer_logits_paged
+from longctx.kernels.kv_fused import ln_rope_write_index_k, norm_rope_write_mla_kv
 from longctx.kernels.moe import moe_align, moe_combine, moe_experts, moe_router
 from longctx.kernels.sparse_mla import sparse_mla
 from longctx.kernels.topk import topk_indices
@@ -103,6 +104,29 @@ def _audited(what: str, fn) -> None:  # type: ignore[no-untyped-def]
 
 def test_kv_writes_graph_safe():
     _kv_writes()
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "bf16"])
+def test_fused_kv_writes_graph_safe(kind):
+    g = _gen()
+    slots = torch.tensor([3, 9])
+    pool = kvl.alloc_mla_pool(64, 64, 16, kind, torch.bfloat16, "cpu")
+    ckv = torch.randn(2, 80, generator=g).bfloat16()
+    cos, sin = torch.rand(2, 8, generator=g).bfloat16(), torch.rand(2, 8, generator=g).bfloat16()
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    _audited(
+        "norm_rope_write_mla_kv",
+        lambda: norm_rope_write_mla_kv(pool, slots, ckv, nw, 1e-6, cos, sin, kind, backend="triton"),
+    )
+    ipool = kvl.alloc_index_pool(64, 32, kind, torch.bfloat16, "cpu")
+    k = torch.randn(2, 32, generator=g).bfloat16()
+    lw, lb = torch.ones(32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
+    _audited(
+        "ln_rope_write_index_k",
+        lambda: ln_rope_write_index_k(
+            ipool, slots, k, lw, lb, 1e-6, cos, sin, 16, True, kind, backend="triton"
+        ),
+    )
 
 
 def test_indexer_and_topk_graph_safe():

@@ -51,11 +51,12 @@ class Indexer(nn.Module):
             k_in, w = x_proj[:, : self.head_dim], x_proj[:, self.head_dim :]
         else:
             k_in, w = self.wk(x), self.weights_proj(x.to(torch.float32))
-        k = rope(self.k_norm(k_in), cos, sin, self.rope_dim, self.interleaved)  # [T, D]
         kv = ctx.kv
-        op("kv_layout", "write_index_k", ctx.use_triton)(
-            kv.index_pool(self.layer), ctx.slot_mapping, k, kv.index_kind
-        )
+        # k_norm, rope and the write of the key [T, D]: one kernel
+        op("kv_fused", "ln_rope_write_index_k", ctx.use_triton)(
+            kv.index_pool(self.layer), ctx.slot_mapping, k_in, self.k_norm.weight, self.k_norm.bias,
+            self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind,
+        )  # fmt: skip
         w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
         if ctx.use_triton and not ctx.is_decode:
             # prefill chunk: fused logits + top-k, so the [T, context] logits are never materialised
@@ -83,4 +84,4 @@ class Indexer(nn.Module):
             max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
             w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
         )  # [T, max_len] fp32, -inf where not causal
-        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.positions + 1)
+        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.key_lens())

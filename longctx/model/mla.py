@@ -95,11 +95,11 @@ class MLAttention(nn.Module):
         q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], rope(q[..., self.nope :], cos, sin)
-        c = self.kv_a_layernorm(ckv[:, : self.kv_lora])
-        r = rope(ckv[:, self.kv_lora :], cos, sin)
         kv = ctx.kv
-        op("kv_layout", "write_mla_kv", ctx.use_triton)(
-            kv.mla_pool(self.layer), ctx.slot_mapping, c, r, kv.kind
+        # kv_a_layernorm of the latent, rope of the rest, and the write of both: one kernel
+        norm = self.kv_a_layernorm
+        op("kv_fused", "norm_rope_write_mla_kv", ctx.use_triton)(
+            kv.mla_pool(self.layer), ctx.slot_mapping, ckv, norm.weight, norm.eps, cos, sin, kv.kind
         )
         kv.after_write(self.layer, ctx)
 
