@@ -84,4 +84,6 @@ class Indexer(nn.Module):
             max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
             w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
         )  # [T, max_len] fp32, -inf where not causal
-        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.key_lens())
+        if ctx.key_lens is None:
+            ctx.key_lens = ctx.positions + 1
+        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.key_lens)
