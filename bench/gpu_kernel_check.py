@@ -241,6 +241,97 @@ def case_logical_rows() -> float:
     )
 
 
+def case_moe_combine(t: int) -> float:
+    """GLM-5's combine: top-8 slots (one ignored) + shared + residual, Hd 6144."""
+    from longctx.kernels.moe import moe_combine, moe_combine_ref
+
+    pairs = torch.randn(t, 8, 6144, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (t, 8), device="cuda")
+    ids[:, 3] = -1
+    sh, res = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16), torch.randn_like(pairs[:, 0])
+    return rel(
+        moe_combine(pairs, ids, 256, sh, res, backend="triton"), moe_combine_ref(pairs, ids, 256, sh, res)
+    )
+
+
+def case_moe_residual() -> float:
+    """moe_experts with the shared experts' output and the residual added in its combine kernel."""
+    from longctx.kernels.moe import moe_experts, moe_experts_ref
+
+    t, hd, inter, e = 8, 6144, 2048, 16
+    x = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16)
+    wgu = torch.randn(e, 2 * inter, hd, device="cuda", dtype=torch.bfloat16) * 0.05
+    wd = torch.randn(e, hd, inter, device="cuda", dtype=torch.bfloat16) * 0.05
+    ids = torch.stack([torch.randperm(e, device="cuda")[:2] for _ in range(t)])
+    w = torch.rand(t, 2, device="cuda")
+    sh, res = torch.randn_like(x), torch.randn_like(x) * 4
+    args = (x, ids, w, wgu, wd, "silu")
+    return rel(
+        moe_experts(*args, shared=sh, residual=res, backend="triton"),
+        moe_experts_ref(*args, shared=sh, residual=res),
+    )
+
+
+def case_indexer_raw_w() -> float:
+    """The decode path's head weights: bf16 columns of the stacked projection, scaled in the kernel."""
+    from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
+
+    pool, pt = _pool(5000, 2, 128, "fp8", "cuda")
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+    xa = torch.randn(2, 2048 + 576 + 128 + 32, device="cuda", dtype=torch.bfloat16)
+    w = xa[:, -32:]
+    sl = torch.full((2,), 5000, dtype=torch.int32, device="cuda")
+    qs = torch.arange(2, dtype=torch.int32, device="cuda")
+    qp = (sl - 1).long()
+    args = (q, w, pool, pt, sl, qs, qp, "fp8", 5000)
+    s = 32**-0.5 * 128**-0.5
+    return rel(
+        indexer_logits_paged(*args, w_scale=s, backend="triton"), indexer_logits_paged_ref(*args, w_scale=s)
+    )
+
+
+def case_norm_rope_mla(kind: str) -> float:
+    """Bytes equal to the three kernels it replaces (rms_norm, rope, write_mla_kv) on the GPU too."""
+    from longctx.kernels.kv_fused import norm_rope_write_mla_kv
+    from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv
+    from longctx.kernels.norm import rms_norm
+    from longctx.kernels.rope import apply_rope
+
+    t = 300
+    ckv = torch.randn(t, 2048 + 576, device="cuda", dtype=torch.bfloat16)[:, 2048:]  # a slice of x_proj
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    f = torch.randint(0, 1 << 20, (t, 1), device="cuda").float() * torch.rand(32, device="cuda")
+    cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
+    slots = torch.randperm(5000, device="cuda")[:t]
+    a = alloc_mla_pool(5000, 512, 64, kind, torch.bfloat16, "cuda").zero_()
+    b = a.clone()
+    norm_rope_write_mla_kv(a, slots, ckv, w, 1e-6, cos, sin, kind, backend="triton")
+    c = rms_norm(ckv[:, :512], w, 1e-6, backend="triton")
+    write_mla_kv(b, slots, c, apply_rope(ckv[:, 512:], cos, sin, backend="triton"), kind, backend="triton")
+    return float(not torch.equal(a, b))
+
+
+def case_ln_rope_index(interleaved: bool) -> float:
+    """The indexer key's LayerNorm + rope + fp8 write vs the reference, dequantised."""
+    from longctx.kernels.kv_fused import ln_rope_write_index_k, ln_rope_write_index_k_ref
+    from longctx.kernels.kv_layout import alloc_index_pool, read_index_k_ref
+
+    t = 300
+    k = torch.randn(t, 2048 + 128, device="cuda", dtype=torch.bfloat16)[:, 2048:]
+    lw = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    lb = torch.randn(128, device="cuda", dtype=torch.bfloat16) * 0.1
+    f = torch.randint(0, 1 << 20, (t, 1), device="cuda").float() * torch.rand(32, device="cuda")
+    cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
+    slots = torch.randperm(5000, device="cuda")[:t]
+    a = alloc_index_pool(5000, 128, "fp8", torch.bfloat16, "cuda").zero_()
+    b = a.clone()
+    ln_rope_write_index_k(a, slots, k, lw, lb, 1e-6, cos, sin, 64, interleaved, "fp8", backend="triton")
+    ln_rope_write_index_k_ref(b, slots, k, lw, lb, 1e-6, cos, sin, 64, interleaved, "fp8")
+    return rel(
+        read_index_k_ref(a, slots, "fp8", torch.float32), read_index_k_ref(b, slots, "fp8", torch.float32)
+    )
+
+
 CASES = {
     "kv_write_fp8": (case_kv_write, ("fp8",), 0.07),
     "index_write_fp8": (case_index_write, (), 0.07),
@@ -270,6 +361,14 @@ CASES = {
     "align_b1": (case_align, (1, 8, 256), 0.0),
     "align_b64": (case_align, (64, 4, 16), 0.0),
     "logical_to_rows": (case_logical_rows, (), 0.0),
+    "moe_combine_b1": (case_moe_combine, (1,), 1e-2),
+    "moe_combine_b64": (case_moe_combine, (64,), 1e-2),
+    "moe_shared_residual": (case_moe_residual, (), 2e-2),
+    "index_raw_w": (case_indexer_raw_w, (), 1e-3),
+    "norm_rope_mla_fp8": (case_norm_rope_mla, ("fp8",), 0.0),
+    "norm_rope_mla_bf16": (case_norm_rope_mla, ("bf16",), 0.0),
+    "ln_rope_index_interleaved": (case_ln_rope_index, (True,), 0.13),
+    "ln_rope_index_half": (case_ln_rope_index, (False,), 0.13),
 }
 
 

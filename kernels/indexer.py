@@ -11,10 +11,13 @@ a mix: queries are grouped by request only through `q_seq`.
 What the caller passes (nothing is scaled in here):
 - `q` [Tq, H, D]: the indexer queries with rope already applied, in the pool's dtype for dense
   pools (bf16 / fp16 / fp32), any of those for fp8 pools.
-- `w` [Tq, H] fp32: the per-head weights `weights_proj(x)` with every scalar factor folded in.
-  For DeepSeek-V3.2 / GLM-5 that is `w = weights_proj(x) * H**-0.5 * softmax_scale` where
-  softmax_scale = D**-0.5 (the reference folds both into the weights after the relu; since
-  relu(c * s) = c * relu(s) for c > 0 it does not matter on which side positive scalars go).
+- `w` [Tq, H]: the per-head weights `weights_proj(x)`, any float dtype (fp32 for the fused
+  prefill kernel in `indexer_topk`), and `w_scale`, a scalar every weight is multiplied by in fp32
+  before use (`float(w) * w_scale`; 1.0 when w already has it folded in). For DeepSeek-V3.2 /
+  GLM-5 that is `H**-0.5 * softmax_scale` with softmax_scale = D**-0.5 (the reference folds both
+  into the weights after the relu; since relu(c * s) = c * relu(s) for c > 0 it does not matter
+  on which side positive scalars go). Passing the raw projection and its scale saves the decode
+  step a cast and a multiply kernel; rows of w may be strided (a slice of a wider projection).
 For the fp8 layout the per-key scale is applied after the head reduction (scale > 0, same
 identity), so fp8 logits equal `sum_h w * relu(q . (e4m3 * scale))` up to fp32 rounding.
 """
@@ -38,6 +41,7 @@ def _check_inputs(
     q_seq: torch.Tensor,
     q_pos: torch.Tensor,
     kind: str,
+    w_any_float: bool = False,
 ) -> None:
     check(
         q.dim() == 3 and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
@@ -45,9 +49,10 @@ def _check_inputs(
     )
     check(q.stride(2) == 1, "q must have unit stride on D")
     tq, h, d = q.shape
+    w_dtypes = (torch.float32, torch.bfloat16, torch.float16) if w_any_float else (torch.float32,)
     check(
-        w.shape == (tq, h) and w.dtype == torch.float32 and w.stride(1) == 1,
-        "w must be fp32 [Tq, H] with unit stride on H",
+        w.shape == (tq, h) and w.dtype in w_dtypes and (h <= 1 or w.stride(1) == 1),
+        f"w must be [Tq, H] of {w_dtypes} with unit stride on H",
     )
     check(
         page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1,
@@ -85,9 +90,12 @@ def indexer_logits_paged_ref(
     q_pos: torch.Tensor,
     kind: str,
     max_len: int | None = None,
+    *,
+    w_scale: float = 1.0,
 ) -> torch.Tensor:
     """Reference: per request, gather + dequantise its keys, then one fp32 matmul per query chunk."""
-    _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind)
+    _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, w_any_float=True)
+    w = w.float() * w_scale
     tq, h, d = q.shape
     if max_len is None:
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
@@ -124,13 +132,14 @@ def indexer_logits_paged(
     kind: str,
     max_len: int | None = None,
     *,
+    w_scale: float = 1.0,
     backend: str = "auto",
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Indexer logits [Tq, max_len] fp32 (-inf where invalid); see the module docstring.
 
-    q [Tq, H, D], w [Tq, H] fp32, index_pool [S, D+4] uint8 (fp8) or [S, D] (dense),
+    q [Tq, H, D], w [Tq, H] float (unit stride on H) scaled by `w_scale`, index_pool [S, D+4] uint8 (fp8) or [S, D] (dense),
     page_table int32 [B, P], seq_lens int [B], q_seq int [Tq] (request of each query),
     q_pos int [Tq] (absolute position of each query). `max_len` defaults to max(seq_lens), which
     costs a device sync; pass it when known (the decode path does: then there is no host sync and no
@@ -138,9 +147,11 @@ def indexer_logits_paged(
     two >= 16) and `num_warps` are bench knobs; None picks the defaults. Queries sorted by request are fastest (the kernel
     tiles BLOCK_M neighbouring queries and loops over the requests they span).
     """
-    _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind)
+    _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, w_any_float=True)
     if not use_triton(backend, q.device):
-        return indexer_logits_paged_ref(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, max_len)
+        return indexer_logits_paged_ref(
+            q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, max_len, w_scale=w_scale
+        )
     tq, h, d = q.shape
     if max_len is None:
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
@@ -158,7 +169,7 @@ def indexer_logits_paged(
     grid = (_cdiv(tq, block_m), _cdiv(max_len, block_n))
     fp8 = is_fp8(kind)
     _indexer_kernel[grid](
-        q, q.stride(0), q.stride(1), w, w.stride(0), index_pool, page_table, page_table.stride(0),
+        q, q.stride(0), q.stride(1), w, w.stride(0), float(w_scale), index_pool, page_table, page_table.stride(0),
         seq_lens, q_seq, q_pos, out, out.stride(0), tq, max_len,
         H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=fp8, PAGE=PAGE_SIZE,
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
@@ -195,7 +206,7 @@ def load_index_scales(pool_ptr, slot, mask, D: tl.constexpr, ROW: tl.constexpr):
 
 @jit
 def _indexer_kernel(
-    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, pool_ptr, pt_ptr, stride_pb,
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, w_scale, pool_ptr, pt_ptr, stride_pb,
     seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, Tq, max_len,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
     FP8: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -217,7 +228,8 @@ def _indexer_kernel(
         mask=rmask[:, None] & dmask[None, :],
         other=0.0,
     )  # [BLOCK_M*HP, DP]
-    wv = tl.load(w_ptr + mi.to(tl.int64) * stride_wt + hi, mask=rmask, other=0.0)  # [BLOCK_M*HP]
+    wv = tl.load(w_ptr + mi.to(tl.int64) * stride_wt + hi, mask=rmask, other=0.0)
+    wv = wv.to(tl.float32) * w_scale  # [BLOCK_M*HP], the reference's `w.float() * w_scale`
 
     ms = m0 + tl.arange(0, BLOCK_M)
     mvalid = ms < Tq

@@ -18,7 +18,12 @@ Triton path:
   2. `_gate_up_kernel`: per (M block, N tile of I) both the gate and up tiles are accumulated and
      silu(gate) * up is written to a per-pair intermediate [T*k, I] (x's dtype).
   3. `_down_kernel`: per (M block, N tile of Hd) intermediate @ w_down.T, times the routing weight, written
-     to a per-pair buffer [T*k, Hd]; y = its sum over the k slots (deterministic, no atomics).
+     to a per-pair buffer [T*k, Hd] (rows of ignored ids are never written).
+  4. `_combine_kernel`: y = residual + (sum over the valid k slots + shared) per token, one kernel
+     (deterministic, no atomics); torch would spend a zeros, a sum and an add per addend.
+`shared` (the shared experts' output) and `residual` (the decoder layer's residual stream) are
+optional addends of both paths, each added in that order and rounded to x's dtype as torch's
+separate adds round.
 fp8 weights are dequantised in-kernel: the raw e4m3 tile goes to tl.dot (exact in bf16) and the block scale
 multiplies the [BM, BN] partial product of each 128-wide K block.
 """
@@ -28,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, dequant_block_fp8_ref, mma
 
 
@@ -165,10 +170,17 @@ def _check_experts(
     act: str,
     w_gate_up_scale: torch.Tensor | None,
     w_down_scale: torch.Tensor | None,
+    shared: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int, bool]:
     check(act == "silu", f"moe_experts: only act='silu' is supported, got {act!r}")
     check(x.dim() == 2 and x.is_floating_point(), "moe_experts: x must be a float [T, Hd]")
     t, hd = x.shape
+    for name, a in (("shared", shared), ("residual", residual)):
+        check(
+            a is None or (a.shape == x.shape and a.dtype == x.dtype and a.device == x.device),
+            f"moe_experts: {name} must be {x.dtype} {tuple(x.shape)} on x's device",
+        )
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == t, "moe_experts: topk_ids must be [T, k]")
     check(tuple(topk_w.shape) == tuple(topk_ids.shape), "moe_experts: topk_w must match topk_ids")
     check(not topk_ids.is_floating_point(), "moe_experts: topk_ids must be integer")
@@ -203,11 +215,16 @@ def moe_experts_ref(
     act: str = "silu",
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: loop over the hit experts like transformers' `GlmMoeDsaExperts` (computes in x's dtype;
-    fp8 weights are dequantised to fp32 and then cast to x's dtype). Returns y [T, Hd] in x's dtype."""
+    fp8 weights are dequantised to fp32 and then cast to x's dtype). Returns y [T, Hd] in x's dtype,
+    `residual + (y + shared)` when those [T, Hd] addends are given (the MoE block's shared experts and
+    the decoder layer's residual add, as transformers adds them)."""
     _, _, e, _, _, fp8 = _check_experts(
-        x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale
+        x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale, shared, residual
     )
     y = torch.zeros_like(x)
     ids = topk_ids.long()
@@ -220,6 +237,14 @@ def moe_experts_ref(
         gate, up = F.linear(x[tok], wg.to(x.dtype)).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, wd.to(x.dtype)) * topk_w[tok, slot, None]
         y.index_add_(0, tok, h.to(x.dtype))
+    return _add_ref(y, shared, residual)
+
+
+def _add_ref(y: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    if shared is not None:
+        y = y + shared
+    if residual is not None:
+        y = residual + y
     return y
 
 
@@ -403,6 +428,84 @@ def _down_kernel(
         )
 
 
+def moe_combine_ref(
+    pair_out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    shared: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts' per-pair outputs [T, k, Hd] -> residual + (their sum + shared) [T, Hd].
+
+    Slots whose id is outside [0, num_experts) count as zero (their rows may hold anything)."""
+    ok = (topk_ids >= 0) & (topk_ids < num_experts)
+    y = torch.where(ok[..., None], pair_out, torch.zeros((), dtype=pair_out.dtype)).sum(dim=1)
+    return _add_ref(y, shared, residual)
+
+
+@jit
+def _combine_kernel(
+    p_ptr, ids_ptr, s_ptr, r_ptr, y_ptr,
+    E, HD, K, s_pt, s_pk, s_it, s_st, s_rt, s_yt,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < HD
+    ks = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + t * s_it + ks, mask=ks < K, other=-1)
+    ok = (ids >= 0) & (ids < E)
+    v = tl.load(p_ptr + t * s_pt + ks[:, None] * s_pk + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
+    dt = v.dtype
+    # torch's sum over the slots accumulates in fp32 and rounds once; each add then rounds
+    y = round_as(tl.sum(v.to(tl.float32), axis=0), v)
+    if SHARED:
+        y = round_as(y + tl.load(s_ptr + t * s_st + c, mask=cm, other=0.0).to(tl.float32), v)
+    if RESIDUAL:
+        y = round_as(tl.load(r_ptr + t * s_rt + c, mask=cm, other=0.0).to(tl.float32) + y, v)
+    tl.store(y_ptr + t * s_yt + c, y.to(dt), mask=cm)
+
+
+def moe_combine(
+    pair_out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    shared: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`moe_combine_ref` in one kernel (a program per token and column block). pair_out [T, k, Hd]
+    float with unit last stride; topk_ids [T, k] int with unit last stride; shared and residual
+    [T, Hd] in pair_out's dtype with unit last stride. Returns a new contiguous [T, Hd]."""
+    if not use_triton(backend, pair_out.device):
+        return moe_combine_ref(pair_out, topk_ids, num_experts, shared, residual)
+    check(
+        pair_out.dim() == 3 and pair_out.stride(2) == 1, "moe_combine: pair_out [T, k, Hd], unit last stride"
+    )
+    t, k, hd = pair_out.shape
+    check(
+        topk_ids.shape == (t, k) and not topk_ids.is_floating_point() and (k == 0 or topk_ids.stride(1) == 1),
+        f"moe_combine: topk_ids must be int [{t}, {k}] with unit last stride",
+    )
+    for name, a in (("shared", shared), ("residual", residual)):
+        check(
+            a is None or (a.shape == (t, hd) and a.dtype == pair_out.dtype and a.stride(1) == 1),
+            f"moe_combine: {name} must be {pair_out.dtype} [{t}, {hd}] with unit last stride",
+        )
+    y = torch.empty(t, hd, dtype=pair_out.dtype, device=pair_out.device)
+    if t and hd:
+        s = shared if shared is not None else y
+        r = residual if residual is not None else y
+        block = min(next_pow2(hd), 1024)
+        _combine_kernel[(t, cdiv(hd, block))](
+            pair_out, topk_ids, s, r, y, num_experts, hd, k,
+            pair_out.stride(0), pair_out.stride(1), topk_ids.stride(0), s.stride(0), r.stride(0), y.stride(0),
+            SHARED=shared is not None, RESIDUAL=residual is not None, KP=next_pow2(max(k, 1)), BLOCK=block,
+        )  # fmt: skip
+    return y
+
+
 # Shared memory per SM on the H200 is 227 KB (232448 bytes per block); keep a margin for Triton's own
 # layout-conversion scratch.
 _SMEM_BUDGET = 200 * 1024
@@ -459,6 +562,8 @@ def moe_experts(
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
     *,
+    shared: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     backend: str = "auto",
     tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
@@ -467,17 +572,21 @@ def moe_experts(
 
     x [T, Hd] float, unit column stride; topk_ids [T, k] int; topk_w [T, k] float; weights and scales contiguous.
     `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the heuristic (bench).
-    Returns y [T, Hd] in x's dtype.
+    Returns y [T, Hd] in x's dtype (plus `shared` and `residual`, [T, Hd] with unit column stride,
+    added by the combine kernel).
     """
     if not use_triton(backend, x.device):
-        return moe_experts_ref(x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale)
+        return moe_experts_ref(
+            x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale,
+            shared=shared, residual=residual,
+        )  # fmt: skip
     t, hd, e, inter, k, fp8 = _check_experts(
-        x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale
+        x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale, shared, residual
     )
     check(x.stride(1) == 1, "moe_experts: x needs unit column stride")
     check(w_gate_up.is_contiguous() and w_down.is_contiguous(), "moe_experts: weights must be contiguous")
     if t == 0 or k == 0:
-        return torch.zeros_like(x)
+        return _add_ref(torch.zeros_like(x), shared, residual)
     bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(
         t, k, e, hd, inter, x.element_size(), w_gate_up.element_size()
     )
@@ -487,7 +596,7 @@ def moe_experts(
     sorted_pairs, block_expert = moe_align(topk_ids, e, bm)
     nb = block_expert.numel()
     h = torch.empty(p, inter, dtype=x.dtype, device=dev)
-    out = torch.zeros(p, hd, dtype=x.dtype, device=dev)  # zeros: ignored ids leave their rows untouched
+    out = torch.empty(p, hd, dtype=x.dtype, device=dev)  # the combine skips the rows of ignored ids
     tw = topk_w.reshape(-1).float().contiguous()
     f32 = x.dtype == torch.float32 or triton_interpret()
     sgu = w_gate_up_scale.contiguous() if fp8 else w_gate_up  # type: ignore[union-attr]
@@ -504,4 +613,5 @@ def moe_experts(
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
         FP8=fp8, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out.view(t, k, hd).sum(dim=1)
+    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    return moe_combine(out.view(t, k, hd), ids, e, shared, residual, backend="triton")

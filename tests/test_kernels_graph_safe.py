@@ -24,7 +24,8 @@ import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.fp8_gemm import act_quant, fp8_block_linear, quant_block_fp8_ref
 from longctx.kernels.indexer import indexer_logits_paged
-from longctx.kernels.moe import moe_align, moe_experts, moe_router
+from longctx.kernels.kv_fused import ln_rope_write_index_k, norm_rope_write_mla_kv
+from longctx.kernels.moe import moe_align, moe_combine, moe_experts, moe_router
 from longctx.kernels.sparse_mla import sparse_mla
 from longctx.kernels.topk import topk_indices
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,6 +106,29 @@ def test_kv_writes_graph_safe():
     _kv_writes()
 
 
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "bf16"])
+def test_fused_kv_writes_graph_safe(kind):
+    g = _gen()
+    slots = torch.tensor([3, 9])
+    pool = kvl.alloc_mla_pool(64, 64, 16, kind, torch.bfloat16, "cpu")
+    ckv = torch.randn(2, 80, generator=g).bfloat16()
+    cos, sin = torch.rand(2, 8, generator=g).bfloat16(), torch.rand(2, 8, generator=g).bfloat16()
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    _audited(
+        "norm_rope_write_mla_kv",
+        lambda: norm_rope_write_mla_kv(pool, slots, ckv, nw, 1e-6, cos, sin, kind, backend="triton"),
+    )
+    ipool = kvl.alloc_index_pool(64, 32, kind, torch.bfloat16, "cpu")
+    k = torch.randn(2, 32, generator=g).bfloat16()
+    lw, lb = torch.ones(32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
+    _audited(
+        "ln_rope_write_index_k",
+        lambda: ln_rope_write_index_k(
+            ipool, slots, k, lw, lb, 1e-6, cos, sin, 16, True, kind, backend="triton"
+        ),
+    )
+
+
 def test_indexer_and_topk_graph_safe():
     g = _gen()
     b, h, d, ctx = 2, 4, 32, 100
@@ -155,6 +179,13 @@ def test_moe_graph_safe():
     wgu = torch.randn(e, 2 * inter, hd, generator=g) / 8
     wd = torch.randn(e, hd, inter, generator=g) / 8
     _audited("moe_experts", lambda: moe_experts(x, ids, w, wgu, wd, "silu", backend="triton"))
+    shared, resid = torch.randn(t, hd, generator=g), torch.randn(t, hd, generator=g)
+    _audited(
+        "moe_experts + shared + residual",
+        lambda: moe_experts(x, ids, w, wgu, wd, "silu", shared=shared, residual=resid, backend="triton"),
+    )
+    pairs = torch.randn(t, k, hd, generator=g)
+    _audited("moe_combine", lambda: moe_combine(pairs, ids.masked_fill(ids == 3, -1), e, shared, resid))
     q_gu, s_gu = quant_block_fp8_ref(wgu)
     q_d, s_d = quant_block_fp8_ref(wd)
     _audited(

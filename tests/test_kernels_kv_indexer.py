@@ -213,9 +213,30 @@ def test_indexer_rejects_bad_inputs():
     with pytest.raises(KernelInputError):
         indexer_logits_paged(q.bfloat16(), w, pool, pt, sl, qs, qp, "auto")  # q dtype != pool dtype
     with pytest.raises(KernelInputError):
-        indexer_logits_paged(q, w.bfloat16(), pool, pt, sl, qs, qp, "auto")  # w must be fp32
+        indexer_logits_paged(q, w.t().contiguous().t(), pool, pt, sl, qs, qp, "auto")  # w needs unit H stride
     with pytest.raises(KernelInputError):
         indexer_logits_paged(q, w, pool, pt.long(), sl, qs, qp, "auto")  # page table must be int32
+
+
+@pytest.mark.parametrize("kind", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_indexer_takes_raw_head_weights_and_their_scale(kind, wdtype):
+    """w as the model's fused projection gives it (a strided slice, maybe bf16) plus `w_scale`:
+    the same logits as the pre-scaled fp32 weights `w.float() * w_scale`, on both paths (fp32 w:
+    bit for bit on the reference, where the product is the same one fp32 multiply)."""
+    heads, dim, lens, queries = INDEXER_CASES["decode_ragged"]
+    args, _ = _indexer_case(kind, torch.float32, heads, dim, lens, queries, seed=7)
+    q, w, *rest = args
+    wide = torch.randn(w.shape[0], heads + 9, generator=torch.Generator().manual_seed(3)).to(wdtype)
+    raw = wide[:, 4 : 4 + heads]  # rows strided, as a slice of a wider GEMM output
+    scale = heads**-0.5 * dim**-0.5
+    folded = raw.float() * scale
+    ref = indexer_logits_paged_ref(q, folded, *rest, kind)
+    assert torch.equal(indexer_logits_paged_ref(q, raw, *rest, kind, w_scale=scale), ref)
+    got = indexer_logits_paged(q, raw, *rest, kind, w_scale=scale, backend="triton")
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert (got[fin] - ref[fin]).abs().max() <= 1e-5 * ref[fin].abs().max()
 
 
 @pytest.mark.parametrize("block_n,num_warps", [(16, 4), (256, 8)])

@@ -31,6 +31,8 @@ from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv_ref
 from longctx.kernels.moe import (
     moe_align,
     moe_align_ref,
+    moe_combine,
+    moe_combine_ref,
     moe_experts,
     moe_experts_ref,
     moe_router,
@@ -286,6 +288,58 @@ def test_moe_experts_triton_matches_ref(t, hd, inter, e, k, xdtype, wdtype):
     ref = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd)
     assert y.dtype == xdtype and y.shape == (t, hd)
     _close(y, ref, xdtype, "moe")
+
+
+@pytest.mark.parametrize(
+    "t,k,hd,dtype,shared,residual",
+    [
+        (1, 8, 200, torch.float32, True, True),  # decode: one token, Hd not a power of two
+        (5, 3, 1500, torch.bfloat16, True, True),  # two column blocks
+        (4, 2, 72, torch.bfloat16, False, True),
+        (3, 5, 40, torch.float16, True, False),
+        (6, 1, 33, torch.float32, False, False),
+    ],
+)
+def test_moe_combine_kernel_matches_reference(t, k, hd, dtype, shared, residual):
+    """The combine (sum of the valid slots + shared + residual, each rounded like torch's ops) on fresh
+    inputs: pair_out a strided slice, ignored ids (-1 and >= E) with NaN garbage in their rows."""
+    gen = torch.Generator().manual_seed(t * 1000 + k * 10 + hd)
+    e = 9
+    big = torch.randn(t, k + 2, hd + 7, generator=gen).to(dtype)
+    pair_out = big[:, 1 : k + 1, 3 : hd + 3]  # strided over tokens, slots and columns
+    ids = torch.randint(0, e, (t, k), generator=gen)
+    ids[0, 0] = -1
+    ids[-1, -1] = e + 2
+    pair_out[0, 0] = float("nan")
+    pair_out[-1, -1] = float("nan")
+    sh = torch.randn(t, hd, generator=gen).to(dtype) if shared else None
+    rs = torch.randn(t, hd + 5, generator=gen).to(dtype)[:, 2 : hd + 2] if residual else None
+    y = moe_combine(pair_out, ids, e, sh, rs, backend=TRITON)
+    ref = moe_combine_ref(pair_out, ids, e, sh, rs)
+    assert y.dtype == dtype and y.shape == (t, hd) and not y.isnan().any()
+    # only the fp32 order of the slot sum differs: at most one rounding step of the dtype apart
+    ulp = 2.0 ** {torch.float32: -23, torch.bfloat16: -8, torch.float16: -10}[dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=ulp, atol=ulp * 4)
+    if dtype == torch.float32 and k == 1:
+        assert torch.equal(y, ref)
+
+
+def test_moe_experts_adds_shared_and_residual():
+    """moe_experts(shared=, residual=) == residual + (moe_experts() + shared), on both paths."""
+    gen = torch.Generator().manual_seed(11)
+    t, hd, inter, e, k = 3, 72, 40, 6, 3
+    wgu, wd, sgu, sd = _experts(e, hd, inter, torch.float32, gen)
+    x = torch.randn(t, hd, generator=gen)
+    ids = _skewed_ids(t, k, e, gen)
+    ids[1, 2] = -1
+    w = torch.rand(t, k, generator=gen)
+    sh, rs = torch.randn(t, hd, generator=gen), torch.randn(t, hd, generator=gen)
+    ref = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd, shared=sh, residual=rs)
+    torch.testing.assert_close(ref, rs + (moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd) + sh))
+    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, shared=sh, residual=rs, backend=TRITON)
+    _close(y, ref, torch.float32, "moe + shared + residual")
+    with pytest.raises(KernelInputError, match="residual"):
+        moe_experts(x, ids, w, wgu, wd, "silu", residual=rs[:, :10], backend=TRITON)
 
 
 def test_moe_align_invariants():

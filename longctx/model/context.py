@@ -58,6 +58,9 @@ class ForwardContext:
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     cos_sin_index: tuple[torch.Tensor, torch.Tensor] | None = None
     prev_topk: torch.Tensor | None = None  # [T, K] logical positions from the last full layer
+    # [T] keys each query may see (position + 1), made by the forward's first full indexer layer
+    # for all of them; `CausalLM.forward` clears it (a decode graph's context is reused)
+    key_lens: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
 
     @property

@@ -32,8 +32,14 @@ class Indexer(nn.Module):
         # kept in fp32 like the reference (`_keep_in_fp32_modules`)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] (after input norm), q_resid [T, q_lora] -> top-k positions [T, K] int32 (-1 pad)."""
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext, x_proj: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] (after input norm), q_resid [T, q_lora] -> top-k positions [T, K] int32 (-1 pad).
+
+        `x_proj` [T, D + H]: `wk(x)` and `weights_proj(x)` side by side when the caller computed them
+        in its stacked GEMM (model dtype, see `MLAttention.x_proj`); else they are computed here,
+        weights_proj in fp32 as the reference does."""
         assert ctx.cos_sin is not None
         cos, sin = ctx.cos_sin
         T = x.shape[0]
@@ -41,17 +47,22 @@ class Indexer(nn.Module):
         q = rope(
             self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin, self.rope_dim, self.interleaved
         )
-        k = rope(self.k_norm(self.wk(x)), cos, sin, self.rope_dim, self.interleaved)  # [T, D]
+        if x_proj is not None:
+            k_in, w = x_proj[:, : self.head_dim], x_proj[:, self.head_dim :]
+        else:
+            k_in, w = self.wk(x), self.weights_proj(x.to(torch.float32))
         kv = ctx.kv
-        op("kv_layout", "write_index_k", ctx.use_triton)(
-            kv.index_pool(self.layer), ctx.slot_mapping, k, kv.index_kind
-        )
-        w = self.weights_proj(x.to(torch.float32)).float() * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        # k_norm, rope and the write of the key [T, D]: one kernel
+        op("kv_fused", "ln_rope_write_index_k", ctx.use_triton)(
+            kv.index_pool(self.layer), ctx.slot_mapping, k_in, self.k_norm.weight, self.k_norm.bias,
+            self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind,
+        )  # fmt: skip
+        w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
         if ctx.use_triton and not ctx.is_decode:
             # prefill chunk: fused logits + top-k, so the [T, context] logits are never materialised
             return op("indexer_topk", "indexer_topk_paged", ctx.use_triton)(
                 q,
-                w,
+                w.float() * w_scale,
                 kv.index_pool(self.layer),
                 ctx.page_table,
                 ctx.seq_lens,
@@ -71,5 +82,8 @@ class Indexer(nn.Module):
             ctx.positions,
             kv.index_kind,
             max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
+            w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
         )  # [T, max_len] fp32, -inf where not causal
-        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.positions + 1)
+        if ctx.key_lens is None:
+            ctx.key_lens = ctx.positions + 1
+        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.key_lens)

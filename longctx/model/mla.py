@@ -10,6 +10,7 @@ Per token the cache holds only the latent `c` (kv_lora_rank) and the rotated rop
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longctx.config import ModelConfig
@@ -43,12 +44,40 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, layer) if cfg.is_full_indexer(layer) else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, L]
         self.w_uv: torch.Tensor | None = None  # [H, v, L]
+        self.x_proj: torch.Tensor | None = None  # [q_lora + L + R (+ D + H_idx), hidden], see finalize
 
     def finalize(self, dtype: torch.dtype) -> None:
-        """Split kv_b_proj into the absorbed W_UK / W_UV once the weights are loaded."""
+        """Split kv_b_proj into the absorbed W_UK / W_UV once the weights are loaded, and stack the
+        projections of the input x (`_stack_x_projections`)."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv = w[:, self.nope :].contiguous()
+        self._stack_x_projections(dtype)
+
+    def x_projections(self) -> list[Linear]:
+        """The projections of the layer's normed input x, in `x_proj`'s row order."""
+        lins = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        if self.indexer is not None:
+            lins += [self.indexer.wk, self.indexer.weights_proj]
+        return lins
+
+    def _stack_x_projections(self, dtype: torch.dtype) -> None:
+        """q_a, kv_a (and on full layers the indexer's wk and weights_proj) all read x: on the Triton
+        path they run as one GEMM over their stacked weights (in a decode step four GEMM launches
+        become one, and the indexer's fp32 cast of x goes). The plain weights become views of the
+        stack (no extra memory); weights_proj keeps its fp32 parameter for the reference path and
+        enters the stack in the model dtype, so on that path its output is rounded to the model
+        dtype (exact in fp32). FP8 weights are left as they are."""
+        lins = self.x_projections()
+        if any(lin.weight_scale_inv is not None or lin.weight.is_meta for lin in lins):
+            return
+        stack = torch.cat([lin.weight.detach().to(dtype) for lin in lins])
+        off = 0
+        for lin in lins:
+            if lin.weight.dtype == dtype:
+                lin.weight = nn.Parameter(stack[off : off + lin.out_features], requires_grad=False)
+            off += lin.out_features
+        self.x_proj = stack
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] (after input norm) -> [T, hidden]; sets ctx.prev_topk on full layers."""
@@ -56,20 +85,26 @@ class MLAttention(nn.Module):
         T = x.shape[0]
         cos, sin = ctx.cos_sin
         rope = op("rope", "apply_rope", ctx.use_triton)
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        if ctx.use_triton and self.x_proj is not None:
+            # one GEMM for every projection of x; the parts are column slices of its output
+            xa = F.linear(x, self.x_proj)
+            n_q, n_kv = self.q_a_proj.out_features, self.kv_lora + self.rope
+            q_a, ckv, x_idx = xa[:, :n_q], xa[:, n_q : n_q + n_kv], xa[:, n_q + n_kv :]
+        else:
+            q_a, ckv, x_idx = self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], rope(q[..., self.nope :], cos, sin)
-        ckv = self.kv_a_proj_with_mqa(x)
-        c = self.kv_a_layernorm(ckv[:, : self.kv_lora])
-        r = rope(ckv[:, self.kv_lora :], cos, sin)
         kv = ctx.kv
-        op("kv_layout", "write_mla_kv", ctx.use_triton)(
-            kv.mla_pool(self.layer), ctx.slot_mapping, c, r, kv.kind
+        # kv_a_layernorm of the latent, rope of the rest, and the write of both: one kernel
+        norm = self.kv_a_layernorm
+        op("kv_fused", "norm_rope_write_mla_kv", ctx.use_triton)(
+            kv.mla_pool(self.layer), ctx.slot_mapping, ckv, norm.weight, norm.eps, cos, sin, kv.kind
         )
         kv.after_write(self.layer, ctx)
 
         if self.indexer is not None:
-            ctx.prev_topk = self.indexer(x, q_resid, ctx)
+            ctx.prev_topk = self.indexer(x, q_resid, ctx, x_idx)
         topk = ctx.prev_topk
         if topk is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no earlier full indexer layer ran")

@@ -71,6 +71,7 @@ class CausalLM(nn.Module):
         else:
             h = x
         ctx.cos_sin = self.rotary(ctx.positions, h.dtype)
+        ctx.key_lens = None  # made afresh by each forward, as cos_sin (a reused context keeps neither)
         for layer in self.model.layers.values():
             h = layer(h, ctx)
         if self.has_head:

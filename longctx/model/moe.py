@@ -80,10 +80,22 @@ class Experts(nn.Module):
         self.gate_up_scale: torch.Tensor | None = None  # fp8 block scales [E, 2I/128, H/128]
         self.down_scale: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        ids: torch.Tensor,
+        use_triton: bool,
+        *,
+        shared: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """residual + (routed experts' sum + shared); the addends are optional [T, hidden] tensors
+        (the Triton path adds them in the kernel that sums the k slots)."""
         return op("moe", "moe_experts", use_triton)(
-            x, ids, w, self.gate_up_proj, self.down_proj, "silu", self.gate_up_scale, self.down_scale
-        )
+            x, ids, w, self.gate_up_proj, self.down_proj, "silu", self.gate_up_scale, self.down_scale,
+            shared=shared, residual=residual,
+        )  # fmt: skip
 
 
 class MoE(nn.Module):
@@ -97,13 +109,18 @@ class MoE(nn.Module):
             else None
         )
         self.use_triton = False
+        # True once tensor parallelism reduces this block's output (a partial sum) after it: the
+        # decoder layer must then add its residual after the reduce, not pass it in.
+        self.partial_output = False
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden]; `valid` [T] bool masks rows out of the routed experts (ids -> -1)."""
+    def forward(
+        self, x: torch.Tensor, valid: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] -> routed + shared experts [T, hidden], plus `residual` if given (the decoder
+        layer's residual, added in the same kernel). `valid` [T] bool masks rows out of the routed
+        experts (ids -> -1)."""
         ids, w = self.gate(x, self.use_triton)
         if valid is not None:
             ids = ids.masked_fill(~valid[:, None], -1)
-        y = self.experts(x, w, ids, self.use_triton)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual)

@@ -171,6 +171,7 @@ class TPShard:
                 ex.register_forward_pre_hook(_local_experts_hook(e0, e1))
                 if mlp.shared_experts is not None:
                     _shard_mlp(mlp.shared_experts, self.rank, self.tp)
+                mlp.partial_output = True
             else:
                 assert isinstance(mlp, MLP)
                 _shard_mlp(mlp, self.rank, self.tp)
