@@ -39,7 +39,10 @@ def test_prefill_chunk_sweep_on_cpu(tmp_path: Path) -> None:
 def test_gemm_shapes_lists_the_decode_projections_on_cpu(tmp_path: Path) -> None:
     from bench.gemm_shapes import main
 
-    assert main(["--device", "cpu", "--config", "configs/tiny.json", "--batch", "1", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["--device", "cpu", "--config", "configs/tiny.json", "--batch", "1", "--out", str(tmp_path)])
+        == 0
+    )
     d = json.loads((tmp_path / "gemm-shapes.json").read_text())
     kinds = {r["kind"]: r for r in d["shapes"]}
     # as the GPU decode runs them: absorbed W_UK/W_UV, not kv_b_proj; gate+up as one GEMM
