@@ -7,6 +7,8 @@ path they stay FP8 and `fp8_block_linear` dequantises tile by tile inside the GE
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,3 +49,19 @@ class Linear(nn.Module):
         shape = x.shape
         y = fn(x.reshape(-1, shape[-1]), self.weight, self.weight_scale_inv, x.dtype)
         return y.view(*shape[:-1], self.out_features)
+
+
+def stack_weights(lins: Sequence[Linear], dtype: torch.dtype) -> torch.Tensor | None:
+    """The weights of `lins` (projections of the same input) stacked [sum of out, in] in `dtype`, for
+    one GEMM over all of them. Each weight already in `dtype` becomes a view of its rows (no extra
+    memory); one in another dtype keeps its own parameter (the reference path's precision). None
+    when any weight is FP8 or not loaded: those run one by one."""
+    if any(lin.weight_scale_inv is not None or lin.weight.is_meta for lin in lins):
+        return None
+    stack = torch.cat([lin.weight.detach().to(dtype) for lin in lins])
+    off = 0
+    for lin in lins:
+        if lin.weight.dtype == dtype:
+            lin.weight = nn.Parameter(stack[off : off + lin.out_features], requires_grad=False)
+        off += lin.out_features
+    return stack

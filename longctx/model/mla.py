@@ -16,7 +16,7 @@ from torch import nn
 from longctx.config import ModelConfig
 from longctx.model.context import ForwardContext
 from longctx.model.indexer import Indexer
-from longctx.model.linear import Linear
+from longctx.model.linear import Linear, stack_weights
 from longctx.model.norm import RMSNorm
 from longctx.model.ops import op
 
@@ -64,20 +64,10 @@ class MLAttention(nn.Module):
     def _stack_x_projections(self, dtype: torch.dtype) -> None:
         """q_a, kv_a (and on full layers the indexer's wk and weights_proj) all read x: on the Triton
         path they run as one GEMM over their stacked weights (in a decode step four GEMM launches
-        become one, and the indexer's fp32 cast of x goes). The plain weights become views of the
-        stack (no extra memory); weights_proj keeps its fp32 parameter for the reference path and
-        enters the stack in the model dtype, so on that path its output is rounded to the model
-        dtype (exact in fp32). FP8 weights are left as they are."""
-        lins = self.x_projections()
-        if any(lin.weight_scale_inv is not None or lin.weight.is_meta for lin in lins):
-            return
-        stack = torch.cat([lin.weight.detach().to(dtype) for lin in lins])
-        off = 0
-        for lin in lins:
-            if lin.weight.dtype == dtype:
-                lin.weight = nn.Parameter(stack[off : off + lin.out_features], requires_grad=False)
-            off += lin.out_features
-        self.x_proj = stack
+        become one, and the indexer's fp32 cast of x goes). weights_proj keeps its fp32 parameter for
+        the reference path and enters the stack in the model dtype, so on that path its output is
+        rounded to the model dtype (exact in fp32). FP8 weights are left as they are."""
+        self.x_proj = stack_weights(self.x_projections(), dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] (after input norm) -> [T, hidden]; sets ctx.prev_topk on full layers."""

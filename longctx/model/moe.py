@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.config import ModelConfig
-from longctx.model.linear import Linear
+from longctx.model.linear import Linear, stack_weights
 from longctx.model.ops import op
 
 
@@ -27,13 +27,7 @@ class MLP(nn.Module):
         self._gate_up: torch.Tensor | None = None
 
     def finalize(self) -> None:
-        g, u = self.gate_proj, self.up_proj
-        if g.weight_scale_inv is not None or u.weight_scale_inv is not None or g.weight.is_meta:
-            return
-        gu = torch.cat([g.weight.detach(), u.weight.detach()])
-        g.weight = nn.Parameter(gu[: g.out_features], requires_grad=False)
-        u.weight = nn.Parameter(gu[g.out_features :], requires_grad=False)
-        self._gate_up = gu
+        self._gate_up = stack_weights([self.gate_proj, self.up_proj], self.gate_proj.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton and self._gate_up is not None and x.dim() == 2:
