@@ -29,7 +29,7 @@ from .kv_layout import (
     AMAX_EPS,
     _bf16_bits,
     _check_pool,
-    _round_e4m3,
+    _quant_store,
     _store_cast,
     index_row_bytes,
     is_fp8,
@@ -39,7 +39,7 @@ from .kv_layout import (
     write_mla_kv_ref,
 )
 from .norm import rms_norm_ref
-from .rope import apply_rope_ref
+from .rope import _rotate, apply_rope_ref
 
 
 def norm_rope_write_mla_kv_ref(
@@ -75,25 +75,6 @@ def ln_rope_write_index_k_ref(
     """The three-op reference: LayerNorm of the key, rope of its first `rope_dim` dims, write."""
     kn = F.layer_norm(k, (k.shape[1],), ln_w, ln_b, eps)
     write_index_k_ref(pool, slots, apply_rope_ref(kn, cos, sin, rope_dim, interleaved), kind)
-
-
-@jit
-def _rotate(a, b, c, s):
-    # (a, b) pairs in x's dtype, c / s fp32 [R/2] -> the rotated halves, rounded as torch's ops
-    af, bf = a.to(tl.float32), b.to(tl.float32)
-    ac = round_as(af * c, a)
-    bs = round_as(bf * s, a)
-    bc = round_as(bf * c, a)
-    as_ = round_as(af * s, a)
-    return round_as(ac - bs, a), round_as(bc + as_, a)
-
-
-@jit
-def _quant_store(row8, offs, x, mask, scale):
-    # x fp32 (exact values of the model dtype) -> e4m3 at row8 + offs, as `_write_fp8_rows_kernel`
-    q = tl.fdiv(x, scale, ieee_rounding=True)
-    q = _round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
-    tl.store(row8 + offs, q.to(tl.float8e4nv), mask=mask)
 
 
 @jit

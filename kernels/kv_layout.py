@@ -346,6 +346,14 @@ def _round_e4m3(x):
 
 
 @jit
+def _quant_store(row8, offs, x, mask, scale):
+    # x fp32 (exact values of the stored dtype) -> e4m3 of x / scale at row8 + offs
+    q = tl.fdiv(x, scale, ieee_rounding=True)
+    q = _round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
+    tl.store(row8 + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+@jit
 def _bf16_bits(x):
     # fp32 -> bf16 bit pattern as int16, round to nearest even (finite inputs).
     u = x.to(tl.int32, bitcast=True)
@@ -370,9 +378,7 @@ def _write_fp8_rows_kernel(
         x = tl.load(x_ptr + t * stride_x + g * GS + offs, mask=gmask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
         scale = tl.fdiv(amax, 448.0, ieee_rounding=True)
-        q = tl.fdiv(x, scale, ieee_rounding=True)
-        q = _round_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0))
-        tl.store(row8 + g * GS + offs, q.to(tl.float8e4nv), mask=gmask)
+        _quant_store(row8, g * GS + offs, x, gmask, scale)
         tl.store(row32 + N // 4 + g, scale)
     if R > 0:
         roffs = tl.arange(0, RP)

@@ -34,6 +34,18 @@ def apply_rope_ref(
 
 
 @jit
+def _rotate(a, b, c, s):
+    # (a, b) pairs in x's dtype, c / s fp32 (broadcastable) -> the rotated halves in fp32; each
+    # product and each sum rounds to x's dtype, as the torch reference's separate ops do
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    ac = round_as(af * c, a)
+    bs = round_as(bf * s, a)
+    bc = round_as(bf * c, a)
+    as_ = round_as(af * s, a)
+    return round_as(ac - bs, a), round_as(bc + as_, a)
+
+
+@jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr,
     H, D, sxt, sxh, sct, sst, syt, syh,
@@ -56,14 +68,9 @@ def _rope_kernel(
         a = tl.load(xrow + j[None, :], mask=m, other=0.0)
         b = tl.load(xrow + R2 + j[None, :], mask=m, other=0.0)
     dt = a.dtype
-    af, bf = a.to(tl.float32), b.to(tl.float32)
-    # each product and each sum rounds to x's dtype, as the torch reference's separate ops do
-    ac = round_as(af * c[None, :], a)
-    bs = round_as(bf * s[None, :], a)
-    bc = round_as(bf * c[None, :], a)
-    as_ = round_as(af * s[None, :], a)
-    tl.store(yrow + j[None, :], round_as(ac - bs, a).to(dt), mask=m)
-    tl.store(yrow + R2 + j[None, :], round_as(bc + as_, a).to(dt), mask=m)
+    ra, rb = _rotate(a, b, c[None, :], s[None, :])
+    tl.store(yrow + j[None, :], ra.to(dt), mask=m)
+    tl.store(yrow + R2 + j[None, :], rb.to(dt), mask=m)
     # the unrotated rest of each head
     k = 2 * R2 + tl.arange(0, BD)
     km = hm[:, None] & (k < D)[None, :]
