@@ -176,3 +176,31 @@ def test_stage_processes_end_with_the_interpreter(tiny_dir):
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p) for p in pids)
+
+
+def test_a_peer_that_died_silently_is_blamed_before_the_stage_that_reported():
+    """A stage killed without a report (SIGKILL, OOM) breaks its peers' connection; whichever
+    report reaches the driver first, the dead silent stage is named as the cause. A stage that
+    failed and reported is named itself, also when its peers then fail and exit."""
+    from longctx.stages.messages import Failed
+    from longctx.stages.runtime import StageRuntime
+
+    class Procs:
+        def __init__(self, queued, gone):
+            self.queued, self.gone = list(queued), gone  # gone: rank -> exit code
+
+        def get(self, timeout):
+            return self.queued.pop(0) if self.queued else None
+
+        def dead(self, skip=()):
+            return next(((r, c) for r, c in sorted(self.gone.items()) if r not in skip), None)
+
+    rt = object.__new__(StageRuntime)
+    rt.tp, rt.layers = 1, [range(0, 3), range(3, 6)]
+    lost = Failed(0, 0, 0, "RuntimeError: Connection closed by peer")
+    rt._p = Procs([], {1: -9})  # stage 1 was killed; stage 0 reports the broken link
+    why = rt._cause(lost)
+    assert why.startswith("stage 1 (layers [3, 4, 5], tp rank 0) exited with code -9") and "stage 0" in why
+    own = Failed(0, 0, 0, "ValueError: bad plan")  # stage 0 failed itself, exited, and stage 1 then did too
+    rt._p = Procs([Failed(1, 1, 0, "RuntimeError: Connection closed by peer")], {0: 1, 1: 1})
+    assert rt._cause(own) == "stage 0 (layers [0, 1, 2], tp rank 0) failed: ValueError: bad plan"

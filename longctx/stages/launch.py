@@ -24,6 +24,7 @@ import pickle
 import queue
 import sys
 import threading
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
@@ -151,8 +152,8 @@ class TorchrunStages:
         except queue.Empty:
             return None
 
-    def dead(self) -> tuple[int, int | None] | None:
-        if self.started and not self.closed and not self._threads[0].is_alive():
+    def dead(self, skip: Collection[int] = ()) -> tuple[int, int | None] | None:
+        if 0 not in skip and self.started and not self.closed and not self._threads[0].is_alive():
             return 0, None
         return None
 

@@ -14,7 +14,8 @@ split its running requests into P disjoint groups, submit one plan per group, an
 
 Faults: while waiting, the driver polls the processes' liveness; a stage that died or failed makes
 the waiting call (and every later one) raise `EngineDeadError` within a poll interval, and all
-other stage processes are terminated. `close()` is idempotent, also runs at interpreter exit, and
+other stage processes are terminated. A stage killed without a report is named as the cause even
+when a peer's report of the broken connection arrives first. `close()` is idempotent, also runs at interpreter exit, and
 removes any host-pool file a killed stage left behind (`cleanup_stale`).
 """
 
@@ -28,6 +29,7 @@ import queue
 import time
 import weakref
 from collections import deque
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,8 @@ from longctx.stages.tp import check_tp
 
 POLL_S = 0.1
 SHUTDOWN_GRACE_S = 5.0
+# after a stage's failure report: how long to look for a silently dead peer that caused it
+FAILURE_SETTLE_S = 0.3
 # set by `longctx.stages.launch` under torchrun: the next StageRuntime drives those ranks
 _ATTACHED: list[Any] = []
 
@@ -113,9 +117,10 @@ class SpawnedStages:
         except queue.Empty:
             return None
 
-    def dead(self) -> tuple[int, int | None] | None:
+    def dead(self, skip: Collection[int] = ()) -> tuple[int, int | None] | None:
+        """(rank, exit code) of a stage process that is gone, ranks in `skip` aside."""
         for rank, p in enumerate(self.procs):
-            if not p.is_alive():
+            if rank not in skip and not p.is_alive():
                 return rank, p.exitcode
         return None
 
@@ -271,7 +276,28 @@ class StageRuntime:
         elif isinstance(msg, Ready):
             self._ready[msg.rank] = msg.pid
         elif isinstance(msg, Failed):
-            self._die(f"{self._where(msg.rank)} failed: {msg.message}")
+            self._die(self._cause(msg))
+
+    def _cause(self, failed: Failed) -> str:
+        """What to report for a stage's failure. A stage that died without a report (killed, out of
+        memory) is the cause, and its peers' failures on the closed connection are consequences:
+        whichever of them reaches the driver first. A stage that fails reports before it exits, so
+        for a short while the reports are drained and a dead rank that sent none is looked for."""
+        reported = {failed.rank}
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while True:
+            while (m := self._p.get(0.0)) is not None:
+                if isinstance(m, Failed):
+                    reported.add(m.rank)
+            gone = self._p.dead(skip=reported)
+            if gone is not None:
+                return (
+                    f"{self._where(gone[0])} exited with code {gone[1]}"
+                    f" (then {self._where(failed.rank)} failed: {failed.message})"
+                )
+            if time.monotonic() >= deadline:
+                return f"{self._where(failed.rank)} failed: {failed.message}"
+            time.sleep(0.02)
 
     def _pump(self) -> None:
         """Handle one message from the stages, or check their liveness after `poll_s` of silence."""
