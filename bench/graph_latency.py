@@ -120,7 +120,7 @@ def table(res: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for k, v in res.items():
-        if not isinstance(v, dict):
+        if not isinstance(v, dict) or k == "env":
             continue
         if "error" in v:
             lines.append(f"| {k} | {v['error']} | | |")
