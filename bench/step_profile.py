@@ -57,6 +57,21 @@ def kernel_groups(rows: list[tuple[float, str, int]]) -> dict[str, dict[str, flo
     }
 
 
+def zero_indexer_queries(model_dir: Path) -> None:
+    """Zero every `indexer.wq_b` weight of a checkpoint in place: all indexer logits are then 0 and
+    the top-k is the earliest keys, the same set at every step (a stand-in for the step-to-step
+    overlap of a trained model's top-k, to time HiSparse's bookkeeping when nearly everything hits)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd = load_file(f)
+        hit = [k for k in sd if ".indexer.wq_b." in k]
+        for k in hit:
+            sd[k] = torch.zeros_like(sd[k])
+        if hit:
+            save_file(sd, f, metadata={"format": "pt"})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -68,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparse-mla-heads-min", type=int, default=None)
     ap.add_argument(
         "--hisparse-device-tokens", type=int, default=None, help="profile the HiSparse-capped path"
+    )
+    ap.add_argument(
+        "--stable-topk",
+        action="store_true",
+        help="zero the indexer's query projection so every step selects the same keys (HiSparse at ~100%% hits)",
     )
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--config", default="configs/small-1m.json", help="config of the random checkpoint")
@@ -96,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         model_dir = Path(tempfile.mkdtemp()) / "model"
         init_random_checkpoint(ModelConfig.from_json(ROOT / args.config), model_dir, seed=0)
+    if args.stable_topk:
+        zero_indexer_queries(model_dir)
     gen = torch.Generator().manual_seed(0)
     res: dict = {
         "phase": args.phase,
@@ -106,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     dtype = "bfloat16" if cuda else "float32"
     res["hisparse_device_tokens"] = args.hisparse_device_tokens
+    res["stable_topk"] = args.stable_topk
     with Engine(
         model_dir,
         device=args.device,
@@ -124,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             return time.perf_counter() - t
 
+        hs_decode: dict[str, int] = {}
+
         def decode(tag: str, steps: int, wrap: Any = contextlib.nullcontext) -> float:
             """Seconds per decode step of `batch` requests at context `tokens`; only the decode steps
             run inside `wrap()` (the profiler), not the prefill before them."""
@@ -135,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             while not all(len(eng._requests[f"{tag}-{i}"].output_ids) >= 1 for i in range(args.batch)):
                 eng.step()  # prefill until every request has its first token
             sync()
+            before = eng.stats().get("hisparse") or {}
             with wrap():
                 t, n = time.perf_counter(), 0
                 for _ in range(steps):
@@ -145,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                         break
                 sync()
                 dt = (time.perf_counter() - t) / max(1, n)
+            after = eng.stats().get("hisparse") or {}
+            hs_decode.clear()  # the hits and misses of the timed decode steps only
+            hs_decode.update({k: after[k] - before.get(k, 0) for k in ("hits", "misses") if k in after})
             while eng.has_work():
                 eng.step()
             return dt
@@ -163,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             decode("warm", 8)  # compiles and captures this (batch, context) bucket
             dt = decode("prof", args.steps, lambda: prof)
             plain = decode("plain", args.steps)
+            if hs_decode:
+                hits, misses = hs_decode["hits"], hs_decode["misses"]
+                res["hisparse"] = {"hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses)}
     res["seconds_profiled"] = dt
     res["seconds"] = plain
     per = args.tokens if args.phase == "prefill" else args.batch
@@ -196,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         what = (
             f"decode batch {args.batch} at {args.tokens}: {plain * 1e3:.3f} ms/step ({per / plain:.0f} tok/s)"
         )
+    if "hisparse" in res:
+        what += f", HiSparse hit rate {res['hisparse']['hit_rate']:.3f}"
     print(f"{what}; {'GPU' if cuda else 'CPU'} busy {total / 1e3:.2f} ms in the profiled region")
     for g, d in res["groups"].items():
         print(f"{d['ms']:9.2f} ms {100 * d['share']:5.1f}% {int(d['launches']):6d}  [{g}]")
@@ -204,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         cap = f"-cap{args.hisparse_device_tokens}" if args.hisparse_device_tokens else ""
+        cap += "-stable" if args.stable_topk else ""
         name = f"step-profile-{args.phase}-{args.tokens}-b{args.batch}-{args.prefill_form}{cap}.json"
         (args.out / name).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -24,6 +24,19 @@ def test_step_profile_prefill_and_decode_on_cpu(tmp_path: Path) -> None:
     assert abs(sum(g["share"] for g in d["groups"].values()) - 1) < 1e-2
 
 
+def test_step_profile_capped_stable_topk_hits_on_cpu(tmp_path: Path) -> None:
+    """--stable-topk zeroes the indexer's queries: every decode step selects the same (earliest)
+    keys, so after the first step a capped HiSparse decode nearly always hits."""
+    from bench.step_profile import main
+
+    args = ["--device", "cpu", "--config", "configs/tiny.json", "--top", "3", "--out", str(tmp_path)]
+    args += ["--phase", "decode", "--tokens", "400", "--steps", "6", "--hisparse-device-tokens", "96"]
+    assert main([*args, "--stable-topk"]) == 0
+    d = json.loads((tmp_path / "step-profile-decode-400-b1-auto-cap96-stable.json").read_text())
+    assert d["stable_topk"] and d["hisparse"]["hits"] > 0
+    assert d["hisparse"]["hit_rate"] > 0.9, d["hisparse"]
+
+
 def test_prefill_chunk_sweep_on_cpu(tmp_path: Path) -> None:
     from bench.prefill_chunks import main
 
@@ -54,6 +67,7 @@ def test_gemm_shapes_lists_the_decode_projections_on_cpu(tmp_path: Path) -> None
 def test_step_profile_groups_kernels_by_model_part() -> None:
     from bench.step_profile import kernel_groups
 
+    assert list(kernel_groups([(1.0, "_fused_kernel", 1)])) == ["indexer + top-k + sorts"]
     g = kernel_groups([(3000.0, "_indexer_kernel", 3), (1000.0, "sparse_mla_heads_kernel", 8),
                        (500.0, "nvjet_sm90_tst_128x8", 10), (500.0, "vectorized_elementwise_kernel", 40)])  # fmt: skip
     assert g["indexer + top-k + sorts"]["share"] == 0.6 and g["sparse MLA"]["launches"] == 8
