@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Kernel name patterns -> the part of the model they belong to (first match wins), for the shares
 # issue 9 asks about (the indexer's share of a long prefill, say).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("indexer + top-k + sorts", ("indexer", "_fused_kernel", "topk", "TopK", "_hist", "radixSort", "RadixSort", "sort")),
+    (
+        "indexer + top-k + sorts",
+        ("indexer", "_fused_kernel", "topk", "TopK", "_hist", "radixSort", "RadixSort", "sort"),
+    ),
     ("sparse MLA", ("sparse_mla", "_combine_kernel")),
     ("MoE experts + router", ("_gate_up_kernel", "_down_kernel", "_align", "_router")),
     ("GEMMs (projections)", ("nvjet", "gemm", "Gemm", "cutlass", "xmma", "sm90_", "fp8_block")),
