@@ -246,3 +246,29 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk", "aten.silu"} & set(ops)
     assert not {"aten.layer_norm", "aten.zeros_like", "aten.sum"} & set(ops)
     assert sum(ops.values()) <= 186, ops.most_common(20)
+
+
+def test_run_list_runs_each_line_and_packs_one_file(tmp_path: Path) -> None:
+    """bench/run_list.sh: every command runs (a failing or timed-out one does not stop the list), a
+    line over the budget is skipped, and everything comes back in one results.tgz."""
+    import subprocess
+    import tarfile
+
+    lst = tmp_path / "list.txt"
+    lst.write_text(
+        "# a comment\nT=5 echo one > $R/one.txt\nT=1 sleep 5\nT=5 false\nT=999 echo never\nT=5 echo two\n"
+    )
+    out = tmp_path / "out"
+    p = subprocess.run(
+        ["bash", str(ROOT / "bench" / "run_list.sh"), str(lst), "60"],
+        env={"OUT": str(out), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "[2] rc=124" in p.stdout and "[3] rc=1" in p.stdout and "[4] skipped" in p.stdout
+    with tarfile.open(out / "results.tgz") as t:
+        names = set(t.getnames())
+    assert {"r/one.txt", "r/1.log", "r/5.log", "r/skipped.log"} <= names
+    assert not (out / "r").exists()
