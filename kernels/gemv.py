@@ -1,4 +1,4 @@
-"""Small-M linear layers (decode): y [M, N] = x [M, K] @ W [N, K]^T for M <= GEMV_MAX_M rows.
+"""Small-M linear layers (decode): y [M, N] = x [M, K] @ W [N, K]^T for M up to ~16 rows.
 
 At decode a linear layer reads its whole weight to produce a handful of rows, so it is a weight
 stream: the time is the weight's bytes over the HBM read rate, and the kernel's only job is to keep
@@ -16,8 +16,8 @@ Weights (nothing repacked):
 One program owns BN output rows (all M of them) over a K range. Each K step loads a [BN, BK] tile of
 W, K the unit-stride dimension, so a thread issues 16-byte loads along one row (8 bf16 or 16 e4m3);
 the x tile [BM, BK] is tiny and stays in L1/L2. The product goes one of two ways (`dot`):
-  * FMA: the tile in fp32 times x broadcast, summed over K in registers. For M <= 2 this is cheaper
-    than padding M to the tensor cores' 16 rows.
+  * FMA: the tile in fp32 times x broadcast, summed over K in registers (no padding of M to the
+    tensor cores' 16 rows, but Triton does not pipeline loads that feed no dot).
   * dot: swap-AB, W as the MMA's M side (acc [BN, BM] = W_tile @ x_tile^T, BM = 16), so N fills the
     128-row hardware tile and M only pads the narrow side.
 fp32 accumulation either way; an fp8 block's scale multiplies the [BN, BM] partial of its 128 columns
@@ -39,10 +39,9 @@ import torch
 from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, mma
 
-# The linear layers dispatch here when a forward has at most this many token rows (decode batches).
-GEMV_MAX_M = 16
-# Up to this many rows the FMA form; above it the tensor cores (swap-AB `tl.dot`).
-FMA_MAX_M = 2
+# Up to this many rows the FMA form, above it the tensor cores (swap-AB `tl.dot`). 0: the tensor-core
+# form always (its loads are cp.async-pipelined; the FMA form's are not). bench/gemm_shapes sweeps both.
+FMA_MAX_M = 0
 MAX_SPLITS = 16
 # Programs to aim for per SM: a weight stream needs ~40 KB of loads in flight per SM to cover the
 # HBM latency, more than one program's tile.
@@ -63,7 +62,10 @@ class GemvConfig:
 
 
 def gemv_ref(
-    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Reference: x [M, K] @ W.T in fp32 -> [M, N] in out_dtype (default x's); W dequantised if fp8."""
     if scale_inv is not None:
@@ -73,7 +75,9 @@ def gemv_ref(
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None) -> tuple[int, int, int]:
-    check(x.dim() == 2 and w.dim() == 2, f"gemv: x [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
+    check(
+        x.dim() == 2 and w.dim() == 2, f"gemv: x [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}"
+    )
     m, k = x.shape
     n = w.shape[0]
     check(w.shape[1] == k, f"gemv: x has K={k}, w has K={w.shape[1]}")
@@ -159,23 +163,24 @@ def _splitk_sum_kernel(p_ptr, o_ptr, S, MN, BLOCK: tl.constexpr):
 
 
 def pick_config(m: int, n: int, k: int, fp8: bool, num_sms: int) -> GemvConfig:
-    """The default tiles: a K step of 128 columns (one fp8 scale block; 8 x 16-byte vectors of an fp8
-    row, 16 of a bf16 one), BN rows so that a 4-warp program loads 8 KB per step (64 e4m3 rows or 32
-    bf16 rows: 4 vectors per thread), 3 stages of loads in flight."""
-    esize = 1 if fp8 else 2
-    dot = m > FMA_MAX_M
-    bn = 8192 // (128 * esize)
-    return GemvConfig(bn=bn, bk=128, warps=4, stages=3, dot=dot)
+    """The default tiles. Tensor-core form: BN = 64 W rows (one warpgroup's wgmma M) by 128 bytes of
+    K per step (BK 128 e4m3 = one scale block, or 64 bf16), 4 stages of cp.async in flight: 8 KB per
+    stage, 40 KB of shared memory and ~96 registers (fp8) / ~40 (bf16) per 4-warp program, so 5
+    programs per SM keep ~160 KB of loads in flight. FMA form (M <= FMA_MAX_M): its loads are not
+    pipelined by Triton (they feed no dot), so it relies on occupancy alone: 32 rows x 128 columns per
+    step, 80 (fp8) / 64 (bf16) registers."""
+    if m <= FMA_MAX_M:
+        return GemvConfig(bn=32, bk=128, warps=4, stages=1, dot=False)
+    return GemvConfig(bn=64, bk=128 if fp8 else 64, warps=4, stages=4, dot=True)
 
 
 def pick_splits(tiles_n: int, k: int, num_sms: int) -> int:
-    """Split-K factor: PROGRAMS_PER_SM programs per SM when the N slabs alone are too few, at most one
-    split per 128 columns of K and MAX_SPLITS in all (the fp32 partials are L2-resident, but each split
-    re-reads x and writes M x N floats)."""
-    target = PROGRAMS_PER_SM * num_sms
-    if tiles_n >= target // 2:
+    """Split-K factor: none when the N slabs give every SM a program; else PROGRAMS_PER_SM programs per
+    SM, at most one split per 128 columns of K and MAX_SPLITS in all (the fp32 partials stay in L2,
+    but every split re-reads x and writes M x N floats, and the sum is a second launch)."""
+    if tiles_n >= num_sms:
         return 1
-    return max(1, min(cdiv(target, tiles_n), cdiv(k, FP8_BLOCK), MAX_SPLITS))
+    return max(1, min(cdiv(PROGRAMS_PER_SM * num_sms, tiles_n), cdiv(k, FP8_BLOCK), MAX_SPLITS))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -197,7 +202,7 @@ def gemv(
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W [N, K]^T -> [M, N] in `out_dtype` (default x's), for small M (any M works; the
-    tiles assume M <= GEMV_MAX_M).
+    tiles assume the few rows of a decode batch; `model.linear.GEMV_MAX_M` sends those here).
 
     x: bf16/fp16/fp32, unit column stride, any row stride (a column slice of a wider output is fine).
     w: plain (x's dtype) or e4m3 with `scale_inv` [ceil(N/128), ceil(K/128)] fp32 (module docstring);
