@@ -162,16 +162,22 @@ def _splitk_sum_kernel(p_ptr, o_ptr, S, MN, BLOCK: tl.constexpr):
     tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def pick_config(m: int, n: int, k: int, fp8: bool, num_sms: int) -> GemvConfig:
-    """The default tiles. Tensor-core form: BN = 64 W rows (one warpgroup's wgmma M) by 128 bytes of
-    K per step (BK 128 e4m3 = one scale block, or 64 bf16), 4 stages of cp.async in flight: 8 KB per
-    stage, 40 KB of shared memory and ~96 registers (fp8) / ~40 (bf16) per 4-warp program, so 5
-    programs per SM keep ~160 KB of loads in flight. FMA form (M <= FMA_MAX_M): its loads are not
-    pipelined by Triton (they feed no dot), so it relies on occupancy alone: 32 rows x 128 columns per
-    step, 80 (fp8) / 64 (bf16) registers."""
+# Default tiles (bench/gemm_shapes.py --sweep times the alternatives; set the winners here).
+# Tensor-core form: BN = 64 W rows (one warpgroup's wgmma M) by 128 bytes of K per step (BK 128 e4m3 =
+# one scale block, or 64 bf16), 4 stages of cp.async in flight: 8 KB per stage, 40 KB of shared memory
+# and 96 (fp8) / 40 (bf16) registers per 4-warp program (ptxas, sm_90a), so 5 programs per SM keep
+# ~160 KB of loads in flight. FMA form: its loads are not pipelined by Triton (they feed no dot), so it
+# relies on occupancy: 32 rows x 128 columns per step, 80 (fp8) / 64 (bf16) registers at M=1.
+TILES_DOT_FP8 = GemvConfig(bn=64, bk=128, warps=4, stages=4, dot=True)
+TILES_DOT_PLAIN = GemvConfig(bn=64, bk=64, warps=4, stages=4, dot=True)
+TILES_FMA = GemvConfig(bn=32, bk=128, warps=4, stages=1, dot=False)
+
+
+def pick_config(m: int, fp8: bool) -> GemvConfig:
+    """The default tiles for M rows of x and the weight kind (split-K is `pick_splits`'s)."""
     if m <= FMA_MAX_M:
-        return GemvConfig(bn=32, bk=128, warps=4, stages=1, dot=False)
-    return GemvConfig(bn=64, bk=128 if fp8 else 64, warps=4, stages=4, dot=True)
+        return TILES_FMA
+    return TILES_DOT_FP8 if fp8 else TILES_DOT_PLAIN
 
 
 def pick_splits(tiles_n: int, k: int, num_sms: int) -> int:
@@ -222,7 +228,7 @@ def gemv(
         return out.zero_()
     fp8 = scale_inv is not None
     num_sms = _num_sms(x.device)
-    cfg = config or pick_config(m, n, k, fp8, num_sms)
+    cfg = config or pick_config(m, fp8)
     check(cfg.bk <= 128 and 128 % cfg.bk == 0, "gemv: BK must divide 128")
     bm = max(16, next_pow2(m)) if cfg.dot else next_pow2(m)
     tiles_n = cdiv(n, cfg.bn)
