@@ -167,6 +167,24 @@ def case_fp8_linear(t: int, n: int, k: int) -> float:
     )
 
 
+def case_gemv(m: int, n: int, k: int, fp8: bool, dot: bool | None) -> float:
+    """kernels.gemv vs its reference in bf16; `dot` forces the FMA (False) or tensor-core (True) form,
+    None takes the default tiles and split-K."""
+    from longctx.kernels.fp8_gemm import quant_block_fp8_ref
+    from longctx.kernels.gemv import GemvConfig, gemv, gemv_ref
+
+    w = torch.randn(n, k, device="cuda") / k**0.5
+    if fp8:
+        wq, s = quant_block_fp8_ref(w)
+    else:
+        wq, s = w.bfloat16(), None
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = (
+        None if dot is None else GemvConfig(bn=64 if dot else 32, bk=128 if (fp8 or not dot) else 64, dot=dot)
+    )
+    return rel(gemv(x, wq, s, backend="triton", config=cfg), gemv_ref(x, wq, s))
+
+
 def case_norm(add: bool) -> float:
     from longctx.kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
@@ -351,6 +369,13 @@ CASES = {
     "moe_fp8_glm": (case_moe, (True, 8, 6144, 2048, 16), 2e-2),
     "fp8_linear_b1": (case_fp8_linear, (1, 2048, 6144), 2e-2),
     "fp8_linear_b512": (case_fp8_linear, (512, 16384, 2048), 2e-2),
+    "gemv_bf16_m1": (case_gemv, (1, 16384, 2048, False, None), 1e-2),
+    "gemv_bf16_m8_odd": (case_gemv, (8, 1000, 2056, False, None), 1e-2),
+    "gemv_bf16_m3_fma": (case_gemv, (3, 4096, 2048, False, False), 1e-2),
+    "gemv_fp8_m1": (case_gemv, (1, 2048, 6144, True, None), 1e-2),
+    "gemv_fp8_m16_odd": (case_gemv, (16, 576, 6200, True, None), 1e-2),
+    "gemv_fp8_m1_fma": (case_gemv, (1, 24576, 6144, True, False), 1e-2),
+    "gemv_fp8_m8_splitk": (case_gemv, (8, 32, 6144, True, True), 1e-2),
     "rms_norm": (case_norm, (False,), 1.6e-2),
     "add_rms_norm": (case_norm, (True,), 1.6e-2),
     "rope_interleaved": (case_rope, (True,), 0.0),

@@ -56,12 +56,14 @@ def test_gemm_shapes_lists_the_decode_projections_on_cpu(tmp_path: Path) -> None
         main(["--device", "cpu", "--config", "configs/tiny.json", "--batch", "1", "--out", str(tmp_path)])
         == 0
     )
-    d = json.loads((tmp_path / "gemm-shapes.json").read_text())
+    (d,) = json.loads((tmp_path / "gemm-shapes.json").read_text())  # one entry per --config
     kinds = {r["kind"]: r for r in d["shapes"]}
     # as the GPU decode runs them: absorbed W_UK/W_UV, not kv_b_proj; gate+up as one GEMM
     assert not any("kv_b_proj" in k or k.endswith(("gate_proj", "up_proj")) for k in kinds)
     assert kinds["self_attn.w_uk (absorbed)"]["batch"] == 4 and kinds["self_attn.q_a_proj"]["per_step"] == 6
-    assert kinds["mlp.gate_up"]["n"] == 2 * 128 and d["per_step_ms"]["bf16_m1"] > 0
+    assert kinds["mlp.gate_up"]["n"] == 2 * 128 and d["per_step_ms"]["cublas_m1"] > 0
+    # every plain projection timed through cuBLAS, gemv, and as fp8 through fp8_block_linear and gemv
+    assert {"cublas_us_m1", "gemv_us_m1", "fp8_gemm_us_m1", "gemv_fp8_us_m1"} <= set(kinds["lm_head"])
 
 
 def test_step_profile_groups_kernels_by_model_part() -> None:

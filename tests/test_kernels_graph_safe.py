@@ -23,6 +23,7 @@ import pytest
 import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.fp8_gemm import act_quant, fp8_block_linear, quant_block_fp8_ref
+from longctx.kernels.gemv import GemvConfig, gemv
 from longctx.kernels.indexer import indexer_logits_paged
 from longctx.kernels.kv_fused import ln_rope_write_index_k, norm_rope_write_mla_kv
 from longctx.kernels.moe import moe_align, moe_combine, moe_experts, moe_router
@@ -203,6 +204,16 @@ def test_fp8_linear_graph_safe(qa):
         "fp8_block_linear", lambda: fp8_block_linear(x, q, s, quantize_act=qa, backend="triton", split_k=3)
     )
     _audited("act_quant", lambda: act_quant(x, backend="triton"))
+
+
+@pytest.mark.parametrize("dot", [False, True])
+def test_gemv_graph_safe(dot):
+    g = _gen()
+    q, s = quant_block_fp8_ref(torch.randn(96, 384, generator=g))
+    x = torch.randn(2, 384, generator=g)
+    cfg = GemvConfig(bn=32, bk=128, dot=dot, splits=3)  # split-K: the partials and their sum too
+    _audited("gemv fp8", lambda: gemv(x, q, s, backend="triton", config=cfg))
+    _audited("gemv", lambda: gemv(x, torch.randn(96, 384, generator=g), backend="triton", config=cfg))
 
 
 def test_audit_catches_syncs_and_scalar_stores():

@@ -3,6 +3,10 @@
 FP8 checkpoints store `weight` as float8_e4m3fn with `weight_scale_inv` fp32 scales, one per
 `block` (128 x 128) tile. On CPU (and with backend="torch") the loader dequantises them; on the GPU
 path they stay FP8 and `fp8_block_linear` dequantises tile by tile inside the GEMM.
+
+On the Triton backend a forward of at most GEMV_MAX_M token rows (a decode step, eager or captured
+in a CUDA graph) is a weight stream, not a GEMM: it runs `kernels.gemv` over the weight as stored
+(plain or FP8), which reads it at close to the HBM rate where cuBLAS and `fp8_block_linear` tile for M.
 """
 
 from __future__ import annotations
@@ -12,6 +16,34 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Token rows up to which the Triton backend runs a linear layer as `kernels.gemv` (decode batches).
+GEMV_MAX_M = 16
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, use_triton: bool = False
+) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype; `scale_inv` makes `weight` FP8 block-scaled.
+
+    Triton backend: `gemv` for at most GEMV_MAX_M rows, else cuBLAS (plain) or `fp8_block_linear`.
+    Torch backend: F.linear or the FP8 reference (what the CPU engine and parity tests run)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if use_triton and x2.shape[0] <= GEMV_MAX_M:
+        from longctx.kernels import gemv
+
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = gemv.gemv(x2, weight, scale_inv, x.dtype, backend="triton")
+    elif scale_inv is None:
+        return F.linear(x, weight)
+    else:
+        from longctx.kernels import fp8_gemm
+
+        fn = fp8_gemm.fp8_block_linear if use_triton else fp8_gemm.fp8_block_linear_ref
+        y = fn(x2, weight, scale_inv, x.dtype)
+    return y.view(*shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Module):
@@ -41,14 +73,7 @@ class Linear(nn.Module):
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is None:
-            return F.linear(x, self.weight)
-        from longctx.kernels import fp8_gemm
-
-        fn = fp8_gemm.fp8_block_linear if self.use_triton else fp8_gemm.fp8_block_linear_ref
-        shape = x.shape
-        y = fn(x.reshape(-1, shape[-1]), self.weight, self.weight_scale_inv, x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+        return linear(x, self.weight, self.weight_scale_inv, self.use_triton)
 
 
 def stack_weights(lins: Sequence[Linear], dtype: torch.dtype) -> torch.Tensor | None:

@@ -10,13 +10,12 @@ Per token the cache holds only the latent `c` (kv_lora_rank) and the rotated rop
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longctx.config import ModelConfig
 from longctx.model.context import ForwardContext
 from longctx.model.indexer import Indexer
-from longctx.model.linear import Linear, stack_weights
+from longctx.model.linear import Linear, linear, stack_weights
 from longctx.model.norm import RMSNorm
 from longctx.model.ops import op
 
@@ -77,7 +76,7 @@ class MLAttention(nn.Module):
         rope = op("rope", "apply_rope", ctx.use_triton)
         if ctx.use_triton and self.x_proj is not None:
             # one GEMM for every projection of x; the parts are column slices of its output
-            xa = F.linear(x, self.x_proj)
+            xa = linear(x, self.x_proj, use_triton=True)
             n_q, n_kv = self.q_a_proj.out_features, self.kv_lora + self.rope
             q_a, ckv, x_idx = xa[:, :n_q], xa[:, n_q : n_q + n_kv], xa[:, n_q + n_kv :]
         else:

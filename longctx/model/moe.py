@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.config import ModelConfig
-from longctx.model.linear import Linear, stack_weights
+from longctx.model.linear import Linear, linear, stack_weights
 from longctx.model.ops import op
 
 
@@ -31,7 +31,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton and self._gate_up is not None and x.dim() == 2:
-            return self.down_proj(op("activation", "silu_mul", True)(F.linear(x, self._gate_up)))
+            return self.down_proj(
+                op("activation", "silu_mul", True)(linear(x, self._gate_up, use_triton=True))
+            )
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -1,0 +1,250 @@
+"""Small-M linear layers (decode): y [M, N] = x [M, K] @ W [N, K]^T for M up to ~16 rows.
+
+At decode a linear layer reads its whole weight to produce a handful of rows, so it is a weight
+stream: the time is the weight's bytes over the HBM read rate, and the kernel's only job is to keep
+enough wide loads in flight on every SM. The GEMM tilings (cuBLAS, `fp8_gemm.fp8_block_linear`) spend
+their tiles on M instead; measured on the H200 they reach 0.3-0.7 of the read rate at M=1.
+
+Weights (nothing repacked):
+  plain  w [N, K] bf16 / fp16 / fp32, unit column stride; x must have the same dtype (as F.linear).
+  fp8    w [N, K] float8_e4m3fn, unit column stride, with scale_inv [ceil(N/128), ceil(K/128)] fp32
+         (the checkpoint's `weight_scale_inv`, layout as in `fp8_gemm`): dequant(w)[n, k] =
+         float(w[n, k]) * scale_inv[n // 128, k // 128]; x is bf16 / fp16 / fp32 and stays unquantised
+         (the weight-only contract of `fp8_block_linear_ref` without `quantize_act`, which the model
+         never asks for).
+
+One program owns BN output rows (all M of them) over a K range. Each K step loads a [BN, BK] tile of
+W, K the unit-stride dimension, so a thread issues 16-byte loads along one row (8 bf16 or 16 e4m3);
+the x tile [BM, BK] is tiny and stays in L1/L2. The product goes one of two ways (`dot`):
+  * FMA: the tile in fp32 times x broadcast, summed over K in registers (no padding of M to the
+    tensor cores' 16 rows, but Triton does not pipeline loads that feed no dot).
+  * dot: swap-AB, W as the MMA's M side (acc [BN, BM] = W_tile @ x_tile^T, BM = 16), so N fills the
+    128-row hardware tile and M only pads the narrow side.
+fp32 accumulation either way; an fp8 block's scale multiplies the [BN, BM] partial of its 128 columns
+(BK divides 128, so a K step never straddles a scale block).
+
+When N has too few BN-row slabs to give every SM several programs (weights_proj N=32, a small shared
+expert, o_proj's N=2048 over K=16384), the K range is split: each program writes an fp32 partial
+[S, M, N] and `_splitk_sum_kernel` adds them in split order (deterministic, no atomics). No
+host sync and no host->device copy: safe inside CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
+from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, mma
+
+# Up to this many rows the FMA form, above it the tensor cores (swap-AB `tl.dot`). 0: the tensor-core
+# form always (its loads are cp.async-pipelined; the FMA form's are not). bench/gemm_shapes sweeps both.
+FMA_MAX_M = 0
+MAX_SPLITS = 16
+# Programs to aim for per SM: a weight stream needs ~40 KB of loads in flight per SM to cover the
+# HBM latency, more than one program's tile.
+PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile choice: BN output rows x BK columns per K step, warps, pipeline stages, the FMA or the
+    tensor-core form, and the split-K factor (None: enough programs for the SMs)."""
+
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 3
+    dot: bool = False
+    splits: int | None = None
+
+
+def gemv_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Reference: x [M, K] @ W.T in fp32 -> [M, N] in out_dtype (default x's); W dequantised if fp8."""
+    if scale_inv is not None:
+        return fp8_block_linear_ref(x, w, scale_inv, out_dtype)
+    _check(x, w, None)
+    return (x.float() @ w.float().T).to(out_dtype or x.dtype)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None) -> tuple[int, int, int]:
+    check(
+        x.dim() == 2 and w.dim() == 2, f"gemv: x [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}"
+    )
+    m, k = x.shape
+    n = w.shape[0]
+    check(w.shape[1] == k, f"gemv: x has K={k}, w has K={w.shape[1]}")
+    check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"gemv: x dtype {x.dtype}")
+    if scale_inv is None:
+        check(w.dtype == x.dtype, f"gemv: plain weights must have x's dtype ({x.dtype}), got {w.dtype}")
+    else:
+        check(w.dtype == torch.float8_e4m3fn, f"gemv: a weight with scale_inv must be e4m3, got {w.dtype}")
+        want = (cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))
+        check(
+            tuple(scale_inv.shape) == want and scale_inv.dtype == torch.float32,
+            f"gemv: scale_inv must be fp32 {want}, got {scale_inv.dtype} {tuple(scale_inv.shape)}",
+        )
+    return m, n, k
+
+
+@jit
+def _gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, o_ptr,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
+    FP8: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    # Program (pid_n, pid_k): rows [pid_n*BN, +BN) over K in [pid_k*K_SPLIT, +K_SPLIT) (K_SPLIT a multiple
+    # of 128). Whole BK steps run without a K mask, so the loads keep their 16-byte vectors (a mask that
+    # varies along K would split them); the partial last step, if any, runs once with the mask.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn  # [BN] scale rows (unused unless FP8)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    k_full = k_lo + (k_hi - k_lo) // BK * BK
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(k_lo, k_full, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)  # [BN, BK]
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)  # [BM, BK]
+        acc += _partial(w, x, ws_rows, k0, mask_n, FP8, DOT, F32)
+    if k_full < k_hi:
+        offs_k = k_full + tl.arange(0, BK)
+        mask_k = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc += _partial(w, x, ws_rows, k_full, mask_n, FP8, DOT, F32)
+    out = round_as(acc, tl.zeros([1], dtype=o_ptr.dtype.element_ty))  # the interpreter truncates in .to
+    tl.store(
+        o_ptr + pid_k.to(tl.int64) * stride_os + offs_m[None, :] * stride_om + offs_n[:, None],
+        out.to(o_ptr.dtype.element_ty),
+        mask=mask_n[:, None] & mask_m[None, :],
+    )
+
+
+@jit
+def _partial(w, x, ws_rows, k0, mask_n, FP8: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+    """[BN, BM] fp32 partial product of a W tile [BN, BK] and an x tile [BM, BK], block-scaled if FP8."""
+    if DOT:
+        # e4m3 values are exact in bf16/fp16/fp32, so the raw tile goes to the MMA in x's dtype
+        part = mma(w.to(x.dtype), tl.trans(x), F32)
+    else:
+        part = tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+    if FP8:
+        part = part * tl.load(ws_rows + k0 // 128, mask=mask_n, other=0.0)[:, None]
+    return part
+
+
+@jit
+def _splitk_sum_kernel(p_ptr, o_ptr, S, MN, BLOCK: tl.constexpr):
+    # out.flat[i] = sum_s partial[s].flat[i], in split order (deterministic, no atomics)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    out = round_as(acc, tl.zeros([1], dtype=o_ptr.dtype.element_ty))
+    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+# Default tiles (bench/gemm_shapes.py --sweep times the alternatives; set the winners here).
+# Tensor-core form: BN = 64 W rows (one warpgroup's wgmma M) by 128 bytes of K per step (BK 128 e4m3 =
+# one scale block, or 64 bf16), 4 stages of cp.async in flight: 8 KB per stage, 40 KB of shared memory
+# and 96 (fp8) / 40 (bf16) registers per 4-warp program (ptxas, sm_90a), so 5 programs per SM keep
+# ~160 KB of loads in flight. FMA form: its loads are not pipelined by Triton (they feed no dot), so it
+# relies on occupancy: 32 rows x 128 columns per step, 80 (fp8) / 64 (bf16) registers at M=1.
+TILES_DOT_FP8 = GemvConfig(bn=64, bk=128, warps=4, stages=4, dot=True)
+TILES_DOT_PLAIN = GemvConfig(bn=64, bk=64, warps=4, stages=4, dot=True)
+TILES_FMA = GemvConfig(bn=32, bk=128, warps=4, stages=1, dot=False)
+
+
+def pick_config(m: int, fp8: bool) -> GemvConfig:
+    """The default tiles for M rows of x and the weight kind (split-K is `pick_splits`'s)."""
+    if m <= FMA_MAX_M:
+        return TILES_FMA
+    return TILES_DOT_FP8 if fp8 else TILES_DOT_PLAIN
+
+
+def pick_splits(tiles_n: int, k: int, num_sms: int) -> int:
+    """Split-K factor: none when the N slabs give every SM a program; else PROGRAMS_PER_SM programs per
+    SM, at most one split per 128 columns of K and MAX_SPLITS in all (the fp32 partials stay in L2,
+    but every split re-reads x and writes M x N floats, and the sum is a second launch)."""
+    if tiles_n >= num_sms:
+        return 1
+    return max(1, min(cdiv(PROGRAMS_PER_SM * num_sms, tiles_n), cdiv(k, FP8_BLOCK), MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    backend: str = "auto",
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W [N, K]^T -> [M, N] in `out_dtype` (default x's), for small M (any M works; the
+    tiles assume the few rows of a decode batch; `model.linear.GEMV_MAX_M` sends those here).
+
+    x: bf16/fp16/fp32, unit column stride, any row stride (a column slice of a wider output is fine).
+    w: plain (x's dtype) or e4m3 with `scale_inv` [ceil(N/128), ceil(K/128)] fp32 (module docstring);
+    unit column stride, any row stride. `backend` as `common.use_triton`; `config` overrides
+    `pick_config` (bench sweeps). Graph-safe: no sync, no host->device copy."""
+    if not use_triton(backend, x.device):
+        return gemv_ref(x, w, scale_inv, out_dtype)
+    m, n, k = _check(x, w, scale_inv)
+    check(x.stride(1) == 1 and w.stride(1) == 1, "gemv: x and w need unit column stride")
+    check(scale_inv is None or scale_inv.is_contiguous(), "gemv: scale_inv must be contiguous")
+    check(x.device == w.device, "gemv: x and w on different devices")
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    fp8 = scale_inv is not None
+    num_sms = _num_sms(x.device)
+    cfg = config or pick_config(m, fp8)
+    check(cfg.bk <= 128 and 128 % cfg.bk == 0, "gemv: BK must divide 128")
+    bm = max(16, next_pow2(m)) if cfg.dot else next_pow2(m)
+    tiles_n = cdiv(n, cfg.bn)
+    splits = cfg.splits if cfg.splits is not None else pick_splits(tiles_n, k, num_sms)
+    kb = cdiv(k, FP8_BLOCK)
+    k_split = cdiv(kb, max(1, min(splits, kb))) * FP8_BLOCK  # whole 128-column blocks per split
+    splits = cdiv(k, k_split)
+    dst = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    ws = scale_inv if scale_inv is not None else w  # not read unless FP8
+    _gemv_kernel[(tiles_n, splits)](
+        x, w, ws, dst, m, n, k, k_split,
+        x.stride(0), w.stride(0), ws.stride(0) if fp8 else 0, n, m * n if splits > 1 else 0,
+        FP8=fp8, DOT=cfg.dot, F32=x.dtype == torch.float32 or triton_interpret(),
+        BM=bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    if splits > 1:
+        blk = 1024
+        _splitk_sum_kernel[(cdiv(m * n, blk),)](dst, out, splits, m * n, BLOCK=blk, num_warps=4)
+    return out
