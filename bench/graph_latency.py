@@ -66,7 +66,11 @@ def replay_seconds(body: Callable[[], None], reps: int = 50) -> float:
 def per_node(make: Callable[[int], Callable[[], None]], nodes: int) -> dict[str, float]:
     one = replay_seconds(make(1))
     many = replay_seconds(make(nodes))
-    return {"one_node_us": one * 1e6, "n_nodes_us": many * 1e6, "per_node_us": (many - one) / (nodes - 1) * 1e6}
+    return {
+        "one_node_us": one * 1e6,
+        "n_nodes_us": many * 1e6,
+        "per_node_us": (many - one) / (nodes - 1) * 1e6,
+    }
 
 
 def run(nodes: int) -> dict[str, Any]:
