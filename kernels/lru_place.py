@@ -176,9 +176,11 @@ def lru_place(
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc)
     B, M = pos.shape
     L = p_at.shape[1]
-    kw = dict(n_slots=n_slots, pos_len=pos_len, page_size=page_size, force=force, minus1=minus1)
     if not use_triton(backend, pos.device) or M > MAX_M or B * L == 0 or M == 0:
-        return lru_place_ref(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, **kw)
+        return lru_place_ref(
+            p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc,
+            n_slots=n_slots, pos_len=pos_len, page_size=page_size, force=force, minus1=minus1,
+        )  # fmt: skip
     dev = pos.device
     u = torch.empty((B, M), dtype=torch.int64, device=dev)
     src = torch.empty((B, M), dtype=torch.int64, device=dev)
