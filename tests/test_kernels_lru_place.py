@@ -124,3 +124,76 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
                 )
     assert acc_r[1] > 0 and acc_r[0] > 0 and acc_r[2] > 0
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
+
+
+def test_cache_triton_path_matches_torch_path():
+    """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
+    torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
+    request whose block a new one reuses: same tables, same resolved rows and bytes, same stats."""
+    from .test_hisparse_lru import _cache, _ctx
+
+    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True)]
+    pages = [2, 0, 3]
+    g = torch.Generator().manual_seed(5)
+    plan = [
+        ("r0", 0, 20),
+        ("r0", 20, 1),
+        ("r0", 21, 1),
+        ("r0", 22, 9),
+        ("r0", 31, 1),
+        ("r1", 0, 7),
+        ("r1", 7, 1),
+    ]
+    for rid, start, n_q in plan:
+        if rid == "r1" and "r0" in caches[0]._states:
+            for kv in caches:
+                kv.release(["r0"])
+        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+        for t in range(n_q):
+            k = min(4, start + t + 1)
+            topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k].sort().values
+        got = []
+        for kv in caches:
+            ctx = _ctx(kv, pages, start, n_q)
+            ctx.extras["rids"] = (rid,)
+            rows = []
+            for layer in range(3):
+                host = kv.mla_pool(layer)
+                host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
+                    -1, host.shape[1]
+                )
+                kv.after_write(layer, ctx)
+                r = kv.resolve(layer, topk, ctx)
+                rows.append((r, kv.attend_pool(layer)[r.clamp(min=0)][:, :, 0]))
+            got.append(rows)
+        for (ra, pa), (rb, pb) in zip(*got):
+            assert torch.equal(ra, rb) and torch.equal(pa, pb)
+        a, b = caches
+        assert torch.equal(a._p2s[..., :-1], b._p2s[..., :-1])
+        assert torch.equal(a._s2p[..., :-1], b._s2p[..., :-1])
+        assert torch.equal(a._stamp[..., :-1], b._stamp[..., :-1])
+    sa, sb = (kv.stats()["hisparse"] for kv in caches)
+    sa.pop("swap_seconds"), sb.pop("swap_seconds")
+    assert sa == sb and sa["misses"] > 0 and sa["overflow_rows_max"] > 0
+    for kv in caches:
+        kv.close()
+
+
+def test_rows_counted_swap_interpreted():
+    """swap_in_rows_counted copies exactly counts[b] items of each row's list (interpreted kernel)."""
+    from longctx.hisparse.gather import swap_in_rows_counted
+
+    g = torch.Generator().manual_seed(1)
+    host = torch.randint(0, 100, (80, 40), generator=g).float()
+    src = torch.randint(0, 80, (3, 2, 20), generator=g)
+    dst = torch.randperm(3 * 2 * 20, generator=g).view(3, 2, 20)
+    counts = torch.tensor([[5, 0], [20, 3], [0, 17]])
+    for k in range(2):
+        a, b = torch.zeros(120, 40), torch.zeros(120, 40)
+        swap_in_rows_counted(host, src[:, k], a, dst[:, k], counts[:, k], True)
+        swap_in_rows_counted(host, src[:, k], b, dst[:, k], counts[:, k], False)
+        want = torch.zeros(120, 40)
+        for r in range(3):
+            n = int(counts[r, k])
+            want[dst[r, k, :n]] = host[src[r, k, :n]]
+        assert torch.equal(a, want) and torch.equal(b, want)
