@@ -22,12 +22,15 @@ are handed out on a request's first step (`bind_rows`, on the host) and returned
 `release(rids)`; only when more requests run at once than `max_requests` do the tables and slot
 buffers grow (doubling), which bumps `layout_version` so captured graphs are dropped.
 
-The policy is `longctx.hisparse.lru.SlotLRU`'s, done with sort / cumsum / scatter over every batch
-row at once so nothing waits for the GPU: residency lookup is one gather, victims are the lowest
-stamps among slots that are neither requested this step nor holding one of the `recent` newest
-tokens, misses get victims by rank, and `swap_in_counted` copies exactly the misses (count stays
-on the device). The step clock is a device scalar incremented at the start of each step, and each
-row's block, newest position (`seq_lens`) and page table are read from the step's device tensors,
+The policy is `longctx.hisparse.lru.SlotLRU`'s, done for every batch row (and every layer of a
+placement) at once so nothing waits for the GPU, by `longctx.kernels.lru_place` (one Triton launch
+on the Triton path, its sort / cumsum / scatter torch reference otherwise): residency lookup is
+one gather, victims are the lowest stamps among slots that are neither requested this step nor
+holding one of the `recent` newest tokens, misses get victims by rank, and the swap-in copies
+exactly the misses (`swap_in_rows_counted` over the kernel's compacted lists, or `swap_in_counted`
+over the mask; counts stay on the device). The step clock is a device scalar incremented at the
+start of each step, and each row's block, newest position (`seq_lens`) and page table are read
+from the step's device tensors,
 so a decode step has no host state baked into its ops: `DecodeGraphs` binds the rows
 (`bind_rows`) and fills `extras["kv_blocks"]` next to the page table, then replays.
 
