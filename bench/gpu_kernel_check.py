@@ -350,6 +350,57 @@ def case_ln_rope_index(interleaved: bool) -> float:
     )
 
 
+def case_place(n: int, batch: int, layers: int) -> float:
+    """A sequence of decode placements (M = 2048 top-k rows, ascending then -1 padded; a buffer
+    filling up, then full with hits and evictions; a padding row) on copies of the same tables:
+    0.0 if the kernel's tables, outputs and counters equal the torch reference's every step."""
+    from longctx.kernels.lru_place import lru_place, lru_place_ref
+
+    dev, M, P = "cuda", 2048, 131_073
+    g = torch.Generator(device=dev).manual_seed(n + batch)
+    tabs = [
+        (torch.full((batch + 1, layers, P), -1, dtype=torch.int32, device=dev),
+         torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev),
+         torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev))
+        for _ in range(2)
+    ]  # fmt: skip
+    accs = [torch.zeros(5, dtype=torch.int64, device=dev) for _ in range(2)]
+    now, minus1 = (
+        torch.zeros((), dtype=torch.int64, device=dev),
+        torch.full((), -1, dtype=torch.int32, device=dev),
+    )
+    blk = torch.arange(1, batch + 1, device=dev)
+    blk[-1] = 0 if batch > 1 else 1  # the last row pads a captured batch (block 0, nothing requested)
+    trow = blk[:, None] * layers + torch.arange(layers, device=dev)
+    table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
+    steps = 3 * (n // M) + 6
+    for step in range(steps):
+        now += 1
+        ctx = min(P - 1, 4 * M + step * 4 * M)
+        sel = torch.rand(batch, ctx, generator=g, device=dev).topk(M, dim=1).indices
+        pos = torch.where(torch.rand(batch, M, generator=g, device=dev) < 0.97, sel, -1).sort(dim=1).values
+        pos = torch.where(pos < 0, ctx, pos).sort(dim=1).values  # ascending, then -1 padding
+        pos = torch.where(pos == ctx, -1, pos)
+        pos[-1] = -1 if batch > 1 else pos[-1]
+        nf = torch.full((batch,), ctx - 64, dtype=torch.int64, device=dev)
+        outs = []
+        for (p2s, s2p, st), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
+            kw = {"backend": "triton"} if fn is lru_place else {}
+            outs.append(fn(
+                p2s.view(-1), s2p.view(-1), st.view(-1), now, pos.contiguous(), trow * P, trow * (n + 1),
+                1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=False,
+                minus1=minus1, **kw,
+            ))  # fmt: skip
+        a, b = outs
+        same = all(torch.equal(x[..., :-1], y[..., :-1]) for x, y in zip(*tabs)) and torch.equal(*accs)
+        same = same and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy"))
+        if not same:
+            print(f"differs at step {step}", file=sys.stderr)
+            return 1.0
+    print(f"hits {int(accs[0][0])} misses {int(accs[0][1])}", file=sys.stderr)
+    return 0.0
+
+
 CASES = {
     "kv_write_fp8": (case_kv_write, ("fp8",), 0.07),
     "index_write_fp8": (case_index_write, (), 0.07),
@@ -394,6 +445,10 @@ CASES = {
     "norm_rope_mla_bf16": (case_norm_rope_mla, ("bf16",), 0.0),
     "ln_rope_index_interleaved": (case_ln_rope_index, (True,), 0.13),
     "ln_rope_index_half": (case_ln_rope_index, (False,), 0.13),
+    "place_13k_b1": (case_place, (13_107, 1, 3), 0.0),
+    "place_13k_b8": (case_place, (13_107, 8, 3), 0.0),
+    "place_105k_b1": (case_place, (104_857, 1, 2), 0.0),
+    "place_105k_b8": (case_place, (104_857, 8, 2), 0.0),
 }
 
 

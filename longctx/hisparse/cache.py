@@ -22,12 +22,15 @@ are handed out on a request's first step (`bind_rows`, on the host) and returned
 `release(rids)`; only when more requests run at once than `max_requests` do the tables and slot
 buffers grow (doubling), which bumps `layout_version` so captured graphs are dropped.
 
-The policy is `longctx.hisparse.lru.SlotLRU`'s, done with sort / cumsum / scatter over every batch
-row at once so nothing waits for the GPU: residency lookup is one gather, victims are the lowest
-stamps among slots that are neither requested this step nor holding one of the `recent` newest
-tokens, misses get victims by rank, and `swap_in_counted` copies exactly the misses (count stays
-on the device). The step clock is a device scalar incremented at the start of each step, and each
-row's block, newest position (`seq_lens`) and page table are read from the step's device tensors,
+The policy is `longctx.hisparse.lru.SlotLRU`'s, done for every batch row (and every layer of a
+placement) at once so nothing waits for the GPU, by `longctx.kernels.lru_place` (one Triton launch
+on the Triton path, its sort / cumsum / scatter torch reference otherwise): residency lookup is
+one gather, victims are the lowest stamps among slots that are neither requested this step nor
+holding one of the `recent` newest tokens, misses get victims by rank, and the swap-in copies
+exactly the misses (`swap_in_rows_counted` over the kernel's compacted lists, or `swap_in_counted`
+over the mask; counts stay on the device). The step clock is a device scalar incremented at the
+start of each step, and each row's block, newest position (`seq_lens`) and page table are read
+from the step's device tensors,
 so a decode step has no host state baked into its ops: `DecodeGraphs` binds the rows
 (`bind_rows`) and fills `extras["kv_blocks"]` next to the page table, then replays.
 
@@ -66,14 +69,14 @@ import torch
 
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
-from longctx.hisparse.gather import swap_in_counted
+from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
+from longctx.kernels.lru_place import lru_place
 from longctx.kernels.swap import swap_in_gather
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
 from longctx.model.context import ForwardContext
 
 log = logging.getLogger("longctx.hisparse")
-_BIG = 1 << 62  # LRU key of slots that may not be evicted this step
 
 
 @dataclass
@@ -115,6 +118,10 @@ class _Placed(NamedTuple):
     src: torch.Tensor  # [B, M] their rows in the host pool
     dst: torch.Tensor  # [B, L', M] their slot-buffer rows
     copy: torch.Tensor  # [B, L', M] whether the host row must be copied there
+    # the Triton placement also lists the copies compacted per (row, layer): the first cnt of
+    csrc: torch.Tensor | None  # [B, L', M] host rows
+    cdst: torch.Tensor | None  # [B, L', M] slot-buffer rows
+    cnt: torch.Tensor | None  # [B, L']
 
 
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -283,7 +290,7 @@ class HiSparseKVCache:
         p = self._newest
         assert p is not None
         li = self._index_of[layer]
-        self._swap(layer, p.src, p.dst[:, li], p.copy[:, li], True)
+        self._swap(layer, p, li, True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Top-k logical positions [T, K] (-1 = none) -> rows of `attend_pool(layer)` (-1 stays)."""
@@ -296,12 +303,12 @@ class HiSparseKVCache:
         if self._dec is not None and layer not in self._prefetched:  # every decode row at once
             tok, rows = self._dec
             p = self._place(self._one[li], rows, self._masked(q if tok is None else q[tok], rows), acc)
-            self._swap(layer, p.src, p.dst[:, 0], p.copy[:, 0], False)
+            self._swap(layer, p, 0, False)
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
             p = self._place(self._one[li], self._all.row(b), q[s:e].reshape(1, -1), acc)
-            self._swap(layer, p.src, p.dst[:, 0], p.copy[:, 0], False)
+            self._swap(layer, p, 0, False)
             if p.overflow is not None:
                 n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
                 if n:
@@ -528,69 +535,43 @@ class HiSparseKVCache:
         overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
         on the host: copy them even if resident (and count them apart from hits / misses).
         """
-        N, P, S = self.N, self._P, self.N + 1  # row lengths; column P - 1 / N is each layer's sink
-        u = torch.sort(pos, dim=1).values
-        first = torch.ones_like(u, dtype=torch.bool)
-        first[:, 1:] = u[:, 1:] != u[:, :-1]
-        m = (first & (u >= 0))[:, None, :]  # [B, 1, M]
-        uc = u.clamp(min=0)[:, None, :]
-        row = r.trow[:, li]  # [B, L'] (block, layer) table rows
-        bp, bs = r.p_at[:, li, None], r.s_at[:, li, None]  # their offsets in the flat tables
-        p2s, s2p, stamp = self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1)
-        slot = p2s[bp + uc].long()  # [B, L', M]
-        res = m & (slot >= 0)
-        # values stored through index_put_ are device scalars: for a CUDA destination PyTorch makes a
-        # Python number a CPU scalar tensor (the store that once put a host->device copy in moe_align)
-        now_t, minus1 = self._now_t, self._minus1
-        stamp[bs + torch.where(res, slot, N)] = now_t  # touch hits; they may not be evicted this step
-        need = m & (slot < 0)
-        s2p_n = self._s2p.view(-1, S)[row][..., :N]  # [B, L', N]
-        stamp_n = self._stamp.view(-1, S)[row][..., :N]
-        key = torch.where((s2p_n >= r.newest_from[:, None, None]) | (stamp_n == now_t), _BIG, stamp_n)
-        order = torch.argsort(key, dim=-1, stable=True)  # free slots (stamp -1) first, then LRU
-        cap = (key < _BIG).sum(-1, keepdim=True)
-        rank = torch.cumsum(need.long(), -1) - 1
-        placed = need & (rank < cap)
-        vslot = torch.where(placed, order.gather(-1, rank.clamp(0, N - 1)), N)
-        sv = bs + vslot
-        old = s2p[sv]
-        p2s[bp + torch.where(placed & (old >= 0), old, P - 1)] = minus1  # evict
-        s2p[sv] = u[:, None, :].expand_as(vslot)
-        p2s[bp + torch.where(placed, uc, P - 1)] = vslot.to(torch.int32)
-        stamp[sv] = now_t
-        copy = placed | (res & force)
-        dst = r.base[:, None, None] + torch.where(placed, vslot, slot)
-        if force:
-            acc[2] += copy.sum()
-        else:
-            acc[0] += res.sum()
-            acc[1] += need.sum()
-        possible = pos.shape[1] + self.recent > N and not force
-        ovf = (need & ~placed) if possible else None
-        return _Placed(u, ovf, self._phys(r.table, u.clamp(min=0)), dst, copy)
+        pl = lru_place(
+            self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1), self._now_t, pos.contiguous(),
+            r.p_at[:, li], r.s_at[:, li], r.base, r.newest_from, r.table, acc, n_slots=self.N,
+            pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
+            backend="triton" if self.use_triton else "torch",
+        )  # fmt: skip
+        possible = pos.shape[1] + self.recent > self.N and not force
+        return _Placed(
+            pl.u, pl.overflow if possible else None, pl.src, pl.dst, pl.copy, pl.csrc, pl.cdst, pl.cnt
+        )
 
-    def _swap(
-        self, layer: int, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor, force: bool
-    ) -> None:
-        """host row src[i] -> slot-buffer row dst[i] where mask[i] (any shapes, flattened)."""
-        src, dst, mask = src.reshape(-1), dst.reshape(-1), mask.reshape(-1)
+    def _swap(self, layer: int, p: _Placed, k: int, force: bool) -> None:
+        """Copy what placement p marked for its k-th layer (stage layer `layer`) from the host pool."""
         slots = self._slots[layer]
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
         if not (cuda or self.use_triton):  # the torch path (CPU): a host-sized gather
-            idx = mask.nonzero().squeeze(1)
+            src, dst = p.src.reshape(-1), p.dst[:, k].reshape(-1)
+            idx = p.copy[:, k].reshape(-1).nonzero().squeeze(1)
             swap_in_gather(self._host[layer], src[idx], slots, dst[idx], backend="torch")
         else:  # the copies first, then a kernel that reads their count on the device
-            if mask.numel() > 1:  # (a single item already is: a decode step's newest token)
-                order = torch.argsort((~mask).to(torch.int8), stable=True)
-                src, dst = src[order], dst[order]
             timed = cuda and not force and not self._capturing()
             if timed:
                 a = torch.cuda.Event(enable_timing=True)
                 z = torch.cuda.Event(enable_timing=True)
                 a.record()
             # on CUDA the source is the device alias of the registered host rows (no pinned check)
-            swap_in_counted(self._write_view[layer], src, slots, dst, mask.sum(), self.use_triton)
+            view = self._write_view[layer]
+            if p.cnt is not None:  # the Triton placement compacted them per row
+                assert p.csrc is not None and p.cdst is not None
+                swap_in_rows_counted(view, p.csrc[:, k], slots, p.cdst[:, k], p.cnt[:, k], self.use_triton)
+            else:
+                src, dst, mask = p.src.reshape(-1), p.dst[:, k].reshape(-1), p.copy[:, k].reshape(-1)
+                if mask.numel() > 1:  # (a single item already is: a decode step's newest token)
+                    order = torch.argsort((~mask).to(torch.int8), stable=True)
+                    src, dst = src[order], dst[order]
+                swap_in_counted(view, src, slots, dst, mask.sum(), self.use_triton)
             if timed:
                 z.record()
                 self._events.append((a, z))
@@ -655,7 +636,7 @@ class HiSparseKVCache:
             # one placement for all the shared layers (each its own LRU), then their copies
             p = self._place(self._shared_ids[layer], rows, self._masked(qd, rows), acc)
             for k, s in enumerate(self._shared_after[layer]):
-                self._swap(s, p.src, p.dst[:, k], p.copy[:, k], False)
+                self._swap(s, p, k, False)
                 self._prefetched.add(s)
 
 

@@ -79,3 +79,70 @@ def _copy_rows_counted_kernel(
         m = im[:, None] & (w < ROW_W)[None, :]
         v = tl.load(src_ptr + s[:, None] + w[None, :], mask=m)
         tl.store(dst_ptr + d[:, None] + w[None, :], v, mask=m)
+
+
+def swap_in_rows_counted(
+    host_pool: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_pool: torch.Tensor,
+    dst_rows: torch.Tensor,
+    counts: torch.Tensor,
+    use_triton: bool,
+) -> None:
+    """Per batch row b: host_pool[src_rows[b, i]] -> dst_pool[dst_rows[b, i]] for i < counts[b].
+
+    The copy lists `lru_place` compacts per (row, layer) (one layer's column of them): src_rows,
+    dst_rows int64 [B, M] with unit stride along M, counts int64 [B], all on dst_pool's device.
+    Pools as in `swap_in_counted`. One launch over [B, M] whose programs past their row's count
+    return at once; nothing is read back on the host (on the Triton path). Asynchronous on CUDA.
+    """
+    check(src_rows.dim() == 2 and src_rows.shape == dst_rows.shape, "src_rows / dst_rows: [B, M]")
+    check(src_rows.stride(1) == 1 and dst_rows.stride(1) == 1, "rows must be contiguous along M")
+    check(counts.shape == (src_rows.shape[0],) and counts.dtype == torch.int64, "counts: int64 [B]")
+    B, n = src_rows.shape
+    if B == 0 or n == 0:
+        return
+    if not (use_triton and (dst_pool.device.type == "cuda" or triton_interpret())):
+        m = torch.arange(n, device=counts.device) < counts[:, None]
+        backend = "triton" if use_triton else "torch"
+        swap_in_gather(host_pool, src_rows[m], dst_pool, dst_rows[m], backend=backend)
+        return
+    check(
+        host_pool.device == dst_pool.device or host_pool.is_pinned(),
+        "host_pool must be registered/pinned host memory or on dst_pool's device",
+    )
+    check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
+    row_bytes = host_pool.shape[1] * host_pool.element_size()
+    word = _word_dtype(row_bytes, host_pool, dst_pool)
+    row_w = row_bytes // word.itemsize
+    block_w = min(next_pow2(row_w), 1024)
+    items = max(1, min(16, 2048 // block_w))
+    grid = ((n + items - 1) // items, B)
+    with torch.cuda.device(dst_pool.device) if dst_pool.is_cuda else contextlib.nullcontext():
+        _copy_rows_counted_2d_kernel[grid](
+            host_pool.view(torch.uint8).view(word), src_rows, src_rows.stride(0),
+            dst_pool.view(torch.uint8).view(word), dst_rows, dst_rows.stride(0), counts, counts.stride(0),
+            ROW_W=row_w, ITEMS=items, BLOCK_W=block_w, num_warps=4,
+        )  # fmt: skip
+
+
+@jit
+def _copy_rows_counted_2d_kernel(
+    src_ptr, src_rows_ptr, stride_s, dst_ptr, dst_rows_ptr, stride_d, count_ptr, stride_c,
+    ROW_W: tl.constexpr, ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    # _copy_rows_counted_kernel with one item list and count per batch row (grid axis 1).
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.load(count_ptr + b * stride_c)
+    if pid * ITEMS >= n:
+        return
+    it = pid * ITEMS + tl.arange(0, ITEMS)
+    im = it < n
+    s = tl.load(src_rows_ptr + b * stride_s + it, mask=im, other=0).to(tl.int64) * ROW_W
+    d = tl.load(dst_rows_ptr + b * stride_d + it, mask=im, other=0).to(tl.int64) * ROW_W
+    for w0 in range(0, ROW_W, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        m = im[:, None] & (w < ROW_W)[None, :]
+        v = tl.load(src_ptr + s[:, None] + w[None, :], mask=m)
+        tl.store(dst_ptr + d[:, None] + w[None, :], v, mask=m)

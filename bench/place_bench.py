@@ -1,0 +1,122 @@
+"""Time one HiSparse placement (kernels/lru_place.py): the Triton kernel against the torch reference
+(the sort / scatter path it replaces), at decode sizes with a full slot buffer.
+
+Each case fills N slots per (row, layer) with decode steps of M = 2048 top-k positions (ascending,
+-1 padded) drawn from a growing context, then times `steps` further steps (clock tick +
+placement; hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA
+events, each path on its own copy of the tables. Prints a table and writes JSON + markdown.
+
+    python -m bench.place_bench [--out DIR] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = [(13_107, 1, 1), (13_107, 1, 3), (13_107, 8, 1), (104_857, 1, 1), (104_857, 8, 2)]  # (N, B, L)
+
+
+def _case(n: int, batch: int, layers: int, steps: int, hit: float) -> dict:
+    from longctx.kernels.lru_place import lru_place, lru_place_ref
+
+    dev, M = "cuda", 2048
+    ctx_max = int(n / 0.1)  # the cap is 10% of the context, as in the one-million runs
+    P = ctx_max + 1
+    g = torch.Generator(device=dev).manual_seed(0)
+    blk = torch.arange(1, batch + 1, device=dev)
+    trow = blk[:, None] * layers + torch.arange(layers, device=dev)
+    table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
+    minus1 = torch.full((), -1, dtype=torch.int32, device=dev)
+    nf = torch.full((batch,), ctx_max - 64, dtype=torch.int64, device=dev)
+    p_at, s_at, base = trow * P, trow * (n + 1), 1 + (blk - 1) * n
+    res = {}
+    for name, fn in (("torch", lru_place_ref), ("triton", lru_place)):
+        p2s = torch.full((batch + 1, layers, P), -1, dtype=torch.int32, device=dev)
+        s2p = torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev)
+        st = torch.full_like(s2p, -1)
+        acc = torch.zeros(5, dtype=torch.int64, device=dev)
+        now = torch.zeros((), dtype=torch.int64, device=dev)
+        kw = {"backend": "triton"} if fn is lru_place else {}
+        prev = torch.randperm(ctx_max, generator=g, device=dev)[:M].expand(batch, M)
+
+        def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now)) -> None:  # type: ignore[no-untyped-def]
+            f, kw_, p2s_, s2p_, st_, acc_, now_ = state
+            f(
+                p2s_.view(-1), s2p_.view(-1), st_.view(-1), now_, sel, p_at, s_at, base, nf, table, acc_, n_slots=n, pos_len=P, page_size=64, force=False, minus1=minus1, **kw_,
+            )  # fmt: skip
+
+        for _ in range(n // (M // 2) + 4):  # fill the buffer (half the requests new each step)
+            now.add_(1)
+            new = torch.randint(0, ctx_max, (batch, M), generator=g, device=dev)
+            prev = (
+                torch.where(torch.rand(batch, M, generator=g, device=dev) < 0.5, prev, new).sort(dim=1).values
+            )
+            place(prev)
+        acc.zero_()
+        # time only the placement: make the requests first, replay them
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ms = []
+        for _ in range(steps):
+            step_inputs = torch.where(
+                torch.rand(batch, M, generator=g, device=dev) < hit,
+                prev,
+                torch.randint(0, ctx_max, (batch, M), generator=g, device=dev),
+            ).sort(dim=1).values  # fmt: skip
+            prev = step_inputs
+            now.add_(1)
+            torch.cuda.synchronize()
+            a.record()
+            place(step_inputs)
+            z.record()
+            torch.cuda.synchronize()
+            ms.append(a.elapsed_time(z))
+        ms.sort()
+        h, mi = int(acc[0]), int(acc[1])
+        res[name] = {
+            "median_us": 1e3 * ms[len(ms) // 2],
+            "min_us": 1e3 * ms[0],
+            "hit_rate": h / max(1, h + mi),
+        }
+    return {"N": n, "B": batch, "L": layers, "M": M, **res}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--hit", type=float, default=0.9, help="share of each step's requests kept from the last")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    rows = [_case(n, b, l, args.steps, args.hit) for n, b, l in CASES]
+    lines = [
+        "| N | B | L | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t, k = r["torch"], r["triton"]
+        lines.append(
+            f"| {r['N']} | {r['B']} | {r['L']} | {t['median_us']:.1f} | {k['median_us']:.1f} | "
+            f"{k['min_us']:.1f} | {t['median_us'] / k['median_us']:.1f}x | {k['hit_rate']:.3f} |"
+        )
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        dev = torch.cuda.get_device_name()
+        (args.out / "place-bench.json").write_text(json.dumps({"device": dev, "cases": rows}, indent=2))
+        (args.out / "place-bench.md").write_text(
+            f"# HiSparse placement ({dev})\n\n" + "\n".join(lines) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""HiSparse LRU placement: make requested token positions resident in per (row, layer) slot tables.
+
+`lru_place(...)` does one whole placement of `HiSparseKVCache` (`longctx.hisparse.cache`) for B
+batch rows x L layers: dedupe the requested positions, look up hits and touch their stamps, pick
+LRU victims for the misses, evict and insert, and return what the caller copies. `lru_place_ref`
+is the torch reference (the CPU path, and the specification the Triton kernel matches bit for bit).
+
+Tables (flat views of the cache's [blocks, layers, row] tensors; each (row, layer) is addressed by
+its offsets `p_at` / `s_at` into them):
+- `p2s` int32: position -> slot (-1 absent); row length P, column P - 1 a sink for masked writes.
+- `s2p` int64: slot -> position (-1 free); `stamp` int64: the step a slot was last used (-1
+  never); row length N + 1, column N a sink.
+The reference writes the sinks (masked-off index_put targets); the kernel never touches them, so
+the two agree on every column except the sinks (which nothing reads).
+
+Policy (`longctx.hisparse.lru.SlotLRU`): each slot's LRU key is its stamp, except that slots
+touched this step (stamp == now, hits included) and slots holding a position >= `newest_from[b]`
+may not be evicted. The misses, in ascending position order, take the evictable slots in
+ascending (key, slot index) order: free slots (stamp -1) first, then the oldest. Misses beyond
+the evictable count overflow (not placed).
+
+Triton kernel: one program per (row, layer), one launch per placement. It never sorts the N
+slots: after the requested positions are sorted (free when they come ascending with -1 padding
+anywhere, as top-k and the newest tokens do; a bitonic `tl.sort` of the M positions otherwise)
+and looked up, the R = min(misses, evictable) victims are found by a radix select over the keys:
+one pass over the slots counts the evictable and free ones and the range of the other keys, 8-bit
+histogram passes over (key - min key) find the R-th smallest key T (usually one pass: the
+evictable stamps of a full buffer span few steps), and a last pass compacts the victims (keys < T
+and the lowest-index keys == T) in slot order. That list is already in (key, index) order unless
+it mixes several keys; then its <= M entries are sorted by (key + 1) << IB | index (exact while
+stamps stay below 2^(63 - IB), i.e. for any realistic step count). It also writes the copies
+compacted per (row, layer) (`csrc`, `cdst`, `cnt`), so the swap-in reads no mask and sorts
+nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .common import check, jit, next_pow2, tl, use_triton
+
+_BIG = 1 << 62  # LRU key of slots that may not be evicted this step
+MAX_M = 4096  # the kernel's limit on requested positions per row (larger: the reference)
+
+
+class Placement(NamedTuple):
+    """What one placement decided for positions `u` of rows [B] in each of its layers [L]."""
+
+    u: torch.Tensor  # [B, M] int64 the requested positions, ascending per row (-1 = none)
+    src: torch.Tensor  # [B, M] int64 their host-pool rows (position 0's for -1)
+    dst: torch.Tensor  # [B, L, M] int64 their slot-buffer rows (meaningful where copy)
+    copy: torch.Tensor  # [B, L, M] bool: copy host row src there
+    overflow: torch.Tensor  # [B, L, M] bool: a miss that found no evictable slot
+    csrc: torch.Tensor | None  # [B, L, M] int64: src of the copies, compacted (first cnt valid)
+    cdst: torch.Tensor | None  # [B, L, M] int64: dst of the copies, compacted
+    cnt: torch.Tensor | None  # [B, L] int64 copies per (row, layer)
+
+
+def _check(
+    p2s: torch.Tensor, s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, pos: torch.Tensor,
+    p_at: torch.Tensor, s_at: torch.Tensor, base: torch.Tensor, newest_from: torch.Tensor,
+    table: torch.Tensor, acc: torch.Tensor,
+) -> None:  # fmt: skip
+    check(p2s.dim() == 1 and p2s.dtype == torch.int32, "p2s must be flat int32")
+    for name, t in (("s2p", s2p), ("stamp", stamp)):
+        check(t.dim() == 1 and t.dtype == torch.int64, f"{name} must be flat int64")
+    check(now.dim() == 0 and now.dtype == torch.int64, "now must be a 0-d int64 tensor")
+    check(pos.dim() == 2 and pos.dtype == torch.int64 and pos.is_contiguous(), "pos must be int64 [B, M]")
+    B = pos.shape[0]
+    check(
+        p_at.shape == s_at.shape and p_at.dim() == 2 and p_at.shape[0] == B
+        and p_at.stride() == s_at.stride() and p_at.dtype == s_at.dtype == torch.int64,
+        "p_at / s_at must be int64 [B, L] with equal strides",
+    )  # fmt: skip
+    for name, t in (("base", base), ("newest_from", newest_from)):
+        check(t.shape == (B,) and t.dtype == torch.int64 and t.is_contiguous(), f"{name} must be int64 [B]")
+    check(table.dim() == 2 and table.shape[0] == B and table.dtype == torch.int32, "table: int32 [B, pages]")
+    check(table.stride(1) == 1, "page table rows must be contiguous")
+    check(acc.dtype == torch.int64 and acc.numel() >= 3 and acc.is_contiguous(), "acc: int64 [>= 3]")
+    devs = {t.device for t in (p2s, s2p, stamp, now, pos, p_at, base, newest_from, table, acc)}
+    check(len(devs) == 1, "all tensors must be on one device")
+
+
+def lru_place_ref(
+    p2s: torch.Tensor,
+    s2p: torch.Tensor,
+    stamp: torch.Tensor,
+    now: torch.Tensor,
+    pos: torch.Tensor,
+    p_at: torch.Tensor,
+    s_at: torch.Tensor,
+    base: torch.Tensor,
+    newest_from: torch.Tensor,
+    table: torch.Tensor,
+    acc: torch.Tensor,
+    *,
+    n_slots: int,
+    pos_len: int,
+    page_size: int,
+    force: bool,
+    minus1: torch.Tensor,
+) -> Placement:
+    """Reference (sort / cumsum / scatter over all rows and layers at once; see module doc).
+
+    p2s / s2p / stamp: the flat tables (updated in place); now: the step clock (0-d int64);
+    pos: int64 [B, M] requested positions (-1 = none, duplicates allowed); p_at / s_at: int64
+    [B, L] each (row, layer)'s offset in p2s / in s2p and stamp; base: int64 [B] first
+    slot-buffer row of each row's block; newest_from: int64 [B]; table: int32 [B, pages] page
+    table rows; acc: int64 counters (acc[0] hits, acc[1] misses, or acc[2] forced copies);
+    n_slots: N; pos_len: P (p2s row length); force: copy resident positions too; minus1: an int32
+    -1 on the device (index_put_ of a Python number on CUDA would copy it from the host).
+    """
+    N, P = n_slots, pos_len
+    u = torch.sort(pos, dim=1).values
+    first = torch.ones_like(u, dtype=torch.bool)
+    first[:, 1:] = u[:, 1:] != u[:, :-1]
+    m = (first & (u >= 0))[:, None, :]  # [B, 1, M]
+    uc = u.clamp(min=0)[:, None, :]
+    bp, bs = p_at[:, :, None], s_at[:, :, None]  # [B, L, 1]
+    slot = p2s[bp + uc].long()  # [B, L, M]
+    res = m & (slot >= 0)
+    stamp[bs + torch.where(res, slot, N)] = now  # touch hits; they may not be evicted this step
+    need = m & (slot < 0)
+    cols = torch.arange(N, device=pos.device)
+    s2p_n, stamp_n = s2p[s_at[:, :, None] + cols], stamp[s_at[:, :, None] + cols]  # [B, L, N]
+    key = torch.where((s2p_n >= newest_from[:, None, None]) | (stamp_n == now), _BIG, stamp_n)
+    order = torch.argsort(key, dim=-1, stable=True)  # free slots (stamp -1) first, then LRU
+    cap = (key < _BIG).sum(-1, keepdim=True)
+    rank = torch.cumsum(need.long(), -1) - 1
+    placed = need & (rank < cap)
+    vslot = torch.where(placed, order.gather(-1, rank.clamp(0, N - 1)), N)
+    sv = bs + vslot
+    old = s2p[sv]
+    p2s[bp + torch.where(placed & (old >= 0), old, P - 1)] = minus1  # evict
+    s2p[sv] = u[:, None, :].expand_as(vslot)
+    p2s[bp + torch.where(placed, uc, P - 1)] = vslot.to(torch.int32)
+    stamp[sv] = now
+    copy = placed | (res & force)
+    dst = base[:, None, None] + torch.where(placed, vslot, slot)
+    if force:
+        acc[2] += copy.sum()
+    else:
+        acc[0] += res.sum()
+        acc[1] += need.sum()
+    ps = page_size
+    uc0 = u.clamp(min=0)
+    src = table.gather(1, uc0 // ps).long() * ps + uc0 % ps
+    return Placement(u, src, dst, copy, need & ~placed, None, None, None)
+
+
+def lru_place(
+    p2s: torch.Tensor,
+    s2p: torch.Tensor,
+    stamp: torch.Tensor,
+    now: torch.Tensor,
+    pos: torch.Tensor,
+    p_at: torch.Tensor,
+    s_at: torch.Tensor,
+    base: torch.Tensor,
+    newest_from: torch.Tensor,
+    table: torch.Tensor,
+    acc: torch.Tensor,
+    *,
+    n_slots: int,
+    pos_len: int,
+    page_size: int,
+    force: bool,
+    minus1: torch.Tensor,
+    backend: str = "auto",
+) -> Placement:
+    """One placement (arguments as `lru_place_ref`). The Triton path (M <= MAX_M) gives the same
+    u / src / dst / copy / overflow and tables (sinks aside) plus the compacted copies; it makes no
+    host sync and has no data-dependent shape (CUDA-graph safe). Asynchronous on CUDA."""
+    _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc)
+    B, M = pos.shape
+    L = p_at.shape[1]
+    if not use_triton(backend, pos.device) or M > MAX_M or B * L == 0 or M == 0:
+        return lru_place_ref(
+            p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc,
+            n_slots=n_slots, pos_len=pos_len, page_size=page_size, force=force, minus1=minus1,
+        )  # fmt: skip
+    dev = pos.device
+    u = torch.empty((B, M), dtype=torch.int64, device=dev)
+    src = torch.empty((B, M), dtype=torch.int64, device=dev)
+    # one allocation for the [B, L, M] int64 outputs, one for the bool ones
+    i64 = torch.empty((3, B, L, M), dtype=torch.int64, device=dev)
+    b8 = torch.empty((2, B, L, M), dtype=torch.bool, device=dev)
+    cnt = torch.empty((B, L), dtype=torch.int64, device=dev)
+    block_m = max(16, next_pow2(M))
+    scratch = torch.empty((B * L, 3, block_m), dtype=torch.int64, device=dev)
+    ib = max(1, (n_slots - 1).bit_length())
+    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        _lru_place_kernel[(B, L)](
+            pos, M, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
+            newest_from, table, table.stride(0), acc, n_slots, L,
+            u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch,
+            PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=1024, NB=256, num_warps=8,
+        )  # fmt: skip
+    return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------- Triton
+
+
+@jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
+def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
+    # LRU keys of slots offs of one (row, layer): the stamp, or BIG where not evictable
+    inb = offs < N
+    sp = tl.load(s2p_ptr + bs + offs, mask=inb, other=0)
+    st = tl.load(st_ptr + bs + offs, mask=inb, other=0)
+    return tl.where((sp >= nf) | (st == now) | (offs >= N), BIG, st)
+
+
+@jit
+def _lru_place_kernel(
+    pos_ptr, M, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
+    nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
+    u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr,
+    PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    BIG: tl.constexpr = 1 << 62
+    b = tl.program_id(0)
+    l = tl.program_id(1)
+    pl = (b * L + l).to(tl.int64)
+    now = tl.load(now_ptr)
+    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
+    nf = tl.load(nf_ptr + b)
+    base = tl.load(base_ptr + b)
+    j = tl.arange(0, BLOCK_M)
+    jm = j < M
+    us = scr_ptr + pl * (3 * BLOCK_M)  # this program's scratch: sorted positions, victim keys, slots
+    lk = us + BLOCK_M
+    li = us + 2 * BLOCK_M
+    prow = pos_ptr + b.to(tl.int64) * M
+
+    # 1. the requested positions in ascending order. Top-k rows come ascending then -1 padded, the
+    # newest tokens -1 padded then ascending: with the -1s taken to the front they are sorted.
+    p = tl.load(prow + j, mask=jm, other=BIG)
+    seen = tl.associative_scan(tl.load(prow + j - 1, mask=jm & (j > 0), other=-1), 0, _max)
+    bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
+    if tl.sum(bad.to(tl.int32), 0) == 0:
+        ni = (jm & (p < 0)).to(tl.int32)
+        vi = (jm & (p >= 0)).to(tl.int32)
+        dest = tl.where(p >= 0, tl.sum(ni, 0) + tl.cumsum(vi, 0) - vi, tl.cumsum(ni, 0) - ni)
+        tl.store(us + dest, p, mask=jm)
+    else:
+        tl.store(us + j, tl.sort(p), mask=jm)
+    tl.debug_barrier()
+    u = tl.load(us + j, mask=jm, other=BIG)
+    up = tl.load(us + j - 1, mask=jm & (j > 0), other=-1)
+    m = jm & ((j == 0) | (u != up)) & (u >= 0)  # first of each distinct position
+    uc = tl.maximum(u, 0)
+    slot = tl.load(p2s_ptr + bp + uc, mask=jm, other=-1).to(tl.int64)
+    res = m & (slot >= 0)
+    need = m & (slot < 0)
+    tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=res)  # touch the hits
+    tl.debug_barrier()
+    n_need = tl.sum(need.to(tl.int32), 0)
+
+    # 2. evictable slots, free ones (key -1) and the range of the other keys
+    cap = n_need * 0
+    nfree = n_need * 0
+    kmin = now * 0 + BIG
+    kmax = now * 0 - 1
+    if n_need > 0:
+        for c0 in range(0, N, BLOCK_N):
+            offs = c0 + tl.arange(0, BLOCK_N)
+            key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+            ev = key < BIG
+            rest = ev & (key >= 0)
+            cap += tl.sum(ev.to(tl.int32), 0)
+            nfree += tl.sum((ev & (key == -1)).to(tl.int32), 0)
+            kmin = tl.minimum(kmin, tl.min(tl.where(rest, key, BIG), 0))
+            kmax = tl.maximum(kmax, tl.max(tl.where(rest, key, -1), 0))
+    R = tl.minimum(n_need, cap)
+
+    # 3. the R-th smallest key T, and how many slots with key T to take (lowest index first)
+    T = now * 0 - 1
+    take = R
+    if nfree < R:
+        rem = R - nfree
+        prefix = now * 0
+        dmax = kmax - kmin
+        shift = n_need * 0
+        t = dmax >> 8
+        while t > 0:
+            shift += 8
+            t = t >> 8
+        if dmax > 0:
+            bins = tl.arange(0, NB)
+            while shift >= 0:
+                hist = tl.zeros([NB], tl.int32)
+                for c0 in range(0, N, BLOCK_N):
+                    offs = c0 + tl.arange(0, BLOCK_N)
+                    key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+                    d = key - kmin
+                    part = (key < BIG) & (key >= 0) & (((d >> shift) >> 8) == prefix)
+                    dig = tl.where(part, (d >> shift) & (NB - 1), 0).to(tl.int32)
+                    # tl.histogram has no mask: the outsiders counted in bin 0 are taken out again
+                    nout = BLOCK_N - tl.sum(part.to(tl.int32), 0)
+                    hist += tl.histogram(dig, NB) - tl.where(bins == 0, nout, 0)
+                cum = tl.cumsum(hist, 0)
+                sel = tl.min(tl.where(cum >= rem, bins, NB), 0)
+                rem -= tl.sum(tl.where(bins < sel, hist, 0), 0)
+                prefix = prefix * NB + sel
+                shift -= 8
+        T = kmin + prefix
+        take = rem
+
+    # 4. the victims in slot order, then in (key, slot) order
+    if R > 0:
+        got = R * 0
+        eqn = R * 0
+        for c0 in range(0, N, BLOCK_N):
+            offs = c0 + tl.arange(0, BLOCK_N)
+            key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+            ev = key < BIG
+            eqi = (ev & (key == T)).to(tl.int32)
+            sel = (ev & (key < T)) | ((eqi > 0) & (eqn + tl.cumsum(eqi, 0) - eqi < take))
+            si = sel.to(tl.int32)
+            at = got + tl.cumsum(si, 0) - si
+            tl.store(lk + at, key, mask=sel)
+            tl.store(li + at, offs.to(tl.int64), mask=sel)
+            got += tl.sum(si, 0)
+            eqn += tl.sum(eqi, 0)
+        tl.debug_barrier()
+        k = tl.load(lk + j, mask=j < R, other=BIG)
+        kp = tl.load(lk + j - 1, mask=(j > 0) & (j < R), other=-1)
+        if tl.sum(((j < R) & (k < kp)).to(tl.int32), 0) > 0:
+            v = tl.load(li + j, mask=j < R, other=0)
+            comb = tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF)
+            srt = tl.sort(comb)
+            tl.debug_barrier()
+            tl.store(li + j, srt & ((1 << IB) - 1), mask=j < R)
+        tl.debug_barrier()
+
+    # 5. evict and insert: the i-th miss (ascending position) takes the i-th victim
+    ni = need.to(tl.int32)
+    rank = tl.cumsum(ni, 0) - 1
+    placed = need & (rank < R)
+    vslot = tl.where(placed, tl.load(li + rank, mask=placed, other=0), N)
+    old = tl.load(s2p_ptr + bs + vslot, mask=placed, other=-1)
+    tl.store(p2s_ptr + bp + old, tl.full([BLOCK_M], -1, tl.int32), mask=placed & (old >= 0))
+    tl.store(s2p_ptr + bs + vslot, u, mask=placed)
+    tl.store(p2s_ptr + bp + uc, vslot.to(tl.int32), mask=placed)
+    tl.store(st_ptr + bs + vslot, tl.zeros_like(vslot) + now, mask=placed)
+
+    # 6. outputs
+    copy = placed
+    if FORCE:
+        copy = placed | res
+    dst = base + tl.where(placed, vslot, slot)
+    pg = tl.load(table_ptr + b.to(tl.int64) * stride_t + uc // PAGE, mask=jm, other=0).to(tl.int64)
+    src = pg * PAGE + uc % PAGE
+    o = pl * M + j
+    tl.store(dst_ptr + o, dst, mask=jm)
+    tl.store(copy_ptr + o, copy, mask=jm)
+    tl.store(ovf_ptr + o, need & ~placed, mask=jm)
+    if l == 0:
+        tl.store(u_ptr + b.to(tl.int64) * M + j, u, mask=jm)
+        tl.store(src_ptr + b.to(tl.int64) * M + j, src, mask=jm)
+    ci = copy.to(tl.int32)
+    at = pl * M + tl.cumsum(ci, 0) - ci
+    tl.store(csrc_ptr + at, src, mask=copy)
+    tl.store(cdst_ptr + at, dst, mask=copy)
+    n_copy = tl.sum(ci, 0).to(tl.int64)
+    tl.store(cnt_ptr + pl, n_copy)
+    if FORCE:
+        tl.atomic_add(acc_ptr + 2, n_copy)
+    else:
+        tl.atomic_add(acc_ptr + 0, tl.sum(res.to(tl.int32), 0).to(tl.int64))
+        tl.atomic_add(acc_ptr + 1, n_need.to(tl.int64))

@@ -1,0 +1,199 @@
+"""The HiSparse placement kernel (kernels/lru_place.py, interpreted) against its torch reference: the
+same tables (sinks aside), outputs and counters, bit for bit, over sequences of placements on fresh
+random tables: duplicates, -1 padding (at either end or anywhere), unsorted rows, full buffers,
+overflow, protected newest positions, forced copies, a padding row and several layers at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from longctx.kernels.common import HAS_TRITON, triton_interpret
+from longctx.kernels.lru_place import lru_place, lru_place_ref
+
+from . import conftest_kernels  # noqa: F401  (TRITON_INTERPRET=1 before triton is imported)
+
+pytestmark = pytest.mark.skipif(not (HAS_TRITON and triton_interpret()), reason="needs TRITON_INTERPRET=1")
+
+PS = 4  # page size
+
+
+class _Tables:
+    """[1 + blocks, layers, row] tables as the cache holds them (block 0 = the padding block)."""
+
+    def __init__(self, blocks: int, layers: int, n: int, p: int) -> None:
+        self.p2s = torch.full((1 + blocks, layers, p), -1, dtype=torch.int32)
+        self.s2p = torch.full((1 + blocks, layers, n + 1), -1, dtype=torch.int64)
+        self.stamp = torch.full((1 + blocks, layers, n + 1), -1, dtype=torch.int64)
+
+    def clone(self) -> _Tables:
+        t = _Tables.__new__(_Tables)
+        t.p2s, t.s2p, t.stamp = self.p2s.clone(), self.s2p.clone(), self.stamp.clone()
+        return t
+
+    def same(self, o: _Tables) -> bool:  # the sink columns aside
+        return (
+            torch.equal(self.p2s[..., :-1], o.p2s[..., :-1])
+            and torch.equal(self.s2p[..., :-1], o.s2p[..., :-1])
+            and torch.equal(self.stamp[..., :-1], o.stamp[..., :-1])
+        )
+
+
+def _request(g: torch.Generator, B: int, M: int, hi: int, style: str) -> torch.Tensor:
+    pos = torch.full((B, M), -1, dtype=torch.int64)
+    for b in range(B):
+        k = int(torch.randint(0, M + 1, (1,), generator=g))
+        if style == "dups":  # unsorted, repeats, -1 anywhere
+            v = torch.randint(-1, hi, (M,), generator=g)
+            pos[b] = v
+            continue
+        v = torch.randperm(hi, generator=g)[: min(k, hi)].sort().values
+        if style == "topk":  # ascending, then -1 padding
+            pos[b, : v.numel()] = v
+        elif style == "newest":  # -1 padding, then ascending
+            pos[b, M - v.numel() :] = v
+        else:  # shuffled
+            pos[b, : v.numel()] = v[torch.randperm(v.numel(), generator=g)]
+    return pos
+
+
+@pytest.mark.parametrize(
+    "B,L,N,M,steps,seed",
+    [(1, 1, 40, 16, 12, 0), (3, 2, 24, 32, 10, 1), (2, 3, 300, 64, 8, 2), (4, 1, 2100, 40, 6, 3)],
+)
+def test_place_matches_reference(B, L, N, M, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
+    ref = _Tables(B + 1, n_l, N, P)
+    tri = ref.clone()
+    ovf = 0
+    acc_r, acc_t = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    now = torch.zeros((), dtype=torch.int64)
+    minus1 = torch.full((), -1, dtype=torch.int32)
+    pages = torch.stack([torch.randperm(P // PS + 1, generator=g) for _ in range(B)]).to(torch.int32)
+    styles = ["topk", "newest", "dups", "shuffled"]
+    # row B - 1 is a padding row (block 0, nothing requested) when B > 1
+    blk = torch.tensor([b + 1 for b in range(B - 1)] + [0 if B > 1 else 1])
+    for step in range(steps):
+        # clocks skip (other stages' steps); big jumps make the radix select take several digits
+        now += (1, 2, 300, 1, 70_000, 1)[step % 6]
+        hi = min(P - 1, 2 * N + 4 * step * M // 3)
+        pos = _request(g, B, M, hi, styles[step % 4])
+        if B > 1:
+            pos[-1] = -1
+        trow = blk[:, None] * n_l + torch.arange(1, 1 + L)
+        newest_from = torch.randint(0, hi + 2, (B,), generator=g) if step % 3 == 1 else torch.full((B,), hi)
+        force = step % 5 == 4
+        base = 1 + (blk - 1) * N
+        out = []
+        for t, acc in ((ref, acc_r), (tri, acc_t)):
+            out.append(
+                (lru_place_ref if t is ref else lru_place)(
+                    t.p2s.view(-1),
+                    t.s2p.view(-1),
+                    t.stamp.view(-1),
+                    now,
+                    pos,
+                    trow * P,
+                    trow * (N + 1),
+                    base,
+                    newest_from,
+                    pages,
+                    acc,
+                    n_slots=N,
+                    pos_len=P,
+                    page_size=PS,
+                    force=force,
+                    minus1=minus1,
+                    **({} if t is ref else {"backend": "triton"}),
+                )  # fmt: skip
+            )
+        a, k = out
+        ovf += int(a.overflow.sum())
+        assert ref.same(tri), step
+        assert torch.equal(acc_r, acc_t), step
+        for name in ("u", "src", "dst", "copy", "overflow"):
+            assert torch.equal(getattr(a, name), getattr(k, name)), (step, name)
+        assert k.cnt is not None and k.csrc is not None and k.cdst is not None
+        for b in range(B):
+            for i in range(L):
+                n = int(k.cnt[b, i])
+                c = a.copy[b, i]
+                assert n == int(c.sum())
+                assert torch.equal(k.csrc[b, i, :n], a.src[b][c]) and torch.equal(
+                    k.cdst[b, i, :n], a.dst[b, i][c]
+                )
+    assert acc_r[1] > 0 and acc_r[0] > 0 and acc_r[2] > 0
+    assert ovf > 0 or M < N  # a request wider than the buffer overflows
+
+
+def test_cache_triton_path_matches_torch_path():
+    """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
+    torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
+    request whose block a new one reuses: same tables, same resolved rows and bytes, same stats."""
+    from .test_hisparse_lru import _cache, _ctx
+
+    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True)]
+    pages = [2, 0, 3]
+    g = torch.Generator().manual_seed(5)
+    plan = [
+        ("r0", 0, 20),
+        ("r0", 20, 1),
+        ("r0", 21, 1),
+        ("r0", 22, 9),
+        ("r0", 31, 1),
+        ("r1", 0, 7),
+        ("r1", 7, 1),
+    ]
+    for rid, start, n_q in plan:
+        if rid == "r1" and "r0" in caches[0]._states:
+            for kv in caches:
+                kv.release(["r0"])
+        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+        for t in range(n_q):
+            k = min(4, start + t + 1)
+            topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k].sort().values
+        got = []
+        for kv in caches:
+            ctx = _ctx(kv, pages, start, n_q)
+            ctx.extras["rids"] = (rid,)
+            rows = []
+            for layer in range(3):
+                host = kv.mla_pool(layer)
+                host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
+                    -1, host.shape[1]
+                )
+                kv.after_write(layer, ctx)
+                r = kv.resolve(layer, topk, ctx)
+                rows.append((r, kv.attend_pool(layer)[r.clamp(min=0)][:, :, 0]))
+            got.append(rows)
+        for (ra, pa), (rb, pb) in zip(*got):
+            assert torch.equal(ra, rb) and torch.equal(pa, pb)
+        a, b = caches
+        assert torch.equal(a._p2s[..., :-1], b._p2s[..., :-1])
+        assert torch.equal(a._s2p[..., :-1], b._s2p[..., :-1])
+        assert torch.equal(a._stamp[..., :-1], b._stamp[..., :-1])
+    sa, sb = (kv.stats()["hisparse"] for kv in caches)
+    sa.pop("swap_seconds"), sb.pop("swap_seconds")
+    assert sa == sb and sa["misses"] > 0 and sa["overflow_rows_max"] > 0
+    for kv in caches:
+        kv.close()
+
+
+def test_rows_counted_swap_interpreted():
+    """swap_in_rows_counted copies exactly counts[b] items of each row's list (interpreted kernel)."""
+    from longctx.hisparse.gather import swap_in_rows_counted
+
+    g = torch.Generator().manual_seed(1)
+    host = torch.randint(0, 100, (80, 40), generator=g).float()
+    src = torch.randint(0, 80, (3, 2, 20), generator=g)
+    dst = torch.randperm(3 * 2 * 20, generator=g).view(3, 2, 20)
+    counts = torch.tensor([[5, 0], [20, 3], [0, 17]])
+    for k in range(2):
+        a, b = torch.zeros(120, 40), torch.zeros(120, 40)
+        swap_in_rows_counted(host, src[:, k], a, dst[:, k], counts[:, k], True)
+        swap_in_rows_counted(host, src[:, k], b, dst[:, k], counts[:, k], False)
+        want = torch.zeros(120, 40)
+        for r in range(3):
+            n = int(counts[r, k])
+            want[dst[r, k, :n]] = host[src[r, k, :n]]
+        assert torch.equal(a, want) and torch.equal(b, want)
