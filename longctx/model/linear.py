@@ -11,14 +11,16 @@ in a CUDA graph) is a weight stream, not a GEMM: it runs `kernels.gemv` over the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Token rows up to which the Triton backend runs a linear layer as `kernels.gemv` (decode batches).
-GEMV_MAX_M = 16
+# Token rows up to which the Triton backend runs a linear layer as `kernels.gemv` (decode batches);
+# LONGCTX_GEMV_MAX_M overrides it for a process (0: never, for A/B benches against cuBLAS).
+GEMV_MAX_M = int(os.environ.get("LONGCTX_GEMV_MAX_M", "16"))
 
 
 def linear(
