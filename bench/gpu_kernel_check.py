@@ -64,8 +64,8 @@ def case_kv_write(kind: str) -> float:
 def case_index_write() -> float:
     from longctx.kernels.kv_layout import alloc_index_pool, read_index_k_ref, write_index_k
 
-    a = alloc_index_pool(5000, 128, "fp8", torch.bfloat16, "cuda").zero_()
-    slots = torch.randperm(5000, device="cuda")[:3000]
+    a = alloc_index_pool(5120, 128, "fp8", torch.bfloat16, "cuda").zero_()  # whole pages
+    slots = torch.randperm(5120, device="cuda")[:3000]
     k = torch.randn(3000, 128, device="cuda")
     write_index_k(a, slots, k, "fp8", backend="triton")
     return rel(read_index_k_ref(a, slots, "fp8", torch.float32), k)
@@ -90,6 +90,57 @@ def case_indexer(kind: str, ctx: int, batch: int) -> float:
         ctx,
     )
     return rel(indexer_logits_paged(*args, backend="triton"), indexer_logits_paged_ref(*args))
+
+
+def _ragged_case(lens: list[int], tq_per: int, kind: str, wide_q: bool = False):
+    """Requests of `lens` keys on scattered pages, `tq_per` queries each at their last positions."""
+    from longctx.kernels.kv_layout import alloc_index_pool, write_index_k
+
+    b = len(lens)
+    p = -(-max(lens) // 64)
+    pt = torch.randperm(b * p + 5, device="cuda")[: b * p].view(b, p).int()
+    pool = alloc_index_pool((b * p + 5) * 64, 128, kind, torch.bfloat16, "cuda").zero_()
+    for r, n in enumerate(lens):
+        t = torch.arange(n, device="cuda")
+        write_index_k(pool, pt[r, t // 64].long() * 64 + t % 64, torch.randn(n, 128, device="cuda"), kind)
+    q_seq = torch.arange(b, dtype=torch.int32, device="cuda").repeat_interleave(tq_per)
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q_pos = (sl.long()[q_seq] - 1 - torch.arange(tq_per, device="cuda").repeat(b) * 37).clamp_min(0)
+    q = torch.randn(b * tq_per, 32, 128, device="cuda")
+    if wide_q:  # heads of very different magnitude: the fp16 operands are scaled per head
+        q = q * torch.logspace(-30, 30, 32, base=2.0, device="cuda")[None, :, None]
+    w = torch.rand(b * tq_per, 32, device="cuda") * (32 * 128) ** -0.5
+    return (q.bfloat16(), w, pool, pt, sl, q_seq, q_pos, kind, max(lens) + 3)
+
+
+def case_indexer_decode(kind: str, knobs: dict, wide_q: bool = False) -> float:
+    """The decode kernel on a ragged batch (contexts not whole pages, one query before its end,
+    more columns than keys), with the bench's knobs."""
+    from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
+
+    args = _ragged_case([70_001, 1, 64, 129, 5_000, 33_333, 100_000, 777], 1, kind, wide_q)
+    args[6][5] -= 1000  # a decode query before its request's end: later keys masked
+    return rel(indexer_logits_paged(*args, backend="triton", **knobs), indexer_logits_paged_ref(*args))
+
+
+def case_indexer_prefill(kind: str) -> float:
+    """The prefill kernel (several queries per request) on the page-major fp8 layout."""
+    from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
+
+    args = _ragged_case([3_000, 10_001], 40, kind)
+    return rel(indexer_logits_paged(*args, backend="triton"), indexer_logits_paged_ref(*args))
+
+
+def case_indexer_topk_fused() -> float:
+    """The fused prefill indexer + top-k over the page-major fp8 keys: 0 when the indices match."""
+    from longctx.kernels.indexer_topk import indexer_topk_paged, indexer_topk_paged_ref
+
+    q, w, pool, pt, sl, qs, qp, kind, _ = _ragged_case([20_000, 12_345], 64, "fp8")
+    info: dict = {}
+    got = indexer_topk_paged(q, w, pool, pt, sl, qs, qp, kind, 2048, backend="triton", stats=info)
+    ref = indexer_topk_paged_ref(q, w, pool, pt, sl, qs, qp, kind, 2048)
+    print(info, file=sys.stderr)
+    return float((got != ref).float().mean())
 
 
 def case_topk(n: int, batch: int) -> float:
@@ -340,8 +391,8 @@ def case_ln_rope_index(interleaved: bool) -> float:
     lb = torch.randn(128, device="cuda", dtype=torch.bfloat16) * 0.1
     f = torch.randint(0, 1 << 20, (t, 1), device="cuda").float() * torch.rand(32, device="cuda")
     cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
-    slots = torch.randperm(5000, device="cuda")[:t]
-    a = alloc_index_pool(5000, 128, "fp8", torch.bfloat16, "cuda").zero_()
+    slots = torch.randperm(5120, device="cuda")[:t]
+    a = alloc_index_pool(5120, 128, "fp8", torch.bfloat16, "cuda").zero_()  # whole pages
     b = a.clone()
     ln_rope_write_index_k(a, slots, k, lw, lb, 1e-6, cos, sin, 64, interleaved, "fp8", backend="triton")
     ln_rope_write_index_k_ref(b, slots, k, lw, lb, 1e-6, cos, sin, 64, interleaved, "fp8")
@@ -408,6 +459,14 @@ CASES = {
     "index_fp8_1k": (case_indexer, ("fp8", 1000, 2), 1e-3),
     "index_fp8_100k": (case_indexer, ("fp8", 100_000, 1), 1e-3),
     "index_bf16_1k": (case_indexer, ("bf16", 1000, 2), 1e-2),
+    "index_fp8_decode_ragged": (case_indexer_decode, ("fp8", {}), 1e-5),
+    "index_fp8_decode_wide_q": (case_indexer_decode, ("fp8", {}, True), 1e-5),
+    "index_fp8_decode_bn64_s2": (case_indexer_decode, ("fp8", {"block_n": 64, "num_stages": 2}), 1e-5),
+    "index_fp8_decode_bn256_w8": (case_indexer_decode, ("fp8", {"block_n": 256, "num_warps": 8}), 1e-5),
+    "index_fp8_decode_splits7": (case_indexer_decode, ("fp8", {"splits": 7}), 1e-5),
+    "index_bf16_decode_ragged": (case_indexer_decode, ("bf16", {}), 1e-2),
+    "index_fp8_prefill": (case_indexer_prefill, ("fp8",), 1e-3),
+    "index_topk_fused_fp8": (case_indexer_topk_fused, (), 1e-3),
     "topk_1m": (case_topk, (1 << 20, 1), 0.0),
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),

@@ -88,14 +88,10 @@ def bench_indexer_decode(
             err = _rel_err(indexer_logits_paged(*args, backend="triton"), indexer_logits_paged_ref(*args))
             t = time_fn(partial(indexer_logits_paged, *args, backend="triton"))
             graph = _graph_fields(partial(indexer_logits_paged, *args, backend="triton"))
-            if batch == 1 and ctx >= 1 << 20:  # knob sweep on the headline case, kernel-only (graph) times
-                graph["sweep_graph_us"] = {
-                    f"block_n={bn},warps={nw}": _graph_fields(
-                        partial(indexer_logits_paged, *args, backend="triton", block_n=bn, num_warps=nw)
-                    )["graph_us"]
-                    for bn in (64, 128, 256, 512)
-                    for nw in (4, 8)
-                }
+            if (
+                batch in (1, 8) and ctx >= 1 << 20
+            ):  # knob sweep on the headline cases, kernel-only (graph) times
+                graph["sweep_graph_us"] = _decode_sweep(args, batch)
             nbytes = (
                 batch * ctx * (pool.shape[1] * pool.element_size() + 4 + 4 / kvl.PAGE_SIZE)
             )  # keys + logits + page ids
@@ -111,6 +107,24 @@ def bench_indexer_decode(
             del pool, pt
             torch.cuda.empty_cache()
     return out
+
+
+def _decode_sweep(args: tuple, batch: int) -> dict[str, float | None]:
+    """Graph times of the decode kernel's knobs (tile, warps, pipeline stages, programs per SM)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    knobs: list[dict[str, int]] = [
+        {"block_n": bn, "num_warps": nw, "num_stages": ns}
+        for bn in (64, 128, 256)
+        for nw in (4, 8)
+        for ns in (2, 3, 4)
+    ]
+    knobs += [{"splits": -(-p * sms // batch)} for p in (1, 2, 4, 6, 8, 16)]
+    return {
+        ",".join(f"{k}={v}" for k, v in kn.items()): _graph_fields(
+            partial(indexer_logits_paged, *args, backend="triton", **kn)
+        )["graph_us"]
+        for kn in knobs
+    }
 
 
 def bench_topk(

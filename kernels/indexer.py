@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
-from .kv_layout import PAGE_SIZE, index_row_bytes, is_fp8, read_index_k_ref
+from .kv_layout import PAGE_SIZE, index_fp8_offsets, index_row_bytes, is_fp8, read_index_k_ref
 
 _REF_CHUNK_ELEMS = 1 << 24  # bounds the reference's [queries, heads, keys] intermediate (64 MiB fp32)
 
@@ -68,8 +68,10 @@ def _check_inputs(
     )
     if is_fp8(kind):
         check(
-            index_pool.dtype == torch.uint8 and index_pool.shape[1] == index_row_bytes(d, kind),
-            f"fp8 index pool must be uint8 [S, {d + 4}]",
+            index_pool.dtype == torch.uint8
+            and index_pool.shape[1] == index_row_bytes(d, kind)
+            and index_pool.shape[0] % PAGE_SIZE == 0,
+            f"fp8 index pool must be uint8 [S, {d + 4}] with S a multiple of {PAGE_SIZE}",
         )
     else:
         check(
@@ -136,6 +138,8 @@ def indexer_logits_paged(
     backend: str = "auto",
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Indexer logits [Tq, max_len] fp32 (-inf where invalid); see the module docstring.
 
@@ -143,9 +147,13 @@ def indexer_logits_paged(
     page_table int32 [B, P], seq_lens int [B], q_seq int [Tq] (request of each query),
     q_pos int [Tq] (absolute position of each query). `max_len` defaults to max(seq_lens), which
     costs a device sync; pass it when known (the decode path does: then there is no host sync and no
-    host->device copy, so the call can be captured in a CUDA graph). `block_n` (keys per program, a power of
-    two >= 16) and `num_warps` are bench knobs; None picks the defaults. Queries sorted by request are fastest (the kernel
-    tiles BLOCK_M neighbouring queries and loops over the requests they span).
+    host->device copy, so the call can be captured in a CUDA graph). Queries sorted by request are
+    fastest (the prefill kernel tiles BLOCK_M neighbouring queries and loops over the requests they span).
+
+    Two kernels: decode batches (at most one query per request) run `_indexer_decode_kernel`, one
+    program per (query, run of key tiles); other calls `_indexer_kernel`. Bench knobs, None picks
+    the defaults: `block_n` (keys per tile, a power of two >= 16), `num_warps`, `num_stages`, and
+    for decode `splits` (programs per query).
     """
     _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, w_any_float=True)
     if not use_triton(backend, q.device):
@@ -158,24 +166,60 @@ def indexer_logits_paged(
     out = torch.empty((tq, max_len), dtype=torch.float32, device=q.device)
     if tq == 0 or max_len == 0:
         return out
+    check(
+        block_n is None or (block_n >= 16 and block_n & (block_n - 1) == 0),
+        "indexer: block_n must be a power of two >= 16",
+    )
     hp, dp = max(16, next_pow2(h)), max(16, next_pow2(d))
-    # Decode (one query per request) gains nothing from query tiles; prefill shares each key tile
-    # between BLOCK_M queries so keys are read Tq / BLOCK_M times instead of Tq times.
-    block_m = 1 if tq <= page_table.shape[0] else max(1, min(8, 128 // hp))
-    # H200 sweep, decode batch 1 at 1M keys, in a graph (bench/results/kernels-h200.json):
-    # block_n 64 / 4 warps 108 us, 128: 133-140 us, 256-512: 140-157 us -> 64 for decode
-    block_n = block_n or (64 if block_m == 1 or d > 128 else 128)
-    check(block_n >= 16 and block_n & (block_n - 1) == 0, "indexer: block_n must be a power of two >= 16")
-    grid = (_cdiv(tq, block_m), _cdiv(max_len, block_n))
     fp8 = is_fp8(kind)
+    interp = triton_interpret()
+    if tq <= page_table.shape[0]:  # decode: no key tile is shared between queries
+        bn = block_n or _DECODE_BLOCK_N
+        n_tiles = _cdiv(max_len, bn)
+        per_query = splits or max(1, _cdiv(_DECODE_PROGRAMS_PER_SM * _num_sms(q.device), tq))
+        tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
+        grid = (tq, _cdiv(n_tiles, tiles_per))
+        _indexer_decode_kernel[grid](
+            q, q.stride(0), q.stride(1), w, w.stride(0), float(w_scale), index_pool, page_table,
+            page_table.stride(0), seq_lens, q_seq, q_pos, out, out.stride(0), max_len, tiles_per,
+            H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=fp8, PAGE=PAGE_SIZE, BLOCK_N=bn,
+            IEEE=q.dtype == torch.float32, INTERPRET=interp,
+            num_warps=num_warps or 4, num_stages=num_stages or _DECODE_STAGES,
+        )  # fmt: skip
+        return out
+    # Prefill shares each key tile between BLOCK_M queries so keys are read Tq / BLOCK_M times
+    # instead of Tq times.
+    block_m = max(1, min(8, 128 // hp))
+    block_n = block_n or (128 if d <= 128 else 64)
+    grid = (_cdiv(tq, block_m), _cdiv(max_len, block_n))
     _indexer_kernel[grid](
         q, q.stride(0), q.stride(1), w, w.stride(0), float(w_scale), index_pool, page_table, page_table.stride(0),
         seq_lens, q_seq, q_pos, out, out.stride(0), tq, max_len,
         H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=fp8, PAGE=PAGE_SIZE,
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        INTERPRET=triton_interpret(), num_warps=num_warps or 4,
+        INTERPRET=interp, num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}),
     )  # fmt: skip
     return out
+
+
+# Decode defaults (bench/kernels_indexer.py sweeps them on the H200). sm_90a SASS of the default
+# (32 heads x 128 dims, fp8, bf16 q): 130 registers, 41 KiB shared (2 key tiles in flight through
+# cp.async), ~13 warp instructions per key, one 64x32x16 HGMMA per 16 dims of 64 keys; so 3
+# programs fit on an SM and 3 per SM split each query's keys in one wave.
+
+_DECODE_BLOCK_N = 128
+_DECODE_PROGRAMS_PER_SM = 3
+_DECODE_STAGES = 3
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a few splits, so tests cover several programs per query
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -183,25 +227,30 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @jit
-def load_index_keys(pool_ptr, slot, kmask, offs_d, like, ROW: tl.constexpr, FP8: tl.constexpr):
-    """Key tile [BK, DP] of the paged index pool at `slot` [BK] (int64), as like.dtype: fp8 rows of
-    ROW (D + 4) bytes, or dense rows of ROW elements. Shared by the indexer and fused top-k kernels."""
-    # Row starts are only 4-byte aligned for 132-byte rows; without this hint the compiler derives a
-    # 16-byte alignment from the caller's `% PAGE` and emits misaligned vector loads (faults on H200).
-    row0 = tl.multiple_of(slot * ROW, 4)
+def load_index_keys(
+    pool_ptr, slot, kmask, offs_d, D: tl.constexpr, ROW: tl.constexpr, FP8: tl.constexpr, PAGE: tl.constexpr
+):
+    """Key tile [BK, DP] of the paged index pool at `slot` [BK] (int64): e4m3 (as tl.float8e4nv) for
+    the page-major fp8 layout (`kv_layout`), else dense rows of ROW elements in the pool's dtype.
+    Shared by the indexer and fused top-k kernels."""
     if FP8:
+        key, _ = index_fp8_offsets(slot, D, PAGE)
+        if D % 16 == 0:  # keys start on D-byte boundaries: whole-row 16-byte vector loads
+            key = tl.multiple_of(key, 16)
+        else:
+            key = tl.multiple_of(key, 4)
         kp = pool_ptr.to(tl.pointer_type(tl.float8e4nv))
-        k = tl.load(kp + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
+        k = tl.load(kp + key[:, None] + offs_d[None, :], mask=kmask, other=0.0)
     else:
-        k = tl.load(pool_ptr + row0[:, None] + offs_d[None, :], mask=kmask, other=0.0)
-    return k.to(like.dtype)  # a no-op for dense rows, which have q's dtype
+        k = tl.load(pool_ptr + slot[:, None] * ROW + offs_d[None, :], mask=kmask, other=0.0)
+    return k
 
 
 @jit
-def load_index_scales(pool_ptr, slot, mask, D: tl.constexpr, ROW: tl.constexpr):
-    """The fp32 scales [BK] stored after the D fp8 bytes of each index row at `slot`."""
-    sp = pool_ptr.to(tl.pointer_type(tl.float32))
-    return tl.load(sp + slot * (ROW // 4) + D // 4, mask=mask, other=0.0)
+def load_index_scales(pool_ptr, slot, mask, D: tl.constexpr, PAGE: tl.constexpr):
+    """The fp32 scales [BK] of the fp8 index keys at `slot` (a page's 64 scales are contiguous)."""
+    _, sc = index_fp8_offsets(slot, D, PAGE)
+    return tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + sc, mask=mask, other=0.0)
 
 
 @jit
@@ -248,9 +297,10 @@ def _indexer_kernel(
             nmask = offs_n < lim
             page = tl.load(pt_ptr + b * stride_pb + offs_n // PAGE, mask=nmask, other=0)
             slot = page.to(tl.int64) * PAGE + offs_n % PAGE  # [BLOCK_N]
-            k = load_index_keys(pool_ptr, slot, nmask[:, None] & dmask[None, :], offs_d, qt, ROW, FP8)
+            k = load_index_keys(pool_ptr, slot, nmask[:, None] & dmask[None, :], offs_d, D, ROW, FP8, PAGE)
+            k = k.to(qt.dtype)
             if FP8:
-                kscale = load_index_scales(pool_ptr, slot, nmask, D, ROW)
+                kscale = load_index_scales(pool_ptr, slot, nmask, D, PAGE)
             if INTERPRET:  # the interpreter's dot reads bf16 as raw uint16; fp32 is exact for both
                 s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
             elif IEEE:
@@ -265,3 +315,96 @@ def _indexer_kernel(
             acc = tl.where(valid, s, acc)
     omask = mvalid[:, None] & (offs_n[None, :] < max_len)
     tl.store(out_ptr + ms.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], acc, mask=omask)
+
+
+@jit
+def _pow2(e):
+    # 2^e as fp32 for integer e in [-126, 127]
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@jit
+def _decode_pages(pt_row, t, lim, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # page ids [BLOCK_N] of key tile t's keys; 0 (a page always in the pool) at or past `lim`
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(pt_row + offs_n // PAGE, mask=offs_n < lim, other=0)
+
+
+@jit
+def _indexer_decode_kernel(
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, w_scale, pool_ptr, pt_ptr, stride_pb,
+    seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, max_len, tiles_per,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
+    FP8: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # Program (i, j): query i against key tiles [j*tiles_per, +tiles_per) (of the max_len columns).
+    # Keys are the M side of the dot ([BLOCK_N, D] x [D, HP]): the A operand may then come from
+    # registers, where fp8 keys are converted, and the head sum runs along the accumulator's rows.
+    #
+    # fp8 pools, bf16 / fp16 queries: the dot runs in fp16. e4m3 -> fp16 is exact (and cheaper than -> bf16, which
+    # takes a second conversion per element), and q is scaled per head by a power of two 2^(14-e)
+    # with e = floor(log2 max|q_h|), so every element of q (bf16: 8 significant bits, 11 in fp16)
+    # at least 2^-29 of its head's largest converts exactly; the power of two comes back through
+    # the head weight. Products and sums are fp32 as in the bf16 dot, so the logits equal the bf16
+    # path's up to fp32 rounding.
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_h = tl.arange(0, HP)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, DP)
+    dmask = offs_d < D
+    qT = tl.load(
+        q_ptr + i.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+        mask=hmask[None, :] & dmask[:, None],
+        other=0.0,
+    )  # [DP, HP]
+    wv = tl.load(w_ptr + i.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32) * w_scale
+    if FP8 and not IEEE:  # (fp32 q keeps fp32 operands: fp16 would round it)
+        qf = qT.to(tl.float32)
+        amax = tl.max(tl.abs(qf), axis=0)  # [HP]
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2), amax >= 0
+        e = tl.minimum(tl.maximum(e, -110), 127)  # 0 / subnormal heads and the bf16 top stay in range
+        qop = (qf * _pow2(14 - e)[None, :]).to(tl.float16)
+        wv = wv * _pow2(e - 14)
+        if INTERPRET:
+            qop = qop.to(tl.float32)
+    elif INTERPRET:
+        qop = qT.to(tl.float32)  # the interpreter's dot reads bf16 as raw uint16
+    else:
+        qop = qT
+
+    b = tl.load(q_seq_ptr + i)
+    seqlen = tl.load(seq_lens_ptr + b).to(tl.int64)
+    lim = tl.minimum(seqlen, tl.load(q_pos_ptr + i).to(tl.int64) + 1)  # keys this query may see
+    lim = tl.minimum(lim, max_len).to(tl.int32)
+    t_lo = j * tiles_per
+    t_hi = tl.minimum(t_lo + tiles_per, tl.cdiv(max_len, BLOCK_N))
+    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(lim, BLOCK_N)), t_lo)
+    out_row = out_ptr + i.to(tl.int64) * stride_ot
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pb
+    # The page ids of tile t + 1 are loaded while tile t is scored, so the key loads depend on
+    # loop-carried registers only and Triton's pipeliner can keep num_stages - 1 key tiles in flight.
+    pg_nx = _decode_pages(pt_row, t_lo, lim, PAGE, BLOCK_N)
+    for t in range(t_lo, t_mid):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot = pg_nx.to(tl.int64) * PAGE + offs_n % PAGE  # [BLOCK_N]; page 0 past `lim`
+        pg_nx = _decode_pages(pt_row, t + 1, lim, PAGE, BLOCK_N)
+        # unmasked rows: slots past `lim` are page 0's, always in the pool
+        k = load_index_keys(pool_ptr, slot, dmask[None, :], offs_d, D, ROW, FP8, PAGE)
+        if FP8:
+            kscale = load_index_scales(pool_ptr, slot, offs_n >= 0, D, PAGE)
+            k = k.to(qop.dtype)  # fp16 (exact), or fp32 for fp32 queries
+        if INTERPRET:
+            s = tl.dot(k.to(tl.float32), qop)
+        elif IEEE:
+            s = tl.dot(k, qop, input_precision="ieee")
+        else:
+            s = tl.dot(k, qop)  # [BLOCK_N, HP] fp32
+        v = tl.sum(tl.maximum(s, 0.0) * wv[None, :], axis=1)  # [BLOCK_N]
+        if FP8:
+            v = v * kscale
+        tl.store(out_row + offs_n, tl.where(offs_n < lim, v, float("-inf")), mask=offs_n < max_len)
+    for t in range(t_mid, t_hi):  # columns past this query's keys
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < max_len)

@@ -322,10 +322,10 @@ def _fused_kernel(
             lmask = (pos < lim) & (pos < seqlen)
             page = tl.load(pt_ptr + b * stride_pb + pos // PAGE, mask=lmask, other=0)
             slot = page.to(tl.int64) * PAGE + pos % PAGE  # [BK]
-            # (the 4-byte row alignment hint H200 needs is inside load_index_keys)
-            kt_ = load_index_keys(pool_ptr, slot, lmask[:, None] & dmask[None, :], offs_d, qT, ROW, FP8)
+            kt_ = load_index_keys(pool_ptr, slot, lmask[:, None] & dmask[None, :], offs_d, D, ROW, FP8, PAGE)
+            kt_ = kt_.to(qT.dtype)
             if FP8:
-                kscale = load_index_scales(pool_ptr, slot, lmask, D, ROW)
+                kscale = load_index_scales(pool_ptr, slot, lmask, D, PAGE)
             if IEEE:
                 s = tl.dot(kt_, qT, input_precision="ieee")
             else:

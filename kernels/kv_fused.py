@@ -27,11 +27,13 @@ import torch.nn.functional as F
 from .common import check, jit, next_pow2, round_as, tl, use_triton
 from .kv_layout import (
     AMAX_EPS,
+    PAGE_SIZE,
     _bf16_bits,
+    _check_index_pool,
     _check_pool,
     _quant_store,
     _store_cast,
-    index_row_bytes,
+    index_fp8_offsets,
     is_fp8,
     mla_group_size,
     mla_row_bytes,
@@ -179,7 +181,7 @@ def norm_rope_write_mla_kv(
 def _ln_rope_index_kernel(
     x_ptr, sx, w_ptr, b_ptr, cos_ptr, sin_ptr, sc, ss, slots_ptr, pool_ptr, eps,
     ROW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, R2: tl.constexpr, R2P: tl.constexpr,
-    INTERLEAVED: tl.constexpr, FP8: tl.constexpr, EPS8: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FP8: tl.constexpr, EPS8: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -219,11 +221,12 @@ def _ln_rope_index_kernel(
         )
         amax = tl.maximum(amax, tl.max(tl.where(rm, tl.abs(rest), 0.0), axis=0))
         scale = tl.fdiv(tl.maximum(amax, EPS8), 448.0, ieee_rounding=True)
-        row8 = pool_ptr.to(tl.pointer_type(tl.float8e4nv)) + slot * ROW
+        key_off, scale_off = index_fp8_offsets(slot, D, PAGE)  # the page-major fp8 index layout
+        row8 = pool_ptr.to(tl.pointer_type(tl.float8e4nv)) + key_off
         _quant_store(row8, j, ra, jm, scale)
         _quant_store(row8, R2 + j, rb, jm, scale)
         _quant_store(row8, offs, rest, rm, scale)
-        tl.store(pool_ptr.to(tl.pointer_type(tl.float32)) + slot * (ROW // 4) + D // 4, scale)
+        tl.store(pool_ptr.to(tl.pointer_type(tl.float32)) + scale_off, scale)
     else:
         prow = pool_ptr + slot * ROW
         _store_cast(prow + j, ra.to(dt), jm)
@@ -263,11 +266,11 @@ def ln_rope_write_index_k(
         f"ln_rope_write_index_k: rope_dim {rope_dim} must be even, <= {d}, with cos / sin [T, {rope_dim // 2}]",
     )
     fp8 = is_fp8(kind)
-    _check_pool(pool, kind, index_row_bytes(d, kind) if fp8 else d)
+    _check_index_pool(pool, kind, d)
     if t == 0:
         return
     _ln_rope_index_kernel[(t,)](
         k, k.stride(0), ln_w, ln_b, cos, sin, cos.stride(0), sin.stride(0), slots, pool, float(eps),
         ROW=pool.shape[1], D=d, DP=next_pow2(d), R2=rope_dim // 2, R2P=next_pow2(rope_dim // 2),
-        INTERLEAVED=bool(interleaved), FP8=fp8, EPS8=AMAX_EPS, num_warps=2,
+        INTERLEAVED=bool(interleaved), FP8=fp8, EPS8=AMAX_EPS, PAGE=PAGE_SIZE, num_warps=2,
     )  # fmt: skip

@@ -17,12 +17,20 @@ the 656-byte token of FlashMLA:
 MLA KV, any other kind ("auto", "bf16", "fp16", "fp32", ...): `[num_slots, L + R]` in the pool's
 own float dtype (the model dtype): elements [0, L) latent, [L, L + R) rope.
 
-Indexer keys, kind "fp8_e4m3": a uint8 pool, row bytes = D + 4 (D = index_head_dim; 132 for D=128):
+Indexer keys, kind "fp8_e4m3": a uint8 pool `[num_slots, D + 4]` (D = index_head_dim; 132 bytes
+per token for D=128), laid out page-major as DeepGEMM / FlashMLA lay out the DSA key cache: the
+64 rows of page p are one block of 64 * (D + 4) bytes (8448 for D=128) starting at byte
+p * 64 * (D + 4), and inside it
 
-    bytes [0, D)      D x float8_e4m3fn key
-    bytes [D, D + 4)  fp32 scale = max(amax over the D dims, AMAX_EPS) / 448
+    bytes [o * D, (o + 1) * D)           D x float8_e4m3fn key of the token at offset o
+    bytes [64 * D + 4 * o, + 4)          its fp32 scale = max(amax over the D dims, AMAX_EPS) / 448
 
-Indexer keys, other kinds: `[num_slots, D]` in the pool's float dtype.
+so every key starts on a D-byte boundary (128 for D=128: whole-row 16-byte vector loads) and a
+page's 64 scales are one 256-byte run. A row of the tensor is therefore NOT one token's bytes:
+address fp8 index keys only through `index_k_offsets` (torch) / `index_fp8_offsets` (Triton).
+The number of slots is a multiple of 64 (whole pages).
+
+Indexer keys, other kinds: `[num_slots, D]` in the pool's float dtype, one row per token.
 
 Quantisation is round-to-nearest-even with both divisions IEEE-rounded, so the Triton writers and
 the torch references produce identical bytes. e4m3 keeps 3 mantissa bits: a dequantised element
@@ -115,8 +123,13 @@ def alloc_mla_pool(
 def alloc_index_pool(
     num_slots: int, head_dim: int, kind: str, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """An uninitialised indexer key pool: uint8 [num_slots, D+4] for fp8, else dtype [num_slots, D]."""
+    """An uninitialised indexer key pool: uint8 [num_slots, D+4] (page-major, num_slots a multiple
+    of 64) for fp8, else dtype [num_slots, D]."""
     if is_fp8(kind):
+        check(
+            num_slots % PAGE_SIZE == 0,
+            f"fp8 index pool needs whole pages of {PAGE_SIZE}, got {num_slots} slots",
+        )
         return torch.empty(num_slots, index_row_bytes(head_dim, kind), dtype=torch.uint8, device=device)
     return torch.empty(num_slots, head_dim, dtype=_dense_dtype(kind, dtype), device=device)
 
@@ -268,15 +281,32 @@ def read_mla_kv(
 # --------------------------------------------------------------------------------- indexer keys
 
 
+def index_k_offsets(slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte offsets (key, scale) of fp8 index keys at `slots` (int64 [T]) in the page-major layout."""
+    page, off = slots // PAGE_SIZE, slots % PAGE_SIZE
+    base = page * (PAGE_SIZE * (head_dim + 4))
+    return base + off * head_dim, base + PAGE_SIZE * head_dim + 4 * off
+
+
+def _check_index_pool(pool: torch.Tensor, kind: str, head_dim: int) -> None:
+    _check_pool(pool, kind, index_row_bytes(head_dim, kind) if is_fp8(kind) else head_dim)
+    if is_fp8(kind):
+        check(pool.shape[0] % PAGE_SIZE == 0, f"fp8 index pool needs whole pages of {PAGE_SIZE} slots")
+
+
 def write_index_k_ref(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, kind: str) -> None:
     """Reference of `write_index_k` (torch, any device)."""
     _check_rows(slots, k, "k", pool)
-    _check_pool(pool, kind, index_row_bytes(k.shape[1], kind) if is_fp8(kind) else k.shape[1])
+    d = k.shape[1]
+    _check_index_pool(pool, kind, d)
     if not is_fp8(kind):
         pool[slots] = k.to(pool.dtype)
         return
-    q, scale = _quantise_groups(k, k.shape[1])
-    pool[slots] = torch.cat([q, scale.contiguous().view(torch.uint8)], dim=1)
+    q, scale = _quantise_groups(k, d)
+    flat = pool.view(-1)
+    ko, so = index_k_offsets(slots, d)
+    flat[ko[:, None] + torch.arange(d, device=pool.device)] = q
+    flat[so[:, None] + torch.arange(4, device=pool.device)] = scale.contiguous().view(torch.uint8)
 
 
 def write_index_k(
@@ -284,7 +314,7 @@ def write_index_k(
 ) -> None:
     """Store T indexer keys k [T, D] at `slots` (int64 [T]); fp8 kinds quantise with one scale per key."""
     _check_rows(slots, k, "k", pool)
-    _check_pool(pool, kind, index_row_bytes(k.shape[1], kind) if is_fp8(kind) else k.shape[1])
+    _check_index_pool(pool, kind, k.shape[1])
     if not use_triton(backend, pool.device):
         write_index_k_ref(pool, slots, k, kind)
         return
@@ -293,8 +323,8 @@ def write_index_k(
         return
     if is_fp8(kind):
         _write_fp8_rows_kernel[(t,)](
-            k, k.stride(0), k, 0, slots, pool,
-            ROW=pool.shape[1], N=d, GS=d, GSP=next_pow2(d), R=0, RP=1, EPS=AMAX_EPS, num_warps=2,
+            k, k.stride(0), k, 0, slots, pool, ROW=pool.shape[1], N=d, GS=d, GSP=next_pow2(d), R=0, RP=1,
+            EPS=AMAX_EPS, INDEX_PAGE=PAGE_SIZE, num_warps=2,
         )  # fmt: skip
     else:
         _write_dense_rows_kernel[(t,)](
@@ -307,14 +337,15 @@ def read_index_k_ref(
 ) -> torch.Tensor:
     """Gather + dequantise T indexer keys -> [T, D] in `out_dtype`."""
     check(slots.dim() == 1 and slots.dtype == torch.int64, "slots must be int64 [T]")
-    rows = pool[slots]
     if not is_fp8(kind):
         _check_pool(pool, kind, pool.shape[1])
-        return rows.to(out_dtype)
+        return pool[slots].to(out_dtype)
     d = pool.shape[1] - 4
-    _check_pool(pool, kind, index_row_bytes(d, kind))
-    q = rows[:, :d].contiguous().view(torch.float8_e4m3fn).float()
-    scale = rows[:, d:].contiguous().view(torch.float32)  # [T, 1]
+    _check_index_pool(pool, kind, d)
+    flat = pool.view(-1)
+    ko, so = index_k_offsets(slots, d)
+    q = flat[ko[:, None] + torch.arange(d, device=pool.device)].view(torch.float8_e4m3fn).float()  # [T, D]
+    scale = flat[so[:, None] + torch.arange(4, device=pool.device)].view(torch.float32)  # [T, 1]
     return (q * scale).to(out_dtype)
 
 
@@ -362,16 +393,31 @@ def _bf16_bits(x):
 
 
 @jit
+def index_fp8_offsets(slot, D: tl.constexpr, PAGE: tl.constexpr):
+    """(key byte offset, scale offset in fp32 units) of fp8 index keys at `slot` (int64), page-major."""
+    page = slot // PAGE
+    off = slot % PAGE
+    key = page * (PAGE * (D + 4)) + off * D
+    return key, page * (PAGE * (D + 4) // 4) + PAGE * D // 4 + off
+
+
+@jit
 def _write_fp8_rows_kernel(
     x_ptr, stride_x, r_ptr, stride_r, slots_ptr, pool_ptr,
     ROW: tl.constexpr, N: tl.constexpr, GS: tl.constexpr, GSP: tl.constexpr,
-    R: tl.constexpr, RP: tl.constexpr, EPS: tl.constexpr,
+    R: tl.constexpr, RP: tl.constexpr, EPS: tl.constexpr, INDEX_PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     # One program per token: quantise N values in groups of GS, store e4m3 | fp32 scales | bf16 rope.
+    # INDEX_PAGE > 0: the page-major index key layout instead (one group, no rope).
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    row8 = pool_ptr.to(tl.pointer_type(tl.float8e4nv)) + slot * ROW
-    row32 = pool_ptr.to(tl.pointer_type(tl.float32)) + slot * (ROW // 4)
+    if INDEX_PAGE > 0:
+        key_off, scale_off = index_fp8_offsets(slot, N, INDEX_PAGE)
+        row8 = pool_ptr.to(tl.pointer_type(tl.float8e4nv)) + key_off
+        sc32 = pool_ptr.to(tl.pointer_type(tl.float32)) + scale_off
+    else:
+        row8 = pool_ptr.to(tl.pointer_type(tl.float8e4nv)) + slot * ROW
+        sc32 = pool_ptr.to(tl.pointer_type(tl.float32)) + slot * (ROW // 4) + N // 4
     offs = tl.arange(0, GSP)
     gmask = offs < GS
     for g in tl.static_range(N // GS):
@@ -379,7 +425,7 @@ def _write_fp8_rows_kernel(
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
         scale = tl.fdiv(amax, 448.0, ieee_rounding=True)
         _quant_store(row8, g * GS + offs, x, gmask, scale)
-        tl.store(row32 + N // 4 + g, scale)
+        tl.store(sc32 + g, scale)
     if R > 0:
         roffs = tl.arange(0, RP)
         rmask = roffs < R

@@ -94,7 +94,7 @@ def test_ln_rope_write_index_k_matches_reference(t, d, rope_dim, interleaved, dt
     ln_w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
     ln_b = (0.1 * torch.randn(d, generator=g)).to(dtype)
     cos, sin = _cos_sin(t, rope_dim // 2, dtype, g)
-    n = 66
+    n = 128  # two pages
     slots = torch.randperm(n, generator=g)[:t]
     got = kvl.alloc_index_pool(n, d, kind, dtype, "cpu").zero_()
     ln_rope_write_index_k(
@@ -102,9 +102,16 @@ def test_ln_rope_write_index_k_matches_reference(t, d, rope_dim, interleaved, dt
     )
     ref = kvl.alloc_index_pool(n, d, kind, dtype, "cpu").zero_()
     ln_rope_write_index_k_ref(ref, slots, k, ln_w, ln_b, 1e-6, cos, sin, rope_dim, interleaved, kind)
-    untouched = torch.ones(n, dtype=torch.bool)
-    untouched[slots] = False
-    assert (got[untouched].view(torch.uint8) == 0).all()
+    written = torch.zeros(n, d, dtype=torch.bool)  # the bytes of the written keys only
+    if kvl.is_fp8(kind):
+        ko, so = kvl.index_k_offsets(slots, d)
+        written = torch.zeros(got.numel(), dtype=torch.bool)
+        written[ko[:, None] + torch.arange(d)] = True
+        written[so[:, None] + torch.arange(4)] = True
+        assert (got.view(-1)[~written] == 0).all()
+    else:
+        written[slots] = True
+        assert (got[~written] == 0).all()
     gk = kvl.read_index_k_ref(got, slots, kind, torch.float32)
     rk = kvl.read_index_k_ref(ref, slots, kind, torch.float32)
     if kvl.is_fp8(kind):
@@ -139,7 +146,7 @@ def test_kv_fused_rejects_bad_input():
     with pytest.raises(KernelInputError, match="pool row"):  # a pool laid out for R = 6
         norm_rope_write_mla_kv(_pool_mla(8, 64, 6, "auto", torch.float32), slots, ckv, w, 1e-6, cos, sin, "auto",
                                backend=TRITON)  # fmt: skip
-    ipool = kvl.alloc_index_pool(8, 32, "fp8_e4m3", torch.float32, "cpu")
+    ipool = kvl.alloc_index_pool(64, 32, "fp8_e4m3", torch.float32, "cpu")
     k = torch.randn(2, 32, generator=g)
     with pytest.raises(KernelInputError, match="rope_dim"):
         ln_rope_write_index_k(ipool, slots, k, torch.ones(32), torch.zeros(32), 1e-6, cos, sin, 12, True,

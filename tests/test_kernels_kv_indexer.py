@@ -68,8 +68,8 @@ def test_write_mla_kv_triton_matches_ref_bytes(lora, rope, kind, dtype):
 def test_write_index_k_triton_matches_ref_bytes(d, kind, dtype):
     g = torch.Generator().manual_seed(d)
     k = (torch.randn(67, d, generator=g) * torch.exp(torch.randn(67, 1, generator=g))).to(dtype)
-    slots = torch.randperm(200, generator=g)[:67]
-    a = kvl.alloc_index_pool(200, d, kind, dtype, "cpu").zero_()
+    slots = torch.randperm(256, generator=g)[:67]  # scattered over 4 pages
+    a = kvl.alloc_index_pool(256, d, kind, dtype, "cpu").zero_()
     b = a.clone()
     kvl.write_index_k(a, slots, k, kind, backend="triton")
     kvl.write_index_k_ref(b, slots, k, kind)
@@ -121,7 +121,31 @@ def test_fp8_index_round_trip_error_bound():
     back = kvl.read_index_k(pool, slots, "fp8", torch.float32)
     scale = k.abs().amax(1, keepdim=True) / 448
     assert torch.all((back - k).abs() <= _fp8_bound(k, scale.expand_as(k)))
-    assert torch.equal(pool[slots, 128:].contiguous().view(torch.float32), scale)
+    # the documented page-major bytes: page p = 64 keys of 128 e4m3, then their 64 fp32 scales
+    flat = pool.view(-1)
+    for t in range(slots.numel()):
+        o = int(slots[t])  # one page: slot == offset
+        key = flat[o * 128 : (o + 1) * 128].view(torch.float8_e4m3fn).float()
+        assert torch.equal(key * scale[t], back[t])
+        assert torch.equal(flat[64 * 128 + 4 * o : 64 * 128 + 4 * o + 4].view(torch.float32), scale[t])
+
+
+def test_fp8_index_layout_is_page_major_over_pages():
+    """Keys of page p start at byte p * 64 * (D + 4); every key is D-byte aligned."""
+    d, pages = 16, 3
+    k = torch.randn(pages * 64, d, generator=torch.Generator().manual_seed(5))
+    pool = kvl.alloc_index_pool(pages * 64, d, "fp8", torch.float32, "cpu").zero_()
+    slots = torch.arange(pages * 64).flip(0)
+    kvl.write_index_k(pool, slots, k, "fp8", backend="triton")
+    ko, so = kvl.index_k_offsets(slots, d)
+    page, off = slots // 64, slots % 64
+    assert torch.equal(ko, page * 64 * (d + 4) + off * d) and torch.all(ko % d == 0)
+    assert torch.equal(so, page * 64 * (d + 4) + 64 * d + 4 * off)
+    flat = pool.view(-1)
+    scale = flat[so[:, None] + torch.arange(4)].view(torch.float32)
+    assert torch.equal(scale.flatten(), k.abs().amax(1) / 448)
+    with pytest.raises(KernelInputError):
+        kvl.alloc_index_pool(100, d, "fp8", torch.float32, "cpu")  # not whole pages
 
 
 def test_write_rejects_bad_inputs():
@@ -249,6 +273,50 @@ def test_indexer_block_knobs_match_ref(block_n, num_warps):
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert (got[fin] - ref[fin]).abs().max() <= 1e-5 * ref[fin].abs().max().clamp_min(1e-30)
+
+
+def _assert_logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert torch.all(got[~fin] == float("-inf"))
+    assert (got[fin] - ref[fin]).abs().max() <= 1e-5 * ref[fin].abs().max().clamp_min(1e-30)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "auto"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_n,splits", [(16, 1), (32, 5), (64, 3), (128, None), (256, 2)])
+def test_indexer_decode_splits_and_tiles_match_ref(kind, dtype, block_n, splits):
+    """The decode kernel: several key tiles per program and several programs per query, contexts
+    that are not whole pages or tiles, a decode query before its request's end (its later keys
+    masked), and more columns than any request has keys."""
+    lens = [700, 333, 64, 129, 1]
+    queries = [(0, [699]), (1, [200]), (2, [63]), (3, [128]), (4, [0])]
+    args, _ = _indexer_case(kind, dtype, 8, 16, lens, queries, seed=block_n)
+    got = indexer_logits_paged(*args, kind, 760, backend="triton", block_n=block_n, splits=splits)
+    ref = indexer_logits_paged_ref(*args, kind, 760)
+    assert got.shape == (5, 760)
+    _assert_logits_close(got, ref)
+    assert torch.all(got[1, 201:] == float("-inf")) and torch.all(got[0, 700:] == float("-inf"))
+
+
+def test_indexer_decode_fp16_operands_are_exact_per_head():
+    """fp8 pool, bf16 q: the kernel scores in fp16 with q scaled per head by a power of two; heads
+    of very different magnitude (and an all-zero one) each match the reference on their own."""
+    lens, queries = [300, 190], [(0, [299]), (1, [189])]
+    args, _ = _indexer_case("fp8_e4m3", torch.bfloat16, 32, 128, lens, queries, seed=9)
+    q, w, *rest = args
+    mags = torch.tensor([1.0, 2.0**60, 2.0**-60, 0.0, 3e4, 1e-3] + [1.0] * 26)
+    q = (q.float() * mags[None, :, None]).bfloat16()
+    for h in (0, 1, 2, 3, 4, 5):
+        wh = torch.zeros_like(w)
+        wh[:, h] = w[:, h]
+        got = indexer_logits_paged(q, wh, *rest, "fp8_e4m3", backend="triton")
+        ref = indexer_logits_paged_ref(q, wh, *rest, "fp8_e4m3")
+        _assert_logits_close(got, ref)
+    _assert_logits_close(
+        indexer_logits_paged(q, w, *rest, "fp8_e4m3", backend="triton"),
+        indexer_logits_paged_ref(q, w, *rest, "fp8_e4m3"),
+    )
 
 
 @pytest.mark.parametrize("t,k,b", [(1, 2048, 1), (5, 300, 3), (8, 16, 8), (3, 1, 2)])

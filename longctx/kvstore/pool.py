@@ -7,6 +7,8 @@ one index-key pool of the same number of rows. Row `page * page_size + offset` h
 - kind "bf16": latent + rope in bf16 (1152 B for GLM-5.3);
 - kind "auto": latent + rope in the model dtype (exact parity with the reference on CPU).
 Index keys: "fp8" (128 e4m3 + fp32 scale = 132 B) when the MLA kind is fp8, else the model dtype.
+The fp8 index pool is page-major (a page's 64 keys, then their 64 scales; `kv_layout`): its rows are
+pages' bytes, not tokens, so only the kernels' addressing (`kv_layout.index_k_offsets`) reads it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 score[q, t] = sum_h w[q, h] * relu(q_h . k_t) * index_head_dim^-0.5,  w = weights_proj(x) * H^-0.5
 over every earlier token t <= pos(q) of the same request, then top-`index_topk`. Keys live in the
-stage's paged index pool (fp8 "132" layout or the model dtype); only "full" layers own an indexer,
+stage's paged index pool (fp8 132 bytes per token, page-major, or the model dtype); only "full" layers own an indexer,
 "shared" layers reuse the previous full layer's selection (IndexShare).
 """
 
