@@ -244,9 +244,8 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert ops["triton._silu_mul_kernel"] == 6  # the dense MLP and five shared experts
     assert ops["triton._logical_to_rows_kernel"] == 3  # once per full layer, shared layers reuse it
     # q_a + kv_a (+ wk + weights_proj) as one GEMM, q_b, o_proj; wq_b; router, shared / dense MLP; lm_head:
-    # a decode batch's projections run kernels.gemv (only the fp32 routers stay aten.linear)
-    assert ops["aten.linear"] + ops["triton._gemv_kernel"] == 6 * 3 + 3 + 5 * 3 + 2 + 1
-    assert ops["aten.linear"] == 5
+    # (kernels.gemv is off by default: cuBLAS measured as fast inside a graph)
+    assert ops["aten.linear"] == 6 * 3 + 3 + 5 * 3 + 2 + 1
     assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk", "aten.silu"} & set(ops)
     assert not {"aten.layer_norm", "aten.zeros_like", "aten.sum"} & set(ops)
     assert sum(ops.values()) <= 186, ops.most_common(20)

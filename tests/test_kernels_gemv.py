@@ -103,7 +103,8 @@ def test_pick_splits_fills_the_gpu():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_linear_dispatches_small_m_to_gemv(monkeypatch, fp8):
-    """Linear on the Triton backend: at most GEMV_MAX_M rows go to gemv, more to the GEMM path."""
+    """Linear on the Triton backend: at most GEMV_MAX_M (FP8: GEMV_MAX_M_FP8) rows go to gemv, more to
+    the GEMM path (the limits are 0 by default; set here as LONGCTX_GEMV_MAX_M* would)."""
     from longctx.kernels import gemv as gemv_mod
 
     from longctx.model import linear as linear_mod
@@ -116,6 +117,8 @@ def test_linear_dispatches_small_m_to_gemv(monkeypatch, fp8):
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(gemv_mod, "gemv", spy)
+    limit = 16
+    monkeypatch.setattr(linear_mod, "GEMV_MAX_M_FP8" if fp8 else "GEMV_MAX_M", limit)
     gen = torch.Generator().manual_seed(9)
     lin = linear_mod.Linear(256, 72)
     w, s = _weights(72, 256, fp8, torch.float32, gen)
@@ -125,7 +128,7 @@ def test_linear_dispatches_small_m_to_gemv(monkeypatch, fp8):
     else:
         lin.weight.data = w
     lin.use_triton = True
-    for m in (1, linear_mod.GEMV_MAX_M, linear_mod.GEMV_MAX_M + 1):
+    for m in (1, limit, limit + 1):
         x = torch.randn(m, 256, generator=gen)
         _close(lin(x), gemv_ref(x, lin.weight, lin.weight_scale_inv), torch.float32)
-    assert calls == [1, linear_mod.GEMV_MAX_M]
+    assert calls == [1, limit]

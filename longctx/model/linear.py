@@ -4,9 +4,12 @@ FP8 checkpoints store `weight` as float8_e4m3fn with `weight_scale_inv` fp32 sca
 `block` (128 x 128) tile. On CPU (and with backend="torch") the loader dequantises them; on the GPU
 path they stay FP8 and `fp8_block_linear` dequantises tile by tile inside the GEMM.
 
-On the Triton backend a forward of at most GEMV_MAX_M token rows (a decode step, eager or captured
-in a CUDA graph) is a weight stream, not a GEMM: it runs `kernels.gemv` over the weight as stored
-(plain or FP8), which reads it at close to the HBM rate where cuBLAS and `fp8_block_linear` tile for M.
+`kernels.gemv` (a weight stream for a few token rows) can serve the decode projections on the
+Triton backend: a forward of at most GEMV_MAX_M (plain weights) or GEMV_MAX_M_FP8 (FP8 weights)
+rows goes to it. Both limits are 0 by default because it measured no faster on the H200
+(bench/results/gemv-h200.md: inside CUDA graphs cuBLAS already reads large bf16 weights at 0.87-1.0
+of the HBM rate, and `fp8_block_linear` beat it on FP8 weights); LONGCTX_GEMV_MAX_M /
+LONGCTX_GEMV_MAX_M_FP8 set them for a process (A/B benches).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Token rows up to which the Triton backend runs a linear layer as `kernels.gemv` (decode batches);
-# LONGCTX_GEMV_MAX_M overrides it for a process (0: never, for A/B benches against cuBLAS).
-GEMV_MAX_M = int(os.environ.get("LONGCTX_GEMV_MAX_M", "16"))
+# Token rows up to which the Triton backend runs a linear layer as `kernels.gemv` (0: never), for plain
+# and FP8 weights; the environment overrides them for a process (A/B benches against cuBLAS).
+GEMV_MAX_M = int(os.environ.get("LONGCTX_GEMV_MAX_M", "0"))
+GEMV_MAX_M_FP8 = int(os.environ.get("LONGCTX_GEMV_MAX_M_FP8", "0"))
 
 
 def linear(
@@ -28,11 +32,12 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T -> [..., N] in x's dtype; `scale_inv` makes `weight` FP8 block-scaled.
 
-    Triton backend: `gemv` for at most GEMV_MAX_M rows, else cuBLAS (plain) or `fp8_block_linear`.
+    Triton backend: `gemv` for at most GEMV_MAX_M (GEMV_MAX_M_FP8) rows, else cuBLAS (plain) or
+    `fp8_block_linear`.
     Torch backend: F.linear or the FP8 reference (what the CPU engine and parity tests run)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if use_triton and x2.shape[0] <= GEMV_MAX_M:
+    if use_triton and x2.shape[0] <= (GEMV_MAX_M if scale_inv is None else GEMV_MAX_M_FP8):
         from longctx.kernels import gemv
 
         if x2.stride(-1) != 1:
