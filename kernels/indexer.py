@@ -176,7 +176,10 @@ def indexer_logits_paged(
     if tq <= page_table.shape[0]:  # decode: no key tile is shared between queries
         bn = block_n or _DECODE_BLOCK_N
         n_tiles = _cdiv(max_len, bn)
-        per_query = splits or max(1, _cdiv(_DECODE_PROGRAMS_PER_SM * _num_sms(q.device), tq))
+        # whole waves of programs (a few more than a wave cost a second one: batch 8 at 50 programs a
+        # query took 584 us, at 99 410 us); one wave for a single query, two for a batch (measured best)
+        waves = 1 if tq == 1 else 2
+        per_query = splits or max(1, waves * _DECODE_PROGRAMS_PER_SM * _num_sms(q.device) // tq)
         tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
         grid = (tq, _cdiv(n_tiles, tiles_per))
         _indexer_decode_kernel[grid](
