@@ -15,6 +15,13 @@ For chunks of Q queries (H=32, D=128, k=2048, fp8 keys of one 1,048,576-token re
 Run: `python -m bench.kernels_indexer_topk [--quick] [--out DIR]`; writes
 kernels_indexer_topk.json and .md to DIR (default bench/results). Without CUDA it prints that CUDA
 is needed and exits 0. `run_bench(...)` returns the same dict for the lead's driver.
+
+`--sweep` instead times one 8192-query chunk at the end of a 1M context for each of `SWEEP`'s
+(block_q, block_k, num_warps, num_stages) launch settings of the fused kernel (~30 s of GPU time)
+and prints them fastest first, with the rows whose selection differs from the default's (only
+fp32-rounding ties at the boundary may); writes kernels_indexer_topk_sweep.json and .md. The
+winner's values go into `_BLOCK_QH` (= block_q x 32 heads), `_BLOCK_K`, `_WARPS`, `_STAGES` of
+kernels/indexer_topk.py.
 """
 
 from __future__ import annotations
@@ -228,6 +235,75 @@ def run_bench(quick: bool = False) -> dict[str, Any]:
     return res
 
 
+# (block_q, block_k, num_warps, num_stages); the first is the default. All compile for sm_90a
+# without spills (registers 186-234); 4-warp settings under ~250 registers fit 2 programs per SM.
+SWEEP = (
+    (4, 128, 8, 3),
+    (4, 128, 8, 2),
+    (4, 128, 8, 4),
+    (4, 64, 4, 2),
+    (4, 64, 4, 3),
+    (4, 64, 4, 4),
+    (4, 64, 8, 3),
+    (2, 64, 4, 3),
+    (2, 128, 8, 3),
+    (8, 64, 8, 3),
+    (8, 64, 8, 4),
+)
+
+
+def run_sweep(
+    q_count: int = 8192, ctx_len: int = CTX, settings: Sequence[tuple[int, ...]] = SWEEP
+) -> dict[str, Any]:
+    """Times the fused call per launch setting on one chunk ending at `ctx_len`; fastest first."""
+    ctx = make_context(ctx_len)
+    q, w, seq_lens, q_seq, q_pos = _chunk(q_count, ctx_len, seed=2)
+    rows: list[dict[str, Any]] = []
+    base: torch.Tensor | None = None
+    for bq, bk, nw, ns in settings:
+        knobs = dict(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
+
+        def run(knobs: dict[str, int] = knobs) -> torch.Tensor:
+            pt, pool = ctx["page_table"], ctx["pool"]
+            return indexer_topk_paged(
+                q, w, pool, pt, seq_lens, q_seq, q_pos, "fp8_e4m3", K, max_len=ctx_len, **knobs
+            )
+
+        row: dict[str, Any] = dict(knobs)
+        try:
+            out = run()
+            row["seconds"] = _time(run, reps=2)
+            base = out if base is None else base
+            row["rows_differing"] = int((out != base).any(1).sum())
+        except Exception as e:  # a setting may not fit the SM (registers / shared memory)
+            row["error"] = repr(e)[:200]
+        rows.append(row)
+    pairs = _pairs(q_pos)
+    for r in rows:
+        if "seconds" in r:
+            r["executed_tflops"] = 2 * H * D * pairs * (1 + 1 / 128) / r["seconds"] / 1e12
+    rows.sort(key=lambda r: r.get("seconds", float("inf")))
+    return {"q": q_count, "ctx": ctx_len, "settings": rows}
+
+
+def sweep_markdown(res: dict[str, Any]) -> str:
+    lines = [
+        f"# Fused indexer + top-k launch sweep ({res['q']} queries at {res['ctx']} keys, fastest first)",
+        "",
+        "| block_q | block_k | warps | stages | ms / chunk | executed TFLOP/s | rows != default |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["settings"]:
+        head = f"| {r['block_q']} | {r['block_k']} | {r['num_warps']} | {r['num_stages']} |"
+        if "seconds" in r:
+            lines.append(
+                f"{head} {r['seconds'] * 1e3:.1f} | {r['executed_tflops']:.0f} | {r['rows_differing']} |"
+            )
+        else:
+            lines.append(f"{head} failed: {r['error']} | | |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(res: dict[str, Any]) -> str:
     p = res["peaks"]
     lines = [
@@ -274,10 +350,17 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="128K context, one chunk size (smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="rank launch settings on one 8192 x 1M chunk")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels_indexer_topk: CUDA is needed for this benchmark; nothing to do.", file=sys.stderr)
+        return 0
+    if args.sweep:
+        res = run_sweep(ctx_len=1 << 17 if args.quick else CTX)
+        md = sweep_markdown(res)
+        write_json_md(args.out, "kernels_indexer_topk_sweep", res, md)
+        print(md)
         return 0
     res = run_bench(args.quick)
     md = markdown(res)

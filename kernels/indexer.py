@@ -282,6 +282,9 @@ def _indexer_kernel(
     )  # [BLOCK_M*HP, DP]
     wv = tl.load(w_ptr + mi.to(tl.int64) * stride_wt + hi, mask=rmask, other=0.0)
     wv = wv.to(tl.float32) * w_scale  # [BLOCK_M*HP], the reference's `w.float() * w_scale`
+    if FP8 and not IEEE:  # fp16 operands, as in the decode kernel (fp32 q keeps fp32)
+        qt, wq = fp16_scaled_q(qt, 1)  # [BLOCK_M*HP, DP] fp16, [BLOCK_M*HP]
+        wv = wv * wq
 
     ms = m0 + tl.arange(0, BLOCK_M)
     mvalid = ms < Tq
@@ -327,6 +330,27 @@ def _pow2(e):
 
 
 @jit
+def fp16_scaled_q(q, AXIS: tl.constexpr):
+    """(q * 2^(14 - e_h) as fp16, 2^(e_h - 14) fp32) for the heads of `q` along the other axis.
+
+    e_h = floor(log2 max|q_h|) over AXIS (the head dimension D), so each head's largest element
+    lies in [2^14, 2^15) and every bf16 / fp16 element at least 2^-29 of it converts exactly; the
+    second value goes back into the head weight. With e4m3 keys converted to fp16 (exact, one
+    instruction per two elements; bf16 takes two) the fp16 dot then gives the bf16 dot's products,
+    summed in fp32. Shared by the indexer kernels here and the fused top-k kernel.
+    """
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), axis=AXIS)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2), amax >= 0
+    e = tl.minimum(tl.maximum(e, -110), 127)  # 0 / subnormal heads and the bf16 top stay in range
+    if AXIS == 0:
+        qop = (qf * _pow2(14 - e)[None, :]).to(tl.float16)
+    else:
+        qop = (qf * _pow2(14 - e)[:, None]).to(tl.float16)
+    return qop, _pow2(e - 14)
+
+
+@jit
 def _decode_pages(pt_row, t, lim, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     # page ids [BLOCK_N] of key tile t's keys; 0 (a page always in the pool) at or past `lim`
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -364,12 +388,8 @@ def _indexer_decode_kernel(
     )  # [DP, HP]
     wv = tl.load(w_ptr + i.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32) * w_scale
     if FP8 and not IEEE:  # (fp32 q keeps fp32 operands: fp16 would round it)
-        qf = qT.to(tl.float32)
-        amax = tl.max(tl.abs(qf), axis=0)  # [HP]
-        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2), amax >= 0
-        e = tl.minimum(tl.maximum(e, -110), 127)  # 0 / subnormal heads and the bf16 top stay in range
-        qop = (qf * _pow2(14 - e)[None, :]).to(tl.float16)
-        wv = wv * _pow2(e - 14)
+        qop, wq = fp16_scaled_q(qT, 0)  # [DP, HP] fp16, [HP]
+        wv = wv * wq
         if INTERPRET:
             qop = qop.to(tl.float32)
     elif INTERPRET:

@@ -53,6 +53,7 @@ import torch
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
 from .indexer import (
     _check_inputs,
+    fp16_scaled_q,
     indexer_logits_paged,
     indexer_logits_paged_ref,
     load_index_keys,
@@ -65,6 +66,14 @@ _REF_CHUNK_ELEMS = 1 << 24  # the reference materialises at most this many logit
 _FALLBACK_CHUNK_ELEMS = 1 << 27  # likewise for the fused path's fallback queries (512 MiB)
 _Z = 4.0  # safety margin of the sampled threshold, in standard deviations of the sample count
 _BIG = 2**31 - 1
+
+# Launch defaults of `_fused_kernel` (H=32, D=128: BQ = 4 queries x 32 heads = a 128-column dot,
+# 128-key tiles, 8 warps). `python -m bench.kernels_indexer_topk --sweep` times the alternatives on
+# the GPU; change these to its winner.
+_BLOCK_QH = 128  # queries per program x padded heads
+_BLOCK_K = 128  # keys per tile (halved for D > 128)
+_WARPS = 8  # when BQ x HP >= 128, else 4
+_STAGES = 3
 
 
 def indexer_topk_paged_ref(
@@ -113,6 +122,8 @@ def indexer_topk_paged(
     capacity: int | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     stats: dict | None = None,
 ) -> torch.Tensor:
     """Top-k key positions (int32 [Tq, k], ascending, -1 padded) of the indexer logits, fused.
@@ -122,7 +133,9 @@ def indexer_topk_paged(
     `topk_indices(indexer_logits_paged(...), k, q_pos + 1)` (see the module docstring).
     `max_len` defaults to max(seq_lens) (a device sync). Tuning knobs: `sample_keys` (strata of
     the threshold sample; contexts up to it take the unfused path), `capacity` (candidate slots
-    per query, default 4k), `block_q` / `block_k` (queries per program / keys per tile). If
+    per query, default 4k), `block_q` / `block_k` / `num_warps` / `num_stages` (queries per
+    program / keys per tile / the launch's; None picks the `_BLOCK_*` / `_WARPS` / `_STAGES`
+    defaults, which `python -m bench.kernels_indexer_topk --sweep` ranks on the GPU). If
     `stats` is a dict it receives what the call did (path, S, fallback queries).
     """
     _check_all(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, k)
@@ -146,9 +159,9 @@ def indexer_topk_paged(
     dev = q.device
     h, d = q.shape[1], q.shape[2]
     hp, dp = next_pow2(h), max(16, next_pow2(d))
-    bq = block_q if block_q is not None else max(1, 128 // hp)
+    bq = block_q if block_q is not None else max(1, _BLOCK_QH // hp)
     bq = max(bq, 16 // hp if hp < 16 else 1)  # the dot's N = bq * hp must be >= 16
-    bk = block_k if block_k is not None else (128 if d <= 128 else 64)
+    bk = block_k if block_k is not None else (_BLOCK_K if d <= 128 else _BLOCK_K // 2)
     check(bq == next_pow2(bq) and bk == next_pow2(bk) and 16 <= bk <= 32768, "block_q/block_k: powers of 2")
     cap = capacity if capacity is not None else 4 * k
     check(cap >= k, f"capacity {cap} must be >= k {k}")
@@ -163,7 +176,8 @@ def indexer_topk_paged(
     dummy_i = torch.empty(1, dtype=torch.int32, device=dev)
     common = dict(
         H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=is_fp8(kind), PAGE=PAGE_SIZE, BQ=bq, BK=bk,
-        IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(), num_warps=8 if bq * hp >= 128 else 4,
+        IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(),
+        num_warps=num_warps or (_WARPS if bq * hp >= 128 else 4), num_stages=num_stages or _STAGES,
     )  # fmt: skip
     grid = (-(-tq // bq),)
     _fused_kernel[grid](
@@ -202,7 +216,10 @@ def indexer_topk_paged(
     # --- exact check; the (rare) misses go through the unfused kernels
     ok = (n_gt <= cap) & (n_gt + n_eq >= torch.clamp(n_valid, max=k))
     bad = torch.nonzero(~ok).flatten()
-    info.update(path="fused", S=s_len, M=m_cols, capacity=cap, block_q=bq, block_k=bk)
+    info.update(
+        path="fused", S=s_len, M=m_cols, capacity=cap, block_q=bq, block_k=bk,
+        num_warps=common["num_warps"], num_stages=common["num_stages"],
+    )  # fmt: skip
     info["fallback_queries"] = int(bad.numel())
     if bad.numel():
         step = max(1, _FALLBACK_CHUNK_ELEMS // max_len)
@@ -290,9 +307,12 @@ def _fused_kernel(
         mask=cmask[None, :] & dmask[:, None],
         other=0.0,
     )  # [DP, BQ*HP]
-    if INTERPRET:  # the interpreter's dot reads bf16 as raw uint16; fp32 is exact for both
-        qT = qT.to(tl.float32)
     wv = tl.load(w_ptr + ci.to(tl.int64) * stride_wt + ch, mask=cmask, other=0.0)  # [BQ*HP]
+    if FP8 and not IEEE:  # fp16 operands (see `fp16_scaled_q`); fp32 q keeps fp32
+        qT, wq = fp16_scaled_q(qT, 0)  # [DP, BQ*HP] fp16, [BQ*HP]
+        wv = wv * wq
+    if INTERPRET:  # the interpreter's dot reads bf16 as raw uint16; fp32 is exact for all
+        qT = qT.to(tl.float32)
 
     qs = m0 + tl.arange(0, BQ)
     qvalid = qs < Tq
@@ -312,20 +332,22 @@ def _fused_kernel(
             n_tiles = tl.cdiv(tl.cdiv(lim, S), BK)  # strata j with j*S < lim
         else:
             n_tiles = tl.cdiv(lim, BK)
+        pt_row = pt_ptr + b * stride_pb
+        # Positions and page ids of tile kt + 1 are loaded while tile kt is scored, so the key
+        # loads depend on loop-carried registers only and Triton's pipeliner can keep
+        # num_stages - 1 key tiles in flight (as in kernels.indexer's decode kernel).
+        pos_nx, pg_nx = _tile_pages(spos_ptr, pt_row, 0, M, lim, seqlen, SAMPLE, BK, PAGE)
         for kt in range(0, n_tiles):
             rk = kt * BK + tl.arange(0, BK)
-            if SAMPLE:
-                jm = rk < M
-                pos = tl.load(spos_ptr + rk, mask=jm, other=2147483647)
-            else:
-                pos = rk
-            lmask = (pos < lim) & (pos < seqlen)
-            page = tl.load(pt_ptr + b * stride_pb + pos // PAGE, mask=lmask, other=0)
-            slot = page.to(tl.int64) * PAGE + pos % PAGE  # [BK]
-            kt_ = load_index_keys(pool_ptr, slot, lmask[:, None] & dmask[None, :], offs_d, D, ROW, FP8, PAGE)
-            kt_ = kt_.to(qT.dtype)
+            pos = pos_nx
+            slot = pg_nx.to(tl.int64) * PAGE + pos % PAGE  # [BK]; page 0 where not needed
+            pos_nx, pg_nx = _tile_pages(spos_ptr, pt_row, kt + 1, M, lim, seqlen, SAMPLE, BK, PAGE)
+            # unmasked rows: keys past `lim` / `seqlen` read page 0 (always in the pool) and are
+            # masked out below
+            kt_ = load_index_keys(pool_ptr, slot, dmask[None, :], offs_d, D, ROW, FP8, PAGE)
             if FP8:
-                kscale = load_index_scales(pool_ptr, slot, lmask, D, PAGE)
+                kscale = load_index_scales(pool_ptr, slot, rk >= 0, D, PAGE)
+            kt_ = kt_.to(qT.dtype)  # fp8: e4m3 -> fp16 (exact) or fp32
             if IEEE:
                 s = tl.dot(kt_, qT, input_precision="ieee")
             else:
@@ -336,7 +358,7 @@ def _fused_kernel(
                 v = v * kscale[:, None]
             v = tl.where((pos < seqlen)[:, None], v, float("-inf"))  # as the unfused logits
             if SAMPLE:
-                smask = jm[:, None] & in_b[None, :]
+                smask = (rk < M)[:, None] & in_b[None, :]
                 tl.store(samp_ptr + qs.to(tl.int64)[None, :] * stride_samp + rk[:, None], v, mask=smask)
             else:
                 valid = in_b[None, :] & (pos[:, None] < nval[None, :])
@@ -359,3 +381,18 @@ def _fused_kernel(
     if not SAMPLE:
         tl.store(cnt_ptr + qs * 2, cnt_gt, mask=qvalid)
         tl.store(cnt_ptr + qs * 2 + 1, cnt_eq, mask=qvalid)
+
+
+@jit
+def _tile_pages(
+    spos_ptr, pt_row, kt, M, lim, seqlen, SAMPLE: tl.constexpr, BK: tl.constexpr, PAGE: tl.constexpr
+):
+    # (key positions [BK], page ids [BK]) of key tile kt: the sample positions in the sample pass;
+    # page 0 for keys no query of this request needs
+    rk = kt * BK + tl.arange(0, BK)
+    if SAMPLE:
+        pos = tl.load(spos_ptr + rk, mask=rk < M, other=2147483647)
+    else:
+        pos = rk
+    need = (pos < lim) & (pos < seqlen)
+    return pos, tl.load(pt_row + pos // PAGE, mask=need, other=0)

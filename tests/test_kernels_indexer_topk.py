@@ -15,7 +15,7 @@ import pytest
 import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.common import KernelInputError
-from longctx.kernels.indexer import indexer_logits_paged_ref
+from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
 from longctx.kernels.indexer_topk import indexer_topk_paged, indexer_topk_paged_ref
 from longctx.kernels.topk import topk_indices_ref
 
@@ -127,6 +127,24 @@ def test_short_context_uses_unfused_kernels():
     args = _case([100], [(0, [10, 50, 99])], seed=6)
     stats = _check_exact(args, "fp8_e4m3", 20, expect_fused=False)  # max_len <= sample_keys
     assert stats["path"] == "unfused"
+
+
+def test_extreme_query_magnitudes_per_head():
+    # bf16 q over fp8 keys takes the fp16 dot with a power-of-two scale per head: heads spanning
+    # 2^-100 .. 2^100 (and an all-zero head) with weights scaled inversely keep every logit exact,
+    # so the fused, unfused and reference logits and selections must agree exactly.
+    lens, queries = [300], [(0, [40, 130, 250, 299])]
+    q, w, *rest = _case(lens, queries, dtype=torch.bfloat16, w_mode="positive", seed=10)
+    e = torch.tensor([-100, -37, 0, 29, 100, 0, -5, 7], dtype=torch.float64)
+    q = (q.double() * torch.exp2(e)[None, :, None]).to(torch.bfloat16)
+    q[:, 5] = 0
+    w = (w.double() * torch.exp2(-e)[None, :]).float()
+    args = (q, w, *rest)
+    ref_logits = indexer_logits_paged_ref(*args, "fp8_e4m3")
+    got_logits = indexer_logits_paged(*args, "fp8_e4m3", backend="triton")
+    assert torch.equal(got_logits, ref_logits)
+    _check_exact(args, "fp8_e4m3", 40, sample_keys=64, block_k=32, num_warps=2, num_stages=2)
+    _check_exact(args, "fp8_e4m3", 40, expect_fused=False)
 
 
 def test_glm_head_shape():
