@@ -236,6 +236,23 @@ def case_gemv(m: int, n: int, k: int, fp8: bool, dot: bool | None) -> float:
     return rel(gemv(x, wq, s, backend="triton", config=cfg), gemv_ref(x, wq, s))
 
 
+def case_fp16_mma(kind: str, m: int, n: int, k: int) -> float:
+    """bf16 x @ e4m3 weights through the fp16 MMA (`fp8_gemm.fp16_rows`) with fp32 output, rows of
+    magnitude 1, 2^60, 2^-60 and 0: the largest error of a row relative to that row's float64 reference,
+    which must stay at fp32 rounding (the bf16 MMA's), far under bf16's 2^-8."""
+    from longctx.kernels.fp8_gemm import dequant_block_fp8_ref, fp8_block_linear, quant_block_fp8_ref
+    from longctx.kernels.gemv import gemv
+
+    wq, s = quant_block_fp8_ref(torch.randn(n, k, device="cuda") / k**0.5)
+    mag = torch.tensor([1.0, 2.0**60, 2.0**-60, 0.0], device="cuda").repeat(m)[:m]
+    x = (torch.randn(m, k, device="cuda") * mag[:, None]).bfloat16()
+    fn = gemv if kind == "gemv" else fp8_block_linear
+    out = fn(x, wq, s, torch.float32, backend="triton").double()
+    ref = x.double() @ dequant_block_fp8_ref(wq, s).double().T
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    return ((out - ref).abs() / torch.where(scale > 0, scale, 1.0)).max().item()
+
+
 def case_norm(add: bool) -> float:
     from longctx.kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
@@ -479,6 +496,10 @@ CASES = {
     "moe_fp8_glm": (case_moe, (True, 8, 6144, 2048, 16), 2e-2),
     "fp8_linear_b1": (case_fp8_linear, (1, 2048, 6144), 2e-2),
     "fp8_linear_b512": (case_fp8_linear, (512, 16384, 2048), 2e-2),
+    "fp8_linear_fp16_rows_b8": (case_fp16_mma, ("fp8_linear", 8, 2048, 6200), 1e-5),
+    "fp8_linear_fp16_rows_b40": (case_fp16_mma, ("fp8_linear", 40, 576, 7168), 1e-5),
+    "gemv_fp8_fp16_rows_m16": (case_fp16_mma, ("gemv", 16, 1000, 6200), 1e-5),
+    "moe_fp8_glm_b1": (case_moe, (True, 1, 6144, 2048, 16), 2e-2),
     "gemv_bf16_m1": (case_gemv, (1, 16384, 2048, False, None), 1e-2),
     "gemv_bf16_m8_odd": (case_gemv, (8, 1000, 2056, False, None), 1e-2),
     "gemv_bf16_m3_fma": (case_gemv, (3, 4096, 2048, False, False), 1e-2),

@@ -11,7 +11,9 @@ Activation quantisation (`act_quant`, DeepSeek's "1x128 token group"):
 Two Triton GEMMs compute x @ dequant(w).T with fp32 accumulation:
   * weight-only ("w8a16", default): e4m3 values are exact in bf16/fp32, so the kernel feeds the raw fp8 tile
     (converted to x's dtype) to `tl.dot` and applies the block scale to the [BM, BN] partial product of each
-    128-wide K block. Numerically this equals the reference up to accumulation order.
+    128-wide K block. Numerically this equals the reference up to accumulation order. bf16 x at decode-sized
+    tiles goes to an fp16 MMA instead, each x row scaled by a power of two per K step (`fp16_rows`): e4m3 ->
+    fp16 is one conversion per two elements, e4m3 -> bf16 three, and the result is the same.
   * `quantize_act=True` ("w8a8"): x is quantised with `act_quant` and both operands go to `tl.dot` as fp8
     (Hopper fp8 tensor cores, 2x the bf16 rate); partial products are scaled by x_scale[m, kb] * scale_inv[nb, kb].
     This is the prefill-sized fast path; its reference quantises x the same way.
@@ -30,6 +32,10 @@ from .common import check, jit, tl, triton_interpret, use_triton
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Weight-only tiles up to this many rows run bf16 activations as fp16 (`fp16_rows`): there the weight's
+# conversion is the work per byte streamed. Wider (prefill) tiles keep the bf16 MMA, whose x operand
+# goes from shared memory to the tensor cores without the register pass the row scaling needs.
+FP16_MMA_MAX_BM = 64
 
 
 def cdiv(a: int, b: int) -> int:
@@ -117,11 +123,36 @@ def mma(a, b, F32: tl.constexpr):
 
 
 @jit
+def pow2(e):
+    """2^e as fp32 for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@jit
+def fp16_rows(a):
+    """A bf16 tile [R, C] as fp16 scaled per row by a power of two, and the inverse powers [R] fp32.
+
+    Lets an e4m3 weight meet bf16 activations in an fp16 MMA: e4m3 -> fp16 is exact and one instruction
+    per two elements, e4m3 -> bf16 is that plus an fp16 -> bf16 conversion per element. Row r is scaled by
+    2^(14 - e), e = floor(log2 max|a_r|), so its max lies in [2^14, 2^15): every element at least 2^-28 of
+    the row max keeps all of bf16's 8 significant bits as an fp16 normal, down to 2^-31 as a subnormal.
+    Products and sums stay fp32 in the MMA, so mma(fp16 rows, w) * inverse equals the bf16 MMA up to the
+    fp32 rounding (both are exact power-of-two rescalings): callers multiply by the block scale first and
+    the inverse last, so an output in fp32's subnormal range is rounded once, as the bf16 path rounds it.
+    Zero rows and rows under 2^-110 clamp e to -110 (the inverse must stay an fp32 normal)."""
+    af = a.to(tl.float32)
+    amax = tl.max(tl.abs(af), axis=1)  # [R]
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 amax), amax >= 0
+    e = tl.minimum(tl.maximum(e, -110), 127)
+    return (af * pow2(14 - e)[:, None]).to(tl.float16), pow2(e - 14)
+
+
+@jit
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr,
     T, N, K, K_SPLIT,
     stride_xt, stride_xst, stride_wn, stride_wsn, stride_ot, stride_os,
-    A8: tl.constexpr, F32: tl.constexpr,
+    A8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     # One program = one [BM, BN] output tile over the K range [pid_k*K_SPLIT, +K_SPLIT) (split-K; K_SPLIT is a
@@ -155,6 +186,9 @@ def _fp8_linear_kernel(
         if A8:
             asc = tl.load(xs_ptr + offs_m * stride_xst + k0 // 128, mask=mask_m, other=0.0)
             acc += mma(a, tl.trans(w), F32) * asc[:, None] * wsc[None, :]
+        elif X16:  # bf16 x: an fp16 MMA on power-of-two-scaled rows (`fp16_rows`)
+            a16, inv = fp16_rows(a)
+            acc += mma(a16, tl.trans(w.to(tl.float16)), F32) * wsc[None, :] * inv[:, None]
         else:
             # e4m3 is exact in bf16/fp16/fp32, so the block scale can wait for the [BM, BN] partial.
             acc += mma(a, tl.trans(w.to(a.dtype)), F32) * wsc[None, :]
@@ -291,7 +325,7 @@ def fp8_block_linear(
     _fp8_linear_kernel[(cdiv(t, bm), cdiv(n, bn), splits)](
         xq, xs, w_fp8, scale_inv, dst, t, n, k, k_split,
         xq.stride(0), xs.stride(0), w_fp8.stride(0), scale_inv.stride(0), n, t * n if splits > 1 else 0,
-        A8=quantize_act, F32=x.dtype == torch.float32 or triton_interpret(),
+        A8=quantize_act, X16=not quantize_act and x.dtype == torch.bfloat16 and bm <= FP16_MMA_MAX_BM, F32=x.dtype == torch.float32 or triton_interpret(),
         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:

@@ -20,6 +20,8 @@ the x tile [BM, BK] is tiny and stays in L1/L2. The product goes one of two ways
     tensor cores' 16 rows, but Triton does not pipeline loads that feed no dot).
   * dot: swap-AB, W as the MMA's M side (acc [BN, BM] = W_tile @ x_tile^T, BM = 16), so N fills the
     128-row hardware tile and M only pads the narrow side.
+With e4m3 W and bf16 x the tensor-core form runs in fp16 (`fp8_gemm.fp16_rows`: x rows scaled by powers of
+two per K step; e4m3 -> fp16 is one conversion per two elements, -> bf16 three; the result is the same).
 fp32 accumulation either way; an fp8 block's scale multiplies the [BN, BM] partial of its 128 columns
 (BK divides 128, so a K step never straddles a scale block).
 
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
-from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, mma
+from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, fp16_rows, mma
 
 # Up to this many rows the FMA form, above it the tensor cores (swap-AB `tl.dot`). 0: the tensor-core
 # form always (its loads are cp.async-pipelined; the FMA form's are not). bench/gemm_shapes sweeps both.
@@ -99,7 +101,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, o_ptr,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
-    FP8: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
+    FP8: tl.constexpr, X16: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     # Program (pid_n, pid_k): rows [pid_n*BN, +BN) over K in [pid_k*K_SPLIT, +K_SPLIT) (K_SPLIT a multiple
@@ -122,13 +124,13 @@ def _gemv_kernel(
         offs_k = k0 + tl.arange(0, BK)
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)  # [BN, BK]
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)  # [BM, BK]
-        acc += _partial(w, x, ws_rows, k0, mask_n, FP8, DOT, F32)
+        acc += _partial(w, x, ws_rows, k0, mask_n, FP8, X16, DOT, F32)
     if k_full < k_hi:
         offs_k = k_full + tl.arange(0, BK)
         mask_k = offs_k < k_hi
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc += _partial(w, x, ws_rows, k_full, mask_n, FP8, DOT, F32)
+        acc += _partial(w, x, ws_rows, k_full, mask_n, FP8, X16, DOT, F32)
     out = round_as(acc, tl.zeros([1], dtype=o_ptr.dtype.element_ty))  # the interpreter truncates in .to
     tl.store(
         o_ptr + pid_k.to(tl.int64) * stride_os + offs_m[None, :] * stride_om + offs_n[:, None],
@@ -138,15 +140,24 @@ def _gemv_kernel(
 
 
 @jit
-def _partial(w, x, ws_rows, k0, mask_n, FP8: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+def _partial(
+    w, x, ws_rows, k0, mask_n, FP8: tl.constexpr, X16: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr
+):
     """[BN, BM] fp32 partial product of a W tile [BN, BK] and an x tile [BM, BK], block-scaled if FP8."""
-    if DOT:
-        # e4m3 values are exact in bf16/fp16/fp32, so the raw tile goes to the MMA in x's dtype
-        part = mma(w.to(x.dtype), tl.trans(x), F32)
+    if DOT and X16:
+        # e4m3 W, bf16 x: an fp16 MMA on x rows scaled by powers of two (`fp16_rows`), since e4m3 ->
+        # fp16 is one conversion per two elements and e4m3 -> bf16 three; the powers come back exactly.
+        x16, inv = fp16_rows(x)
+        part = mma(w.to(tl.float16), tl.trans(x16), F32)
+        part = part * tl.load(ws_rows + k0 // 128, mask=mask_n, other=0.0)[:, None] * inv[None, :]
     else:
-        part = tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
-    if FP8:
-        part = part * tl.load(ws_rows + k0 // 128, mask=mask_n, other=0.0)[:, None]
+        if DOT:
+            # e4m3 values are exact in bf16/fp16/fp32, so the raw tile goes to the MMA in x's dtype
+            part = mma(w.to(x.dtype), tl.trans(x), F32)
+        else:
+            part = tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+        if FP8:
+            part = part * tl.load(ws_rows + k0 // 128, mask=mask_n, other=0.0)[:, None]
     return part
 
 
@@ -241,7 +252,7 @@ def gemv(
     _gemv_kernel[(tiles_n, splits)](
         x, w, ws, dst, m, n, k, k_split,
         x.stride(0), w.stride(0), ws.stride(0) if fp8 else 0, n, m * n if splits > 1 else 0,
-        FP8=fp8, DOT=cfg.dot, F32=x.dtype == torch.float32 or triton_interpret(),
+        FP8=fp8, X16=fp8 and x.dtype == torch.bfloat16, DOT=cfg.dot, F32=x.dtype == torch.float32 or triton_interpret(),
         BM=bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if splits > 1:

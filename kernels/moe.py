@@ -25,7 +25,9 @@ Triton path:
 optional addends of both paths, each added in that order and rounded to x's dtype as torch's
 separate adds round.
 fp8 weights are dequantised in-kernel: the raw e4m3 tile goes to tl.dot (exact in bf16) and the block scale
-multiplies the [BM, BN] partial product of each 128-wide K block.
+multiplies the [BM, BN] partial product of each 128-wide K block. With bf16 x and decode-sized tiles the
+MMA runs in fp16 on power-of-two-scaled rows instead (`fp8_gemm.fp16_rows`: same result, a third of the
+conversions). Activations are not quantised here: both kernels are weight-only (w8a16).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
-from .fp8_gemm import cdiv, dequant_block_fp8_ref, mma
+from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, mma
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -339,7 +341,7 @@ def _gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, pairs_ptr, bexp_ptr, h_ptr,
     P, HD, I, TOPK,
     s_xt, s_we, s_wn, s_wse, s_wsn, s_ht,
-    FP8: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -365,9 +367,17 @@ def _gate_up_kernel(
                 other=0.0,
             )
             wmask = mask_n[:, None] & mask_k[None, :]
-            wg = tl.load(wg_ptr + offs_k[None, :], mask=wmask, other=0.0).to(a.dtype)  # [BN, BK]
-            wu = tl.load(wu_ptr + offs_k[None, :], mask=wmask, other=0.0).to(a.dtype)
-            if FP8:
+            wg = tl.load(wg_ptr + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK]
+            wu = tl.load(wu_ptr + offs_k[None, :], mask=wmask, other=0.0)
+            if X16:  # e4m3 weights, bf16 x: fp16 MMA on power-of-two-scaled rows (`fp16_rows`)
+                a16, inv = fp16_rows(a)
+                sg = tl.load(sg_ptr + k0 // 128, mask=mask_n, other=0.0)
+                su = tl.load(su_ptr + k0 // 128, mask=mask_n, other=0.0)
+                acc_g += mma(a16, tl.trans(wg.to(tl.float16)), F32) * sg[None, :] * inv[:, None]
+                acc_u += mma(a16, tl.trans(wu.to(tl.float16)), F32) * su[None, :] * inv[:, None]
+            elif FP8:
+                wg = wg.to(a.dtype)
+                wu = wu.to(a.dtype)
                 acc_g += (
                     mma(a, tl.trans(wg), F32) * tl.load(sg_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
                 )
@@ -375,8 +385,8 @@ def _gate_up_kernel(
                     mma(a, tl.trans(wu), F32) * tl.load(su_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
                 )
             else:
-                acc_g += mma(a, tl.trans(wg), F32)
-                acc_u += mma(a, tl.trans(wu), F32)
+                acc_g += mma(a, tl.trans(wg.to(a.dtype)), F32)
+                acc_u += mma(a, tl.trans(wu.to(a.dtype)), F32)
         hval = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(
             h_ptr + pair[:, None].to(tl.int64) * s_ht + offs_n[None, :],
@@ -390,7 +400,7 @@ def _down_kernel(
     h_ptr, w_ptr, ws_ptr, pairs_ptr, bexp_ptr, tw_ptr, o_ptr,
     P, HD, I,
     s_ht, s_we, s_wn, s_wse, s_wsn, s_ot,
-    FP8: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -412,13 +422,18 @@ def _down_kernel(
                 mask=mask_m[:, None] & mask_k[None, :],
                 other=0.0,
             )
-            w = tl.load(wd_ptr + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(
-                a.dtype
-            )
-            if FP8:
-                acc += mma(a, tl.trans(w), F32) * tl.load(sd_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
+            w = tl.load(wd_ptr + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            if X16:  # as in _gate_up_kernel
+                a16, inv = fp16_rows(a)
+                sd = tl.load(sd_ptr + k0 // 128, mask=mask_n, other=0.0)
+                acc += mma(a16, tl.trans(w.to(tl.float16)), F32) * sd[None, :] * inv[:, None]
+            elif FP8:
+                acc += (
+                    mma(a, tl.trans(w.to(a.dtype)), F32)
+                    * tl.load(sd_ptr + k0 // 128, mask=mask_n, other=0.0)[None, :]
+                )
             else:
-                acc += mma(a, tl.trans(w), F32)
+                acc += mma(a, tl.trans(w.to(a.dtype)), F32)
         rw = tl.load(tw_ptr + pair64, mask=mask_m, other=0.0)
         acc = acc * rw[:, None]
         tl.store(
@@ -599,19 +614,20 @@ def moe_experts(
     out = torch.empty(p, hd, dtype=x.dtype, device=dev)  # the combine skips the rows of ignored ids
     tw = topk_w.reshape(-1).float().contiguous()
     f32 = x.dtype == torch.float32 or triton_interpret()
+    x16 = fp8 and x.dtype == torch.bfloat16 and bm <= FP16_MMA_MAX_BM
     sgu = w_gate_up_scale.contiguous() if fp8 else w_gate_up  # type: ignore[union-attr]
     sd = w_down_scale.contiguous() if fp8 else w_down  # type: ignore[union-attr]
     _gate_up_kernel[(nb, cdiv(inter, bn))](
         x, w_gate_up, sgu, sorted_pairs, block_expert, h,
         p, hd, inter, k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0), sgu.stride(1), h.stride(0),
-        FP8=fp8, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _down_kernel[(nb, cdiv(hd, bn))](
         h, w_down, sd, sorted_pairs, block_expert, tw, out,
         p, hd, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
-        FP8=fp8, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     return moe_combine(out.view(t, k, hd), ids, e, shared, residual, backend="triton")
