@@ -68,12 +68,13 @@ _Z = 4.0  # safety margin of the sampled threshold, in standard deviations of th
 _BIG = 2**31 - 1
 
 # Launch defaults of `_fused_kernel` (H=32, D=128: BQ = 4 queries x 32 heads = a 128-column dot,
-# 128-key tiles, 8 warps). `python -m bench.kernels_indexer_topk --sweep` times the alternatives on
-# the GPU; change these to its winner.
+# 64-key tiles, 4 warps, 2 stages): the winner of `python -m bench.kernels_indexer_topk --sweep` on
+# the H200 (305.6 ms per 8192-query chunk at 1M keys = 231 TFLOP/s; 128-key tiles with 8 warps, the
+# previous default, 369.5 ms; bench/results/kernels-indexer-topk-sweep-h200.md).
 _BLOCK_QH = 128  # queries per program x padded heads
-_BLOCK_K = 128  # keys per tile (halved for D > 128)
-_WARPS = 8  # when BQ x HP >= 128, else 4
-_STAGES = 3
+_BLOCK_K = 64  # keys per tile (halved for D > 128)
+_WARPS = 4
+_STAGES = 2
 
 
 def indexer_topk_paged_ref(
@@ -177,7 +178,7 @@ def indexer_topk_paged(
     common = dict(
         H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=is_fp8(kind), PAGE=PAGE_SIZE, BQ=bq, BK=bk,
         IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(),
-        num_warps=num_warps or (_WARPS if bq * hp >= 128 else 4), num_stages=num_stages or _STAGES,
+        num_warps=num_warps or _WARPS, num_stages=num_stages or _STAGES,
     )  # fmt: skip
     grid = (-(-tq // bq),)
     _fused_kernel[grid](
