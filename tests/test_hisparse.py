@@ -104,3 +104,6 @@ def test_capped_matches_uncapped_pp2(model_dir):
     assert tokens == ref_tokens
     hs = stats["hisparse"]
     assert hs["misses"] > 0 and hs["swap_bytes"] > 0 and 0 < hs["device_tokens_max"] <= CAP
+    # the stage processes size their per-request tables as the one-process engine does (the running
+    # requests up front: min(max_running 64, 24 pages x 64 / CAP), so decode graphs never see them move)
+    assert [st["hisparse"]["blocks"] for st in stats["stages"]] == [64, 64]

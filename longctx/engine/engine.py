@@ -168,6 +168,8 @@ class Engine:
                 prefill_form=prefill_form,
                 hisparse_device_tokens=hisparse_device_tokens,
                 layer_split=layer_split,
+                max_context=max_context,
+                max_running=max_running,
             )
         self.allocator = PageAllocator(num_pages, PAGE_SIZE)
         self.prefix_cache = PrefixCache(self.allocator)

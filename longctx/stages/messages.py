@@ -37,6 +37,9 @@ class StageSpec:
     store_host: str  # TCPStore of the rendezvous ("" when the process group already exists)
     store_port: int
     num_threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
+    # HiSparse: the longest request and how many run at once (its per-request tables are sized by them)
+    max_context: int | None = None
+    max_requests: int = 1
 
     @property
     def rank(self) -> int:

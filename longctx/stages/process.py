@@ -172,8 +172,6 @@ class StageProcess:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
 
     def _hisparse(self, layout: Any, layers: range) -> Any:
-        import inspect
-
         try:
             from longctx.hisparse.cache import HiSparseKVCache
         except ImportError:
@@ -182,9 +180,6 @@ class StageProcess:
             ) from None
         s = self.spec
         assert s.hisparse_device_tokens is not None
-        kwargs: dict[str, Any] = {}
-        if "host_layout" in inspect.signature(HiSparseKVCache).parameters:
-            kwargs["host_layout"] = layout
         return HiSparseKVCache(
             s.cfg,
             layers,
@@ -195,7 +190,9 @@ class StageProcess:
             device_tokens=s.hisparse_device_tokens,
             page_size=s.page_size,
             use_triton=s.use_triton,
-            **kwargs,
+            host_layout=layout,
+            max_requests=s.max_requests,
+            max_context=s.max_context,
         )
 
     # ---- the loop ----------------------------------------------------------------------------

@@ -171,6 +171,8 @@ class StageRuntime:
         hisparse_device_tokens: int | None = None,
         layer_split: list[int] | None = None,
         page_size: int = 64,
+        max_context: int | None = None,
+        max_running: int = 1,
         num_threads: int | None = None,
         poll_s: float = POLL_S,
         stages: Any = None,
@@ -222,6 +224,10 @@ class StageRuntime:
                 store_host=store_host,
                 store_port=store_port,
                 num_threads=num_threads,
+                max_context=max_context,
+                # as the one-process engine sizes them: the running requests, as long as their slots
+                # hold no more rows than the pages do
+                max_requests=max(1, min(max_running, num_pages * page_size // (hisparse_device_tokens or 1))),
             )
             for s, (a, b) in enumerate(self.layers)
             for t in range(tp)
