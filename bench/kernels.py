@@ -59,28 +59,18 @@ def summary(res: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
             "rows_per_item": best["rows_per_item"],
             "ok": best["ok"],
         }
-    r = _pick(res.get("indexer_decode", []), ctx=1 << 20, batch=1)
-    if r:
-        out["indexer_decode_1m"] = {
-            "time_s": r["time_s"],
-            "rate_Bps": r["rate_Bps"],
-            "ceiling_Bps": r["ceiling_Bps"],
-            "fraction_of_hbm": r["frac_of_ceiling"],
-            "ok": r["ok"],
-            "graph_us": r.get("graph_us"),
-            "graph_fraction_of_hbm": r.get("graph_frac_of_ceiling"),
-        }
-    r = _pick(res.get("indexer_decode", []), ctx=1 << 20, batch=8)
-    if r:
-        out["indexer_decode_1m_b8"] = {
-            "time_s": r["time_s"],
-            "rate_Bps": r["rate_Bps"],
-            "ceiling_Bps": r["ceiling_Bps"],
-            "fraction_of_hbm": r["frac_of_ceiling"],
-            "ok": r["ok"],
-            "graph_us": r.get("graph_us"),
-            "graph_fraction_of_hbm": r.get("graph_frac_of_ceiling"),
-        }
+    for batch, key in ((1, "indexer_decode_1m"), (8, "indexer_decode_1m_b8")):
+        r = _pick(res.get("indexer_decode", []), ctx=1 << 20, batch=batch)
+        if r:
+            out[key] = {
+                "time_s": r["time_s"],
+                "rate_Bps": r["rate_Bps"],
+                "ceiling_Bps": r["ceiling_Bps"],
+                "fraction_of_hbm": r["frac_of_ceiling"],
+                "ok": r["ok"],
+                "graph_us": r.get("graph_us"),
+                "graph_fraction_of_hbm": r.get("graph_frac_of_ceiling"),
+            }
     r = _pick(res.get("topk", []), n=1 << 20, batch=1)
     if r:
         out["topk_1m"] = {
