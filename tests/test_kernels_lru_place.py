@@ -57,15 +57,23 @@ def _request(g: torch.Generator, B: int, M: int, hi: int, style: str) -> torch.T
 
 
 @pytest.mark.parametrize(
-    "B,L,N,M,steps,seed",
-    [(1, 1, 40, 16, 12, 0), (3, 2, 24, 32, 10, 1), (2, 3, 300, 64, 8, 2), (4, 1, 2100, 40, 6, 3)],
+    "B,L,N,M,steps,seed,chunk",
+    [
+        (1, 1, 40, 16, 12, 0, None),
+        (3, 2, 24, 32, 10, 1, None),
+        (2, 3, 300, 64, 8, 2, None),
+        (4, 1, 2100, 40, 6, 3, None),
+        (2, 2, 300, 40, 12, 4, 8),  # the all-hit pass (5 chunks, the last one partial)
+        (3, 1, 90, 16, 10, 5, 4),
+    ],
 )
-def test_place_matches_reference(B, L, N, M, steps, seed):
+def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
     g = torch.Generator().manual_seed(seed)
     n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
     ref = _Tables(B + 1, n_l, N, P)
     tri = ref.clone()
-    ovf = 0
+    ovf = hits = 0
+    prev = None
     acc_r, acc_t = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
     now = torch.zeros((), dtype=torch.int64)
     minus1 = torch.full((), -1, dtype=torch.int32)
@@ -78,6 +86,9 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
         now += (1, 2, 300, 1, 70_000, 1)[step % 6]
         hi = min(P - 1, 2 * N + 4 * step * M // 3)
         pos = _request(g, B, M, hi, styles[step % 4])
+        if chunk is not None and step % 2 == 1:  # the last request again: hits only (M < N)
+            pos = prev
+        prev = pos
         if B > 1:
             pos[-1] = -1
         trow = blk[:, None] * n_l + torch.arange(1, 1 + L)
@@ -104,11 +115,12 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
                     page_size=PS,
                     force=force,
                     minus1=minus1,
-                    **({} if t is ref else {"backend": "triton"}),
+                    **({} if t is ref else {"backend": "triton", "hit_chunk": chunk}),
                 )  # fmt: skip
             )
         a, k = out
         ovf += int(a.overflow.sum())
+        hits += int(not a.copy.any() and not a.overflow.any() and bool((a.u >= 0).any()))
         assert ref.same(tri), step
         assert torch.equal(acc_r, acc_t), step
         for name in ("u", "src", "dst", "copy", "overflow"):
@@ -123,6 +135,7 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
                     k.cdst[b, i, :n], a.dst[b, i][c]
                 )
     assert acc_r[1] > 0 and acc_r[0] > 0 and acc_r[2] > 0
+    assert hits > 0 or chunk is None
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
