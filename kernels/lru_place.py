@@ -62,13 +62,16 @@ class Placement(NamedTuple):
 def _check(
     p2s: torch.Tensor, s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, pos: torch.Tensor,
     p_at: torch.Tensor, s_at: torch.Tensor, base: torch.Tensor, newest_from: torch.Tensor,
-    table: torch.Tensor, acc: torch.Tensor,
+    table: torch.Tensor, acc: torch.Tensor, valid: torch.Tensor | None, below: torch.Tensor | None,
 ) -> None:  # fmt: skip
     check(p2s.dim() == 1 and p2s.dtype == torch.int32, "p2s must be flat int32")
     for name, t in (("s2p", s2p), ("stamp", stamp)):
         check(t.dim() == 1 and t.dtype == torch.int64, f"{name} must be flat int64")
     check(now.dim() == 0 and now.dtype == torch.int64, "now must be a 0-d int64 tensor")
-    check(pos.dim() == 2 and pos.dtype == torch.int64 and pos.is_contiguous(), "pos must be int64 [B, M]")
+    check(
+        pos.dim() == 2 and pos.dtype in (torch.int32, torch.int64) and pos.is_contiguous(),
+        "pos must be int32 / int64 [B, M]",
+    )
     B = pos.shape[0]
     check(
         p_at.shape == s_at.shape and p_at.dim() == 2 and p_at.shape[0] == B
@@ -80,6 +83,11 @@ def _check(
     check(table.dim() == 2 and table.shape[0] == B and table.dtype == torch.int32, "table: int32 [B, pages]")
     check(table.stride(1) == 1, "page table rows must be contiguous")
     check(acc.dtype == torch.int64 and acc.numel() >= 3 and acc.is_contiguous(), "acc: int64 [>= 3]")
+    check(valid is None or (valid.shape == (B,) and valid.dtype == torch.bool), "valid: bool [B]")
+    check(
+        below is None or (below.shape == (B,) and below.dtype == torch.int64 and below.is_contiguous()),
+        "below: int64 [B]",
+    )
     devs = {t.device for t in (p2s, s2p, stamp, now, pos, p_at, base, newest_from, table, acc)}
     check(len(devs) == 1, "all tensors must be on one device")
 
@@ -171,17 +179,26 @@ def lru_place(
     minus1: torch.Tensor,
     backend: str = "auto",
     hit_chunk: int | None = None,
+    valid: torch.Tensor | None = None,
+    below: torch.Tensor | None = None,
 ) -> Placement:
     """One placement (arguments as `lru_place_ref`). The Triton path (M <= MAX_M) gives the same
     u / src / dst / copy / overflow and tables (sinks aside) plus the compacted copies; it makes no
     host sync and has no data-dependent shape (CUDA-graph safe). Asynchronous on CUDA.
 
+    valid (bool [B], False: the row requests nothing) and below (int64 [B]: positions >= below[b]
+    are not requested) mask `pos` on the fly; pos may be int32 there.
     hit_chunk: positions per program of the hit pass (a power of two; 0: no hit pass; None:
     `HIT_CHUNK` for non-forced placements of at least 2 * HIT_CHUNK positions, else 0)."""
-    _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc)
+    _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
     if not use_triton(backend, pos.device) or M > MAX_M or B * L == 0 or M == 0:
+        pos = pos.long()
+        if below is not None:
+            pos = torch.where(pos < below[:, None], pos, -1)
+        if valid is not None:
+            pos = torch.where(valid[:, None], pos, -1)
         return lru_place_ref(
             p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc,
             n_slots=n_slots, pos_len=pos_len, page_size=page_size, force=force, minus1=minus1,
@@ -201,22 +218,25 @@ def lru_place(
     split = 0 < hit_chunk < block_m
     # split: the hit pass decides per (row, layer) and the full placement returns where it was done
     slow = torch.empty((B, L), dtype=torch.int32, device=dev) if split else cnt
+    vb = valid if valid is not None else pos  # (unused pointers where absent)
+    lim = below if below is not None else pos
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
         if split:
             check(hit_chunk == next_pow2(hit_chunk), "hit_chunk must be a power of two")
             n_ch = triton.cdiv(M, hit_chunk)
             hscr = torch.empty((B * L * n_ch, 2 * hit_chunk), dtype=torch.int64, device=dev)
             _place_hits_kernel[(B, L, n_ch)](
-                pos, M, p2s, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base, table,
+                pos, M, vb, lim, p2s, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base, table,
                 table.stride(0), acc, L, u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, slow, hscr,
-                PAGE=page_size, FORCE=force, BLOCK_M=block_m, CH=hit_chunk, num_warps=8,
+                PAGE=page_size, FORCE=force, BLOCK_M=block_m, CH=hit_chunk, HAS_VALID=valid is not None,
+                HAS_BELOW=below is not None, num_warps=8,
             )  # fmt: skip
         _lru_place_kernel[(B, L)](
-            pos, M, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
+            pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
             newest_from, table, table.stride(0), acc, n_slots, L,
             u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow,
             PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=1024, NB=256, SPLIT=split,
-            num_warps=8,
+            HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
 
@@ -238,6 +258,25 @@ def _max(a, b):
 
 
 @jit
+def _req(prow, idx, mask, other, vb, lim):
+    # requested positions idx of a row, -1 where masked by valid / below (`other` outside `mask`)
+    p = tl.load(prow + idx, mask=mask, other=0).to(tl.int64)
+    return tl.where(mask, tl.where((p >= lim) | (vb == 0), -1, p), other)
+
+
+@jit
+def _row_masks(vb_ptr, lim_ptr, b, HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr):
+    BIG: tl.constexpr = 1 << 62
+    vb = 1
+    lim = BIG
+    if HAS_VALID:
+        vb = tl.load(vb_ptr + b).to(tl.int32)
+    if HAS_BELOW:
+        lim = tl.load(lim_ptr + b)
+    return vb, lim
+
+
+@jit
 def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
     # LRU keys of slots offs of one (row, layer): the stamp, or BIG where not evictable
     inb = offs < N
@@ -248,11 +287,12 @@ def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
 
 @jit
 def _lru_place_kernel(
-    pos_ptr, M, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
+    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
     nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
     u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr, slow_ptr,
     PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, HAS_VALID: tl.constexpr,
+    HAS_BELOW: tl.constexpr,
 ):  # fmt: skip
     BIG: tl.constexpr = 1 << 62
     b = tl.program_id(0)
@@ -275,8 +315,9 @@ def _lru_place_kernel(
 
     # 1. the requested positions in ascending order. Top-k rows come ascending then -1 padded, the
     # newest tokens -1 padded then ascending: with the -1s taken to the front they are sorted.
-    p = tl.load(prow + j, mask=jm, other=BIG)
-    seen = tl.associative_scan(tl.load(prow + j - 1, mask=jm & (j > 0), other=-1), 0, _max)
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    p = _req(prow, j, jm, BIG, vb, lim)
+    seen = tl.associative_scan(_req(prow, j - 1, jm & (j > 0), -1, vb, lim), 0, _max)
     bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
     if tl.sum(bad.to(tl.int32), 0) == 0:
         ni = (jm & (p < 0)).to(tl.int32)
@@ -414,10 +455,11 @@ def _lru_place_kernel(
 
 @jit
 def _place_hits_kernel(
-    pos_ptr, M, p2s_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
+    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
     table_ptr, stride_t, acc_ptr, L,
     u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, slow_ptr, scr_ptr,
     PAGE: tl.constexpr, FORCE: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
 ):  # fmt: skip
     # The all-hit pass, grid (B, L, chunks of CH sorted positions). Every program reads the whole
     # row and its p2s entries (nothing here writes p2s, so all programs see the same tables) and
@@ -433,8 +475,9 @@ def _place_hits_kernel(
     j = tl.arange(0, BLOCK_M)
     jm = j < M
     prow = pos_ptr + b.to(tl.int64) * M
-    p = tl.load(prow + j, mask=jm, other=-1)
-    seen = tl.associative_scan(tl.load(prow + j - 1, mask=jm & (j > 0), other=-1), 0, _max)
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    p = _req(prow, j, jm, -1, vb, lim)
+    seen = tl.associative_scan(_req(prow, j - 1, jm & (j > 0), -1, vb, lim), 0, _max)
     bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
     slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=jm & (p >= 0), other=0)
     miss = jm & (p >= 0) & (slot < 0)

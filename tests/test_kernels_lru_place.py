@@ -95,6 +95,14 @@ def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
         newest_from = torch.randint(0, hi + 2, (B,), generator=g) if step % 3 == 1 else torch.full((B,), hi)
         force = step % 5 == 4
         base = 1 + (blk - 1) * N
+        # the kernel masks on the fly what the reference gets masked (int32 positions)
+        valid = below = None
+        pos_t = pos
+        if chunk is not None and step % 3 == 2:
+            valid = torch.rand(B, generator=g) < 0.7
+            below = torch.randint(0, hi + 2, (B,), generator=g)
+            pos = torch.where(valid[:, None] & (pos < below[:, None]), pos, -1)
+            pos_t = pos_t.to(torch.int32)
         out = []
         for t, acc in ((ref, acc_r), (tri, acc_t)):
             out.append(
@@ -103,7 +111,7 @@ def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
                     t.s2p.view(-1),
                     t.stamp.view(-1),
                     now,
-                    pos,
+                    pos if t is ref else pos_t,
                     trow * P,
                     trow * (N + 1),
                     base,
@@ -115,7 +123,11 @@ def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
                     page_size=PS,
                     force=force,
                     minus1=minus1,
-                    **({} if t is ref else {"backend": "triton", "hit_chunk": chunk}),
+                    **(
+                        {}
+                        if t is ref
+                        else {"backend": "triton", "hit_chunk": chunk, "valid": valid, "below": below}
+                    ),
                 )  # fmt: skip
             )
         a, k = out
