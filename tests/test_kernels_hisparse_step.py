@@ -45,3 +45,26 @@ def test_slot_lookup_matches_reference(T, K, dtype):
     got = slot_lookup(q, p2s, at, base, backend="triton")
     assert (want >= 0).any() and (want < 0).any()
     assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("n_lists,B,M,width", [(0, 1, 1, 40), (1, 2, 1, 36), (2, 3, 20, 40), (2, 1, 37, 10)])
+def test_resolve_tail_matches_reference(n_lists, B, M, width):
+    from longctx.kernels.hisparse_step import resolve_tail, resolve_tail_ref
+
+    g = torch.Generator().manual_seed(n_lists * 100 + M)
+    T, K, P = B, 33, 61
+    p2s = torch.randint(-1, 20, (B * P,), generator=g).to(torch.int32)
+    q = torch.randint(-1, P - 1, (T, K), generator=g).to(torch.int32)
+    at, base = torch.arange(T) * P, torch.randint(1, 30, (T,), generator=g)
+    host = torch.randint(0, 1000, (90, width), generator=g).float()
+    copies = []
+    for i in range(n_lists):  # disjoint destinations, as a placement's lists are
+        dst = torch.randperm(B * M * 2, generator=g)[i * B * M : (i + 1) * B * M].view(B, M)
+        copies.append(
+            (torch.randint(0, 90, (B, M), generator=g), dst, torch.randint(0, M + 1, (B,), generator=g))
+        )
+    a, b = torch.zeros(2 * B * M + 1, width), torch.zeros(2 * B * M + 1, width)
+    ra = resolve_tail_ref(q, p2s, at, base, host, a, copies)
+    rb = resolve_tail(q, p2s, at, base, host, b, copies, backend="triton")
+    assert torch.equal(ra, rb) and torch.equal(a, b)
+    assert n_lists == 0 or a.any()

@@ -70,7 +70,7 @@ import torch
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
-from longctx.kernels.hisparse_step import slot_lookup, step_rows
+from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
 from longctx.kernels.lru_place import lru_place
 from longctx.kernels.swap import swap_in_gather
@@ -266,6 +266,9 @@ class HiSparseKVCache:
         self._minus1 = torch.full((), -1, dtype=torch.int32, device=self.device)
         self._step_pool: dict[int, torch.Tensor] = {}
         self._prefetched: set[int] = set()  # layers whose decode rows were placed by a prefetch
+        # Triton decode steps (`_fuse`): row copies deferred to each layer's `resolve` tail
+        self._fuse = False
+        self._pending: dict[int, list[CopyList]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
         self._acc = {k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side")}
@@ -280,6 +283,7 @@ class HiSparseKVCache:
         return self._index[layer]
 
     def attend_pool(self, layer: int) -> torch.Tensor:
+        self._flush(layer)  # (a decode layer's `resolve` made its copies already)
         pool = self._step_pool.get(layer)
         return pool if pool is not None else self._slots[layer]
 
@@ -291,7 +295,11 @@ class HiSparseKVCache:
         p = self._newest
         assert p is not None
         li = self._index_of[layer]
-        self._swap(layer, p, li, True)
+        if self._fuse and p.cnt is not None:  # copied by this layer's `resolve` (its tail)
+            assert p.csrc is not None and p.cdst is not None
+            self._pending.setdefault(layer, []).append((p.csrc[:, li], p.cdst[:, li], p.cnt[:, li]))
+        else:
+            self._swap(layer, p, li, True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Top-k logical positions [T, K] (-1 = none) -> rows of `attend_pool(layer)` (-1 stays)."""
@@ -304,7 +312,11 @@ class HiSparseKVCache:
         if self._dec is not None and layer not in self._prefetched:  # every decode row at once
             tok, rows = self._dec
             p = self._place(self._one[li], rows, q if tok is None else q[tok], acc)
-            self._swap(layer, p, 0, False)
+            if self._fuse and p.cnt is not None:
+                assert p.csrc is not None and p.cdst is not None
+                self._pending.setdefault(layer, []).append((p.csrc[:, 0], p.cdst[:, 0], p.cnt[:, 0]))
+            else:
+                self._swap(layer, p, 0, False)
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
@@ -314,7 +326,10 @@ class HiSparseKVCache:
                 n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
                 if n:
                     overflow.append((b, p.u[0][p.overflow[0, 0]]))
-        rows_out = self._lookup(li, q, ctx)
+        if self._fuse:  # the copies and the lookup in one launch
+            rows_out = self._tail(layer, li, q)
+        else:
+            rows_out = self._lookup(li, q, ctx)
         if overflow:
             self._build_step_pool(layer, topk, ctx, rows_out, overflow)
         if layer in self._shared_ids:
@@ -354,6 +369,7 @@ class HiSparseKVCache:
     def close(self) -> None:
         """Drop device buffers and the private host pool (if this cache created it)."""
         self._states.clear()
+        self._pending.clear()
         self._write_view = {}
         self._host = {}
         if self._own_pool is not None:
@@ -452,6 +468,7 @@ class HiSparseKVCache:
         if ctx is self._ctx:
             return
         self._wait_side()
+        self._flush()
         self._ctx = ctx
         self._step_pool.clear()
         self._prefetched.clear()
@@ -466,6 +483,7 @@ class HiSparseKVCache:
             ids = self.bind_rows(rids, [e - n for e, n in zip(ends, nq)], ends)
             blk = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
         self._pure = all(n == 1 for n in nq)
+        self._fuse = self._pure and self.use_triton
         # the step clock ticks on the device (in a replayed graph too); the rows' table offsets and
         # the newest tokens (placed in all layers at once; each layer's `after_write` then only
         # copies its freshly written rows into these slots): one launch for a decode batch
@@ -512,6 +530,31 @@ class HiSparseKVCache:
             qs = ctx.q_seq.long()
             at, base = r.p_at[qs, li], r.base[qs]
         return slot_lookup(q, self._p2s.view(-1), at, base, backend=self._backend)
+
+    def _tail(self, layer: int, li: int, q: torch.Tensor) -> torch.Tensor:
+        """A decode layer's deferred copies (newest rows, misses) and its slot lookup, one launch."""
+        r = self._all
+        assert r is not None
+        copies = self._pending.pop(layer, [])
+        timed = self.device.type == "cuda" and not self._capturing() and len(copies) > 1
+        if timed:
+            a = torch.cuda.Event(enable_timing=True)
+            z = torch.cuda.Event(enable_timing=True)
+            a.record()
+        rows = resolve_tail(
+            q, self._p2s.view(-1), r.p_at[:, li], r.base, self._write_view[layer], self._slots[layer],
+            copies, backend=self._backend,
+        )  # fmt: skip
+        if timed:
+            z.record()
+            self._events.append((a, z))
+        return rows
+
+    def _flush(self, layer: int | None = None) -> None:
+        """Make the copies deferred to a `resolve` that did not come (one layer, or all)."""
+        for i in list(self._pending) if layer is None else [layer]:
+            for src, dst, cnt in self._pending.pop(i, []):
+                swap_in_rows_counted(self._write_view[i], src, self._slots[i], dst, cnt, self.use_triton)
 
     def _place(
         self,
@@ -629,7 +672,11 @@ class HiSparseKVCache:
             # step's rows of later layers are not written yet (below: positions before this step)
             p = self._place(self._shared_ids[layer], rows, qd.contiguous(), acc, below=start.contiguous())
             for k, s in enumerate(self._shared_after[layer]):
-                self._swap(s, p, k, False)
+                if stream is None and self._fuse and p.cnt is not None:  # no overlap to win: the
+                    assert p.csrc is not None and p.cdst is not None  # layer's own tail copies them
+                    self._pending.setdefault(s, []).append((p.csrc[:, k], p.cdst[:, k], p.cnt[:, k]))
+                else:
+                    self._swap(s, p, k, False)
                 self._prefetched.add(s)
 
 
