@@ -4,9 +4,11 @@
 Each case fills N slots per (row, layer) with decode steps of M = 2048 top-k positions (ascending,
 -1 padded) drawn from a growing context, then times `steps` further steps (clock tick +
 placement; hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA
-events, each path on its own copy of the tables. Prints a table and writes JSON + markdown.
+events, each path on its own copy of the tables. Prints a table and writes JSON + markdown. With
+`--hit 1.0` (in the default set) every position hits: the Triton path is then the all-hit pass
+plus a full-placement launch whose programs all return at once.
 
-    python -m bench.place_bench [--out DIR] [--steps 50]
+    python -m bench.place_bench [--out DIR] [--steps 50] [--hit 0.9 1.0]
 """
 
 from __future__ import annotations
@@ -90,13 +92,19 @@ def _case(n: int, batch: int, layers: int, steps: int, hit: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--hit", type=float, default=0.9, help="share of each step's requests kept from the last")
+    ap.add_argument(
+        "--hit",
+        type=float,
+        nargs="+",
+        default=[0.9, 1.0],
+        help="shares of each step's requests kept from the last (1.0: every position hits)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    rows = [_case(n, b, l, args.steps, args.hit) for n, b, l in CASES]
+    rows = [_case(n, b, l, args.steps, hit) for hit in args.hit for n, b, l in CASES]
     lines = [
         "| N | B | L | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
         "|---|---|---|---|---|---|---|---|",
