@@ -19,7 +19,16 @@ may not be evicted. The misses, in ascending position order, take the evictable 
 ascending (key, slot index) order: free slots (stamp -1) first, then the oldest. Misses beyond
 the evictable count overflow (not placed).
 
-Triton kernel: one program per (row, layer), one launch per placement. It never sorts the N
+All-hit pass (`_place_hits_kernel`, non-forced placements of >= 2 * HIT_CHUNK positions by
+default): grid (row, layer, chunk of HIT_CHUNK sorted positions). Every program reads the whole
+row and its p2s entries (the pass writes no p2s, so all of a (row, layer)'s programs decide
+alike); if nothing misses and the row is ascending apart from -1s, each program touches its
+chunk's hit stamps and writes its chunk of the outputs (and of the compacted copies, counters by
+atomics), and the full kernel below returns at once for that (row, layer); otherwise the pass
+writes only that flag and the full kernel does everything. A decode step's top-k mostly hits, and
+one program per (row, layer) spent ~23 us on the H200 even then.
+
+Full kernel: one program per (row, layer), one launch per placement. It never sorts the N
 slots: after the requested positions are sorted (free when they come ascending with -1 padding
 anywhere, as top-k and the newest tokens do; a bitonic `tl.sort` of the M positions otherwise)
 and looked up, the R = min(misses, evictable) victims are found by a radix select over the keys:

@@ -34,6 +34,12 @@ from the step's device tensors,
 so a decode step has no host state baked into its ops: `DecodeGraphs` binds the rows
 (`bind_rows`) and fills `extras["kv_blocks"]` next to the page table, then replays.
 
+On a Triton decode step the index arithmetic is one launch per step (`step_rows`: the rows' table
+offsets, the newest positions, the clock tick) and one per layer (`resolve_tail`: the layer's
+newest-row copy and miss copies, deferred from `after_write` / the placement / a prefetch without
+a side stream, together with the top-k -> slot-row lookup); `_flush` makes deferred copies that
+no `resolve` took (`attend_pool`, the next `_begin`). The torch path keeps them apart.
+
 Per step (`_begin`, at the first layer): the newest `recent` tokens of each request get their
 slots in every layer of the stage at once (one placement over all layers; each layer keeps its
 own LRU), so the newest tokens are always resident. Then per layer:
