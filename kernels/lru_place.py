@@ -376,7 +376,7 @@ def _lru_place_kernel(
         while t > 0:
             shift += 8
             t = t >> 8
-        if dmax > 0:
+        if (dmax > 0) & (rem > 1):  # (one victim beyond the free slots: the oldest, T = kmin)
             bins = tl.arange(0, NB)
             while shift >= 0:
                 hist = tl.zeros([NB], tl.int32)

@@ -222,3 +222,30 @@ def test_rows_counted_swap_interpreted():
             n = int(counts[r, k])
             want[dst[r, k, :n]] = host[src[r, k, :n]]
         assert torch.equal(a, want) and torch.equal(b, want)
+
+
+@pytest.mark.parametrize("n_new", [1, 2])
+def test_full_buffer_few_misses(n_new):
+    """A full buffer whose stamps span several steps, then n_new misses (one: the oldest slot is taken
+    without the histogram passes): kernel and reference agree."""
+    N, P, L = 24, 200, 2
+    ref = _Tables(1, L, N, P)
+    tri = ref.clone()
+    now = torch.zeros((), dtype=torch.int64)
+    minus1 = torch.full((), -1, dtype=torch.int32)
+    accs = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    trow = torch.tensor([[1 * L + i for i in range(L)]])
+    pages = torch.arange(P // PS + 1, dtype=torch.int32)[None]
+    kw = dict(n_slots=N, pos_len=P, page_size=PS, force=False, minus1=minus1)
+    nf = torch.tensor([P])
+    steps = [torch.arange(i * 6, i * 6 + 6)[None] for i in range(4)]  # 4 steps fill the 24 slots
+    steps.append(torch.arange(100, 100 + n_new)[None])
+    for pos in steps:
+        now += 3
+        a = lru_place_ref(ref.p2s.view(-1), ref.s2p.view(-1), ref.stamp.view(-1), now, pos, trow * P,
+                          trow * (N + 1), torch.tensor([1]), nf, pages, accs[0], **kw)  # fmt: skip
+        b = lru_place(tri.p2s.view(-1), tri.s2p.view(-1), tri.stamp.view(-1), now, pos, trow * P,
+                      trow * (N + 1), torch.tensor([1]), nf, pages, accs[1], backend="triton", **kw)  # fmt: skip
+        assert ref.same(tri) and torch.equal(*accs)
+        assert torch.equal(a.dst, b.dst) and torch.equal(a.copy, b.copy)
+    assert int(accs[0][1]) == L * (24 + n_new) and bool(a.copy.all())
