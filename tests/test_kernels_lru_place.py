@@ -151,21 +151,25 @@ def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
-def test_cache_triton_path_matches_torch_path():
+@pytest.mark.parametrize("hit_chunk", [None, 2])
+def test_cache_triton_path_matches_torch_path(hit_chunk):
     """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
     torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
-    request whose block a new one reuses: same tables, same resolved rows and bytes, same stats."""
+    request whose block a new one reuses: same tables, same resolved rows and bytes, same stats.
+    hit_chunk 2: the all-hit pass on every placement (top-k 4 here)."""
     from .test_hisparse_lru import _cache, _ctx
 
-    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True)]
+    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True, hit_chunk=hit_chunk)]
     pages = [2, 0, 3]
     g = torch.Generator().manual_seed(5)
+    last = torch.empty(0, dtype=torch.int64)
     plan = [
         ("r0", 0, 20),
         ("r0", 20, 1),
         ("r0", 21, 1),
         ("r0", 22, 9),
         ("r0", 31, 1),
+        ("r0", 32, 1),
         ("r1", 0, 7),
         ("r1", 7, 1),
     ]
@@ -177,6 +181,9 @@ def test_cache_triton_path_matches_torch_path():
         for t in range(n_q):
             k = min(4, start + t + 1)
             topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k].sort().values
+        if start in (21, 32):  # the last decode step's selection again: all hits
+            topk = last.clone()
+        last = topk
         got = []
         for kv in caches:
             ctx = _ctx(kv, pages, start, n_q)
