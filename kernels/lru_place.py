@@ -53,6 +53,9 @@ from .common import check, jit, next_pow2, tl, triton, use_triton
 _BIG = 1 << 62  # LRU key of slots that may not be evicted this step
 MAX_M = 4096  # the kernel's limit on requested positions per row (larger: the reference)
 HIT_CHUNK = 256  # positions per program of the all-hit pass
+# slot keys per iteration of the full kernel's passes over N (a decode placement has only B x L
+# programs, so each pass is a latency-bound loop: wider steps mean fewer of them; was 1024)
+BLOCK_N = 2048
 
 
 class Placement(NamedTuple):
@@ -188,6 +191,7 @@ def lru_place(
     minus1: torch.Tensor,
     backend: str = "auto",
     hit_chunk: int | None = None,
+    block_n: int = BLOCK_N,
     valid: torch.Tensor | None = None,
     below: torch.Tensor | None = None,
 ) -> Placement:
@@ -198,7 +202,8 @@ def lru_place(
     valid (bool [B], False: the row requests nothing) and below (int64 [B]: positions >= below[b]
     are not requested) mask `pos` on the fly; pos may be int32 there.
     hit_chunk: positions per program of the hit pass (a power of two; 0: no hit pass; None:
-    `HIT_CHUNK` for non-forced placements of at least 2 * HIT_CHUNK positions, else 0)."""
+    `HIT_CHUNK` for non-forced placements of at least 2 * HIT_CHUNK positions, else 0). block_n:
+    slot keys per iteration of the full kernel's passes over the N slots (a power of two)."""
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
@@ -244,7 +249,7 @@ def lru_place(
             pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
             newest_from, table, table.stride(0), acc, n_slots, L,
             u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow,
-            PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=1024, NB=256, SPLIT=split,
+            PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=block_n, NB=256, SPLIT=split,
             HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
