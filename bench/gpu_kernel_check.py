@@ -418,10 +418,12 @@ def case_ln_rope_index(interleaved: bool) -> float:
     )
 
 
-def case_place(n: int, batch: int, layers: int) -> float:
+def case_place(n: int, batch: int, layers: int, repeat: bool = False) -> float:
     """A sequence of decode placements (M = 2048 top-k rows, ascending then -1 padded; a buffer
     filling up, then full with hits and evictions; a padding row) on copies of the same tables:
-    0.0 if the kernel's tables, outputs and counters equal the torch reference's every step."""
+    0.0 if the kernel's tables, outputs and counters equal the torch reference's every step.
+    repeat: every other step asks for the last step's positions again (all hits: the hit pass
+    alone), every fourth one of those as a forced placement (its compacted copies)."""
     from longctx.kernels.lru_place import lru_place, lru_place_ref
 
     dev, M, P = "cuda", 2048, 131_073
@@ -442,31 +444,81 @@ def case_place(n: int, batch: int, layers: int) -> float:
     trow = blk[:, None] * layers + torch.arange(layers, device=dev)
     table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
     steps = 3 * (n // M) + 6
+    prev = None
     for step in range(steps):
         now += 1
+        force = repeat and step % 8 == 7
         ctx = min(P - 1, 4 * M + step * 4 * M)
         sel = torch.rand(batch, ctx, generator=g, device=dev).topk(M, dim=1).indices
         pos = torch.where(torch.rand(batch, M, generator=g, device=dev) < 0.97, sel, -1).sort(dim=1).values
         pos = torch.where(pos < 0, ctx, pos).sort(dim=1).values  # ascending, then -1 padding
         pos = torch.where(pos == ctx, -1, pos)
         pos[-1] = -1 if batch > 1 else pos[-1]
+        if repeat and step % 2 == 1:
+            pos = prev
+        prev = pos
         nf = torch.full((batch,), ctx - 64, dtype=torch.int64, device=dev)
         outs = []
         for (p2s, s2p, st), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
             kw = {"backend": "triton"} if fn is lru_place else {}
             outs.append(fn(
                 p2s.view(-1), s2p.view(-1), st.view(-1), now, pos.contiguous(), trow * P, trow * (n + 1),
-                1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=False,
+                1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=force,
                 minus1=minus1, **kw,
             ))  # fmt: skip
         a, b = outs
         same = all(torch.equal(x[..., :-1], y[..., :-1]) for x, y in zip(*tabs)) and torch.equal(*accs)
-        same = same and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy"))
+        same = same and all(
+            torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy", "overflow")
+        )
+        same = same and b.cnt is not None and torch.equal(b.cnt, a.copy.sum(-1))
         if not same:
             print(f"differs at step {step}", file=sys.stderr)
             return 1.0
     print(f"hits {int(accs[0][0])} misses {int(accs[0][1])}", file=sys.stderr)
     return 0.0
+
+
+def case_hisparse_step_rows(batch: int, layers: int) -> float:
+    """kernels/hisparse_step.py's step_rows (a decode step's table offsets, newest positions and the
+    clock tick, padding rows included): 0.0 if equal to its torch reference."""
+    from longctx.kernels.hisparse_step import step_rows, step_rows_ref
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(batch)
+    blk = torch.randint(0, 2 * batch, (batch,), generator=g, device=dev)
+    seq = torch.randint(1, 100_000, (batch,), generator=g, device=dev).to(torch.int32)
+    valid = torch.rand(batch, generator=g, device=dev) < 0.7
+    kw = dict(n_layers=layers, n_slots=13_107, pos_len=131_073, recent=64, m=1)
+    nows = [torch.zeros((), dtype=torch.int64, device=dev) for _ in range(2)]
+    a = step_rows_ref(blk, seq, valid, nows[0], None, **kw)  # type: ignore[arg-type]
+    b = step_rows(blk, seq, valid, nows[1], None, backend="triton", **kw)  # type: ignore[arg-type]
+    same = torch.equal(*nows) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return 0.0 if same else 1.0
+
+
+def case_hisparse_resolve_tail(batch: int) -> float:
+    """kernels/hisparse_step.py's resolve_tail (top-k -> slot rows plus two counted copy lists of
+    656-byte rows): 0.0 if the rows and the slot buffer equal its torch reference's."""
+    from longctx.kernels.hisparse_step import resolve_tail, resolve_tail_ref
+
+    dev, K, P, n = "cuda", 2048, 131_073, 13_107
+    g = torch.Generator(device=dev).manual_seed(batch)
+    p2s = torch.randint(-1, n, (batch * P,), generator=g, device=dev).to(torch.int32)
+    q = torch.randint(-1, P - 1, (batch, K), generator=g, device=dev).to(torch.int32)
+    at, base = torch.arange(batch, device=dev) * P, 1 + torch.arange(batch, device=dev) * n
+    host = torch.randint(0, 255, (P, 656), generator=g, device=dev).to(torch.uint8)
+    dst = torch.randperm(batch * n, generator=g, device=dev)[: 2 * batch * K].view(2, batch, K) + 1
+    copies = [
+        (torch.randint(0, P, (batch, K), generator=g, device=dev), dst[i],
+         torch.randint(0, K + 1, (batch,), generator=g, device=dev))
+        for i in range(2)
+    ]  # fmt: skip
+    copies[0][2].clamp_(max=1)  # the newest row: at most one
+    pools = [torch.zeros(1 + batch * n, 656, dtype=torch.uint8, device=dev) for _ in range(2)]
+    ra = resolve_tail_ref(q, p2s, at, base, host, pools[0], copies)
+    rb = resolve_tail(q, p2s, at, base, host, pools[1], copies, backend="triton")
+    return 0.0 if torch.equal(ra, rb) and torch.equal(*pools) else 1.0
 
 
 CASES = {
@@ -529,6 +581,11 @@ CASES = {
     "place_13k_b8": (case_place, (13_107, 8, 3), 0.0),
     "place_105k_b1": (case_place, (104_857, 1, 2), 0.0),
     "place_105k_b8": (case_place, (104_857, 8, 2), 0.0),
+    "place_allhit_13k_b1": (case_place, (13_107, 1, 3, True), 0.0),
+    "place_allhit_13k_b8": (case_place, (13_107, 8, 1, True), 0.0),
+    "place_hisparse_step_rows": (case_hisparse_step_rows, (8, 6), 0.0),
+    "place_hisparse_resolve_tail_b1": (case_hisparse_resolve_tail, (1,), 0.0),
+    "place_hisparse_resolve_tail_b8": (case_hisparse_resolve_tail, (8,), 0.0),
 }
 
 

@@ -4,9 +4,11 @@
 Each case fills N slots per (row, layer) with decode steps of M = 2048 top-k positions (ascending,
 -1 padded) drawn from a growing context, then times `steps` further steps (clock tick +
 placement; hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA
-events, each path on its own copy of the tables. Prints a table and writes JSON + markdown.
+events, each path on its own copy of the tables. Prints a table and writes JSON + markdown. With
+`--hit 1.0` (in the default set) every position hits: the Triton path is then the all-hit pass
+plus a full-placement launch whose programs all return at once.
 
-    python -m bench.place_bench [--out DIR] [--steps 50]
+    python -m bench.place_bench [--out DIR] [--steps 50] [--hit 0.9 1.0] [--block-n 1024 2048 4096]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CASES = [(13_107, 1, 1), (13_107, 1, 3), (13_107, 8, 1), (104_857, 1, 1), (104_857, 8, 2)]  # (N, B, L)
 
 
-def _case(n: int, batch: int, layers: int, steps: int, hit: float) -> dict:
+def _case(n: int, batch: int, layers: int, steps: int, hit: float, block_n: int | None = None) -> dict:
     from longctx.kernels.lru_place import lru_place, lru_place_ref
 
     dev, M = "cuda", 2048
@@ -43,7 +45,9 @@ def _case(n: int, batch: int, layers: int, steps: int, hit: float) -> dict:
         st = torch.full_like(s2p, -1)
         acc = torch.zeros(5, dtype=torch.int64, device=dev)
         now = torch.zeros((), dtype=torch.int64, device=dev)
-        kw = {"backend": "triton"} if fn is lru_place else {}
+        kw: dict = {"backend": "triton"} if fn is lru_place else {}
+        if block_n is not None and fn is lru_place:
+            kw["block_n"] = block_n
         prev = torch.randperm(ctx_max, generator=g, device=dev)[:M].expand(batch, M)
 
         def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now)) -> None:  # type: ignore[no-untyped-def]
@@ -90,21 +94,39 @@ def _case(n: int, batch: int, layers: int, steps: int, hit: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--hit", type=float, default=0.9, help="share of each step's requests kept from the last")
+    ap.add_argument(
+        "--hit",
+        type=float,
+        nargs="+",
+        default=[0.9, 1.0],
+        help="shares of each step's requests kept from the last (1.0: every position hits)",
+    )
+    ap.add_argument(
+        "--block-n",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="the full kernel's slot block(s) (default: its own)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    rows = [_case(n, b, l, args.steps, args.hit) for n, b, l in CASES]
+    rows = [
+        {**_case(n, b, l, args.steps, hit, bn), "block_n": bn}
+        for bn in args.block_n
+        for hit in args.hit
+        for n, b, l in CASES
+    ]
     lines = [
-        "| N | B | L | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N | B | L | block_n | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t, k = r["torch"], r["triton"]
         lines.append(
-            f"| {r['N']} | {r['B']} | {r['L']} | {t['median_us']:.1f} | {k['median_us']:.1f} | "
+            f"| {r['N']} | {r['B']} | {r['L']} | {r['block_n'] or 'default'} | {t['median_us']:.1f} | {k['median_us']:.1f} | "
             f"{k['min_us']:.1f} | {t['median_us'] / k['median_us']:.1f}x | {k['hit_rate']:.3f} |"
         )
     print("\n".join(lines))

@@ -19,7 +19,16 @@ may not be evicted. The misses, in ascending position order, take the evictable 
 ascending (key, slot index) order: free slots (stamp -1) first, then the oldest. Misses beyond
 the evictable count overflow (not placed).
 
-Triton kernel: one program per (row, layer), one launch per placement. It never sorts the N
+All-hit pass (`_place_hits_kernel`, non-forced placements of >= 2 * HIT_CHUNK positions by
+default): grid (row, layer, chunk of HIT_CHUNK sorted positions). Every program reads the whole
+row and its p2s entries (the pass writes no p2s, so all of a (row, layer)'s programs decide
+alike); if nothing misses and the row is ascending apart from -1s, each program touches its
+chunk's hit stamps and writes its chunk of the outputs (and of the compacted copies, counters by
+atomics), and the full kernel below returns at once for that (row, layer); otherwise the pass
+writes only that flag and the full kernel does everything. A decode step's top-k mostly hits, and
+one program per (row, layer) spent ~23 us on the H200 even then.
+
+Full kernel: one program per (row, layer), one launch per placement. It never sorts the N
 slots: after the requested positions are sorted (free when they come ascending with -1 padding
 anywhere, as top-k and the newest tokens do; a bitonic `tl.sort` of the M positions otherwise)
 and looked up, the R = min(misses, evictable) victims are found by a radix select over the keys:
@@ -39,10 +48,14 @@ from typing import NamedTuple
 
 import torch
 
-from .common import check, jit, next_pow2, tl, use_triton
+from .common import check, jit, next_pow2, tl, triton, use_triton
 
 _BIG = 1 << 62  # LRU key of slots that may not be evicted this step
 MAX_M = 4096  # the kernel's limit on requested positions per row (larger: the reference)
+HIT_CHUNK = 256  # positions per program of the all-hit pass
+# slot keys per iteration of the full kernel's passes over N (a decode placement has only B x L
+# programs, so each pass is a latency-bound loop: wider steps mean fewer of them; was 1024)
+BLOCK_N = 2048
 
 
 class Placement(NamedTuple):
@@ -61,13 +74,16 @@ class Placement(NamedTuple):
 def _check(
     p2s: torch.Tensor, s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, pos: torch.Tensor,
     p_at: torch.Tensor, s_at: torch.Tensor, base: torch.Tensor, newest_from: torch.Tensor,
-    table: torch.Tensor, acc: torch.Tensor,
+    table: torch.Tensor, acc: torch.Tensor, valid: torch.Tensor | None, below: torch.Tensor | None,
 ) -> None:  # fmt: skip
     check(p2s.dim() == 1 and p2s.dtype == torch.int32, "p2s must be flat int32")
     for name, t in (("s2p", s2p), ("stamp", stamp)):
         check(t.dim() == 1 and t.dtype == torch.int64, f"{name} must be flat int64")
     check(now.dim() == 0 and now.dtype == torch.int64, "now must be a 0-d int64 tensor")
-    check(pos.dim() == 2 and pos.dtype == torch.int64 and pos.is_contiguous(), "pos must be int64 [B, M]")
+    check(
+        pos.dim() == 2 and pos.dtype in (torch.int32, torch.int64) and pos.is_contiguous(),
+        "pos must be int32 / int64 [B, M]",
+    )
     B = pos.shape[0]
     check(
         p_at.shape == s_at.shape and p_at.dim() == 2 and p_at.shape[0] == B
@@ -79,6 +95,11 @@ def _check(
     check(table.dim() == 2 and table.shape[0] == B and table.dtype == torch.int32, "table: int32 [B, pages]")
     check(table.stride(1) == 1, "page table rows must be contiguous")
     check(acc.dtype == torch.int64 and acc.numel() >= 3 and acc.is_contiguous(), "acc: int64 [>= 3]")
+    check(valid is None or (valid.shape == (B,) and valid.dtype == torch.bool), "valid: bool [B]")
+    check(
+        below is None or (below.shape == (B,) and below.dtype == torch.int64 and below.is_contiguous()),
+        "below: int64 [B]",
+    )
     devs = {t.device for t in (p2s, s2p, stamp, now, pos, p_at, base, newest_from, table, acc)}
     check(len(devs) == 1, "all tensors must be on one device")
 
@@ -169,14 +190,29 @@ def lru_place(
     force: bool,
     minus1: torch.Tensor,
     backend: str = "auto",
+    hit_chunk: int | None = None,
+    block_n: int = BLOCK_N,
+    valid: torch.Tensor | None = None,
+    below: torch.Tensor | None = None,
 ) -> Placement:
     """One placement (arguments as `lru_place_ref`). The Triton path (M <= MAX_M) gives the same
     u / src / dst / copy / overflow and tables (sinks aside) plus the compacted copies; it makes no
-    host sync and has no data-dependent shape (CUDA-graph safe). Asynchronous on CUDA."""
-    _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc)
+    host sync and has no data-dependent shape (CUDA-graph safe). Asynchronous on CUDA.
+
+    valid (bool [B], False: the row requests nothing) and below (int64 [B]: positions >= below[b]
+    are not requested) mask `pos` on the fly; pos may be int32 there.
+    hit_chunk: positions per program of the hit pass (a power of two; 0: no hit pass; None:
+    `HIT_CHUNK` for non-forced placements of at least 2 * HIT_CHUNK positions, else 0). block_n:
+    slot keys per iteration of the full kernel's passes over the N slots (a power of two)."""
+    _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
     if not use_triton(backend, pos.device) or M > MAX_M or B * L == 0 or M == 0:
+        pos = pos.long()
+        if below is not None:
+            pos = torch.where(pos < below[:, None], pos, -1)
+        if valid is not None:
+            pos = torch.where(valid[:, None], pos, -1)
         return lru_place_ref(
             p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc,
             n_slots=n_slots, pos_len=pos_len, page_size=page_size, force=force, minus1=minus1,
@@ -191,12 +227,30 @@ def lru_place(
     block_m = max(16, next_pow2(M))
     scratch = torch.empty((B * L, 3, block_m), dtype=torch.int64, device=dev)
     ib = max(1, (n_slots - 1).bit_length())
+    if hit_chunk is None:  # the newest tokens (force, few) always miss somewhere: no hit pass
+        hit_chunk = HIT_CHUNK if (not force and M >= 2 * HIT_CHUNK) else 0
+    split = 0 < hit_chunk < block_m
+    # split: the hit pass decides per (row, layer) and the full placement returns where it was done
+    slow = torch.empty((B, L), dtype=torch.int32, device=dev) if split else cnt
+    vb = valid if valid is not None else pos  # (unused pointers where absent)
+    lim = below if below is not None else pos
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        if split:
+            check(hit_chunk == next_pow2(hit_chunk), "hit_chunk must be a power of two")
+            n_ch = triton.cdiv(M, hit_chunk)
+            hscr = torch.empty((B * L * n_ch, 2 * hit_chunk), dtype=torch.int64, device=dev)
+            _place_hits_kernel[(B, L, n_ch)](
+                pos, M, vb, lim, p2s, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base, table,
+                table.stride(0), acc, L, u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, slow, hscr,
+                PAGE=page_size, FORCE=force, BLOCK_M=block_m, CH=hit_chunk, HAS_VALID=valid is not None,
+                HAS_BELOW=below is not None, num_warps=8,
+            )  # fmt: skip
         _lru_place_kernel[(B, L)](
-            pos, M, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
+            pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
             newest_from, table, table.stride(0), acc, n_slots, L,
-            u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch,
-            PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=1024, NB=256, num_warps=8,
+            u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow,
+            PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=block_n, NB=256, SPLIT=split,
+            HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
 
@@ -218,6 +272,25 @@ def _max(a, b):
 
 
 @jit
+def _req(prow, idx, mask, other, vb, lim):
+    # requested positions idx of a row, -1 where masked by valid / below (`other` outside `mask`)
+    p = tl.load(prow + idx, mask=mask, other=0).to(tl.int64)
+    return tl.where(mask, tl.where((p >= lim) | (vb == 0), -1, p), other)
+
+
+@jit
+def _row_masks(vb_ptr, lim_ptr, b, HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr):
+    BIG: tl.constexpr = 1 << 62
+    vb = 1
+    lim = BIG
+    if HAS_VALID:
+        vb = tl.load(vb_ptr + b).to(tl.int32)
+    if HAS_BELOW:
+        lim = tl.load(lim_ptr + b)
+    return vb, lim
+
+
+@jit
 def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
     # LRU keys of slots offs of one (row, layer): the stamp, or BIG where not evictable
     inb = offs < N
@@ -228,16 +301,20 @@ def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
 
 @jit
 def _lru_place_kernel(
-    pos_ptr, M, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
+    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
     nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
-    u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr,
+    u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr, slow_ptr,
     PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, HAS_VALID: tl.constexpr,
+    HAS_BELOW: tl.constexpr,
 ):  # fmt: skip
     BIG: tl.constexpr = 1 << 62
     b = tl.program_id(0)
     l = tl.program_id(1)
     pl = (b * L + l).to(tl.int64)
+    if SPLIT:  # noqa: SIM102 (constexpr, then a device value) the hit pass did this (row, layer)
+        if tl.load(slow_ptr + pl) == 0:
+            return
     now = tl.load(now_ptr)
     bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
     bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
@@ -252,8 +329,9 @@ def _lru_place_kernel(
 
     # 1. the requested positions in ascending order. Top-k rows come ascending then -1 padded, the
     # newest tokens -1 padded then ascending: with the -1s taken to the front they are sorted.
-    p = tl.load(prow + j, mask=jm, other=BIG)
-    seen = tl.associative_scan(tl.load(prow + j - 1, mask=jm & (j > 0), other=-1), 0, _max)
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    p = _req(prow, j, jm, BIG, vb, lim)
+    seen = tl.associative_scan(_req(prow, j - 1, jm & (j > 0), -1, vb, lim), 0, _max)
     bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
     if tl.sum(bad.to(tl.int32), 0) == 0:
         ni = (jm & (p < 0)).to(tl.int32)
@@ -303,7 +381,7 @@ def _lru_place_kernel(
         while t > 0:
             shift += 8
             t = t >> 8
-        if dmax > 0:
+        if (dmax > 0) & (rem > 1):  # (one victim beyond the free slots: the oldest, T = kmin)
             bins = tl.arange(0, NB)
             while shift >= 0:
                 hist = tl.zeros([NB], tl.int32)
@@ -387,3 +465,87 @@ def _lru_place_kernel(
     else:
         tl.atomic_add(acc_ptr + 0, tl.sum(res.to(tl.int32), 0).to(tl.int64))
         tl.atomic_add(acc_ptr + 1, n_need.to(tl.int64))
+
+
+@jit
+def _place_hits_kernel(
+    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
+    table_ptr, stride_t, acc_ptr, L,
+    u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, slow_ptr, scr_ptr,
+    PAGE: tl.constexpr, FORCE: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
+):  # fmt: skip
+    # The all-hit pass, grid (B, L, chunks of CH sorted positions). Every program reads the whole
+    # row and its p2s entries (nothing here writes p2s, so all programs see the same tables) and
+    # decides alike: if a position misses, or the row is not ascending apart from -1s (it would
+    # need a sort), program 0 flags the (row, layer) for `_lru_place_kernel` and nothing else is
+    # written. Otherwise every program does its chunk of what that kernel would do without misses:
+    # touch the stamps, write the outputs and (FORCE) the compacted copies, add the counters.
+    b = tl.program_id(0)
+    l = tl.program_id(1)
+    c = tl.program_id(2)
+    pl = (b * L + l).to(tl.int64)
+    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+    j = tl.arange(0, BLOCK_M)
+    jm = j < M
+    prow = pos_ptr + b.to(tl.int64) * M
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    p = _req(prow, j, jm, -1, vb, lim)
+    seen = tl.associative_scan(_req(prow, j - 1, jm & (j > 0), -1, vb, lim), 0, _max)
+    bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
+    slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=jm & (p >= 0), other=0)
+    miss = jm & (p >= 0) & (slot < 0)
+    if tl.sum((bad | miss).to(tl.int32), 0) > 0:
+        if c == 0:
+            tl.store(slow_ptr + pl, 1)
+        return
+    # ascending apart from -1s: sorted, the -1s come first and the others keep their order; an
+    # element is the first of its position where it differs from the last valid one before it
+    ni = (jm & (p < 0)).to(tl.int32)
+    vi = (jm & (p >= 0)).to(tl.int32)
+    dest = tl.where(p >= 0, tl.sum(ni, 0) + tl.cumsum(vi, 0) - vi, tl.cumsum(ni, 0) - ni)
+    first = (p >= 0) & (p != seen)
+    lo = c * CH
+    # this chunk's sorted positions and the one before them, into this program's scratch
+    scr = scr_ptr + (pl * tl.num_programs(2) + c) * (2 * CH)
+    mine = jm & (dest >= lo - 1) & (dest < lo + CH)
+    tl.store(scr + (dest - lo + 1), p, mask=mine)
+    tl.debug_barrier()
+    k = tl.arange(0, CH)
+    jj = lo + k
+    km = jj < M
+    u = tl.load(scr + 1 + k, mask=km, other=-1)
+    up = tl.load(scr + k, mask=km & (jj > 0), other=-1)
+    m = km & ((jj == 0) | (u != up)) & (u >= 0)
+    uc = tl.maximum(u, 0)
+    s = tl.load(p2s_ptr + bp + uc, mask=km, other=-1).to(tl.int64)
+    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
+    now = tl.load(now_ptr)
+    tl.store(st_ptr + bs + s, tl.zeros_like(s) + now, mask=m)  # touch the hits
+    base = tl.load(base_ptr + b)
+    pg = tl.load(table_ptr + b.to(tl.int64) * stride_t + uc // PAGE, mask=km, other=0).to(tl.int64)
+    src = pg * PAGE + uc % PAGE
+    o = pl * M + jj
+    tl.store(dst_ptr + o, base + s, mask=km)
+    tl.store(ovf_ptr + o, tl.zeros_like(m), mask=km)
+    if l == 0:
+        tl.store(u_ptr + b.to(tl.int64) * M + jj, u, mask=km)
+        tl.store(src_ptr + b.to(tl.int64) * M + jj, src, mask=km)
+    n_mine = tl.sum(m.to(tl.int32), 0).to(tl.int64)
+    if FORCE:  # every hit is copied: the compacted list continues the chunks before this one
+        tl.store(copy_ptr + o, m, mask=km)
+        before = tl.sum((first & (dest < lo)).to(tl.int32), 0)
+        ci = m.to(tl.int32)
+        at = pl * M + before + tl.cumsum(ci, 0) - ci
+        tl.store(csrc_ptr + at, src, mask=m)
+        tl.store(cdst_ptr + at, base + s, mask=m)
+        tl.atomic_add(acc_ptr + 2, n_mine)
+    else:
+        tl.store(copy_ptr + o, tl.zeros_like(m), mask=km)
+        tl.atomic_add(acc_ptr + 0, n_mine)
+    if c == 0:
+        tl.store(slow_ptr + pl, 0)
+        if FORCE:
+            tl.store(cnt_ptr + pl, tl.sum(first.to(tl.int32), 0).to(tl.int64))
+        else:
+            tl.store(cnt_ptr + pl, n_mine * 0)

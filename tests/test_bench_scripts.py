@@ -251,6 +251,20 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert sum(ops.values()) <= 186, ops.most_common(20)
 
 
+def test_launch_count_of_a_capped_decode_step_stays_fused() -> None:
+    """A HiSparse-capped decode step (graphs path) adds one placement per full layer and per
+    prefetch, the newest tokens' placement, one `step_rows` and one `resolve_tail` per layer to the
+    uncapped step, and no small torch ops (274 launches before the fused kernels, 181 after, 171
+    uncapped at this context). Decode top-k here is below the all-hit pass's size (no hit pass)."""
+    from bench.launch_count import count_decode_step
+
+    ops = count_decode_step(ROOT / "configs" / "tiny.json", 1, 300, hisparse_device_tokens=200, graphs=True)
+    assert ops["triton._lru_place_kernel"] == 6 and ops["triton._resolve_tail_kernel"] == 6
+    assert ops["triton._step_rows_kernel"] == 1 and "triton._copy_rows_counted_2d_kernel" not in ops
+    assert not {"aten.where", "aten.ge", "aten.clamp", "aten.index", "aten.__and__", "aten.lt"} & set(ops)
+    assert sum(ops.values()) <= 183, ops.most_common(20)
+
+
 def test_run_list_runs_each_line_and_packs_one_file(tmp_path: Path) -> None:
     """bench/run_list.sh: every command runs (a failing or timed-out one does not stop the list), a
     line over the budget is skipped, and everything comes back in one results.tgz."""

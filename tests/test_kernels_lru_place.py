@@ -57,15 +57,23 @@ def _request(g: torch.Generator, B: int, M: int, hi: int, style: str) -> torch.T
 
 
 @pytest.mark.parametrize(
-    "B,L,N,M,steps,seed",
-    [(1, 1, 40, 16, 12, 0), (3, 2, 24, 32, 10, 1), (2, 3, 300, 64, 8, 2), (4, 1, 2100, 40, 6, 3)],
+    "B,L,N,M,steps,seed,chunk",
+    [
+        (1, 1, 40, 16, 12, 0, None),
+        (3, 2, 24, 32, 10, 1, None),
+        (2, 3, 300, 64, 8, 2, None),
+        (4, 1, 2100, 40, 6, 3, None),
+        (2, 2, 300, 40, 12, 4, 8),  # the all-hit pass (5 chunks, the last one partial)
+        (3, 1, 90, 16, 10, 5, 4),
+    ],
 )
-def test_place_matches_reference(B, L, N, M, steps, seed):
+def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
     g = torch.Generator().manual_seed(seed)
     n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
     ref = _Tables(B + 1, n_l, N, P)
     tri = ref.clone()
-    ovf = 0
+    ovf = hits = 0
+    prev = None
     acc_r, acc_t = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
     now = torch.zeros((), dtype=torch.int64)
     minus1 = torch.full((), -1, dtype=torch.int32)
@@ -78,12 +86,23 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
         now += (1, 2, 300, 1, 70_000, 1)[step % 6]
         hi = min(P - 1, 2 * N + 4 * step * M // 3)
         pos = _request(g, B, M, hi, styles[step % 4])
+        if chunk is not None and step % 2 == 1:  # the last request again: hits only (M < N)
+            pos = prev
+        prev = pos
         if B > 1:
             pos[-1] = -1
         trow = blk[:, None] * n_l + torch.arange(1, 1 + L)
         newest_from = torch.randint(0, hi + 2, (B,), generator=g) if step % 3 == 1 else torch.full((B,), hi)
         force = step % 5 == 4
         base = 1 + (blk - 1) * N
+        # the kernel masks on the fly what the reference gets masked (int32 positions)
+        valid = below = None
+        pos_t = pos
+        if chunk is not None and step % 3 == 2:
+            valid = torch.rand(B, generator=g) < 0.7
+            below = torch.randint(0, hi + 2, (B,), generator=g)
+            pos = torch.where(valid[:, None] & (pos < below[:, None]), pos, -1)
+            pos_t = pos_t.to(torch.int32)
         out = []
         for t, acc in ((ref, acc_r), (tri, acc_t)):
             out.append(
@@ -92,7 +111,7 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
                     t.s2p.view(-1),
                     t.stamp.view(-1),
                     now,
-                    pos,
+                    pos if t is ref else pos_t,
                     trow * P,
                     trow * (N + 1),
                     base,
@@ -104,11 +123,16 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
                     page_size=PS,
                     force=force,
                     minus1=minus1,
-                    **({} if t is ref else {"backend": "triton"}),
+                    **(
+                        {}
+                        if t is ref
+                        else {"backend": "triton", "hit_chunk": chunk, "valid": valid, "below": below}
+                    ),
                 )  # fmt: skip
             )
         a, k = out
         ovf += int(a.overflow.sum())
+        hits += int(not a.copy.any() and not a.overflow.any() and bool((a.u >= 0).any()))
         assert ref.same(tri), step
         assert torch.equal(acc_r, acc_t), step
         for name in ("u", "src", "dst", "copy", "overflow"):
@@ -123,24 +147,29 @@ def test_place_matches_reference(B, L, N, M, steps, seed):
                     k.cdst[b, i, :n], a.dst[b, i][c]
                 )
     assert acc_r[1] > 0 and acc_r[0] > 0 and acc_r[2] > 0
+    assert hits > 0 or chunk is None
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
-def test_cache_triton_path_matches_torch_path():
+@pytest.mark.parametrize("hit_chunk", [None, 2])
+def test_cache_triton_path_matches_torch_path(hit_chunk):
     """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
     torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
-    request whose block a new one reuses: same tables, same resolved rows and bytes, same stats."""
+    request whose block a new one reuses: same tables, same resolved rows and bytes, same stats.
+    hit_chunk 2: the all-hit pass on every placement (top-k 4 here)."""
     from .test_hisparse_lru import _cache, _ctx
 
-    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True)]
+    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True, hit_chunk=hit_chunk)]
     pages = [2, 0, 3]
     g = torch.Generator().manual_seed(5)
+    last = torch.empty(0, dtype=torch.int64)
     plan = [
         ("r0", 0, 20),
         ("r0", 20, 1),
         ("r0", 21, 1),
         ("r0", 22, 9),
         ("r0", 31, 1),
+        ("r0", 32, 1),
         ("r1", 0, 7),
         ("r1", 7, 1),
     ]
@@ -152,6 +181,9 @@ def test_cache_triton_path_matches_torch_path():
         for t in range(n_q):
             k = min(4, start + t + 1)
             topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k].sort().values
+        if start in (21, 32):  # the last decode step's selection again: all hits
+            topk = last.clone()
+        last = topk
         got = []
         for kv in caches:
             ctx = _ctx(kv, pages, start, n_q)
@@ -197,3 +229,30 @@ def test_rows_counted_swap_interpreted():
             n = int(counts[r, k])
             want[dst[r, k, :n]] = host[src[r, k, :n]]
         assert torch.equal(a, want) and torch.equal(b, want)
+
+
+@pytest.mark.parametrize("n_new", [1, 2])
+def test_full_buffer_few_misses(n_new):
+    """A full buffer whose stamps span several steps, then n_new misses (one: the oldest slot is taken
+    without the histogram passes): kernel and reference agree."""
+    N, P, L = 24, 200, 2
+    ref = _Tables(1, L, N, P)
+    tri = ref.clone()
+    now = torch.zeros((), dtype=torch.int64)
+    minus1 = torch.full((), -1, dtype=torch.int32)
+    accs = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    trow = torch.tensor([[1 * L + i for i in range(L)]])
+    pages = torch.arange(P // PS + 1, dtype=torch.int32)[None]
+    kw = dict(n_slots=N, pos_len=P, page_size=PS, force=False, minus1=minus1)
+    nf = torch.tensor([P])
+    steps = [torch.arange(i * 6, i * 6 + 6)[None] for i in range(4)]  # 4 steps fill the 24 slots
+    steps.append(torch.arange(100, 100 + n_new)[None])
+    for pos in steps:
+        now += 3
+        a = lru_place_ref(ref.p2s.view(-1), ref.s2p.view(-1), ref.stamp.view(-1), now, pos, trow * P,
+                          trow * (N + 1), torch.tensor([1]), nf, pages, accs[0], **kw)  # fmt: skip
+        b = lru_place(tri.p2s.view(-1), tri.s2p.view(-1), tri.stamp.view(-1), now, pos, trow * P,
+                      trow * (N + 1), torch.tensor([1]), nf, pages, accs[1], backend="triton", **kw)  # fmt: skip
+        assert ref.same(tri) and torch.equal(*accs)
+        assert torch.equal(a.dst, b.dst) and torch.equal(a.copy, b.copy)
+    assert int(accs[0][1]) == L * (24 + n_new) and bool(a.copy.all())

@@ -34,6 +34,12 @@ from the step's device tensors,
 so a decode step has no host state baked into its ops: `DecodeGraphs` binds the rows
 (`bind_rows`) and fills `extras["kv_blocks"]` next to the page table, then replays.
 
+On a Triton decode step the index arithmetic is one launch per step (`step_rows`: the rows' table
+offsets, the newest positions, the clock tick) and one per layer (`resolve_tail`: the layer's
+newest-row copy and miss copies, deferred from `after_write` / the placement / a prefetch without
+a side stream, together with the top-k -> slot-row lookup); `_flush` makes deferred copies that
+no `resolve` took (`attend_pool`, the next `_begin`). The torch path keeps them apart.
+
 Per step (`_begin`, at the first layer): the newest `recent` tokens of each request get their
 slots in every layer of the stage at once (one placement over all layers; each layer keeps its
 own LRU), so the newest tokens are always resident. Then per layer:
@@ -70,6 +76,7 @@ import torch
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
+from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
 from longctx.kernels.lru_place import lru_place
 from longctx.kernels.swap import swap_in_gather
@@ -149,7 +156,9 @@ class HiSparseKVCache:
     of each request stay resident (default min(64, (N - index_topk) // 2)). `host_layout` is the
     stage's shared host KV layout (pipeline stages pass theirs); None creates a private pool.
     `max_requests`: blocks allocated up front (more concurrent requests grow the buffers);
-    `max_context`: the longest request (default: every page).
+    `max_context`: the longest request (default: every page). `hit_chunk`: the Triton placement's
+    all-hit pass chunk (None: `lru_place`'s default; tests set it small to run the pass on tiny
+    top-k sizes).
     """
 
     dense_readable = False
@@ -169,6 +178,7 @@ class HiSparseKVCache:
         recent: int | None = None,
         max_requests: int = 1,
         max_context: int | None = None,
+        hit_chunk: int | None = None,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -183,6 +193,8 @@ class HiSparseKVCache:
         self.N = device_tokens
         self.recent = max(1, min(64 if recent is None else recent, (device_tokens - K) // 2))
         self.use_triton = use_triton
+        self._backend = "triton" if use_triton else "torch"
+        self._hit_chunk = hit_chunk
         L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         template = alloc_mla_pool(1, L, R, kind, dtype, "cpu")
         self._row_dtype, self._row_width = template.dtype, template.shape[1]
@@ -244,7 +256,6 @@ class HiSparseKVCache:
         self.layout_version = 0  # bumped whenever the buffers above are reallocated
         self._grow(max(1, max_requests))
         self._states: dict[Any, _Req] = {}
-        self._layer_offsets = torch.arange(n_l, device=self.device)
         # the stage layers a placement covers, as slices of [layers] (free views of per-step tensors):
         # a full layer's shared layers follow it, so theirs are consecutive
         self._every = slice(0, n_l)
@@ -265,6 +276,9 @@ class HiSparseKVCache:
         self._minus1 = torch.full((), -1, dtype=torch.int32, device=self.device)
         self._step_pool: dict[int, torch.Tensor] = {}
         self._prefetched: set[int] = set()  # layers whose decode rows were placed by a prefetch
+        # Triton decode steps (`_fuse`): row copies deferred to each layer's `resolve` tail
+        self._fuse = False
+        self._pending: dict[int, list[CopyList]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
         self._acc = {k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side")}
@@ -279,6 +293,7 @@ class HiSparseKVCache:
         return self._index[layer]
 
     def attend_pool(self, layer: int) -> torch.Tensor:
+        self._flush(layer)  # (a decode layer's `resolve` made its copies already)
         pool = self._step_pool.get(layer)
         return pool if pool is not None else self._slots[layer]
 
@@ -290,7 +305,11 @@ class HiSparseKVCache:
         p = self._newest
         assert p is not None
         li = self._index_of[layer]
-        self._swap(layer, p, li, True)
+        if self._fuse and p.cnt is not None:  # copied by this layer's `resolve` (its tail)
+            assert p.csrc is not None and p.cdst is not None
+            self._pending.setdefault(layer, []).append((p.csrc[:, li], p.cdst[:, li], p.cnt[:, li]))
+        else:
+            self._swap(layer, p, li, True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Top-k logical positions [T, K] (-1 = none) -> rows of `attend_pool(layer)` (-1 stays)."""
@@ -298,22 +317,29 @@ class HiSparseKVCache:
         self._wait_side()
         assert self._all is not None
         li = self._index_of[layer]
-        q = topk.long()
+        q = topk if self.use_triton else topk.long()  # the kernels read int32 positions as they come
         acc = self._acc["main"]
         if self._dec is not None and layer not in self._prefetched:  # every decode row at once
             tok, rows = self._dec
-            p = self._place(self._one[li], rows, self._masked(q if tok is None else q[tok], rows), acc)
-            self._swap(layer, p, 0, False)
+            p = self._place(self._one[li], rows, q if tok is None else q[tok], acc)
+            if self._fuse and p.cnt is not None:
+                assert p.csrc is not None and p.cdst is not None
+                self._pending.setdefault(layer, []).append((p.csrc[:, 0], p.cdst[:, 0], p.cnt[:, 0]))
+            else:
+                self._swap(layer, p, 0, False)
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
-            p = self._place(self._one[li], self._all.row(b), q[s:e].reshape(1, -1), acc)
+            p = self._place(self._one[li], self._all.row(b), q[s:e].reshape(1, -1).contiguous(), acc)
             self._swap(layer, p, 0, False)
             if p.overflow is not None:
                 n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
                 if n:
                     overflow.append((b, p.u[0][p.overflow[0, 0]]))
-        rows_out = self._lookup(li, q, ctx)
+        if self._fuse:  # the copies and the lookup in one launch
+            rows_out = self._tail(layer, li, q)
+        else:
+            rows_out = self._lookup(li, q, ctx)
         if overflow:
             self._build_step_pool(layer, topk, ctx, rows_out, overflow)
         if layer in self._shared_ids:
@@ -353,6 +379,7 @@ class HiSparseKVCache:
     def close(self) -> None:
         """Drop device buffers and the private host pool (if this cache created it)."""
         self._states.clear()
+        self._pending.clear()
         self._write_view = {}
         self._host = {}
         if self._own_pool is not None:
@@ -451,6 +478,7 @@ class HiSparseKVCache:
         if ctx is self._ctx:
             return
         self._wait_side()
+        self._flush()
         self._ctx = ctx
         self._step_pool.clear()
         self._prefetched.clear()
@@ -464,15 +492,20 @@ class HiSparseKVCache:
             ends = list(ctx.seq_lens_cpu)
             ids = self.bind_rows(rids, [e - n for e, n in zip(ends, nq)], ends)
             blk = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        self._now_t.add_(1)  # the step clock ticks on the device (in a replayed graph too)
-        end = ctx.seq_lens.long()
-        trow = blk[:, None] * len(self.layers) + self._layer_offsets
-        rows = _Rows(
-            blk, (end - self.recent).clamp(min=0), 1 + (blk - 1) * self.N, ctx.page_table,
-            ctx.extras.get("valid"), trow, trow * self._P, trow * (self.N + 1),
-        )  # fmt: skip
-        self._all = rows
         self._pure = all(n == 1 for n in nq)
+        self._fuse = self._pure and self.use_triton
+        # the step clock ticks on the device (in a replayed graph too); the rows' table offsets and
+        # the newest tokens (placed in all layers at once; each layer's `after_write` then only
+        # copies its freshly written rows into these slots): one launch for a decode batch
+        M = min(self.recent, max(nq))
+        start = None if self._pure else ctx.seq_lens.long() - torch.tensor(nq).to(dev, non_blocking=True)
+        valid = ctx.extras.get("valid")
+        st = step_rows(
+            blk, ctx.seq_lens, valid, self._now_t, start, n_layers=len(self.layers), n_slots=self.N,
+            pos_len=self._P, recent=self.recent, m=M, backend=self._backend,
+        )  # fmt: skip
+        rows = _Rows(blk, st.newest_from, st.base, ctx.page_table, valid, st.trow, st.p_at, st.s_at)
+        self._all = rows
         self._pre = [b for b, n in enumerate(nq) if n > 1]
         dec = [b for b, n in enumerate(nq) if n == 1]
         if self._pure:
@@ -482,14 +515,7 @@ class HiSparseKVCache:
             self._dec = (tok, rows.take(torch.tensor(dec).to(dev, non_blocking=True)))
         else:
             self._dec = None
-        # the newest tokens of every request, placed in all layers at once; each layer's
-        # `after_write` then only copies its freshly written rows into these slots
-        M = min(self.recent, max(nq))
-        start = end - 1 if self._pure else end - torch.tensor(nq).to(dev, non_blocking=True)
-        lo = torch.maximum(start, rows.newest_from)
-        pos = end[:, None] - M + torch.arange(M, device=dev)
-        pos = self._masked(torch.where(pos >= lo[:, None], pos, -1), rows)
-        self._newest = self._place(self._every, rows, pos, self._acc["main"], force=True)
+        self._newest = self._place(self._every, rows, st.newest, self._acc["main"], force=True)
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -498,11 +524,6 @@ class HiSparseKVCache:
         # nothing runs on the side stream while a graph is captured (see `_prefetch`)
         if self._side is not None and not self._capturing():
             torch.cuda.current_stream(self.device).wait_stream(self._side)
-
-    @staticmethod
-    def _masked(pos: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        """Padding rows of a captured batch request nothing."""
-        return pos if rows.valid is None else torch.where(rows.valid[:, None], pos, -1)
 
     def _phys(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Host-pool rows of positions pos [B, M] (>= 0) of the rows whose page tables are `table`."""
@@ -518,8 +539,32 @@ class HiSparseKVCache:
         else:
             qs = ctx.q_seq.long()
             at, base = r.p_at[qs, li], r.base[qs]
-        slot = self._p2s.view(-1)[at[:, None] + q.clamp(min=0)].long()
-        return torch.where((q >= 0) & (slot >= 0), base[:, None] + slot, -1)
+        return slot_lookup(q, self._p2s.view(-1), at, base, backend=self._backend)
+
+    def _tail(self, layer: int, li: int, q: torch.Tensor) -> torch.Tensor:
+        """A decode layer's deferred copies (newest rows, misses) and its slot lookup, one launch."""
+        r = self._all
+        assert r is not None
+        copies = self._pending.pop(layer, [])
+        timed = self.device.type == "cuda" and not self._capturing() and len(copies) > 1
+        if timed:
+            a = torch.cuda.Event(enable_timing=True)
+            z = torch.cuda.Event(enable_timing=True)
+            a.record()
+        rows = resolve_tail(
+            q, self._p2s.view(-1), r.p_at[:, li], r.base, self._write_view[layer], self._slots[layer],
+            copies, backend=self._backend,
+        )  # fmt: skip
+        if timed:
+            z.record()
+            self._events.append((a, z))
+        return rows
+
+    def _flush(self, layer: int | None = None) -> None:
+        """Make the copies deferred to a `resolve` that did not come (one layer, or all)."""
+        for i in list(self._pending) if layer is None else [layer]:
+            for src, dst, cnt in self._pending.pop(i, []):
+                swap_in_rows_counted(self._write_view[i], src, self._slots[i], dst, cnt, self.use_triton)
 
     def _place(
         self,
@@ -528,8 +573,10 @@ class HiSparseKVCache:
         pos: torch.Tensor,
         acc: torch.Tensor,
         force: bool = False,
+        below: torch.Tensor | None = None,
     ) -> _Placed:
-        """Make `pos` (int64 [B, M], -1 = none, duplicates allowed) of rows `r` resident in
+        """Make `pos` (int [B, M], -1 = none, duplicates allowed; positions >= below[b] and padding
+        rows of a captured batch drop out) of rows `r` resident in
         (request, layer) for each of the stage-local layers `li` (L' of them) at once (each layer its
         own LRU). The caller copies (`_swap`) what `copy` marks. The overflow mask is None where
         overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
@@ -539,7 +586,7 @@ class HiSparseKVCache:
             self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1), self._now_t, pos.contiguous(),
             r.p_at[:, li], r.s_at[:, li], r.base, r.newest_from, r.table, acc, n_slots=self.N,
             pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
-            backend="triton" if self.use_triton else "torch",
+            backend=self._backend, valid=r.valid, below=below, hit_chunk=self._hit_chunk,
         )  # fmt: skip
         possible = pos.shape[1] + self.recent > self.N and not force
         return _Placed(
@@ -631,12 +678,15 @@ class HiSparseKVCache:
         with torch.cuda.stream(stream) if stream is not None else _null():
             acc = self._acc["side" if stream is not None else "main"]
             qd, start = (q, ctx.positions) if tok is None else (q[tok], ctx.positions[tok])
-            # this step's rows of later layers are not written yet
-            qd = torch.where(qd < start[:, None], qd, -1)
-            # one placement for all the shared layers (each its own LRU), then their copies
-            p = self._place(self._shared_ids[layer], rows, self._masked(qd, rows), acc)
+            # one placement for all the shared layers (each its own LRU), then their copies; this
+            # step's rows of later layers are not written yet (below: positions before this step)
+            p = self._place(self._shared_ids[layer], rows, qd.contiguous(), acc, below=start.contiguous())
             for k, s in enumerate(self._shared_after[layer]):
-                self._swap(s, p, k, False)
+                if stream is None and self._fuse and p.cnt is not None:  # no overlap to win: the
+                    assert p.csrc is not None and p.cdst is not None  # layer's own tail copies them
+                    self._pending.setdefault(s, []).append((p.csrc[:, k], p.cdst[:, k], p.cnt[:, k]))
+                else:
+                    self._swap(s, p, k, False)
                 self._prefetched.add(s)
 
 
