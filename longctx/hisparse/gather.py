@@ -19,6 +19,21 @@ from longctx.kernels.common import check, jit, next_pow2, tl, triton_interpret
 from longctx.kernels.swap import _word_dtype, swap_in_gather
 
 
+def _copy_geometry(host_pool: torch.Tensor, dst_pool: torch.Tensor) -> tuple[torch.dtype, int, int, int]:
+    """Checks both pools and returns the copy kernels' word dtype, row width in words, words per
+    tile and rows per program."""
+    check(
+        host_pool.device == dst_pool.device or host_pool.is_pinned(),
+        "host_pool must be registered/pinned host memory or on dst_pool's device",
+    )
+    check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
+    row_bytes = host_pool.shape[1] * host_pool.element_size()
+    word = _word_dtype(row_bytes, host_pool, dst_pool)
+    row_w = row_bytes // word.itemsize
+    block_w = min(next_pow2(row_w), 1024)
+    return word, row_w, block_w, max(1, min(16, 2048 // block_w))
+
+
 def swap_in_counted(
     host_pool: torch.Tensor,
     src_rows: torch.Tensor,
@@ -42,16 +57,7 @@ def swap_in_counted(
         backend = "triton" if use_triton else "torch"
         swap_in_gather(host_pool, src_rows[:k], dst_pool, dst_rows[:k], backend=backend)
         return
-    check(
-        host_pool.device == dst_pool.device or host_pool.is_pinned(),
-        "host_pool must be registered/pinned host memory or on dst_pool's device",
-    )
-    check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
-    row_bytes = host_pool.shape[1] * host_pool.element_size()
-    word = _word_dtype(row_bytes, host_pool, dst_pool)
-    row_w = row_bytes // word.itemsize
-    block_w = min(next_pow2(row_w), 1024)
-    items = max(1, min(16, 2048 // block_w))
+    word, row_w, block_w, items = _copy_geometry(host_pool, dst_pool)
     grid = ((n + items - 1) // items,)
     with torch.cuda.device(dst_pool.device) if dst_pool.is_cuda else contextlib.nullcontext():
         _copy_rows_counted_kernel[grid](
@@ -107,16 +113,7 @@ def swap_in_rows_counted(
         backend = "triton" if use_triton else "torch"
         swap_in_gather(host_pool, src_rows[m], dst_pool, dst_rows[m], backend=backend)
         return
-    check(
-        host_pool.device == dst_pool.device or host_pool.is_pinned(),
-        "host_pool must be registered/pinned host memory or on dst_pool's device",
-    )
-    check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
-    row_bytes = host_pool.shape[1] * host_pool.element_size()
-    word = _word_dtype(row_bytes, host_pool, dst_pool)
-    row_w = row_bytes // word.itemsize
-    block_w = min(next_pow2(row_w), 1024)
-    items = max(1, min(16, 2048 // block_w))
+    word, row_w, block_w, items = _copy_geometry(host_pool, dst_pool)
     grid = ((n + items - 1) // items, B)
     with torch.cuda.device(dst_pool.device) if dst_pool.is_cuda else contextlib.nullcontext():
         _copy_rows_counted_2d_kernel[grid](
