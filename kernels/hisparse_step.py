@@ -19,12 +19,13 @@ the Triton versions match it bit for bit).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
-from .swap import _word_dtype
+from .swap import copy_geometry
 
 CopyList = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # src [B, M], dst [B, M], count [B]
 
@@ -96,7 +97,7 @@ def step_rows(
     out = torch.empty((4, B), dtype=torch.int64, device=dev)  # newest_from, base, (spare x2)
     rows = torch.empty((3, B, n_layers), dtype=torch.int64, device=dev)  # trow, p_at, s_at
     pos = torch.empty((B, m), dtype=torch.int64, device=dev)
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _step_rows_kernel[(B,)](
             blk, seq_lens, valid if valid is not None else blk, now, out[0], out[1], rows[0], rows[1],
             rows[2], pos, n_layers, n_slots, pos_len, recent, m, HAS_VALID=valid is not None,
@@ -129,7 +130,7 @@ def slot_lookup(
         return slot_lookup_ref(q, p2s, p_at, base)
     out = torch.empty((T, K), dtype=torch.int64, device=q.device)
     block_k = min(1024, next_pow2(K))
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else _nullctx():
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         _slot_lookup_kernel[(T, (K + block_k - 1) // block_k)](
             q, q.stride(0), p2s, p_at, p_at.stride(0), base, base.stride(0), out, K,
             BLOCK_K=block_k, num_warps=4,
@@ -180,11 +181,7 @@ def resolve_tail(
     check(p2s.dim() == 1 and p2s.dtype == torch.int32, "p2s must be flat int32")
     check(p_at.shape == (T,) and base.shape == (T,), "p_at / base: [T]")
     check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
-    row_bytes = host_pool.shape[1] * host_pool.element_size()
-    word = _word_dtype(row_bytes, host_pool, dst_pool)
-    row_w = row_bytes // word.itemsize
-    block_w = min(next_pow2(row_w), 1024)
-    items = max(1, min(16, 2048 // block_w))
+    word, row_w, block_w, items = copy_geometry(host_pool, dst_pool)
     block_k = min(1024, next_pow2(K))
     n_look = T * ((K + block_k - 1) // block_k)
     lists = list(copies) + [(q, q, base)] * (2 - len(copies))  # (padding lists get no programs)
@@ -193,7 +190,7 @@ def resolve_tail(
     n2 = lists[1][0].shape[0] * ((ms[1] + items - 1) // items)
     out = torch.empty((T, K), dtype=torch.int64, device=q.device)
     (s1, d1, c1), (s2, d2, c2) = lists
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else _nullctx():
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         _resolve_tail_kernel[(n_look + n1 + n2,)](
             q, q.stride(0), p2s, p_at, p_at.stride(0), base, base.stride(0), out, K, n_look,
             host_pool.view(torch.uint8).view(word), dst_pool.view(torch.uint8).view(word),
@@ -202,14 +199,6 @@ def resolve_tail(
             BLOCK_K=block_k, ROW_W=row_w, ITEMS=items, BLOCK_W=block_w, num_warps=4,
         )  # fmt: skip
     return out
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------- Triton

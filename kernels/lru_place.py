@@ -44,6 +44,7 @@ nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -234,7 +235,7 @@ def lru_place(
     slow = torch.empty((B, L), dtype=torch.int32, device=dev) if split else cnt
     vb = valid if valid is not None else pos  # (unused pointers where absent)
     lim = below if below is not None else pos
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if split:
             check(hit_chunk == next_pow2(hit_chunk), "hit_chunk must be a power of two")
             n_ch = triton.cdiv(M, hit_chunk)
@@ -253,14 +254,6 @@ def lru_place(
             HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------- Triton

@@ -38,6 +38,19 @@ def _word_dtype(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
+def copy_geometry(
+    src: torch.Tensor, dst: torch.Tensor, rows_per_item: int = 1
+) -> tuple[torch.dtype, int, int, int]:
+    """The row-copy kernels' launch shape for rows of `src` -> `dst`: the widest word both pools'
+    rows are aligned to, a row's width in words, words per tile and items per program (~2-8K words
+    in flight per program: enough outstanding PCIe reads per SM without spilling)."""
+    row_bytes = src.shape[1] * src.element_size()
+    word = _word_dtype(row_bytes, src, dst)
+    row_w = row_bytes // word.itemsize
+    block_w = min(next_pow2(row_w * rows_per_item), 1024)
+    return word, row_w, block_w, max(1, min(16, 2048 // block_w))
+
+
 def _check(
     src_pool: torch.Tensor,
     src_rows: torch.Tensor,
@@ -151,13 +164,8 @@ def _launch(
     n = src_rows.shape[0]
     if n == 0:
         return
-    row_bytes = src.shape[1] * src.element_size()
-    word = _word_dtype(row_bytes, src, dst)
-    row_w = row_bytes // word.itemsize
+    word, row_w, block_w, items = copy_geometry(src, dst, rows_per_item)
     item_w = row_w * rows_per_item
-    # ~2-8K words in flight per program: enough outstanding PCIe reads per SM without spilling.
-    block_w = min(next_pow2(item_w), 1024)
-    items = max(1, min(16, 2048 // block_w))
     grid = ((n + items - 1) // items,)
     kernel_dev = dst.device if dst.device.type == "cuda" else src.device
     with torch.cuda.device(kernel_dev) if kernel_dev.type == "cuda" else contextlib.nullcontext():

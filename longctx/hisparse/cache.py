@@ -65,6 +65,7 @@ attended row is a byte copy of the host row the paged pool would hold.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -675,7 +676,7 @@ class HiSparseKVCache:
             # made on the main stream, read on the side one: keep their memory until it is done
             q.record_stream(stream)
             ctx.page_table.record_stream(stream)
-        with torch.cuda.stream(stream) if stream is not None else _null():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             acc = self._acc["side" if stream is not None else "main"]
             qd, start = (q, ctx.positions) if tok is None else (q[tok], ctx.positions[tok])
             # one placement for all the shared layers (each its own LRU), then their copies; this
@@ -688,11 +689,3 @@ class HiSparseKVCache:
                 else:
                     self._swap(s, p, k, False)
                 self._prefetched.add(s)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

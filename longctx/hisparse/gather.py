@@ -15,8 +15,8 @@ import contextlib
 
 import torch
 
-from longctx.kernels.common import check, jit, next_pow2, tl, triton_interpret
-from longctx.kernels.swap import _word_dtype, swap_in_gather
+from longctx.kernels.common import check, jit, tl, triton_interpret
+from longctx.kernels.swap import copy_geometry, swap_in_gather
 
 
 def _copy_geometry(host_pool: torch.Tensor, dst_pool: torch.Tensor) -> tuple[torch.dtype, int, int, int]:
@@ -27,11 +27,7 @@ def _copy_geometry(host_pool: torch.Tensor, dst_pool: torch.Tensor) -> tuple[tor
         "host_pool must be registered/pinned host memory or on dst_pool's device",
     )
     check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
-    row_bytes = host_pool.shape[1] * host_pool.element_size()
-    word = _word_dtype(row_bytes, host_pool, dst_pool)
-    row_w = row_bytes // word.itemsize
-    block_w = min(next_pow2(row_w), 1024)
-    return word, row_w, block_w, max(1, min(16, 2048 // block_w))
+    return copy_geometry(host_pool, dst_pool)
 
 
 def swap_in_counted(
