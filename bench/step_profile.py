@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t
 
         hs_decode: dict[str, int] = {}
+        runs: dict[str, dict[str, int]] = {}
 
         def decode(tag: str, steps: int, wrap: Any = contextlib.nullcontext) -> float:
             """Seconds per decode step of `batch` requests at context `tokens`; only the decode steps
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             while not all(len(eng._requests[f"{tag}-{i}"].output_ids) >= 1 for i in range(args.batch)):
                 eng.step()  # prefill until every request has its first token
             sync()
-            before = eng.stats().get("hisparse") or {}
+            st0 = eng.stats()
+            before = st0.get("hisparse") or {}
             with wrap():
                 t, n = time.perf_counter(), 0
                 for _ in range(steps):
@@ -174,9 +176,18 @@ def main(argv: list[str] | None = None) -> int:
                         break
                 sync()
                 dt = (time.perf_counter() - t) / max(1, n)
-            after = eng.stats().get("hisparse") or {}
+            st1 = eng.stats()
+            after = st1.get("hisparse") or {}
             hs_decode.clear()  # the hits and misses of the timed decode steps only
             hs_decode.update({k: after[k] - before.get(k, 0) for k in ("hits", "misses") if k in after})
+            # how the timed steps ran: graph replays, graphs dropped and captured again, continuations
+            # launched with device-fed tokens (a wall time far above GPU busy time shows up here)
+            g0, g1 = st0.get("cuda_graphs", {}), st1.get("cuda_graphs", {})
+            runs[tag] = {
+                "steps": n,
+                "device_fed_steps": st1["device_fed_steps"] - st0["device_fed_steps"],
+                **{k: g1[k] - g0.get(k, 0) for k in ("replays", "recaptures", "buckets") if k in g1},
+            }
             while eng.has_work():
                 eng.step()
             return dt
@@ -195,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             decode("warm", 8)  # compiles and captures this (batch, context) bucket
             dt = decode("prof", args.steps, lambda: prof)
             plain = decode("plain", args.steps)
+            res["decode_runs"] = runs
             if hs_decode:
                 hits, misses = hs_decode["hits"], hs_decode["misses"]
                 res["hisparse"] = {"hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses)}

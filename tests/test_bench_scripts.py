@@ -35,6 +35,9 @@ def test_step_profile_capped_stable_topk_hits_on_cpu(tmp_path: Path) -> None:
     d = json.loads((tmp_path / "step-profile-decode-400-b1-auto-cap96-stable.json").read_text())
     assert d["stable_topk"] and d["hisparse"]["hits"] > 0
     assert d["hisparse"]["hit_rate"] > 0.9, d["hisparse"]
+    runs = d["decode_runs"]  # how the timed steps ran (graph replays / recaptures on CUDA)
+    assert set(runs) == {"warm", "prof", "plain"} and runs["plain"]["steps"] > 0
+    assert 0 <= runs["plain"]["device_fed_steps"] <= runs["plain"]["steps"]
 
 
 def test_prefill_chunk_sweep_on_cpu(tmp_path: Path) -> None:

@@ -92,7 +92,11 @@ class LocalRunner:
         s = {"kv_bytes_device": kv.nbytes() if hasattr(kv, "nbytes") else 0}
         if hasattr(kv, "stats"):
             s.update(kv.stats())
-        return {"stages": [s]}
+        out: dict[str, Any] = {"stages": [s]}
+        if self.graphs is not None:  # decode graphs: how often they were captured, replayed, dropped
+            g = self.graphs
+            out["cuda_graphs"] = {"buckets": len(g._graphs), "replays": g.replays, "recaptures": g.recaptures}
+        return out
 
     def release(self, rids: list[str]) -> None:
         """Requests finished or aborted: KV caches with per-request device state free it."""
