@@ -14,6 +14,7 @@ leaves the function undecorated (it is then never called, since `use_triton` say
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,19 @@ def use_triton(backend: str, device: torch.device | str) -> bool:
 def jit(fn: Callable[..., Any]) -> Any:
     """`triton.jit` when triton is installed, else the plain function (never launched)."""
     return triton.jit(fn) if HAS_TRITON else fn
+
+
+def num_sms(device: torch.device, cpu: int = 4) -> int:
+    """The device's SM count (cached: get_device_properties per call costs host time on the decode
+    path), or `cpu` for a CPU device (the interpreter: a few programs, so tests split work)."""
+    if device.type != "cuda":
+        return cpu
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

@@ -24,11 +24,9 @@ fp32 partial, and `_splitk_sum_kernel` adds the partials in a fixed order (deter
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .common import check, jit, tl, triton_interpret, use_triton
+from .common import check, jit, num_sms, tl, triton_interpret, use_triton
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -256,15 +254,6 @@ def _pick_tiles(t: int, quantize_act: bool) -> tuple[int, int, int, int, int]:
     return 128, 128, 128 if quantize_act else 64, 8, 3
 
 
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _pick_splits(tiles_mn: int, k: int, num_sms: int) -> int:
     """Split-K factor: enough CTAs for ~4 per SM (a weight stream needs many loads in flight per SM, and
     at T=1 q_a_proj has only 32 output tiles for 132 SMs), but at least 2 scale blocks (256 of K) per
@@ -317,7 +306,7 @@ def fp8_block_linear(
     else:
         xq, xs = x, scale_inv  # xs unused by the kernel
     tiles_mn = cdiv(t, bm) * cdiv(n, bn)
-    splits = split_k if split_k is not None else _pick_splits(tiles_mn, k, _num_sms(x.device))
+    splits = split_k if split_k is not None else _pick_splits(tiles_mn, k, num_sms(x.device))
     kb = cdiv(k, FP8_BLOCK)
     k_split = cdiv(kb, max(1, min(splits, kb))) * FP8_BLOCK  # whole scale blocks per split
     splits = cdiv(k, k_split)

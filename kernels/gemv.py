@@ -33,12 +33,11 @@ host sync and no host->device copy: safe inside CUDA graph capture.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, num_sms, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, fp16_rows, mma
 
 # Up to this many rows the FMA form, above it the tensor cores (swap-AB `tl.dot`). 0: the tensor-core
@@ -200,15 +199,6 @@ def pick_splits(tiles_n: int, k: int, num_sms: int) -> int:
     return max(1, min(cdiv(PROGRAMS_PER_SM * num_sms, tiles_n), cdiv(k, FP8_BLOCK), MAX_SPLITS))
 
 
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -238,12 +228,12 @@ def gemv(
     if k == 0:
         return out.zero_()
     fp8 = scale_inv is not None
-    num_sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     cfg = config or pick_config(m, fp8)
     check(cfg.bk <= 128 and 128 % cfg.bk == 0, "gemv: BK must divide 128")
     bm = max(16, next_pow2(m)) if cfg.dot else next_pow2(m)
     tiles_n = cdiv(n, cfg.bn)
-    splits = cfg.splits if cfg.splits is not None else pick_splits(tiles_n, k, num_sms)
+    splits = cfg.splits if cfg.splits is not None else pick_splits(tiles_n, k, sms)
     kb = cdiv(k, FP8_BLOCK)
     k_split = cdiv(kb, max(1, min(splits, kb))) * FP8_BLOCK  # whole 128-column blocks per split
     splits = cdiv(k, k_split)

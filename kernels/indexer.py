@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
 from .kv_layout import PAGE_SIZE, index_fp8_offsets, index_row_bytes, is_fp8, read_index_k_ref
 
 _REF_CHUNK_ELEMS = 1 << 24  # bounds the reference's [queries, heads, keys] intermediate (64 MiB fp32)
@@ -178,8 +178,8 @@ def indexer_logits_paged(
         n_tiles = _cdiv(max_len, bn)
         # whole waves of programs (a few more than a wave cost a second one: batch 8 at 50 programs a
         # query took 584 us, at 99 410 us); one wave for a single query, two for a batch (measured best)
-        waves = 1 if tq == 1 else 2
-        per_query = splits or max(1, waves * _DECODE_PROGRAMS_PER_SM * _num_sms(q.device) // tq)
+        waves = 1 if tq == 1 else 2  # (on the interpreter 2 "SMs": tests cover several programs a query)
+        per_query = splits or max(1, waves * _DECODE_PROGRAMS_PER_SM * num_sms(q.device, cpu=2) // tq)
         tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
         grid = (tq, _cdiv(n_tiles, tiles_per))
         _indexer_decode_kernel[grid](
@@ -213,16 +213,6 @@ def indexer_logits_paged(
 _DECODE_BLOCK_N = 128
 _DECODE_PROGRAMS_PER_SM = 3
 _DECODE_STAGES = 3
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a few splits, so tests cover several programs per query
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -36,13 +36,12 @@ key tile is gathered once per query instead of once per head block. Same splits/
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 
-from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, mma
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
 from .sparse_mla_heads import heads_blocks, pick_splits_heads, sparse_mla_heads_kernel
@@ -261,15 +260,6 @@ def _combine_kernel(
         )
 
 
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
-
-
-@functools.cache
-def _sm_count(index: int) -> int:  # get_device_properties per call costs host time on the decode path
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _pick_splits(tq: int, n_hb: int, k: int, block_n: int, num_sms: int) -> int:
     """Decode split-K: programs for ~1 wave of 132 SMs (one 8-warp CTA of this kernel per SM: ~200 registers
     per thread), each split at least 64 tokens (2 BLOCK_N=32 tiles, so the gather of the next tile overlaps
@@ -358,9 +348,9 @@ def sparse_mla(
     n_hb = cdiv(h, bh)
     if num_splits is None:
         if impl == "heads":
-            num_splits = pick_splits_heads(tq * n_hb, k, bn, _num_sms(dev))
+            num_splits = pick_splits_heads(tq * n_hb, k, bn, num_sms(dev))
         else:
-            num_splits = _pick_splits(tq, n_hb, k, bn, _num_sms(dev))
+            num_splits = _pick_splits(tq, n_hb, k, bn, num_sms(dev))
     num_splits = max(1, min(num_splits, cdiv(k, bn)))
     chunk = cdiv(cdiv(k, num_splits), bn) * bn
     num_splits = cdiv(k, chunk)
