@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
-from .swap import copy_geometry
+from .swap import copy_geometry, copy_items
 
 CopyList = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # src [B, M], dst [B, M], count [B]
 
@@ -248,21 +248,15 @@ def _slot_lookup_kernel(
 
 
 @jit
-def _copy_items(src_ptr, dst_ptr, srows_ptr, drows_ptr, cnt_ptr, r, chunk, M, stride_s, stride_d, stride_c,
+def _copy_items(src_ptr, dst_ptr, srows_ptr, drows_ptr, cnt_ptr, r, chunk, stride_s, stride_d, stride_c,
                 ROW_W: tl.constexpr, ITEMS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
-    # items [chunk * ITEMS, +ITEMS) of batch row r's list (those below its count), as
-    # longctx.hisparse.gather._copy_rows_counted_2d_kernel
+    # items [chunk * ITEMS, +ITEMS) of batch row r's list (those below its count)
     r = r.to(tl.int64)
     n = tl.load(cnt_ptr + r * stride_c)
-    it = chunk * ITEMS + tl.arange(0, ITEMS)
-    im = it < n
-    s = tl.load(srows_ptr + r * stride_s + it, mask=im, other=0).to(tl.int64) * ROW_W
-    d = tl.load(drows_ptr + r * stride_d + it, mask=im, other=0).to(tl.int64) * ROW_W
-    for w0 in range(0, ROW_W, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        m = im[:, None] & (w < ROW_W)[None, :]
-        v = tl.load(src_ptr + s[:, None] + w[None, :], mask=m)
-        tl.store(dst_ptr + d[:, None] + w[None, :], v, mask=m)
+    copy_items(
+        src_ptr, srows_ptr + r * stride_s, dst_ptr, drows_ptr + r * stride_d, chunk * ITEMS, n,
+        ROW_W, ROW_W, ITEMS, BLOCK_W,
+    )  # fmt: skip
 
 
 @jit
@@ -289,10 +283,10 @@ def _resolve_tail_kernel(
     elif pid < n_look + n1:
         i = pid - n_look
         per = (M1 + ITEMS - 1) // ITEMS
-        _copy_items(src_ptr, dst_ptr, s1_ptr, d1_ptr, c1_ptr, i // per, i % per, M1, stride_s1, stride_d1,
+        _copy_items(src_ptr, dst_ptr, s1_ptr, d1_ptr, c1_ptr, i // per, i % per, stride_s1, stride_d1,
                     stride_c1, ROW_W, ITEMS, BLOCK_W)  # fmt: skip
     else:
         i = pid - n_look - n1
         per = (M2 + ITEMS - 1) // ITEMS
-        _copy_items(src_ptr, dst_ptr, s2_ptr, d2_ptr, c2_ptr, i // per, i % per, M2, stride_s2, stride_d2,
+        _copy_items(src_ptr, dst_ptr, s2_ptr, d2_ptr, c2_ptr, i // per, i % per, stride_s2, stride_d2,
                     stride_c2, ROW_W, ITEMS, BLOCK_W)  # fmt: skip

@@ -182,8 +182,29 @@ def _copy_rows_kernel(
 ):  # fmt: skip
     # ROW_W is constexpr so the compiler sees row * ROW_W's alignment and emits wide (up to
     # 16-byte) loads; ITEMS items per program keep many PCIe reads in flight at once.
-    pid = tl.program_id(0)
-    it = pid * ITEMS + tl.arange(0, ITEMS)
+    copy_items(
+        src_ptr,
+        src_rows_ptr,
+        dst_ptr,
+        dst_rows_ptr,
+        tl.program_id(0) * ITEMS,
+        n,
+        ROW_W,
+        ITEM_W,
+        ITEMS,
+        BLOCK_W,
+    )
+
+
+@jit
+def copy_items(
+    src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, i0, n,
+    ROW_W: tl.constexpr, ITEM_W: tl.constexpr, ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Items [i0, i0 + ITEMS) below n of the row lists: ITEM_W words from src row src_rows[i]
+    (counted in ROW_W-word rows) to dst row dst_rows[i]. The body of every row-copy kernel (swap-in,
+    backup, HiSparse's counted copies)."""
+    it = i0 + tl.arange(0, ITEMS)
     im = it < n
     s = tl.load(src_rows_ptr + it, mask=im, other=0).to(tl.int64) * ROW_W
     d = tl.load(dst_rows_ptr + it, mask=im, other=0).to(tl.int64) * ROW_W

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from longctx.kernels.common import check, jit, tl, triton_interpret
-from longctx.kernels.swap import copy_geometry, swap_in_gather
+from longctx.kernels.swap import copy_geometry, copy_items, swap_in_gather
 
 
 def _copy_geometry(host_pool: torch.Tensor, dst_pool: torch.Tensor) -> tuple[torch.dtype, int, int, int]:
@@ -72,15 +72,7 @@ def _copy_rows_counted_kernel(
     n = tl.load(count_ptr)
     if pid * ITEMS >= n:
         return
-    it = pid * ITEMS + tl.arange(0, ITEMS)
-    im = it < n
-    s = tl.load(src_rows_ptr + it, mask=im, other=0).to(tl.int64) * ROW_W
-    d = tl.load(dst_rows_ptr + it, mask=im, other=0).to(tl.int64) * ROW_W
-    for w0 in range(0, ROW_W, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        m = im[:, None] & (w < ROW_W)[None, :]
-        v = tl.load(src_ptr + s[:, None] + w[None, :], mask=m)
-        tl.store(dst_ptr + d[:, None] + w[None, :], v, mask=m)
+    copy_items(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, pid * ITEMS, n, ROW_W, ROW_W, ITEMS, BLOCK_W)
 
 
 def swap_in_rows_counted(
@@ -130,12 +122,7 @@ def _copy_rows_counted_2d_kernel(
     n = tl.load(count_ptr + b * stride_c)
     if pid * ITEMS >= n:
         return
-    it = pid * ITEMS + tl.arange(0, ITEMS)
-    im = it < n
-    s = tl.load(src_rows_ptr + b * stride_s + it, mask=im, other=0).to(tl.int64) * ROW_W
-    d = tl.load(dst_rows_ptr + b * stride_d + it, mask=im, other=0).to(tl.int64) * ROW_W
-    for w0 in range(0, ROW_W, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        m = im[:, None] & (w < ROW_W)[None, :]
-        v = tl.load(src_ptr + s[:, None] + w[None, :], mask=m)
-        tl.store(dst_ptr + d[:, None] + w[None, :], v, mask=m)
+    copy_items(
+        src_ptr, src_rows_ptr + b * stride_s, dst_ptr, dst_rows_ptr + b * stride_d, pid * ITEMS, n,
+        ROW_W, ROW_W, ITEMS, BLOCK_W,
+    )  # fmt: skip
