@@ -222,7 +222,7 @@ class Engine:
         model = build_model(self.model_dir, cfg, layers, self.device, self.dtype, keep_fp8)
         # one page more than the allocator hands out: padding rows of captured decode batches
         if self.hisparse_device_tokens:
-            from longctx.hisparse.cache import HiSparseKVCache
+            from longctx.hisparse.cache import HiSparseKVCache, preallocated_requests
 
             N = self.hisparse_device_tokens
             kv: Any = HiSparseKVCache(
@@ -235,10 +235,7 @@ class Engine:
                 device_tokens=N,
                 page_size=PAGE_SIZE,
                 use_triton=self.use_triton,
-                # per-request bookkeeping and slot blocks allocated now, so decode graphs never see
-                # them move: as many requests as may run at once, as long as their slots hold no
-                # more rows than the pages do (more concurrent requests grow them, and recapture)
-                max_requests=max(1, min(max_running, num_pages * PAGE_SIZE // N)),
+                max_requests=preallocated_requests(max_running, num_pages, PAGE_SIZE, N),
                 max_context=self.max_context,
             )
         else:

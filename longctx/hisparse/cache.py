@@ -132,6 +132,13 @@ class _Placed(NamedTuple):
     cnt: torch.Tensor | None  # [B, L']
 
 
+def preallocated_requests(max_running: int, num_pages: int, page_size: int, device_tokens: int) -> int:
+    """How many requests' blocks a cache allocates up front (`max_requests`), so decode graphs never
+    see them move: as many as may run at once, as long as their slots hold no more rows than the
+    `num_pages` pages the scheduler hands out do (more concurrent requests grow them, and recapture)."""
+    return max(1, min(max_running, num_pages * page_size // device_tokens))
+
+
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor over registered host memory `t` (UVA: the device address is the host one)."""
 

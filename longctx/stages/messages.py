@@ -39,7 +39,7 @@ class StageSpec:
     num_threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
     # HiSparse: the longest request and how many run at once (its per-request tables are sized by them)
     max_context: int | None = None
-    max_requests: int = 1
+    max_running: int = 1
 
     @property
     def rank(self) -> int:

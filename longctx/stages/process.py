@@ -173,7 +173,7 @@ class StageProcess:
 
     def _hisparse(self, layout: Any, layers: range) -> Any:
         try:
-            from longctx.hisparse.cache import HiSparseKVCache
+            from longctx.hisparse.cache import HiSparseKVCache, preallocated_requests
         except ImportError:
             raise ConfigError(
                 "hisparse_device_tokens needs longctx.hisparse.cache, which is not available"
@@ -191,7 +191,9 @@ class StageProcess:
             page_size=s.page_size,
             use_triton=s.use_triton,
             host_layout=layout,
-            max_requests=s.max_requests,
+            max_requests=preallocated_requests(
+                s.max_running, s.num_pages, s.page_size, s.hisparse_device_tokens
+            ),
             max_context=s.max_context,
         )
 

@@ -225,9 +225,7 @@ class StageRuntime:
                 store_port=store_port,
                 num_threads=num_threads,
                 max_context=max_context,
-                # as the one-process engine sizes them: the running requests, as long as their slots
-                # hold no more rows than the pages do
-                max_requests=max(1, min(max_running, num_pages * page_size // (hisparse_device_tokens or 1))),
+                max_running=max_running,
             )
             for s, (a, b) in enumerate(self.layers)
             for t in range(tp)
