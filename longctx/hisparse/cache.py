@@ -68,7 +68,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -312,12 +312,7 @@ class HiSparseKVCache:
         self._wait_side()
         p = self._newest
         assert p is not None
-        li = self._index_of[layer]
-        if self._fuse and p.cnt is not None:  # copied by this layer's `resolve` (its tail)
-            assert p.csrc is not None and p.cdst is not None
-            self._pending.setdefault(layer, []).append((p.csrc[:, li], p.cdst[:, li], p.cnt[:, li]))
-        else:
-            self._swap(layer, p, li, True)
+        self._copy(layer, p, self._index_of[layer], True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Top-k logical positions [T, K] (-1 = none) -> rows of `attend_pool(layer)` (-1 stays)."""
@@ -330,11 +325,7 @@ class HiSparseKVCache:
         if self._dec is not None and layer not in self._prefetched:  # every decode row at once
             tok, rows = self._dec
             p = self._place(self._one[li], rows, q if tok is None else q[tok], acc)
-            if self._fuse and p.cnt is not None:
-                assert p.csrc is not None and p.cdst is not None
-                self._pending.setdefault(layer, []).append((p.csrc[:, 0], p.cdst[:, 0], p.cnt[:, 0]))
-            else:
-                self._swap(layer, p, 0, False)
+            self._copy(layer, p, 0, False)
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
@@ -554,19 +545,11 @@ class HiSparseKVCache:
         r = self._all
         assert r is not None
         copies = self._pending.pop(layer, [])
-        timed = self.device.type == "cuda" and not self._capturing() and len(copies) > 1
-        if timed:
-            a = torch.cuda.Event(enable_timing=True)
-            z = torch.cuda.Event(enable_timing=True)
-            a.record()
-        rows = resolve_tail(
-            q, self._p2s.view(-1), r.p_at[:, li], r.base, self._write_view[layer], self._slots[layer],
-            copies, backend=self._backend,
-        )  # fmt: skip
-        if timed:
-            z.record()
-            self._events.append((a, z))
-        return rows
+        with self._timed(self.device.type == "cuda" and not self._capturing() and len(copies) > 1):
+            return resolve_tail(
+                q, self._p2s.view(-1), r.p_at[:, li], r.base, self._write_view[layer], self._slots[layer],
+                copies, backend=self._backend,
+            )  # fmt: skip
 
     def _flush(self, layer: int | None = None) -> None:
         """Make the copies deferred to a `resolve` that did not come (one layer, or all)."""
@@ -601,6 +584,33 @@ class HiSparseKVCache:
             pl.u, pl.overflow if possible else None, pl.src, pl.dst, pl.copy, pl.csrc, pl.cdst, pl.cnt
         )
 
+    def _copy(self, layer: int, p: _Placed, k: int, force: bool, defer: bool = True) -> None:
+        """The copies placement p marked for its k-th layer (stage layer `layer`): on a fused decode
+        step deferred to that layer's `resolve` tail (one launch with its lookup), else now."""
+        if defer and self._fuse and p.cnt is not None:
+            assert p.csrc is not None and p.cdst is not None
+            self._pending.setdefault(layer, []).append((p.csrc[:, k], p.cdst[:, k], p.cnt[:, k]))
+        else:
+            self._swap(layer, p, k, force)
+
+    @contextlib.contextmanager
+    def _timed(self, enabled: bool) -> Iterator[None]:
+        """Time the swap copies enqueued inside with CUDA events (folded into `swap_seconds` now and
+        then, so the list stays small)."""
+        if not enabled:
+            yield
+            return
+        a = torch.cuda.Event(enable_timing=True)
+        z = torch.cuda.Event(enable_timing=True)
+        a.record()
+        yield
+        z.record()
+        self._events.append((a, z))
+        if len(self._events) >= 4096:
+            torch.cuda.synchronize(self.device)
+            self._swap_s += sum(x.elapsed_time(y) for x, y in self._events) / 1e3
+            self._events.clear()
+
     def _swap(self, layer: int, p: _Placed, k: int, force: bool) -> None:
         """Copy what placement p marked for its k-th layer (stage layer `layer`) from the host pool."""
         slots = self._slots[layer]
@@ -611,29 +621,20 @@ class HiSparseKVCache:
             idx = p.copy[:, k].reshape(-1).nonzero().squeeze(1)
             swap_in_gather(self._host[layer], src[idx], slots, dst[idx], backend="torch")
         else:  # the copies first, then a kernel that reads their count on the device
-            timed = cuda and not force and not self._capturing()
-            if timed:
-                a = torch.cuda.Event(enable_timing=True)
-                z = torch.cuda.Event(enable_timing=True)
-                a.record()
             # on CUDA the source is the device alias of the registered host rows (no pinned check)
             view = self._write_view[layer]
-            if p.cnt is not None:  # the Triton placement compacted them per row
-                assert p.csrc is not None and p.cdst is not None
-                swap_in_rows_counted(view, p.csrc[:, k], slots, p.cdst[:, k], p.cnt[:, k], self.use_triton)
-            else:
-                src, dst, mask = p.src.reshape(-1), p.dst[:, k].reshape(-1), p.copy[:, k].reshape(-1)
-                if mask.numel() > 1:  # (a single item already is: a decode step's newest token)
-                    order = torch.argsort((~mask).to(torch.int8), stable=True)
-                    src, dst = src[order], dst[order]
-                swap_in_counted(view, src, slots, dst, mask.sum(), self.use_triton)
-            if timed:
-                z.record()
-                self._events.append((a, z))
-                if len(self._events) >= 4096:  # fold now and then so the list stays small
-                    torch.cuda.synchronize(self.device)
-                    self._swap_s += sum(x.elapsed_time(y) for x, y in self._events) / 1e3
-                    self._events.clear()
+            with self._timed(cuda and not force and not self._capturing()):
+                if p.cnt is not None:  # the Triton placement compacted them per row
+                    assert p.csrc is not None and p.cdst is not None
+                    swap_in_rows_counted(
+                        view, p.csrc[:, k], slots, p.cdst[:, k], p.cnt[:, k], self.use_triton
+                    )
+                else:
+                    src, dst, mask = p.src.reshape(-1), p.dst[:, k].reshape(-1), p.copy[:, k].reshape(-1)
+                    if mask.numel() > 1:  # (a single item already is: a decode step's newest token)
+                        order = torch.argsort((~mask).to(torch.int8), stable=True)
+                        src, dst = src[order], dst[order]
+                    swap_in_counted(view, src, slots, dst, mask.sum(), self.use_triton)
         if not cuda and not force:
             self._swap_s += time.perf_counter() - t0
 
@@ -690,9 +691,7 @@ class HiSparseKVCache:
             # step's rows of later layers are not written yet (below: positions before this step)
             p = self._place(self._shared_ids[layer], rows, qd.contiguous(), acc, below=start.contiguous())
             for k, s in enumerate(self._shared_after[layer]):
-                if stream is None and self._fuse and p.cnt is not None:  # no overlap to win: the
-                    assert p.csrc is not None and p.cdst is not None  # layer's own tail copies them
-                    self._pending.setdefault(s, []).append((p.csrc[:, k], p.cdst[:, k], p.cnt[:, k]))
-                else:
-                    self._swap(s, p, k, False)
+                # on a side stream the copies overlap this layer's attention; without one there is
+                # no overlap to win and the shared layer's own tail copies them
+                self._copy(s, p, k, False, defer=stream is None)
                 self._prefetched.add(s)
