@@ -41,6 +41,25 @@ def time_cuda(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def capture_graph(
+    body: Callable[[], Any], warmup: int = 1, warm: Callable[[], Any] | None = None
+) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of `body`, after `warmup` calls of `warm` (default: body) on a side
+    stream, which compile the kernels and settle the allocator outside the capture."""
+    if warmup:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                (warm or body)()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
+
+
 def copy_rate(src: torch.Tensor, dst: torch.Tensor, both_ways: bool, warmup: int = 3, rep: int = 20) -> float:
     """Bytes/s of `dst.copy_(src)`, counting read + write when `both_ways` (device-to-device)."""
     t = time_fn(lambda: dst.copy_(src, non_blocking=True), warmup=warmup, rep=rep)

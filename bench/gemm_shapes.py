@@ -90,18 +90,10 @@ def gemv_sweep():  # type: ignore[no-untyped-def]
 def graph_time(calls: list, replays: int = 10) -> float:  # type: ignore[type-arg]
     """Median seconds per call of `calls` (thunks) run back to back inside one captured CUDA graph,
     repeated to at least MIN_CALLS calls per replay."""
+    from bench.common import capture_graph
+
     seq = calls * max(1, -(-MIN_CALLS // len(calls)))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in seq:
-            f()
+    g = capture_graph(lambda: [f() for f in seq], warm=lambda: [f() for f in calls])
     g.replay()
     torch.cuda.synchronize()
     times = []

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import environment, time_cuda, write_results  # noqa: E402
+from bench.common import capture_graph, environment, time_cuda, write_results  # noqa: E402
 
 
 def _kernels() -> tuple[Any, Any]:
@@ -52,14 +52,7 @@ def _kernels() -> tuple[Any, Any]:
 
 def replay_seconds(body: Callable[[], None], reps: int = 50) -> float:
     """Seconds per replay of a graph that runs `body` once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # compile / warm outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = capture_graph(body)
     return time_cuda(lambda: [g.replay() for _ in range(reps)], iters=10, warmup=2) / reps
 
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import copy_rate, gemm_flops, time_fn, write_json_md  # noqa: E402
+from bench.common import capture_graph, copy_rate, gemm_flops, time_fn, write_json_md  # noqa: E402
 
 # GLM-5.3 linear shapes (out N, in K) used on the GPU path with FP8 checkpoints.
 GLM53_LINEARS: dict[str, tuple[int, int]] = {
@@ -48,24 +48,18 @@ def time_graph(fn: Callable[[], Any], reps: int = 20, flush_bytes: int = 256 << 
     pageable host->device copy in the wrapper), which is itself a finding. do_bench's figure includes the
     Python/Triton launch cost whenever that exceeds its 256 MB cache-flush memset; this one never does."""
     buf = torch.empty(flush_bytes // 4, dtype=torch.int32, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm caches outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
 
-    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+    def reps_of(with_fn: bool) -> Callable[[], None]:
+        def body() -> None:
             for _ in range(reps):
                 buf.zero_()
                 if with_fn:
                     fn()
-        return g
 
-    g_fn, g_flush = capture(True), capture(False)
+        return body
+
+    # fn warmed twice outside the capture (compiles, caches)
+    g_fn, g_flush = capture_graph(reps_of(True), warmup=2, warm=fn), capture_graph(reps_of(False), warmup=0)
 
     def med(g: torch.cuda.CUDAGraph) -> float:
         g.replay()
