@@ -60,6 +60,82 @@ def kernel_groups(rows: list[tuple[float, str, int]]) -> dict[str, dict[str, flo
     }
 
 
+def step_spread(t0: float, stamps: list[float]) -> dict[str, float]:
+    """Per-call wall times of a decode loop (ms): median and spread, so one slow step (a recapture, a
+    page allocation) is told apart from every step being slow."""
+    if not stamps:
+        return {}
+    dts = sorted(1e3 * (b - a) for a, b in zip([t0, *stamps[:-1]], stamps))
+
+    def q(f: float) -> float:
+        return round(dts[min(len(dts) - 1, int(f * len(dts)))], 4)
+
+    return {"step_ms_median": q(0.5), "step_ms_p10": q(0.1), "step_ms_p90": q(0.9), "step_ms_max": q(1.0)}
+
+
+def timeline(prof: Any, top: int = 12) -> dict[str, Any]:
+    """What the trace says about time the GPU was NOT busy: the device kernels' union against their
+    span, the idle gaps between consecutive kernels by size (many small gaps = per-node launch cost of a
+    replayed graph; a few large ones = the GPU waiting for the host), the largest gaps with the kernels
+    around them, and the host's CUDA runtime calls (synchronisations, memcpys, graph launches)."""
+    from torch.autograd import DeviceType
+
+    evs = [
+        e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    evs.sort(key=lambda e: e.time_range.start)
+    out: dict[str, Any] = {}
+    if evs:
+        busy, gaps, end, prev = 0.0, [], evs[0].time_range.start, None
+        for e in evs:
+            s, f = e.time_range.start, e.time_range.end
+            if s > end and prev is not None:
+                gaps.append((s - end, prev.name, e.name))
+            busy += max(0.0, f - max(s, end))
+            if f > end:
+                end, prev = f, e
+            elif prev is None:
+                prev = e
+        span = end - evs[0].time_range.start
+        buckets = {"<2us": 0.0, "2-5us": 0.0, "5-20us": 0.0, "20-100us": 0.0, ">100us": 0.0}
+        counts = dict.fromkeys(buckets, 0)
+        for g, _, _ in gaps:
+            b = (
+                "<2us"
+                if g < 2
+                else "2-5us"
+                if g < 5
+                else "5-20us"
+                if g < 20
+                else "20-100us"
+                if g < 100
+                else ">100us"
+            )
+            buckets[b] += g / 1e3
+            counts[b] += 1
+        gaps.sort(reverse=True)
+        out = {
+            "span_ms": round(span / 1e3, 4),
+            "union_busy_ms": round(busy / 1e3, 4),
+            "idle_ms_by_gap": {k: round(v, 4) for k, v in buckets.items()},
+            "gaps_by_size": counts,
+            "largest_gaps": [
+                {"us": round(g, 1), "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]
+            ],
+        }
+    rt: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and e.name.startswith("cuda"):
+            d = rt.setdefault(e.name, [0, 0.0])
+            d[0] += 1
+            d[1] += (e.time_range.end - e.time_range.start) / 1e3
+    out["runtime_calls"] = {
+        k: {"calls": int(n), "ms": round(ms, 4)}
+        for k, (n, ms) in sorted(rt.items(), key=lambda x: -x[1][1])[:top]
+    }
+    return out
+
+
 def zero_indexer_queries(model_dir: Path) -> None:
     """Zero every `indexer.wq_b` weight of a checkpoint in place: all indexer logits are then 0 and
     the top-k is the earliest keys, the same set at every step (a stand-in for the step-to-step
@@ -166,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             st0 = eng.stats()
             before = st0.get("hisparse") or {}
+            stamps: list[float] = []
             with wrap():
                 t, n = time.perf_counter(), 0
                 for _ in range(steps):
                     outs = eng.step()
+                    stamps.append(time.perf_counter())
                     n += 1
                     live -= {int(o.rid.rsplit("-", 1)[1]) for o in outs if o.finished}
                     if not live:
@@ -187,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": n,
                 "device_fed_steps": st1["device_fed_steps"] - st0["device_fed_steps"],
                 **{k: g1[k] - g0.get(k, 0) for k in ("replays", "recaptures", "buckets") if k in g1},
+                **step_spread(t, stamps),
             }
             while eng.has_work():
                 eng.step()
@@ -236,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         {"kernel": k[:120], "ms": t / 1e3, "share": t / total, "calls": c} for t, k, c in rows[: args.top]
     ]
     res["launches"] = sum(c for _, _, c in rows)
+    res["timeline"] = timeline(prof)
     res["groups"] = kernel_groups(rows)
     if args.phase == "prefill":
         what = f"prefill {args.tokens} tokens: {plain:.3f} s ({per / plain:.0f} tok/s)"
@@ -246,6 +326,22 @@ def main(argv: list[str] | None = None) -> int:
     if "hisparse" in res:
         what += f", HiSparse hit rate {res['hisparse']['hit_rate']:.3f}"
     print(f"{what}; {'GPU' if cuda else 'CPU'} busy {total / 1e3:.2f} ms in the profiled region")
+    tl_ = res["timeline"]
+    if "span_ms" in tl_:
+        print(
+            f"trace: span {tl_['span_ms']:.2f} ms, kernels' union {tl_['union_busy_ms']:.2f} ms; idle by gap size "
+            + ", ".join(
+                f"{k} {v:.2f} ms ({tl_['gaps_by_size'][k]})" for k, v in tl_["idle_ms_by_gap"].items()
+            )
+        )
+        for g in tl_["largest_gaps"][:5]:
+            print(f"  gap {g['us']:8.1f} us after {g['after'][:50]} before {g['before'][:50]}")
+    print(
+        "runtime: "
+        + ", ".join(f"{k} {v['calls']}x {v['ms']:.2f} ms" for k, v in tl_["runtime_calls"].items())
+    )
+    for tag, r in res.get("decode_runs", {}).items():
+        print(f"decode run {tag}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
     for g, d in res["groups"].items():
         print(f"{d['ms']:9.2f} ms {100 * d['share']:5.1f}% {int(d['launches']):6d}  [{g}]")
     for r in res["top"]:
