@@ -165,3 +165,12 @@ def test_real_server_with_overlap(tiny_dir):
         body = {"prompt": "x" * 300, "max_tokens": 400, "stream": True, "ignore_eos": True}
         check_disconnect_frees_pages(s, body, after_events=3, http_timeout=60, free_within=20)
         assert httpx.get(s.url + "/v1/stats", timeout=30).json()["overlapped_steps"] > 0
+
+
+def test_take_rows_reads_host_row_lists_without_indexing_by_list():
+    from longctx.engine.worker import take_rows
+
+    t = torch.randn(5, 7)
+    assert take_rows(t, [0, 1, 2, 3, 4]) is t  # every row in order: no copy, no index transfer
+    assert torch.equal(take_rows(t, [4, 1]), t[[4, 1]])
+    assert take_rows(t, []).shape == (0, 7)

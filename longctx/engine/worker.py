@@ -145,7 +145,7 @@ class StageWorker:
             x = tokens.to(torch.int64)
         elif self.is_first:
             ids = [t for r in plan.rows for t in r.token_ids]
-            x = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            x = to_device(torch.tensor(ids, dtype=torch.int64), self.device)
         else:
             assert hidden is not None
             x = hidden
@@ -187,11 +187,21 @@ class StageWorker:
         if last:
             if last_logits is None:
                 assert h is not None
-                last_logits = self.model.logits(h[ends])  # one lm_head GEMM for every sampling row
+                last_logits = self.model.logits(take_rows(h, ends))  # one lm_head GEMM for every sampling row
             else:
-                last_logits = last_logits[last]
+                last_logits = take_rows(last_logits, last)
             toks = sample_rows_device(last_logits, [plan.rows[i] for i in last])
-        return PendingRows(plan, out, last, toks, last_logits)
+        pending = PendingRows(plan, out, last, toks, last_logits)
+        if toks is not None and toks.is_cuda:
+            # Start the tokens' way to the host now, behind this step's work only: a continuation
+            # launched before `resolve` queues its graph behind this copy, and `resolve` waits for
+            # this event, not for the stream (a `.tolist()` there would wait for the continuation
+            # too, and the GPU would idle while the host prepares the step after it).
+            pending.toks_host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+            pending.toks_host.copy_(toks, non_blocking=True)
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
 
     @torch.inference_mode()
     def resolve(self, p: PendingRows) -> list[RowResult]:
@@ -200,7 +210,12 @@ class StageWorker:
         if p.toks is None:
             return p.out
         assert p.last_logits is not None
-        for i, tok, lg in zip(p.last, p.toks.tolist(), p.last_logits):
+        if p.ready is not None and p.toks_host is not None:
+            p.ready.synchronize()
+            toks = p.toks_host.tolist()
+        else:
+            toks = p.toks.tolist()
+        for i, tok, lg in zip(p.last, toks, p.last_logits):
             p.out[i].token_id = tok
             r = p.plan.rows[i]
             if r.logprobs is not None:
@@ -236,6 +251,21 @@ class PageRows:
         return buf[:n]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor made in this step, copied without waiting for the stream: a blocking copy (what
+    `torch.tensor(..., device=cuda)` and list indexing of a device tensor do) synchronises the stream,
+    so the host would wait for every step already queued, an overlapped continuation included."""
+    return t.to(device, non_blocking=True)
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for a host list of row indices, without a stream synchronisation; t itself when the
+    list is every row in order (a decode batch where every row samples)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), t.device))
+
+
 @dataclass
 class PendingRows:
     """A last stage's step whose sampled tokens are still on the device (`StageWorker.finish_async`)."""
@@ -245,3 +275,5 @@ class PendingRows:
     last: list[int]  # rows that sample, in plan order
     toks: torch.Tensor | None  # [len(last)] on the device
     last_logits: torch.Tensor | None  # [len(last), vocab]
+    toks_host: torch.Tensor | None = None  # pinned host copy of `toks`, valid once `ready` has fired
+    ready: torch.cuda.Event | None = None  # recorded after that copy (None on the CPU)
