@@ -98,12 +98,27 @@ def test_preemption_restarts_cleanly(model_dir):
 def test_capped_matches_uncapped_pp2(model_dir):
     prompts = [_ids(110, 8), _ids(40, 9)]
     score_ids = _ids(120, 10)
-    ref_logits, ref_tokens, _ = _run(model_dir, prompts, score_ids, pp=2)
-    logits, tokens, stats = _run(model_dir, prompts, score_ids, pp=2, hisparse_device_tokens=CAP)
+    ref_logits, ref_tokens, _ = _run(model_dir, prompts, score_ids, pp=2, max_context=200)
+    logits, tokens, stats = _run(
+        model_dir, prompts, score_ids, pp=2, hisparse_device_tokens=CAP, max_context=200
+    )
     assert _rel(logits, ref_logits) <= 1e-6
     assert tokens == ref_tokens
     hs = stats["hisparse"]
     assert hs["misses"] > 0 and hs["swap_bytes"] > 0 and 0 < hs["device_tokens_max"] <= CAP
-    # the stage processes size their per-request tables as the one-process engine does (the running
-    # requests up front: min(max_running 64, 24 pages x 64 / CAP), so decode graphs never see them move)
-    assert [st["hisparse"]["blocks"] for st in stats["stages"]] == [64, 64]
+    # the stage processes size their per-request tables as the one-process engine does (up front, as
+    # many requests as the pool holds at max_context: min(max_running 64, 24 pages x 64 // 200) = 7;
+    # not the 2 that growing on demand would give)
+    assert [st["hisparse"]["blocks"] for st in stats["stages"]] == [7, 7]
+
+
+def test_preallocated_requests_never_exceed_what_the_pool_holds_at_max_context():
+    from longctx.hisparse.cache import preallocated_requests
+
+    # one 1M-token request capped at 10%: one block (ten would put the whole KV on the device again)
+    assert preallocated_requests(64, (1 << 20) // 64 + 5, 64, 104_856, (1 << 20) + 32) == 1
+    # a pool for many short requests: bounded by max_running, and by the pool at max_context
+    assert preallocated_requests(8, 1000, 64, 300, 1000) == 8
+    assert preallocated_requests(64, 1000, 64, 300, 1000) == 64
+    assert preallocated_requests(64, 1000, 64, 300, 4000) == 16
+    assert preallocated_requests(4, 10, 64, 300, 1 << 20) == 1

@@ -235,7 +235,7 @@ class Engine:
                 device_tokens=N,
                 page_size=PAGE_SIZE,
                 use_triton=self.use_triton,
-                max_requests=preallocated_requests(max_running, num_pages, PAGE_SIZE, N),
+                max_requests=preallocated_requests(max_running, num_pages, PAGE_SIZE, N, self.max_context),
                 max_context=self.max_context,
             )
         else:

@@ -132,11 +132,15 @@ class _Placed(NamedTuple):
     cnt: torch.Tensor | None  # [B, L']
 
 
-def preallocated_requests(max_running: int, num_pages: int, page_size: int, device_tokens: int) -> int:
+def preallocated_requests(
+    max_running: int, num_pages: int, page_size: int, device_tokens: int, max_context: int
+) -> int:
     """How many requests' blocks a cache allocates up front (`max_requests`), so decode graphs never
-    see them move: as many as may run at once, as long as their slots hold no more rows than the
-    `num_pages` pages the scheduler hands out do (more concurrent requests grow them, and recapture)."""
-    return max(1, min(max_running, num_pages * page_size // device_tokens))
+    see them move: as many as may run at once, but no more than the `num_pages` pages the scheduler
+    hands out hold at `max_context` tokens each. Sized by the pool alone (pool / cap), a pool for one
+    1M-token request capped at 10% would hold ten requests' slots, the whole KV again on the device.
+    More concurrent requests grow the blocks (and the decode graphs are captured again)."""
+    return max(1, min(max_running, num_pages * page_size // max(device_tokens, max_context)))
 
 
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:

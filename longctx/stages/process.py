@@ -192,7 +192,7 @@ class StageProcess:
             use_triton=s.use_triton,
             host_layout=layout,
             max_requests=preallocated_requests(
-                s.max_running, s.num_pages, s.page_size, s.hisparse_device_tokens
+                s.max_running, s.num_pages, s.page_size, s.hisparse_device_tokens, s.max_context
             ),
             max_context=s.max_context,
         )
