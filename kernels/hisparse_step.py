@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .common import check, jit, next_pow2, tl, triton_interpret, use_triton
-from .swap import copy_geometry, copy_items
+from .swap import ROW_KNOBS, copy_geometry, copy_items
 
 CopyList = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # src [B, M], dst [B, M], count [B]
 
@@ -181,7 +181,8 @@ def resolve_tail(
     check(p2s.dim() == 1 and p2s.dtype == torch.int32, "p2s must be flat int32")
     check(p_at.shape == (T,) and base.shape == (T,), "p_at / base: [T]")
     check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
-    word, row_w, block_w, items = copy_geometry(host_pool, dst_pool)
+    g = copy_geometry(host_pool, dst_pool, knobs=ROW_KNOBS.plain())  # this kernel grids its copies
+    items = g.items
     block_k = min(1024, next_pow2(K))
     n_look = T * ((K + block_k - 1) // block_k)
     lists = list(copies) + [(q, q, base)] * (2 - len(copies))  # (padding lists get no programs)
@@ -193,10 +194,10 @@ def resolve_tail(
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         _resolve_tail_kernel[(n_look + n1 + n2,)](
             q, q.stride(0), p2s, p_at, p_at.stride(0), base, base.stride(0), out, K, n_look,
-            host_pool.view(torch.uint8).view(word), dst_pool.view(torch.uint8).view(word),
+            host_pool.view(torch.uint8).view(g.word), dst_pool.view(torch.uint8).view(g.word),
             s1, d1, s1.stride(0), d1.stride(0), c1, c1.stride(0), max(ms[0], 1), n1,
             s2, d2, s2.stride(0), d2.stride(0), c2, c2.stride(0), max(ms[1], 1),
-            BLOCK_K=block_k, ROW_W=row_w, ITEMS=items, BLOCK_W=block_w, num_warps=4,
+            BLOCK_K=block_k, ROW_W=g.row_w, ITEMS=items, BLOCK_W=g.block_w, num_warps=g.warps,
         )  # fmt: skip
     return out
 

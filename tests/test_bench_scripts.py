@@ -292,3 +292,20 @@ def test_run_list_runs_each_line_and_packs_one_file(tmp_path: Path) -> None:
         names = set(t.getnames())
     assert {"r/one.txt", "r/1.log", "r/5.log", "r/skipped.log"} <= names
     assert not (out / "r").exists()
+
+
+def test_swap_sweep_on_cpu(tmp_path: Path) -> None:
+    """bench/swap_sweep.py's GPU path at toy sizes under the interpreter: every setting it times is
+    checked against the reference, and the winners come out as LONGCTX_SWAP_* specs."""
+    from longctx.kernels.swap import CopyKnobs
+
+    from bench.swap_sweep import main
+
+    args = ["--device", "cpu", "--quick", "--pool-gib", "0.002", "--read-gib", "0.0002"]
+    args += ["--out", str(tmp_path)]
+    assert main(args) == 0
+    d = json.loads((tmp_path / "swap-sweep-cpu.json").read_text())
+    assert {r["case"] for r in d["results"]} == {"pages", "rows", "pages-in-order"}
+    assert all(r["ok"] for r in d["results"]) and set(d["best"]) == {"pages", "rows"}
+    assert all(isinstance(CopyKnobs.parse(spec), CopyKnobs) for spec in d["best"].values())
+    assert "LONGCTX_SWAP_PAGES=" in (tmp_path / "swap-sweep-cpu.md").read_text()

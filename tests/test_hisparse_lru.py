@@ -169,8 +169,8 @@ def test_cap_must_exceed_topk():
 @pytest.mark.parametrize("dtype,width", [(torch.uint8, 656), (torch.float32, 40), (torch.bfloat16, 18)])
 def test_counted_swap_kernel_interpreted(dtype, width):
     """The device-count swap kernel (run by the Triton interpreter) copies exactly `count` items."""
-    from longctx.kernels.common import HAS_TRITON, next_pow2, triton_interpret
-    from longctx.kernels.swap import _word_dtype
+    from longctx.kernels.common import HAS_TRITON, triton_interpret
+    from longctx.kernels.swap import copy_geometry
 
     from longctx.hisparse.gather import _copy_rows_counted_kernel
 
@@ -182,13 +182,11 @@ def test_counted_swap_kernel_interpreted(dtype, width):
     src_rows = torch.randperm(50, generator=g)[:20]
     dst_rows = torch.randperm(30, generator=g)[:20]
     count = torch.tensor(13)
-    word = _word_dtype(width * host.element_size(), host, dst)
-    row_w = width * host.element_size() // word.itemsize
-    block_w = min(next_pow2(row_w), 1024)
-    items = max(1, min(16, 2048 // block_w))
-    _copy_rows_counted_kernel[((20 + items - 1) // items,)](
-        host.view(torch.uint8).view(word), src_rows, dst.view(torch.uint8).view(word), dst_rows, count,
-        ROW_W=row_w, ITEMS=items, BLOCK_W=block_w,
+    geo = copy_geometry(host, dst)
+    _copy_rows_counted_kernel[(geo.grid(20, dst.device),)](
+        host.view(torch.uint8).view(geo.word), src_rows, dst.view(torch.uint8).view(geo.word), dst_rows, count,
+        ROW_W=geo.row_w, ITEM_W=geo.item_w, PIECES=geo.pieces, SPAN_W=geo.span_w, ITEMS=geo.items,
+        BLOCK_W=geo.block_w,
     )  # fmt: skip
     want = torch.zeros_like(dst)
     want[dst_rows[:13]] = host[src_rows[:13]]

@@ -16,18 +16,17 @@ import contextlib
 import torch
 
 from longctx.kernels.common import check, jit, tl, triton_interpret
-from longctx.kernels.swap import copy_geometry, copy_items, swap_in_gather
+from longctx.kernels.swap import CopyGeometry, CopyKnobs, copy_geometry, copy_units, swap_in_gather
 
 
-def _copy_geometry(host_pool: torch.Tensor, dst_pool: torch.Tensor) -> tuple[torch.dtype, int, int, int]:
-    """Checks both pools and returns the copy kernels' word dtype, row width in words, words per
-    tile and rows per program."""
+def _copy_geometry(host_pool: torch.Tensor, dst_pool: torch.Tensor, knobs: CopyKnobs | None) -> CopyGeometry:
+    """Checks both pools and returns the row-copy launch shape (`kernels.swap.copy_geometry`)."""
     check(
         host_pool.device == dst_pool.device or host_pool.is_pinned(),
         "host_pool must be registered/pinned host memory or on dst_pool's device",
     )
     check(host_pool.shape[1] == dst_pool.shape[1] and host_pool.dtype == dst_pool.dtype, "pools differ")
-    return copy_geometry(host_pool, dst_pool)
+    return copy_geometry(host_pool, dst_pool, 1, knobs)
 
 
 def swap_in_counted(
@@ -37,12 +36,14 @@ def swap_in_counted(
     dst_rows: torch.Tensor,
     count: torch.Tensor,
     use_triton: bool,
+    knobs: CopyKnobs | None = None,
 ) -> None:
     """host_pool[src_rows[i]] -> dst_pool[dst_rows[i]] for i < count (one row per item).
 
     host_pool: [num_rows, row] in registered / pinned host memory, or a tensor on dst_pool's device
     (on CUDA: a device alias of registered host memory); dst_pool: [num_slots, row] on the device; src_rows, dst_rows: int64 [n] on dst_pool's device; count:
-    int64 0-d tensor on dst_pool's device, 0 <= count <= n. Asynchronous on CUDA.
+    int64 0-d tensor on dst_pool's device, 0 <= count <= n. Asynchronous on CUDA. `knobs`: the
+    launch geometry (default `kernels.swap.ROW_KNOBS`).
     """
     check(count.dim() == 0 and count.dtype == torch.int64, "count must be a 0-d int64 tensor")
     n = src_rows.shape[0]
@@ -51,28 +52,29 @@ def swap_in_counted(
     if not (use_triton and (dst_pool.device.type == "cuda" or triton_interpret())):
         k = int(count)
         backend = "triton" if use_triton else "torch"
-        swap_in_gather(host_pool, src_rows[:k], dst_pool, dst_rows[:k], backend=backend)
+        swap_in_gather(host_pool, src_rows[:k], dst_pool, dst_rows[:k], backend=backend, knobs=knobs)
         return
-    word, row_w, block_w, items = _copy_geometry(host_pool, dst_pool)
-    grid = ((n + items - 1) // items,)
+    g = _copy_geometry(host_pool, dst_pool, knobs)
     with torch.cuda.device(dst_pool.device) if dst_pool.is_cuda else contextlib.nullcontext():
-        _copy_rows_counted_kernel[grid](
-            host_pool.view(torch.uint8).view(word), src_rows, dst_pool.view(torch.uint8).view(word),
-            dst_rows, count, ROW_W=row_w, ITEMS=items, BLOCK_W=block_w, num_warps=4,
+        _copy_rows_counted_kernel[(g.grid(n, dst_pool.device),)](
+            host_pool.view(torch.uint8).view(g.word), src_rows, dst_pool.view(torch.uint8).view(g.word),
+            dst_rows, count, ROW_W=g.row_w, ITEM_W=g.item_w, PIECES=g.pieces, SPAN_W=g.span_w,
+            ITEMS=g.items, BLOCK_W=g.block_w, num_warps=g.warps,
         )  # fmt: skip
 
 
 @jit
 def _copy_rows_counted_kernel(
     src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, count_ptr,
-    ROW_W: tl.constexpr, ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
+    ROW_W: tl.constexpr, ITEM_W: tl.constexpr, PIECES: tl.constexpr, SPAN_W: tl.constexpr,
+    ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    # The same copy as kernels/swap.py's _copy_rows_kernel, with the item count read on the device.
-    pid = tl.program_id(0)
-    n = tl.load(count_ptr)
-    if pid * ITEMS >= n:
-        return
-    copy_items(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, pid * ITEMS, n, ROW_W, ROW_W, ITEMS, BLOCK_W)
+    # The same copy as kernels/swap.py's _copy_rows_kernel, with the item count read on the device
+    # (programs past it have no unit and return at once).
+    copy_units(
+        src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, tl.program_id(0), tl.num_programs(0),
+        tl.load(count_ptr), ROW_W, ITEM_W, PIECES, SPAN_W, ITEMS, BLOCK_W,
+    )  # fmt: skip
 
 
 def swap_in_rows_counted(
@@ -82,6 +84,7 @@ def swap_in_rows_counted(
     dst_rows: torch.Tensor,
     counts: torch.Tensor,
     use_triton: bool,
+    knobs: CopyKnobs | None = None,
 ) -> None:
     """Per batch row b: host_pool[src_rows[b, i]] -> dst_pool[dst_rows[b, i]] for i < counts[b].
 
@@ -99,30 +102,27 @@ def swap_in_rows_counted(
     if not (use_triton and (dst_pool.device.type == "cuda" or triton_interpret())):
         m = torch.arange(n, device=counts.device) < counts[:, None]
         backend = "triton" if use_triton else "torch"
-        swap_in_gather(host_pool, src_rows[m], dst_pool, dst_rows[m], backend=backend)
+        swap_in_gather(host_pool, src_rows[m], dst_pool, dst_rows[m], backend=backend, knobs=knobs)
         return
-    word, row_w, block_w, items = _copy_geometry(host_pool, dst_pool)
-    grid = ((n + items - 1) // items, B)
+    g = _copy_geometry(host_pool, dst_pool, knobs)
     with torch.cuda.device(dst_pool.device) if dst_pool.is_cuda else contextlib.nullcontext():
-        _copy_rows_counted_2d_kernel[grid](
-            host_pool.view(torch.uint8).view(word), src_rows, src_rows.stride(0),
-            dst_pool.view(torch.uint8).view(word), dst_rows, dst_rows.stride(0), counts, counts.stride(0),
-            ROW_W=row_w, ITEMS=items, BLOCK_W=block_w, num_warps=4,
+        _copy_rows_counted_2d_kernel[(g.grid(n, dst_pool.device, share=B), B)](
+            host_pool.view(torch.uint8).view(g.word), src_rows, src_rows.stride(0),
+            dst_pool.view(torch.uint8).view(g.word), dst_rows, dst_rows.stride(0), counts, counts.stride(0),
+            ROW_W=g.row_w, ITEM_W=g.item_w, PIECES=g.pieces, SPAN_W=g.span_w, ITEMS=g.items,
+            BLOCK_W=g.block_w, num_warps=g.warps,
         )  # fmt: skip
 
 
 @jit
 def _copy_rows_counted_2d_kernel(
     src_ptr, src_rows_ptr, stride_s, dst_ptr, dst_rows_ptr, stride_d, count_ptr, stride_c,
-    ROW_W: tl.constexpr, ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
+    ROW_W: tl.constexpr, ITEM_W: tl.constexpr, PIECES: tl.constexpr, SPAN_W: tl.constexpr,
+    ITEMS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     # _copy_rows_counted_kernel with one item list and count per batch row (grid axis 1).
-    pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n = tl.load(count_ptr + b * stride_c)
-    if pid * ITEMS >= n:
-        return
-    copy_items(
-        src_ptr, src_rows_ptr + b * stride_s, dst_ptr, dst_rows_ptr + b * stride_d, pid * ITEMS, n,
-        ROW_W, ROW_W, ITEMS, BLOCK_W,
+    copy_units(
+        src_ptr, src_rows_ptr + b * stride_s, dst_ptr, dst_rows_ptr + b * stride_d, tl.program_id(0),
+        tl.num_programs(0), tl.load(count_ptr + b * stride_c), ROW_W, ITEM_W, PIECES, SPAN_W, ITEMS, BLOCK_W,
     )  # fmt: skip
