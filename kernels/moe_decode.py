@@ -41,24 +41,31 @@ PROGRAMS_PER_SM = 8
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tiles of the decode path: `bn_gate_up` rows of gate (and as many of up) and `bn_down` rows of
-    w_down per program, BK columns per K step (divides 128), warps and pipeline stages of both kernels,
-    and the down projection's split-K factor (None: `pick_splits`)."""
+    """Tiles of the decode path, per kernel: `bn_gate_up` rows of gate (and as many of up) per gate-up
+    program and `bn_down` rows of w_down per down program, their warps and pipeline stages; BK columns
+    per K step (divides 128; None: 128 bytes of a weight row, 128 e4m3 or 64 bf16) for both; the down
+    projection's split-K factor (None: `pick_splits`)."""
 
     bn_gate_up: int = 64
+    warps_gate_up: int = 4
+    stages_gate_up: int = 4
     bn_down: int = 64
-    bk: int = 128
-    warps: int = 4
-    stages: int = 4
+    warps_down: int = 4
+    stages_down: int = 4
     splits_down: int | None = None
+    bk: int | None = None
 
 
-# The default, chosen without a GPU run (bench/kernels_mla_moe.py --moe-decode times each knob around
-# it; set the winner here). 64-row weight tiles are one warpgroup's wgmma M, as in `gemv`'s best fp8
-# tiles. Gate-up: 64 gate + 64 up rows x 128 e4m3 columns = 16 KB per K step, 3 steps in flight
-# (48 KB), ~80 KB of shared memory, so 2 programs per SM: GLM-5.3's 8 experts at batch 1 make 256
-# programs, one wave on 132 SMs. Down: 8 KB per step and ~48 KB of shared memory (4 per SM); 768 row
-# tiles at batch 1, split in 2 along I by `pick_splits`.
+# The default, chosen before any GPU run (`python -m bench.kernels_mla_moe --moe-decode` times each knob
+# alone around it; set the winners here). Figures from Triton 3.9 for sm_90a at GLM-5.3 shapes, fp8
+# weights and bf16 x. 64-row weight tiles are one warpgroup's wgmma M (as `gemv`'s best fp8 tiles);
+# 128 e4m3 columns per K step (one scale block), 4 stages: 3 steps of cp.async loads in flight. (bf16
+# weights take 64 columns: 128 would need 144 KB of shared memory for the gate-up kernel.)
+#   gate-up: 64 gate + 64 up rows = 16 KB of weights per step, 48 KB in flight; 177 registers and
+#     64 KB of shared memory: 2 programs per SM, 264 on the 132 SMs, and batch 1's 8 experts x 32 row
+#     tiles = 256 programs run as one wave (32 rows: 3 per SM, 396 slots for 512 programs; 1.3 waves).
+#   down: 8 KB per step; 137 registers, 40 KB: 3 per SM; batch 1's 768 row tiles x `pick_splits`' 2 =
+#     1536 programs of 8 steps, ~4 waves (the last wave's idle SMs are a small share).
 DEFAULT = DecodeConfig()
 
 
@@ -224,7 +231,7 @@ def experts_decode(
     dev = x.device
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_w.reshape(-1).float().contiguous()
-    bk = min(cfg.bk, max(16, next_pow2(min(hd, inter))))
+    bk = min(cfg.bk or 128 // w_gate_up.element_size(), max(16, next_pow2(min(hd, inter))))
     bn_gu = min(cfg.bn_gate_up, max(16, next_pow2(inter)))
     bn_d = min(cfg.bn_down, max(16, next_pow2(hd)))
     tiles_d = cdiv(hd, bn_d)
@@ -244,13 +251,13 @@ def experts_decode(
         p, e, hd, inter, k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0) if fp8 else 0,
         sgu.stride(1) if fp8 else 0, h.stride(0),
-        BN=bn_gu, num_warps=cfg.warps, num_stages=cfg.stages, **common,
+        BN=bn_gu, num_warps=cfg.warps_gate_up, num_stages=cfg.stages_gate_up, **common,
     )  # fmt: skip
     _down_kernel[(p, tiles_d, splits)](
         h, ids, tw, w_down, sd, out,
         p, e, hd, inter, k_split,
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0) if fp8 else 0,
         sd.stride(1) if fp8 else 0, out.stride(0),
-        BN=bn_d, num_warps=cfg.warps, num_stages=cfg.stages, **common,
+        BN=bn_d, num_warps=cfg.warps_down, num_stages=cfg.stages_down, **common,
     )  # fmt: skip
     return out.view(splits, t, k, hd)
