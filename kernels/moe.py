@@ -21,6 +21,8 @@ Triton path:
      to a per-pair buffer [T*k, Hd] (rows of ignored ids are never written).
   4. `_combine_kernel`: y = residual + (sum over the valid k slots + shared) per token, one kernel
      (deterministic, no atomics); torch would spend a zeros, a sum and an add per addend.
+At most DECODE_MAX_PAIRS (token, slot) pairs (decode) take `moe_decode`'s weight stream instead of steps 1-3
+(no align; its down projection's split-K partials go to the same combine kernel).
 `shared` (the shared experts' output) and `residual` (the decoder layer's residual stream) are
 optional addends of both paths, each added in that order and rounded to x's dtype as torch's
 separate adds round.

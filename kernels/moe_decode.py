@@ -2,9 +2,11 @@
 
 At decode each selected expert sees one token or a handful (GLM-5.3 at batch 1: 8 experts of
 [4096, 6144] + [6144, 2048] e4m3, 302 MB, for one row of x), so the time is those bytes over the HBM
-read rate. `moe.py`'s grouped GEMMs spend their tiles on M instead: BLOCK_M = 16 rows of which one is
-real, an align kernel to sort the pairs into those blocks, and at batch 1 more programs than fit on
-the SMs at once (a second, thin wave). This path is `gemv.py`'s weight stream per expert:
+read rate. `moe.py`'s grouped GEMMs are shaped for M: an align kernel sorts the pairs into BLOCK_M = 16
+row blocks (one real row each at batch 1), the weight tiles are 32 rows (mma.sync, not a warpgroup's
+wgmma, and x's 16-row tile is loaded and rescaled to fp16 for every 32 gate + 32 up rows), and at batch 1
+the down projection is 1536 programs of only 16 K steps (~2 waves at 6 per SM). This path is `gemv.py`'s
+weight stream per expert:
 
   * no align: the grid's first axis is the T*k (token, slot) pairs. A program leads when its pair is
     the first of its expert (the BM-th, 2*BM-th, ... when one expert has more than BM pairs) and then
@@ -17,7 +19,7 @@ the SMs at once (a second, thin wave). This path is `gemv.py`'s weight stream pe
     silu(gate) * up rounded to x's dtype into h [T*k, I] (as `moe.py`; no split-K, so the activation
     needs no second pass).
   * `_down_kernel`: program (pair, BN rows of Hd, split of I): h @ w_down.T over the split's whole
-    128-column blocks, times the routing weight, into fp32 partials [S, T*k, Hd]; `moe.moe_combine`'s
+    128-column blocks, times the routing weight, into fp32 partials [S, T*k, Hd]; `moe.py`'s combine
     kernel sums splits and slots in a fixed order (deterministic, no atomics) and adds the shared
     experts' output and the residual.
 Three launches (gate-up, down, combine) instead of four, no host sync, graph-safe.
