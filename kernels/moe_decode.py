@@ -27,11 +27,12 @@ Three launches (gate-up, down, combine) instead of four, no host sync, graph-saf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
-from .common import jit, next_pow2, num_sms, round_as, tl, triton_interpret
+from .common import check, jit, next_pow2, num_sms, round_as, tl, triton_interpret
 from .fp8_gemm import FP8_BLOCK, cdiv, fp16_rows, mma
 
 # Pairs (token, slot) served by one leading program: the MMA's narrow side (16 is its minimum).
@@ -58,6 +59,20 @@ class DecodeConfig:
     bk: int | None = None
 
 
+def parse_tiles(spec: str, base: DecodeConfig) -> DecodeConfig:
+    """`base` with the fields named in `spec` replaced: "bn_gate_up=32,splits_down=4" (DecodeConfig's
+    field names; "none" for splits_down / bk)."""
+    kw: dict[str, int | None] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, val = item.partition("=")
+        check(
+            name in DecodeConfig.__dataclass_fields__ and (val.isdigit() or val == "none"),
+            f"LONGCTX_MOE_DECODE_TILES: {item!r} is not <DecodeConfig field>=<int>",
+        )
+        kw[name] = None if val == "none" else int(val)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
 # The default, chosen before any GPU run (`python -m bench.kernels_mla_moe --moe-decode` times each knob
 # alone around it; set the winners here). Figures from Triton 3.9 for sm_90a at GLM-5.3 shapes, fp8
 # weights and bf16 x. 64-row weight tiles are one warpgroup's wgmma M (as `gemv`'s best fp8 tiles);
@@ -68,7 +83,8 @@ class DecodeConfig:
 #     tiles = 256 programs run as one wave (32 rows: 3 per SM, 396 slots for 512 programs; 1.3 waves).
 #   down: 8 KB per step; 137 registers, 40 KB: 3 per SM; batch 1's 768 row tiles x `pick_splits`' 2 =
 #     1536 programs of 8 steps, ~4 waves (the last wave's idle SMs are a small share).
-DEFAULT = DecodeConfig()
+# LONGCTX_MOE_DECODE_TILES (`parse_tiles`' form) overrides knobs of it for a process (A/B benches).
+DEFAULT = parse_tiles(os.environ.get("LONGCTX_MOE_DECODE_TILES", ""), DecodeConfig())
 
 
 def pick_splits(groups: int, tiles_n: int, inter: int, sms: int) -> int:

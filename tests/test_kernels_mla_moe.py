@@ -348,8 +348,16 @@ def test_moe_decode_expert_over_one_group_and_dispatch(monkeypatch):
     assert calls == [1]
 
 
-def test_moe_decode_pick_splits():
-    from longctx.kernels.moe_decode import PROGRAMS_PER_SM, pick_splits
+def test_moe_decode_pick_splits_and_tiles_override():
+    from longctx.kernels.moe_decode import PROGRAMS_PER_SM, parse_tiles, pick_splits
+
+    base = DecodeConfig()
+    assert parse_tiles("", base) == base
+    assert parse_tiles(" bn_gate_up=32, splits_down=4 ", base) == DecodeConfig(bn_gate_up=32, splits_down=4)
+    assert parse_tiles("splits_down=none", DecodeConfig(splits_down=2)) == base
+    for bad in ("bn=32", "bn_down=x", "bn_down"):
+        with pytest.raises(KernelInputError, match="LONGCTX_MOE_DECODE_TILES"):
+            parse_tiles(bad, base)
 
     # GLM-5.3 down at batch 1: 8 experts x 96 row tiles of 64; at most one split per 128 columns of I
     assert pick_splits(8, 96, 2048, 132) == -(-PROGRAMS_PER_SM * 132 // (8 * 96))
