@@ -188,15 +188,23 @@ def case_sparse_mla(kind: str, batch: int) -> float:
     )
 
 
-def case_moe(fp8: bool, t: int, hidden: int, inter: int, e: int) -> float:
+def case_moe(
+    fp8: bool, t: int, hidden: int, inter: int, e: int, k: int = 2, decode: bool | None = None
+) -> float:
+    """moe_experts vs its reference: top-`k` of `e` experts; `decode` as moe_experts' (None: by T*k). With
+    the decode path one slot is ignored (-1) and, when there are several tokens, an expert shared by all."""
     from longctx.kernels.fp8_gemm import quant_block_fp8_ref
     from longctx.kernels.moe import moe_experts, moe_experts_ref
 
     x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
     wgu = torch.randn(e, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
     wd = torch.randn(e, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.05
-    ids = torch.stack([torch.randperm(e, device="cuda")[:2] for _ in range(t)])
-    w = torch.rand(t, 2, device="cuda")
+    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
+    if decode:
+        ids[-1, -1] = -1
+        if t > 1:
+            ids[:, 0] = torch.where((ids == 0).any(1), ids[:, 0], 0)  # expert 0 in every token
+    w = torch.rand(t, k, device="cuda")
     sg = sd = None
     if fp8:
         q = [quant_block_fp8_ref(wgu[i]) for i in range(e)]
@@ -204,7 +212,7 @@ def case_moe(fp8: bool, t: int, hidden: int, inter: int, e: int) -> float:
         wgu, sg = torch.stack([a for a, _ in q]), torch.stack([b for _, b in q])
         wd, sd = torch.stack([a for a, _ in r]), torch.stack([b for _, b in r])
     args = (x, ids, w, wgu, wd, "silu", sg, sd)
-    return rel(moe_experts(*args, backend="triton"), moe_experts_ref(*args))
+    return rel(moe_experts(*args, backend="triton", decode=decode), moe_experts_ref(*args))
 
 
 def case_fp8_linear(t: int, n: int, k: int) -> float:
@@ -552,6 +560,11 @@ CASES = {
     "fp8_linear_fp16_rows_b40": (case_fp16_mma, ("fp8_linear", 40, 576, 7168), 1e-5),
     "gemv_fp8_fp16_rows_m16": (case_fp16_mma, ("gemv", 16, 1000, 6200), 1e-5),
     "moe_fp8_glm_b1": (case_moe, (True, 1, 6144, 2048, 16), 2e-2),
+    "moe_grouped_fp8_glm": (case_moe, (True, 8, 6144, 2048, 16, 2, False), 2e-2),
+    "moe_decode_fp8_glm_b1": (case_moe, (True, 1, 6144, 2048, 64, 8, True), 2e-2),
+    "moe_decode_fp8_glm_b8": (case_moe, (True, 8, 6144, 2048, 64, 8, True), 2e-2),
+    "moe_decode_bf16_glm_b3": (case_moe, (False, 3, 6144, 2048, 16, 8, True), 2e-2),
+    "moe_decode_bf16_odd": (case_moe, (False, 5, 200, 136, 10, 8, True), 2e-2),
     "gemv_bf16_m1": (case_gemv, (1, 16384, 2048, False, None), 1e-2),
     "gemv_bf16_m8_odd": (case_gemv, (8, 1000, 2056, False, None), 1e-2),
     "gemv_bf16_m3_fma": (case_gemv, (3, 4096, 2048, False, False), 1e-2),

@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,34 @@ def bench_sparse_mla_decode(
 
 
 # ---------------------------------------------------------------------------------------------- MoE
+def _moe_weights(
+    experts: int, hidden: int, inter: int, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Random expert weights with scales ~ 1/sqrt(K), made on the device expert by expert (fp32
+    temporaries stay small): (w_gate_up, w_down, their block scales or None)."""
+    from longctx.kernels.fp8_gemm import cdiv
+
+    dev = torch.device(DEVICE)
+    wdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    w_gu = torch.empty(experts, 2 * inter, hidden, dtype=wdt, device=dev)
+    w_d = torch.empty(experts, hidden, inter, dtype=wdt, device=dev)
+    for e in range(experts):
+        w_gu[e] = torch.randn(2 * inter, hidden, device=dev).clamp(-8, 8).to(wdt)
+        w_d[e] = torch.randn(hidden, inter, device=dev).clamp(-8, 8).to(wdt)
+    s_gu = s_d = None
+    if fp8:
+        s_gu = torch.full((experts, cdiv(2 * inter, 128), cdiv(hidden, 128)), hidden**-0.5, device=dev)
+        s_d = torch.full((experts, cdiv(hidden, 128), cdiv(inter, 128)), inter**-0.5, device=dev)
+    return w_gu, w_d, s_gu, s_d
+
+
+def _moe_inputs(b: int, hidden: int, experts: int, topk: int) -> tuple[torch.Tensor, ...]:
+    """x [b, hidden] bf16, uniform random distinct experts per token [b, topk], weights [b, topk]."""
+    x = torch.randn(b, hidden, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.rand(b, experts, device=DEVICE).topk(topk, dim=-1).indices
+    return x, ids, torch.rand(b, topk, device=DEVICE)
+
+
 def bench_moe(
     batches: Iterable[int] = (1, 8, 64),
     hidden: int = 6144,
@@ -316,28 +345,14 @@ def bench_moe(
     sweep: bool = True,
 ) -> list[dict[str, Any]]:
     """Routed experts at GLM-5.3 shapes (fp8 128x128 block weights by default), uniform random routing."""
-    from longctx.kernels.fp8_gemm import cdiv
     from longctx.kernels.moe import moe_experts, moe_experts_ref
 
     hbm_bps, peak_flops = _ceilings(hbm_bps, peak_flops, torch.bfloat16)
-    dev = torch.device(DEVICE)
-    wdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    # Random weights with scales ~ 1/sqrt(K), made on the device expert by expert (fp32 temporaries stay small).
-    w_gu = torch.empty(experts, 2 * inter, hidden, dtype=wdt, device=dev)
-    w_d = torch.empty(experts, hidden, inter, dtype=wdt, device=dev)
-    for e in range(experts):
-        w_gu[e] = torch.randn(2 * inter, hidden, device=dev).clamp(-8, 8).to(wdt)
-        w_d[e] = torch.randn(hidden, inter, device=dev).clamp(-8, 8).to(wdt)
-    s_gu = s_d = None
-    if fp8:
-        s_gu = torch.full((experts, cdiv(2 * inter, 128), cdiv(hidden, 128)), hidden**-0.5, device=dev)
-        s_d = torch.full((experts, cdiv(hidden, 128), cdiv(inter, 128)), inter**-0.5, device=dev)
-    per_expert_bytes = 3 * inter * hidden * wdt.itemsize
+    w_gu, w_d, s_gu, s_d = _moe_weights(experts, hidden, inter, fp8)
+    per_expert_bytes = 3 * inter * hidden * w_gu.element_size()
     results: list[dict[str, Any]] = []
     for b in batches:
-        x = torch.randn(b, hidden, device=dev, dtype=torch.bfloat16)
-        ids = torch.rand(b, experts, device=dev).topk(topk, dim=-1).indices
-        w = torch.rand(b, topk, device=dev)
+        x, ids, w = _moe_inputs(b, hidden, experts, topk)
         y = moe_experts(x, ids, w, w_gu, w_d, "silu", s_gu, s_d, backend="triton")
         err = _err(y, moe_experts_ref(x, ids, w, w_gu, w_d, "silu", s_gu, s_d))
         configs: list[Any] = [None]
@@ -357,6 +372,142 @@ def bench_moe(
         res |= {"sweep_us": {c: v * 1e6 for c, v in times.items()}}
         _record(results, res, _roofline(nbytes, flops, t, hbm_bps, peak_flops), graph)
     return results
+
+
+def _decode_configs(sweep: bool) -> list[tuple[str, Any]]:
+    """(path, config) pairs: the decode path's default and, with `sweep`, each knob moved alone around it;
+    the grouped GEMMs' default tiles (and two of their old sweep's decode tiles)."""
+    from longctx.kernels.moe_decode import DEFAULT
+
+    configs: list[tuple[str, Any]] = [("decode", DEFAULT), ("grouped", None)]
+    if sweep:
+        knobs: list[dict[str, Any]] = [
+            {"bn_gate_up": 16}, {"bn_gate_up": 32}, {"bn_gate_up": 32, "stages_gate_up": 3},
+            {"warps_gate_up": 8}, {"stages_gate_up": 3}, {"stages_gate_up": 5},
+            {"bn_down": 32}, {"bn_down": 128}, {"warps_down": 8}, {"stages_down": 3}, {"stages_down": 5},
+            {"splits_down": 1}, {"splits_down": 2}, {"splits_down": 4}, {"splits_down": 8}, {"bk": 64},
+        ]  # fmt: skip
+        configs += [("decode", replace(DEFAULT, **kw)) for kw in knobs]
+        configs += [("grouped", (16, 64, 128, 4, 4)), ("grouped", (16, 32, 128, 4, 3))]
+    return configs
+
+
+def _config_name(path: str, cfg: Any) -> str:
+    """'decode' plus the knobs that differ from moe_decode.DEFAULT, or 'grouped' plus its tiles."""
+    if path == "grouped":
+        return f"grouped tiles={cfg or 'default'}"
+    from longctx.kernels.moe_decode import DEFAULT
+
+    diff = [f"{k}={v}" for k, v in vars(cfg).items() if getattr(DEFAULT, k) != v]
+    return "decode " + (" ".join(diff) or "default")
+
+
+def kernel_us(fn: Callable[[], Any], iters: int = 5, flush_bytes: int = 256 << 20) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel `fn` launches, by kernel name (torch.profiler;
+    L2 flushed before each call, the flush's own kernel left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    buf = torch.empty(flush_bytes // 4, dtype=torch.int32, device=DEVICE)
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            buf.zero_()
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        name = ev.key
+        if "Fill" in name or "Memset" in name or "fill" in name:
+            continue
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us:
+            out[name[:60]] = us / iters
+    return out
+
+
+def bench_moe_decode(
+    batches: Iterable[int] = (1, 8),
+    hidden: int = 6144,
+    experts: int = 256,
+    topk: int = 8,
+    inter: int = 2048,
+    fp8: bool = True,
+    hbm_bps: float | None = None,
+    sweep: bool = True,
+    reps: int = 10,
+) -> list[dict[str, Any]]:
+    """The MoE decode path (kernels/moe_decode.py, its knobs swept one at a time) against the grouped
+    GEMMs (`moe_experts(decode=False)`) at GLM-5.3 shapes: kernel-only time in a CUDA graph (L2 flushed
+    between calls) against the roofline of the hit experts' weight bytes at the HBM rate. Every
+    config is checked against `moe_experts_ref` first."""
+    from longctx.kernels.moe import moe_experts, moe_experts_ref
+    from longctx.kernels.moe_decode import DEFAULT
+
+    hbm_bps = hbm_bps or measure_copy_bw()
+    w_gu, w_d, s_gu, s_d = _moe_weights(experts, hidden, inter, fp8)
+    per_expert_bytes = 3 * inter * hidden * w_gu.element_size()
+    results: list[dict[str, Any]] = []
+    for b in batches:
+        x, ids, w = _moe_inputs(b, hidden, experts, topk)
+        ref = moe_experts_ref(x, ids, w, w_gu, w_d, "silu", s_gu, s_d)
+        hit = int(torch.unique(ids).numel())
+        roof_us = hit * per_expert_bytes / hbm_bps * 1e6
+        for path, cfg in _decode_configs(sweep):
+            call = partial(
+                moe_experts, x, ids, w, w_gu, w_d, "silu", s_gu, s_d, backend="triton",
+                decode=cfg if path == "decode" else False, tiles=cfg if path == "grouped" else None,
+            )  # fmt: skip
+            res: dict[str, Any] = {"bench": "moe_decode", "batch": b, "path": path, "experts_hit": hit}
+            res |= {"config": _config_name(path, cfg), "knobs": vars(cfg) if path == "decode" else cfg}
+            res["roofline_us"] = roof_us
+            try:
+                err = _err(call(), ref)
+                res |= {"rel_err": err, "ok": err < 3e-2} | graph_fields(call, reps=reps)
+                if cfg is None or (path == "decode" and cfg == DEFAULT):  # where the time goes
+                    res["kernels_us"] = kernel_us(call)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
+                torch.cuda.synchronize()
+                res |= {"ok": False, "graph_us": None, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            if res["graph_us"]:
+                res["fraction_of_hbm"] = roof_us / res["graph_us"]
+            results.append(res)
+            print(_decode_line(res), flush=True)
+    return results
+
+
+def _decode_line(r: dict[str, Any]) -> str:
+    us, frac = r.get("graph_us"), r.get("fraction_of_hbm")
+    t = f"{us:8.1f} us  {frac:5.3f} of HBM" if us else f"  failed: {r.get('error') or r.get('graph_error')}"
+    line = f"batch {r['batch']:>2}  {t}  err {r.get('rel_err', math.nan):.2g}  {r['config']}"
+    if r.get("kernels_us"):
+        line += "\n    kernels (profiler, us per call): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in r["kernels_us"].items()
+        )
+    return line
+
+
+def _decode_markdown(results: list[dict[str, Any]], hbm_bps: float) -> str:
+    lines = [
+        "# MoE decode path vs grouped GEMMs (GLM-5.3 experts, fp8, top-8 of 256)",
+        "",
+        f"Kernel-only time in a CUDA graph, L2 flushed between calls; roofline = hit experts' weight bytes "
+        f"at the measured HBM copy rate {hbm_bps / 1e12:.3g} TB/s.",
+        "",
+        "| batch | config | graph us | roofline us | fraction of HBM | rel err | ok |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r["batch"], r.get("graph_us") or math.inf)):
+        us, frac = r.get("graph_us"), r.get("fraction_of_hbm")
+        lines.append(
+            f"| {r['batch']} | {r['config']} | {us and f'{us:.1f}'} | {r['roofline_us']:.1f} | "
+            f"{frac and f'{frac:.3f}'} | {r.get('rel_err', math.nan):.2g} | {r['ok']} |"
+        )
+    lines += ["", "Kernels of the defaults (torch.profiler, us per call, L2 flushed):", ""]
+    lines += [
+        f"- batch {r['batch']}, {r['config']}: {r['kernels_us']}" for r in results if r.get("kernels_us")
+    ]
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------- FP8 GEMM
@@ -436,11 +587,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--bf16-flops", type=float, default=None)
     ap.add_argument("--fp8-flops", type=float, default=None)
+    ap.add_argument(
+        "--moe-decode",
+        action="store_true",
+        help="only the MoE decode sweep (bench_moe_decode, batch 1 and 8): moe_decode.json/.md in --out",
+    )
     args = ap.parse_args(argv)
     if not _cuda():
         print("kernels_mla_moe: CUDA is needed for these benchmarks (the CPU tests cover correctness).")
         return 0
     t0 = time.time()
+    if args.moe_decode:
+        hbm = args.hbm_bps or measure_copy_bw()
+        print(f"HBM copy rate {hbm / 1e12:.3g} TB/s")
+        rows = bench_moe_decode(hbm_bps=hbm, sweep=not args.quick)
+        md = _decode_markdown(rows, hbm)
+        print(md)
+        payload = {"device": torch.cuda.get_device_name(), "hbm_copy_Bps": hbm, "results": rows}
+        write_json_md(args.out, "moe_decode", payload | {"wall_s": time.time() - t0}, md, default=str)
+        print(f"wrote {args.out / 'moe_decode.json'} and .md ({time.time() - t0:.0f} s)")
+        return 0
     ceil = {
         "hbm_copy_Bps": args.hbm_bps or measure_copy_bw(),
         "bf16_gemm_flops": args.bf16_flops or measure_gemm_peak(torch.bfloat16),

@@ -21,6 +21,8 @@ Triton path:
      to a per-pair buffer [T*k, Hd] (rows of ignored ids are never written).
   4. `_combine_kernel`: y = residual + (sum over the valid k slots + shared) per token, one kernel
      (deterministic, no atomics); torch would spend a zeros, a sum and an add per addend.
+At most DECODE_MAX_PAIRS (token, slot) pairs (decode) take `moe_decode`'s weight stream instead of steps 1-3
+(no align; its down projection's split-K partials go to the same combine kernel).
 `shared` (the shared experts' output) and `residual` (the decoder layer's residual stream) are
 optional addends of both paths, each added in that order and rounded to x's dtype as torch's
 separate adds round.
@@ -32,11 +34,19 @@ conversions). Activations are not quantised here: both kernels are weight-only (
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, mma
+from .moe_decode import DecodeConfig, experts_decode
+
+# Up to this many (token, slot) pairs the Triton path runs `moe_decode` (a weight stream of the selected
+# experts, no align kernel) instead of the grouped GEMMs below: batch 8 at top-8. 0 turns it off;
+# LONGCTX_MOE_DECODE_MAX_PAIRS sets it for a process (A/B benches).
+DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "64"))
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -461,24 +471,28 @@ def moe_combine_ref(
 @jit
 def _combine_kernel(
     p_ptr, ids_ptr, s_ptr, r_ptr, y_ptr,
-    E, HD, K, s_pt, s_pk, s_it, s_st, s_rt, s_yt,
+    E, HD, K, S, s_ps, s_pt, s_pk, s_it, s_st, s_rt, s_yt,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # p_ptr: S split partials of [T, K, HD] (S = 1 but for the decode path's fp32 split-K partials).
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < HD
     ks = tl.arange(0, KP)
     ids = tl.load(ids_ptr + t * s_it + ks, mask=ks < K, other=-1)
     ok = (ids >= 0) & (ids < E)
-    v = tl.load(p_ptr + t * s_pt + ks[:, None] * s_pk + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-    dt = v.dtype
+    like = tl.zeros([1], dtype=y_ptr.dtype.element_ty)
+    v = tl.zeros([KP, BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        ptrs = p_ptr + s * s_ps + t * s_pt + ks[:, None] * s_pk + c[None, :]
+        v += tl.load(ptrs, mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
     # torch's sum over the slots accumulates in fp32 and rounds once; each add then rounds
-    y = round_as(tl.sum(v.to(tl.float32), axis=0), v)
+    y = round_as(tl.sum(v, axis=0), like)
     if SHARED:
-        y = round_as(y + tl.load(s_ptr + t * s_st + c, mask=cm, other=0.0).to(tl.float32), v)
+        y = round_as(y + tl.load(s_ptr + t * s_st + c, mask=cm, other=0.0).to(tl.float32), like)
     if RESIDUAL:
-        y = round_as(tl.load(r_ptr + t * s_rt + c, mask=cm, other=0.0).to(tl.float32) + y, v)
-    tl.store(y_ptr + t * s_yt + c, y.to(dt), mask=cm)
+        y = round_as(tl.load(r_ptr + t * s_rt + c, mask=cm, other=0.0).to(tl.float32) + y, like)
+    tl.store(y_ptr + t * s_yt + c, y.to(y_ptr.dtype.element_ty), mask=cm)
 
 
 def moe_combine(
@@ -508,14 +522,29 @@ def moe_combine(
             a is None or (a.shape == (t, hd) and a.dtype == pair_out.dtype and a.stride(1) == 1),
             f"moe_combine: {name} must be {pair_out.dtype} [{t}, {hd}] with unit last stride",
         )
-    y = torch.empty(t, hd, dtype=pair_out.dtype, device=pair_out.device)
+    return _combine(pair_out[None], topk_ids, num_experts, shared, residual, pair_out.dtype)
+
+
+def _combine(
+    parts: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    shared: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The combine kernel over S split partials parts [S, T, k, Hd] (summed in fp32 in split order,
+    then rounded to `dtype` as one [T, k, Hd] of that dtype would be); inputs as `moe_combine`'s."""
+    _, t, k, hd = parts.shape
+    y = torch.empty(t, hd, dtype=dtype, device=parts.device)
     if t and hd:
         s = shared if shared is not None else y
         r = residual if residual is not None else y
         block = min(next_pow2(hd), 1024)
         _combine_kernel[(t, cdiv(hd, block))](
-            pair_out, topk_ids, s, r, y, num_experts, hd, k,
-            pair_out.stride(0), pair_out.stride(1), topk_ids.stride(0), s.stride(0), r.stride(0), y.stride(0),
+            parts, topk_ids, s, r, y, num_experts, hd, k, parts.shape[0],
+            parts.stride(0), parts.stride(1), parts.stride(2), topk_ids.stride(0), s.stride(0), r.stride(0),
+            y.stride(0),
             SHARED=shared is not None, RESIDUAL=residual is not None, KP=next_pow2(max(k, 1)), BLOCK=block,
         )  # fmt: skip
     return y
@@ -581,12 +610,16 @@ def moe_experts(
     residual: torch.Tensor | None = None,
     backend: str = "auto",
     tiles: tuple[int, int, int, int, int] | None = None,
+    decode: bool | DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts with the contract of `moe_experts_ref` (layouts in the module docstring); Triton when
     `common.use_triton(backend, device)` says so, else the reference.
 
     x [T, Hd] float, unit column stride; topk_ids [T, k] int; topk_w [T, k] float; weights and scales contiguous.
-    `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the heuristic (bench).
+    `decode` picks the Triton path: None (default) `moe_decode` for at most DECODE_MAX_PAIRS pairs (T*k)
+    and the grouped GEMMs above that (or when `tiles` is given); True / a `moe_decode.DecodeConfig` the decode path (its tiles);
+    False the grouped GEMMs. `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the
+    grouped GEMMs' heuristic (bench).
     Returns y [T, Hd] in x's dtype (plus `shared` and `residual`, [T, Hd] with unit column stride,
     added by the combine kernel).
     """
@@ -602,6 +635,14 @@ def moe_experts(
     check(w_gate_up.is_contiguous() and w_down.is_contiguous(), "moe_experts: weights must be contiguous")
     if t == 0 or k == 0:
         return _add_ref(torch.zeros_like(x), shared, residual)
+    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    if decode is None:
+        decode = tiles is None and t * k <= DECODE_MAX_PAIRS
+    if decode is not False:
+        cfg = decode if isinstance(decode, DecodeConfig) else None
+        sgu, sd = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (None, None)  # type: ignore[union-attr]
+        parts = experts_decode(x, ids, topk_w, w_gate_up, w_down, sgu, sd, cfg)
+        return _combine(parts, ids, e, shared, residual, x.dtype)
     bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(
         t, k, e, hd, inter, x.element_size(), w_gate_up.element_size()
     )
@@ -629,5 +670,4 @@ def moe_experts(
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
         FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     return moe_combine(out.view(t, k, hd), ids, e, shared, residual, backend="triton")

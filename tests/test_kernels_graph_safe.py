@@ -179,7 +179,10 @@ def test_moe_graph_safe():
     _audited("moe_align", lambda: moe_align(ids, e, 16))
     wgu = torch.randn(e, 2 * inter, hd, generator=g) / 8
     wd = torch.randn(e, hd, inter, generator=g) / 8
-    _audited("moe_experts", lambda: moe_experts(x, ids, w, wgu, wd, "silu", backend="triton"))
+    _audited("moe_experts", lambda: moe_experts(x, ids, w, wgu, wd, "silu", backend="triton"))  # decode path
+    _audited(
+        "moe_experts grouped", lambda: moe_experts(x, ids, w, wgu, wd, "silu", backend="triton", decode=False)
+    )
     shared, resid = torch.randn(t, hd, generator=g), torch.randn(t, hd, generator=g)
     _audited(
         "moe_experts + shared + residual",

@@ -38,6 +38,7 @@ from longctx.kernels.moe import (
     moe_router,
     moe_router_ref,
 )
+from longctx.kernels.moe_decode import DecodeConfig
 from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
 
 TRITON = "triton"
@@ -279,15 +280,89 @@ def _skewed_ids(t: int, k: int, e: int, gen: torch.Generator) -> torch.Tensor:
     ],
 )
 def test_moe_experts_triton_matches_ref(t, hd, inter, e, k, xdtype, wdtype):
+    """The grouped GEMMs (test_moe_decode_path_matches_ref covers the decode path these sizes default to)."""
     gen = torch.Generator().manual_seed(t * 100 + hd + e)
     wgu, wd, sgu, sd = _experts(e, hd, inter, wdtype, gen)
     x = torch.randn(t, hd, generator=gen).to(xdtype)
     ids = _skewed_ids(t, k, e, gen) if t > 1 else torch.randperm(e, generator=gen)[:k][None]
     w = torch.rand(t, k, generator=gen)
-    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON)
+    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON, decode=False)
     ref = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd)
     assert y.dtype == xdtype and y.shape == (t, hd)
     _close(y, ref, xdtype, "moe")
+
+
+@pytest.mark.parametrize(
+    "t,k,wdtype,xdtype,cfg",
+    [
+        (1, 8, "fp8", torch.bfloat16, None),  # GLM-5.3 decode at batch 1: every expert one pair
+        (1, 2, torch.float32, torch.float32, DecodeConfig(bn_down=16, splits_down=3)),
+        (3, 2, "fp8", torch.float32, DecodeConfig(bn_gate_up=16, bn_down=32, splits_down=2)),
+        (3, 8, torch.bfloat16, torch.bfloat16, None),
+        (8, 2, "fp8", torch.bfloat16, DecodeConfig(bn_gate_up=32, bk=64, splits_down=2)),
+        (8, 8, "fp8", torch.bfloat16, DecodeConfig(bn_down=128)),
+    ],
+)
+def test_moe_decode_path_matches_ref(t, k, wdtype, xdtype, cfg):
+    """kernels/moe_decode on fresh inputs: 10 experts, so top-8 tokens share most of them (expert 0 takes
+    every token), one ignored slot (-1) and one id >= E; Hd and I off the 128 blocks and the tiles, I
+    over two scale blocks so the down projection splits."""
+    gen = torch.Generator().manual_seed(t * 10 + k)
+    e, hd, inter = 10, 200, 136
+    wgu, wd, sgu, sd = _experts(e, hd, inter, wdtype, gen)
+    x = torch.randn(t, hd, generator=gen).to(xdtype)
+    ids = _skewed_ids(t, k, e, gen) if t > 1 else torch.randperm(e, generator=gen)[:k][None]
+    if t > 1:
+        ids[1, -1] = e + 3
+    w = torch.rand(t, k, generator=gen)
+    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON, decode=cfg or True)
+    assert y.dtype == xdtype and y.shape == (t, hd)
+    _close(y, moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd), xdtype, "moe decode")
+
+
+def test_moe_decode_expert_over_one_group_and_dispatch(monkeypatch):
+    """An expert with more pairs than one program serves (moe_decode.BM): its later pairs get leaders
+    of their own. Dispatch: the decode path up to DECODE_MAX_PAIRS pairs (or when asked), else grouped."""
+    from longctx.kernels import moe as moe_mod
+    from longctx.kernels import moe_decode
+
+    gen = torch.Generator().manual_seed(3)
+    t, k, e, hd, inter = moe_decode.BM + 5, 2, 4, 64, 32
+    wgu, wd, sgu, sd = _experts(e, hd, inter, "fp8", gen)
+    x = torch.randn(t, hd, generator=gen)
+    ids = torch.stack([torch.zeros(t, dtype=torch.long), torch.randint(1, e, (t,), generator=gen)], dim=1)
+    w = torch.rand(t, k, generator=gen)
+    ref = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd)
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return moe_decode.experts_decode(*a, **kw)
+
+    monkeypatch.setattr(moe_mod, "experts_decode", spy)
+    monkeypatch.setattr(moe_mod, "DECODE_MAX_PAIRS", t * k)
+    _close(moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON), ref, torch.float32, "decode")
+    assert calls == [1]
+    monkeypatch.setattr(moe_mod, "DECODE_MAX_PAIRS", t * k - 1)
+    _close(moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON), ref, torch.float32, "grouped")
+    assert calls == [1]
+
+
+def test_moe_decode_pick_splits_and_tiles_override():
+    from longctx.kernels.moe_decode import PROGRAMS_PER_SM, parse_tiles, pick_splits
+
+    base = DecodeConfig()
+    assert parse_tiles("", base) == base
+    assert parse_tiles(" bn_gate_up=32, splits_down=4 ", base) == DecodeConfig(bn_gate_up=32, splits_down=4)
+    assert parse_tiles("splits_down=none", DecodeConfig(splits_down=2)) == base
+    for bad in ("bn=32", "bn_down=x", "bn_down"):
+        with pytest.raises(KernelInputError, match="LONGCTX_MOE_DECODE_TILES"):
+            parse_tiles(bad, base)
+
+    # GLM-5.3 down at batch 1: 8 experts x 96 row tiles of 64; at most one split per 128 columns of I
+    assert pick_splits(8, 96, 2048, 132) == -(-PROGRAMS_PER_SM * 132 // (8 * 96))
+    assert pick_splits(64, 96, 2048, 132) == 1
+    assert pick_splits(1, 1, 300, 132) == 3
 
 
 @pytest.mark.parametrize(
