@@ -21,8 +21,9 @@ Triton path:
      to a per-pair buffer [T*k, Hd] (rows of ignored ids are never written).
   4. `_combine_kernel`: y = residual + (sum over the valid k slots + shared) per token, one kernel
      (deterministic, no atomics); torch would spend a zeros, a sum and an add per addend.
-At most DECODE_MAX_PAIRS (token, slot) pairs (decode) take `moe_decode`'s weight stream instead of steps 1-3
-(no align; its down projection's split-K partials go to the same combine kernel).
+With DECODE_MAX_PAIRS > 0 (off by default: measured slower than steps 1-3 on the H200), at most that many
+(token, slot) pairs take `moe_decode`'s weight stream instead of steps 1-3 (no align; its down
+projection's split-K partials go to the same combine kernel).
 `shared` (the shared experts' output) and `residual` (the decoder layer's residual stream) are
 optional addends of both paths, each added in that order and rounded to x's dtype as torch's
 separate adds round.
@@ -44,9 +45,12 @@ from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, m
 from .moe_decode import DecodeConfig, experts_decode
 
 # Up to this many (token, slot) pairs the Triton path runs `moe_decode` (a weight stream of the selected
-# experts, no align kernel) instead of the grouped GEMMs below: batch 8 at top-8. 0 turns it off;
-# LONGCTX_MOE_DECODE_MAX_PAIRS sets it for a process (A/B benches).
-DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "64"))
+# experts, no align kernel) instead of the grouped GEMMs below. Off (0) by default: on the H200 at
+# GLM-5.3 shapes (fp8, top-8 of 256; `python -m bench.kernels_mla_moe --moe-decode`,
+# bench/results/moe-decode-h200.md) its best setting took 122 us at batch 1 and 656 us at batch 8
+# against 120.5 / 572 us for the grouped GEMMs with the (16, 64, 128, 4, 4) tiles. 64 (batch 8 at top-8)
+# turns it on; LONGCTX_MOE_DECODE_MAX_PAIRS sets it for a process (A/B benches).
+DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "0"))
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -570,11 +574,11 @@ def _pick_moe_tiles(
     for 288 KB)."""
     per_expert = t * k / max(1, e)
     if per_expert <= 16:
-        # Decode is a weight stream: BLOCK_M=16 (the smallest tensor-core M); BLOCK_N=32 doubles the CTAs
-        # per expert over 64 (at batch 1 only ~8 experts are hit, 2048/32 = 64 gate-up CTAs each -> 512 CTAs
-        # on 132 SMs, ~4 resident per SM at ~100 registers/thread) so enough 16-byte weight loads are in
-        # flight per SM to approach HBM rate; 5 stages keep ~4 K tiles of loads outstanding per CTA.
-        bm, bn, bk, warps, stages = 16, 32, 128, 4, 5
+        # Decode is a weight stream: BLOCK_M=16 (the smallest tensor-core M). H200 sweep at GLM-5.3 shapes
+        # (bench/results/moe-decode-h200.md): BLOCK_N=64 with 4 stages reads the hit experts at 0.59 of
+        # HBM at batch 1 and 0.84 at batch 8 (120.5 / 572 us), against 0.58 / 0.70 for the previous
+        # BLOCK_N=32 with 5 stages (122.5 / 688 us).
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
     elif per_expert <= 64:
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
     else:

@@ -233,17 +233,17 @@ def test_session_stop_kills_its_lanes_and_nothing_else(tmp_path: Path) -> None:
 def test_launch_count_of_a_decode_step_stays_fused() -> None:
     """The launches of one decode step (Triton path, interpreter) on tiny.json: the norms, rope,
     router, SwiGLU gate, top-k -> row translation, each new token's norm + rope + KV write and the
-    MoE's combine (slots + shared + residual) are one kernel each, the routed experts two more (the
-    decode path: no align kernel), the projections of x one GEMM, and the step stays near its measured
-    174 launches (825 before the fused kernels, 229 before the second round, 179 with the MoE's align):
-    a regression here is a slower decode on the GPU."""
+    MoE's combine (slots + shared + residual) are one kernel each, the routed experts three more (align,
+    gate-up, down; the align-free decode path measured slower on the H200 and is off), the projections
+    of x one GEMM, and the step stays near its measured 179 launches (825 before the fused kernels, 229
+    before the second round): a regression here is a slower decode on the GPU."""
     from bench.launch_count import count_decode_step
 
     ops = count_decode_step(ROOT / "configs" / "tiny.json", batch=1, context=70)
     assert ops["triton._rms_norm_kernel"] == 6 * 3 + 1  # input, q_a, post-attention; the final norm
     assert ops["triton._rope_kernel"] == 6 + 3  # MLA q every layer, indexer q per full layer
     assert ops["triton._norm_rope_mla_kernel"] == 6 and ops["triton._ln_rope_index_kernel"] == 3
-    assert ops["triton._router_select_kernel"] == 5 and "triton._align_kernel" not in ops
+    assert ops["triton._router_select_kernel"] == 5 and ops["triton._align_kernel"] == 5
     assert ops["triton._gate_up_kernel"] == 5 and ops["triton._down_kernel"] == 5
     assert ops["triton._combine_kernel"] == 5
     assert ops["triton._silu_mul_kernel"] == 6  # the dense MLP and five shared experts
@@ -253,7 +253,7 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert ops["aten.linear"] == 6 * 3 + 3 + 5 * 3 + 2 + 1
     assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk", "aten.silu"} & set(ops)
     assert not {"aten.layer_norm", "aten.zeros_like", "aten.sum"} & set(ops)
-    assert sum(ops.values()) <= 181, ops.most_common(20)
+    assert sum(ops.values()) <= 186, ops.most_common(20)
 
 
 def test_launch_count_of_a_capped_decode_step_stays_fused() -> None:
