@@ -112,6 +112,8 @@ def run_request(eng: Any, prompt: list[int], n_decode: int, rid: str) -> dict[st
                 if not tokens:  # the step that finished the prompt sampled the first token
                     prefill_s = t1 - t_start
                     at_prefill_end = eng.stats()
+                    # a line per phase, so a run cut short by its time limit still says how far it got
+                    print(f"[{rid}] prefill {prefill_s:.1f} s", file=sys.stderr, flush=True)
                 else:
                     step_s.append(t1 - t0)
                 tokens.extend(o.new_token_ids)
@@ -120,6 +122,9 @@ def run_request(eng: Any, prompt: list[int], n_decode: int, rid: str) -> dict[st
                 raise RuntimeError(o.error)
     end = eng.stats()
     kv = eng.runner.worker.kv
+    if step_s:
+        ms = 1e3 * statistics.median(step_s)
+        print(f"[{rid}] decode {len(step_s)} steps, {ms:.2f} ms/token", file=sys.stderr, flush=True)
     out: dict[str, Any] = {
         "context_tokens": len(prompt),
         "tokens": tokens,
