@@ -292,3 +292,14 @@ def test_run_list_runs_each_line_and_packs_one_file(tmp_path: Path) -> None:
         names = set(t.getnames())
     assert {"r/one.txt", "r/1.log", "r/5.log", "r/skipped.log"} <= names
     assert not (out / "r").exists()
+
+
+def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
+    from bench.train_speed import main
+
+    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "train-speed-cpu.json").read_text())
+    (row,) = d["rows"]
+    assert row["stage"] == "sparse" and row["new"]["tokens_per_s"] > 0 and row["old"]["tokens_per_s"] > 0
+    # the point of the new step: no host syncs, fewer launches than the per-expert / per-row loops
+    assert row["new"]["syncs"] == 0 and row["old"]["syncs"] > 0 and row["new"]["ops"] < row["old"]["ops"]
