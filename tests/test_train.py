@@ -99,6 +99,26 @@ def test_dense_experts_are_the_reference_function_with_its_gradients(T, hd, E, i
     assert not got[3][-1].any() and not got[4][-1].any()
 
 
+def test_batched_selection_is_the_per_row_selection(monkeypatch) -> None:
+    """The batched top-k mask equals the old per-row, per-chunk one bit for bit, whichever way the
+    budget cuts the batch (whole rows several at a time, one row in query chunks), ties included."""
+    import longctx.train.model as model_mod
+    from bench.train_speed import ReferenceTrainCausalLM
+
+    B, S, Hi, D, topk = 5, 96, 4, 8, 16
+    g = torch.Generator().manual_seed(0)
+    qi, ki = torch.randn(B, S, Hi, D, generator=g), torch.randn(B, S, D, generator=g)
+    wi = torch.rand(B, S, Hi, generator=g)
+    tied = (qi.round(), ki.round().clamp(0, 1), wi.round() + 1)  # integer logits: many ties at the boundary
+    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    for budget in (Hi * S * 2 * S, Hi * S * 40, 1 << 27):  # 2 rows (of 5) a chunk, 40-query chunks, all
+        monkeypatch.setattr(model_mod, "_SELECT_ELEMS", budget)
+        for q, k_, w_ in ((qi, ki, wi), tied):
+            got = m._select(q, k_, w_, topk)
+            assert torch.equal(got, ReferenceTrainCausalLM._select(m, q, k_, w_, topk))
+            assert int(got[:, -1].sum(-1).min()) == topk  # the last query really selects top-k of S
+
+
 def test_indexer_warmup_kl_decreases() -> None:
     # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
     m = _model(seed=1, std=0.3)

@@ -199,21 +199,30 @@ class TrainCausalLM(CausalLM):
 
     @torch.no_grad()
     def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
-        """Top-k selection as the engine makes it (same logits, same top-k routine) -> mask [B, S, S]."""
+        """Top-k selection as the engine makes it (same logits, same top-k routine) -> mask [B, S, S].
+
+        Scored in chunks of _SELECT_ELEMS: whole rows of the batch at once when they fit (one batched
+        matmul and one top-k call for a batch of short rows, not a loop over them), else query rows of
+        one row at a time."""
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
         mask = torch.zeros(B, S, S + 1, dtype=torch.bool, device=qi.device)
-        step = max(1, _SELECT_ELEMS // (Hi * S))
-        for b in range(B):
+        rows = max(1, _SELECT_ELEMS // (Hi * S))  # query rows scored at once
+        nb, step = max(1, rows // S), min(S, rows)  # batch rows per chunk, query rows per chunk of one
+        for b0 in range(0, B, nb):
+            b1 = min(B, b0 + nb)
             for s0 in range(0, S, step):
                 s1 = min(S, s0 + step)
+                n = s1 - s0
                 # the reference's order of operations: relu(q @ k.T) * w, summed over heads
-                sc = torch.relu(qi[b, s0:s1].reshape(-1, D) @ ki[b].T).view(s1 - s0, Hi, S)
-                logits = (sc * wi[b, s0:s1, :, None]).sum(1)
-                logits.masked_fill_(pos[None, :] > pos[s0:s1, None], float("-inf"))
-                sel = topk_fn(logits, topk, pos[s0:s1] + 1)  # [rows, K] int32, -1 pads
-                mask[b, s0:s1].scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
+                sc = torch.relu(qi[b0:b1, s0:s1].reshape(b1 - b0, n * Hi, D) @ ki[b0:b1].transpose(1, 2))
+                logits = (sc.view(b1 - b0, n, Hi, S) * wi[b0:b1, s0:s1, :, None]).sum(2)  # [b, n, S]
+                logits.masked_fill_(pos > pos[s0:s1, None], float("-inf"))
+                sel = topk_fn(logits.view(-1, S), topk, (pos[s0:s1] + 1).repeat(b1 - b0))  # -1 pads
+                # a view, never a copy (nb > 1 only with whole rows): the scatter must land in `mask`
+                chunk = mask[b0:b1, s0:s1].view(-1, S + 1)
+                chunk.scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
         return mask[:, :, :S] & (pos[None, :] <= pos[:, None])
 
     def _indexer_kl(
