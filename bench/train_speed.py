@@ -3,16 +3,19 @@ bias), dense and sparse stage, at several row lengths with the same tokens per s
 as it is ("new") and as it was before its MoE and top-k selection lost their host syncs ("old":
 `ReferenceTrainCausalLM`, the per-expert loop of `moe_experts_ref` and a selection loop over rows).
 
-Rows come from the real data pipeline (`make_batch`); `data ms` is what one DataLoader worker spends
-building a batch on this host (the trainer runs 4 on the GPU). Beside the wall time of `--steps`
-steps it counts, in one more forward + backward, the aten ops (~ kernel launches on a GPU) and those of them that
-make the host wait for the GPU (`.item()`, `nonzero`, `unique`, `bincount`, boolean-mask indexing):
-a step of this 9.7M-parameter model keeps the H200 busy only as long as the host runs ahead of it,
-so those counts are the CPU's view of a GPU step.
+The weights are the shipped WIP checkpoint's (trained routing: a fresh init sends most tokens to a
+few experts, which flatters the old per-expert loop); rows come from the real data pipeline
+(`make_batch`), and `data ms` is what one DataLoader worker spends building a batch on this host
+(the trainer runs 4 on the GPU). Beside the wall time of `--steps` steps it counts, in one more
+forward + backward, the aten ops (~ kernel launches on a GPU) and those of them that make the host
+wait for the GPU (`.item()`, `nonzero`, `unique`, `bincount`, boolean-mask indexing): a step of this
+9.7M-parameter model keeps the H200 busy only while the host runs ahead of it, so those counts are
+the CPU's view of a GPU step. CPU timings are not: the CPU is bound by arithmetic, where the dense
+MoE spends 4x the routed FLOPs.
 
     python -m bench.train_speed [--device auto] [--lengths 512,2048,8192] [--tokens 32768]
-        [--steps 5] [--impls new,old] [--stages dense,sparse] [--out DIR]
-    python -m bench.train_speed --device cpu --quick     # tiny config and rows: a smoke test
+        [--steps 5] [--impls new,old] [--stages dense,sparse] [--weights DIR] [--out DIR]
+    python -m bench.train_speed --device cpu --quick     # tiny config, random init: a smoke test
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longctx.config import ModelConfig  # noqa: E402
 from longctx.model.moe import MoE  # noqa: E402
 from longctx.model.ops import op  # noqa: E402
+from longctx.train.checkpoint import load_model_weights  # noqa: E402
 from longctx.train.data import Batch, DataConfig, make_batch  # noqa: E402
 from longctx.train.loop import (  # noqa: E402
     NEVER,
@@ -46,6 +50,7 @@ from longctx.train.loop import (  # noqa: E402
 from longctx.train.model import _SELECT_ELEMS, TrainCausalLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+WIP = ROOT / "models-shipped" / "retrieval-wip"
 
 
 class ReferenceTrainCausalLM(TrainCausalLM):
@@ -122,12 +127,21 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(
-    impl: str, mcfg: ModelConfig, batch: Batch, sparse: bool, steps: int, device: torch.device
+    impl: str,
+    mcfg: ModelConfig,
+    weights: str | None,
+    batch: Batch,
+    sparse: bool,
+    steps: int,
+    device: torch.device,
 ) -> dict[str, Any]:
     """Seconds per step (median of `steps`, after two warm-up steps); aten ops and syncs of one forward +
     backward."""
     model = (ReferenceTrainCausalLM if impl == "old" else TrainCausalLM)(mcfg)
-    model.init_weights(0)
+    if weights:
+        load_model_weights(model, weights, torch.device("cpu"))
+    else:
+        model.init_weights(0)
     model.to(device).train()
     cfg = TrainConfig(dense_warmup_steps=0 if sparse else NEVER, warmup_steps=1)
     opt = build_optimizer(model, cfg, device)
@@ -160,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--config", default=str(ROOT / "configs" / "retrieval.json"))
+    # trained routing: a fresh init sends most tokens to a few experts, which flatters the old MoE loop
+    ap.add_argument("--weights", default=str(WIP), help="checkpoint to start from ('' : random init)")
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per step")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per point")
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.config, args.lengths = str(ROOT / "configs" / "tiny.json"), "512"
+        args.config, args.lengths, args.weights = str(ROOT / "configs" / "tiny.json"), "512", ""
         args.tokens, args.steps = 1024, 1
     device = resolve_device(args.device)
     if device.type == "cuda":  # as the trainer sets them
@@ -181,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
         "config": args.config,
+        "weights": args.weights or "random init",
         "tokens_per_step": args.tokens,
         "rows": [],
     }
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"stage": stage, "seq_len": S, "batch": batch.ids.shape[0]}
             row["data_ms"] = (time.perf_counter() - t0) * 1e3
             for impl in impls:
-                row[impl] = measure(impl, mcfg, batch, stage == "sparse", args.steps, device)
+                row[impl] = measure(impl, mcfg, args.weights, batch, stage == "sparse", args.steps, device)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             res["rows"].append(row)
