@@ -311,3 +311,14 @@ def test_swap_sweep_on_cpu(tmp_path: Path) -> None:
     assert all(r["ok"] for r in d["results"]) and set(d["best"]) == {"pages", "rows"}
     assert all(isinstance(CopyKnobs.parse(spec), CopyKnobs) for spec in d["best"].values())
     assert "LONGCTX_SWAP_PAGES=" in (tmp_path / "swap-sweep-cpu.md").read_text()
+
+
+def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
+    from bench.train_speed import main
+
+    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "train-speed-cpu.json").read_text())
+    (row,) = d["rows"]
+    assert row["stage"] == "sparse" and row["new"]["tokens_per_s"] > 0 and row["old"]["tokens_per_s"] > 0
+    # the point of the new step: no host syncs, fewer launches than the per-expert / per-row loops
+    assert row["new"]["syncs"] == 0 and row["old"]["syncs"] > 0 and row["new"]["ops"] < row["old"]["ops"]

@@ -71,6 +71,54 @@ def test_overfits_a_fixed_batch_through_sparse_attention() -> None:
     assert bias.abs().sum() > 0  # the balancing rule moved the router bias
 
 
+@pytest.mark.parametrize("T,hd,E,inter,k,groups", [(300, 64, 8, 32, 2, (1, 1)), (257, 48, 16, 24, 4, (4, 2))])
+def test_dense_experts_are_the_reference_function_with_its_gradients(T, hd, E, inter, k, groups) -> None:
+    """moe_experts_dense == moe_experts_ref (fp32, float rounding) in value and in the gradients w.r.t.
+    x, the routing weights and both expert matrices; an expert no token chose gets exactly zero."""
+    from longctx.kernels.moe import moe_experts_ref, moe_router_ref
+
+    from longctx.train.model import moe_experts_dense
+
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, hd, generator=g)
+    bias = torch.zeros(E)
+    bias[-1] = -1e3  # the last expert is never chosen
+    ids, w = moe_router_ref(x, torch.randn(E, hd, generator=g) * 0.1, bias, k, *groups, True, 2.5)
+    assert int((ids == E - 1).sum()) == 0
+    wgu = torch.randn(E, 2 * inter, hd, generator=g) * hd**-0.5
+    wd = torch.randn(E, hd, inter, generator=g) * inter**-0.5
+    dy = torch.randn(T, hd, generator=g)
+    got, want = [], []
+    for fn, out in ((moe_experts_dense, got), (moe_experts_ref, want)):
+        leaves = [t.clone().requires_grad_() for t in (x, w, wgu, wd)]
+        y = fn(leaves[0], ids, *leaves[1:])
+        (y * dy).sum().backward()
+        out += [y.detach()] + [t.grad for t in leaves]
+    for name, a, b in zip(("y", "dx", "dw", "dgate_up", "ddown"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()), msg=name)
+    assert not got[3][-1].any() and not got[4][-1].any()
+
+
+def test_batched_selection_is_the_per_row_selection(monkeypatch) -> None:
+    """The batched top-k mask equals the old per-row, per-chunk one bit for bit, whichever way the
+    budget cuts the batch (whole rows several at a time, one row in query chunks), ties included."""
+    import longctx.train.model as model_mod
+    from bench.train_speed import ReferenceTrainCausalLM
+
+    B, S, Hi, D, topk = 5, 96, 4, 8, 16
+    g = torch.Generator().manual_seed(0)
+    qi, ki = torch.randn(B, S, Hi, D, generator=g), torch.randn(B, S, D, generator=g)
+    wi = torch.rand(B, S, Hi, generator=g)
+    tied = (qi.round(), ki.round().clamp(0, 1), wi.round() + 1)  # integer logits: many ties at the boundary
+    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    for budget in (Hi * S * 2 * S, Hi * S * 40, 1 << 27):  # 2 rows (of 5) a chunk, 40-query chunks, all
+        monkeypatch.setattr(model_mod, "_SELECT_ELEMS", budget)
+        for q, k_, w_ in ((qi, ki, wi), tied):
+            got = m._select(q, k_, w_, topk)
+            assert torch.equal(got, ReferenceTrainCausalLM._select(m, q, k_, w_, topk))
+            assert int(got[:, -1].sum(-1).min()) == topk  # the last query really selects top-k of S
+
+
 def test_indexer_warmup_kl_decreases() -> None:
     # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
     m = _model(seed=1, std=0.3)

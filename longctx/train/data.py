@@ -18,6 +18,7 @@ run would have seen, and rows/seq lengths follow a curriculum over steps.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -109,6 +110,13 @@ class Batch:
     kind: torch.Tensor  # [B, S] uint8: IGNORE / LM / ANSWER per target
     step: int
     tasks: list[str]
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copies (the DataLoader's `pin_memory` calls this): a step's host-to-device copies
+        are then asynchronous, where a copy from pageable memory first waits for the GPU to drain."""
+        return dataclasses.replace(
+            self, ids=self.ids.pin_memory(), targets=self.targets.pin_memory(), kind=self.kind.pin_memory()
+        )
 
 
 def answer_text(task: str, outputs: tuple[str, ...]) -> str:

@@ -207,6 +207,29 @@ def compute_loss(
     return loss, metrics, aux.expert_load
 
 
+def train_step(
+    model: TrainCausalLM,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: TrainConfig,
+    step: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """One optimizer step on `batch` at `step`'s lr, and the router bias update after it. Returns the
+    metrics (and grad_norm) as device tensors: nothing here waits for the GPU, so the host queues the
+    next step while this one runs; the loop reads them at the log cadence."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(cfg, step)
+    loss, metrics, loads = compute_loss(model, batch, cfg, step, device)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    model.update_router_bias(loads, cfg.bias_update_rate)
+    metrics["grad_norm"] = gnorm.detach()
+    return metrics
+
+
 def _auto_schedule(
     cfg: TrainConfig,
     model: TrainCausalLM,
@@ -350,6 +373,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             shuffle=False,
             num_workers=cfg.num_workers if device.type == "cuda" else 0,
             collate_fn=collate,  # type: ignore[arg-type]
+            pin_memory=device.type == "cuda",  # asynchronous host-to-device copies (Batch.pin_memory)
             prefetch_factor=4 if device.type == "cuda" and cfg.num_workers else None,
             persistent_workers=False,
         )
@@ -370,15 +394,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 stopped = "deadline"
                 break
             lr = lr_at(cfg, step)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            loss, metrics, loads = compute_loss(model, batch, cfg, step, device)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            model.update_router_bias(loads, cfg.bias_update_rate)
-            metrics["grad_norm"] = gnorm.detach()
+            metrics = train_step(model, opt, batch, cfg, step, device)
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v.float()
             n_acc += 1
@@ -389,7 +405,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 now = time.monotonic()
-                row: dict[str, Any] = {k: round(float(v) / n_acc, 5) for k, v in acc.items()}
+                means = torch.stack(list(acc.values())).tolist()  # the one host sync of the log cadence
+                row: dict[str, Any] = {k: round(v / n_acc, 5) for k, v in zip(acc, means)}
                 row.update(
                     step=step,
                     lr=lr,

@@ -1,8 +1,9 @@
 """The training-time forward of `CausalLM`: same modules, same names, batched [B, S], differentiable.
 
 Nothing here forks the math. Norms, rope, every projection, the indexer's q/k/weights and the MoE
-router + experts are the inference modules and kernel references themselves; what differs is only
-how attention is evaluated:
+router are the inference modules and kernel references themselves, and the routed experts compute
+the reference's function as dense GEMMs (`moe_experts_dense`: no host synchronisation); what differs
+otherwise is only how attention is evaluated:
 
 - attention is the *expanded* MLA form over all keys of a row at once, through
   `scaled_dot_product_attention` (flash on the GPU for the dense causal case), with the DSA
@@ -198,21 +199,30 @@ class TrainCausalLM(CausalLM):
 
     @torch.no_grad()
     def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
-        """Top-k selection as the engine makes it (same logits, same top-k routine) -> mask [B, S, S]."""
+        """Top-k selection as the engine makes it (same logits, same top-k routine) -> mask [B, S, S].
+
+        Scored in chunks of _SELECT_ELEMS: whole rows of the batch at once when they fit (one batched
+        matmul and one top-k call for a batch of short rows, not a loop over them), else query rows of
+        one row at a time."""
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
         mask = torch.zeros(B, S, S + 1, dtype=torch.bool, device=qi.device)
-        step = max(1, _SELECT_ELEMS // (Hi * S))
-        for b in range(B):
+        rows = max(1, _SELECT_ELEMS // (Hi * S))  # query rows scored at once
+        nb, step = max(1, rows // S), min(S, rows)  # batch rows per chunk, query rows per chunk of one
+        for b0 in range(0, B, nb):
+            b1 = min(B, b0 + nb)
             for s0 in range(0, S, step):
                 s1 = min(S, s0 + step)
+                n = s1 - s0
                 # the reference's order of operations: relu(q @ k.T) * w, summed over heads
-                sc = torch.relu(qi[b, s0:s1].reshape(-1, D) @ ki[b].T).view(s1 - s0, Hi, S)
-                logits = (sc * wi[b, s0:s1, :, None]).sum(1)
-                logits.masked_fill_(pos[None, :] > pos[s0:s1, None], float("-inf"))
-                sel = topk_fn(logits, topk, pos[s0:s1] + 1)  # [rows, K] int32, -1 pads
-                mask[b, s0:s1].scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
+                sc = torch.relu(qi[b0:b1, s0:s1].reshape(b1 - b0, n * Hi, D) @ ki[b0:b1].transpose(1, 2))
+                logits = (sc.view(b1 - b0, n, Hi, S) * wi[b0:b1, s0:s1, :, None]).sum(2)  # [b, n, S]
+                logits.masked_fill_(pos > pos[s0:s1, None], float("-inf"))
+                sel = topk_fn(logits.view(-1, S), topk, (pos[s0:s1] + 1).repeat(b1 - b0))  # -1 pads
+                # a view, never a copy (nb > 1 only with whole rows): the scatter must land in `mask`
+                chunk = mask[b0:b1, s0:s1].view(-1, S + 1)
+                chunk.scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
         return mask[:, :, :S] & (pos[None, :] <= pos[:, None])
 
     def _indexer_kl(
@@ -251,7 +261,8 @@ class TrainCausalLM(CausalLM):
 
     # ---- MoE -------------------------------------------------------------------------------
     def _moe(self, moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inference MoE's router and experts (the torch references; both differentiable)."""
+        """The inference MoE's router (its torch reference) and experts (`moe_experts_dense`, the same
+        function); both differentiable. Also returns the tokens routed to each expert [E]."""
         c = self.cfg
         with _no_autocast(x.device):  # the reference routes in fp32
             ids, w = op("moe", "moe_router", False)(
@@ -264,10 +275,38 @@ class TrainCausalLM(CausalLM):
                 c.norm_topk_prob,
                 c.routed_scaling_factor,
             )
-        y = op("moe", "moe_experts", False)(
-            x, ids, w, moe.experts.gate_up_proj, moe.experts.down_proj, "silu"
-        )
+        y = moe_experts_dense(x, ids, w, moe.experts.gate_up_proj, moe.experts.down_proj)
         if moe.shared_experts is not None:
             y = y + moe.shared_experts(x)
-        load = torch.bincount(ids.flatten(), minlength=c.n_routed_experts).detach()
-        return y, load
+        flat = ids.flatten()  # bincount would read its maximum on the host (a sync on the GPU)
+        load = torch.zeros(c.n_routed_experts, dtype=torch.long, device=x.device)
+        return y, load.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def moe_experts_dense(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """`kernels.moe.moe_experts_ref` (silu, float weights, every id in [0, E)) as two dense GEMMs.
+
+    Every token runs through every expert's gate/up ([T, Hd] @ [Hd, E*2I]); the activations are
+    scaled by a dense routing matrix [T, E] that is zero off the chosen experts, and one down GEMM
+    ([T, E*I] @ [E*I, Hd]) sums the chosen experts' weighted outputs. The same function to float
+    rounding (the routing weight scales the activation rather than the expert's output, and the sum
+    over experts happens inside the GEMM); unchosen experts get exactly zero gradient. It costs E/k
+    times the routed FLOPs (4x for 8 experts top-2) but a fixed handful of kernels with no host
+    synchronisation, where the reference's per-expert loop (`unique().tolist()`, a `torch.where` per
+    expert) stalls the GPU 10 times per layer in the forward alone, and a step of this small model,
+    at ~2% of the H200's FLOPs before, is bound by launches and stalls rather than by arithmetic.
+    """
+    T, hd = x.shape
+    E, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    gate, up = F.linear(x, w_gate_up.reshape(E * two_i, hd)).view(T, E, two_i).chunk(2, dim=-1)
+    route = torch.zeros(T, E, dtype=topk_w.dtype, device=x.device).scatter(1, topk_ids, topk_w)
+    act = F.silu(gate) * up * route[..., None].to(gate.dtype)  # [T, E, I]
+    y = F.linear(act.reshape(T, E * inter), w_down.permute(1, 0, 2).reshape(hd, E * inter))
+    return y.to(x.dtype)
