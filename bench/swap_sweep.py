@@ -43,8 +43,8 @@ from longctx.kvstore.host_pool import HostPool, HostPoolError  # noqa: E402
 
 ROW_BYTES, PAGE = 656, 64  # the fp8 MLA token row; tokens per page
 K = CopyKnobs
-# Pages (5248 8-byte words): first the launch before the knobs (K()) and PAGE_KNOBS' default (cut
-# into 41 pieces of 1 KB); then for whole pages the word width at equal bytes, bytes in flight per
+# Pages (5248 8-byte words): first the launch before the knobs (K(), PAGE_KNOBS' default again after the
+# H200 sweep) and the cut into 41 pieces of 1 KB; then for whole pages the word width at equal bytes, bytes in flight per
 # thread (tile / 32 warps), warps, split and persistent grids; then the same around the cut. Counts
 # are words (8 bytes unless `word` says otherwise).
 PAGE_SETTINGS = [

@@ -90,14 +90,14 @@ class CopyKnobs:
         return dataclasses.replace(self, persist=0, split=False, cut=False)
 
 
-# Rows (rows_per_item == 1: HiSparse's token misses, every counted copy) keep the launch they had.
-# Pages are cut into 1 KB pieces, 16 to a tile: with whole pages a program's last [2, 1024]-word
-# tile of a page pair holds 128 words a row (6 round trips for 5.125 tiles' worth; 0.86 of pinned
-# H2D on the H200), with pieces every tile but the copy's last is full and covers 16 KB of one page.
-# Not yet timed on a GPU: run bench/swap_sweep.py. The env overrides the fields it names, for a
-# process (the sweep prints each setting's full spec).
+# Both keep the launch the copies had before the knobs existed. H200 sweep (bench/swap_sweep.py,
+# bench/results/swap-sweep-h200.md; 1 GiB of scattered pages or rows from a 4 GiB registered pool):
+# every page setting read at 0.907-0.916 of pinned H2D, this one 0.913, cut into 1 KB pieces 0.915
+# (no gain worth a launch shape the device->host backup was never timed with); single 656-byte rows
+# read at 0.43 whatever the setting. The env overrides the fields it names, for a process (the sweep
+# prints each setting's full spec).
 ROW_KNOBS = CopyKnobs.parse(os.environ.get("LONGCTX_SWAP_ROWS", ""))
-PAGE_KNOBS = CopyKnobs.parse(os.environ.get("LONGCTX_SWAP_PAGES", ""), CopyKnobs(cut=True))
+PAGE_KNOBS = CopyKnobs.parse(os.environ.get("LONGCTX_SWAP_PAGES", ""))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ SETTINGS = [
     CopyKnobs(items=1, tile=1024, persist=1),
     CopyKnobs(block=256, tile=1024, split=True),
     CopyKnobs(word=4, block=512, tile=512, items=1, warps=8, persist=2, split=True),
-    CopyKnobs(cut=True),  # PAGE_KNOBS' default: 656 x 16-byte items -> 41 pieces of 32 words
+    CopyKnobs(cut=True),  # 656 x 16-byte items -> 41 pieces of 32 words
     CopyKnobs(word=4, block=64, tile=256, items=8, cut=True, persist=1),
     CopyKnobs(block=32, tile=64, cut=True, split=True),
 ]
@@ -116,7 +116,7 @@ def test_default_knobs_are_the_old_geometry() -> None:
     assert (cut.pieces, cut.item_w, cut.block_w, cut.items, cut.units(10)) == (41, 128, 128, 16, 26)
     assert copy_geometry(odd, odd, 3, CopyKnobs(cut=True)).pieces == 1  # 99 words: no piece >= 32
     if not (os.environ.get("LONGCTX_SWAP_ROWS") or os.environ.get("LONGCTX_SWAP_PAGES")):
-        assert (CopyKnobs(), CopyKnobs(cut=True)) == (ROW_KNOBS, PAGE_KNOBS)
+        assert (CopyKnobs(), CopyKnobs()) == (ROW_KNOBS, PAGE_KNOBS)  # the H200 sweep found no better one
 
 
 def test_knob_specs_round_trip_and_bad_ones_are_refused() -> None:
