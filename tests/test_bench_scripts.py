@@ -322,3 +322,13 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     assert row["stage"] == "sparse" and row["new"]["tokens_per_s"] > 0 and row["old"]["tokens_per_s"] > 0
     # the point of the new step: no host syncs, fewer launches than the per-expert / per-row loops
     assert row["new"]["syncs"] == 0 and row["old"]["syncs"] > 0 and row["new"]["ops"] < row["old"]["ops"]
+
+
+def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
+    from bench.hit_rate import main
+
+    assert main(["--tokens", "1024", "--steps", "3", "--out", str(tmp_path)]) == 0
+    (f,) = tmp_path.glob("hit-rate-*.json")
+    d = json.loads(f.read_text())
+    assert d["device_tokens_cap"] == d["index_topk"] + 2  # 10% of ~1K is below top-k: the floor
+    assert d["hits"] + d["misses"] > 0 and 0.0 <= d["decode_hit_rate"] <= 1.0
