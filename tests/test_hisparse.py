@@ -122,3 +122,4 @@ def test_preallocated_requests_never_exceed_what_the_pool_holds_at_max_context()
     assert preallocated_requests(64, 1000, 64, 300, 1000) == 64
     assert preallocated_requests(64, 1000, 64, 300, 4000) == 16
     assert preallocated_requests(4, 10, 64, 300, 1 << 20) == 1
+    assert preallocated_requests(64, 1000, 64, 300, None) == 1  # a request may take every page

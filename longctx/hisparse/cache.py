@@ -133,14 +133,16 @@ class _Placed(NamedTuple):
 
 
 def preallocated_requests(
-    max_running: int, num_pages: int, page_size: int, device_tokens: int, max_context: int
+    max_running: int, num_pages: int, page_size: int, device_tokens: int, max_context: int | None
 ) -> int:
     """How many requests' blocks a cache allocates up front (`max_requests`), so decode graphs never
     see them move: as many as may run at once, but no more than the `num_pages` pages the scheduler
     hands out hold at `max_context` tokens each. Sized by the pool alone (pool / cap), a pool for one
     1M-token request capped at 10% would hold ten requests' slots, the whole KV again on the device.
-    More concurrent requests grow the blocks (and the decode graphs are captured again)."""
-    return max(1, min(max_running, num_pages * page_size // max(device_tokens, max_context)))
+    More concurrent requests grow the blocks (and the decode graphs are captured again). None: a
+    request may take every page (one block)."""
+    pool = num_pages * page_size
+    return max(1, min(max_running, pool // max(device_tokens, pool if max_context is None else max_context)))
 
 
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
