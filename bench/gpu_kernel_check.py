@@ -298,20 +298,31 @@ def case_silu_mul() -> float:
     return rel(silu_mul(x, backend="triton"), silu_mul_ref(x))
 
 
-def case_router(t: int) -> float:
-    """GLM-5's router (256 experts, 8 groups, top-4 groups, top-8): same experts, same weights."""
+def case_router(t: int, masked: bool = False) -> float:
+    """GLM-5's router (256 experts, 8 groups, top-4 groups, top-8; logits kernel + select kernel): same
+    experts, same weights; with `masked`, every other row is padding (ids -1, weights 0 on both)."""
     from longctx.kernels.moe import moe_router, moe_router_ref
 
     h = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 6144, device="cuda") * 0.02
     bias = torch.randn(256, device="cuda") * 0.01
     args = (h, w, bias, 8, 8, 4, True, 2.5)
-    ids, wt = moe_router(*args, backend="triton")
-    rids, rwt = moe_router_ref(*args)
+    valid = torch.arange(t, device="cuda") % 2 == 0 if masked else None
+    ids, wt = moe_router(*args, valid=valid, backend="triton")
+    rids, rwt = moe_router_ref(*args, valid=valid)
     a, b = ids.sort(-1), rids.sort(-1)
     if not torch.equal(a.values, b.values):
         return float("inf")
     return rel(wt.gather(1, a.indices), rwt.gather(1, b.indices))
+
+
+def case_router_logits(t: int, e: int, hd: int) -> float:
+    """The router's logits kernel (bf16 rows, fp32 weights, fp32 products) against an fp64 GEMM."""
+    from longctx.kernels.moe import router_logits
+
+    h = torch.randn(t, hd, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, hd, device="cuda") * 0.02
+    return rel(router_logits(h, w), torch.nn.functional.linear(h.double(), w.double()))
 
 
 def case_align(t: int, k: int, e: int) -> float:
@@ -579,6 +590,11 @@ CASES = {
     "silu_mul": (case_silu_mul, (), 1e-2),
     "router_glm_b1": (case_router, (1,), 1e-5),
     "router_glm_b64": (case_router, (64,), 1e-5),
+    "router_glm_b64_valid": (case_router, (64, True), 1e-5),
+    "router_logits_glm_b1": (case_router_logits, (1, 256, 6144), 1e-5),
+    "router_logits_glm_b64": (case_router_logits, (64, 256, 6144), 1e-5),
+    "router_logits_small_b1": (case_router_logits, (1, 16, 2048), 1e-5),
+    "router_logits_odd_b33": (case_router_logits, (33, 24, 1000), 1e-5),
     "align_b1": (case_align, (1, 8, 256), 0.0),
     "align_b64": (case_align, (64, 4, 16), 0.0),
     "logical_to_rows": (case_logical_rows, (), 0.0),

@@ -10,7 +10,11 @@ Expert weights, packed as transformers' `GlmMoeDsaExperts`:
 y[t] = sum_j topk_w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j]. Ids outside [0, E)
 contribute nothing (lets expert parallelism mark non-local experts with -1).
 
-Triton path:
+Router (Triton path, two launches): `router_logits` reads the hidden rows in their own dtype against the
+fp32 router weights (fp32 products, no fp32 copy of hidden, no cuBLAS GEMV), then `_router_select_kernel`
+does sigmoid, bias, the group-limited top-k, the weights and the padding rows' -1 ids.
+
+Experts, Triton path:
   1. `moe_align` (torch, no host sync): sort the T*k (token, slot) pairs by expert and pad each expert's run to
      a multiple of BLOCK_M; every M block then belongs to one expert (`block_expert`, -1 = unused block).
      The block count is bounded by cdiv(T*k, BLOCK_M) + min(E, T*k), so decode at batch 1 launches
@@ -54,12 +58,23 @@ DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "0"))
 
 
 # ---------------------------------------------------------------------------------------------- router
-def _check_router(hidden: torch.Tensor, weight: torch.Tensor, n_group: int, topk_group: int) -> int:
+def _check_router(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    valid: torch.Tensor | None = None,
+) -> int:
     """Validates the router's inputs; returns E."""
     check(hidden.dim() == 2 and weight.dim() == 2, "moe_router: hidden [T, Hd] and weight [E, Hd] expected")
+    check(hidden.shape[1] == weight.shape[1], "moe_router: hidden [T, Hd] and weight [E, Hd] disagree on Hd")
     e = weight.shape[0]
     check(
         e % n_group == 0 and topk_group <= n_group, f"moe_router: E={e} not divisible into {n_group} groups"
+    )
+    check(
+        valid is None or (valid.shape == hidden.shape[:1] and valid.dtype == torch.bool),
+        "moe_router: valid must be bool [T]",
     )
     return e
 
@@ -73,13 +88,16 @@ def moe_router_ref(
     topk_group: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    *,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing exactly as transformers' `GlmMoeDsaTopkRouter.forward`.
 
     hidden [T, Hd] (any float dtype), weight [E, Hd], bias [E] -> (topk_ids int64 [T, k], topk_w fp32 [T, k]).
     The k slots are unordered (torch.topk(sorted=False)); ties may break differently on CPU and GPU.
+    `valid` [T] bool (optional) marks padding rows: their ids are all -1 and their weights 0.
     """
-    e = _check_router(hidden, weight, n_group, topk_group)
+    e = _check_router(hidden, weight, n_group, topk_group, valid)
     logits = F.linear(hidden.float(), weight.float())
     scores = logits.sigmoid()
     choice = scores + e_score_correction_bias.float()
@@ -92,18 +110,93 @@ def moe_router_ref(
     topk_w = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_ids, topk_w * routed_scaling_factor
+    topk_w = topk_w * routed_scaling_factor
+    if valid is not None:
+        topk_ids = topk_ids.masked_fill(~valid[:, None], -1)
+        topk_w = topk_w.masked_fill(~valid[:, None], 0.0)
+    return topk_ids, topk_w
+
+
+# Above this many tokens the router's logits are one torch GEMM (cuBLAS reads the weights once; the
+# kernel below rereads them per token block, which only pays while launches dominate: decode).
+ROUTER_LOGITS_MAX_TOKENS = 256
+_LOGITS_MIN_PROGRAMS = 128  # batch 1 at GLM-5.3 (E=256): 2 experts a program, 48 KB of weights each
+_LOGITS_TILE = 8192  # fp32 products per program per H chunk
+
+
+@jit
+def _router_logits_kernel(
+    h_ptr, w_ptr, out_ptr,
+    T, E, H, stride_h, stride_w,
+    BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    # out[t, e] = sum_h fp32(hidden[t, h]) * fp32(w[e, h]) for a [BT, BE] tile. Elementwise products
+    # and tl.sum, not tl.dot: the interpreter and the GPU then both compute true fp32 (tl.dot may
+    # take tf32 on the GPU), and at decode sizes the GEMV is bound by reading the weights anyway.
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    re = tl.program_id(1) * BE + tl.arange(0, BE)
+    rh = tl.arange(0, BH)
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        k = h0 + rh
+        x = tl.load(
+            h_ptr + rt[:, None].to(tl.int64) * stride_h + k[None, :],
+            mask=(rt[:, None] < T) & (k[None, :] < H),
+            other=0.0,
+        ).to(tl.float32)  # [BT, BH]
+        w = tl.load(
+            w_ptr + re[:, None].to(tl.int64) * stride_w + k[None, :],
+            mask=(re[:, None] < E) & (k[None, :] < H),
+            other=0.0,
+        ).to(tl.float32)  # [BE, BH]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(
+        out_ptr + rt[:, None].to(tl.int64) * E + re[None, :], acc, mask=(rt[:, None] < T) & (re[None, :] < E)
+    )
+
+
+def _logits_tiles(t: int, e: int, h: int) -> tuple[int, int, int]:
+    """(BT, BE, BH): up to 16 tokens share a weight tile; experts per program halve until the grid
+    has `_LOGITS_MIN_PROGRAMS` programs (or one expert each); H chunks fill `_LOGITS_TILE` products."""
+    bt = min(next_pow2(t), 16)
+    be = min(next_pow2(e), 32)
+    while be > 1 and cdiv(t, bt) * cdiv(e, be) < _LOGITS_MIN_PROGRAMS:
+        be //= 2
+    bh = max(16, min(next_pow2(h), _LOGITS_TILE // (bt * be)))
+    return bt, be, bh
+
+
+def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits `F.linear(hidden.float(), weight.float())` [T, E] fp32 in one Triton kernel,
+    reading hidden [T, Hd] (bf16/fp16/fp32, rows contiguous) and weight [E, Hd] as they are (fp32
+    products and sums; only the summation order differs from torch)."""
+    check(
+        hidden.dim() == 2 and weight.dim() == 2, "router_logits: hidden [T, Hd] and weight [E, Hd] expected"
+    )
+    check(hidden.shape[1] == weight.shape[1], "router_logits: hidden and weight disagree on Hd")
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    weight = weight.contiguous()
+    (t, h), e = hidden.shape, weight.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=hidden.device)
+    if t and e:
+        bt, be, bh = _logits_tiles(t, e, h)
+        _router_logits_kernel[(cdiv(t, bt), cdiv(e, be))](
+            hidden, weight, out, t, e, h, hidden.stride(0), weight.stride(0), BT=bt, BE=be, BH=bh
+        )
+    return out
 
 
 @jit
 def _router_select_kernel(
-    logits_ptr, bias_ptr, ids_ptr, w_ptr,
+    logits_ptr, bias_ptr, valid_ptr, ids_ptr, w_ptr,
     E, scaling,
     EG: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, EGP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+    HAS_VALID: tl.constexpr,
 ):  # fmt: skip
     # One program per token: everything after the logits GEMM (sigmoid, bias, group-limited top-k,
-    # the weights of the chosen experts), which torch spends ~13 kernels on.
+    # the weights of the chosen experts, the padding rows' -1 ids), which torch spends ~15 kernels on.
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     j = tl.arange(0, EGP)
@@ -137,8 +230,13 @@ def _router_select_kernel(
         choice = tl.where(sel, NEG, choice)
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    ws = ws * scaling
+    if HAS_VALID:
+        ok_row = tl.load(valid_ptr + t) != 0
+        ids = tl.where(ok_row, ids, -1)
+        ws = tl.where(ok_row, ws, 0.0)
     tl.store(ids_ptr + t * K + ks, ids, mask=ks < K)
-    tl.store(w_ptr + t * K + ks, ws * scaling, mask=ks < K)
+    tl.store(w_ptr + t * K + ks, ws, mask=ks < K)
 
 
 def moe_router(
@@ -151,27 +249,34 @@ def moe_router(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     *,
+    valid: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_router_ref`'s contract: the [T, E] logits by one fp32 GEMM, everything after it in one
-    kernel (a program per token). The k slots come out best first; which of two tied experts wins
-    may differ from torch.topk (the reference leaves that unspecified too)."""
+    """`moe_router_ref`'s contract in two kernels: the [T, E] fp32 logits (`router_logits`: no copy
+    of hidden to fp32; one torch GEMM above `ROUTER_LOGITS_MAX_TOKENS` tokens), then everything after
+    them, the padding rows' -1 ids and 0 weights included, in one (a program per token). The k slots
+    come out best first; which of two tied experts wins may differ from torch.topk (the reference
+    leaves that unspecified too)."""
     if not use_triton(backend, hidden.device):
         return moe_router_ref(
             hidden, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
-            routed_scaling_factor,
+            routed_scaling_factor, valid=valid,
         )  # fmt: skip
-    t, e = hidden.shape[0], _check_router(hidden, weight, n_group, topk_group)
+    t, e = hidden.shape[0], _check_router(hidden, weight, n_group, topk_group, valid)
     check(0 < top_k <= e and e_score_correction_bias.shape == (e,), "moe_router: top_k in (0, E], bias [E]")
-    logits = F.linear(hidden.float(), weight.float()).contiguous()
+    if t <= ROUTER_LOGITS_MAX_TOKENS:
+        logits = router_logits(hidden, weight)
+    else:
+        logits = F.linear(hidden.float(), weight.float()).contiguous()
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
     w = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
     if t:
         eg = e // n_group
+        vp = valid.contiguous().view(torch.uint8) if valid is not None else ids  # ids: never read
         _router_select_kernel[(t,)](
-            logits, e_score_correction_bias.float().contiguous(), ids, w, e, float(routed_scaling_factor),
+            logits, e_score_correction_bias.float().contiguous(), vp, ids, w, e, float(routed_scaling_factor),
             EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
-            KP=next_pow2(top_k), NORM=bool(norm_topk_prob),
+            KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None,
         )  # fmt: skip
     return ids, w
 

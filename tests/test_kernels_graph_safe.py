@@ -174,7 +174,15 @@ def test_moe_graph_safe():
     gate_w = torch.randn(e, hd, generator=g)
     bias = torch.randn(e, generator=g)
     ids_w = []
-    _audited("moe_router", lambda: ids_w.append(moe_router(x, gate_w, bias, k, 4, 2, True, 2.5)))
+    _audited(
+        "moe_router",
+        lambda: ids_w.append(moe_router(x, gate_w, bias, k, 4, 2, True, 2.5, backend="triton")),
+    )
+    valid = torch.tensor([True, False])
+    _audited(
+        "moe_router + valid",
+        lambda: moe_router(x, gate_w, bias, k, 4, 2, True, 2.5, valid=valid, backend="triton"),
+    )
     ids, w = ids_w[0]
     _audited("moe_align", lambda: moe_align(ids, e, 16))
     wgu = torch.randn(e, 2 * inter, hd, generator=g) / 8

@@ -37,6 +37,7 @@ from longctx.kernels.moe import (
     moe_experts_ref,
     moe_router,
     moe_router_ref,
+    router_logits,
 )
 from longctx.kernels.moe_decode import DecodeConfig
 from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
@@ -506,6 +507,54 @@ def test_moe_router_kernel_matches_reference(t, e, k, n_group, topk_group, norm)
     assert torch.equal(o1.values, o2.values)
     torch.testing.assert_close(w.gather(1, o1.indices), rw.gather(1, o2.indices), rtol=1e-5, atol=1e-6)
     assert (ids[:, :-1] != ids[:, 1:]).all()  # k distinct experts
+
+
+@pytest.mark.parametrize("t", [1, 3, 33])
+@pytest.mark.parametrize("e,hd", [(16, 2048), (256, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_logits_kernel_matches_fp32_linear(t, e, hd, dtype):
+    """The logits kernel reads bf16 / fp32 rows as they are and computes exact fp32 products: only the
+    summation order differs from `F.linear(h.float(), w)`, so each logit is within 1e-6 of its sum of
+    |products| (observed ~1e-7)."""
+    gen = torch.Generator().manual_seed(t * 7 + e + hd)
+    h = torch.randn(t, hd, generator=gen).to(dtype)
+    w = torch.randn(e, hd, generator=gen) * 0.05
+    out = router_logits(h, w)
+    ref = torch.nn.functional.linear(h.float(), w)
+    scale = torch.nn.functional.linear(h.float().abs(), w.abs())
+    assert out.shape == (t, e) and out.dtype == torch.float32
+    assert ((out - ref).abs() <= 1e-6 * scale).all(), ((out - ref).abs() / scale).max()
+
+
+@pytest.mark.parametrize("t", [1, 3, 33])
+@pytest.mark.parametrize(
+    "e,k,n_group,topk_group", [(256, 8, 8, 4), (256, 8, 1, 1), (16, 4, 1, 1), (16, 4, 4, 2)]
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_moe_router_two_kernels_match_reference(t, e, k, n_group, topk_group, dtype, masked):
+    """The Triton router (logits kernel + select kernel) against the reference at GLM-5's routing (256
+    experts in 8 groups, top-4 groups, top-8), without a group limit, and at small-1m's 16 experts, with
+    and without padding rows (`valid`: ids -1 and weights 0 on both backends). Slots compared as sets."""
+    gen = torch.Generator().manual_seed(t * 1000 + e + n_group * 10 + masked)
+    hd = 128
+    h = torch.randn(t, hd, generator=gen).to(dtype)
+    wt = torch.randn(e, hd, generator=gen) * 0.1
+    bias = torch.randn(e, generator=gen) * 0.05
+    valid = torch.rand(t, generator=gen) < 0.6 if masked else None
+    if valid is not None:
+        valid[0], valid[-1] = False, t > 1  # at least one padding row, and one real row if t > 1
+    args = (h, wt, bias, k, n_group, topk_group, True, 2.5)
+    ids, w = moe_router(*args, valid=valid, backend=TRITON)
+    rids, rw = moe_router_ref(*args, valid=valid)
+    assert ids.shape == (t, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+    o1, o2 = ids.sort(-1), rids.sort(-1)
+    assert torch.equal(o1.values, o2.values)
+    torch.testing.assert_close(w.gather(1, o1.indices), rw.gather(1, o2.indices), rtol=1e-5, atol=1e-5)
+    if valid is not None:
+        assert (ids[~valid] == -1).all() and (w[~valid] == 0).all() and (ids[valid] >= 0).all()
+        plain, _ = moe_router_ref(*args)  # the reference's mask is the MoE's old one on the ids alone
+        assert torch.equal(rids, plain.masked_fill(~valid[:, None], -1))
 
 
 @pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (1, 8, 256, 16), (8, 4, 16, 16), (64, 4, 16, 16),

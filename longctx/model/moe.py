@@ -50,8 +50,11 @@ class Router(nn.Module):
             torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor, use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (topk_ids int64 [T, k], topk_w fp32 [T, k])."""
+    def forward(
+        self, x: torch.Tensor, use_triton: bool = False, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (topk_ids int64 [T, k], topk_w fp32 [T, k]); rows where `valid` [T] bool is
+        False get ids -1 and weights 0 (in the router's own kernel on the Triton path)."""
         c = self.cfg
         return op("moe", "moe_router", use_triton)(
             x,
@@ -62,6 +65,7 @@ class Router(nn.Module):
             c.topk_group,
             c.norm_topk_prob,
             c.routed_scaling_factor,
+            valid=valid,
         )
 
 
@@ -115,8 +119,6 @@ class MoE(nn.Module):
         """x [T, hidden] -> routed + shared experts [T, hidden], plus `residual` if given (the decoder
         layer's residual, added in the same kernel). `valid` [T] bool masks rows out of the routed
         experts (ids -> -1)."""
-        ids, w = self.gate(x, self.use_triton)
-        if valid is not None:
-            ids = ids.masked_fill(~valid[:, None], -1)
+        ids, w = self.gate(x, self.use_triton, valid)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual)
