@@ -236,7 +236,7 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     combine (slots + shared + residual) are one kernel each, the router two (its logits straight from
     the hidden rows, no fp32 copy or cuBLAS GEMV; then the selection), the routed experts three more
     (align, gate-up, down; the align-free decode path measured slower on the H200 and is off), the
-    projections of x one GEMM, and the step stays near its measured 178 launches (825 before the fused
+    projections of x one GEMM, and the step stays near its measured 176 launches (825 before the fused
     kernels, 229 before the second round): a regression here is a slower decode on the GPU."""
     from bench.launch_count import count_decode_step
 
@@ -255,7 +255,7 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert ops["aten.linear"] == 6 * 3 + 3 + 5 * 2 + 2 + 1
     assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk", "aten.silu"} & set(ops)
     assert not {"aten.layer_norm", "aten.zeros_like", "aten.sum"} & set(ops)
-    assert sum(ops.values()) <= 186, ops.most_common(20)
+    assert sum(ops.values()) <= 182, ops.most_common(20)
 
 
 def test_launch_count_of_a_capped_decode_step_stays_fused() -> None:

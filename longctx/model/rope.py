@@ -77,9 +77,10 @@ class RotaryEmbedding(nn.Module):
         if inv is None:
             inv = self._cached.setdefault(positions.device, self.inv_freq.to(positions.device))
         freqs = positions.float()[:, None] * inv[None, :]
-        cos = (freqs.cos() * self.attention_scaling).to(dtype)
-        sin = (freqs.sin() * self.attention_scaling).to(dtype)
-        return cos, sin
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:  # yarn; x * 1.0 == x, so default rope skips two kernels a step
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
