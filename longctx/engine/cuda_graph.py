@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from longctx.engine.plan import BatchPlan
+from longctx.engine.worker import to_device
 from longctx.model.context import ForwardContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -189,10 +190,10 @@ class DecodeGraphs:
                 if i < len(plan.rows):
                     pages = plan.rows[i].pages
                     host[j, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            c.table[torch.tensor(full, device=dev)] = host.to(dev, non_blocking=True)
+            c.table[to_device(torch.tensor(full), dev)] = to_device(host, dev)
         if rows:
-            idx = torch.tensor([rows, cols], dtype=torch.int64).to(dev, non_blocking=True)
-            c.table[idx[0], idx[1]] = torch.tensor(vals, dtype=torch.int32).to(dev, non_blocking=True)
+            idx = to_device(torch.tensor([rows, cols], dtype=torch.int64), dev)
+            c.table[idx[0], idx[1]] = to_device(torch.tensor(vals, dtype=torch.int32), dev)
 
     # ---- replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
