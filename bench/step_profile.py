@@ -73,6 +73,16 @@ def step_spread(t0: float, stamps: list[float]) -> dict[str, float]:
     return {"step_ms_median": q(0.5), "step_ms_p10": q(0.1), "step_ms_p90": q(0.9), "step_ms_max": q(1.0)}
 
 
+# idle gaps between kernels by size (us): upper bound, name
+_GAP_BUCKETS = (
+    (2.0, "<2us"),
+    (5.0, "2-5us"),
+    (20.0, "5-20us"),
+    (100.0, "20-100us"),
+    (float("inf"), ">100us"),
+)
+
+
 def timeline(prof: Any, top: int = 12) -> dict[str, Any]:
     """What the trace says about time the GPU was NOT busy: the device kernels' union against their
     span, the idle gaps between consecutive kernels by size (many small gaps = per-node launch cost of a
@@ -86,31 +96,20 @@ def timeline(prof: Any, top: int = 12) -> dict[str, Any]:
     evs.sort(key=lambda e: e.time_range.start)
     out: dict[str, Any] = {}
     if evs:
-        busy, gaps, end, prev = 0.0, [], evs[0].time_range.start, None
+        # the kernel that ends last so far (`prev`, at `end`) and the idle gap before each later start
+        busy, gaps, end, prev = 0.0, [], evs[0].time_range.start, evs[0]
         for e in evs:
             s, f = e.time_range.start, e.time_range.end
-            if s > end and prev is not None:
+            if s > end:
                 gaps.append((s - end, prev.name, e.name))
             busy += max(0.0, f - max(s, end))
             if f > end:
                 end, prev = f, e
-            elif prev is None:
-                prev = e
         span = end - evs[0].time_range.start
-        buckets = {"<2us": 0.0, "2-5us": 0.0, "5-20us": 0.0, "20-100us": 0.0, ">100us": 0.0}
+        buckets = dict.fromkeys((name for _, name in _GAP_BUCKETS), 0.0)
         counts = dict.fromkeys(buckets, 0)
         for g, _, _ in gaps:
-            b = (
-                "<2us"
-                if g < 2
-                else "2-5us"
-                if g < 5
-                else "5-20us"
-                if g < 20
-                else "20-100us"
-                if g < 100
-                else ">100us"
-            )
+            b = next(name for limit, name in _GAP_BUCKETS if g < limit)
             buckets[b] += g / 1e3
             counts[b] += 1
         gaps.sort(reverse=True)
