@@ -1,4 +1,5 @@
-"""Timing and hardware ceilings shared by the GPU benches (measured in the same run as the figures)."""
+"""Timing and hardware ceilings shared by the GPU benches (measured in the same run as the figures), and
+the prompts they share."""
 
 from __future__ import annotations
 
@@ -159,3 +160,13 @@ def fmt_bytes(x: float) -> str:
             return f"{x:.1f} {unit}"
         x /= 1000
     return f"{x:.1f} PB"
+
+
+def niah_byte_prompt(n: int, seed: int = 7) -> list[int]:
+    """A RULER niah_single_1 prompt of about `n` byte tokens (task text + answer prefix, as `longctx
+    ruler` sends it raw), for the byte-level trained checkpoint; the benches' fixed seed by default."""
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import ByteCounter
+
+    s = RulerGenerator(ByteCounter(), seed=seed, max_new_tokens_scale=0.5).sample("niah_single_1", n, 0)
+    return list((s.input + s.answer_prefix).encode("utf-8"))

@@ -33,15 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write hit-rate-<tokens>.json here")
     args = ap.parse_args(argv)
 
+    from bench.common import niah_byte_prompt
     from longctx import Engine
     from longctx.engine.request import Request, SamplingParams
-    from longctx.workloads.ruler_tasks import RulerGenerator
-    from longctx.workloads.tokens import ByteCounter
 
-    s = RulerGenerator(ByteCounter(), seed=7, max_new_tokens_scale=0.5).sample(
-        "niah_single_1", args.tokens, 0
-    )
-    ids = list((s.input + s.answer_prefix).encode("utf-8"))
+    ids = niah_byte_prompt(args.tokens)
     from longctx.config import ModelConfig
 
     topk = ModelConfig.from_json(args.model).index_topk

@@ -334,13 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     def make_prompt(n: int) -> list[int]:
         if args.prompt == "random":
             return torch.randint(0, vocab, (n,), generator=gen).tolist()
-        from longctx.workloads.ruler_tasks import RulerGenerator
-        from longctx.workloads.tokens import ByteCounter
+        from bench.common import niah_byte_prompt
 
-        s = RulerGenerator(ByteCounter(), seed=7, max_new_tokens_scale=0.5).sample(
-            "niah_single_1", n - args.decode, 0
-        )
-        return list((s.input + s.answer_prefix).encode("utf-8"))
+        return niah_byte_prompt(n - args.decode)
 
     if args.prompt == "ruler":
         for k in ("request_1m", "decode_128k"):  # keep the random-weights figures beside the new ones
