@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -170,9 +171,33 @@ def decode_roofline_s(cfg, ctx: int, hbm: float) -> float:
     return (w + kv) / hbm
 
 
+def add_long_from(res: dict, lc: dict, path: Path) -> None:
+    """Fold the uncapped 1M request of a long-context JSON into `lc` and `res` (source recorded)."""
+    r = json.loads(path.read_text()).get("request_1m")
+    if not r or r.get("prefill_s", {}).get("uncapped") is None:
+        res["long_from"] = {"source": str(path), "error": "no uncapped request_1m in that file"}
+        return
+    n = int(r["context_tokens"])
+    lc["prefill_tok_s"][n] = n / r["prefill_s"]["uncapped"]
+    lc["decode_ms"][n] = r["decode_ms_per_token"]["uncapped"]
+    lc["max_context"] = max(lc["max_context"], n)
+    res["max_context"]["longctx"] = lc["max_context"]
+    res["long_from"] = {
+        "source": str(path),
+        "note": "the 1M request ran in bench.long_context (same checkpoint, same GPU, same device call)",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--long", action="store_true", help="also 1,048,576 tokens")
+    ap.add_argument(
+        "--long-from",
+        type=Path,
+        default=None,
+        help="instead of --long: take the 1,048,576-token request (uncapped) from the long-context JSON "
+        "that `bench.long_context --phases 1m --model M` wrote earlier in the same device call, same M",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", type=Path, default=None, help="an existing small-1m checkpoint")
     ap.add_argument("--skip-hf", action="store_true")
@@ -205,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [2048, 8192] if args.quick else [2048, 8192, 16384]
     decode_tokens = 16 if args.quick else 32
     hf = {} if args.skip_hf else hf_run(model_dir, lengths + ([] if args.quick else [32768]), decode_tokens)
-    long_lengths = [131072] + ([1 << 20] if args.long else [])
+    long_lengths = [131072] + ([1 << 20] if args.long and args.long_from is None else [])
     lc = lc_run(model_dir, lengths, decode_tokens, long_lengths, [8, 32], max_context=(1 << 20) + 4096)
     from longctx.kernels import sparse_mla as _sm
 
@@ -225,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 "speedup": lc["prefill_tok_s"][n] / hf["prefill_tok_s"][n],
             }
     res["max_context"] = {"transformers": hf.get("max_context"), "longctx": lc["max_context"]}
+    if args.long_from is not None:
+        add_long_from(res, lc, args.long_from)
     if 131072 in lc["decode_ms"]:
         roof = decode_roofline_s(cfg, 131072, ceil["hbm_copy_Bps"])
         res["decode_128k"] = {
@@ -244,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| decode {k} ms/token | {d['transformers_ms']:.1f} | {d['longctx_ms']:.1f} | {d['speedup']:.2f} |"
             )
     rows.append(f"| longest context | {hf.get('max_context')} | {lc['max_context']} | |")
-    for n in long_lengths:
+    for n in sorted(set(long_lengths) | {n for n in lc["decode_ms"] if n > 131072}):
         if n in lc["decode_ms"]:
             rows.append(
                 f"| longctx {n} tokens: prefill tok/s, decode ms | | {lc['prefill_tok_s'][n]:.0f}, "

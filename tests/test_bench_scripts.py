@@ -337,3 +337,32 @@ def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     d = json.loads(f.read_text())
     assert d["device_tokens_cap"] == d["index_topk"] + 2  # 10% of ~1K is below top-k: the floor
     assert d["hits"] + d["misses"] > 0 and 0.0 <= d["decode_hit_rate"] <= 1.0
+
+
+def test_vs_transformers_long_from(tmp_path):
+    """--long-from folds long_context's uncapped 1M request into max_context and the 1M row."""
+    from bench.vs_transformers import add_long_from
+
+    src = tmp_path / "long-context-h200.json"
+    src.write_text(
+        json.dumps(
+            {
+                "request_1m": {
+                    "context_tokens": 1 << 20,
+                    "prefill_s": {"uncapped": 80.0, "capped": 90.0},
+                    "decode_ms_per_token": {"uncapped": 2.0, "capped": 5.0},
+                }
+            }
+        )
+    )
+    lc = {"prefill_tok_s": {131072: 1e5}, "decode_ms": {131072: 1.4}, "max_context": 131072}
+    res = {"max_context": {"transformers": 16384, "longctx": 131072}}
+    add_long_from(res, lc, src)
+    assert res["max_context"]["longctx"] == 1 << 20
+    assert lc["decode_ms"][1 << 20] == 2.0 and abs(lc["prefill_tok_s"][1 << 20] - (1 << 20) / 80.0) < 1e-6
+    assert res["long_from"]["source"] == str(src)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    res2 = {"max_context": {"longctx": 131072}}
+    add_long_from(res2, {"prefill_tok_s": {}, "decode_ms": {}, "max_context": 131072}, empty)
+    assert res2["max_context"]["longctx"] == 131072 and "error" in res2["long_from"]
