@@ -203,6 +203,17 @@ def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
     )
     assert set(r) == {f"niah_single_1@{length}", "avg", "examples"}
     assert 0.0 <= r["avg"] <= 100.0
+    # a task that cannot fit a length is skipped and listed, the rest still scored (the seventh
+    # session's H200 eval died on niah_multikey_1 at 512)
+    r = niah_eval(
+        tmp_path,
+        lengths=(512,),
+        tasks=("niah_single_1", "niah_multikey_1"),
+        samples=1,
+        device="cpu",
+        max_new_tokens=4,
+    )
+    assert r["skipped"] == ["niah_multikey_1@512"] and "niah_single_1@512" in r
 
 
 def test_schedule_fits_the_budget() -> None:
