@@ -30,6 +30,15 @@ S tile (QK^T runs twice, ~1.5x the tensor-core work of the ideal); the P.V dots 
 warpgroups. Removing that needs warp specialisation (FlashMLA's producer/consumer split), not a Triton tile.
 Decode (Tq < #SMs) splits K so Tq x splits fills one wave of 132 SMs at one CTA each (`pick_splits_heads`);
 the fp32 partials are merged by `sparse_mla._combine_kernel`. Prefill (Tq >= #SMs) runs one split.
+
+Launch knobs (`HeadsKnobs`, env LONGCTX_SPARSE_MLA_HEADS; defaults = the launch above): tile sizes, warps,
+stages, K splits, heads per program, and `vsplit`, which cuts the NV value blocks over that many programs
+per (query, head block, split). Such a program still scores against the whole latent (QK^T over L+R) but
+accumulates and stores only its NV/vsplit blocks, so it holds a [64, 512/vsplit] accumulator: one
+warpgroup (4 warps) is enough, S is computed once per warpgroup instead of twice, and at small block_n the
+CTA fits twice per SM (sm_90a AOT: vsplit=4, block_n=16, 4 warps -> 95 KB smem, 188 registers, no spill)
+so one CTA's gathers overlap the other's dots; the price is vsplit x the QK^T work and L2 gathers.
+`python -m bench.smla_sweep` checks and times the settings on a GPU.
 """
 
 from __future__ import annotations
