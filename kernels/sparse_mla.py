@@ -44,7 +44,13 @@ import torch
 from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, mma
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
-from .sparse_mla_heads import heads_blocks, pick_splits_heads, sparse_mla_heads_kernel
+from .sparse_mla_heads import (
+    HEADS_KNOBS,
+    HeadsKnobs,
+    heads_blocks,
+    pick_splits_heads,
+    sparse_mla_heads_kernel,
+)
 
 _LOG2E = 1.4426950408889634
 IMPLS = ("split", "heads")
@@ -289,6 +295,8 @@ def sparse_mla(
     num_warps: int | None = None,
     num_stages: int | None = None,
     scale_gather: bool = False,
+    value_split: int | None = None,
+    knobs: HeadsKnobs | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with the contract of `sparse_mla_ref` (layouts in the module docstring); Triton when
     `common.use_triton(backend, device)` says so, else the reference.
@@ -298,7 +306,9 @@ def sparse_mla(
     prefill form. The keyword-only tile knobs are for the bench; None picks defaults for the shape.
     `impl`: "split" (BLOCK_H heads of one query per program), "heads" (all heads of a query per program,
     value dim in 128-column blocks; kernels.sparse_mla_heads) or "auto" (`resolve_impl`). block_h caps the heads per program
-    (heads default 64); scale_gather applies to "split" only.
+    (heads default 64); scale_gather applies to "split" only. impl="heads" takes its defaults from `knobs`
+    (default `sparse_mla_heads.HEADS_KNOBS`, env LONGCTX_SPARSE_MLA_HEADS); the keyword knobs override them,
+    value_split (value programs per query, dividing the 128-column value blocks) included.
     """
     check(impl in IMPLS + ("auto",), f"sparse_mla: impl must be one of {IMPLS} or auto, got {impl!r}")
     if not use_triton(backend, q_latent.device):
@@ -338,17 +348,27 @@ def sparse_mla(
 
     block_l = max(16, next_pow2(L))
     block_r = max(16, next_pow2(R))
+    n_vp = 1
     if impl == "heads":
+        kn = knobs or HEADS_KNOBS
         block_v, nv = heads_blocks(L, group, fp8)
-        bh = block_h or min(64, max(16, next_pow2(h)))
-        bn = block_n or (64 if tq >= 8 else 32)  # H200 sweep: 64 wins from batch 8 up, 32 ~ 16 at batch 1
+        if value_split is None:
+            n_vp = math.gcd(kn.vsplit, nv)  # a knob set for L=512 still launches at other shapes
+        else:
+            n_vp = value_split
+            check(n_vp >= 1 and nv % n_vp == 0, f"sparse_mla: value_split {n_vp} must divide {nv} blocks")
+        bh = block_h or kn.block_h or min(64, max(16, next_pow2(h)))
+        bn = block_n or kn.block_n or (64 if tq >= 8 else 32)  # H200: 64 wins from batch 8 up, 32 ~ 16 at 1
+        num_splits = num_splits or kn.splits or None
+        num_warps = num_warps or kn.warps
+        num_stages = num_stages or kn.stages
     else:
         bh = block_h or min(32 if block_l <= 256 else 16, max(16, next_pow2(h)))
         bn = block_n or (32 if block_l >= 512 else 64)
     n_hb = cdiv(h, bh)
     if num_splits is None:
         if impl == "heads":
-            num_splits = pick_splits_heads(tq * n_hb, k, bn, num_sms(dev))
+            num_splits = pick_splits_heads(tq * n_hb * n_vp, k, bn, num_sms(dev))
         else:
             num_splits = _pick_splits(tq, n_hb, k, bn, num_sms(dev))
     num_splits = max(1, min(num_splits, cdiv(k, bn)))
@@ -365,14 +385,14 @@ def sparse_mla(
         o_dst = torch.empty(tq, h, num_splits, L, dtype=torch.float32, device=dev)
         l_dst = torch.empty(tq, h, num_splits, dtype=torch.float32, device=dev)
     if impl == "heads":
-        sparse_mla_heads_kernel[(tq * n_hb, num_splits)](
+        sparse_mla_heads_kernel[(tq * n_hb * n_vp, num_splits)](
             q_latent, q_rope, indices, lat, rope, scl, o_dst, l_dst,
-            qk_scale, h, k, chunk, n_hb,
+            qk_scale, h, k, chunk, n_hb, n_vp,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), indices.stride(0),
             s_lat, s_rope, s_scl, rope_off, scl_off,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
-            L=L, R=R, BLOCK_V=block_v, NV=nv, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn, FP8=fp8, GROUP=group,
-            F32=f32, num_warps=num_warps or 8, num_stages=num_stages or 2,
+            L=L, R=R, BLOCK_V=block_v, NV=nv, NV_OWN=nv // n_vp, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn,
+            FP8=fp8, GROUP=group, F32=f32, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     else:
         _sparse_mla_kernel[(tq * n_hb, num_splits)](

@@ -30,14 +30,77 @@ S tile (QK^T runs twice, ~1.5x the tensor-core work of the ideal); the P.V dots 
 warpgroups. Removing that needs warp specialisation (FlashMLA's producer/consumer split), not a Triton tile.
 Decode (Tq < #SMs) splits K so Tq x splits fills one wave of 132 SMs at one CTA each (`pick_splits_heads`);
 the fp32 partials are merged by `sparse_mla._combine_kernel`. Prefill (Tq >= #SMs) runs one split.
+
+Launch knobs (`HeadsKnobs`, env LONGCTX_SPARSE_MLA_HEADS; defaults = the launch above): tile sizes, warps,
+stages, K splits, heads per program, and `vsplit`, which cuts the NV value blocks over that many programs
+per (query, head block, split). Such a program still scores against the whole latent (QK^T over L+R) but
+accumulates and stores only its NV/vsplit blocks, so it holds a [64, 512/vsplit] accumulator: one
+warpgroup (4 warps) is enough, S is computed once per warpgroup instead of twice, and at small block_n the
+CTA fits twice per SM (sm_90a AOT: vsplit=4, block_n=16, 4 warps -> 95 KB smem, 188 registers, no spill)
+so one CTA's gathers overlap the other's dots; the price is vsplit x the QK^T work and L2 gathers.
+`python -m bench.smla_sweep` checks and times the settings on a GPU.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
 
 from .common import check, jit, next_pow2, tl
 from .fp8_gemm import cdiv
 
 MAX_NV = 4  # value blocks held per program (acc0..acc3)
+
+
+@dataclass(frozen=True)
+class HeadsKnobs:
+    """How impl="heads" tiles a launch (never what it computes); 0 means the shape's default. The defaults
+    are the launch before the knobs existed; `python -m bench.smla_sweep` times the alternatives.
+
+    `vsplit` cuts the NV value blocks (4 x 128 latent columns at L=512) over that many programs per
+    (query, head block, K split): each recomputes the whole S tile (QK^T over L+R) but holds only
+    NV/vsplit accumulators, e.g. [64, 256] fp32 = 128 registers/thread at 4 warps for vsplit=2, so one
+    warpgroup computes S once (8 warps compute it twice, see the module docstring) and the grid has
+    vsplit x the programs (batch 64 fills 132 SMs without split-K and its fp32 partials + combine).
+    `block_h` < 64 splits the heads instead (M = 16/32 dots: mma.sync, not wgmma, but no recompute)."""
+
+    block_n: int = 0  # keys per tile; 0: 64 from 8 queries up, 32 below (H200 sweep)
+    warps: int = 8  # 4 warps hold [64, 512] fp32 only with vsplit >= 2 (256 registers otherwise)
+    stages: int = 2
+    block_h: int = 0  # heads per program; 0: min(64, next_pow2(H))
+    vsplit: int = 1  # value programs; the env's value falls back to gcd(vsplit, NV) for other shapes
+    splits: int = 0  # K splits; 0: pick_splits_heads over all Tq x head-block x value programs
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_h"):
+            v = getattr(self, name)
+            check(
+                v == 0 or (v >= 16 and v & (v - 1) == 0),
+                f"heads knob {name}: 0 or a power of two >= 16 ({self})",
+            )
+        check(self.warps in (1, 2, 4, 8, 16, 32) and self.stages >= 1, f"bad heads knobs ({self})")
+        check(self.vsplit in (1, 2, 3, 4) and self.splits >= 0, f"bad heads knobs ({self})")
+
+    def spec(self) -> str:
+        """The LONGCTX_SPARSE_MLA_HEADS string of these knobs."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def parse(cls, spec: str, base: HeadsKnobs | None = None) -> HeadsKnobs:
+        """`base` (default: the defaults) with the fields named in "name=int,..." replaced."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kv: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, _, val = (x.strip() for x in part.partition("="))
+            check(name in names and val.isdigit(), f"bad sparse MLA heads knob {part!r}")
+            kv[name] = int(val)
+        return dataclasses.replace(base or cls(), **kv)
+
+
+# LONGCTX_SPARSE_MLA_HEADS ("block_n=64,warps=4,vsplit=2", any subset) overrides the defaults for a process.
+HEADS_KNOBS = HeadsKnobs.parse(os.environ.get("LONGCTX_SPARSE_MLA_HEADS", ""))
 
 
 @jit
@@ -52,7 +115,7 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @jit
-def _load_q(base, offs_h, mask_h, s_h, J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.constexpr):
+def _load_q(base, offs_h, mask_h, s_h, J, L: tl.constexpr, BLOCK_V: tl.constexpr):
     offs_v = J * BLOCK_V + tl.arange(0, BLOCK_V)
     return tl.load(
         base + offs_h[:, None] * s_h + offs_v[None, :],
@@ -64,7 +127,7 @@ def _load_q(base, offs_h, mask_h, s_h, J: tl.constexpr, L: tl.constexpr, BLOCK_V
 @jit
 def _load_kv(
     lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off,
-    J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+    J, L: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """Value block J of the gathered rows, [BLOCK_N, BLOCK_V], dequantised (fp32 for fp8 pools). The block
     lies inside scale group (J * BLOCK_V) // GROUP, so its scale is one [BLOCK_N] vector."""
@@ -81,7 +144,7 @@ def _load_kv(
 
 
 @jit
-def _store_o(obase, o, mask_h, J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.constexpr):
+def _store_o(obase, o, mask_h, J, L: tl.constexpr, BLOCK_V: tl.constexpr):
     offs_v = J * BLOCK_V + tl.arange(0, BLOCK_V)
     tl.store(
         obase + offs_v[None, :], o.to(obase.dtype.element_ty), mask=mask_h[:, None] & (offs_v < L)[None, :]
@@ -91,34 +154,48 @@ def _store_o(obase, o, mask_h, J: tl.constexpr, L: tl.constexpr, BLOCK_V: tl.con
 @jit
 def sparse_mla_heads_kernel(
     ql_ptr, qr_ptr, idx_ptr, lat_ptr, rope_ptr, scl_ptr, o_ptr, lse_ptr,
-    qk_scale, H, K, CHUNK, N_HB,
+    qk_scale, H, K, CHUNK, N_HB, N_VP,
     s_qlt, s_qlh, s_qrt, s_qrh, s_it,
     s_lat, s_rope, s_scl, rope_off, scl_off,
     s_ot, s_oh, s_os, s_lt, s_lh, s_ls,
-    L: tl.constexpr, R: tl.constexpr, BLOCK_V: tl.constexpr, NV: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, F32: tl.constexpr,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_V: tl.constexpr, NV: tl.constexpr, NV_OWN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    # grid (Tq * N_HB, splits); N_HB = 1 whenever H <= BLOCK_H (64), i.e. one program per (query, split).
+    # grid (Tq * N_HB * N_VP, splits), value program fastest, then head block: the programs gathering one
+    # query's rows run side by side and share them through L2. N_HB = 1 whenever H <= BLOCK_H (64) and
+    # N_VP = NV / NV_OWN = 1 by default, i.e. one program per (query, split).
+    # A program scores against all NV value blocks (S needs the whole latent) but accumulates only its
+    # own NV_OWN of them: blocks are visited from its first own block on, b_j = (vb + j) % NV, so the
+    # tiles c_0 .. c_{NV_OWN-1} loaded for S are the ones it multiplies by P.
     pid = tl.program_id(0)
+    if NV_OWN < NV:
+        vb = (pid % N_VP) * NV_OWN
+        pid = pid // N_VP
+    else:
+        vb = 0
     t = (pid // N_HB).to(tl.int64)  # int64: Tq * H * L passes 2**31 in long prefill chunks
     pid_h = pid % N_HB
     sp = tl.program_id(1)
+    b1 = (vb + 1) % NV
+    b2 = (vb + 2) % NV
+    b3 = (vb + 3) % NV
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     qbase = ql_ptr + t * s_qlt
     # Query blocks, loop-invariant (the compiler keeps them in shared memory as wgmma A operands).
-    q0 = _load_q(qbase, offs_h, mask_h, s_qlh, 0, L, BLOCK_V)
+    q0 = _load_q(qbase, offs_h, mask_h, s_qlh, vb, L, BLOCK_V)
     q1 = q0
     q2 = q0
     q3 = q0
     if NV > 1:
-        q1 = _load_q(qbase, offs_h, mask_h, s_qlh, 1, L, BLOCK_V)
+        q1 = _load_q(qbase, offs_h, mask_h, s_qlh, b1, L, BLOCK_V)
     if NV > 2:
-        q2 = _load_q(qbase, offs_h, mask_h, s_qlh, 2, L, BLOCK_V)
+        q2 = _load_q(qbase, offs_h, mask_h, s_qlh, b2, L, BLOCK_V)
     if NV > 3:
-        q3 = _load_q(qbase, offs_h, mask_h, s_qlh, 3, L, BLOCK_V)
+        q3 = _load_q(qbase, offs_h, mask_h, s_qlh, b3, L, BLOCK_V)
     qr = tl.load(
         qr_ptr + t * s_qrt + offs_h[:, None] * s_qrh + offs_r[None, :],
         mask=mask_h[:, None] & mask_r[None, :],
@@ -126,7 +203,7 @@ def sparse_mla_heads_kernel(
     )  # [BH, BR]
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # Unused accumulators (NV < 4) are carried unchanged and folded away by the compiler.
+    # Unused accumulators (NV_OWN < 4) are carried unchanged and folded away by the compiler.
     acc0 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
@@ -145,22 +222,22 @@ def sparse_mla_heads_kernel(
         ).to(qr.dtype)  # [BN, BR]
         # S = Q_rope R^T + sum_j Q_j C_j^T, one accumulator chained through the wgmmas: [BH, BN]
         s = _dot(qr, tl.trans(r), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), F32)
-        c0 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 0, L, BLOCK_V, FP8, GROUP)
+        c0 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, vb, L, BLOCK_V, FP8, GROUP)
         c0 = c0.to(q0.dtype)
         s = _dot(q0, tl.trans(c0), s, F32)
         c1 = c0
         c2 = c0
         c3 = c0
         if NV > 1:
-            c1 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 1, L, BLOCK_V, FP8, GROUP)
+            c1 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, b1, L, BLOCK_V, FP8, GROUP)
             c1 = c1.to(q0.dtype)
             s = _dot(q1, tl.trans(c1), s, F32)
         if NV > 2:
-            c2 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 2, L, BLOCK_V, FP8, GROUP)
+            c2 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, b2, L, BLOCK_V, FP8, GROUP)
             c2 = c2.to(q0.dtype)
             s = _dot(q2, tl.trans(c2), s, F32)
         if NV > 3:
-            c3 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, 3, L, BLOCK_V, FP8, GROUP)
+            c3 = _load_kv(lat_ptr, scl_ptr, row, valid, s_lat, s_scl, scl_off, b3, L, BLOCK_V, FP8, GROUP)
             c3 = c3.to(q0.dtype)
             s = _dot(q3, tl.trans(c3), s, F32)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain
@@ -172,24 +249,27 @@ def sparse_mla_heads_kernel(
         m_i = m_new
         pb = p.to(q0.dtype)  # one P for every value block
         acc0 = _dot(pb, c0, acc0 * alpha[:, None], F32)
-        if NV > 1:
+        if NV_OWN > 1:
             acc1 = _dot(pb, c1, acc1 * alpha[:, None], F32)
-        if NV > 2:
+        if NV_OWN > 2:
             acc2 = _dot(pb, c2, acc2 * alpha[:, None], F32)
-        if NV > 3:
+        if NV_OWN > 3:
             acc3 = _dot(pb, c3, acc3 * alpha[:, None], F32)
     has = l_i > 0.0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     obase = o_ptr + t * s_ot + sp * s_os + offs_h[:, None] * s_oh
-    _store_o(obase, acc0 * inv[:, None], mask_h, 0, L, BLOCK_V)
-    if NV > 1:
-        _store_o(obase, acc1 * inv[:, None], mask_h, 1, L, BLOCK_V)
-    if NV > 2:
-        _store_o(obase, acc2 * inv[:, None], mask_h, 2, L, BLOCK_V)
-    if NV > 3:
-        _store_o(obase, acc3 * inv[:, None], mask_h, 3, L, BLOCK_V)
-    tl.store(lse_ptr + t * s_lt + offs_h * s_lh + sp * s_ls, lse, mask=mask_h)
+    _store_o(obase, acc0 * inv[:, None], mask_h, vb, L, BLOCK_V)
+    if NV_OWN > 1:
+        _store_o(obase, acc1 * inv[:, None], mask_h, b1, L, BLOCK_V)
+    if NV_OWN > 2:
+        _store_o(obase, acc2 * inv[:, None], mask_h, b2, L, BLOCK_V)
+    if NV_OWN > 3:
+        _store_o(obase, acc3 * inv[:, None], mask_h, b3, L, BLOCK_V)
+    lse_mask = mask_h
+    if NV_OWN < NV:
+        lse_mask = mask_h & ((offs_h * 0 + vb) == 0)  # every value program has the same lse; one writes it
+    tl.store(lse_ptr + t * s_lt + offs_h * s_lh + sp * s_ls, lse, mask=lse_mask)
 
 
 def heads_blocks(L: int, group: int, fp8: bool) -> tuple[int, int]:

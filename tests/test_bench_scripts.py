@@ -318,6 +318,22 @@ def test_swap_sweep_on_cpu(tmp_path: Path) -> None:
     assert "LONGCTX_SWAP_PAGES=" in (tmp_path / "swap-sweep-cpu.md").read_text()
 
 
+def test_smla_sweep_on_cpu(tmp_path: Path) -> None:
+    """bench/smla_sweep.py's GPU path at toy sizes under the interpreter: every sparse MLA heads setting
+    it times is checked against the reference (ragged -1 padding included), winners come out as specs."""
+    from longctx.kernels.sparse_mla_heads import HeadsKnobs
+
+    from bench.smla_sweep import main
+
+    assert main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "smla-sweep-cpu.json").read_text())
+    assert all(c["ok"] for c in d["checks"]) and len(d["checks"]) >= 3
+    assert all("ragged3" in c["rel_err"] for c in d["checks"])
+    assert {r["batch"] for r in d["results"]} == {1, 3} and set(d["best"]) == {"1", "3"}
+    assert all(isinstance(HeadsKnobs.parse(w["env_spec"]), HeadsKnobs) for w in d["best"].values())
+    assert "LONGCTX_SPARSE_MLA_HEADS=" in (tmp_path / "smla-sweep-cpu.md").read_text()
+
+
 def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     from bench.train_speed import main
 

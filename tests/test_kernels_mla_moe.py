@@ -160,6 +160,60 @@ def test_sparse_mla_heads_head_blocks_and_tiles():
         assert torch.allclose(lse, rlse, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "L,R,tq,K,vsplit,kw",
+    [
+        (128, 32, 1, 40, 2, {}),  # fp8 group 128 in 4 value blocks of 32 (the GLM layout, scaled down)
+        (128, 32, 3, 40, 4, {"block_n": 16, "num_splits": 3}),
+        (128, 32, 8, 24, 2, {"num_warps": 4, "num_splits": 1}),
+        (128, 32, 3, 40, 1, {"knobs": "vsplit=4,block_n=16,warps=4,splits=2"}),  # env-style knob string
+        (512, 64, 3, 33, 2, {"num_warps": 4}),  # the 656-byte token, 2 of 4 x 128 columns per program
+        (512, 64, 1, 48, 4, {"block_h": 16, "num_splits": 2}),  # 20 heads -> 2 head blocks x 4 value programs
+        (384, 32, 2, 40, 3, {}),  # 3 value blocks, one per program
+    ],
+)
+def test_sparse_mla_heads_value_split_matches_ref(L, R, tq, K, vsplit, kw):
+    """impl="heads" with the value columns cut over programs (each rescoring all of S): ragged top-k
+    with -1 padding, one query that keeps a single valid key, odd K, and the knobs from an env-style spec."""
+    from longctx.kernels.sparse_mla_heads import HeadsKnobs
+
+    gen = torch.Generator().manual_seed(L + 10 * tq + K + vsplit)
+    n, H = 60, (20 if "block_h" in kw else 5)
+    pool, _, _ = _pool(n, L, R, "fp8_e4m3", torch.bfloat16, gen)
+    ql = torch.randn(tq, H, L, generator=gen).to(torch.bfloat16)
+    qr = torch.randn(tq, H, R, generator=gen).to(torch.bfloat16)
+    idx = _indices(tq, K, n, gen)
+    idx[0] = -1
+    idx[0, K // 2] = 7
+    kw = dict(kw)
+    if "knobs" in kw:
+        kw["knobs"] = HeadsKnobs.parse(kw["knobs"])
+    else:
+        kw["value_split"] = vsplit
+    scale = 1.0 / math.sqrt(L + R)
+    o, lse = sparse_mla(ql, qr, pool, idx, scale, "fp8_e4m3", True, backend=TRITON, impl="heads", **kw)
+    ro, rlse = sparse_mla_ref(ql, qr, pool, idx, scale, "fp8_e4m3", True)
+    _close(o, ro, torch.bfloat16, f"vsplit={vsplit} {kw}")
+    assert (lse - rlse).abs().max().item() <= 2e-2
+    assert torch.allclose(o[0].float(), ro[0].float(), rtol=1e-2, atol=1e-2)  # one key: row 7 (bf16-rounded)
+
+
+def test_sparse_mla_heads_knobs_parse_and_reject():
+    from longctx.kernels.sparse_mla_heads import HeadsKnobs
+
+    k = HeadsKnobs.parse("vsplit=2, warps=4,block_n=64")
+    assert (k.vsplit, k.warps, k.block_n, k.stages) == (2, 4, 64, 2)
+    assert HeadsKnobs.parse(k.spec()) == k and HeadsKnobs.parse("") == HeadsKnobs()
+    for bad in ("vsplit=5", "block_n=24", "warps=3", "bogus=1", "vsplit=-1"):
+        with pytest.raises(KernelInputError):
+            HeadsKnobs.parse(bad)
+    gen = torch.Generator().manual_seed(3)
+    pool, _, _ = _pool(8, 128, 32, "fp8_e4m3", torch.float32, gen)
+    with pytest.raises(KernelInputError, match="value_split"):
+        sparse_mla(torch.zeros(1, 2, 128), torch.zeros(1, 2, 32), pool, torch.zeros(1, 4, dtype=torch.int32),
+                   1.0, "fp8_e4m3", backend=TRITON, impl="heads", value_split=3)  # fmt: skip
+
+
 def test_sparse_mla_heads_tiling_choices():
     from longctx.kernels.sparse_mla_heads import heads_blocks, pick_splits_heads
 
