@@ -25,6 +25,8 @@ Experts, Triton path:
      to a per-pair buffer [T*k, Hd] (rows of ignored ids are never written).
   4. `_combine_kernel`: y = residual + (sum over the valid k slots + shared) per token, one kernel
      (deterministic, no atomics); torch would spend a zeros, a sum and an add per addend.
+With STREAM_MAX_PAIRS > 0 (off by default, unmeasured), fp8 weights on whole 128-blocks take `moe_stream`'s
+persistent weight stream for at most that many pairs (no align; split-K partials to the combine kernel).
 With DECODE_MAX_PAIRS > 0 (off by default: measured slower than steps 1-3 on the H200), at most that many
 (token, slot) pairs take `moe_decode`'s weight stream instead of steps 1-3 (no align; its down
 projection's split-K partials go to the same combine kernel).
@@ -47,6 +49,8 @@ import torch.nn.functional as F
 from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, mma
 from .moe_decode import DecodeConfig, experts_decode
+from .moe_stream import StreamConfig, experts_stream
+from .moe_stream import supports as stream_supports
 
 # Up to this many (token, slot) pairs the Triton path runs `moe_decode` (a weight stream of the selected
 # experts, no align kernel) instead of the grouped GEMMs below. Off (0) by default: on the H200 at
@@ -55,6 +59,10 @@ from .moe_decode import DecodeConfig, experts_decode
 # against 120.5 / 572 us for the grouped GEMMs with the (16, 64, 128, 4, 4) tiles. 64 (batch 8 at top-8)
 # turns it on; LONGCTX_MOE_DECODE_MAX_PAIRS sets it for a process (A/B benches).
 DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "0"))
+# Up to this many pairs, fp8 block weights with Hd and I multiples of 128 take `moe_stream` (persistent
+# weight stream, no align). Off (0) until `python -m bench.moe8_sweep` has measured it on the H200;
+# LONGCTX_MOE_STREAM_MAX_PAIRS sets it for a process (A/B benches). Checked before DECODE_MAX_PAIRS.
+STREAM_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_STREAM_MAX_PAIRS", "0"))
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -720,6 +728,7 @@ def moe_experts(
     backend: str = "auto",
     tiles: tuple[int, int, int, int, int] | None = None,
     decode: bool | DecodeConfig | None = None,
+    stream: bool | StreamConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts with the contract of `moe_experts_ref` (layouts in the module docstring); Triton when
     `common.use_triton(backend, device)` says so, else the reference.
@@ -727,8 +736,11 @@ def moe_experts(
     x [T, Hd] float, unit column stride; topk_ids [T, k] int; topk_w [T, k] float; weights and scales contiguous.
     `decode` picks the Triton path: None (default) `moe_decode` for at most DECODE_MAX_PAIRS pairs (T*k)
     and the grouped GEMMs above that (or when `tiles` is given); True / a `moe_decode.DecodeConfig` the decode path (its tiles);
-    False the grouped GEMMs. `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the
-    grouped GEMMs' heuristic (bench).
+    False the grouped GEMMs. `stream`: None (default) `moe_stream` for at most STREAM_MAX_PAIRS pairs
+    when it supports the weights (fp8, Hd and I multiples of 128) and neither `decode` nor `tiles` is
+    given; True / a `moe_stream.StreamConfig` that path (raises if unsupported); False never.
+    `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the grouped GEMMs' heuristic
+    (bench).
     Returns y [T, Hd] in x's dtype (plus `shared` and `residual`, [T, Hd] with unit column stride,
     added by the combine kernel).
     """
@@ -745,6 +757,17 @@ def moe_experts(
     if t == 0 or k == 0:
         return _add_ref(torch.zeros_like(x), shared, residual)
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    if stream is None:
+        stream = (
+            decode is None and tiles is None and t * k <= STREAM_MAX_PAIRS and stream_supports(hd, inter, fp8)
+        )
+    if stream is not False:
+        check(fp8, "moe_experts: the stream path needs fp8 block weights")
+        scfg = stream if isinstance(stream, StreamConfig) else None
+        assert w_gate_up_scale is not None and w_down_scale is not None  # fp8: checked above
+        s_gu, s_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
+        parts = experts_stream(x, ids, topk_w, w_gate_up, w_down, s_gu, s_d, scfg)
+        return _combine(parts, ids, e, shared, residual, x.dtype)
     if decode is None:
         decode = tiles is None and t * k <= DECODE_MAX_PAIRS
     if decode is not False:

@@ -382,3 +382,17 @@ def test_vs_transformers_long_from(tmp_path):
     res2 = {"max_context": {"longctx": 131072}}
     add_long_from(res2, {"prefill_tok_s": {}, "decode_ms": {}, "max_context": 131072}, empty)
     assert res2["max_context"]["longctx"] == 131072 and "error" in res2["long_from"]
+
+
+def test_moe8_sweep_on_cpu(tmp_path: Path) -> None:
+    """bench/moe8_sweep.py at toy sizes under the interpreter: the current path and the stream variants
+    are each checked against the reference and a winner spec comes out."""
+    from longctx.kernels.moe_stream import DEFAULT, parse_config
+
+    from bench.moe8_sweep import main
+
+    assert main(["--device", "cpu", "--quick", "--batches", "1,3", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "moe8-sweep-cpu.json").read_text())
+    assert {r["variant"] for r in d["results"]} == {"current", "stream default", "stream mma=fp8"}
+    assert all(r["ok"] for r in d["results"]) and set(d["best_stream"]) == {"1", "3"}
+    assert all(parse_config(spec, DEFAULT) for spec in d["best_stream"].values())
