@@ -46,6 +46,7 @@ from .fp8_gemm import cdiv, mma
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
 from .sparse_mla_heads import (
     HEADS_KNOBS,
+    HEADS_KNOBS_ONE_QUERY,
     HeadsKnobs,
     heads_blocks,
     pick_splits_heads,
@@ -307,7 +308,8 @@ def sparse_mla(
     `impl`: "split" (BLOCK_H heads of one query per program), "heads" (all heads of a query per program,
     value dim in 128-column blocks; kernels.sparse_mla_heads) or "auto" (`resolve_impl`). block_h caps the heads per program
     (heads default 64); scale_gather applies to "split" only. impl="heads" takes its defaults from `knobs`
-    (default `sparse_mla_heads.HEADS_KNOBS`, env LONGCTX_SPARSE_MLA_HEADS); the keyword knobs override them,
+    (default `sparse_mla_heads.HEADS_KNOBS`, or `HEADS_KNOBS_ONE_QUERY` for a single query; env
+    LONGCTX_SPARSE_MLA_HEADS overrides both); the keyword knobs override them,
     value_split (value programs per query, dividing the 128-column value blocks) included.
     """
     check(impl in IMPLS + ("auto",), f"sparse_mla: impl must be one of {IMPLS} or auto, got {impl!r}")
@@ -350,7 +352,7 @@ def sparse_mla(
     block_r = max(16, next_pow2(R))
     n_vp = 1
     if impl == "heads":
-        kn = knobs or HEADS_KNOBS
+        kn = knobs or (HEADS_KNOBS_ONE_QUERY if tq == 1 else HEADS_KNOBS)
         block_v, nv = heads_blocks(L, group, fp8)
         if value_split is None:
             n_vp = math.gcd(kn.vsplit, nv)  # a knob set for L=512 still launches at other shapes

@@ -101,6 +101,13 @@ class HeadsKnobs:
 
 # LONGCTX_SPARSE_MLA_HEADS ("block_n=64,warps=4,vsplit=2", any subset) overrides the defaults for a process.
 HEADS_KNOBS = HeadsKnobs.parse(os.environ.get("LONGCTX_SPARSE_MLA_HEADS", ""))
+# A single query (batch-1 decode) splits the value columns over 4 programs of 4 warps, 32 keys a tile:
+# 15.7 vs 19.9 us kernel-only and 11.4 vs 15.4 us a layer inside the 128K decode graph on the H200
+# (bench/results/smla-sweep-h200.md); from 8 queries up the defaults above win. The env var overrides
+# this too.
+HEADS_KNOBS_ONE_QUERY = HeadsKnobs.parse(
+    os.environ.get("LONGCTX_SPARSE_MLA_HEADS", ""), base=HeadsKnobs(block_n=32, warps=4, vsplit=4)
+)
 
 
 @jit
