@@ -14,6 +14,7 @@ leaves the function undecorated (it is then never called, since `use_triton` say
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -110,3 +111,20 @@ def round_as(x, like):
     elif like.dtype == tl.float16:
         y = x.to(tl.float16).to(tl.float32)
     return y
+
+
+def knobs_spec(knobs: Any) -> str:
+    """A launch-knob dataclass as its env-var string "name=int,..." (every field; bools as 0/1)."""
+    return ",".join(f"{f.name}={int(getattr(knobs, f.name))}" for f in dataclasses.fields(knobs))
+
+
+def parse_knobs(cls: type, spec: str, base: Any, what: str) -> Any:
+    """`base` (default: cls()) with the fields named in "name=int,..." replaced; a bool field takes 0/1.
+    The dataclass's own checks (its __post_init__) judge the values."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kv: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, val = (x.strip() for x in part.partition("="))
+        check(name in fields and val.lstrip("-").isdigit(), f"bad {what} {part!r}")
+        kv[name] = bool(int(val)) if fields[name].type in (bool, "bool") else int(val)
+    return dataclasses.replace(base or cls(), **kv)

@@ -43,12 +43,10 @@ so one CTA's gathers overlap the other's dots; the price is vsplit x the QK^T wo
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
 
-from .common import check, jit, next_pow2, tl
+from .common import check, jit, knobs_spec, next_pow2, parse_knobs, tl
 from .fp8_gemm import cdiv
 
 MAX_NV = 4  # value blocks held per program (acc0..acc3)
@@ -85,18 +83,12 @@ class HeadsKnobs:
 
     def spec(self) -> str:
         """The LONGCTX_SPARSE_MLA_HEADS string of these knobs."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return knobs_spec(self)
 
     @classmethod
     def parse(cls, spec: str, base: HeadsKnobs | None = None) -> HeadsKnobs:
         """`base` (default: the defaults) with the fields named in "name=int,..." replaced."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kv: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, val = (x.strip() for x in part.partition("="))
-            check(name in names and val.isdigit(), f"bad sparse MLA heads knob {part!r}")
-            kv[name] = int(val)
-        return dataclasses.replace(base or cls(), **kv)
+        return parse_knobs(cls, spec, base, "sparse MLA heads knob")  # type: ignore[no-any-return]
 
 
 # LONGCTX_SPARSE_MLA_HEADS ("block_n=64,warps=4,vsplit=2", any subset) overrides the defaults for a process.

@@ -39,11 +39,10 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, tl, use_triton
+from .common import check, jit, knobs_spec, next_pow2, num_sms, parse_knobs, tl, use_triton
 
 
 @dataclass(frozen=True)
@@ -72,18 +71,12 @@ class CopyKnobs:
 
     def spec(self) -> str:
         """The LONGCTX_SWAP_ROWS / _PAGES string of these knobs."""
-        return ",".join(f"{f.name}={int(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return knobs_spec(self)
 
     @classmethod
     def parse(cls, spec: str, base: CopyKnobs | None = None) -> CopyKnobs:
         """`base` (default: the defaults) with the fields named in "name=int,..." replaced."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kv: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, val = (x.strip() for x in part.partition("="))
-            check(name in names and val.lstrip("-").isdigit(), f"bad swap knob {part!r}")
-            kv[name] = bool(int(val)) if name in ("split", "cut") else int(val)
-        return dataclasses.replace(base or cls(), **kv)
+        return parse_knobs(cls, spec, base, "swap knob")  # type: ignore[no-any-return]
 
     def plain(self) -> CopyKnobs:
         """The tile knobs alone (no persist / split / cut): for kernels that grid the copy themselves."""
