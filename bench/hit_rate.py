@@ -6,7 +6,13 @@ HiSparse capped at `--cap-fraction` of the context and greedily decodes `--steps
 the fraction of the decode steps' selected tokens that were already resident. Runs on the CPU (the
 shipped retrieval checkpoint is small) or the GPU.
 
-    python -m bench.hit_rate [--model models-shipped/retrieval-wip] [--tokens 8192] [--steps 48]
+    python -m bench.hit_rate [--model models-shipped/retrieval-wip] [--tokens 8192] [--steps 48] [--policies]
+
+`--policies` also records every layer's decode selections and replays them through cache policies
+offline (`replay`): LRU as HiSparse runs it, Belady's optimal eviction (the best any policy that only
+caches can do with that many slots), and an unbounded cache (what is left are first-time selections,
+which no eviction policy can hit), each counted after a warm-up of `--warmup` steps. That says whether
+a hit rate target is a matter of the cache policy or of how much the model's selection moves.
 """
 
 from __future__ import annotations
@@ -15,11 +21,86 @@ import argparse
 import json
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def replay(
+    steps: Sequence[Sequence[int]], first_ctx: int, cap: int, recent: int, warmup: int
+) -> dict[str, float]:
+    """Hit rates of one (request, layer)'s decode selections under three caches of `cap` device slots.
+
+    steps[t]: the positions selected at decode step t, whose context is first_ctx + t tokens; the
+    `recent` newest positions are always resident (they are hits, as in HiSparse, and take `recent`
+    of the slots). The caches start empty and only steps >= warmup are counted. "lru" evicts the least
+    recently selected position; "belady" the one selected again furthest in the future (never: first),
+    the optimum for any cache that fetches on a miss; "unbounded" never evicts. Also the mean fraction
+    of a step's selection that the previous step selected too ("overlap_prev")."""
+    room = cap - recent
+    assert room > 0 and all(len(set(s)) <= room + recent for s in steps)
+    uses: dict[int, list[int]] = {}
+    for t, sel in enumerate(steps):
+        for p in set(sel):
+            uses.setdefault(p, []).append(t)
+    lru: OrderedDict[int, None] = OrderedDict()
+    opt: set[int] = set()
+    seen: set[int] = set()
+    hits = {"lru": 0, "belady": 0, "unbounded": 0}
+    total, overlap, n_overlap = 0, 0.0, 0
+    prev: set[int] = set()
+    for t, sel in enumerate(steps):
+        cur = set(sel)
+        if t and cur:
+            overlap += len(cur & prev) / len(cur)
+            n_overlap += 1
+        prev = cur
+        pinned = {p for p in cur if p >= first_ctx + t - recent}
+        old = cur - pinned
+        if t >= warmup:
+            total += len(cur)
+            hits["lru"] += len(pinned) + sum(1 for p in old if p in lru)
+            hits["belady"] += len(pinned) + len(old & opt)
+            hits["unbounded"] += len(pinned) + len(old & seen)
+        for p in sorted(old):
+            lru[p] = None
+            lru.move_to_end(p)
+        while len(lru) > room:
+            lru.popitem(last=False)
+        opt |= old
+        if len(opt) > room:
+
+            def next_use(p: int, t: int = t) -> int:
+                later = [u for u in uses[p] if u > t]
+                return later[0] if later else len(steps) + 1
+
+            victims = sorted(opt - old, key=next_use, reverse=True)[: len(opt) - room]
+            opt -= set(victims)
+        seen |= old
+    out = {k: v / max(1, total) for k, v in hits.items()}
+    out["overlap_prev"] = overlap / max(1, n_overlap)
+    out["counted_selections"] = float(total)
+    return out
+
+
+def record_selections(cache_cls: type) -> tuple[dict[int, list[list[int]]], object]:
+    """Wrap `cache_cls.resolve` to record each layer's batch-1 decode selections (positions, -1 dropped);
+    returns (layer -> steps, the original method, to put back). Key -1 holds [[the cache's `recent`]]."""
+    seqs: dict[int, list[list[int]]] = {}
+    orig = cache_cls.resolve
+
+    def resolve(self, layer, topk, ctx):  # type: ignore[no-untyped-def]
+        if topk.shape[0] == 1 and getattr(self, "_dec", None) is not None:
+            seqs.setdefault(layer, []).append([p for p in topk[0].tolist() if p >= 0])
+            seqs[-1] = [[self.recent]]
+        return orig(self, layer, topk, ctx)
+
+    cache_cls.resolve = resolve  # type: ignore[method-assign]
+    return seqs, orig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=None, help="write hit-rate-<tokens>.json here")
+    ap.add_argument("--policies", action="store_true", help="replay the selections through LRU / Belady")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps the offline caches warm up on")
     args = ap.parse_args(argv)
 
     from bench.common import niah_byte_prompt
@@ -43,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     topk = ModelConfig.from_json(args.model).index_topk
     cap = max(topk + 2, int(args.cap_fraction * len(ids)))  # a decode query's selection must fit
     params = SamplingParams(max_new_tokens=args.steps, temperature=0.0, ignore_eos=True)
+    seqs: dict[int, list[list[int]]] | None = None
+    if args.policies:
+        from longctx.hisparse.cache import HiSparseKVCache
+
+        seqs, orig = record_selections(HiSparseKVCache)
     with Engine(args.model, device=args.device, hisparse_device_tokens=cap, chunk_size=args.chunk) as eng:
         eng.add_request(Request("hit-rate", ids, params))
         t0 = time.perf_counter()
@@ -52,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 if o.new_token_ids and at_first is None:
                     prefill_s, at_first = time.perf_counter() - t0, eng.stats()["hisparse"]
         end = eng.stats()["hisparse"]
+    if args.policies:
+        HiSparseKVCache.resolve = orig  # type: ignore[method-assign]
     assert at_first is not None
     hits, misses = end["hits"] - at_first["hits"], end["misses"] - at_first["misses"]
     res = {
@@ -67,6 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "command": "python -m bench.hit_rate " + " ".join(sys.argv[1:] if argv is None else argv),
     }
+    if seqs:
+        r = seqs.pop(-1)[0][0]
+        per = {layer: replay(st, len(ids) + 1, cap, r, args.warmup) for layer, st in sorted(seqs.items())}
+        keys = ("lru", "belady", "unbounded", "overlap_prev")
+        mean = {k: sum(v[k] for v in per.values()) / len(per) for k in keys}
+        res["policies"] = {"warmup_steps": args.warmup, "recent": r, "mean": mean, "per_layer": per}
+        print(
+            f"offline replay after {args.warmup} warm-up steps (mean of {len(per)} layers): LRU {mean['lru']:.3f}, "
+            f"Belady {mean['belady']:.3f}, unbounded {mean['unbounded']:.3f}; "
+            f"overlap with the previous step's selection {mean['overlap_prev']:.3f}"
+        )
     print(
         f"{len(ids):,} tokens, top-{topk}, cap {cap:,} ({args.cap_fraction:.0%}): decode hit rate "
         f"{res['decode_hit_rate']:.3f} over {args.steps} steps ({hits:,} hits, {misses:,} misses)"

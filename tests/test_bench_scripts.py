@@ -348,11 +348,37 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
 def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     from bench.hit_rate import main
 
-    assert main(["--tokens", "1024", "--steps", "3", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["--tokens", "1024", "--steps", "4", "--policies", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    )
     (f,) = tmp_path.glob("hit-rate-*.json")
     d = json.loads(f.read_text())
     assert d["device_tokens_cap"] == d["index_topk"] + 2  # 10% of ~1K is below top-k: the floor
     assert d["hits"] + d["misses"] > 0 and 0.0 <= d["decode_hit_rate"] <= 1.0
+    m = d["policies"]["mean"]
+    assert len(d["policies"]["per_layer"]) >= 1
+    assert 0.0 <= m["lru"] <= m["belady"] + 1e-9 <= m["unbounded"] + 2e-9 <= 1.0 + 2e-9
+
+
+def test_cache_policy_replay_against_hand_counts() -> None:
+    """`replay` on a sequence worked out by hand, then Belady >= LRU on random ones."""
+    import random
+
+    from bench.hit_rate import replay
+
+    # 3 slots for old positions (cap 4, the newest position pinned); step t's context is 100 + t tokens
+    steps = [[0, 1], [2, 3], [0, 2], [1, 3, 102]]  # 102: the newest position at step 3
+    r = replay(steps, 100, cap=4, recent=1, warmup=1)
+    # LRU: after step 1 {1,2,3} (0 evicted); step 2: 0 miss, 2 hit -> {3,0,2}; step 3: 1 miss, 3 hit
+    assert r["lru"] == (0 + 1 + 2) / 7  # + the pinned 102
+    # Belady at step 1 evicts 1 (next used at step 3) rather than 0 (step 2): step 2 hits both
+    assert r["belady"] == (0 + 2 + 2) / 7
+    assert r["unbounded"] == (0 + 2 + 3) / 7
+    rng = random.Random(0)
+    for _ in range(20):
+        seq = [rng.sample(range(60), 8) for _ in range(30)]
+        r = replay(seq, 1000, cap=20, recent=4, warmup=3)
+        assert r["lru"] <= r["belady"] + 1e-12 <= r["unbounded"] + 2e-12
 
 
 def test_vs_transformers_long_from(tmp_path):
