@@ -18,6 +18,7 @@ a hit rate target is a matter of the cache policy or of how much the model's sel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -31,7 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def replay(
-    steps: Sequence[Sequence[int]], first_ctx: int, cap: int, recent: int, warmup: int
+    steps: Sequence[Sequence[int]],
+    first_ctx: int,
+    cap: int,
+    recent: int,
+    warmup: int,
+    ahead: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, float]:
     """Hit rates of one (request, layer)'s decode selections under three caches of `cap` device slots.
 
@@ -40,7 +46,12 @@ def replay(
     of the slots). The caches start empty and only steps >= warmup are counted. "lru" evicts the least
     recently selected position; "belady" the one selected again furthest in the future (never: first),
     the optimum for any cache that fetches on a miss; "unbounded" never evicts. Also the mean fraction
-    of a step's selection that the previous step selected too ("overlap_prev")."""
+    of a step's selection that the previous step selected too ("overlap_prev").
+
+    `ahead[t]` (optional): the positions the indexer ranked just below the top-k at step t. Then
+    "lru_ahead" is LRU that also fetches those after each step (in recency between older entries and
+    the step's own selection), with "ahead_fetches" the extra rows it copied per counted step
+    against "lru_misses" per counted step."""
     room = cap - recent
     assert room > 0 and all(len(set(s)) <= room + recent for s in steps)
     uses: dict[int, list[int]] = {}
@@ -48,9 +59,11 @@ def replay(
         for p in set(sel):
             uses.setdefault(p, []).append(t)
     lru: OrderedDict[int, None] = OrderedDict()
+    pre: OrderedDict[int, None] = OrderedDict()  # LRU + fetch-ahead
+    fetched, missed, n_counted = 0, 0, 0
     opt: set[int] = set()
     seen: set[int] = set()
-    hits = {"lru": 0, "belady": 0, "unbounded": 0}
+    hits = {"lru": 0, "belady": 0, "unbounded": 0, "lru_ahead": 0}
     total, overlap, n_overlap = 0, 0.0, 0
     prev: set[int] = set()
     for t, sel in enumerate(steps):
@@ -66,11 +79,26 @@ def replay(
             hits["lru"] += len(pinned) + sum(1 for p in old if p in lru)
             hits["belady"] += len(pinned) + len(old & opt)
             hits["unbounded"] += len(pinned) + len(old & seen)
+            hits["lru_ahead"] += len(pinned) + sum(1 for p in old if p in pre)
+            missed += sum(1 for p in old if p not in lru)
+            n_counted += 1
         for p in sorted(old):
             lru[p] = None
             lru.move_to_end(p)
         while len(lru) > room:
             lru.popitem(last=False)
+        if ahead is not None:
+            extra = [p for p in ahead[t] if p not in pre and p < first_ctx + t - recent]
+            if t >= warmup:
+                fetched += len(extra)
+            for p in extra:  # more recent than older entries, behind the step's own selection
+                pre[p] = None
+                pre.move_to_end(p)
+            for p in sorted(old):
+                pre[p] = None
+                pre.move_to_end(p)
+            while len(pre) > room:
+                pre.popitem(last=False)
         opt |= old
         if len(opt) > room:
 
@@ -81,26 +109,62 @@ def replay(
             victims = sorted(opt - old, key=next_use, reverse=True)[: len(opt) - room]
             opt -= set(victims)
         seen |= old
-    out = {k: v / max(1, total) for k, v in hits.items()}
+    out = {k: v / max(1, total) for k, v in hits.items() if k != "lru_ahead" or ahead is not None}
     out["overlap_prev"] = overlap / max(1, n_overlap)
+    if ahead is not None:
+        out["ahead_fetches"] = fetched / max(1, n_counted)
+        out["lru_misses"] = missed / max(1, n_counted)
     out["counted_selections"] = float(total)
     return out
 
 
-def record_selections(cache_cls: type) -> tuple[dict[int, list[list[int]]], object]:
-    """Wrap `cache_cls.resolve` to record each layer's batch-1 decode selections (positions, -1 dropped);
-    returns (layer -> steps, the original method, to put back). Key -1 holds [[the cache's `recent`]]."""
-    seqs: dict[int, list[list[int]]] = {}
-    orig = cache_cls.resolve
+class SelectionRecorder:
+    """While entered: every layer's batch-1 decode selection as HiSparse resolves it (positions, -1
+    dropped), and with `ahead` > 0 the next `ahead` positions the indexer ranked below its top-k (the
+    torch top-k, i.e. the CPU path). Patches `HiSparseKVCache.resolve` and `topk.topk_indices_ref`."""
 
-    def resolve(self, layer, topk, ctx):  # type: ignore[no-untyped-def]
-        if topk.shape[0] == 1 and getattr(self, "_dec", None) is not None:
-            seqs.setdefault(layer, []).append([p for p in topk[0].tolist() if p >= 0])
-            seqs[-1] = [[self.recent]]
-        return orig(self, layer, topk, ctx)
+    def __init__(self, ahead: int = 0) -> None:
+        self.ahead = ahead
+        self.steps: dict[int, list[list[int]]] = {}
+        self.below: dict[int, list[list[int]]] = {}
+        self.recent = 0
+        self._extra: list[int] = []
 
-    cache_cls.resolve = resolve  # type: ignore[method-assign]
-    return seqs, orig
+    def __enter__(self) -> SelectionRecorder:
+        from longctx.kernels import topk as topk_mod
+
+        from longctx.hisparse.cache import HiSparseKVCache
+        from longctx.model import ops
+
+        rec, resolve, ref = self, HiSparseKVCache.resolve, topk_mod.topk_indices_ref
+        self._undo = [(HiSparseKVCache, "resolve", resolve), (topk_mod, "topk_indices_ref", ref)]
+
+        def topk_indices_ref(logits, k, valid_len):  # type: ignore[no-untyped-def]
+            out = ref(logits, k, valid_len)
+            if rec.ahead and logits.shape[0] == 1:
+                chosen = set(out[0].tolist())
+                wide = ref(logits, k + rec.ahead, valid_len)[0].tolist()
+                rec._extra = [p for p in wide if p >= 0 and p not in chosen]
+            return out
+
+        def resolve_rec(cache, layer, topk, ctx):  # type: ignore[no-untyped-def]
+            if topk.shape[0] == 1 and getattr(cache, "_dec", None) is not None:
+                rec.steps.setdefault(layer, []).append([p for p in topk[0].tolist() if p >= 0])
+                rec.below.setdefault(layer, []).append(list(rec._extra))  # shared layers: their full layer's
+                rec.recent = cache.recent
+            return resolve(cache, layer, topk, ctx)
+
+        HiSparseKVCache.resolve = resolve_rec  # type: ignore[method-assign]
+        topk_mod.topk_indices_ref = topk_indices_ref
+        ops._lookup.cache_clear()  # the model looks ops up once and caches them
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from longctx.model import ops
+
+        for obj, name, fn in self._undo:
+            setattr(obj, name, fn)
+        ops._lookup.cache_clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write hit-rate-<tokens>.json here")
     ap.add_argument("--policies", action="store_true", help="replay the selections through LRU / Belady")
     ap.add_argument("--warmup", type=int, default=8, help="decode steps the offline caches warm up on")
+    ap.add_argument(
+        "--ahead",
+        type=int,
+        default=0,
+        help="with --policies: also replay LRU fetching the next N ranked (CPU)",
+    )
     args = ap.parse_args(argv)
 
     from bench.common import niah_byte_prompt
@@ -126,12 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     topk = ModelConfig.from_json(args.model).index_topk
     cap = max(topk + 2, int(args.cap_fraction * len(ids)))  # a decode query's selection must fit
     params = SamplingParams(max_new_tokens=args.steps, temperature=0.0, ignore_eos=True)
-    seqs: dict[int, list[list[int]]] | None = None
-    if args.policies:
-        from longctx.hisparse.cache import HiSparseKVCache
-
-        seqs, orig = record_selections(HiSparseKVCache)
-    with Engine(args.model, device=args.device, hisparse_device_tokens=cap, chunk_size=args.chunk) as eng:
+    rec = SelectionRecorder(args.ahead) if args.policies else contextlib.nullcontext()
+    with (
+        rec,
+        Engine(args.model, device=args.device, hisparse_device_tokens=cap, chunk_size=args.chunk) as eng,
+    ):
         eng.add_request(Request("hit-rate", ids, params))
         t0 = time.perf_counter()
         prefill_s, at_first = None, None
@@ -140,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
                 if o.new_token_ids and at_first is None:
                     prefill_s, at_first = time.perf_counter() - t0, eng.stats()["hisparse"]
         end = eng.stats()["hisparse"]
-    if args.policies:
-        HiSparseKVCache.resolve = orig  # type: ignore[method-assign]
     assert at_first is not None
     hits, misses = end["hits"] - at_first["hits"], end["misses"] - at_first["misses"]
     res = {
@@ -157,16 +224,31 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "command": "python -m bench.hit_rate " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    if seqs:
-        r = seqs.pop(-1)[0][0]
-        per = {layer: replay(st, len(ids) + 1, cap, r, args.warmup) for layer, st in sorted(seqs.items())}
-        keys = ("lru", "belady", "unbounded", "overlap_prev")
+    if isinstance(rec, SelectionRecorder) and rec.steps:
+        r = rec.recent
+        per = {
+            layer: replay(st, len(ids) + 1, cap, r, args.warmup, rec.below[layer] if args.ahead else None)
+            for layer, st in sorted(rec.steps.items())
+        }
+        keys = tuple(next(iter(per.values())))
         mean = {k: sum(v[k] for v in per.values()) / len(per) for k in keys}
-        res["policies"] = {"warmup_steps": args.warmup, "recent": r, "mean": mean, "per_layer": per}
+        res["policies"] = {
+            "warmup_steps": args.warmup,
+            "recent": r,
+            "ahead": args.ahead,
+            "mean": mean,
+            "per_layer": per,
+        }
         print(
             f"offline replay after {args.warmup} warm-up steps (mean of {len(per)} layers): LRU {mean['lru']:.3f}, "
             f"Belady {mean['belady']:.3f}, unbounded {mean['unbounded']:.3f}; "
             f"overlap with the previous step's selection {mean['overlap_prev']:.3f}"
+            + (
+                f"; LRU fetching the next {args.ahead} ranked: {mean['lru_ahead']:.3f} "
+                f"({mean['ahead_fetches']:.0f} extra rows a step against {mean['lru_misses']:.0f} misses)"
+                if args.ahead
+                else ""
+            )
         )
     print(
         f"{len(ids):,} tokens, top-{topk}, cap {cap:,} ({args.cap_fraction:.0%}): decode hit rate "

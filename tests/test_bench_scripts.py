@@ -348,9 +348,8 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
 def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     from bench.hit_rate import main
 
-    assert (
-        main(["--tokens", "1024", "--steps", "4", "--policies", "--warmup", "1", "--out", str(tmp_path)]) == 0
-    )
+    args = ["--tokens", "1024", "--steps", "4", "--policies", "--warmup", "1", "--ahead", "32"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
     (f,) = tmp_path.glob("hit-rate-*.json")
     d = json.loads(f.read_text())
     assert d["device_tokens_cap"] == d["index_topk"] + 2  # 10% of ~1K is below top-k: the floor
@@ -358,6 +357,7 @@ def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     m = d["policies"]["mean"]
     assert len(d["policies"]["per_layer"]) >= 1
     assert 0.0 <= m["lru"] <= m["belady"] + 1e-9 <= m["unbounded"] + 2e-9 <= 1.0 + 2e-9
+    assert 0.0 <= m["lru_ahead"] <= 1.0 and m["ahead_fetches"] >= 0
 
 
 def test_cache_policy_replay_against_hand_counts() -> None:
@@ -374,6 +374,11 @@ def test_cache_policy_replay_against_hand_counts() -> None:
     # Belady at step 1 evicts 1 (next used at step 3) rather than 0 (step 2): step 2 hits both
     assert r["belady"] == (0 + 2 + 2) / 7
     assert r["unbounded"] == (0 + 2 + 3) / 7
+    # fetching the next-ranked positions: each step's `ahead` is hit at the step after it
+    steps = [[0, 1], [2, 3], [0, 4], [5, 2]]
+    r = replay(steps, 100, cap=4, recent=1, warmup=1, ahead=[[2], [4], [5], []])
+    assert r["lru"] == 0.0 and r["lru_ahead"] == 3 / 6
+    assert r["ahead_fetches"] == 2 / 3 and r["lru_misses"] == 2.0  # per counted step (t0's fetch uncounted)
     rng = random.Random(0)
     for _ in range(20):
         seq = [rng.sample(range(60), 8) for _ in range(30)]
