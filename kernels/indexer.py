@@ -24,12 +24,106 @@ identity), so fp8 logits equal `sum_h w * relu(q . (e4m3 * scale))` up to fp32 r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
 from .kv_layout import PAGE_SIZE, index_fp8_offsets, index_row_bytes, is_fp8, read_index_k_ref
 
+try:  # host-side TMA descriptors (triton >= 3.4); the TMA decode variant needs them
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - installs without triton never launch a kernel
+    _TensorDescriptor = None
+
 _REF_CHUNK_ELEMS = 1 << 24  # bounds the reference's [queries, heads, keys] intermediate (64 MiB fp32)
+
+
+@dataclass(frozen=True)
+class DecodeKnobs:
+    """How the decode kernel launches (never what it computes); 0 means the shape's default. The
+    defaults are the launch before the knobs existed; `python -m bench.idx_sweep` times the rest.
+
+    `tma=1` streams whole 64-key pages with TMA instead of per-thread cp.async gathers: the
+    page-major fp8 layout makes a page's keys one contiguous [64, D] box and its scales the next
+    4 * 64 bytes, so one descriptor load per page replaces ~BLOCK_N * D / 16 address computations
+    and 16-byte copies, holds no registers for addresses, and can keep `stages` pages in flight per
+    program (shared memory, not the register file, bounds the bytes in flight). Only for fp8 pools
+    with D a power of two in [16, 256] on sm_90+ (and the interpreter); elsewhere the gather kernel
+    runs. With tma, `block_n` (a multiple of the page) is pages per loop iteration x 64."""
+
+    tma: int = 0  # 1: page-granular TMA loads (see above)
+    block_n: int = 0  # keys per loop iteration, a power of two >= 16; 0: 128
+    warps: int = 4
+    stages: int = 3  # software-pipeline depth: stages - 1 tiles in flight per program
+    per_sm: int = 3  # programs per SM in a wave (3 fit an SM at the defaults: 130 regs, 41 KiB smem)
+    waves: int = 0  # waves of programs; 0: 1 for one query, 2 for a batch (measured best)
+    splits: int = 0  # programs per query; 0: waves * per_sm * SMs // Tq
+
+    def __post_init__(self) -> None:
+        check(self.tma in (0, 1), f"indexer decode knob tma: 0 or 1 ({self})")
+        check(
+            self.block_n == 0 or (self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0),
+            f"indexer decode knob block_n: 0 or a power of two >= 16 ({self})",
+        )
+        check(self.warps in (1, 2, 4, 8, 16) and self.stages >= 1, f"bad indexer decode knobs ({self})")
+        check(self.per_sm >= 1 and self.waves >= 0 and self.splits >= 0, f"bad indexer decode knobs ({self})")
+
+    def spec(self) -> str:
+        """The LONGCTX_INDEXER_DECODE string of these knobs."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def parse(cls, spec: str, base: DecodeKnobs | None = None) -> DecodeKnobs:
+        """`base` (default: the defaults) with the fields named in "name=int,..." replaced."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kv: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, _, val = (x.strip() for x in part.partition("="))
+            check(name in names and val.isdigit(), f"bad indexer decode knob {part!r}")
+            kv[name] = int(val)
+        return dataclasses.replace(base or cls(), **kv)
+
+
+# LONGCTX_INDEXER_DECODE ("tma=1,stages=4", any subset) overrides the decode defaults for a process.
+DECODE_KNOBS = DecodeKnobs.parse(os.environ.get("LONGCTX_INDEXER_DECODE", ""))
+
+
+_LAST_DECODE: dict[str, Any] = {}  # the compiled kernel of the last decode launch (bench statistics)
+
+
+def decode_launch_stats() -> dict[str, int]:
+    """Registers / thread, spilled bytes and shared memory bytes of the last decode launch's compiled
+    kernel ({} under the interpreter): bench/idx_sweep.py reports them to explain occupancy."""
+    k = _LAST_DECODE.get("kernel")
+    md = getattr(k, "metadata", None)
+    if md is None:
+        return {}
+    return {
+        "regs": int(k.n_regs),
+        "spills": int(k.n_spills),
+        "shared": int(md.shared),
+        "warps": int(md.num_warps),
+    }
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _tma_ok(kind: str, d: int, device: torch.device) -> bool:
+    """Whether the TMA decode kernel can serve this pool: fp8, D a power of two in [16, 256] (so the
+    scales are whole D-byte rows of the page), on sm_90+ or the interpreter."""
+    if _TensorDescriptor is None or not is_fp8(kind) or not 16 <= d <= 256 or d & (d - 1):
+        return False
+    if device.type != "cuda":
+        return triton_interpret()
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def _check_inputs(
@@ -140,6 +234,7 @@ def indexer_logits_paged(
     num_warps: int | None = None,
     num_stages: int | None = None,
     splits: int | None = None,
+    knobs: DecodeKnobs | None = None,
 ) -> torch.Tensor:
     """Indexer logits [Tq, max_len] fp32 (-inf where invalid); see the module docstring.
 
@@ -153,7 +248,8 @@ def indexer_logits_paged(
     Two kernels: decode batches (at most one query per request) run `_indexer_decode_kernel`, one
     program per (query, run of key tiles); other calls `_indexer_kernel`. Bench knobs, None picks
     the defaults: `block_n` (keys per tile, a power of two >= 16), `num_warps`, `num_stages`, and
-    for decode `splits` (programs per query).
+    for decode `splits` (programs per query). Decode launches follow `knobs` (default
+    `DECODE_KNOBS`, i.e. LONGCTX_INDEXER_DECODE), the four arguments above overriding its fields.
     """
     _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, w_any_float=True)
     if not use_triton(backend, q.device):
@@ -174,20 +270,45 @@ def indexer_logits_paged(
     fp8 = is_fp8(kind)
     interp = triton_interpret()
     if tq <= page_table.shape[0]:  # decode: no key tile is shared between queries
-        bn = block_n or _DECODE_BLOCK_N
+        kn = knobs or DECODE_KNOBS
+        bn = block_n or kn.block_n or _DECODE_BLOCK_N
+        nw, ns = num_warps or kn.warps, num_stages or kn.stages
+        tma = kn.tma == 1 and _tma_ok(kind, d, q.device)
+        if tma:
+            bn = max(bn, PAGE_SIZE)
         n_tiles = _cdiv(max_len, bn)
         # whole waves of programs (a few more than a wave cost a second one: batch 8 at 50 programs a
         # query took 584 us, at 99 410 us); one wave for a single query, two for a batch (measured best)
-        waves = 1 if tq == 1 else 2  # (on the interpreter 2 "SMs": tests cover several programs a query)
-        per_query = splits or max(1, waves * _DECODE_PROGRAMS_PER_SM * num_sms(q.device, cpu=2) // tq)
+        # (on the interpreter 2 "SMs": tests cover several programs a query)
+        waves = kn.waves or (1 if tq == 1 else 2)
+        per_query = splits or kn.splits or max(1, waves * kn.per_sm * num_sms(q.device, cpu=2) // tq)
         tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
         grid = (tq, _cdiv(n_tiles, tiles_per))
-        _indexer_decode_kernel[grid](
+        if tma:
+            rpp = PAGE_SIZE * (d + 4) // d  # D-byte rows per page: PAGE key rows, then the scales
+            rows = index_pool.shape[0] // PAGE_SIZE * rpp
+            flat = index_pool.view(-1)
+            kdesc = _TensorDescriptor(
+                flat.view(torch.float8_e4m3fn).view(rows, d), [rows, d], [d, 1], [PAGE_SIZE, d]
+            )
+            sdesc = _TensorDescriptor(
+                flat.view(torch.float32).view(rows, d // 4),
+                [rows, d // 4],
+                [d // 4, 1],
+                [rpp - PAGE_SIZE, d // 4],
+            )
+            _LAST_DECODE["kernel"] = _indexer_decode_tma_kernel[grid](
+                q, q.stride(0), q.stride(1), w, w.stride(0), float(w_scale), kdesc, sdesc, page_table,
+                page_table.stride(0), seq_lens, q_seq, q_pos, out, out.stride(0), max_len, tiles_per,
+                H=h, HP=hp, D=d, PAGE=PAGE_SIZE, RPP=rpp, PAGES=bn // PAGE_SIZE,
+                IEEE=q.dtype == torch.float32, INTERPRET=interp, num_warps=nw, num_stages=ns,
+            )  # fmt: skip
+            return out
+        _LAST_DECODE["kernel"] = _indexer_decode_kernel[grid](
             q, q.stride(0), q.stride(1), w, w.stride(0), float(w_scale), index_pool, page_table,
             page_table.stride(0), seq_lens, q_seq, q_pos, out, out.stride(0), max_len, tiles_per,
             H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=fp8, PAGE=PAGE_SIZE, BLOCK_N=bn,
-            IEEE=q.dtype == torch.float32, INTERPRET=interp,
-            num_warps=num_warps or 4, num_stages=num_stages or _DECODE_STAGES,
+            IEEE=q.dtype == torch.float32, INTERPRET=interp, num_warps=nw, num_stages=ns,
         )  # fmt: skip
         return out
     # Prefill shares each key tile between BLOCK_M queries so keys are read Tq / BLOCK_M times
@@ -210,9 +331,7 @@ def indexer_logits_paged(
 # cp.async), ~13 warp instructions per key, one 64x32x16 HGMMA per 16 dims of 64 keys; so 3
 # programs fit on an SM and 3 per SM split each query's keys in one wave.
 
-_DECODE_BLOCK_N = 128
-_DECODE_PROGRAMS_PER_SM = 3
-_DECODE_STAGES = 3
+_DECODE_BLOCK_N = 128  # DecodeKnobs holds the other defaults (warps 4, stages 3, 3 programs per SM)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -418,6 +537,74 @@ def _indexer_decode_kernel(
         if FP8:
             v = v * kscale
         tl.store(out_row + offs_n, tl.where(offs_n < lim, v, float("-inf")), mask=offs_n < max_len)
+    for t in range(t_mid, t_hi):  # columns past this query's keys
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < max_len)
+
+
+@jit
+def _indexer_decode_tma_kernel(
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, w_scale, kdesc, sdesc, pt_ptr, stride_pb,
+    seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, max_len, tiles_per,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, RPP: tl.constexpr,
+    PAGES: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # `_indexer_decode_kernel` with whole pages moved by TMA: the pool is seen as rows of D bytes
+    # (`kdesc`, e4m3) and of D / 4 fp32 (`sdesc`), RPP rows a page: page p's keys are the [PAGE, D]
+    # box at row p * RPP, its scales the [RPP - PAGE, D / 4] box right after. A loop iteration
+    # scores PAGES pages (tile t = pages [t * PAGES, +PAGES) of the request); same numerics as the
+    # gather kernel (fp16 operands for bf16 / fp16 queries, the scale after the head sum).
+    BLOCK_N: tl.constexpr = PAGES * PAGE
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_h = tl.arange(0, HP)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    qT = tl.load(
+        q_ptr + i.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+        mask=hmask[None, :],
+        other=0.0,
+    )  # [D, HP]
+    wv = tl.load(w_ptr + i.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32) * w_scale
+    if not IEEE:
+        qop, wq = fp16_scaled_q(qT, 0)  # [D, HP] fp16, [HP]
+        wv = wv * wq
+        if INTERPRET:
+            qop = qop.to(tl.float32)
+    else:
+        qop = qT
+
+    b = tl.load(q_seq_ptr + i)
+    seqlen = tl.load(seq_lens_ptr + b).to(tl.int64)
+    lim = tl.minimum(seqlen, tl.load(q_pos_ptr + i).to(tl.int64) + 1)
+    lim = tl.minimum(lim, max_len).to(tl.int32)
+    t_lo = j * tiles_per
+    t_hi = tl.minimum(t_lo + tiles_per, tl.cdiv(max_len, BLOCK_N))
+    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(lim, BLOCK_N)), t_lo)
+    out_row = out_ptr + i.to(tl.int64) * stride_ot
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pb
+    offs_u = tl.arange(0, PAGES)
+    # page ids of the next tile are loaded a tile ahead (page 0, always in the pool, past `lim`), so
+    # the descriptor loads depend on loop-carried registers only and can be issued stages - 1 ahead
+    pg_nx = tl.load(pt_row + t_lo * PAGES + offs_u, mask=(t_lo * PAGES + offs_u) * PAGE < lim, other=0)
+    for t in range(t_lo, t_mid):
+        pgs = pg_nx
+        nx = (t + 1) * PAGES + offs_u
+        pg_nx = tl.load(pt_row + nx, mask=nx * PAGE < lim, other=0)
+        for u in tl.static_range(PAGES):
+            row = tl.sum(tl.where(offs_u == u, pgs, 0)).to(tl.int32) * RPP
+            k = kdesc.load([row, 0])  # [PAGE, D] e4m3
+            kscale = tl.reshape(sdesc.load([row + PAGE, 0]), (PAGE,))  # [PAGE] fp32
+            k = k.to(qop.dtype)
+            if INTERPRET:
+                s = tl.dot(k.to(tl.float32), qop)
+            elif IEEE:
+                s = tl.dot(k, qop, input_precision="ieee")
+            else:
+                s = tl.dot(k, qop)  # [PAGE, HP] fp32
+            v = tl.sum(tl.maximum(s, 0.0) * wv[None, :], axis=1) * kscale  # [PAGE]
+            offs_n = (t * PAGES + u) * PAGE + tl.arange(0, PAGE)
+            tl.store(out_row + offs_n, tl.where(offs_n < lim, v, float("-inf")), mask=offs_n < max_len)
     for t in range(t_mid, t_hi):  # columns past this query's keys
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < max_len)
