@@ -340,8 +340,9 @@ def test_logical_to_rows_matches_reference(t, k, b, dtype):
 
 
 # Every decode knob the sweep (bench/idx_sweep.py) sets, alone or combined: TMA pages one / two / four to
-# an iteration, deeper pipelines, programs per SM, waves, forced splits (one program a query, or more
-# programs than tiles), and the gather kernel's tiles.
+# an iteration, deeper pipelines, programs per SM (0: as many as fit), waves, forced splits (one program a
+# query, or more programs than tiles), the gather kernel's tiles and its scales loaded a tile ahead
+# (sc_ahead with a 32-key tile: two tiles a page).
 DECODE_SPECS = [
     "",
     "tma=1",
@@ -352,6 +353,9 @@ DECODE_SPECS = [
     "block_n=64,stages=4,per_sm=4",
     "block_n=256,warps=8,waves=2",
     "block_n=16,stages=1,splits=64",
+    "sc_ahead=1",
+    "sc_ahead=1,block_n=32,per_sm=0",
+    "sc_ahead=1,tma=1,per_sm=0",
 ]
 # contexts not a multiple of the 64-key page, one of exactly a page, one key; ragged within a batch
 DECODE_LENS = {1: [301], 3: [190, 1, 129], 8: [250, 64, 1, 37, 300, 65, 129, 200]}
@@ -403,6 +407,15 @@ def test_decode_knobs_parse_and_validate():
     k = DecodeKnobs.parse("tma=1, stages=4,per_sm=2")
     assert k == DecodeKnobs(tma=1, stages=4, per_sm=2) and DecodeKnobs.parse(k.spec()) == k
     assert DecodeKnobs.parse("") == DecodeKnobs() and DecodeKnobs.parse("waves=2", base=k).waves == 2
-    for bad in ("tma=2", "block_n=48", "block_n=8", "warps=3", "stages=0", "per_sm=0", "nope=1", "splits=-1"):
+    for bad in (
+        "tma=2",
+        "sc_ahead=2",
+        "block_n=48",
+        "block_n=8",
+        "warps=3",
+        "stages=0",
+        "nope=1",
+        "splits=-1",
+    ):
         with pytest.raises(KernelInputError):
             DecodeKnobs.parse(bad)
