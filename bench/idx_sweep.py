@@ -152,18 +152,17 @@ def _markdown(res: dict[str, Any]) -> str:
         lines += [
             f"## {key}",
             "",
-            "| setting | us | of HBM | vs default | regs | smem KiB | spills | rel err | ok |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| setting | us | of HBM | vs default | grid | regs | smem KiB | fit / SM | spills | rel err | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             st = r.get("stats") or {}
+            smem = f"{st['shared'] / 1024:.0f}" if "shared" in st else ""
+            grid = "x".join(map(str, st.get("grid") or ()))
             lines.append(
                 f"| {r['spec_short'] or 'default'} | {r['graph_us']:.1f} | {r['frac_hbm']:.3f} | "
-                f"{r['speedup_vs_default']:.2f}x | {st.get('regs', '')} | "
-                f"{st['shared'] / 1024:.0f} | {st.get('spills', '')} | {r['rel_err']:.2g} | {r['ok']} |"
-                if st
-                else f"| {r['spec_short'] or 'default'} | {r['graph_us']:.1f} | {r['frac_hbm']:.3f} | "
-                f"{r['speedup_vs_default']:.2f}x | | | | {r['rel_err']:.2g} | {r['ok']} |"
+                f"{r['speedup_vs_default']:.2f}x | {grid} | {st.get('regs', '')} | {smem} | {st.get('fit', '')} | "
+                f"{st.get('spills', '')} | {r['rel_err']:.2g} | {r['ok']} |"
             )
         lines.append("")
     for key, w in res["best"].items():

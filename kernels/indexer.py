@@ -100,19 +100,34 @@ DECODE_KNOBS = DecodeKnobs.parse(os.environ.get("LONGCTX_INDEXER_DECODE", ""))
 _LAST_DECODE: dict[str, Any] = {}  # the compiled kernel of the last decode launch (bench statistics)
 
 
-def decode_launch_stats() -> dict[str, int]:
-    """Registers / thread, spilled bytes and shared memory bytes of the last decode launch's compiled
-    kernel ({} under the interpreter): bench/idx_sweep.py reports them to explain occupancy."""
+def decode_launch_stats() -> dict[str, Any]:
+    """The last decode launch: its grid, and its compiled kernel's registers / thread, spilled bytes,
+    shared memory bytes and how many of its programs fit an SM (`_fit`); grid only under the
+    interpreter. bench/idx_sweep.py reports them to explain occupancy and waves."""
     k = _LAST_DECODE.get("kernel")
     md = getattr(k, "metadata", None)
-    if md is None:
-        return {}
-    return {
-        "regs": int(k.n_regs),
-        "spills": int(k.n_spills),
-        "shared": int(md.shared),
-        "warps": int(md.num_warps),
-    }
+    out: dict[str, Any] = {"grid": _LAST_DECODE.get("grid")}
+    if md is None or not hasattr(k, "n_regs"):
+        return out
+    out.update(regs=int(k.n_regs), spills=int(k.n_spills), shared=int(md.shared), warps=int(md.num_warps))
+    out["fit"] = _fit(out["regs"], out["shared"], out["warps"], _LAST_DECODE["device"])
+    return out
+
+
+def _fit(regs: int, shared: int, warps: int, device: torch.device) -> int:
+    """Programs of a kernel with these resources that fit one SM (registers: 64K, allocated per warp in
+    units of 256; shared memory: what the SM has, 1 KiB reserved a program; threads)."""
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * warps
+    return max(
+        1,
+        min(
+            65536 // (-(-regs // 8) * 8 * threads),
+            props.shared_memory_per_multiprocessor // (shared + 1024),
+            props.max_threads_per_multi_processor // threads,
+            32,
+        ),
+    )
 
 
 @functools.cache
@@ -360,7 +375,7 @@ def _launch_decode(
     per_query = splits or kn.splits or max(1, waves * per_sm * num_sms(q.device, cpu=2) // tq)
     tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
     grid = (tq, _cdiv(n_tiles, tiles_per))
-    _LAST_DECODE["kernel"] = kernel[grid](*args(tiles_per), **consts)
+    _LAST_DECODE.update(grid=grid, device=q.device, kernel=kernel[grid](*args(tiles_per), **consts))
 
 
 _OCCUPANCY: dict[tuple[Any, ...], int] = {}
@@ -379,19 +394,7 @@ def _programs_per_sm(kernel: Any, args: tuple[Any, ...], consts: dict[str, Any],
             try:
                 ck = kernel.warmup(*args, grid=(1,), **consts)
                 ck._init_handles()
-                props = torch.cuda.get_device_properties(device)
-                threads = 32 * consts["num_warps"]
-                regs = -(-ck.n_regs // 8) * 8 * threads  # allocated per warp in units of 256
-                smem = ck.metadata.shared + 1024  # + the 1 KiB every CTA reserves on sm_80+
-                fit = max(
-                    1,
-                    min(
-                        65536 // regs,
-                        props.shared_memory_per_multiprocessor // smem,
-                        props.max_threads_per_multi_processor // threads,
-                        32,
-                    ),
-                )
+                fit = _fit(ck.n_regs, ck.metadata.shared, consts["num_warps"], device)
             except Exception:  # noqa: BLE001 - the measured default rather than a failed launch
                 fit = 3
         _OCCUPANCY[key] = fit
