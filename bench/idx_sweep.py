@@ -277,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                     "stats": decode_launch_stats(),
                 }
             )  # fmt: skip  (the timed launch's kernel)
-        mine = {f"h{r['heads']}_b{r['batch']}_{r['ctx']}": r["graph_us"] for r in rows if r["spec"] == spec}
+        times = {f"h{r['heads']}_b{r['batch']}_{r['ctx']}": r["graph_us"] for r in rows if r["spec"] == spec}
         print(f"{_short(knobs) or 'default':40s} ok={ok} max rel err {max(errs.values()):.2g}  "
-              + "  ".join(f"{k} {u:.1f}" for k, u in mine.items())
+              + "  ".join(f"{k} {u:.1f}" for k, u in times.items())
               + f"  ({time.time() - t_cfg:.1f} s)", flush=True)  # fmt: skip
     default_spec = DecodeKnobs().spec()
     by_case: dict[str, list[dict[str, Any]]] = {}

@@ -107,7 +107,7 @@ def decode_launch_stats() -> dict[str, Any]:
     k = _LAST_DECODE.get("kernel")
     md = getattr(k, "metadata", None)
     out: dict[str, Any] = {"grid": _LAST_DECODE.get("grid")}
-    if md is None or not hasattr(k, "n_regs"):
+    if k is None or md is None or not hasattr(k, "n_regs"):
         return out
     out.update(regs=int(k.n_regs), spills=int(k.n_spills), shared=int(md.shared), warps=int(md.num_warps))
     out["fit"] = _fit(out["regs"], out["shared"], out["warps"], _LAST_DECODE["device"])
@@ -290,9 +290,10 @@ def indexer_logits_paged(
     interp = triton_interpret()
     if tq <= page_table.shape[0]:  # decode: no key tile is shared between queries
         kn = knobs or DECODE_KNOBS
-        kn = dataclasses.replace(
-            kn, block_n=block_n or kn.block_n, warps=num_warps or kn.warps, stages=num_stages or kn.stages
-        )
+        if block_n or num_warps or num_stages:  # (no dataclass copy on the plain decode path)
+            kn = dataclasses.replace(
+                kn, block_n=block_n or kn.block_n, warps=num_warps or kn.warps, stages=num_stages or kn.stages
+            )
         _launch_decode(
             q, w, float(w_scale), index_pool, page_table, seq_lens, q_seq, q_pos, out, kind, kn, splits
         )
