@@ -24,12 +24,125 @@ identity), so fp8 logits equal `sum_h w * relu(q . (e4m3 * scale))` up to fp32 r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
 from .kv_layout import PAGE_SIZE, index_fp8_offsets, index_row_bytes, is_fp8, read_index_k_ref
 
+try:  # host-side TMA descriptors (triton >= 3.4); the TMA decode variant needs them
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - installs without triton never launch a kernel
+    _TensorDescriptor = None
+
 _REF_CHUNK_ELEMS = 1 << 24  # bounds the reference's [queries, heads, keys] intermediate (64 MiB fp32)
+
+
+@dataclass(frozen=True)
+class DecodeKnobs:
+    """How the decode kernel launches (never what it computes); 0 means the shape's default. The
+    defaults are the launch before the knobs existed; `python -m bench.idx_sweep` times the rest.
+
+    `tma=1` streams whole 64-key pages with TMA instead of per-thread cp.async gathers: the
+    page-major fp8 layout makes a page's keys one contiguous [64, D] box, so one descriptor load per
+    page replaces ~64 * D / 16 address computations and 16-byte copies, holds no registers for
+    addresses, and can keep `stages` pages in flight per program (shared memory, not the register
+    file, bounds the bytes in flight); its scales (the next 4 * 64 bytes) are loaded a tile ahead. Only for fp8 pools
+    with D a power of two in [16, 256] on sm_90+ (and the interpreter); elsewhere the gather kernel
+    runs. With tma, `block_n` (a multiple of the page) is pages per loop iteration x 64."""
+
+    tma: int = 0  # 1: page-granular TMA loads (see above)
+    sc_ahead: int = 0  # gather kernel, fp8: 1 loads each tile's scales a tile ahead (TMA ones are pipelined)
+    block_n: int = 0  # keys per loop iteration, a power of two >= 16; 0: 128
+    warps: int = 4
+    stages: int = 3  # software-pipeline depth: stages - 1 tiles in flight per program
+    per_sm: int = 3  # programs per SM in a wave (32 heads: 3 fit, 130 regs; 64 heads: 2, 227 regs); 0: as fit
+    waves: int = 0  # waves of programs; 0: 1 for one query, 2 for a batch (measured best)
+    splits: int = 0  # programs per query; 0: waves * per_sm * SMs // Tq
+
+    def __post_init__(self) -> None:
+        check(
+            self.tma in (0, 1) and self.sc_ahead in (0, 1),
+            f"indexer decode knobs tma, sc_ahead: 0 or 1 ({self})",
+        )
+        check(
+            self.block_n == 0 or (self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0),
+            f"indexer decode knob block_n: 0 or a power of two >= 16 ({self})",
+        )
+        check(self.warps in (1, 2, 4, 8, 16) and self.stages >= 1, f"bad indexer decode knobs ({self})")
+        check(self.per_sm >= 0 and self.waves >= 0 and self.splits >= 0, f"bad indexer decode knobs ({self})")
+
+    def spec(self) -> str:
+        """The LONGCTX_INDEXER_DECODE string of these knobs."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def parse(cls, spec: str, base: DecodeKnobs | None = None) -> DecodeKnobs:
+        """`base` (default: the defaults) with the fields named in "name=int,..." replaced."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kv: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, _, val = (x.strip() for x in part.partition("="))
+            check(name in names and val.isdigit(), f"bad indexer decode knob {part!r}")
+            kv[name] = int(val)
+        return dataclasses.replace(base or cls(), **kv)
+
+
+# LONGCTX_INDEXER_DECODE ("tma=1,stages=4", any subset) overrides the decode defaults for a process.
+DECODE_KNOBS = DecodeKnobs.parse(os.environ.get("LONGCTX_INDEXER_DECODE", ""))
+
+
+_LAST_DECODE: dict[str, Any] = {}  # the compiled kernel of the last decode launch (bench statistics)
+
+
+def decode_launch_stats() -> dict[str, Any]:
+    """The last decode launch: its grid, and its compiled kernel's registers / thread, spilled bytes,
+    shared memory bytes and how many of its programs fit an SM (`_fit`); grid only under the
+    interpreter. bench/idx_sweep.py reports them to explain occupancy and waves."""
+    k = _LAST_DECODE.get("kernel")
+    md = getattr(k, "metadata", None)
+    out: dict[str, Any] = {"grid": _LAST_DECODE.get("grid")}
+    if k is None or md is None or not hasattr(k, "n_regs"):
+        return out
+    out.update(regs=int(k.n_regs), spills=int(k.n_spills), shared=int(md.shared), warps=int(md.num_warps))
+    out["fit"] = _fit(out["regs"], out["shared"], out["warps"], _LAST_DECODE["device"])
+    return out
+
+
+def _fit(regs: int, shared: int, warps: int, device: torch.device) -> int:
+    """Programs of a kernel with these resources that fit one SM (registers: 64K, allocated per warp in
+    units of 256; shared memory: what the SM has, 1 KiB reserved a program; threads)."""
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * warps
+    return max(
+        1,
+        min(
+            65536 // (-(-regs // 8) * 8 * threads),
+            props.shared_memory_per_multiprocessor // (shared + 1024),
+            props.max_threads_per_multi_processor // threads,
+            32,
+        ),
+    )
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _tma_ok(kind: str, d: int, device: torch.device) -> bool:
+    """Whether the TMA decode kernel can serve this pool: fp8, D a power of two in [16, 256] (so the
+    scales are whole D-byte rows of the page), on sm_90+ or the interpreter."""
+    if _TensorDescriptor is None or not is_fp8(kind) or not 16 <= d <= 256 or d & (d - 1):
+        return False
+    if device.type != "cuda":
+        return triton_interpret()
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
 def _check_inputs(
@@ -140,6 +253,7 @@ def indexer_logits_paged(
     num_warps: int | None = None,
     num_stages: int | None = None,
     splits: int | None = None,
+    knobs: DecodeKnobs | None = None,
 ) -> torch.Tensor:
     """Indexer logits [Tq, max_len] fp32 (-inf where invalid); see the module docstring.
 
@@ -153,7 +267,8 @@ def indexer_logits_paged(
     Two kernels: decode batches (at most one query per request) run `_indexer_decode_kernel`, one
     program per (query, run of key tiles); other calls `_indexer_kernel`. Bench knobs, None picks
     the defaults: `block_n` (keys per tile, a power of two >= 16), `num_warps`, `num_stages`, and
-    for decode `splits` (programs per query).
+    for decode `splits` (programs per query). Decode launches follow `knobs` (default
+    `DECODE_KNOBS`, i.e. LONGCTX_INDEXER_DECODE), the four arguments above overriding its fields.
     """
     _check_inputs(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, w_any_float=True)
     if not use_triton(backend, q.device):
@@ -174,21 +289,14 @@ def indexer_logits_paged(
     fp8 = is_fp8(kind)
     interp = triton_interpret()
     if tq <= page_table.shape[0]:  # decode: no key tile is shared between queries
-        bn = block_n or _DECODE_BLOCK_N
-        n_tiles = _cdiv(max_len, bn)
-        # whole waves of programs (a few more than a wave cost a second one: batch 8 at 50 programs a
-        # query took 584 us, at 99 410 us); one wave for a single query, two for a batch (measured best)
-        waves = 1 if tq == 1 else 2  # (on the interpreter 2 "SMs": tests cover several programs a query)
-        per_query = splits or max(1, waves * _DECODE_PROGRAMS_PER_SM * num_sms(q.device, cpu=2) // tq)
-        tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
-        grid = (tq, _cdiv(n_tiles, tiles_per))
-        _indexer_decode_kernel[grid](
-            q, q.stride(0), q.stride(1), w, w.stride(0), float(w_scale), index_pool, page_table,
-            page_table.stride(0), seq_lens, q_seq, q_pos, out, out.stride(0), max_len, tiles_per,
-            H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=fp8, PAGE=PAGE_SIZE, BLOCK_N=bn,
-            IEEE=q.dtype == torch.float32, INTERPRET=interp,
-            num_warps=num_warps or 4, num_stages=num_stages or _DECODE_STAGES,
-        )  # fmt: skip
+        kn = knobs or DECODE_KNOBS
+        if block_n or num_warps or num_stages:  # (no dataclass copy on the plain decode path)
+            kn = dataclasses.replace(
+                kn, block_n=block_n or kn.block_n, warps=num_warps or kn.warps, stages=num_stages or kn.stages
+            )
+        _launch_decode(
+            q, w, float(w_scale), index_pool, page_table, seq_lens, q_seq, q_pos, out, kind, kn, splits
+        )
         return out
     # Prefill shares each key tile between BLOCK_M queries so keys are read Tq / BLOCK_M times
     # instead of Tq times.
@@ -205,14 +313,101 @@ def indexer_logits_paged(
     return out
 
 
+def _launch_decode(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: float,
+    index_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_seq: torch.Tensor,
+    q_pos: torch.Tensor,
+    out: torch.Tensor,
+    kind: str,
+    kn: DecodeKnobs,
+    splits: int | None,
+) -> None:
+    """One decode launch into `out` [Tq, max_len]: the gather or the TMA kernel, gridded by `kn`."""
+    tq, h, d = q.shape
+    max_len = out.shape[1]
+    hp, dp = max(16, next_pow2(h)), max(16, next_pow2(d))
+    fp8 = is_fp8(kind)
+    tma = kn.tma == 1 and _tma_ok(kind, d, q.device)
+    bn = kn.block_n or _DECODE_BLOCK_N
+    if tma:
+        bn = max(bn, PAGE_SIZE)
+        rpp = PAGE_SIZE * (d + 4) // d  # D-byte rows per page: PAGE key rows, then the scales
+        rows = index_pool.shape[0] // PAGE_SIZE * rpp
+        flat = index_pool.view(-1)
+        kdesc = _TensorDescriptor(
+            flat.view(torch.float8_e4m3fn).view(rows, d), [rows, d], [d, 1], [PAGE_SIZE, d]
+        )
+        kernel = _indexer_decode_tma_kernel
+        pool_args: tuple[Any, ...] = (kdesc, index_pool)
+        consts: dict[str, Any] = dict(PAGE=PAGE_SIZE, RPP=rpp, PAGES=bn // PAGE_SIZE)
+    else:
+        kernel = _indexer_decode_kernel
+        pool_args = (index_pool,)
+        consts = dict(
+            DP=dp,
+            ROW=index_pool.shape[1],
+            FP8=fp8,
+            PAGE=PAGE_SIZE,
+            BLOCK_N=bn,
+            SC_AHEAD=fp8 and kn.sc_ahead == 1,
+        )
+    consts.update(
+        H=h, HP=hp, D=d, IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(),
+        num_warps=kn.warps, num_stages=kn.stages,
+    )  # fmt: skip
+
+    def args(tiles_per: int) -> tuple[Any, ...]:
+        return (
+            q, q.stride(0), q.stride(1), w, w.stride(0), w_scale, *pool_args, page_table, page_table.stride(0),
+            seq_lens, q_seq, q_pos, out, out.stride(0), max_len, tiles_per,
+        )  # fmt: skip
+
+    n_tiles = _cdiv(max_len, bn)
+    # whole waves of programs (a few more than a wave cost a second one: batch 8 at 50 programs a
+    # query took 584 us, at 99 410 us); one wave for a single query, two for a batch (measured best)
+    # (on the interpreter 2 "SMs": tests cover several programs a query)
+    waves = kn.waves or (1 if tq == 1 else 2)
+    per_sm = kn.per_sm or _programs_per_sm(kernel, args(2), consts, q.device)
+    per_query = splits or kn.splits or max(1, waves * per_sm * num_sms(q.device, cpu=2) // tq)
+    tiles_per = _cdiv(n_tiles, min(per_query, n_tiles))
+    grid = (tq, _cdiv(n_tiles, tiles_per))
+    _LAST_DECODE.update(grid=grid, device=q.device, kernel=kernel[grid](*args(tiles_per), **consts))
+
+
+_OCCUPANCY: dict[tuple[Any, ...], int] = {}
+
+
+def _programs_per_sm(kernel: Any, args: tuple[Any, ...], consts: dict[str, Any], device: torch.device) -> int:
+    """How many programs of this compiled kernel fit one SM (registers, shared memory, threads): the
+    `per_sm=0` knob. Compiled (not launched) once per configuration; 3 where it cannot be asked (the
+    interpreter, a private Triton API that moved)."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), device, *(
+        a.dtype if isinstance(a, torch.Tensor) else None for a in args
+    ), *sorted(consts.items()))  # fmt: skip
+    if key not in _OCCUPANCY:
+        fit = 3
+        if device.type == "cuda" and not triton_interpret():
+            try:
+                ck = kernel.warmup(*args, grid=(1,), **consts)
+                ck._init_handles()
+                fit = _fit(ck.n_regs, ck.metadata.shared, consts["num_warps"], device)
+            except Exception:  # noqa: BLE001 - the measured default rather than a failed launch
+                fit = 3
+        _OCCUPANCY[key] = fit
+    return _OCCUPANCY[key]
+
+
 # Decode defaults (bench/kernels_indexer.py sweeps them on the H200). sm_90a SASS of the default
 # (32 heads x 128 dims, fp8, bf16 q): 130 registers, 41 KiB shared (2 key tiles in flight through
 # cp.async), ~13 warp instructions per key, one 64x32x16 HGMMA per 16 dims of 64 keys; so 3
 # programs fit on an SM and 3 per SM split each query's keys in one wave.
 
-_DECODE_BLOCK_N = 128
-_DECODE_PROGRAMS_PER_SM = 3
-_DECODE_STAGES = 3
+_DECODE_BLOCK_N = 128  # DecodeKnobs holds the other defaults (warps 4, stages 3, 3 programs per SM)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -353,7 +548,7 @@ def _indexer_decode_kernel(
     seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, max_len, tiles_per,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
     FP8: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, SC_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     # Program (i, j): query i against key tiles [j*tiles_per, +tiles_per) (of the max_len columns).
     # Keys are the M side of the dot ([BLOCK_N, D] x [D, HP]): the A operand may then come from
@@ -399,14 +594,30 @@ def _indexer_decode_kernel(
     # The page ids of tile t + 1 are loaded while tile t is scored, so the key loads depend on
     # loop-carried registers only and Triton's pipeliner can keep num_stages - 1 key tiles in flight.
     pg_nx = _decode_pages(pt_row, t_lo, lim, PAGE, BLOCK_N)
+    if SC_AHEAD:
+        # Triton pipelines only the loads that feed the dot (the keys); the scales, used after it, would
+        # be a plain load waited for in the same iteration: one DRAM round trip per tile. Here they
+        # are loaded a tile ahead into registers, from page ids loaded a tile before that (a chain of
+        # their own: fed from the keys' page ids, the key loads are no longer pipelined).
+        offs_0 = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        sc_nx = load_index_scales(pool_ptr, pg_nx.to(tl.int64) * PAGE + offs_0 % PAGE, offs_0 >= 0, D, PAGE)
+        pg_sc = _decode_pages(pt_row, t_lo + 1, lim, PAGE, BLOCK_N)
     for t in range(t_lo, t_mid):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = pg_nx.to(tl.int64) * PAGE + offs_n % PAGE  # [BLOCK_N]; page 0 past `lim`
         pg_nx = _decode_pages(pt_row, t + 1, lim, PAGE, BLOCK_N)
+        if SC_AHEAD:
+            kscale = sc_nx
+            offs_nx = offs_n + BLOCK_N
+            sc_nx = load_index_scales(
+                pool_ptr, pg_sc.to(tl.int64) * PAGE + offs_nx % PAGE, offs_nx >= 0, D, PAGE
+            )
+            pg_sc = _decode_pages(pt_row, t + 2, lim, PAGE, BLOCK_N)
         # unmasked rows: slots past `lim` are page 0's, always in the pool
         k = load_index_keys(pool_ptr, slot, dmask[None, :], offs_d, D, ROW, FP8, PAGE)
         if FP8:
-            kscale = load_index_scales(pool_ptr, slot, offs_n >= 0, D, PAGE)
+            if not SC_AHEAD:
+                kscale = load_index_scales(pool_ptr, slot, offs_n >= 0, D, PAGE)
             k = k.to(qop.dtype)  # fp16 (exact), or fp32 for fp32 queries
         if INTERPRET:
             s = tl.dot(k.to(tl.float32), qop)
@@ -418,6 +629,90 @@ def _indexer_decode_kernel(
         if FP8:
             v = v * kscale
         tl.store(out_row + offs_n, tl.where(offs_n < lim, v, float("-inf")), mask=offs_n < max_len)
+    for t in range(t_mid, t_hi):  # columns past this query's keys
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < max_len)
+
+
+@jit
+def _tma_scales(
+    pool_ptr, pt_row, t, lim, PAGES: tl.constexpr, PAGE: tl.constexpr, RPP: tl.constexpr, D: tl.constexpr
+):
+    # fp32 scales [PAGES, PAGE] of tile t's pages (page 0's past `lim`): a page's PAGE scales follow its keys
+    offs_u = t * PAGES + tl.arange(0, PAGES)
+    pg = tl.load(pt_row + offs_u, mask=offs_u * PAGE < lim, other=0).to(tl.int64)
+    off = pg[:, None] * (RPP * D // 4) + PAGE * D // 4 + tl.arange(0, PAGE)[None, :]
+    return tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + off)
+
+
+@jit
+def _indexer_decode_tma_kernel(
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, w_scale, kdesc, pool_ptr, pt_ptr, stride_pb,
+    seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, max_len, tiles_per,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, RPP: tl.constexpr,
+    PAGES: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # `_indexer_decode_kernel` with whole pages moved by TMA: the pool is seen as rows of D bytes
+    # (`kdesc`, e4m3), RPP rows a page: page p's keys are the [PAGE, D] box at row p * RPP. A loop
+    # iteration scores PAGES pages (tile t = pages [t * PAGES, +PAGES) of the request); same numerics
+    # as the gather kernel (fp16 operands for bf16 / fp16 queries, the scale after the head sum).
+    # Triton pipelines only the loads that feed the dot: a scale load through a descriptor would be
+    # issued and waited for in its own iteration, so the scales (256 contiguous bytes after each
+    # page's keys) are plain loads a tile ahead into registers, their page ids a tile before that.
+    BLOCK_N: tl.constexpr = PAGES * PAGE
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_h = tl.arange(0, HP)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, D)
+    qT = tl.load(
+        q_ptr + i.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+        mask=hmask[None, :],
+        other=0.0,
+    )  # [D, HP]
+    wv = tl.load(w_ptr + i.to(tl.int64) * stride_wt + offs_h, mask=hmask, other=0.0).to(tl.float32) * w_scale
+    if not IEEE:
+        qop, wq = fp16_scaled_q(qT, 0)  # [D, HP] fp16, [HP]
+        wv = wv * wq
+        if INTERPRET:
+            qop = qop.to(tl.float32)
+    else:
+        qop = qT
+
+    b = tl.load(q_seq_ptr + i)
+    seqlen = tl.load(seq_lens_ptr + b).to(tl.int64)
+    lim = tl.minimum(seqlen, tl.load(q_pos_ptr + i).to(tl.int64) + 1)
+    lim = tl.minimum(lim, max_len).to(tl.int32)
+    t_lo = j * tiles_per
+    t_hi = tl.minimum(t_lo + tiles_per, tl.cdiv(max_len, BLOCK_N))
+    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(lim, BLOCK_N)), t_lo)
+    out_row = out_ptr + i.to(tl.int64) * stride_ot
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pb
+    offs_u = tl.arange(0, PAGES)
+    # page ids of the next tile are loaded a tile ahead (page 0, always in the pool, past `lim`), so
+    # the descriptor loads depend on loop-carried registers only and can be issued stages - 1 ahead
+    pg_nx = tl.load(pt_row + t_lo * PAGES + offs_u, mask=(t_lo * PAGES + offs_u) * PAGE < lim, other=0)
+    sc_nx = _tma_scales(pool_ptr, pt_row, t_lo, lim, PAGES, PAGE, RPP, D)  # [PAGES, PAGE]
+    for t in range(t_lo, t_mid):
+        pgs = pg_nx
+        nx = (t + 1) * PAGES + offs_u
+        pg_nx = tl.load(pt_row + nx, mask=nx * PAGE < lim, other=0)
+        scs = sc_nx
+        sc_nx = _tma_scales(pool_ptr, pt_row, t + 1, lim, PAGES, PAGE, RPP, D)
+        for u in tl.static_range(PAGES):
+            row = tl.sum(tl.where(offs_u == u, pgs, 0)).to(tl.int32) * RPP
+            k = kdesc.load([row, 0])  # [PAGE, D] e4m3
+            kscale = tl.sum(tl.where(offs_u[:, None] == u, scs, 0.0), axis=0)  # [PAGE] fp32 (exact)
+            k = k.to(qop.dtype)
+            if INTERPRET:
+                s = tl.dot(k.to(tl.float32), qop)
+            elif IEEE:
+                s = tl.dot(k, qop, input_precision="ieee")
+            else:
+                s = tl.dot(k, qop)  # [PAGE, HP] fp32
+            v = tl.sum(tl.maximum(s, 0.0) * wv[None, :], axis=1) * kscale  # [PAGE]
+            offs_n = (t * PAGES + u) * PAGE + tl.arange(0, PAGE)
+            tl.store(out_row + offs_n, tl.where(offs_n < lim, v, float("-inf")), mask=offs_n < max_len)
     for t in range(t_mid, t_hi):  # columns past this query's keys
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_row + offs_n, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < max_len)

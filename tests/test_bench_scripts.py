@@ -334,6 +334,23 @@ def test_smla_sweep_on_cpu(tmp_path: Path) -> None:
     assert "LONGCTX_SPARSE_MLA_HEADS=" in (tmp_path / "smla-sweep-cpu.md").read_text()
 
 
+def test_idx_sweep_on_cpu(tmp_path: Path) -> None:
+    """bench/idx_sweep.py's GPU path at toy sizes under the interpreter: every indexer decode setting it
+    times is checked against the reference (batch 1, 3 and a ragged 3), winners come out as env specs."""
+    from longctx.kernels.indexer import DecodeKnobs
+
+    from bench.idx_sweep import main
+
+    assert main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "idx-sweep-cpu.json").read_text())
+    assert all(c["ok"] for c in d["checks"]) and len(d["checks"]) >= 3
+    assert all("h8_ragged3" in c["rel_err"] for c in d["checks"])
+    assert any("tma=1" in c["spec"] for c in d["checks"])
+    assert {r["batch"] for r in d["results"]} == {1, 3} and len(d["best"]) == 2
+    assert all(isinstance(DecodeKnobs.parse(w["env_spec"]), DecodeKnobs) for w in d["best"].values())
+    assert "LONGCTX_INDEXER_DECODE=" in (tmp_path / "idx-sweep-cpu.md").read_text()
+
+
 def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     from bench.train_speed import main
 

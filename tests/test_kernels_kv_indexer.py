@@ -6,7 +6,7 @@ import pytest
 import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.common import KernelInputError, triton_interpret, use_triton
-from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
+from longctx.kernels.indexer import DecodeKnobs, indexer_logits_paged, indexer_logits_paged_ref
 
 from . import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are built)
 
@@ -337,3 +337,85 @@ def test_logical_to_rows_matches_reference(t, k, b, dtype):
     assert got.dtype == torch.int64 and torch.equal(got, want)
     with pytest.raises(KernelInputError):
         kvl.logical_to_rows(pos.float(), table, q_seq, backend="triton")
+
+
+# Every decode knob the sweep (bench/idx_sweep.py) sets, alone or combined: TMA pages one / two / four to
+# an iteration, deeper pipelines, programs per SM (0: as many as fit), waves, forced splits (one program a
+# query, or more programs than tiles), the gather kernel's tiles and its scales loaded a tile ahead
+# (sc_ahead with a 32-key tile: two tiles a page).
+DECODE_SPECS = [
+    "",
+    "tma=1",
+    "tma=1,block_n=64,stages=4,per_sm=4",
+    "tma=1,block_n=256,warps=8,stages=2",
+    "tma=1,splits=1",
+    "tma=1,waves=4,per_sm=2",
+    "block_n=64,stages=4,per_sm=4",
+    "block_n=256,warps=8,waves=2",
+    "block_n=16,stages=1,splits=64",
+    "sc_ahead=1",
+    "sc_ahead=1,block_n=32,per_sm=0",
+    "sc_ahead=1,tma=1,per_sm=0",
+]
+# contexts not a multiple of the 64-key page, one of exactly a page, one key; ragged within a batch
+DECODE_LENS = {1: [301], 3: [190, 1, 129], 8: [250, 64, 1, 37, 300, 65, 129, 200]}
+
+
+@pytest.mark.parametrize("batch", sorted(DECODE_LENS))
+@pytest.mark.parametrize("spec", DECODE_SPECS)
+def test_indexer_decode_knobs_match_ref(spec, batch):
+    """Decode launches under every knob setting give the reference's logits on fresh random inputs: fp8
+    pool, bf16 q (fp16 operands in the kernel), raw weights + w_scale; in batch 3 one query stops short
+    of its request's end (causal mask inside the context)."""
+    lens = DECODE_LENS[batch]
+    queries = [(r, [n - 1 if r else max(n - 60, 0)]) for r, n in enumerate(lens)]
+    args, _ = _indexer_case(
+        "fp8_e4m3", torch.bfloat16, 8, 64, lens, queries, seed=10 * DECODE_SPECS.index(spec) + batch
+    )
+    knobs = DecodeKnobs.parse(spec)
+    got = indexer_logits_paged(*args, "fp8_e4m3", w_scale=0.7, backend="triton", knobs=knobs)
+    ref = indexer_logits_paged_ref(*args, "fp8_e4m3", w_scale=0.7)
+    assert got.shape == ref.shape == (batch, max(lens))
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got)) and torch.all(got[~fin] == float("-inf"))
+    assert (got[fin] - ref[fin]).abs().max() <= 1e-5 * ref[fin].abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_decode_tma_glm_shape_and_fp32_q(dtype):
+    """The TMA kernel at the GLM-5.3 indexer shape (32 heads x 128 dims: 66 rows of 128 bytes a page), with
+    fp32 queries too (fp32 operands), matches the reference; a max_len past every context fills -inf."""
+    lens = [193, 65, 700]
+    args, _ = _indexer_case("fp8_e4m3", dtype, 32, 128, lens, [(0, [192]), (1, [64]), (2, [699])], seed=5)
+    knobs = DecodeKnobs(tma=1, block_n=128)
+    got = indexer_logits_paged(*args, "fp8_e4m3", max_len=800, backend="triton", knobs=knobs)
+    ref = indexer_logits_paged_ref(*args, "fp8_e4m3", max_len=800)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got)) and torch.all(got[~fin] == float("-inf"))
+    assert (got[fin] - ref[fin]).abs().max() <= 1e-5 * ref[fin].abs().max()
+
+
+def test_indexer_decode_tma_knob_falls_back_for_dense_pools():
+    """tma=1 on a dense (bf16) pool runs the gather kernel: same results as the default launch."""
+    heads, dim, lens, queries = INDEXER_CASES["decode_ragged"]
+    args, _ = _indexer_case("auto", torch.bfloat16, heads, dim, lens, queries, seed=9)
+    got = indexer_logits_paged(*args, "auto", backend="triton", knobs=DecodeKnobs(tma=1))
+    assert torch.equal(got, indexer_logits_paged(*args, "auto", backend="triton"))
+
+
+def test_decode_knobs_parse_and_validate():
+    k = DecodeKnobs.parse("tma=1, stages=4,per_sm=2")
+    assert k == DecodeKnobs(tma=1, stages=4, per_sm=2) and DecodeKnobs.parse(k.spec()) == k
+    assert DecodeKnobs.parse("") == DecodeKnobs() and DecodeKnobs.parse("waves=2", base=k).waves == 2
+    for bad in (
+        "tma=2",
+        "sc_ahead=2",
+        "block_n=48",
+        "block_n=8",
+        "warps=3",
+        "stages=0",
+        "nope=1",
+        "splits=-1",
+    ):
+        with pytest.raises(KernelInputError):
+            DecodeKnobs.parse(bad)
