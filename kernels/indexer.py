@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
+from .common import check, jit, knobs_spec, next_pow2, num_sms, parse_knobs, tl, triton_interpret, use_triton
 from .kv_layout import PAGE_SIZE, index_fp8_offsets, index_row_bytes, is_fp8, read_index_k_ref
 
 try:  # host-side TMA descriptors (triton >= 3.4); the TMA decode variant needs them
@@ -79,18 +79,12 @@ class DecodeKnobs:
 
     def spec(self) -> str:
         """The LONGCTX_INDEXER_DECODE string of these knobs."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return knobs_spec(self)
 
     @classmethod
     def parse(cls, spec: str, base: DecodeKnobs | None = None) -> DecodeKnobs:
         """`base` (default: the defaults) with the fields named in "name=int,..." replaced."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kv: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, val = (x.strip() for x in part.partition("="))
-            check(name in names and val.isdigit(), f"bad indexer decode knob {part!r}")
-            kv[name] = int(val)
-        return dataclasses.replace(base or cls(), **kv)
+        return parse_knobs(cls, spec, base, "indexer decode knob")  # type: ignore[no-any-return]
 
 
 # LONGCTX_INDEXER_DECODE ("tma=1,stages=4", any subset) overrides the decode defaults for a process.
