@@ -315,6 +315,30 @@ def test_gated_curriculum_advances_restarts_the_data_and_resumes(tmp_path: Path,
     assert [r["stage"] for r in st2["log"]][10:] == ["sparse", "sparse"]
 
 
+def test_gated_time_fitted_run_uses_its_time_at_the_final_lr(tmp_path: Path, monkeypatch) -> None:
+    """A gated `--steps 0` run whose gate holds reaches its planned steps early; it then goes on at the
+    schedule's final lr until the deadline instead of stopping (run 7 left 30% of its time unused)."""
+    import longctx.train.loop as loop
+
+    monkeypatch.setattr(loop, "probe_step_seconds", lambda model, cfg, device: {512: 0.01, 640: 0.01})
+    monkeypatch.setattr(loop, "fit_schedule", lambda cfg, step_s, left: dataclasses.replace(cfg, steps=3))
+    monkeypatch.setattr(loop, "gate_ready", lambda rows, start, cfg: False)
+    monkeypatch.setattr(loop, "EXTEND_MIN_S", 1.0)
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (5000, 640)))
+    cfg = TrainConfig(model_config=str(TINY), out=str(tmp_path / "x"), steps=0, max_minutes=0.12,
+                      device="cpu", warmup_steps=1, log_every=1, kl_rows=16, save_every=100,
+                      save_dtype="float32", advance_exact=0.5, data=data)  # fmt: skip
+    summary = loop.train(cfg)
+    st = read_training(tmp_path / "x")
+    assert summary["stopped"] == "deadline" and st["step"] > 3, summary
+    assert st["recipe"]["steps"] == 3 and st["recipe"]["extended_from"] == 3
+    lrs = [r["lr"] for r in st["log"] if r["step"] > 3]
+    assert lrs and all(abs(x - cfg.lr * cfg.min_lr_ratio) < 1e-12 for x in lrs)
+    # an explicit step count is kept: no extension
+    fixed = dataclasses.replace(cfg, out=str(tmp_path / "y"), steps=3)
+    assert loop.train(fixed)["stopped"] == "steps" and read_training(tmp_path / "y")["step"] == 3
+
+
 def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> None:
     cfg = DataConfig(tokens_per_step=4096, curriculum=((0, 512),), copy_fraction=1.0)
     b = make_batch(cfg, 0)

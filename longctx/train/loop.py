@@ -295,6 +295,10 @@ def realized_curriculum(cfg: TrainConfig, state: dict[str, Any] | None) -> tuple
 
 
 NEVER = 1 << 62  # a step no run reaches
+# A gated, time-fitted run whose gate held it at short (cheap) lengths reaches its planned steps early;
+# with at least this many seconds left it goes on at the schedule's final lr until the deadline (run 7
+# stopped after 286 of its 413 s).
+EXTEND_MIN_S = 20.0
 
 
 def gated_dense_warmup(cfg: TrainConfig, realized: tuple[tuple[int, int], ...]) -> int:
@@ -347,6 +351,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model.init_weights(cfg.seed)
     model.to(device)
     eval_reserve = 60.0 if cfg.eval_samples else 0.0  # engine start + Triton compiles + decoding
+    time_fitted = cfg.steps <= 0
     if cfg.steps <= 0:
         cfg = _auto_schedule(cfg, model, device, state, t_start, eval_reserve)
     opt = build_optimizer(model, cfg, device)
@@ -365,10 +370,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cfg = dataclasses.replace(cfg, dense_warmup_steps=gated_dense_warmup(nominal, realized))
     out = Path(cfg.out)
     deadline = None if cfg.max_minutes is None else t_start + 60 * cfg.max_minutes
+    end = cfg.steps  # the last step the data runs to (an extension moves it, never the lr schedule)
 
     def make_loader(from_step: int) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
-            BatchDataset(data, from_step, max(from_step, cfg.steps)),
+            BatchDataset(data, from_step, max(from_step, end)),
             batch_size=None,
             shuffle=False,
             num_workers=cfg.num_workers if device.type == "cuda" else 0,
@@ -433,13 +439,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         flush=True,
                     )
                     advanced = True
-            if step % cfg.save_every == 0 and step < cfg.steps:
+            if step % cfg.save_every == 0 and step < end:
                 save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
                 print(f"saved step {step} to {out}", flush=True)
             if advanced:
                 break  # the prefetched batches are at the old length: a new loader from this step
         del loader
-        loader = make_loader(step) if advanced else None  # a deadline stop never advances
+        left = None if deadline is None else deadline - time.monotonic() - eval_reserve
+        if advanced:
+            loader = make_loader(step)
+        elif stopped == "steps" and gated and time_fitted and left is not None and left > EXTEND_MIN_S:
+            end = step + NEVER // 2  # the deadline ends it
+            extend = {"step": step, "seconds_left": round(left, 1), "lr": lr_at(cfg, step)}
+            print(json.dumps({"extend": extend}), flush=True)
+            recipe["extended_from"] = step
+            loader = make_loader(step)
+        else:
+            loader = None  # a deadline stop never advances
     bar.close()
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
     train_s = time.monotonic() - t_start
