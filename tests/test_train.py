@@ -339,6 +339,29 @@ def test_gated_time_fitted_run_uses_its_time_at_the_final_lr(tmp_path: Path, mon
     assert loop.train(fixed)["stopped"] == "steps" and read_training(tmp_path / "y")["step"] == 3
 
 
+def test_train_only_indexer_moves_the_indexers_alone(tmp_path: Path) -> None:
+    """--train-only indexer: the indexers' weights change (their KL falls on a fixed batch's stream),
+    every other weight and the router bias stay exactly as loaded."""
+    from safetensors.torch import load_file
+
+    a = tmp_path / "a"
+    _train_cli(a, steps=1)
+    b = tmp_path / "b"
+    args = [
+        "--config", str(TINY), "--out", str(b), "--steps", "4", "--device", "cpu", "--init-from", str(a),
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "100",
+        "--warmup-steps", "1", "--lr", "1e-2", "--kl-rows", "32", "--save-dtype", "float32",
+        "--train-only", "indexer", "--log-every", "1",
+    ]  # fmt: skip
+    assert main(args) == 0
+    before, after = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(".indexer." in k for k in moved), sorted(moved)
+    assert any("indexer.wq_b" in k for k in moved)
+    with pytest.raises(SystemExit):  # argparse: one line naming the choices, exit code 2
+        main([*args[:3], str(tmp_path / "c"), *args[4:-6], "--train-only", "bogus"])
+
+
 def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> None:
     cfg = DataConfig(tokens_per_step=4096, curriculum=((0, 512),), copy_fraction=1.0)
     b = make_batch(cfg, 0)

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
     p.add_argument(
+        "--train-only",
+        choices=("all", "indexer"),
+        default=t.train_only,
+        help="indexer: only the DSA indexers train, by their KL (the main model stays as loaded)",
+    )
+    p.add_argument(
         "--advance-exact",
         type=float,
         default=t.advance_exact,
@@ -122,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             lm_weight=args.lm_weight,
             kl_weight=args.kl_weight,
             kl_rows=args.kl_rows,
+            train_only=args.train_only,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,
