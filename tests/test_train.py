@@ -214,6 +214,11 @@ def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
         max_new_tokens=4,
     )
     assert r["skipped"] == ["niah_multikey_1@512"] and "niah_single_1@512" in r
+    # dense=True: the same weights through a config whose index_topk covers every prompt
+    d = niah_eval(tmp_path, lengths=(length,), tasks=("niah_single_1",), samples=2, device="cpu",
+                  max_new_tokens=4, dense=True)  # fmt: skip
+    assert set(d) == {f"niah_single_1@{length}", "avg", "examples"}
+    assert json.loads((tmp_path / "config.json").read_text())["index_topk"] < length  # the source untouched
 
 
 def test_schedule_fits_the_budget() -> None:

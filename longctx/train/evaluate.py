@@ -7,6 +7,9 @@ score is RULER's string_match_all in percent.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,17 @@ EVAL_SEED = 987_654_321
 DEFAULT_EVAL_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1")
 
 
+def _with_topk(src: Path, topk: int, dst: Path) -> Path:
+    """A view of checkpoint `src` in `dst` whose config has `index_topk` = topk (other files linked)."""
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["index_topk"] = topk
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
 def niah_eval(
     model_dir: str | Path,
     lengths: tuple[int, ...] = (1024,),
@@ -27,10 +41,12 @@ def niah_eval(
     dtype: str = "auto",
     max_new_tokens: int = 48,
     seed: int = EVAL_SEED,
+    dense: bool = False,
 ) -> dict[str, Any]:
     """Scores per `task@length` (0-100), their mean under "avg", and a few predictions. A task whose
     smallest sample does not fit a length (e.g. niah_multikey_1 at 512) is listed under "skipped"
-    instead of failing the whole evaluation."""
+    instead of failing the whole evaluation. `dense=True` evaluates the same weights with an `index_topk`
+    above every prompt, i.e. dense attention: what the model retrieves when its indexer loses nothing."""
     from longctx import Engine
     from longctx.workloads.fit import LengthError
 
@@ -47,8 +63,14 @@ def niah_eval(
             items += [(t, L, s, list((s.input + s.answer_prefix).encode("utf-8"))) for s in drawn]
     if not items:
         return {"avg": 0.0, "skipped": skipped, "examples": []}
-    with Engine(model_dir, device=device, dtype=dtype, max_context=max(lengths) + max_new_tokens + 64) as eng:
-        outs = eng.generate([p for *_, p in items], max_new_tokens=max_new_tokens, temperature=0.0)
+    max_context = max(lengths) + max_new_tokens + 64
+    with contextlib.ExitStack() as stack:
+        if dense:
+            model_dir = _with_topk(
+                Path(model_dir), max_context, Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            )
+        with Engine(model_dir, device=device, dtype=dtype, max_context=max_context) as eng:
+            outs = eng.generate([p for *_, p in items], max_new_tokens=max_new_tokens, temperature=0.0)
     scores: dict[str, list[float]] = {}
     examples: list[dict[str, Any]] = []
     for (t, L, s, _), o in zip(items, outs):
