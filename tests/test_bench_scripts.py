@@ -444,3 +444,17 @@ def test_moe8_sweep_on_cpu(tmp_path: Path) -> None:
     assert {r["variant"] for r in d["results"]} == {"current", "stream default", "stream mma=fp8"}
     assert all(r["ok"] for r in d["results"]) and set(d["best_stream"]) == {"1", "3"}
     assert all(parse_config(spec, DEFAULT) for spec in d["best_stream"].values())
+
+
+def test_indexer_recall_on_the_shipped_model(tmp_path: Path) -> None:
+    """bench.indexer_recall: per-layer recall of the needle's first digit, sparse vs dense next byte."""
+    from bench.indexer_recall import main
+
+    assert main(["--lengths", "512", "--samples", "1", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "indexer-recall.json").read_text())
+    r = d["lengths"]["512"]
+    assert r["prompts"] == 2 and len(r["recall_per_layer"]) == 6
+    assert all(
+        0.0 <= x <= 1.0 for x in r["recall_per_layer"] + [r["first_digit_sparse"], r["first_digit_dense"]]
+    )
+    assert (tmp_path / "indexer-recall.md").read_text().startswith("Needle recall")
