@@ -4,7 +4,7 @@ For held-out RULER niah_single prompts (bytes, as training formats them) ending 
 leading space, the last position is the query that must produce the value's first digit. This runs
 the training forward (`TrainCausalLM`, the engine's math and top-k) once sparse and once dense and
 reports, per layer, how often the value's first digit is among that query's selected positions
-("recall"; shared layers reuse their full layer's selection), and how often the predicted next byte
+("recall"; shared layers reuse their full layer's selection) and what fraction of the value's bytes are, and how often the predicted next byte
 is that digit with sparse and with dense attention. Dense right and sparse wrong means the
 selection, not the model, lost the needle. CPU or GPU; a few seconds a prompt on the CPU at 1K.
 
@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("niah_single_1", "niah_single_2")
 
 
-def needle_recall(model: Any, ids: list[int], pos: int) -> tuple[list[bool], int, int]:
-    """(per layer: is `pos` in the last query's selection, sparse next byte, dense next byte)."""
+def needle_recall(model: Any, ids: list[int], pos: int, n: int) -> tuple[list[bool], list[float], int, int]:
+    """(per layer: is `pos` in the last query's selection, the fraction of [pos, pos + n) in it;
+    sparse next byte; dense next byte)."""
     masks: list[torch.Tensor | None] = []
     attention = model._attention
 
@@ -49,7 +50,9 @@ def needle_recall(model: Any, ids: list[int], pos: int) -> tuple[list[bool], int
         h, _ = model.forward_train(x, sparse=False)
         dense_next = int(model.logits(h)[0, -1].argmax())
     # a layer with no selection (top-k >= the prompt) attends to every causal key
-    return [True if m is None else bool(m[0, -1, pos]) for m in masks], sparse_next, dense_next
+    first = [True if m is None else bool(m[0, -1, pos]) for m in masks]
+    span = [1.0 if m is None else float(m[0, -1, pos : pos + n].float().mean()) for m in masks]
+    return first, span, sparse_next, dense_next
 
 
 def run(model_dir: Path, lengths: list[int], samples: int, device: str) -> dict[str, Any]:
@@ -70,22 +73,26 @@ def run(model_dir: Path, lengths: list[int], samples: int, device: str) -> dict[
     for L in lengths:
         n, sparse_ok, dense_ok = 0, 0, 0
         layer_hits = [0] * cfg.num_hidden_layers
+        layer_span = [0.0] * cfg.num_hidden_layers
         for task in TASKS:
             for i in range(samples):
                 s = gen.sample(task, L, i)
                 prompt = (s.input + s.answer_prefix + " ").encode("utf-8")
-                pos = prompt.find(s.outputs[0].encode("utf-8"))
+                value = s.outputs[0].encode("utf-8")
+                pos = prompt.find(value)
                 assert pos >= 0, "the needle's value is in its prompt"
-                rec, sp, dn = needle_recall(model, list(prompt), pos)
+                rec, span, sp, dn = needle_recall(model, list(prompt), pos, len(value))
                 n += 1
                 sparse_ok += sp == prompt[pos]
                 dense_ok += dn == prompt[pos]
                 layer_hits = [a + b for a, b in zip(layer_hits, rec)]
+                layer_span = [a + b for a, b in zip(layer_span, span)]
         out["lengths"][L] = {
             "prompts": n,
             "first_digit_sparse": sparse_ok / n,
             "first_digit_dense": dense_ok / n,
             "recall_per_layer": [h / n for h in layer_hits],
+            "value_span_recall_per_layer": [h / n for h in layer_span],
         }
     return out
 
@@ -95,13 +102,14 @@ def table(res: dict[str, Any]) -> str:
         f"Needle recall of `{res['model']}` (top-{res['index_topk']}): the value's first digit among the "
         "answer query's selected positions, per layer; first digit predicted with sparse / dense attention.",
         "",
-        "| length | prompts | first digit sparse | first digit dense | recall per layer |",
-        "|---|---|---|---|---|",
+        "| length | prompts | first digit sparse | first digit dense | recall per layer | value bytes selected per layer |",
+        "|---|---|---|---|---|---|",
     ]
     for L, r in res["lengths"].items():
         per = " / ".join(f"{x:.2f}" for x in r["recall_per_layer"])
+        span = " / ".join(f"{x:.2f}" for x in r["value_span_recall_per_layer"])
         rows.append(
-            f"| {L} | {r['prompts']} | {r['first_digit_sparse']:.2f} | {r['first_digit_dense']:.2f} | {per} |"
+            f"| {L} | {r['prompts']} | {r['first_digit_sparse']:.2f} | {r['first_digit_dense']:.2f} | {per} | {span} |"
         )
     return "\n".join(rows)
 
