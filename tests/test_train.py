@@ -14,7 +14,7 @@ from longctx.config import ModelConfig
 from longctx.train.__main__ import main
 from longctx.train.checkpoint import MODEL_FILES, TRAINER_STATE, load_model_weights, read_training
 from longctx.train.data import ANSWER, EOS_ID, DataConfig, answer_text, make_batch
-from longctx.train.loop import TrainConfig, build_optimizer, compute_loss
+from longctx.train.loop import TrainConfig, build_optimizer, compute_loss, kl_rows
 from longctx.train.model import TrainCausalLM
 from longctx.workloads.ruler_tasks import TASKS
 
@@ -48,6 +48,17 @@ def test_batches_are_deterministic_and_mark_answers() -> None:
         )
         # inputs are the targets shifted by one
         assert torch.equal(a.ids[r, 1:], a.targets[r, :-1])
+        # the needle: the first answer value's bytes where they stand in the prompt
+        first = (
+            text.strip().split()[0].rstrip(",.")
+            if TASKS[task].family == "vt"
+            else text.strip(" .").split(", ")[0]
+        )
+        at = a.needle[r].nonzero().squeeze(1)
+        assert bytes(a.ids[r, at].tolist()).decode() == first and int(at[-1] - at[0]) == len(first) - 1
+        assert int(at[-1]) < int((a.kind[r] == ANSWER).nonzero()[0])  # in the prompt, before the answer
+    c = make_batch(dataclasses.replace(cfg, text_fraction=0.5, copy_fraction=0.5), 1)
+    assert not c.needle.any() and c.needle.shape == c.ids.shape  # no retrieval rows: no needle
 
 
 def test_overfits_a_fixed_batch_through_sparse_attention() -> None:
@@ -117,6 +128,39 @@ def test_batched_selection_is_the_per_row_selection(monkeypatch) -> None:
             got = m._select(q, k_, w_, topk)
             assert torch.equal(got, ReferenceTrainCausalLM._select(m, q, k_, w_, topk))
             assert int(got[:, -1].sum(-1).min()) == topk  # the last query really selects top-k of S
+
+
+def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
+    """The needle loss: -log of the index softmax's mass on the needle at answer rows. Only the indexer
+    gets its gradient, and a few steps on one batch raise that mass (the selection moves to it)."""
+    m = _model(seed=1)
+    data = DataConfig(tokens_per_step=512, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    batch = make_batch(data, 0)
+    assert batch.needle.any()
+    rows = kl_rows(batch.kind, 64, torch.Generator().manual_seed(0))
+    needle = (batch.needle, torch.gather(batch.kind, 1, rows) == ANSWER)
+    for n, p in m.named_parameters():
+        p.requires_grad_(".indexer." in n)
+    idx_params = [p for n, p in m.named_parameters() if ".indexer." in n]
+    opt = torch.optim.AdamW(idx_params, lr=1e-2)
+    nlls = []
+    for _ in range(12):
+        _, aux = m.forward_train(batch.ids, sparse=False, kl_rows=rows, needle=needle)
+        assert len(aux.indexer_needle) == len(aux.indexer_kl) > 0
+        nll = torch.stack(aux.indexer_needle).mean()
+        opt.zero_grad()
+        nll.backward()
+        opt.step()
+        nlls.append(float(nll.detach()))
+    assert nlls[-1] < 0.7 * nlls[0], nlls
+    _, aux = m.forward_train(batch.ids, sparse=False, kl_rows=rows)  # without needle: none computed
+    assert aux.indexer_needle == []
+    # through the training loss: weighted in, and logged
+    cfg = TrainConfig(data=data, needle_weight=2.0, kl_rows=64, dense_warmup_steps=10**6)
+    loss, metrics, _ = compute_loss(m, batch, cfg, 0, CPU)
+    _, off, _ = compute_loss(m, batch, dataclasses.replace(cfg, needle_weight=0.0), 0, CPU)
+    assert float(metrics["indexer_needle"]) > 0 and float(off["indexer_needle"]) == 0.0
+    assert abs(float(metrics["loss"] - off["loss"]) - 2.0 * float(metrics["indexer_needle"])) < 1e-4
 
 
 def test_indexer_warmup_kl_decreases() -> None:

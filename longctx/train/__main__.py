@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
     p.add_argument(
+        "--needle-weight",
+        type=float,
+        default=t.needle_weight,
+        help="weight of the indexer's needle loss on answer rows (0: the DSA recipe alone)",
+    )
+    p.add_argument(
         "--train-only",
         choices=("all", "indexer"),
         default=t.train_only,
@@ -129,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_weight=args.kl_weight,
             kl_rows=args.kl_rows,
             train_only=args.train_only,
+            needle_weight=args.needle_weight,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,

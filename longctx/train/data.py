@@ -110,12 +110,19 @@ class Batch:
     kind: torch.Tensor  # [B, S] uint8: IGNORE / LM / ANSWER per target
     step: int
     tasks: list[str]
+    # [B, S] bool over input positions: the bytes of the first answer value where it stands in the
+    # prompt (the needle a retrieval row's answer copies; all False in other rows)
+    needle: torch.Tensor
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (the DataLoader's `pin_memory` calls this): a step's host-to-device copies
         are then asynchronous, where a copy from pageable memory first waits for the GPU to drain."""
         return dataclasses.replace(
-            self, ids=self.ids.pin_memory(), targets=self.targets.pin_memory(), kind=self.kind.pin_memory()
+            self,
+            ids=self.ids.pin_memory(),
+            targets=self.targets.pin_memory(),
+            kind=self.kind.pin_memory(),
+            needle=self.needle.pin_memory(),
         )
 
 
@@ -152,7 +159,7 @@ def _copy_row(rng: random.Random, n: int) -> list[int]:
     return list(" ".join(out).encode("ascii")[:n])
 
 
-def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str]:
+def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str, list[int]]:
     names = [t for t, _ in cfg.tasks]
     task = rng.choices(names, weights=[w for _, w in cfg.tasks])[0]
     length = rng.randint(max(64, int(cfg.min_length_fraction * S)), S)
@@ -172,37 +179,48 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
     answer = list(answer_text(task, sample.outputs).encode("utf-8")) + [EOS_ID]
     ids = prompt + answer
     kinds = [LM] * len(prompt) + [ANSWER] * len(answer)
-    return ids, kinds, task
+    value = sample.outputs[0].encode("utf-8")
+    at = bytes(prompt).rfind(value)  # the answer copies the last occurrence before it (vt: its chain's)
+    needle = list(range(at, at + len(value))) if at >= 0 else []
+    return ids, kinds, task, needle
 
 
-def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], list[int], str]:
-    """S + 1 token ids and their kinds (the kind of token i is that of target i - 1)."""
+def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], list[int], str, list[int]]:
+    """S + 1 token ids, their kinds (the kind of token i is that of target i - 1), the task, and the
+    positions of the needle's value bytes in the prompt (retrieval rows; else empty)."""
     rng = random.Random(f"{cfg.seed}:{step}:{row}")
     u = rng.random()
     if u < cfg.copy_fraction:
-        return _copy_row(rng, S + 1), [LM] * (S + 1), "copy"
+        return _copy_row(rng, S + 1), [LM] * (S + 1), "copy", []
+    needle: list[int] = []
     if u - cfg.copy_fraction < cfg.text_fraction:
         ids: list[int] = []
         kinds: list[int] = []
         task = "text"
     else:
-        ids, kinds, task = _retrieval(rng, cfg, S)
+        ids, kinds, task, needle = _retrieval(rng, cfg, S)
         ids, kinds = ids[: S + 1], kinds[: S + 1]
+        needle = [p for p in needle if p < S]
     need = S + 1 - len(ids)
     if need > 0:
         ids += list(_prose(rng, need))
         kinds += [LM] * need
-    return ids, kinds, task
+    return ids, kinds, task, needle
 
 
 def make_batch(cfg: DataConfig, step: int) -> Batch:
     """The batch of `step`: [batch_size(step), seq_len(step)], deterministic in (cfg, step)."""
     S, B = cfg.seq_len(step), cfg.batch_size(step)
     rows = [make_row(cfg, step, r, S) for r in range(B)]
-    full = torch.tensor([ids for ids, _, _ in rows], dtype=torch.int64)  # [B, S + 1]
-    kinds = torch.tensor([k for _, k, _ in rows], dtype=torch.uint8)
+    full = torch.tensor([r[0] for r in rows], dtype=torch.int64)  # [B, S + 1]
+    kinds = torch.tensor([r[1] for r in rows], dtype=torch.uint8)
     kind = kinds[:, 1:].contiguous()  # the kind of a target is that of the token it predicts
-    return Batch(full[:, :-1].contiguous(), full[:, 1:].contiguous(), kind, step, [t for _, _, t in rows])
+    needle = torch.zeros(B, S, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        needle[b, r[3]] = True
+    return Batch(
+        full[:, :-1].contiguous(), full[:, 1:].contiguous(), kind, step, [r[2] for r in rows], needle
+    )
 
 
 class BatchDataset(torch.utils.data.Dataset):

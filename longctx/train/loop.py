@@ -64,6 +64,9 @@ class TrainConfig:
     # found run 7's weights retrieving 24 of 24 niah_single prompts at 768 tokens with dense attention
     # but 8 of 24 through the top-256 selection: the indexer, not the model, was the gap there.
     train_only: str = "all"
+    # weight of the indexer's needle loss on answer rows (TrainCausalLM._indexer_kl): -log of the index
+    # softmax's mass on the answer value's bytes in the prompt; 0 (the DSA recipe) skips it
+    needle_weight: float = 0.0
     dense_warmup_steps: int = 5500  # dense attention until the 4096 phase (retrieval first, then sparsity)
     bias_update_rate: float = 1e-3
     save_every: int = 500
@@ -183,11 +186,15 @@ def compute_loss(
     targets = batch.targets.to(device, non_blocking=True)
     kind = batch.kind.to(device, non_blocking=True)
     gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
-    rows = kl_rows(kind, cfg.kl_rows, gen) if cfg.kl_weight > 0 else None
+    rows = kl_rows(kind, cfg.kl_rows, gen) if cfg.kl_weight > 0 or cfg.needle_weight > 0 else None
+    needle = None
+    if rows is not None and cfg.needle_weight > 0:
+        at_rows = torch.gather(kind, 1, rows) == ANSWER  # the kl rows that predict answer bytes
+        needle = (batch.needle.to(device, non_blocking=True), at_rows)
     sparse = step >= cfg.dense_warmup_steps
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
     with amp:
-        h, aux = model.forward_train(ids, sparse=sparse, kl_rows=rows)
+        h, aux = model.forward_train(ids, sparse=sparse, kl_rows=rows, needle=needle)
         logits = model.logits(h)  # [B, S, V] fp32
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     ans, lm = kind == ANSWER, kind == LM
@@ -195,7 +202,8 @@ def compute_loss(
     loss_ans = (ce * ans).sum() / n_ans.clamp(min=1)
     loss_lm = (ce * lm).sum() / lm.sum().clamp(min=1)
     kl = torch.stack(aux.indexer_kl).mean() if aux.indexer_kl else ce.new_zeros(())
-    loss = loss_ans + cfg.lm_weight * loss_lm + cfg.kl_weight * kl
+    nll = torch.stack(aux.indexer_needle).mean() if aux.indexer_needle else ce.new_zeros(())
+    loss = loss_ans + cfg.lm_weight * loss_lm + cfg.kl_weight * kl + cfg.needle_weight * nll
     with torch.no_grad():
         right = logits.argmax(-1) == targets
         has = ans.any(1)
@@ -206,6 +214,7 @@ def compute_loss(
         "loss_answer": loss_ans.detach(),
         "loss_lm": loss_lm.detach(),
         "indexer_kl": kl.detach(),
+        "indexer_needle": nll.detach(),
         "answer_acc": acc,
         "answer_exact": exact,
     }

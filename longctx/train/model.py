@@ -48,6 +48,7 @@ class TrainAux:
     """What one training forward reports besides the hidden states."""
 
     indexer_kl: list[torch.Tensor] = field(default_factory=list)  # one scalar per full layer
+    indexer_needle: list[torch.Tensor] = field(default_factory=list)  # one scalar per full layer (if asked)
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E] token counts
 
 
@@ -100,13 +101,19 @@ class TrainCausalLM(CausalLM):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward_train(
-        self, ids: torch.Tensor, sparse: bool, kl_rows: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        sparse: bool,
+        kl_rows: torch.Tensor | None = None,
+        needle: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, TrainAux]:
         """ids [B, S] (row b holds positions 0..S-1) -> final-normed hidden states [B, S, hidden].
 
         `sparse`: attend over the indexer's top-k (the inference model); otherwise dense causal
         attention (the warm-up stage). `kl_rows` [B, R] (query positions): compute the indexer KL
-        on those rows; None skips it (evaluation).
+        on those rows; None skips it (evaluation). `needle` (positions [B, S] bool, rows [B, R] bool over
+        kl_rows): also each full layer's retrieval loss, -log of the indexer's softmax mass on the needle
+        positions at the marked kl rows (see `_indexer_kl`).
         """
         B, S = ids.shape
         dev = ids.device
@@ -120,7 +127,7 @@ class TrainCausalLM(CausalLM):
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
             a, mask = self._attention(
-                attn, layer.input_layernorm(h), B, S, cos, sin, mask, sparse, kl_rows, aux
+                attn, layer.input_layernorm(h), B, S, cos, sin, mask, sparse, kl_rows, aux, needle
             )
             h = h + a
             x = layer.post_attention_layernorm(h)
@@ -143,6 +150,7 @@ class TrainCausalLM(CausalLM):
         sparse: bool,
         kl_rows: torch.Tensor | None,
         aux: TrainAux,
+        needle: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T, H, nope, rope, vd = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim
         # the same projections, norms and rope as MLAttention.forward
@@ -164,9 +172,12 @@ class TrainCausalLM(CausalLM):
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
             mask = self._select(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
             if kl_rows is not None:
-                aux.indexer_kl.append(
-                    self._indexer_kl(qi, ki, wi, Q.detach(), K.detach(), mask, kl_rows, attn.scale)
+                kl, nll = self._indexer_kl(
+                    qi, ki, wi, Q.detach(), K.detach(), mask, kl_rows, attn.scale, needle
                 )
+                aux.indexer_kl.append(kl)
+                if nll is not None:
+                    aux.indexer_needle.append(nll)
         if mask is None:
             o = F.scaled_dot_product_attention(Q, K, V.to(Q.dtype), is_causal=True, scale=attn.scale)
         else:
@@ -235,11 +246,17 @@ class TrainCausalLM(CausalLM):
         mask: torch.Tensor | None,
         rows: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor:
-        """KL(main attention, summed over heads and normalised || softmax of index scores) on `rows`.
+        needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KL(main attention, summed over heads and normalised || softmax of index scores) on `rows`,
+        and with `needle` = (positions [B, S], which rows [B, R]) the needle loss: -log of the index
+        softmax's mass on the needle positions, averaged over the marked rows that can see one (None
+        without `needle`).
 
         Dense stage: over every causal key. Sparse stage: over the selected set only (DSA's
-        L_I = sum_t KL(p_{t,S_t} || softmax(I_{t,S_t}))). Gradients reach only the indexer.
+        L_I = sum_t KL(p_{t,S_t} || softmax(I_{t,S_t}))). Gradients reach only the indexer. The
+        needle loss is supervision the DSA recipe does not have: run 7's indexers selected the needle
+        at about chance while the dense model retrieved every one (docs/training.md).
         """
         B, S = qi.shape[:2]
         bi = torch.arange(B, device=qi.device)[:, None]
@@ -257,7 +274,14 @@ class TrainCausalLM(CausalLM):
             logits = (s * wi[bi, rows][..., None]).sum(2)  # [B, R, S]
             logq = torch.log_softmax(logits.masked_fill(~allowed, _NEG), dim=-1)
             kl = p * (torch.log(p.clamp_min(1e-20)) - logq)
-            return torch.where(allowed, kl, 0.0).sum(-1).mean()
+            kl = torch.where(allowed, kl, 0.0).sum(-1).mean()
+            if needle is None:
+                return kl, None
+            at = needle[0][:, None, :] & allowed  # [B, R, S]
+            use = needle[1] & at.any(-1)  # [B, R]
+            hit = torch.logsumexp(logq.masked_fill(~at, _NEG), dim=-1)  # log mass on the needle
+            nll = -(torch.where(use, hit, 0.0).sum() / use.sum().clamp(min=1))
+            return kl, nll
 
     # ---- MoE -------------------------------------------------------------------------------
     def _moe(self, moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
