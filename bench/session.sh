@@ -37,13 +37,14 @@ cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
 lane_a() {
-  # default: docs/training.md's next recipe (runs 5-7): from the WIP weights (run 7, 768-byte rows) at
-  # a small lr, lengthening in small steps once the answer exact match reaches 0.5 (run 7's 0.8 never
-  # opened at 768: the long multi-value answers keep the all-task exact match near 0.5)
+  # default: docs/training.md's next recipe (runs 5-8): from the WIP weights (run 8, 768-byte rows) at
+  # a small lr, the indexers kept on the needle (run 8), sparse from 1024 on, lengthening in small steps
+  # once the answer exact match reaches 0.5 (run 7's 0.8 never opened at 768)
   TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
     TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 4e-4 --warmup-steps 50 \
---advance-exact 0.5 --curriculum 0:768,1500:1024,3000:1536,4500:2048,6000:3072,7500:4096,9000:6144 \
---dense-warmup-steps 6000"} bash bench/train_bg.sh start
+--needle-weight 1.0 --advance-exact 0.5 \
+--curriculum 0:768,1500:1024,3000:1536,4500:2048,6000:3072,7500:4096,9000:6144 \
+--dense-warmup-steps 1500"} bash bench/train_bg.sh start
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0

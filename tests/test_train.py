@@ -431,10 +431,10 @@ def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> No
 
 def test_shipped_wip_checkpoint_loads_and_retrieves_at_512() -> None:
     """The part-trained retrieval model (models-shipped/retrieval-wip) through the real engine on the CPU:
-    it must keep finding the needle in short niah_single_1/2 prompts (run 7's weights: 7 of 8 each)."""
+    it must keep finding the needle in short niah_single_1/2 prompts (run 8's weights: 8 of 8 each)."""
     from longctx.train.evaluate import niah_eval
 
     wip = ROOT / "models-shipped" / "retrieval-wip"
     r = niah_eval(wip, lengths=(512,), tasks=("niah_single_1", "niah_single_2"), samples=8, device="cpu",
                   dtype="float32", max_new_tokens=12)  # fmt: skip
-    assert r["niah_single_1@512"] >= 75.0 and r["niah_single_2@512"] >= 75.0, r
+    assert r["niah_single_1@512"] >= 87.5 and r["niah_single_2@512"] >= 87.5, r
