@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from longctx.kernels import kv_layout as kvl  # noqa: E402
-from longctx.kernels.common import triton_interpret  # noqa: E402
+from longctx.kernels.common import knobs_diff, triton_interpret  # noqa: E402
 from longctx.kernels.indexer import (  # noqa: E402
     DecodeKnobs,
     decode_launch_stats,
@@ -126,13 +126,6 @@ def _timer(cuda: bool) -> Callable[[Callable[[], Any]], float]:
         return time.perf_counter() - t0
 
     return wall
-
-
-def _short(k: DecodeKnobs) -> str:
-    base = DecodeKnobs()
-    return ",".join(
-        f"{n}={getattr(k, n)}" for n in k.__dataclass_fields__ if getattr(k, n) != getattr(base, n)
-    )
 
 
 def _markdown(res: dict[str, Any]) -> str:
@@ -238,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for knobs in settings:
         spec = knobs.spec()
         if time.time() - t_start > args.budget_s:
-            skipped.append(_short(knobs) or "default")
+            skipped.append(knobs_diff(knobs) or "default")
             continue
         t_cfg = time.time()
         errs: dict[str, float] = {}
@@ -267,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                     "batch": b,
                     "ctx": c,
                     "spec": spec,
-                    "spec_short": _short(knobs),
-                    "env_spec": _short(knobs),
+                    "spec_short": knobs_diff(knobs),
+                    "env_spec": knobs_diff(knobs),
                     "graph_us": sec * 1e6,
                     "bytes": nbytes,
                     "frac_hbm": nbytes / sec / hbm,
@@ -278,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )  # fmt: skip  (the timed launch's kernel)
         times = {f"h{r['heads']}_b{r['batch']}_{r['ctx']}": r["graph_us"] for r in rows if r["spec"] == spec}
-        print(f"{_short(knobs) or 'default':40s} ok={ok} max rel err {max(errs.values()):.2g}  "
+        print(f"{knobs_diff(knobs) or 'default':40s} ok={ok} max rel err {max(errs.values()):.2g}  "
               + "  ".join(f"{k} {u:.1f}" for k, u in times.items())
               + f"  ({time.time() - t_cfg:.1f} s)", flush=True)  # fmt: skip
     default_spec = DecodeKnobs().spec()

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.kernels.common import num_sms, triton_interpret  # noqa: E402
+from longctx.kernels.common import knobs_diff, num_sms, triton_interpret  # noqa: E402
 from longctx.kernels.fp8_gemm import cdiv  # noqa: E402
 from longctx.kernels.kv_layout import alloc_mla_pool, mla_row_bytes, write_mla_kv  # noqa: E402
 from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref  # noqa: E402
@@ -171,13 +171,6 @@ def _markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _short(k: HeadsKnobs) -> str:
-    base = HeadsKnobs()
-    return ",".join(
-        f"{n}={getattr(k, n)}" for n in k.__dataclass_fields__ if getattr(k, n) != getattr(base, n)
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -243,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     for knobs in settings:
         spec = knobs.spec()
         if time.time() - t_start > args.budget_s:
-            skipped.append(_short(knobs) or "default")
+            skipped.append(knobs_diff(knobs) or "default")
             continue
         t_cfg = time.time()
         errs = {}
@@ -274,13 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = b * topk * (row_bytes + 4) + b * HEADS * (L + R) * 2 + b * HEADS * L * 2
                 flops = 2.0 * b * HEADS * topk * (2 * L + R)
                 roof = max(nbytes / hbm, flops / peak)
-                rows.append({"batch": b, "spec": spec, "spec_short": _short(knobs), "splits": sp,
+                rows.append({"batch": b, "spec": spec, "spec_short": knobs_diff(knobs), "splits": sp,
                              "env_spec": replace(knobs, splits=0 if sp == auto else sp).spec(),
                              "graph_us": sec * 1e6, "roofline_us": roof * 1e6, "x_roofline": sec / roof,
                              "bytes": nbytes, "flops": flops, "rel_err": errs[str(b)][1], "ok": ok})  # fmt: skip
         mine = [r for r in rows if r["spec"] == spec]
         best = {b: min((r["graph_us"] for r in mine if r["batch"] == b), default=math.nan) for b in batches}
-        print(f"{_short(knobs) or 'default':34s} ok={ok} max rel err {max(e[1] for e in errs.values()):.2g}  "
+        print(f"{knobs_diff(knobs) or 'default':34s} ok={ok} max rel err {max(e[1] for e in errs.values()):.2g}  "
               + "  ".join(f"b{b} {u:.1f} us" for b, u in best.items())
               + f"  ({time.time() - t_cfg:.1f} s)", flush=True)  # fmt: skip
     default_spec = HeadsKnobs().spec()

@@ -118,6 +118,16 @@ def knobs_spec(knobs: Any) -> str:
     return ",".join(f"{f.name}={int(getattr(knobs, f.name))}" for f in dataclasses.fields(knobs))
 
 
+def knobs_diff(knobs: Any) -> str:
+    """Only the fields that differ from the class's defaults, as "name=value,..." ("" for the defaults)."""
+    base = type(knobs)()
+    return ",".join(
+        f"{f.name}={getattr(knobs, f.name)}"
+        for f in dataclasses.fields(knobs)
+        if getattr(knobs, f.name) != getattr(base, f.name)
+    )
+
+
 def parse_knobs(cls: type, spec: str, base: Any, what: str) -> Any:
     """`base` (default: cls()) with the fields named in "name=int,..." replaced; a bool field takes 0/1.
     The dataclass's own checks (its __post_init__) judge the values."""
