@@ -112,7 +112,7 @@ def measure_ceilings(
         warmup=copy_warmup,
         rep=copy_rep,
     )
-    out = {"hbm_copy_Bps": hbm, "pinned_h2d_Bps": h2d}
+    out: dict[str, Any] = {"hbm_copy_Bps": hbm, "pinned_h2d_Bps": h2d}
     if gemm:
         timer = partial(time_fn, warmup=5, rep=20)
         out["bf16_gemm_flops"] = gemm_flops(torch.bfloat16, timer=timer)
@@ -170,3 +170,19 @@ def niah_byte_prompt(n: int, seed: int = 7) -> list[int]:
 
     s = RulerGenerator(ByteCounter(), seed=seed, max_new_tokens_scale=0.5).sample("niah_single_1", n, 0)
     return list((s.input + s.answer_prefix).encode("utf-8"))
+
+
+def sweep_timer(cuda: bool) -> Callable[[Callable[[], Any]], float]:
+    """A launch sweep's timer: kernel time in a CUDA graph (L2 flushed, 20 replays) on the GPU; on the
+    CPU (the interpreter smoke test, correctness only) the wall time of one call."""
+    if cuda:
+        from bench.kernels_mla_moe import time_graph
+
+        return lambda fn: time_graph(fn, reps=20)
+
+    def wall(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return wall

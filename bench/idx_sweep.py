@@ -20,7 +20,6 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from longctx.kernels.indexer import (  # noqa: E402
     indexer_logits_paged_ref,
 )
 
-from bench.common import environment, write_json_md, write_results  # noqa: E402
+from bench.common import environment, sweep_timer, write_json_md, write_results  # noqa: E402
 
 P = DecodeKnobs.parse
 # In priority order (the budget cuts the tail). Static facts from an sm_90a AOT compile (triton 3.9, 4 warps,
@@ -112,20 +111,6 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     if not fin.any():
         return 0.0
     return float((got[fin] - ref[fin]).abs().max() / ref[fin].abs().max().clamp_min(1e-30))
-
-
-def _timer(cuda: bool) -> Callable[[Callable[[], Any]], float]:
-    if cuda:
-        from bench.kernels_mla_moe import time_graph
-
-        return lambda fn: time_graph(fn, reps=20)
-
-    def wall(fn: Callable[[], Any]) -> float:  # correctness-only path: one interpreted call
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return wall
 
 
 def _markdown(res: dict[str, Any]) -> str:
@@ -223,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         hbm = 4.27e12  # the H200 figure, for the smoke test's arithmetic only
     print(f"HBM copy {hbm / 1e12:.2f} TB/s; setup {time.time() - t_start:.1f} s", flush=True)
-    timer = _timer(cuda)
+    timer = sweep_timer(cuda)
     row_bytes = pool.shape[1]
     checks: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []

@@ -21,7 +21,6 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,7 +36,7 @@ from longctx.kernels.kv_layout import alloc_mla_pool, mla_row_bytes, write_mla_k
 from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref  # noqa: E402
 from longctx.kernels.sparse_mla_heads import HeadsKnobs, pick_splits_heads  # noqa: E402
 
-from bench.common import environment, gemm_flops, write_json_md, write_results  # noqa: E402
+from bench.common import environment, gemm_flops, sweep_timer, write_json_md, write_results  # noqa: E402
 
 P = HeadsKnobs.parse
 # In priority order (the budget cuts the tail). Static facts from an sm_90a AOT compile (triton 3.9, 4 of
@@ -122,20 +121,6 @@ def _split_choices(knobs: HeadsKnobs, batch: int, topk: int, dev: torch.device, 
 def _err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     d = (out.float() - ref.float()).abs().max().item()
     return d, d / max(ref.float().abs().max().item(), 1e-6)
-
-
-def _timer(cuda: bool) -> Callable[[Callable[[], Any]], float]:
-    if cuda:
-        from bench.kernels_mla_moe import time_graph
-
-        return lambda fn: time_graph(fn, reps=20)
-
-    def wall(fn: Callable[[], Any]) -> float:  # correctness-only path: one interpreted call
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return wall
 
 
 def _markdown(res: dict[str, Any]) -> str:
@@ -229,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"HBM copy {hbm / 1e12:.2f} TB/s, bf16 GEMM {peak / 1e12:.0f} TFLOP/s; setup {time.time() - t_start:.1f} s"
     )
-    timer = _timer(cuda)
+    timer = sweep_timer(cuda)
     checks: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
