@@ -23,12 +23,21 @@ import json
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _use(cache: OrderedDict[int, None], positions: Iterable[int], room: int | None = None) -> None:
+    """Make `positions` the most recent entries of an LRU cache, then (with `room`) evict to fit."""
+    for p in positions:
+        cache[p] = None
+        cache.move_to_end(p)
+    while room is not None and len(cache) > room:
+        cache.popitem(last=False)
 
 
 def replay(
@@ -60,10 +69,10 @@ def replay(
             uses.setdefault(p, []).append(t)
     lru: OrderedDict[int, None] = OrderedDict()
     pre: OrderedDict[int, None] = OrderedDict()  # LRU + fetch-ahead
-    fetched, missed, n_counted = 0, 0, 0
+    fetched = 0
     opt: set[int] = set()
     seen: set[int] = set()
-    hits = {"lru": 0, "belady": 0, "unbounded": 0, "lru_ahead": 0}
+    hits = {"lru": 0, "belady": 0, "unbounded": 0} | ({"lru_ahead": 0} if ahead is not None else {})
     total, overlap, n_overlap = 0, 0.0, 0
     prev: set[int] = set()
     for t, sel in enumerate(steps):
@@ -79,26 +88,15 @@ def replay(
             hits["lru"] += len(pinned) + sum(1 for p in old if p in lru)
             hits["belady"] += len(pinned) + len(old & opt)
             hits["unbounded"] += len(pinned) + len(old & seen)
-            hits["lru_ahead"] += len(pinned) + sum(1 for p in old if p in pre)
-            missed += sum(1 for p in old if p not in lru)
-            n_counted += 1
-        for p in sorted(old):
-            lru[p] = None
-            lru.move_to_end(p)
-        while len(lru) > room:
-            lru.popitem(last=False)
+            if ahead is not None:
+                hits["lru_ahead"] += len(pinned) + sum(1 for p in old if p in pre)
+        _use(lru, sorted(old), room)
         if ahead is not None:
             extra = [p for p in ahead[t] if p not in pre and p < first_ctx + t - recent]
             if t >= warmup:
                 fetched += len(extra)
-            for p in extra:  # more recent than older entries, behind the step's own selection
-                pre[p] = None
-                pre.move_to_end(p)
-            for p in sorted(old):
-                pre[p] = None
-                pre.move_to_end(p)
-            while len(pre) > room:
-                pre.popitem(last=False)
+            _use(pre, extra)  # more recent than older entries, behind the step's own selection
+            _use(pre, sorted(old), room)
         opt |= old
         if len(opt) > room:
 
@@ -109,11 +107,12 @@ def replay(
             victims = sorted(opt - old, key=next_use, reverse=True)[: len(opt) - room]
             opt -= set(victims)
         seen |= old
-    out = {k: v / max(1, total) for k, v in hits.items() if k != "lru_ahead" or ahead is not None}
+    out = {k: v / max(1, total) for k, v in hits.items()}
     out["overlap_prev"] = overlap / max(1, n_overlap)
     if ahead is not None:
-        out["ahead_fetches"] = fetched / max(1, n_counted)
-        out["lru_misses"] = missed / max(1, n_counted)
+        n_counted = max(1, len(steps) - warmup)
+        out["ahead_fetches"] = fetched / n_counted
+        out["lru_misses"] = (total - hits["lru"]) / n_counted  # pinned positions are always hits
     out["counted_selections"] = float(total)
     return out
 

@@ -605,8 +605,11 @@ class HiSparseKVCache:
         """Time the swap copies enqueued inside with CUDA events (folded into `swap_seconds` now and
         then, so the list stays small). The first copy of a cache is left out: its events would also
         time the kernels' JIT compile between them (1.6 s for 3.3 MB in the H200 gpu_check)."""
-        if not enabled or not self._timed_before:
-            self._timed_before = self._timed_before or enabled
+        if not enabled:
+            yield
+            return
+        if not self._timed_before:
+            self._timed_before = True
             yield
             return
         a = torch.cuda.Event(enable_timing=True)
