@@ -186,3 +186,18 @@ def sweep_timer(cuda: bool) -> Callable[[Callable[[], Any]], float]:
         return time.perf_counter() - t0
 
     return wall
+
+
+def sweep_device(spec: str, script: str) -> tuple[torch.device, int | None]:
+    """A launch sweep's device, and the exit code to return at once when it cannot run there (None: go
+    on): CUDA must be present, and `--device cpu` runs the kernels under TRITON_INTERPRET=1 only."""
+    from longctx.kernels.common import triton_interpret
+
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"{script} needs CUDA (or --device cpu under TRITON_INTERPRET=1)")
+        return dev, 0
+    if dev.type != "cuda" and not triton_interpret():
+        print("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
+        return dev, 2
+    return dev, None

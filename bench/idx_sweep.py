@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from longctx.kernels import kv_layout as kvl  # noqa: E402
-from longctx.kernels.common import knobs_diff, triton_interpret  # noqa: E402
+from longctx.kernels.common import knobs_diff  # noqa: E402
 from longctx.kernels.indexer import (  # noqa: E402
     DecodeKnobs,
     decode_launch_stats,
@@ -37,7 +37,7 @@ from longctx.kernels.indexer import (  # noqa: E402
     indexer_logits_paged_ref,
 )
 
-from bench.common import environment, sweep_timer, write_json_md, write_results  # noqa: E402
+from bench.common import environment, sweep_device, sweep_timer, write_json_md, write_results  # noqa: E402
 
 P = DecodeKnobs.parse
 # In priority order (the budget cuts the tail). Static facts from an sm_90a AOT compile (triton 3.9, 4 warps,
@@ -169,14 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     t_start = time.time()
-    dev = torch.device(args.device)
+    dev, rc = sweep_device(args.device, "bench/idx_sweep.py")
+    if rc is not None:
+        return rc
     cuda = dev.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("bench/idx_sweep.py needs CUDA (or --device cpu under TRITON_INTERPRET=1)")
-        return 0
-    if not cuda and not triton_interpret():
-        print("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
-        return 2
     batches = [int(b) for b in args.batches.split(",")]
     ctxs = sorted((int(c) for c in args.ctxs.split(",")), reverse=True)
     heads_list = [int(h) for h in args.heads.split(",")]

@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.kernels.common import knobs_diff, num_sms, triton_interpret  # noqa: E402
+from longctx.kernels.common import knobs_diff, num_sms  # noqa: E402
 from longctx.kernels.fp8_gemm import cdiv  # noqa: E402
 from longctx.kernels.kv_layout import alloc_mla_pool, mla_row_bytes, write_mla_kv  # noqa: E402
 from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref  # noqa: E402
 from longctx.kernels.sparse_mla_heads import HeadsKnobs, pick_splits_heads  # noqa: E402
 
-from bench.common import environment, gemm_flops, sweep_timer, write_json_md, write_results  # noqa: E402
+from bench.common import environment, gemm_flops, sweep_device, sweep_timer, write_json_md, write_results  # noqa: E402
 
 P = HeadsKnobs.parse
 # In priority order (the budget cuts the tail). Static facts from an sm_90a AOT compile (triton 3.9, 4 of
@@ -167,14 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     t_start = time.time()
-    dev = torch.device(args.device)
+    dev, rc = sweep_device(args.device, "bench/smla_sweep.py")
+    if rc is not None:
+        return rc
     cuda = dev.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("bench/smla_sweep.py needs CUDA (or --device cpu under TRITON_INTERPRET=1)")
-        return 0
-    if not cuda and not triton_interpret():
-        print("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
-        return 2
     batches = [int(b) for b in args.batches.split(",")]
     topk, context = args.topk, args.context
     if not cuda:  # toy sizes: the interpreter runs every program in Python

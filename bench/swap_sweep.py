@@ -28,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.kernels.common import triton_interpret  # noqa: E402
 from longctx.kernels.swap import (  # noqa: E402
     PAGE_KNOBS,
     ROW_KNOBS,
@@ -38,7 +37,7 @@ from longctx.kernels.swap import (  # noqa: E402
     swap_in_gather_ref,
 )
 
-from bench.common import copy_rate, environment, time_cuda, write_results  # noqa: E402
+from bench.common import copy_rate, environment, sweep_device, time_cuda, write_results  # noqa: E402
 from longctx.kvstore.host_pool import HostPool, HostPoolError  # noqa: E402
 
 ROW_BYTES, PAGE = 656, 64  # the fp8 MLA token row; tokens per page
@@ -240,14 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev, rc = sweep_device(args.device, "bench/swap_sweep.py")
+    if rc is not None:
+        return rc
     cuda = dev.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("bench/swap_sweep.py needs CUDA (or --device cpu under TRITON_INTERPRET=1)")
-        return 0
-    if not cuda and not triton_interpret():
-        print("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
-        return 2
     t0 = time.time()
     row_bytes_total = int(args.pool_gib * 2**30) // (ROW_BYTES * PAGE) * ROW_BYTES * PAGE
     pool_obj = None
