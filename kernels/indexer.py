@@ -45,8 +45,10 @@ _REF_CHUNK_ELEMS = 1 << 24  # bounds the reference's [queries, heads, keys] inte
 
 @dataclass(frozen=True)
 class DecodeKnobs:
-    """How the decode kernel launches (never what it computes); 0 means the shape's default. The
-    defaults are the launch before the knobs existed; `python -m bench.idx_sweep` times the rest.
+    """How the decode kernel launches (never what it computes); 0 means the path's default. The
+    defaults are the H200 sweep's winner (`python -m bench.idx_sweep`, bench/results/idx-sweep-h200.md:
+    TMA pages, 64 keys x 4 stages, as many programs per SM as fit: 47 us at 32 heads x 1M keys, 0.72 of
+    HBM, 1.31x the launch before the knobs, `OLD_LAUNCH`; 1.4-2.2x at batch 8 and 64 heads).
 
     `tma=1` streams whole 64-key pages with TMA instead of per-thread cp.async gathers: the
     page-major fp8 layout makes a page's keys one contiguous [64, D] box, so one descriptor load per
@@ -56,12 +58,12 @@ class DecodeKnobs:
     with D a power of two in [16, 256] on sm_90+ (and the interpreter); elsewhere the gather kernel
     runs. With tma, `block_n` (a multiple of the page) is pages per loop iteration x 64."""
 
-    tma: int = 0  # 1: page-granular TMA loads (see above)
+    tma: int = 1  # 1: page-granular TMA loads where they apply (see above); 0: always the gather kernel
     sc_ahead: int = 0  # gather kernel, fp8: 1 loads each tile's scales a tile ahead (TMA ones are pipelined)
-    block_n: int = 0  # keys per loop iteration, a power of two >= 16; 0: 128
+    block_n: int = 0  # keys per loop iteration, a power of two >= 16; 0: 64 with TMA, 128 gathered
     warps: int = 4
-    stages: int = 3  # software-pipeline depth: stages - 1 tiles in flight per program
-    per_sm: int = 3  # programs per SM in a wave (32 heads: 3 fit, 130 regs; 64 heads: 2, 227 regs); 0: as fit
+    stages: int = 0  # software-pipeline depth: stages - 1 tiles in flight per program; 0: 4 TMA, 3 gathered
+    per_sm: int = 0  # programs per SM in a wave; 0: as many as fit (compiled kernel's registers, smem)
     waves: int = 0  # waves of programs; 0: 1 for one query, 2 for a batch (measured best)
     splits: int = 0  # programs per query; 0: waves * per_sm * SMs // Tq
 
@@ -74,7 +76,7 @@ class DecodeKnobs:
             self.block_n == 0 or (self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0),
             f"indexer decode knob block_n: 0 or a power of two >= 16 ({self})",
         )
-        check(self.warps in (1, 2, 4, 8, 16) and self.stages >= 1, f"bad indexer decode knobs ({self})")
+        check(self.warps in (1, 2, 4, 8, 16) and self.stages >= 0, f"bad indexer decode knobs ({self})")
         check(self.per_sm >= 0 and self.waves >= 0 and self.splits >= 0, f"bad indexer decode knobs ({self})")
 
     def spec(self) -> str:
@@ -87,8 +89,11 @@ class DecodeKnobs:
         return parse_knobs(cls, spec, base, "indexer decode knob")  # type: ignore[no-any-return]
 
 
-# LONGCTX_INDEXER_DECODE ("tma=1,stages=4", any subset) overrides the decode defaults for a process.
+# LONGCTX_INDEXER_DECODE ("tma=0,stages=4", any subset) overrides the decode defaults for a process.
 DECODE_KNOBS = DecodeKnobs.parse(os.environ.get("LONGCTX_INDEXER_DECODE", ""))
+# The launch before the knobs existed (gather kernel, 128-key tiles, 3 stages, 3 programs an SM): the
+# sweep's baseline.
+OLD_LAUNCH = DecodeKnobs(tma=0, block_n=128, stages=3, per_sm=3)
 
 
 _LAST_DECODE: dict[str, Any] = {}  # the compiled kernel of the last decode launch (bench statistics)
@@ -327,7 +332,7 @@ def _launch_decode(
     hp, dp = max(16, next_pow2(h)), max(16, next_pow2(d))
     fp8 = is_fp8(kind)
     tma = kn.tma == 1 and _tma_ok(kind, d, q.device)
-    bn = kn.block_n or _DECODE_BLOCK_N
+    bn = kn.block_n or (PAGE_SIZE if tma else _DECODE_BLOCK_N)
     if tma:
         bn = max(bn, PAGE_SIZE)
         rpp = PAGE_SIZE * (d + 4) // d  # D-byte rows per page: PAGE key rows, then the scales
@@ -352,7 +357,7 @@ def _launch_decode(
         )
     consts.update(
         H=h, HP=hp, D=d, IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(),
-        num_warps=kn.warps, num_stages=kn.stages,
+        num_warps=kn.warps, num_stages=kn.stages or (4 if tma else 3),
     )  # fmt: skip
 
     def args(tiles_per: int) -> tuple[Any, ...]:
@@ -396,12 +401,11 @@ def _programs_per_sm(kernel: Any, args: tuple[Any, ...], consts: dict[str, Any],
     return _OCCUPANCY[key]
 
 
-# Decode defaults (bench/kernels_indexer.py sweeps them on the H200). sm_90a SASS of the default
-# (32 heads x 128 dims, fp8, bf16 q): 130 registers, 41 KiB shared (2 key tiles in flight through
-# cp.async), ~13 warp instructions per key, one 64x32x16 HGMMA per 16 dims of 64 keys; so 3
-# programs fit on an SM and 3 per SM split each query's keys in one wave.
+# The gather kernel (dense pools, or no TMA): sm_90a SASS at 32 heads x 128 dims, fp8, bf16 q: 130
+# registers, 41 KiB shared (2 key tiles in flight through cp.async), ~13 warp instructions per key, one
+# 64x32x16 HGMMA per 16 dims of 64 keys; 3 programs fit on an SM (2 at 64 heads).
 
-_DECODE_BLOCK_N = 128  # DecodeKnobs holds the other defaults (warps 4, stages 3, 3 programs per SM)
+_DECODE_BLOCK_N = 128  # the gather kernel's tile (DecodeKnobs holds the other defaults)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -345,7 +345,8 @@ def test_logical_to_rows_matches_reference(t, k, b, dtype):
 # (sc_ahead with a 32-key tile: two tiles a page).
 DECODE_SPECS = [
     "",
-    "tma=1",
+    "tma=0",
+    "tma=0,block_n=128,stages=3,per_sm=3",
     "tma=1,block_n=64,stages=4,per_sm=4",
     "tma=1,block_n=256,warps=8,stages=2",
     "tma=1,splits=1",
@@ -413,7 +414,7 @@ def test_decode_knobs_parse_and_validate():
         "block_n=48",
         "block_n=8",
         "warps=3",
-        "stages=0",
+        "stages=-1",
         "nope=1",
         "splits=-1",
     ):
