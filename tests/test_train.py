@@ -13,7 +13,7 @@ import torch
 from longctx.config import ModelConfig
 from longctx.train.__main__ import main
 from longctx.train.checkpoint import MODEL_FILES, TRAINER_STATE, load_model_weights, read_training
-from longctx.train.data import ANSWER, EOS_ID, DataConfig, answer_text, make_batch
+from longctx.train.data import ANSWER, EOS_ID, DataConfig, DataError, answer_text, make_batch, pose_positions
 from longctx.train.loop import TrainConfig, build_optimizer, compute_loss, kl_rows
 from longctx.train.model import TrainCausalLM
 from longctx.workloads.ruler_tasks import TASKS
@@ -206,6 +206,7 @@ def test_checkpoint_loads_in_engine_with_training_logits_and_resumes(tmp_path: P
     log = [json.loads(x) for x in (a / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4] and {r["stage"] for r in log} == {"dense", "sparse"}
     assert {"loss", "answer_acc", "lr", "tokens_per_s"} <= set(log[0])
+    assert "pose_rows" not in log[0] and read_training(a)["recipe"]["data"]["pose_max"] == 0  # PoSE off
 
     # the saved checkpoint through the real engine == the training forward (eval mode, fp32)
     cfg = ModelConfig.from_json(a)
@@ -438,3 +439,114 @@ def test_shipped_wip_checkpoint_loads_and_retrieves_at_512() -> None:
     r = niah_eval(wip, lengths=(512,), tasks=("niah_single_1", "niah_single_2"), samples=8, device="cpu",
                   dtype="float32", max_new_tokens=12)  # fmt: skip
     assert r["niah_single_1@512"] >= 87.5 and r["niah_single_2@512"] >= 87.5, r
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_pose_positions_skip_inside_the_window(chunks: int) -> None:
+    """PoSE position ids: start at 0, strictly increasing, at most `chunks - 1` jumps with consecutive
+    positions between them, last < pose_max, about pose_prob of the rows skipped, skips spread from
+    short to long (log-uniform); deterministic per (seed, step); off (or S >= pose_max) is 0..S-1."""
+    S, pose_max, B, steps = 128, 8192, 16, 60
+    cfg = DataConfig(seed=7, pose_max=pose_max, pose_prob=0.75, pose_chunks=chunks)
+    pos = torch.cat([pose_positions(cfg, step, B, S) for step in range(steps)])
+    assert pos.dtype == torch.int64 and pos.shape == (B * steps, S)
+    d = pos.diff(dim=1)
+    assert (pos[:, 0] == 0).all() and (d >= 1).all() and int(pos.max()) <= pose_max - 1
+    jumps = (d > 1).sum(1)
+    assert int(jumps.max()) == chunks - 1  # the pieces between jumps keep consecutive positions
+    skipped = pos[:, -1] > S - 1
+    assert abs(float(skipped.float().mean()) - 0.75) < 0.06, float(skipped.float().mean())
+    if chunks == 2:
+        assert torch.equal(jumps > 0, skipped)  # two pieces: every skipped row has its one jump
+    total = pos[skipped, -1] - (S - 1)  # the total skip K of each skipped row
+    assert int((total < 64).sum()) > 20 and int((total > 1024).sum()) > 20  # near and far both
+    assert torch.equal(pos[:B], pose_positions(cfg, 0, B, S))
+    assert not torch.equal(pos[:B], pose_positions(cfg, 1, B, S))
+    plain = torch.arange(S).repeat(B, 1)
+    assert torch.equal(pose_positions(dataclasses.replace(cfg, pose_max=0), 0, B, S), plain)
+    assert torch.equal(pose_positions(dataclasses.replace(cfg, pose_max=S), 0, B, S), plain)
+    assert torch.equal(pose_positions(dataclasses.replace(cfg, pose_prob=0.0), 0, B, S), plain)
+    # batches: the same tokens with or without skips; no positions at all when off
+    on = DataConfig(tokens_per_step=2048, curriculum=((0, 512),), pose_max=4096, pose_prob=1.0)
+    a, b = make_batch(on, 3), make_batch(dataclasses.replace(on, pose_max=0), 3)
+    assert b.positions is None and a.positions is not None and torch.equal(a.ids, b.ids)
+    assert (a.positions[:, -1] > 511).all() and torch.equal(a.positions, pose_positions(on, 3, 4, 512))
+    with pytest.raises(DataError):
+        DataConfig(pose_chunks=1)
+
+
+def test_forward_train_positions_are_the_rotary_positions() -> None:
+    """positions = 0..S-1 is the old path bit for bit; shifting every position by a constant leaves
+    the logits unchanged (rotary attention sees only differences: main attention and indexer, so the
+    top-k too) while a skip inside the row changes them after it and not before it; each row of a
+    batch takes its own positions."""
+    m = _model(seed=3, std=0.1)
+    m.eval()
+    B, S, at = 2, 96, 50
+    ids = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(4))
+    plain = torch.arange(S).repeat(B, 1)
+    skipped = plain.clone()
+    skipped[:, at:] += 700
+
+    def logits(sparse: bool, positions: torch.Tensor | None, x: torch.Tensor = ids) -> torch.Tensor:
+        with torch.no_grad():
+            return m.logits(m.forward_train(x, sparse=sparse, positions=positions)[0])
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
+    assert m.cfg.index_topk < S  # sparse: the selection really drops keys
+    for sparse in (False, True):
+        ref = logits(sparse, None)
+        assert torch.equal(logits(sparse, plain), ref)
+        assert rel(logits(sparse, plain + 1000), ref) <= 1e-4
+        got = logits(sparse, skipped)
+        assert rel(got[:, :at], ref[:, :at]) <= 1e-5  # causal: the prefix never sees the skip
+        assert rel(got[:, at:], ref[:, at:]) > 1e-3
+        # row-major [B*S] layout: a batch of rows with different positions == each row alone
+        mixed = torch.stack([plain[0], skipped[1]])
+        both = logits(sparse, mixed)
+        assert rel(both[0], ref[0]) <= 1e-5 and rel(both[1], got[1]) <= 1e-5
+
+
+def test_pose_step_makes_no_host_sync() -> None:
+    """The training loss and backward with PoSE positions stay free of host-syncing ops (the GPU step
+    queues ahead of the device: docs/training.md, "Step speed")."""
+    from bench.train_speed import _Count
+
+    m = _model()
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),), pose_max=8192, pose_prob=1.0)
+    batch = make_batch(data, 0)
+    assert batch.positions is not None and (batch.positions[:, -1] > 511).all()
+    cfg = TrainConfig(data=data, dense_warmup_steps=0, kl_rows=16, needle_weight=1.0)
+    with _Count() as count:
+        loss, _, _ = compute_loss(m, batch, cfg, 0, CPU)
+        loss.backward()
+    assert sum(count.syncs.values()) == 0, dict(count.syncs)
+
+
+def test_pose_from_the_cli_is_recorded_and_resume_keeps_it(tmp_path: Path) -> None:
+    """--pose-max trains on the CPU, the recipe and the log record it, a resume without the flags keeps
+    the saved settings, and one that sets --pose-max 0 turns the skips off."""
+    a = tmp_path / "a"
+    args = [
+        "--config", str(TINY), "--out", str(a), "--steps", "3", "--device", "cpu",
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "2",
+        "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
+        "--pose-max", "4096", "--pose-prob", "1.0", "--pose-chunks", "3",
+    ]  # fmt: skip
+    assert main(args) == 0
+    st = read_training(a)
+    pose = {k: st["recipe"]["data"][k] for k in ("pose_max", "pose_prob", "pose_chunks")}
+    assert pose == {"pose_max": 4096, "pose_prob": 1.0, "pose_chunks": 3}
+    assert all(r["pose_rows"] == 1.0 and 512 < r["pose_span"] <= 4096 for r in st["log"])
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in st["log"])
+    b = tmp_path / "b"
+    assert main([*args[:3], str(b), "--steps", "5", *args[6:-6], "--resume", str(a)]) == 0
+    st = read_training(b)
+    assert st["step"] == 5 and {k: st["recipe"]["data"][k] for k in pose} == pose
+    assert [r["pose_rows"] for r in st["log"]] == [1.0] * 5
+    c = tmp_path / "c"
+    assert main([*args[:3], str(c), "--steps", "4", *args[6:-6], "--resume", str(a), "--pose-max", "0"]) == 0
+    st = read_training(c)
+    assert st["recipe"]["data"]["pose_max"] == 0 and "pose_rows" not in st["log"][-1]

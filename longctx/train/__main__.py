@@ -8,6 +8,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _ensure_kernels() -> None:
@@ -63,6 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--copy-fraction", type=float, default=d.copy_fraction, help="rows of recurring random strings"
     )
+    p.add_argument(
+        "--pose-max",
+        type=int,
+        default=None,
+        help="PoSE: rows' rotary positions skip so that they span up to this many positions "
+        f"(0: positions 0..S-1; default {d.pose_max}, or the resumed run's)",
+    )
+    p.add_argument(
+        "--pose-prob",
+        type=float,
+        default=None,
+        help=f"PoSE: the share of rows with skips (default {d.pose_prob}, or the resumed run's)",
+    )
+    p.add_argument(
+        "--pose-chunks",
+        type=int,
+        default=None,
+        help=f"PoSE: pieces a skipped row is cut into (default {d.pose_chunks}, or the resumed run's)",
+    )
     p.add_argument("--lm-weight", type=float, default=t.lm_weight)
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
@@ -103,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _pose_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The --pose-* flags as given; one left out keeps the resumed run's saved value (else the default),
+    so a resumed run goes on with the position ids it was training on."""
+    from longctx.train.checkpoint import read_recipe
+    from longctx.train.data import DataConfig
+
+    saved = read_recipe(args.resume).get("data", {}) if args.resume else {}
+    d = DataConfig()
+    out: dict[str, Any] = {}
+    for k in ("pose_max", "pose_prob", "pose_chunks"):
+        given = getattr(args, k)
+        default = getattr(d, k)
+        out[k] = given if given is not None else type(default)(saved.get(k, default))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     _ensure_kernels()
     from longctx.errors import LongctxError
@@ -117,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             curriculum=parse_curriculum(args.curriculum),
             text_fraction=args.text_fraction,
             copy_fraction=args.copy_fraction,
+            **_pose_settings(args),
         )
         cfg = dataclasses.replace(
             TrainConfig(),

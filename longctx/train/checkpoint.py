@@ -157,6 +157,15 @@ def read_training(model_dir: str | Path) -> dict[str, Any]:
     return state
 
 
+def read_recipe(model_dir: str | Path) -> dict[str, Any]:
+    """The recipe a training output directory was saved with (the trainer state memory-mapped: the
+    moments are not read)."""
+    p = Path(model_dir) / TRAINER_STATE
+    if not p.exists():
+        raise CheckpointError(f"{model_dir} has no {TRAINER_STATE}: not a training checkpoint")
+    return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["recipe"])
+
+
 def restore_moments(
     model: TrainCausalLM, opt: torch.optim.Optimizer, moments: dict[str, dict[str, torch.Tensor]], step: int
 ) -> int:

@@ -14,11 +14,15 @@ Every target position has a kind: ANSWER (the answer bytes and the EOS after the
 rest: task text, haystack, prose), or IGNORE. The loss weights them separately (loop.py).
 A batch is a pure function of (DataConfig, step): resuming at step n regenerates the batches a
 run would have seen, and rows/seq lengths follow a curriculum over steps.
+
+With `pose_max` > 0 a batch also carries rotary position ids that skip (`pose_positions`: PoSE,
+Zhu et al. 2023), so rows of S tokens show the model relative distances up to `pose_max`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -73,6 +77,12 @@ class DataConfig:
     copy_fraction: float = 0.3
     min_length_fraction: float = 0.5  # a retrieval sample fills [fraction * S, S] tokens
     tasks: tuple[tuple[str, float], ...] = field(default=DEFAULT_TASKS)
+    # PoSE positional skips (`pose_positions`): 0 keeps positions 0..S-1 (no `Batch.positions`);
+    # otherwise a `pose_prob` share of rows is cut into `pose_chunks` pieces whose positions jump
+    # so that the row spans up to `pose_max` positions
+    pose_max: int = 0
+    pose_prob: float = 0.75
+    pose_chunks: int = 2
 
     def __post_init__(self) -> None:
         if not self.curriculum or self.curriculum[0][0] != 0:
@@ -84,6 +94,8 @@ class DataConfig:
             raise DataError(f"unknown task {bad[0]!r}")
         if any(s < 64 for _, s in self.curriculum):
             raise DataError("sequence lengths must be at least 64")
+        if self.pose_max < 0 or not 0.0 <= self.pose_prob <= 1.0 or self.pose_chunks < 2:
+            raise DataError("PoSE needs pose_max >= 0, 0 <= pose_prob <= 1 and pose_chunks >= 2")
 
     def seq_len(self, step: int) -> int:
         return [s for first, s in self.curriculum if first <= step][-1]
@@ -113,6 +125,8 @@ class Batch:
     # [B, S] bool over input positions: the bytes of the first answer value where it stands in the
     # prompt (the needle a retrieval row's answer copies; all False in other rows)
     needle: torch.Tensor
+    # [B, S] int64 rotary position ids (PoSE skips, `pose_positions`); None: 0..S-1 in every row
+    positions: torch.Tensor | None = None
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (the DataLoader's `pin_memory` calls this): a step's host-to-device copies
@@ -123,6 +137,7 @@ class Batch:
             targets=self.targets.pin_memory(),
             kind=self.kind.pin_memory(),
             needle=self.needle.pin_memory(),
+            positions=None if self.positions is None else self.positions.pin_memory(),
         )
 
 
@@ -208,6 +223,39 @@ def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], l
     return ids, kinds, task, needle
 
 
+def pose_positions(cfg: DataConfig, step: int, B: int, S: int) -> torch.Tensor:
+    """Rotary position ids [B, S] (int64) for the rows of `step`: PoSE's positional skips.
+
+    Each row independently, with probability `pose_prob` (when S < `pose_max`): `pose_chunks` - 1 cut
+    points are drawn uniformly without replacement from 1..S-1, splitting the row into contiguous
+    pieces that keep consecutive positions; a total skip K is drawn log-uniformly over 1..pose_max-S,
+    K = min(pose_max - S, floor((pose_max - S + 1) ** u)) with u ~ U[0, 1) (so P(K >= k) ~ 1 -
+    ln k / ln(pose_max - S + 1): near and far distances alike), and split over the gaps between
+    pieces at uniform cut points of 0..K (with more than two pieces a gap may be 0). Positions then
+    increase strictly, start at 0 (rotary attention sees only differences, so an offset would change
+    nothing) and end at S - 1 + K <= pose_max - 1. Other rows, and every row when S >= pose_max,
+    are 0..S-1. The token order, and with it the causal mask and the top-k, is the row's own.
+
+    A pure function of (cfg, step): its own random stream per row, so the rows' tokens are the same
+    with or without skips and DataLoader workers draw the same positions as the main process.
+    """
+    pos = torch.arange(S, dtype=torch.int64).repeat(B, 1)
+    budget = cfg.pose_max - S
+    if budget <= 0 or cfg.pose_prob <= 0:
+        return pos
+    for b in range(B):
+        rng = random.Random(f"{cfg.seed}:{step}:{b}:pose")
+        if rng.random() >= cfg.pose_prob:
+            continue
+        cuts = sorted(rng.sample(range(1, S), min(cfg.pose_chunks, S) - 1))
+        total = min(budget, math.floor((budget + 1) ** rng.random()))
+        split = sorted(rng.randint(0, total) for _ in range(len(cuts) - 1))
+        gaps = [hi - lo for lo, hi in zip([0, *split], [*split, total])]
+        for at, gap in zip(cuts, gaps):
+            pos[b, at:] += gap
+    return pos
+
+
 def make_batch(cfg: DataConfig, step: int) -> Batch:
     """The batch of `step`: [batch_size(step), seq_len(step)], deterministic in (cfg, step)."""
     S, B = cfg.seq_len(step), cfg.batch_size(step)
@@ -218,8 +266,15 @@ def make_batch(cfg: DataConfig, step: int) -> Batch:
     needle = torch.zeros(B, S, dtype=torch.bool)
     for b, r in enumerate(rows):
         needle[b, r[3]] = True
+    positions = pose_positions(cfg, step, B, S) if cfg.pose_max > 0 else None
     return Batch(
-        full[:, :-1].contiguous(), full[:, 1:].contiguous(), kind, step, [r[2] for r in rows], needle
+        full[:, :-1].contiguous(),
+        full[:, 1:].contiguous(),
+        kind,
+        step,
+        [r[2] for r in rows],
+        needle,
+        positions,
     )
 
 

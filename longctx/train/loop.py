@@ -191,10 +191,11 @@ def compute_loss(
     if rows is not None and cfg.needle_weight > 0:
         at_rows = torch.gather(kind, 1, rows) == ANSWER  # the kl rows that predict answer bytes
         needle = (batch.needle.to(device, non_blocking=True), at_rows)
+    positions = None if batch.positions is None else batch.positions.to(device, non_blocking=True)
     sparse = step >= cfg.dense_warmup_steps
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
     with amp:
-        h, aux = model.forward_train(ids, sparse=sparse, kl_rows=rows, needle=needle)
+        h, aux = model.forward_train(ids, sparse=sparse, kl_rows=rows, needle=needle, positions=positions)
         logits = model.logits(h)  # [B, S, V] fp32
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     ans, lm = kind == ANSWER, kind == LM
@@ -410,6 +411,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     t_log, tok_log = time.monotonic(), 0
     acc: dict[str, torch.Tensor] = {}
     n_acc = 0
+    # PoSE rows of the log window: rows, rows with skips, summed spans (read from the batches' host copies)
+    pose = [0, 0, 0]
     stopped = "steps"
     model.train()
     loader: torch.utils.data.DataLoader | None = make_loader(start)
@@ -424,6 +427,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v.float()
             n_acc += 1
+            if batch.positions is not None:
+                last = batch.positions[:, -1]  # a CPU tensor: no device sync
+                pose[0] += last.numel()
+                pose[1] += int((last != batch.positions.shape[1] - 1).sum())
+                pose[2] += int(last.sum()) + last.numel()
             step += 1
             n_tok = batch.ids.numel()
             tokens += n_tok
@@ -442,6 +450,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     tokens_per_s=round(tok_log / max(now - t_log, 1e-9), 1),
                     elapsed_s=round(now - t_start, 1),
                 )
+                if pose[0]:  # the share of rows with skips; the mean span (last position + 1) of all rows
+                    row.update(pose_rows=round(pose[1] / pose[0], 4), pose_span=round(pose[2] / pose[0], 1))
+                    pose = [0, 0, 0]
                 log_rows.append(row)
                 bar.set_postfix(loss=row["loss"], acc=row["answer_acc"])
                 if cfg.print_every and step % cfg.print_every == 0:

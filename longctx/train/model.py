@@ -106,21 +106,29 @@ class TrainCausalLM(CausalLM):
         sparse: bool,
         kl_rows: torch.Tensor | None = None,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, TrainAux]:
-        """ids [B, S] (row b holds positions 0..S-1) -> final-normed hidden states [B, S, hidden].
+        """ids [B, S] -> final-normed hidden states [B, S, hidden].
 
         `sparse`: attend over the indexer's top-k (the inference model); otherwise dense causal
         attention (the warm-up stage). `kl_rows` [B, R] (query positions): compute the indexer KL
         on those rows; None skips it (evaluation). `needle` (positions [B, S] bool, rows [B, R] bool over
         kl_rows): also each full layer's retrieval loss, -log of the indexer's softmax mass on the needle
-        positions at the marked kl rows (see `_indexer_kl`).
+        positions at the marked kl rows (see `_indexer_kl`). `positions` [B, S] int64: the rotary
+        position of every token (PoSE skips, `data.pose_positions`); None: 0..S-1 in every row. They
+        reach only the rotary angles (main attention and indexer alike): causality, the top-k's
+        causal limit and the KL rows go by the order of tokens in the row.
         """
         B, S = ids.shape
         dev = ids.device
         assert self.model.embed_tokens is not None and self.model.norm is not None
         h = self.model.embed_tokens(ids).reshape(B * S, -1)
-        cos, sin = self.rotary(torch.arange(S, device=dev), torch.float32)
-        cos, sin = cos.repeat(B, 1), sin.repeat(B, 1)  # [B*S, rope/2], row-major like h
+        if positions is None:
+            cos, sin = self.rotary(torch.arange(S, device=dev), torch.float32)
+            cos, sin = cos.repeat(B, 1), sin.repeat(B, 1)  # [B*S, rope/2], row-major like h
+        else:
+            assert positions.shape == (B, S), (positions.shape, ids.shape)
+            cos, sin = self.rotary(positions.reshape(-1), torch.float32)
         aux = TrainAux()
         mask: torch.Tensor | None = None  # [B, S, S] selection of the last full layer (None: causal)
         layer: Any
