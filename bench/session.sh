@@ -37,14 +37,15 @@ cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
 lane_a() {
-  # default: docs/training.md's next recipe (runs 5-8): from the WIP weights (run 8, 768-byte rows) at
-  # a small lr, the indexers kept on the needle (run 8), sparse from 1024 on, lengthening in small steps
-  # once the answer exact match reaches 0.5 (run 7's 0.8 never opened at 768)
+  # default: docs/training.md's next recipe (runs 9-10): from the WIP weights (run 10: 2048-byte rows,
+  # PoSE skips to 1M) at a small lr, sparse throughout, the indexers kept on the needle, the skips kept on,
+  # real rows lengthening 2K -> 8K on a time-fitted schedule (run 10 found 32K prompts beyond it: it
+  # never saw more than 2K keys)
   TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
-    TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 4e-4 --warmup-steps 50 \
---needle-weight 1.0 --advance-exact 0.5 \
---curriculum 0:768,1500:1024,3000:1536,4500:2048,6000:3072,7500:4096,9000:6144 \
---dense-warmup-steps 1500"} bash bench/train_bg.sh start
+    TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 3e-4 --warmup-steps 50 \
+--needle-weight 1.0 --pose-max 1048576 \
+--curriculum 0:2048,1500:3072,3000:4096,4500:6144,6000:8192 \
+--dense-warmup-steps 0"} bash bench/train_bg.sh start
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0

@@ -140,7 +140,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu0 = [x for x in lines if x.startswith("0 ")]
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
-    assert "--needle-weight 1.0 --advance-exact 0.5 --curriculum 0:768,1500:1024," in gpu0[0]  # one argv
+    assert "--needle-weight 1.0 --pose-max 1048576 --curriculum 0:2048,1500:3072," in gpu0[0]  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     assert "32k,128k" in gpu0[3] and "long_context" in gpu0[4]

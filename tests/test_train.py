@@ -430,15 +430,16 @@ def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> No
     assert read_training(b_dir)["step"] == 2
 
 
-def test_shipped_wip_checkpoint_loads_and_retrieves_at_512() -> None:
+def test_shipped_wip_checkpoint_loads_and_retrieves_at_1024() -> None:
     """The part-trained retrieval model (models-shipped/retrieval-wip) through the real engine on the CPU:
-    it must keep finding the needle in short niah_single_1/2 prompts (run 8's weights: 8 of 8 each)."""
+    it must keep finding the needle in niah_single_1/2 prompts of 1,024 tokens, through the top-256
+    selection (run 10's weights: 8 of 8 each, and at 2,048 too; run 8's: 2 and 1 of 8)."""
     from longctx.train.evaluate import niah_eval
 
     wip = ROOT / "models-shipped" / "retrieval-wip"
-    r = niah_eval(wip, lengths=(512,), tasks=("niah_single_1", "niah_single_2"), samples=8, device="cpu",
+    r = niah_eval(wip, lengths=(1024,), tasks=("niah_single_1", "niah_single_2"), samples=4, device="cpu",
                   dtype="float32", max_new_tokens=12)  # fmt: skip
-    assert r["niah_single_1@512"] >= 87.5 and r["niah_single_2@512"] >= 87.5, r
+    assert r["niah_single_1@1024"] >= 75 and r["niah_single_2@1024"] >= 75, r
 
 
 @pytest.mark.parametrize("chunks", [2, 3])
