@@ -37,7 +37,7 @@ cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
 lane_a() {
-  # default: docs/training.md's next recipe (runs 9-10): from the WIP weights (run 10: 2048-byte rows,
+  # default: docs/training.md's next recipe (runs 9-10): from the WIP weights (runs 10-11: 2048-byte rows,
   # PoSE skips to 1M) at a small lr, sparse throughout, the indexers kept on the needle, the skips kept on,
   # real rows lengthening 2K -> 8K on a time-fitted schedule (run 10 found 32K prompts beyond it: it
   # never saw more than 2K keys)
