@@ -142,13 +142,17 @@ def load_model_weights(model: TrainCausalLM, model_dir: str | Path, device: torc
     model.mark_trainable()
 
 
+def _trainer_state(model_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
+    p = Path(model_dir) / TRAINER_STATE
+    if not p.exists():
+        raise CheckpointError(f"{model_dir} has no {TRAINER_STATE}: not a training checkpoint")
+    return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=mmap))
+
+
 def read_training(model_dir: str | Path) -> dict[str, Any]:
     """The trainer state and log of a training output directory."""
     d = Path(model_dir)
-    p = d / TRAINER_STATE
-    if not p.exists():
-        raise CheckpointError(f"{d} has no {TRAINER_STATE}: not a training checkpoint")
-    state = torch.load(p, map_location="cpu", weights_only=True)
+    state = _trainer_state(d)
     rows = []
     log = d / TRAIN_LOG
     if log.exists():
@@ -160,10 +164,7 @@ def read_training(model_dir: str | Path) -> dict[str, Any]:
 def read_recipe(model_dir: str | Path) -> dict[str, Any]:
     """The recipe a training output directory was saved with (the trainer state memory-mapped: the
     moments are not read)."""
-    p = Path(model_dir) / TRAINER_STATE
-    if not p.exists():
-        raise CheckpointError(f"{model_dir} has no {TRAINER_STATE}: not a training checkpoint")
-    return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["recipe"])
+    return dict(_trainer_state(model_dir, mmap=True)["recipe"])
 
 
 def restore_moments(
