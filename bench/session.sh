@@ -23,7 +23,8 @@
 # Every job's output lands under $SESSION (default /tmp/longctx-session); `collect` copies the small
 # files into $OUT/results.tgz and the trained model into $OUT/model.tar.NN.
 # Knobs (environment): TRAIN_MINUTES, TRAIN_ARGS (bench/train_bg.sh), PROFILES (the step profiles of
-#   the checks), VS=0 (no vs_transformers / indexer kernels in the checks), EVAL=0 (train only).
+#   the checks), VS=0 (no vs_transformers / indexer kernels in the checks), EVAL=0 (train only),
+#   CHECKS=0 (no lane B checks and profiles at all: on one GPU, training starts at once).
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
 # end every call with `collect`, since the machine (and /tmp) goes back 30 s after the last call.
 set -uo pipefail
@@ -57,14 +58,18 @@ lane_a() {
     return 0
   fi
   touch "$S/eval.go"
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k,128k --samples 20 --out "$S/eval/uncapped"
+  # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
+  # scores (140 long prefills: the longest part)
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 --out "$S/eval/uncapped"
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 --out "$S/eval/uncapped"
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"
 }
 
 lane_b_checks() {
   export CUDA_VISIBLE_DEVICES=$1
+  [ "${CHECKS:-1}" = 1 ] || return 0  # CHECKS=0: training and its evaluation only
   "$PY" -m bench.gpu_kernel_check --out "$S/checks"  # each kernel vs its reference, a process each
   "$PY" -m bench.gpu_check --out "$S/checks"
   # PROFILES: ';'-separated bench.step_profile argument lists (default: decode at 2K, 128K, 128K
