@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 WIP = ROOT / "models-shipped" / "retrieval-wip"
 
@@ -140,10 +142,11 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu0 = [x for x in lines if x.startswith("0 ")]
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
-    assert "--needle-weight 1.0 --pose-max 1048576 --curriculum 0:2048,1500:3072," in gpu0[0]  # one argv
+    assert "--needle-weight 1.0 --pose-max 1048576 --curriculum 0:4096,1500:8192," in gpu0[0]  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
-    assert "32k,128k" in gpu0[3] and "long_context" in gpu0[4]
+    # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last
+    assert "--lengths 32k " in gpu0[3] and "long_context" in gpu0[4] and "--lengths 128k " in gpu0[5]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
@@ -156,9 +159,13 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
 
 
-def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
+    tmp_path: Path, checks: str
+) -> None:
     """A model under the 4K gate gets no 32K-1M runs (neither lane), and the lanes' working
-    directory is the session's own copy of the tree, not the (replaceable) checkout."""
+    directory is the session's own copy of the tree, not the (replaceable) checkout. CHECKS=0
+    leaves out the checks and profiles: on one GPU training is the first thing that runs."""
     import os
     import subprocess
     import time
@@ -175,7 +182,8 @@ def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(tmp_p
     )
     fake.chmod(0o755)
     s = tmp_path / "s"
-    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "VS": "0", "PROFILES": "--phase decode"}
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "VS": "0", "PROFILES": "--phase decode",
+           "CHECKS": checks}  # fmt: skip
     subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
     deadline = time.time() + 60
     while time.time() < deadline and not (s / "eval.stop").exists():
@@ -189,6 +197,11 @@ def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(tmp_p
     work = [x.split()[1] for x in lines if " -m " in x and "pip" not in x]
     assert work and all(w == str(s / "src") for w in work)
     assert (s / "src" / "bench" / "session.sh").exists() and not (s / "src" / "tests").exists()
+    modules = [x.split(" -m ")[1].split()[0] for x in lines if " -m " in x and "pip" not in x]
+    if checks == "0":
+        assert modules[0] == "longctx.train" and "bench.step_profile" not in modules
+    else:
+        assert modules[0] == "bench.gpu_kernel_check" and "bench.step_profile" in modules
 
 
 def test_host_step_measures_a_decode_step_without_the_model() -> None:
@@ -458,3 +471,17 @@ def test_indexer_recall_on_the_shipped_model(tmp_path: Path) -> None:
         0.0 <= x <= 1.0 for x in r["recall_per_layer"] + [r["first_digit_sparse"], r["first_digit_dense"]]
     )
     assert (tmp_path / "indexer-recall.md").read_text().startswith("Needle recall")
+
+
+def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:
+    """A RULER-prompt run (the trained model) is stored beside the issue's random-prompt keys, never
+    over them, with the model and command it came from."""
+    from bench.long_context import main
+
+    assert main(["--quick", "--prompt", "ruler", "--phases", "128k", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "long-context-quick.json").read_text())
+    assert "decode_128k" not in data
+    d = data["decode_128k_ruler"]
+    assert d["prompt"] == "ruler" and "--prompt ruler" in d["command"] and d["model"]
+    assert d["tokens_match_uncapped"] == 1 and 0 <= d["hit_rate"] <= 1
+    assert "decode_128k_ruler.hit_rate" in (tmp_path / "long-context-quick.md").read_text()
