@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_lengths(args.lengths)
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
+    meta["chat"] = bool(args.chat)
     meta["device_tokens"] = {}
     rc = 0
     for L in lengths:
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             "--samples", str(args.samples), "--concurrency", str(args.concurrency),
             "--max-new-tokens-scale", MAX_NEW_TOKENS_SCALE, "--seed", str(args.seed), "--out", str(out),
         ]  # fmt: skip
+        if args.chat:
+            argv.append("--chat")
         if args.cap_fraction:
             cap = max(1, int(args.cap_fraction * L))
             meta["device_tokens"][str(L)] = cap
@@ -122,8 +125,13 @@ def gate(args: argparse.Namespace) -> int:
 
 
 def merge(args: argparse.Namespace) -> int:
+    chat = {bool(json.loads((Path(d) / RUN_META).read_text()).get("chat")) for d in args.runs
+            if (Path(d) / RUN_META).exists()}  # fmt: skip
+    if len(chat) > 1:
+        print("merge: raw-prompt and --chat runs score different prompts; merge them apart", file=sys.stderr)
+        return 2
     got = collect([Path(d) for d in args.runs])
-    res: dict = {"tasks": list(TASKS), "samples": {}, "mean_latency_s": {}}
+    res: dict = {"tasks": list(TASKS), "chat": chat == {True}, "samples": {}, "mean_latency_s": {}}
     by_len: dict[tuple[int, bool], dict[str, float]] = {}
     for (task, L, capped), v in sorted(got["scores"].items()):
         key = f"{task}.{result_key(L, capped)}"
@@ -204,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=42)
     r.add_argument(
         "--cap-fraction", type=float, default=None, help="HiSparse device tokens as a fraction of L"
+    )
+    r.add_argument(
+        "--chat", action="store_true", help="prompts in the model's chat template (`longctx ruler --chat`)"
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

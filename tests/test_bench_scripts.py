@@ -95,7 +95,18 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())
     assert {"niah_single_1.1k", "niah_multikey_1.1k", "niah_single_1.3k_capped"} <= set(res)
     assert res["samples"]["niah_single_1.1k"] == 1 and 0 <= res["niah_single_1.1k"] <= 100
-    assert (tmp_path / "m" / "retrieval-h200.png").stat().st_size > 0
+    assert (tmp_path / "m" / "retrieval-h200.png").stat().st_size > 0 and res["chat"] is False
+    # the chat form: ruler's --chat prompts, recorded; it is never merged with raw-prompt runs
+    assert (
+        main([*run, "--lengths", "1k", "--tasks", "niah_single_1", "--chat", "--out", str(tmp_path / "h")])
+        == 0
+    )
+    row = json.loads((tmp_path / "h" / "results.jsonl").read_text().splitlines()[0])
+    assert (
+        json.loads((tmp_path / "h" / "run.json").read_text())["chat"] is True
+        and row["task"] == "niah_single_1"
+    )
+    assert main(["merge", str(tmp_path / "u"), str(tmp_path / "h"), "--out", str(tmp_path / "x")]) == 2
 
 
 def test_train_report_on_the_committed_logs(tmp_path: Path) -> None:
@@ -142,7 +153,10 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu0 = [x for x in lines if x.startswith("0 ")]
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
-    assert "--needle-weight 1.0 --pose-max 1048576 --curriculum 0:4096,1500:8192," in gpu0[0]  # one argv
+    assert (
+        "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --curriculum 0:4096,1500:8192,"
+        in gpu0[0]
+    )  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last

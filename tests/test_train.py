@@ -374,13 +374,24 @@ def test_gated_time_fitted_run_uses_its_time_at_the_final_lr(tmp_path: Path, mon
     monkeypatch.setattr(loop, "fit_schedule", lambda cfg, step_s, left: dataclasses.replace(cfg, steps=3))
     monkeypatch.setattr(loop, "gate_ready", lambda rows, start, cfg: False)
     monkeypatch.setattr(loop, "EXTEND_MIN_S", 1.0)
+    # a clock that moves one second per training step: the run's time is 12 steps whatever the
+    # machine's speed (a wall clock let a busy CI machine reach the deadline before step 3)
+    clock = [0.0]
+    step_fn = loop.train_step
+
+    def timed_step(*a, **k):
+        clock[0] += 1.0
+        return step_fn(*a, **k)
+
+    monkeypatch.setattr(loop, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(loop, "train_step", timed_step)
     data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (5000, 640)))
-    cfg = TrainConfig(model_config=str(TINY), out=str(tmp_path / "x"), steps=0, max_minutes=0.12,
+    cfg = TrainConfig(model_config=str(TINY), out=str(tmp_path / "x"), steps=0, max_minutes=0.2,
                       device="cpu", warmup_steps=1, log_every=1, kl_rows=16, save_every=100,
                       save_dtype="float32", advance_exact=0.5, data=data)  # fmt: skip
     summary = loop.train(cfg)
     st = read_training(tmp_path / "x")
-    assert summary["stopped"] == "deadline" and st["step"] > 3, summary
+    assert summary["stopped"] == "deadline" and st["step"] == 12, summary
     assert st["recipe"]["steps"] == 3 and st["recipe"]["extended_from"] == 3
     lrs = [r["lr"] for r in st["log"] if r["step"] > 3]
     assert lrs and all(abs(x - cfg.lr * cfg.min_lr_ratio) < 1e-12 for x in lrs)
@@ -551,3 +562,50 @@ def test_pose_from_the_cli_is_recorded_and_resume_keeps_it(tmp_path: Path) -> No
     assert main([*args[:3], str(c), "--steps", "4", *args[6:-6], "--resume", str(a), "--pose-max", "0"]) == 0
     st = read_training(c)
     assert st["recipe"]["data"]["pose_max"] == 0 and "pose_rows" not in st["log"][-1]
+
+
+def test_chat_rows_are_the_prompts_the_server_and_ruler_chat_send() -> None:
+    """--chat-fraction rows: the checkpoint's chat template around the RULER input, tokenised as the
+    server's tokenizer does (special tokens as their ids), the answer and needle marked as in raw rows."""
+    from longctx.checkpoint.tokenizer import NUM_BYTES, load_tokenizer
+    from longctx.train.data import chat_prompt, encode_text, make_row
+    from longctx.workloads.ruler_cli import _chat_renderer
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import ByteCounter
+
+    wip = ROOT / "models-shipped" / "retrieval-wip"
+    tok = load_tokenizer(wip)
+    sample = RulerGenerator(ByteCounter(), seed=3, max_new_tokens_scale=0.5).sample("niah_single_2", 700, 0)
+    text = chat_prompt(sample.input, sample.answer_prefix)
+    assert text == _chat_renderer(str(wip))(sample.input, sample.answer_prefix)  # `longctx ruler --chat`
+    assert encode_text(text) == tok.encode(text, add_special_tokens=False).ids
+    special = {t: tok.token_to_id(t) for t in ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>")}
+    cfg = DataConfig(curriculum=((0, 1024),), chat_fraction=1.0, copy_fraction=0.0, text_fraction=0.0)
+    raw = dataclasses.replace(cfg, chat_fraction=0.0)
+    for row in range(8):
+        ids, kinds, task, needle = make_row(cfg, 0, row, 1024)
+        assert ids[:3] == [special["[gMASK]"], special["<sop>"], special["<|user|>"]], task
+        first = kinds.index(ANSWER)
+        assert special["<|assistant|>"] in ids[:first]
+        assert ids[first : first + 1] == [ord(" ")] and EOS_ID in ids[first:]
+        assert needle and all(ids[p] < NUM_BYTES for p in needle)
+        if task != "vt":  # the needle's bytes are the answer's first value
+            assert bytes(ids[p] for p in needle).decode() in tok.decode(ids[first:], skip_special_tokens=True)
+        r_ids, r_kinds, r_task, _ = make_row(raw, 0, row, 1024)
+        assert r_task == task and max(i for i, k in zip(r_ids, r_kinds) if k != ANSWER) < NUM_BYTES
+    with pytest.raises(DataError):
+        DataConfig(chat_fraction=1.5)
+
+
+def test_chat_fraction_from_the_cli_is_recorded_and_resume_keeps_it(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    args = [
+        "--config", str(TINY), "--out", str(a), "--steps", "1", "--device", "cpu",
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "2",
+        "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
+    ]  # fmt: skip
+    assert main([*args, "--chat-fraction", "0.25"]) == 0
+    assert read_training(a)["recipe"]["data"]["chat_fraction"] == 0.25
+    b = tmp_path / "b"
+    assert main([*args[:3], str(b), "--steps", "2", *args[6:], "--resume", str(a)]) == 0
+    assert read_training(b)["recipe"]["data"]["chat_fraction"] == 0.25

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"PoSE: pieces a skipped row is cut into (default {d.pose_chunks}, or the resumed run's)",
     )
+    p.add_argument(
+        "--chat-fraction",
+        type=float,
+        default=None,
+        help="retrieval rows rendered in the chat template, as /v1/chat/completions sends them "
+        f"(default {d.chat_fraction}, or the resumed run's)",
+    )
     p.add_argument("--lm-weight", type=float, default=t.lm_weight)
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
@@ -123,16 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pose_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The --pose-* flags as given; one left out keeps the resumed run's saved value (else the default),
-    so a resumed run goes on with the position ids it was training on."""
+def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The --pose-* and --chat-fraction flags as given; one left out keeps the resumed run's saved
+    value (else the default), so a resumed run goes on with the rows it was training on."""
     from longctx.train.checkpoint import read_recipe
     from longctx.train.data import DataConfig
 
     saved = read_recipe(args.resume).get("data", {}) if args.resume else {}
     d = DataConfig()
     out: dict[str, Any] = {}
-    for k in ("pose_max", "pose_prob", "pose_chunks"):
+    for k in ("pose_max", "pose_prob", "pose_chunks", "chat_fraction"):
         given = getattr(args, k)
         default = getattr(d, k)
         out[k] = given if given is not None else type(default)(saved.get(k, default))
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             curriculum=parse_curriculum(args.curriculum),
             text_fraction=args.text_fraction,
             copy_fraction=args.copy_fraction,
-            **_pose_settings(args),
+            **_resumable_data_settings(args),
         )
         cfg = dataclasses.replace(
             TrainConfig(),

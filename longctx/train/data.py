@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from longctx.checkpoint.chat_template import apply_chat_template
 from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from longctx.errors import LongctxError
 from longctx.workloads.prose import essay_sentences
@@ -83,6 +85,10 @@ class DataConfig:
     pose_max: int = 0
     pose_prob: float = 0.75
     pose_chunks: int = 2
+    # retrieval rows rendered as a one-message chat (`chat_prompt`: the checkpoint's chat template, the
+    # form of the server's /v1/chat/completions and `longctx ruler --chat`); 0 draws nothing, so the
+    # raw-prompt rows stay bit for bit those of a run without it
+    chat_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.curriculum or self.curriculum[0][0] != 0:
@@ -96,6 +102,8 @@ class DataConfig:
             raise DataError("sequence lengths must be at least 64")
         if self.pose_max < 0 or not 0.0 <= self.pose_prob <= 1.0 or self.pose_chunks < 2:
             raise DataError("PoSE needs pose_max >= 0, 0 <= pose_prob <= 1 and pose_chunks >= 2")
+        if not 0.0 <= self.chat_fraction <= 1.0:
+            raise DataError("chat_fraction must be in [0, 1]")
 
     def seq_len(self, step: int) -> int:
         return [s for first, s in self.curriculum if first <= step][-1]
@@ -174,6 +182,31 @@ def _copy_row(rng: random.Random, n: int) -> list[int]:
     return list(" ".join(out).encode("ascii")[:n])
 
 
+_SPECIAL_IDS = {t: NUM_BYTES + i for i, t in enumerate(SPECIAL_TOKENS)}
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+_NOT_A_VALUE_BYTE = 0  # stands for a special token when the needle is searched in bytes
+
+
+def encode_text(text: str) -> list[int]:
+    """Byte-level token ids of `text` with its special-token strings as their ids: what the
+    checkpoint's tokenizer.json gives (`make_tokenizer`), without building a tokenizer per row."""
+    ids: list[int] = []
+    at = 0
+    for m in _SPECIAL_RE.finditer(text):
+        ids += text[at : m.start()].encode("utf-8")
+        ids.append(_SPECIAL_IDS[m.group()])
+        at = m.end()
+    ids += text[at:].encode("utf-8")
+    return ids
+
+
+def chat_prompt(text: str, answer_prefix: str) -> str:
+    """A retrieval prompt as a one-message chat: the default chat template's user turn and generation
+    prompt, then the answer prefix (as `longctx ruler --chat` renders it; a chat client that sends
+    no prefix gets the same prompt up to the assistant tag, and the model writes the prefix)."""
+    return apply_chat_template([{"role": "user", "content": text}]) + answer_prefix.lstrip()
+
+
 def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str, list[int]]:
     names = [t for t, _ in cfg.tasks]
     task = rng.choices(names, weights=[w for _, w in cfg.tasks])[0]
@@ -190,12 +223,16 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
             continue
     if sample is None:
         raise DataError(f"sequence length {S} is too short for any retrieval task")
-    prompt = list((sample.input + sample.answer_prefix).encode("utf-8"))
+    if cfg.chat_fraction > 0 and rng.random() < cfg.chat_fraction:
+        prompt = encode_text(chat_prompt(sample.input, sample.answer_prefix))
+    else:
+        prompt = list((sample.input + sample.answer_prefix).encode("utf-8"))
     answer = list(answer_text(task, sample.outputs).encode("utf-8")) + [EOS_ID]
     ids = prompt + answer
     kinds = [LM] * len(prompt) + [ANSWER] * len(answer)
     value = sample.outputs[0].encode("utf-8")
-    at = bytes(prompt).rfind(value)  # the answer copies the last occurrence before it (vt: its chain's)
+    # the answer copies the last occurrence before it (vt: its chain's)
+    at = bytes(i if i < NUM_BYTES else _NOT_A_VALUE_BYTE for i in prompt).rfind(value)
     needle = list(range(at, at + len(value))) if at >= 0 else []
     return ids, kinds, task, needle
 

@@ -36,6 +36,9 @@ from longctx.train.checkpoint import (
 from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
 from longctx.train.model import TrainCausalLM
 
+# the loop's clock (deadlines, the time fit, the log's rates); tests swap in one driven by the steps
+_monotonic = time.monotonic
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -269,7 +272,7 @@ def _auto_schedule(
         raise ConfigError("--steps 0 (fit the schedule to the time budget) needs --max-minutes")
     model.train()
     step_s = probe_step_seconds(model, cfg, device)
-    left = t_start + 60 * cfg.max_minutes - time.monotonic() - eval_reserve
+    left = t_start + 60 * cfg.max_minutes - _monotonic() - eval_reserve
     fitted = fit_schedule(cfg, step_s, left)
     print(
         json.dumps(
@@ -345,7 +348,7 @@ class _null:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training; saves to cfg.out. Returns a summary dict (also written as summary.json)."""
-    t_start = time.monotonic()
+    t_start = _monotonic()
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
@@ -408,7 +411,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not sys.stderr.isatty())
     step = start
     tokens = 0
-    t_log, tok_log = time.monotonic(), 0
+    t_log, tok_log = _monotonic(), 0
     acc: dict[str, torch.Tensor] = {}
     n_acc = 0
     # PoSE rows of the log window: rows, rows with skips, summed spans (read from the batches' host copies)
@@ -419,7 +422,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     while loader is not None:
         advanced = False
         for batch in loader:
-            if deadline is not None and time.monotonic() + eval_reserve >= deadline:
+            if deadline is not None and _monotonic() + eval_reserve >= deadline:
                 stopped = "deadline"
                 break
             lr = lr_at(cfg, step)
@@ -438,7 +441,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             tok_log += n_tok
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.steps:
-                now = time.monotonic()
+                now = _monotonic()
                 means = torch.stack(list(acc.values())).tolist()  # the one host sync of the log cadence
                 row: dict[str, Any] = {k: round(v / n_acc, 5) for k, v in zip(acc, means)}
                 row.update(
@@ -476,7 +479,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if advanced:
                 break  # the prefetched batches are at the old length: a new loader from this step
         del loader
-        left = None if deadline is None else deadline - time.monotonic() - eval_reserve
+        left = None if deadline is None else deadline - _monotonic() - eval_reserve
         if advanced:
             loader = make_loader(step)
         elif stopped == "steps" and gated and time_fitted and left is not None and left > EXTEND_MIN_S:
@@ -489,7 +492,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loader = None  # a deadline stop never advances
     bar.close()
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
-    train_s = time.monotonic() - t_start
+    train_s = _monotonic() - t_start
     summary: dict[str, Any] = {
         "steps_done": step - start,
         "step": step,
