@@ -1,7 +1,11 @@
 """Speed of one training step (`longctx.train.loop.train_step`: forward, backward, clip, AdamW, router
 bias), dense and sparse stage, at several row lengths with the same tokens per step, for the trainer
 as it is ("new") and as it was before its MoE and top-k selection lost their host syncs ("old":
-`ReferenceTrainCausalLM`, the per-expert loop of `moe_experts_ref` and a selection loop over rows).
+`ReferenceTrainCausalLM`, the per-expert loop of `moe_experts_ref`, a selection loop over rows and
+the masked sparse attention) and, with `--impls mask,gather`, the trainer with one form of its sparse
+attention at every row length: the masked O(S^2) form (every key, the selection as a mask) or the
+gathered O(S * top-k) one (the default, "auto", picks by length). On a GPU each point also reports the
+peak memory the step allocated.
 
 The weights are the shipped WIP checkpoint's (trained routing: a fresh init sends most tokens to a
 few experts, which flatters the old per-expert loop); rows come from the real data pipeline
@@ -54,14 +58,19 @@ WIP = ROOT / "models-shipped" / "retrieval-wip"
 
 
 class ReferenceTrainCausalLM(TrainCausalLM):
-    """The trainer's model before the sync-free MoE and the batched selection (same function)."""
+    """The trainer's model before the sync-free MoE, the batched selection and the gathered sparse
+    attention (same function): per-expert MoE loop, per-row selection, masked dense attention."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.sparse_attention = "mask"
 
     @torch.no_grad()
     def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
-        mask = torch.zeros(B, S, S + 1, dtype=torch.bool, device=qi.device)
+        out = torch.empty(B, S, topk, dtype=torch.long, device=qi.device)
         step = max(1, _SELECT_ELEMS // (Hi * S))
         for b in range(B):
             for s0 in range(0, S, step):
@@ -69,9 +78,8 @@ class ReferenceTrainCausalLM(TrainCausalLM):
                 sc = torch.relu(qi[b, s0:s1].reshape(-1, D) @ ki[b].T).view(s1 - s0, Hi, S)
                 logits = (sc * wi[b, s0:s1, :, None]).sum(1)
                 logits.masked_fill_(pos[None, :] > pos[s0:s1, None], float("-inf"))
-                sel = topk_fn(logits, topk, pos[s0:s1] + 1)
-                mask[b, s0:s1].scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
-        return mask[:, :, :S] & (pos[None, :] <= pos[:, None])
+                out[b, s0:s1] = topk_fn(logits, topk, pos[s0:s1] + 1)
+        return out
 
     def _moe(self, moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -138,6 +146,8 @@ def measure(
     """Seconds per step (median of `steps`, after two warm-up steps); aten ops and syncs of one forward +
     backward."""
     model = (ReferenceTrainCausalLM if impl == "old" else TrainCausalLM)(mcfg)
+    if impl in ("mask", "gather"):  # the trainer with one form of the sparse attention at every length
+        model.sparse_attention = impl
     if weights:
         load_model_weights(model, weights, torch.device("cpu"))
     else:
@@ -145,8 +155,9 @@ def measure(
     model.to(device).train()
     cfg = TrainConfig(dense_warmup_steps=0 if sparse else NEVER, warmup_steps=1)
     opt = build_optimizer(model, cfg, device)
-    if device.type == "cuda" and impl == "new":
+    if device.type == "cuda" and impl != "old":
         batch = batch.pin_memory()  # as the trainer's DataLoader now delivers it
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(2):
         train_step(model, opt, batch, cfg, i, device)
     times = []
@@ -167,6 +178,7 @@ def measure(
         "ops": sum(count.ops.values()),
         "syncs": sum(count.syncs.values()),
         "sync_ops": dict(count.syncs),
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
 
 
@@ -179,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per step")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per point")
-    ap.add_argument("--impls", default="new,old")
+    ap.add_argument(
+        "--impls",
+        default="new,old",
+        help="new (the trainer: sparse attention 'auto'), old (before the sync-free step), mask / "
+        "gather (the trainer with that form of the sparse attention at every length)",
+    )
     ap.add_argument("--stages", default="dense,sparse")
     ap.add_argument("--quick", action="store_true", help="tiny config, 512-token rows, 1024 a step")
     ap.add_argument("--out", type=Path, default=None)

@@ -387,6 +387,15 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     assert row["stage"] == "sparse" and row["new"]["tokens_per_s"] > 0 and row["old"]["tokens_per_s"] > 0
     # the point of the new step: no host syncs, fewer launches than the per-expert / per-row loops
     assert row["new"]["syncs"] == 0 and row["old"]["syncs"] > 0 and row["new"]["ops"] < row["old"]["ops"]
+    # the two forms of the sparse attention, each at every length; both sync-free
+    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--impls", "gather,mask",
+                 "--out", str(tmp_path / "forms")]) == 0  # fmt: skip
+    (row,) = json.loads((tmp_path / "forms" / "train-speed-cpu.json").read_text())["rows"]
+    assert (
+        row["gather"]["syncs"] == 0
+        and row["mask"]["syncs"] == 0
+        and row["gather"]["ops"] != row["mask"]["ops"]
+    )
 
 
 def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
@@ -485,6 +494,10 @@ def test_indexer_recall_on_the_shipped_model(tmp_path: Path) -> None:
         0.0 <= x <= 1.0 for x in r["recall_per_layer"] + [r["first_digit_sparse"], r["first_digit_dense"]]
     )
     assert (tmp_path / "indexer-recall.md").read_text().startswith("Needle recall")
+    # --no-dense: the sparse pass alone (what long prompts can afford on a CPU)
+    assert main(["--lengths", "512", "--samples", "1", "--no-dense", "--out", str(tmp_path / "s")]) == 0
+    r2 = json.loads((tmp_path / "s" / "indexer-recall.json").read_text())["lengths"]["512"]
+    assert r2["first_digit_dense"] is None and r2["recall_per_layer"] == r["recall_per_layer"]
 
 
 def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from longctx.train.__main__ import main
 from longctx.train.checkpoint import MODEL_FILES, TRAINER_STATE, load_model_weights, read_training
 from longctx.train.data import ANSWER, EOS_ID, DataConfig, DataError, answer_text, make_batch, pose_positions
 from longctx.train.loop import TrainConfig, build_optimizer, compute_loss, kl_rows
-from longctx.train.model import TrainCausalLM
+from longctx.train.model import TrainCausalLM, selection_mask, sparse_attention_train
 from longctx.workloads.ruler_tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,9 +125,10 @@ def test_batched_selection_is_the_per_row_selection(monkeypatch) -> None:
     for budget in (Hi * S * 2 * S, Hi * S * 40, 1 << 27):  # 2 rows (of 5) a chunk, 40-query chunks, all
         monkeypatch.setattr(model_mod, "_SELECT_ELEMS", budget)
         for q, k_, w_ in ((qi, ki, wi), tied):
-            got = m._select(q, k_, w_, topk)
-            assert torch.equal(got, ReferenceTrainCausalLM._select(m, q, k_, w_, topk))
+            got = selection_mask(m._select(q, k_, w_, topk), S)
+            assert torch.equal(got, selection_mask(ReferenceTrainCausalLM._select(m, q, k_, w_, topk), S))
             assert int(got[:, -1].sum(-1).min()) == topk  # the last query really selects top-k of S
+            assert not (got & (torch.arange(S)[None, :] > torch.arange(S)[:, None])).any()  # causal
 
 
 def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
@@ -609,3 +610,75 @@ def test_chat_fraction_from_the_cli_is_recorded_and_resume_keeps_it(tmp_path: Pa
     b = tmp_path / "b"
     assert main([*args[:3], str(b), "--steps", "2", *args[6:], "--resume", str(a)]) == 0
     assert read_training(b)["recipe"]["data"]["chat_fraction"] == 0.25
+
+
+def test_sparse_attention_train_is_the_masked_attention(monkeypatch) -> None:
+    """The gathered sparse attention (absorbed form, query chunks recomputed in the backward) equals
+    softmax attention over every key with the selection as a mask: values and gradients, ragged
+    selections (-1 pads) included, whether the chunks are one or many."""
+    import longctx.train.model as model_mod
+
+    B, S, H, L, R, K = 2, 70, 3, 16, 8, 12
+    g = torch.Generator().manual_seed(4)
+    q0, kv0 = torch.randn(B, S, H, L + R, generator=g), torch.randn(B, S, L + R, generator=g)
+    # as the top-k gives them: distinct causal positions, -1 pads where a query has fewer than K
+    sel = torch.full((B, S, K), -1, dtype=torch.long)
+    for b in range(B):
+        for t in range(S):
+            c = torch.randperm(t + 1, generator=g)[:K]
+            sel[b, t, torch.randperm(K, generator=g)[: c.numel()]] = c  # pads anywhere in the row
+    dy = torch.randn(B, S, H, L, generator=g)
+    q, kv = q0.clone().requires_grad_(), kv0.clone().requires_grad_()
+    mask = selection_mask(sel, S)
+    sc = torch.einsum("bshd,btd->bsht", q, kv) * 0.3
+    p = torch.softmax(sc.masked_fill(~mask[:, :, None, :], float("-inf")), -1)
+    want = torch.einsum("bsht,btl->bshl", p, kv[..., :L])
+    (want * dy).sum().backward()
+    want_grads = (q.grad, kv.grad)
+    for elems in (1 << 26, B * K * (L + R) * 9):  # one chunk; chunks of 9 queries (checkpointed)
+        monkeypatch.setattr(model_mod, "_GATHER_ELEMS", elems)
+        q, kv = q0.clone().requires_grad_(), kv0.clone().requires_grad_()
+        got = sparse_attention_train(q, kv, sel, 0.3, L)
+        (got * dy).sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q.grad, want_grads[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv.grad, want_grads[1], rtol=1e-5, atol=1e-5)
+
+
+def test_gathered_sparse_step_equals_the_masked_reference(monkeypatch) -> None:
+    """The trainer's sparse stage through the gathered absorbed attention computes the same losses,
+    hidden states and gradients (every parameter, the indexers' by their KL and needle loss
+    included) as the masked expanded-form reference, in fp32 on a real batch."""
+    import longctx.train.model as model_mod
+
+    monkeypatch.setattr(model_mod, "_GATHER_ELEMS", 1 << 14)  # several checkpointed chunks per layer
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    batch = make_batch(data, 3)
+    rows = kl_rows(batch.kind, 48, torch.Generator().manual_seed(0))
+    needle = (batch.needle, torch.gather(batch.kind, 1, rows) == ANSWER)
+    out = {}
+    for impl in ("mask", "gather"):
+        m = _model(seed=2)
+        m.sparse_attention = impl
+        h, aux = m.forward_train(batch.ids, sparse=True, kl_rows=rows, needle=needle)
+        loss = h.square().mean() + sum(aux.indexer_kl) + sum(aux.indexer_needle)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        out[impl] = (h.detach(), torch.stack(aux.indexer_kl), torch.stack(aux.indexer_needle), grads)
+    (h0, kl0, nl0, g0), (h1, kl1, nl1, g1) = out["mask"], out["gather"]
+    assert m.cfg.index_topk < batch.ids.shape[1]  # the selection really drops keys
+    torch.testing.assert_close(h1, h0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kl1, kl0, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(nl1, nl0, rtol=1e-4, atol=1e-6)
+    assert g0.keys() == g1.keys() and any(".indexer." in n for n in g1)
+    for n in g0:
+        torch.testing.assert_close(
+            g1[n], g0[n], rtol=1e-3, atol=1e-3 * float(g0[n].abs().max()) + 1e-9, msg=n
+        )
+    # the default picks by row length: the masked form up to _GATHER_FROM, the gathered one beyond
+    auto = TrainCausalLM(m.cfg)
+    assert auto.sparse_attention == "auto" and not auto._gathers(model_mod._GATHER_FROM)
+    assert auto._gathers(model_mod._GATHER_FROM + 1)
+    auto.sparse_attention = "bogus"
+    with pytest.raises(ValueError):
+        auto._gathers(512)

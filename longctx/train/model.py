@@ -5,10 +5,15 @@ router are the inference modules and kernel references themselves, and the route
 the reference's function as dense GEMMs (`moe_experts_dense`: no host synchronisation); what differs
 otherwise is only how attention is evaluated:
 
-- attention is the *expanded* MLA form over all keys of a row at once, through
-  `scaled_dot_product_attention` (flash on the GPU for the dense causal case), with the DSA
-  selection applied as a boolean mask (top-k AND causal), exactly what `MLAttention._expanded`
-  computes for a prefill row, so gradients flow to everything but the discrete selection;
+- dense attention (the warm-up stage, and rows no longer than the top-k) is the *expanded* MLA form
+  over all keys of a row at once, through `scaled_dot_product_attention` (flash on the GPU), what
+  `MLAttention._expanded` computes for a prefill row;
+- sparse attention (the DSA stage) is the *absorbed* form over each query's selected tokens only
+  (`sparse_attention_train`: the W_UK-absorbed query against the gathered latent + rope rows, the
+  output through W_UV, as the inference decode computes it), O(S * top-k) where the masked dense form
+  is O(S^2); `sparse_attention = "mask"` keeps that masked form (every key, the selection as a
+  boolean mask) as the reference the tests compare against. Gradients flow to everything but the
+  discrete selection;
 - the indexer (DeepSeek-V3.2's recipe) sees *detached* inputs and is trained only by a KL loss
   towards the main attention distribution (softmax per head, summed over heads, L1-normalised),
   over every causal key in the dense warm-up stage and over its own selected set in the sparse
@@ -24,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from longctx.config import ModelConfig
 from longctx.model.indexer import Indexer
@@ -40,6 +47,16 @@ from longctx.model.rope import apply_rope_interleaved
 
 # Query rows per chunk when scoring all keys for the top-k (bounds [chunk, heads, S] fp32).
 _SELECT_ELEMS = 1 << 27
+# Query rows per chunk of the sparse attention (bounds the gathered [B, chunk, top-k, latent + rope]).
+_GATHER_ELEMS = 1 << 27
+# sparse_attention "auto": rows longer than this take the gathered form, shorter ones the masked form.
+# The gathered form moves top-k x (latent + rope) values per query (three times: forward, recompute,
+# backward); the masked one does heads x S x head-dim FLOPs per query and holds an S x S mask per
+# layer. On two CPU cores at 8K tokens a step the masked form was 2.6x / 1.7x / 1.2x faster at rows of
+# 2K / 4K / 8K (docs/training.md); the GPU crossover is not measured, so the lengths runs 1-12 trained
+# at (<= 16K) keep the form they were timed with, and longer rows, where the mask alone is GBs a layer,
+# take the gathered one.
+_GATHER_FROM = 16384
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
 
 
@@ -63,6 +80,10 @@ class TrainCausalLM(CausalLM):
         super().__init__(cfg)
         if not (self.has_embed and self.has_head):
             raise ValueError("training needs the whole model")
+        # the sparse stage's attention: "gather" (over the selected tokens, O(S * top-k)), "mask"
+        # (every key, the selection as a mask: the O(S^2) reference form the trainer used first) or
+        # "auto" (gather for rows longer than _GATHER_FROM)
+        self.sparse_attention = "auto"
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -130,12 +151,12 @@ class TrainCausalLM(CausalLM):
             assert positions.shape == (B, S), (positions.shape, ids.shape)
             cos, sin = self.rotary(positions.reshape(-1), torch.float32)
         aux = TrainAux()
-        mask: torch.Tensor | None = None  # [B, S, S] selection of the last full layer (None: causal)
+        sel: torch.Tensor | None = None  # [B, S, top-k] selection of the last full layer (None: causal)
         layer: Any
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
-            a, mask = self._attention(
-                attn, layer.input_layernorm(h), B, S, cos, sin, mask, sparse, kl_rows, aux, needle
+            a, sel = self._attention(
+                attn, layer.input_layernorm(h), B, S, cos, sin, sel, sparse, kl_rows, aux, needle
             )
             h = h + a
             x = layer.post_attention_layernorm(h)
@@ -154,44 +175,69 @@ class TrainCausalLM(CausalLM):
         S: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        sel: torch.Tensor | None,
         sparse: bool,
         kl_rows: torch.Tensor | None,
         aux: TrainAux,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T, H, nope, rope, vd = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim
+        T, H, nope, rope, vd, L = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim, attn.kv_lora
         # the same projections, norms and rope as MLAttention.forward
         q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
         q = attn.q_b_proj(q_resid).view(T, H, nope + rope)
         q_nope, q_rope = q[..., :nope], apply_rope_interleaved(q[..., nope:], cos, sin)
         ckv = attn.kv_a_proj_with_mqa(x)
-        c = attn.kv_a_layernorm(ckv[:, : attn.kv_lora])
-        r = apply_rope_interleaved(ckv[:, attn.kv_lora :], cos, sin)
-        kvb = attn.kv_b_proj(c).view(T, H, nope + vd)
-        k_nope, v = kvb[..., :nope], kvb[..., nope:]
-        # expanded form: score = q_nope.k_nope + q_rope.r == [q_nope, q_rope] . [k_nope, r]
-        Q = torch.cat([q_nope, q_rope.to(q_nope.dtype)], -1).view(B, S, H, -1).transpose(1, 2)
-        r_h = r.to(k_nope.dtype)[:, None, :].expand(T, H, rope)
-        K = torch.cat([k_nope, r_h], -1).view(B, S, H, -1).transpose(1, 2)
-        V = v.reshape(B, S, H, vd).transpose(1, 2)
-
+        c = attn.kv_a_layernorm(ckv[:, :L])
+        r = apply_rope_interleaved(ckv[:, L:], cos, sin)
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            mask = self._select(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
-            if kl_rows is not None:
-                kl, nll = self._indexer_kl(
-                    qi, ki, wi, Q.detach(), K.detach(), mask, kl_rows, attn.scale, needle
-                )
-                aux.indexer_kl.append(kl)
-                if nll is not None:
-                    aux.indexer_needle.append(nll)
-        if mask is None:
-            o = F.scaled_dot_product_attention(Q, K, V.to(Q.dtype), is_causal=True, scale=attn.scale)
+            sel = self._select(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
+        if sel is not None and self._gathers(S):
+            # absorbed form over the selected tokens only (O(S * top-k)): score = (W_UK^T q_nope) . c
+            # + q_rope . r, output W_UV (sum_k p_k c_k); the expanded keys and values are never made
+            w = attn.kv_b_proj.weight.view(H, nope + vd, L)
+            q_c = torch.einsum("thn,hnl->thl", q_nope, w[:, :nope])
+            Q = torch.cat([q_c, q_rope.to(q_c.dtype)], -1).view(B, S, H, L + rope)
+            KV = torch.cat([c, r.to(c.dtype)], -1).view(B, S, L + rope)
+            o_c = sparse_attention_train(Q, KV, sel, attn.scale, L)  # [B, S, H, L]
+            o = torch.einsum("bshl,hvl->bshv", o_c, w[:, nope:].to(o_c.dtype)).reshape(T, H * vd)
+
+            def main_scores(bi: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                return torch.einsum("brhd,bsd->bhrs", Q.detach()[bi, rows].float(), KV.detach().float())
+
         else:
-            o = F.scaled_dot_product_attention(Q, K, V.to(Q.dtype), attn_mask=mask[:, None], scale=attn.scale)
-        o = o.transpose(1, 2).reshape(T, H * vd)
-        return attn.o_proj(o), mask
+            kvb = attn.kv_b_proj(c).view(T, H, nope + vd)
+            k_nope, v = kvb[..., :nope], kvb[..., nope:]
+            # expanded form: score = q_nope.k_nope + q_rope.r == [q_nope, q_rope] . [k_nope, r]
+            Qe = torch.cat([q_nope, q_rope.to(q_nope.dtype)], -1).view(B, S, H, -1).transpose(1, 2)
+            r_h = r.to(k_nope.dtype)[:, None, :].expand(T, H, rope)
+            Ke = torch.cat([k_nope, r_h], -1).view(B, S, H, -1).transpose(1, 2)
+            V = v.reshape(B, S, H, vd).transpose(1, 2).to(Qe.dtype)
+            if sel is None:
+                o = F.scaled_dot_product_attention(Qe, Ke, V, is_causal=True, scale=attn.scale)
+            else:  # the reference form of the sparse step: every key, the selection as a mask
+                o = F.scaled_dot_product_attention(
+                    Qe, Ke, V, attn_mask=selection_mask(sel, S)[:, None], scale=attn.scale
+                )
+            o = o.transpose(1, 2).reshape(T, H * vd)
+
+            def main_scores(bi: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                return torch.einsum(
+                    "brhd,bhsd->bhrs", Qe.detach().transpose(1, 2)[bi, rows].float(), Ke.detach().float()
+                )
+
+        if attn.indexer is not None and kl_rows is not None:
+            kl, nll = self._indexer_kl(qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle)
+            aux.indexer_kl.append(kl)
+            if nll is not None:
+                aux.indexer_needle.append(nll)
+        return attn.o_proj(o), sel
+
+    def _gathers(self, S: int) -> bool:
+        """Whether the sparse stage at rows of S tokens takes the gathered form."""
+        if self.sparse_attention not in ("auto", "gather", "mask"):
+            raise ValueError(f"sparse_attention must be auto, gather or mask, not {self.sparse_attention!r}")
+        return self.sparse_attention == "gather" or (self.sparse_attention == "auto" and S > _GATHER_FROM)
 
     # ---- indexer ---------------------------------------------------------------------------
     def _indexer_qkw(
@@ -218,7 +264,8 @@ class TrainCausalLM(CausalLM):
 
     @torch.no_grad()
     def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
-        """Top-k selection as the engine makes it (same logits, same top-k routine) -> mask [B, S, S].
+        """Top-k selection as the engine makes it (same logits, same top-k routine) -> positions
+        [B, S, topk] int64 (-1: none; a query at position t selects only positions <= t).
 
         Scored in chunks of _SELECT_ELEMS: whole rows of the batch at once when they fit (one batched
         matmul and one top-k call for a batch of short rows, not a loop over them), else query rows of
@@ -226,7 +273,7 @@ class TrainCausalLM(CausalLM):
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
-        mask = torch.zeros(B, S, S + 1, dtype=torch.bool, device=qi.device)
+        out = torch.empty(B, S, topk, dtype=torch.long, device=qi.device)
         rows = max(1, _SELECT_ELEMS // (Hi * S))  # query rows scored at once
         nb, step = max(1, rows // S), min(S, rows)  # batch rows per chunk, query rows per chunk of one
         for b0 in range(0, B, nb):
@@ -239,24 +286,23 @@ class TrainCausalLM(CausalLM):
                 logits = (sc.view(b1 - b0, n, Hi, S) * wi[b0:b1, s0:s1, :, None]).sum(2)  # [b, n, S]
                 logits.masked_fill_(pos > pos[s0:s1, None], float("-inf"))
                 sel = topk_fn(logits.view(-1, S), topk, (pos[s0:s1] + 1).repeat(b1 - b0))  # -1 pads
-                # a view, never a copy (nb > 1 only with whole rows): the scatter must land in `mask`
-                chunk = mask[b0:b1, s0:s1].view(-1, S + 1)
-                chunk.scatter_(1, torch.where(sel >= 0, sel.long(), S), True)
-        return mask[:, :, :S] & (pos[None, :] <= pos[:, None])
+                out[b0:b1, s0:s1] = sel.view(b1 - b0, n, topk)
+        return out
 
     def _indexer_kl(
         self,
         qi: torch.Tensor,
         ki: torch.Tensor,
         wi: torch.Tensor,
-        Q: torch.Tensor,
-        K: torch.Tensor,
-        mask: torch.Tensor | None,
+        main_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        sel: torch.Tensor | None,
         rows: torch.Tensor,
         scale: float,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KL(main attention, summed over heads and normalised || softmax of index scores) on `rows`,
+        where `main_scores(bi, rows)` gives the main attention's unscaled logits of those rows over
+        every key [B, H, R, S] (no grad) and `sel` [B, S, top-k] the selection (None: every causal key);
         and with `needle` = (positions [B, S], which rows [B, R]) the needle loss: -log of the index
         softmax's mass on the needle positions, averaged over the marked rows that can see one (None
         without `needle`).
@@ -270,12 +316,11 @@ class TrainCausalLM(CausalLM):
         bi = torch.arange(B, device=qi.device)[:, None]
         pos = torch.arange(S, device=qi.device)
         allowed = pos[None, None, :] <= rows[..., None]  # [B, R, S]
-        if mask is not None:
-            allowed = allowed & mask[bi, rows]
+        if sel is not None:
+            allowed = allowed & selection_mask(sel[bi, rows], S)
         with _no_autocast(qi.device):
             with torch.no_grad():
-                Qr = Q.transpose(1, 2)[bi, rows].float()  # [B, R, H, dq]
-                sc = torch.einsum("brhd,bhsd->bhrs", Qr, K.float()) * scale
+                sc = main_scores(bi, rows) * scale
                 sc = sc.masked_fill(~allowed[:, None], float("-inf"))
                 p = torch.softmax(sc, dim=-1).mean(1)  # [B, R, S], rows sum to 1
             s = torch.relu(torch.einsum("brhd,bsd->brhs", qi[bi, rows], ki))
@@ -313,6 +358,48 @@ class TrainCausalLM(CausalLM):
         flat = ids.flatten()  # bincount would read its maximum on the host (a sync on the GPU)
         load = torch.zeros(c.n_routed_experts, dtype=torch.long, device=x.device)
         return y, load.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def selection_mask(sel: torch.Tensor, S: int) -> torch.Tensor:
+    """Top-k positions [..., K] (-1: none) -> a boolean mask [..., S] over the keys."""
+    mask = torch.zeros(*sel.shape[:-1], S + 1, dtype=torch.bool, device=sel.device)
+    return mask.scatter_(-1, torch.where(sel >= 0, sel, S), True)[..., :S]
+
+
+def _sparse_chunk(q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, scale: float, L: int) -> torch.Tensor:
+    B, S, D = kv.shape
+    # the selected tokens' latent + rope rows [B, n, K, D]; index_select's backward is an index_add
+    flat = (sel.clamp(min=0) + S * torch.arange(B, device=sel.device)[:, None, None]).reshape(-1)
+    g = kv.reshape(B * S, D).index_select(0, flat).view(*sel.shape, D)
+    s = torch.einsum("bnhd,bnkd->bnhk", q, g).float() * scale
+    s = s.masked_fill((sel < 0)[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).to(g.dtype)
+    return torch.einsum("bnhk,bnkl->bnhl", p, g[..., :L])
+
+
+def sparse_attention_train(
+    q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, scale: float, L: int
+) -> torch.Tensor:
+    """Differentiable attention of absorbed-MLA queries over their selected tokens only.
+
+    q [B, S, H, D] (W_UK-absorbed nope part + rope part), kv [B, S, D] (latent c + rope r: the MLA
+    cache row), sel [B, S, K] positions (-1: none; at least one per query) -> sum_k p_k c_k [B, S, H, L]
+    with p = softmax_k(scale * q . kv[sel]). O(S * K) time and memory, where the masked dense form is
+    O(S^2): query chunks whose gathered [B, chunk, K, D] block is recomputed in the backward pass
+    (activation checkpointing), so only q, kv, sel and the outputs stay alive between the passes."""
+    B, S, H, D = q.shape
+    K = sel.shape[-1]
+    assert kv.shape == (B, S, D) and sel.shape == (B, S, K) and L <= D, (q.shape, kv.shape, sel.shape)
+    n = max(1, _GATHER_ELEMS // (B * K * D))
+    if n >= S or not torch.is_grad_enabled():
+        return torch.cat(
+            [_sparse_chunk(q[:, a : a + n], kv, sel[:, a : a + n], scale, L) for a in range(0, S, n)], 1
+        )
+    outs = [
+        checkpoint(_sparse_chunk, q[:, a : a + n], kv, sel[:, a : a + n], scale, L, use_reentrant=False)
+        for a in range(0, S, n)
+    ]
+    return torch.cat(outs, 1)
 
 
 def moe_experts_dense(
