@@ -598,6 +598,22 @@ def test_chat_rows_are_the_prompts_the_server_and_ruler_chat_send() -> None:
         DataConfig(chat_fraction=1.5)
 
 
+def test_sparse_attention_choice_from_the_cli(tmp_path: Path) -> None:
+    """--sparse-attention gather trains (sparse stage: 512-token rows over a top-16) and is recorded;
+    a bogus value is an argparse error (exit code 2, one line)."""
+    args = [
+        "--config", str(TINY), "--out", str(tmp_path / "g"), "--steps", "2", "--device", "cpu",
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "0",
+        "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
+    ]  # fmt: skip
+    assert main([*args, "--sparse-attention", "gather"]) == 0
+    st = read_training(tmp_path / "g")
+    assert st["recipe"]["sparse_attention"] == "gather" and st["log"][-1]["stage"] == "sparse"
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in st["log"])
+    with pytest.raises(SystemExit):
+        main([*args, "--sparse-attention", "bogus"])
+
+
 def test_chat_fraction_from_the_cli_is_recorded_and_resume_keeps_it(tmp_path: Path) -> None:
     a = tmp_path / "a"
     args = [

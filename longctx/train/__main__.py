@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of the indexer's needle loss on answer rows (0: the DSA recipe alone)",
     )
     p.add_argument(
+        "--sparse-attention",
+        choices=("auto", "gather", "mask"),
+        default=t.sparse_attention,
+        help="the sparse stage's attention: over each query's top-k (gather), over every key with the "
+        "selection as a mask (mask), or by row length (auto: mask up to 16K); the same function",
+    )
+    p.add_argument(
         "--train-only",
         choices=("all", "indexer"),
         default=t.train_only,
@@ -180,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_rows=args.kl_rows,
             train_only=args.train_only,
             needle_weight=args.needle_weight,
+            sparse_attention=args.sparse_attention,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,

@@ -70,6 +70,9 @@ class TrainConfig:
     # weight of the indexer's needle loss on answer rows (TrainCausalLM._indexer_kl): -log of the index
     # softmax's mass on the answer value's bytes in the prompt; 0 (the DSA recipe) skips it
     needle_weight: float = 0.0
+    # the sparse stage's attention (TrainCausalLM.sparse_attention): auto (masked up to 16K-token rows,
+    # gathered over the top-k beyond), gather or mask; the same function, different cost
+    sparse_attention: str = "auto"
     dense_warmup_steps: int = 5500  # dense attention until the 4096 phase (retrieval first, then sparsity)
     bias_update_rate: float = 1e-3
     save_every: int = 500
@@ -357,7 +360,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     mcfg = ModelConfig.from_json(cfg.model_config)
     save_dtype = getattr(torch, cfg.save_dtype)
 
+    if cfg.sparse_attention not in ("auto", "gather", "mask"):
+        raise ConfigError(f"sparse_attention must be auto, gather or mask, got {cfg.sparse_attention!r}")
     model = TrainCausalLM(mcfg)
+    model.sparse_attention = cfg.sparse_attention
     start, log_rows = 0, []
     state = None
     if cfg.resume:
