@@ -698,3 +698,14 @@ def test_gathered_sparse_step_equals_the_masked_reference(monkeypatch) -> None:
     auto.sparse_attention = "bogus"
     with pytest.raises(ValueError):
         auto._gathers(512)
+
+
+def test_shipped_wip_readme_names_the_weights_it_describes() -> None:
+    """models-shipped/retrieval-wip/README.md quotes the sha256 of the model.safetensors beside it, so a
+    re-shipped checkpoint cannot keep an older run's description."""
+    import hashlib
+    import re
+
+    wip = ROOT / "models-shipped" / "retrieval-wip"
+    quoted = re.findall(r"sha256 of model\.safetensors: ([0-9a-f]{64})", (wip / "README.md").read_text())
+    assert quoted == [hashlib.sha256((wip / "model.safetensors").read_bytes()).hexdigest()]
