@@ -91,15 +91,18 @@ def collect(run_dirs: list[Path]) -> dict:
 
     scores: dict[tuple[str, int, bool], list[float]] = {}
     latency: dict[tuple[str, int, bool], list[float]] = {}
+    chat: set[bool] = set()  # the prompt forms of the runs (raw, --chat)
     for d in run_dirs:
         meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
         capped = bool(meta.get("cap_fraction"))
+        if meta:  # (a directory without run.json does not say)
+            chat.add(bool(meta.get("chat")))
         for r in read_rows(d / "results.jsonl"):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))
             if r.get("latency_s") is not None:
                 latency.setdefault(k, []).append(float(r["latency_s"]))
-    return {"scores": scores, "latency": latency}
+    return {"scores": scores, "latency": latency, "chat": chat}
 
 
 def gate(args: argparse.Namespace) -> int:
@@ -125,13 +128,11 @@ def gate(args: argparse.Namespace) -> int:
 
 
 def merge(args: argparse.Namespace) -> int:
-    chat = {bool(json.loads((Path(d) / RUN_META).read_text()).get("chat")) for d in args.runs
-            if (Path(d) / RUN_META).exists()}  # fmt: skip
-    if len(chat) > 1:
+    got = collect([Path(d) for d in args.runs])
+    if len(got["chat"]) > 1:
         print("merge: raw-prompt and --chat runs score different prompts; merge them apart", file=sys.stderr)
         return 2
-    got = collect([Path(d) for d in args.runs])
-    res: dict = {"tasks": list(TASKS), "chat": chat == {True}, "samples": {}, "mean_latency_s": {}}
+    res: dict = {"tasks": list(TASKS), "chat": got["chat"] == {True}, "samples": {}, "mean_latency_s": {}}
     by_len: dict[tuple[int, bool], dict[str, float]] = {}
     for (task, L, capped), v in sorted(got["scores"].items()):
         key = f"{task}.{result_key(L, capped)}"

@@ -35,6 +35,7 @@ def _ensure_kernels() -> None:
 def build_parser() -> argparse.ArgumentParser:
     from longctx.train.data import DataConfig
     from longctx.train.loop import TrainConfig
+    from longctx.train.model import SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
     p = argparse.ArgumentParser(prog="python -m longctx.train", description=__doc__)
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sparse-attention",
-        choices=("auto", "gather", "mask"),
+        choices=SPARSE_ATTENTION_FORMS,
         default=t.sparse_attention,
         help="the sparse stage's attention: over each query's top-k (gather), over every key with the "
         "selection as a mask (mask), or by row length (auto: mask up to 16K); the same function",

@@ -34,7 +34,7 @@ from longctx.train.checkpoint import (
     save_training,
 )
 from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
-from longctx.train.model import TrainCausalLM
+from longctx.train.model import SPARSE_ATTENTION_FORMS, TrainCausalLM
 
 # the loop's clock (deadlines, the time fit, the log's rates); tests swap in one driven by the steps
 _monotonic = time.monotonic
@@ -360,8 +360,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     mcfg = ModelConfig.from_json(cfg.model_config)
     save_dtype = getattr(torch, cfg.save_dtype)
 
-    if cfg.sparse_attention not in ("auto", "gather", "mask"):
-        raise ConfigError(f"sparse_attention must be auto, gather or mask, got {cfg.sparse_attention!r}")
+    if cfg.sparse_attention not in SPARSE_ATTENTION_FORMS:
+        raise ConfigError(
+            f"sparse_attention must be one of {SPARSE_ATTENTION_FORMS}, got {cfg.sparse_attention!r}"
+        )
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
     start, log_rows = 0, []

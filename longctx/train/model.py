@@ -28,6 +28,7 @@ never the weights) by `rate * sign(mean_load - load)` after every optimizer step
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ _GATHER_ELEMS = 1 << 27
 # at (<= 16K) keep the form they were timed with, and longer rows, where the mask alone is GBs a layer,
 # take the gathered one.
 _GATHER_FROM = 16384
+SPARSE_ATTENTION_FORMS = ("auto", "gather", "mask")  # TrainCausalLM.sparse_attention
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
 
 
@@ -235,8 +237,10 @@ class TrainCausalLM(CausalLM):
 
     def _gathers(self, S: int) -> bool:
         """Whether the sparse stage at rows of S tokens takes the gathered form."""
-        if self.sparse_attention not in ("auto", "gather", "mask"):
-            raise ValueError(f"sparse_attention must be auto, gather or mask, not {self.sparse_attention!r}")
+        if self.sparse_attention not in SPARSE_ATTENTION_FORMS:
+            raise ValueError(
+                f"sparse_attention must be one of {SPARSE_ATTENTION_FORMS}, not {self.sparse_attention!r}"
+            )
         return self.sparse_attention == "gather" or (self.sparse_attention == "auto" and S > _GATHER_FROM)
 
     # ---- indexer ---------------------------------------------------------------------------
@@ -391,15 +395,10 @@ def sparse_attention_train(
     K = sel.shape[-1]
     assert kv.shape == (B, S, D) and sel.shape == (B, S, K) and L <= D, (q.shape, kv.shape, sel.shape)
     n = max(1, _GATHER_ELEMS // (B * K * D))
-    if n >= S or not torch.is_grad_enabled():
-        return torch.cat(
-            [_sparse_chunk(q[:, a : a + n], kv, sel[:, a : a + n], scale, L) for a in range(0, S, n)], 1
-        )
-    outs = [
-        checkpoint(_sparse_chunk, q[:, a : a + n], kv, sel[:, a : a + n], scale, L, use_reentrant=False)
-        for a in range(0, S, n)
-    ]
-    return torch.cat(outs, 1)
+    chunk: Callable[..., torch.Tensor] = _sparse_chunk
+    if n < S and torch.is_grad_enabled():  # several chunks: recompute each in the backward
+        chunk = functools.partial(checkpoint, _sparse_chunk, use_reentrant=False)
+    return torch.cat([chunk(q[:, a : a + n], kv, sel[:, a : a + n], scale, L) for a in range(0, S, n)], 1)
 
 
 def moe_experts_dense(
