@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longctx.config import ModelConfig
+from longctx.errors import ConfigError
 from longctx.train.__main__ import main
 from longctx.train.checkpoint import MODEL_FILES, TRAINER_STATE, load_model_weights, read_training
 from longctx.train.data import ANSWER, EOS_ID, DataConfig, DataError, answer_text, make_batch, pose_positions
@@ -299,10 +300,74 @@ def test_auto_schedule_from_the_cli(tmp_path: Path) -> None:
     st = read_training(out)
     steps, cur = st["recipe"]["steps"], st["recipe"]["data"]["curriculum"]
     assert steps > 2 and [S for _, S in cur] == [512, 768] and cur[1][0] == round(5000 * steps / 10000)
+    # --sparse-attention auto: the probe timed the sparse forms and the plan keeps the faster per length
+    forms = dict(st["recipe"]["sparse_forms"])
+    assert forms.keys() == {512, 768} and set(forms.values()) <= {"gather", "mask"}
     # a resumed --steps 0 run keeps that plan
     s2 = main(args[:3] + [str(tmp_path / "b")] + args[4:] + ["--resume", str(out), "--max-minutes", "0.05"])
     assert s2 == 0
-    assert read_training(tmp_path / "b")["recipe"]["steps"] == steps
+    recipe2 = read_training(tmp_path / "b")["recipe"]
+    assert recipe2["steps"] == steps and dict(recipe2["sparse_forms"]) == forms
+
+
+def test_probe_takes_the_faster_sparse_form_and_gathers_where_the_mask_does_not_fit(monkeypatch) -> None:
+    """ "auto" times both sparse forms at each length, shortest first; a masked form that runs out of
+    memory (or loses to the gathered one) leaves that length and every longer one to the gathered form."""
+    import longctx.train.loop as loop
+    import longctx.train.model as model_mod
+
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 640), (10, 512), (20, 768)))
+    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, data=data)
+    model = _model(seed=1)
+    seconds, forms = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert seconds.keys() == forms.keys() == {512, 640, 768} and set(forms.values()) <= {"gather", "mask"}
+    assert model.measured_forms == forms and all(t > 0 for t in seconds.values())
+    assert all(model._gathers(S) == (f == "gather") for S, f in forms.items())
+    # once the gathered form wins, the longer lengths are not timed masked
+    firsts = sorted(forms)
+    won = next((S for S in firsts if forms[S] == "gather"), None)
+    assert won is None or all(forms[S] == "gather" for S in firsts if won < S)
+
+    # the masked attention's S x S mask does not fit from 640-token rows on: gathered there and beyond
+    real = model_mod.selection_mask
+
+    def oom_from_640(sel: torch.Tensor, S: int) -> torch.Tensor:
+        if sel.shape[1] == S >= 640:  # the attention's mask (the indexer KL's has kl_rows rows)
+            raise torch.OutOfMemoryError("simulated")
+        return real(sel, S)
+
+    monkeypatch.setattr(model_mod, "selection_mask", oom_from_640)
+    model.measured_forms = {}
+    model.sparse_attention = "auto"
+    _, forms = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert forms[640] == forms[768] == "gather" and forms[512] in ("gather", "mask")
+    # ... and where the gathered form does not fit either (768), that length and any longer get no
+    # seconds, and the time fit plans without them
+    real_gather = model_mod.sparse_attention_train
+
+    def gather_oom_at_768(q, kv, sel, *a, **k):
+        if sel.shape[1] >= 768:
+            raise torch.OutOfMemoryError("simulated")
+        return real_gather(q, kv, sel, *a, **k)
+
+    monkeypatch.setattr(model_mod, "sparse_attention_train", gather_oom_at_768)
+    model.measured_forms = {}
+    seconds, forms = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert seconds.keys() == forms.keys() == {512, 640} and 768 not in model.measured_forms
+    timed = dataclasses.replace(cfg, steps=0, max_minutes=10.0)
+    fitted = loop._auto_schedule(timed, model, torch.device("cpu"), None, loop._monotonic(), 0.0)
+    assert [S for _, S in fitted.data.curriculum] == [640, 512] and dict(fitted.sparse_forms) == forms
+    assert fitted.data.curriculum[0][0] == 0 and fitted.steps > 0
+    with monkeypatch.context() as m:
+        m.setattr(loop, "probe_step_seconds", lambda *a, **k: ({}, {}))
+        with pytest.raises(ConfigError, match="fits a training step"):
+            loop._auto_schedule(timed, model, torch.device("cpu"), None, loop._monotonic(), 0.0)
+    monkeypatch.setattr(model_mod, "sparse_attention_train", real_gather)
+    # a fixed form is timed alone and measures nothing
+    model.measured_forms, model.sparse_attention = {}, "mask"
+    monkeypatch.setattr(model_mod, "selection_mask", real)
+    seconds, forms = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert forms == {} and seconds.keys() == {512, 640, 768} and model.measured_forms == {}
 
 
 def test_gate_waits_for_exact_match_over_the_window() -> None:
@@ -371,7 +436,7 @@ def test_gated_time_fitted_run_uses_its_time_at_the_final_lr(tmp_path: Path, mon
     schedule's final lr until the deadline instead of stopping (run 7 left 30% of its time unused)."""
     import longctx.train.loop as loop
 
-    monkeypatch.setattr(loop, "probe_step_seconds", lambda model, cfg, device: {512: 0.01, 640: 0.01})
+    monkeypatch.setattr(loop, "probe_step_seconds", lambda model, cfg, device: ({512: 0.01, 640: 0.01}, {}))
     monkeypatch.setattr(loop, "fit_schedule", lambda cfg, step_s, left: dataclasses.replace(cfg, steps=3))
     monkeypatch.setattr(loop, "gate_ready", lambda rows, start, cfg: False)
     monkeypatch.setattr(loop, "EXTEND_MIN_S", 1.0)

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SPARSE_ATTENTION_FORMS,
         default=t.sparse_attention,
         help="the sparse stage's attention: over each query's top-k (gather), over every key with the "
-        "selection as a mask (mask), or by row length (auto: mask up to 16K); the same function",
+        "selection as a mask (mask), or per row length (auto: the faster of the two as the time fit's probe "
+        "timed them; mask up to 16K without a probe); the same function",
     )
     p.add_argument(
         "--train-only",

@@ -70,9 +70,13 @@ class TrainConfig:
     # weight of the indexer's needle loss on answer rows (TrainCausalLM._indexer_kl): -log of the index
     # softmax's mass on the answer value's bytes in the prompt; 0 (the DSA recipe) skips it
     needle_weight: float = 0.0
-    # the sparse stage's attention (TrainCausalLM.sparse_attention): auto (masked up to 16K-token rows,
-    # gathered over the top-k beyond), gather or mask; the same function, different cost
+    # the sparse stage's attention (TrainCausalLM.sparse_attention): auto, gather or mask; the same
+    # function, different cost. auto takes at each row length the form the time fit's probe timed
+    # faster (`sparse_forms`); without a probe (a fixed --steps) masked up to 16K-token rows, gathered
+    # beyond
     sparse_attention: str = "auto"
+    # filled by the time fit with auto: ((row length, "gather" | "mask"), ...), the faster form per length
+    sparse_forms: tuple[tuple[int, str], ...] = ()
     dense_warmup_steps: int = 5500  # dense attention until the 4096 phase (retrieval first, then sparsity)
     bias_update_rate: float = 1e-3
     save_every: int = 500
@@ -101,16 +105,18 @@ NOMINAL_STEPS = TrainConfig.steps  # with steps=0 the curriculum's step numbers 
 
 def probe_step_seconds(
     model: TrainCausalLM, cfg: TrainConfig, device: torch.device, reps: int = 3
-) -> dict[int, float]:
-    """Seconds of one sparse-stage forward + backward at each curriculum length (no optimizer step)."""
+) -> tuple[dict[int, float], dict[int, str]]:
+    """Seconds of one sparse-stage forward + backward at each curriculum length (no optimizer step),
+    and, with `sparse_attention="auto"`, the sparse attention form ("gather" or "mask") that ran it
+    fastest at that length.
+
+    "auto" times both forms at each length, shortest first, until the gathered one wins or the masked
+    one runs out of memory; longer rows then take the gathered form untimed (the masked form's cost
+    grows as S^2 per row, the gathered one's as S * top-k). A fixed form is timed alone. A length at
+    which no form fits a step in memory ends the probe: it and the longer lengths get no seconds."""
     from longctx.train.data import make_batch
 
-    out: dict[int, float] = {}
-    step = max(cfg.dense_warmup_steps, 0)
-    for first, S in cfg.data.curriculum:
-        if S in out:
-            continue
-        batch = make_batch(cfg.data, first)
+    def median_seconds(batch: Any) -> float:
         times = []
         for i in range(reps + 1):
             if device.type == "cuda":
@@ -123,8 +129,37 @@ def probe_step_seconds(
                 torch.cuda.synchronize(device)
             if i:  # the first is a warm-up
                 times.append(time.perf_counter() - t0)
-        out[S] = sorted(times)[len(times) // 2]
-    return out
+        return sorted(times)[len(times) // 2]
+
+    seconds: dict[int, float] = {}
+    forms: dict[int, str] = {}
+    step = max(cfg.dense_warmup_steps, 0)
+    auto = model.sparse_attention == "auto"
+    mask_lost = False  # the gathered form already won at a shorter length (or the mask did not fit)
+    for first, S in sorted(cfg.data.curriculum, key=lambda p: p[1]):
+        if S in seconds:
+            continue
+        batch = make_batch(cfg.data, first)
+        timed: dict[str, float] = {}
+        for form in ("gather",) if mask_lost or not auto else ("gather", "mask"):
+            if auto:
+                model.measured_forms[S] = form
+            try:
+                timed[form] = median_seconds(batch)
+            except torch.OutOfMemoryError:  # this form does not fit a step at S
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if not timed:  # no form fits: S and every longer length are left out of the seconds
+            model.measured_forms.pop(S, None)
+            break
+        print(json.dumps({"probe": {"seq_len": S, "seconds": timed}}), flush=True)
+        seconds[S] = min(timed.values())
+        if auto:
+            forms[S] = min(timed, key=timed.__getitem__)
+            mask_lost = forms[S] == "gather"
+    model.measured_forms = dict(forms)
+    return seconds, forms
 
 
 def fit_schedule(cfg: TrainConfig, step_s: dict[int, float], budget_s: float) -> TrainConfig:
@@ -269,14 +304,24 @@ def _auto_schedule(
             cfg,
             steps=int(r["steps"]),
             dense_warmup_steps=int(r.get("dense_warmup_steps", cfg.dense_warmup_steps)),
+            sparse_forms=tuple((int(a), str(b)) for a, b in r.get("sparse_forms", ())),
             data=dataclasses.replace(cfg.data, curriculum=cur),
         )
     if cfg.max_minutes is None:
         raise ConfigError("--steps 0 (fit the schedule to the time budget) needs --max-minutes")
+    minutes = cfg.max_minutes
     model.train()
-    step_s = probe_step_seconds(model, cfg, device)
-    left = t_start + 60 * cfg.max_minutes - _monotonic() - eval_reserve
-    fitted = fit_schedule(cfg, step_s, left)
+    step_s, forms = probe_step_seconds(model, cfg, device)
+    # lengths with no seconds did not fit in memory: the plan leaves them out (the length before them
+    # keeps their steps); none fitting is an error, not a run
+    kept = tuple(p for p in cfg.data.curriculum if p[1] in step_s)
+    dropped = sorted({S for _, S in cfg.data.curriculum} - step_s.keys())
+    if not kept:
+        raise ConfigError(f"no curriculum length fits a training step in memory (tried {dropped})")
+    kept = ((0, kept[0][1]),) + kept[1:]
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, curriculum=kept))
+    left = t_start + 60 * minutes - _monotonic() - eval_reserve
+    fitted = dataclasses.replace(fit_schedule(cfg, step_s, left), sparse_forms=tuple(sorted(forms.items())))
     print(
         json.dumps(
             {
@@ -286,6 +331,8 @@ def _auto_schedule(
                     "steps": fitted.steps,
                     "dense_warmup_steps": fitted.dense_warmup_steps,
                     "curriculum": fitted.data.curriculum,
+                    "sparse_forms": fitted.sparse_forms,
+                    "dropped_lengths": dropped,  # no step fitted in memory
                 }
             }
         ),
@@ -386,6 +433,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     time_fitted = cfg.steps <= 0
     if cfg.steps <= 0:
         cfg = _auto_schedule(cfg, model, device, state, t_start, eval_reserve)
+    model.measured_forms = dict(cfg.sparse_forms)
     opt = build_optimizer(model, cfg, device)
     if state is not None:
         restore_moments(model, opt, state["moments"], start)

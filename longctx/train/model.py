@@ -50,13 +50,12 @@ from longctx.model.rope import apply_rope_interleaved
 _SELECT_ELEMS = 1 << 27
 # Query rows per chunk of the sparse attention (bounds the gathered [B, chunk, top-k, latent + rope]).
 _GATHER_ELEMS = 1 << 27
-# sparse_attention "auto": rows longer than this take the gathered form, shorter ones the masked form.
-# The gathered form moves top-k x (latent + rope) values per query (three times: forward, recompute,
-# backward); the masked one does heads x S x head-dim FLOPs per query and holds an S x S mask per
-# layer. On two CPU cores at 8K tokens a step the masked form was 2.6x / 1.7x / 1.2x faster at rows of
-# 2K / 4K / 8K (docs/training.md); the GPU crossover is not measured, so the lengths runs 1-12 trained
-# at (<= 16K) keep the form they were timed with, and longer rows, where the mask alone is GBs a layer,
-# take the gathered one.
+# sparse_attention "auto" without a measurement (TrainCausalLM.measured_forms, which the trainer's time
+# fit fills by timing both forms on its device): rows longer than this take the gathered form, shorter
+# ones the masked form. The gathered form moves top-k x (latent + rope) values per query (three times:
+# forward, recompute, backward); the masked one does heads x S x head-dim FLOPs per query and holds an
+# S x S mask per layer. On two CPU cores at 8K tokens a step the masked form was 2.6x / 1.7x / 1.2x
+# faster at rows of 2K / 4K / 8K (docs/training.md).
 _GATHER_FROM = 16384
 SPARSE_ATTENTION_FORMS = ("auto", "gather", "mask")  # TrainCausalLM.sparse_attention
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
@@ -84,8 +83,10 @@ class TrainCausalLM(CausalLM):
             raise ValueError("training needs the whole model")
         # the sparse stage's attention: "gather" (over the selected tokens, O(S * top-k)), "mask"
         # (every key, the selection as a mask: the O(S^2) reference form the trainer used first) or
-        # "auto" (gather for rows longer than _GATHER_FROM)
+        # "auto" (the form measured_forms names for the row length, else gather for rows longer than
+        # _GATHER_FROM)
         self.sparse_attention = "auto"
+        self.measured_forms: dict[int, str] = {}  # row length -> "gather" | "mask" (the trainer's probe)
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -241,7 +242,10 @@ class TrainCausalLM(CausalLM):
             raise ValueError(
                 f"sparse_attention must be one of {SPARSE_ATTENTION_FORMS}, not {self.sparse_attention!r}"
             )
-        return self.sparse_attention == "gather" or (self.sparse_attention == "auto" and S > _GATHER_FROM)
+        if self.sparse_attention == "auto":
+            form = self.measured_forms.get(S)
+            return S > _GATHER_FROM if form is None else form == "gather"
+        return self.sparse_attention == "gather"
 
     # ---- indexer ---------------------------------------------------------------------------
     def _indexer_qkw(
