@@ -345,18 +345,26 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_ruler" if args.prompt == "ruler" else ""
     command = "python -m bench.long_context " + " ".join(sys.argv[1:] if argv is None else argv)
     source = {"prompt": args.prompt, "model": str(args.model or config), "command": command}
+    written: list[str] = []  # the keys this run wrote
     if "1m" in phases:
         cap = max(cfg.index_topk + 2, math.floor(args.cap_fraction * args.ctx) - 1)  # + 1 trash row
         prompt = make_prompt(args.ctx)
         pair = run_pair(model_dir, device, prompt, args.decode, cap, args.chunk, "1m")
         data["request_1m" + suffix] = {**summarise_1m(pair, cfg, ceilings), **source}
+        written.append("request_1m" + suffix)
     if "128k" in phases:
         cap_b = args.cap_b or max(cfg.index_topk + 2, math.floor(args.cap_fraction * args.ctx_b) - 1)
         prompt = make_prompt(args.ctx_b)
         pair = run_pair(model_dir, device, prompt, args.decode, cap_b, args.chunk, "128k")
         data["decode_128k" + suffix] = {**summarise_128k(pair), **source}
-    data["ceilings"] = ceilings or data.get("ceilings", {})
-    if not suffix:
+        written.append("decode_128k" + suffix)
+    # the top level (ceilings, environment, command) describes the random-prompt run; a RULER
+    # run keeps its own inside its keys, so it cannot relabel the other run's figures
+    if suffix:
+        for key in written:
+            data[key]["ceilings"] = ceilings
+    else:
+        data["ceilings"] = ceilings or data.get("ceilings", {})
         data["command"] = command
         data["config"] = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
     md = table(data)
@@ -369,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench.common import environment, write_results
 
-        data["environment"] = environment()
+        env = environment()
+        if suffix:
+            for key in written:
+                data[key]["environment"] = env
+        else:
+            data["environment"] = env
         extra = args.out or os.environ.get("OUT")
         for path in write_results(NAME, data, md, Path(extra) if extra else None):
             print(f"wrote {path}", file=sys.stderr)

@@ -154,7 +154,8 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
-        "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --curriculum 0:4096,1500:8192,"
+        "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
+        "--curriculum 0:8192,2000:16384,"
         in gpu0[0]
     )  # one argv
     # a quick 4K score, the gate on it, then the long lengths
@@ -511,4 +512,6 @@ def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:
     d = data["decode_128k_ruler"]
     assert d["prompt"] == "ruler" and "--prompt ruler" in d["command"] and d["model"]
     assert d["tokens_match_uncapped"] == 1 and 0 <= d["hit_rate"] <= 1
+    # its ceilings travel with its keys: the top level stays the random-prompt run's
+    assert "ceilings" not in data and "command" not in data and d["ceilings"] == {}
     assert "decode_128k_ruler.hit_rate" in (tmp_path / "long-context-quick.md").read_text()

@@ -663,6 +663,48 @@ def test_chat_rows_are_the_prompts_the_server_and_ruler_chat_send() -> None:
         DataConfig(chat_fraction=1.5)
 
 
+def test_document_rows_are_the_prompts_the_documents_endpoint_sends() -> None:
+    """--document-fraction rows: a niah sample as POST /v1/documents then /ask build it (the server's
+    codec: head + document, then separator + question + tail, tokenised in those two pieces), without
+    RULER's instruction line; vt rows stay raw; the needle and answer are marked as in raw rows."""
+    from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
+    from longctx.checkpoint.tokenizer import NUM_BYTES
+    from longctx.server.text import TextCodec
+    from longctx.train.data import document_prompt, encode_text, make_row
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import ByteCounter
+
+    wip = ROOT / "models-shipped" / "retrieval-wip"
+    codec = TextCodec(str(wip))
+    head, tail = codec.document_frame()
+    gen = RulerGenerator(ByteCounter(), seed=5, max_new_tokens_scale=0.5)
+    for task in ("niah_single_2", "niah_multikey_2", "niah_multiquery"):
+        sample = gen.sample(task, 900, 0)
+        text = document_prompt(task, sample.input, sample.answer_prefix)
+        document = sample.input.split("afterwards.\n", 1)[1].rsplit("\nWhat ", 1)[0]
+        question = "What " + sample.input.rsplit("\nWhat ", 1)[1]
+        served = codec.encode(head + document) + codec.encode(DOCUMENT_QUESTION_SEPARATOR + question + tail)
+        assert encode_text(text) == served + codec.encode(sample.answer_prefix.lstrip())
+        assert "memorize" not in text and question.endswith("in the provided text?")
+    with pytest.raises(DataError):
+        document_prompt("vt", gen.sample("vt", 2048, 0).input, "")
+    cfg = DataConfig(curriculum=((0, 1024),), document_fraction=1.0, copy_fraction=0.0, text_fraction=0.0)
+    raw = dataclasses.replace(cfg, document_fraction=0.0)
+    gmask = codec.encode("[gMASK]")
+    seen = set()
+    for row in range(12):
+        ids, kinds, task, needle = make_row(cfg, 0, row, 1024)
+        r_ids, _, r_task, _ = make_row(raw, 0, row, 1024)
+        assert r_task == task and (ids[:1] == gmask) == (task != "vt"), task
+        seen.add(ids[:1] == gmask)
+        first = kinds.index(ANSWER)
+        assert ids[first : first + 1] == [ord(" ")] and EOS_ID in ids[first:]
+        assert needle and all(ids[p] < NUM_BYTES for p in needle)
+    assert True in seen
+    with pytest.raises(DataError):
+        DataConfig(document_fraction=-0.1)
+
+
 def test_sparse_attention_choice_from_the_cli(tmp_path: Path) -> None:
     """--sparse-attention gather trains (sparse stage: 512-token rows over a top-16) and is recorded;
     a bogus value is an argparse error (exit code 2, one line)."""
@@ -679,18 +721,20 @@ def test_sparse_attention_choice_from_the_cli(tmp_path: Path) -> None:
         main([*args, "--sparse-attention", "bogus"])
 
 
-def test_chat_fraction_from_the_cli_is_recorded_and_resume_keeps_it(tmp_path: Path) -> None:
+def test_chat_and_document_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path: Path) -> None:
     a = tmp_path / "a"
     args = [
         "--config", str(TINY), "--out", str(a), "--steps", "1", "--device", "cpu",
         "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "2",
         "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
     ]  # fmt: skip
-    assert main([*args, "--chat-fraction", "0.25"]) == 0
-    assert read_training(a)["recipe"]["data"]["chat_fraction"] == 0.25
+    assert main([*args, "--chat-fraction", "0.25", "--document-fraction", "0.5"]) == 0
+    data = read_training(a)["recipe"]["data"]
+    assert data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5
     b = tmp_path / "b"
     assert main([*args[:3], str(b), "--steps", "2", *args[6:], "--resume", str(a)]) == 0
-    assert read_training(b)["recipe"]["data"]["chat_fraction"] == 0.25
+    data = read_training(b)["recipe"]["data"]
+    assert data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5
 
 
 def test_sparse_attention_train_is_the_masked_attention(monkeypatch) -> None:

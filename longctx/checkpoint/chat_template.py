@@ -16,6 +16,9 @@ from typing import Any
 from longctx.errors import CheckpointError, RequestError
 
 ROLES = ("system", "user", "assistant", "observation")
+# POST /v1/documents/{id}/ask's user turn is `document + DOCUMENT_QUESTION_SEPARATOR + question`
+# (server/routes_documents.py); the trainer's document rows (train/data.py) render the same form
+DOCUMENT_QUESTION_SEPARATOR = "\n\n"
 _ROLE_ALIASES = {"tool": "observation"}
 
 DEFAULT_CHAT_TEMPLATE = (

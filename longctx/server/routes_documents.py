@@ -12,6 +12,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.server import messages as m
 from longctx.server.engine_client import RpcError
 from longctx.server.generation import Generation, new_rid
@@ -20,7 +21,6 @@ from longctx.server.routes_generate import Shape, sampling, serve
 from longctx.server.state import Document, ServerState, get_state, read_json
 
 router = APIRouter()
-QUESTION_SEPARATOR = "\n\n"
 
 
 async def _document_text(request: Request, st: ServerState) -> tuple[str, str | None]:
@@ -128,7 +128,7 @@ async def ask_document(doc_id: str, request: Request) -> Response:
     st.check_model(req.model)
     doc = _doc(st, doc_id)
     _, tail = st.codec.document_frame()
-    ids = doc.ids + await st.encode(QUESTION_SEPARATOR + req.question + tail)
+    ids = doc.ids + await st.encode(DOCUMENT_QUESTION_SEPARATOR + req.question + tail)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.max_tokens, logprobs)
     st.check_admission()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longctx.checkpoint.chat_template import apply_chat_template
+from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR, apply_chat_template
 from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from longctx.errors import LongctxError
 from longctx.workloads.prose import essay_sentences
@@ -89,6 +89,9 @@ class DataConfig:
     # form of the server's /v1/chat/completions and `longctx ruler --chat`); 0 draws nothing, so the
     # raw-prompt rows stay bit for bit those of a run without it
     chat_fraction: float = 0.0
+    # niah rows (of those not drawn for chat) as the QA endpoint asks them (`document_prompt`: the
+    # haystack as the document, the question after it, no RULER instruction line); 0 draws nothing
+    document_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.curriculum or self.curriculum[0][0] != 0:
@@ -104,6 +107,8 @@ class DataConfig:
             raise DataError("PoSE needs pose_max >= 0, 0 <= pose_prob <= 1 and pose_chunks >= 2")
         if not 0.0 <= self.chat_fraction <= 1.0:
             raise DataError("chat_fraction must be in [0, 1]")
+        if not 0.0 <= self.document_fraction <= 1.0:
+            raise DataError("document_fraction must be in [0, 1]")
 
     def seq_len(self, step: int) -> int:
         return [s for first, s in self.curriculum if first <= step][-1]
@@ -207,6 +212,20 @@ def chat_prompt(text: str, answer_prefix: str) -> str:
     return apply_chat_template([{"role": "user", "content": text}]) + answer_prefix.lstrip()
 
 
+def document_prompt(task: str, text: str, answer_prefix: str) -> str:
+    """A niah sample as `POST /v1/documents/{id}/ask` renders it: a one-message chat whose user turn is
+    the haystack (the document, without RULER's instruction line) + DOCUMENT_QUESTION_SEPARATOR + the
+    question, then the answer prefix as the model's own first words (`chat_prompt`'s convention)."""
+    if TASKS[task].family != "niah":
+        raise DataError(f"{task} has no document form (niah tasks only)")
+    _, head, rest = text.partition("afterwards.\n")  # the instruction line ends the head
+    document, at, question = rest.rpartition("\nWhat ")  # the question is the text's last line
+    if not (head and at):
+        raise DataError(f"{task}: not a RULER niah input")
+    user = document + DOCUMENT_QUESTION_SEPARATOR + "What " + question
+    return apply_chat_template([{"role": "user", "content": user}]) + answer_prefix.lstrip()
+
+
 def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str, list[int]]:
     names = [t for t, _ in cfg.tasks]
     task = rng.choices(names, weights=[w for _, w in cfg.tasks])[0]
@@ -225,6 +244,8 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
         raise DataError(f"sequence length {S} is too short for any retrieval task")
     if cfg.chat_fraction > 0 and rng.random() < cfg.chat_fraction:
         prompt = encode_text(chat_prompt(sample.input, sample.answer_prefix))
+    elif cfg.document_fraction > 0 and TASKS[task].family == "niah" and rng.random() < cfg.document_fraction:
+        prompt = encode_text(document_prompt(task, sample.input, sample.answer_prefix))
     else:
         prompt = list((sample.input + sample.answer_prefix).encode("utf-8"))
     answer = list(answer_text(task, sample.outputs).encode("utf-8")) + [EOS_ID]
