@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths)
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
     meta["chat"] = bool(args.chat)
+    meta["form"] = "documents" if args.documents else "chat" if args.chat else "raw"
     meta["device_tokens"] = {}
     rc = 0
     for L in lengths:
@@ -72,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
             "--samples", str(args.samples), "--concurrency", str(args.concurrency),
             "--max-new-tokens-scale", MAX_NEW_TOKENS_SCALE, "--seed", str(args.seed), "--out", str(out),
         ]  # fmt: skip
-        if args.chat:
-            argv.append("--chat")
+        if args.chat or args.documents:
+            argv.append("--chat" if args.chat else "--documents")
         if args.cap_fraction:
             cap = max(1, int(args.cap_fraction * L))
             meta["device_tokens"][str(L)] = cap
@@ -91,18 +92,18 @@ def collect(run_dirs: list[Path]) -> dict:
 
     scores: dict[tuple[str, int, bool], list[float]] = {}
     latency: dict[tuple[str, int, bool], list[float]] = {}
-    chat: set[bool] = set()  # the prompt forms of the runs (raw, --chat)
+    forms: set[str] = set()  # the prompt forms of the runs (raw, chat, documents)
     for d in run_dirs:
         meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
         capped = bool(meta.get("cap_fraction"))
-        if meta:  # (a directory without run.json does not say)
-            chat.add(bool(meta.get("chat")))
+        if meta:  # (a directory without run.json does not say; one from before "form" has "chat")
+            forms.add(meta.get("form") or ("chat" if meta.get("chat") else "raw"))
         for r in read_rows(d / "results.jsonl"):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))
             if r.get("latency_s") is not None:
                 latency.setdefault(k, []).append(float(r["latency_s"]))
-    return {"scores": scores, "latency": latency, "chat": chat}
+    return {"scores": scores, "latency": latency, "forms": forms}
 
 
 def gate(args: argparse.Namespace) -> int:
@@ -129,10 +130,21 @@ def gate(args: argparse.Namespace) -> int:
 
 def merge(args: argparse.Namespace) -> int:
     got = collect([Path(d) for d in args.runs])
-    if len(got["chat"]) > 1:
-        print("merge: raw-prompt and --chat runs score different prompts; merge them apart", file=sys.stderr)
+    if len(got["forms"]) > 1:
+        print(
+            f"merge: runs of different prompt forms ({', '.join(sorted(got['forms']))}) score different "
+            "prompts; merge them apart",
+            file=sys.stderr,
+        )
         return 2
-    res: dict = {"tasks": list(TASKS), "chat": got["chat"] == {True}, "samples": {}, "mean_latency_s": {}}
+    (form,) = got["forms"] or {"raw"}
+    res: dict = {
+        "tasks": list(TASKS),
+        "chat": form == "chat",
+        "form": form,
+        "samples": {},
+        "mean_latency_s": {},
+    }
     by_len: dict[tuple[int, bool], dict[str, float]] = {}
     for (task, L, capped), v in sorted(got["scores"].items()):
         key = f"{task}.{result_key(L, capped)}"
@@ -214,8 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument(
         "--cap-fraction", type=float, default=None, help="HiSparse device tokens as a fraction of L"
     )
-    r.add_argument(
+    forms = r.add_mutually_exclusive_group()
+    forms.add_argument(
         "--chat", action="store_true", help="prompts in the model's chat template (`longctx ruler --chat`)"
+    )
+    forms.add_argument(
+        "--documents",
+        action="store_true",
+        help="niah tasks as long-document QA, the prompt /v1/documents + /ask build (`longctx ruler --documents`)",
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

@@ -107,6 +107,13 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
         and row["task"] == "niah_single_1"
     )
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "h"), "--out", str(tmp_path / "x")]) == 2
+    # the documents form (the QA endpoint's prompt): recorded as its own form, never merged with others
+    assert main([*run, "--lengths", "1k", "--tasks", "niah_single_2", "--documents",
+                 "--out", str(tmp_path / "d")]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "d" / "run.json").read_text())["form"] == "documents"
+    assert main(["merge", str(tmp_path / "h"), str(tmp_path / "d"), "--out", str(tmp_path / "x")]) == 2
+    assert main(["merge", str(tmp_path / "d"), "--out", str(tmp_path / "y")]) == 0
+    assert json.loads((tmp_path / "y" / "retrieval-h200.json").read_text())["form"] == "documents"
 
 
 def test_train_report_on_the_committed_logs(tmp_path: Path) -> None:
@@ -155,8 +162,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
         "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
-        "--curriculum 0:8192,2000:16384,"
-        in gpu0[0]
+        "--curriculum 0:8192,2000:16384," in gpu0[0]
     )  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]

@@ -399,3 +399,80 @@ def test_plan_takes_tasks_in_turns_a_batch_at_a_time() -> None:
         ("niah_single_1", 2048, 2), ("niah_single_1", 2048, 3),
     ]  # fmt: skip
     assert [k[1] for k in keys] == sorted(k[1] for k in keys)  # shortest lengths first
+
+
+def _documents_transport(answers: dict[tuple[str, str], str], seen: list) -> httpx.MockTransport:
+    """A server with the long-document endpoints: upload, ask (answers keyed by (document, question)),
+    delete; `seen` records each call's method and path."""
+    docs: dict[str, str] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        seen.append((request.method, path))
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "oracle-model"}]})
+        if request.method == "DELETE":
+            docs.pop(path.rsplit("/", 1)[1])
+            return httpx.Response(200, json={"deleted": True})
+        body = json.loads(request.content)
+        if path == "/v1/documents":
+            doc_id = f"doc-{len(seen)}"
+            docs[doc_id] = body["text"]
+            return httpx.Response(200, json={"id": doc_id, "tokens": len(body["text"])})
+        doc_id = path.split("/")[3]
+        text = answers[(docs[doc_id], body["question"])]
+        choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        return httpx.Response(
+            200, json={"choices": [choice], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+        )
+
+    return httpx.MockTransport(handler)
+
+
+def test_documents_form_asks_the_servers_document_endpoints(tmp_path, monkeypatch):
+    """`longctx ruler --documents`: each niah sample's haystack is uploaded (POST /v1/documents), its
+    question asked on it (/ask) and the document unpinned (DELETE); no RULER instruction line is sent."""
+    from longctx.workloads.ruler_tasks import split_niah
+
+    tasks = ("niah_single_1", "niah_multivalue")
+    keys = plan_keys(RunPlan(tasks, (2048,), 2))
+    gen = RulerGenerator(ByteCounter(), seed=3, render=lambda t, p: "\n\n".join(split_niah(t)))
+    answers = {split_niah(s.input): " ".join(s.outputs) for s in (gen.sample(*k) for k in keys)}
+    assert all("memorize" not in d and q.startswith("What ") for d, q in answers)
+    seen: list = []
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=_documents_transport(answers, seen))
+    )
+    out = tmp_path / "out"
+    argv = ["ruler", "--base-url", "http://server:1", "--tasks", ",".join(tasks), "--lengths", "2k",
+            "--samples", "2", "--seed", "3", "--documents", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "results.json").read_text())
+    assert (
+        all(v == 100.0 for t in tasks for v in summary["scores"][t].values())
+        and summary["form"] == "documents"
+    )
+    methods = [m for m, p in seen if p != "/v1/models"]
+    assert methods.count("POST") == 2 * len(keys) and methods.count("DELETE") == len(keys)
+    # non-niah tasks have no document form; --documents and --chat exclude each other (exit 2, one line)
+    assert main(["ruler", "--base-url", "http://x", "--tasks", "vt", "--lengths", "2k", "--documents",
+                 "--out", str(tmp_path / "v")]) == 2  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(["ruler", "--base-url", "http://x", "--chat", "--documents", "--out", str(tmp_path / "v")])
+
+
+def test_documents_form_embedded_prompt_is_the_servers(tmp_path):
+    """With --model the documents form renders exactly the tokens /v1/documents + /ask build."""
+    from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
+    from longctx.server.text import TextCodec
+    from longctx.workloads.ruler_cli import _documents_renderer
+    from longctx.workloads.ruler_tasks import split_niah
+
+    wip = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
+    codec = TextCodec(str(wip))
+    head, tail = codec.document_frame()
+    render = _documents_renderer(["niah_single_2"], str(wip))
+    sample = RulerGenerator(ByteCounter(), seed=1, render=render).sample("niah_single_2", 1500, 0)
+    document, question = split_niah(sample.input)
+    served = codec.encode(head + document) + codec.encode(DOCUMENT_QUESTION_SEPARATOR + question + tail)
+    assert codec.encode(render(sample.input, sample.answer_prefix)) == served

@@ -33,7 +33,7 @@ from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR, apply_
 from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from longctx.errors import LongctxError
 from longctx.workloads.prose import essay_sentences
-from longctx.workloads.ruler_tasks import TASKS, RulerGenerator
+from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, split_niah
 from longctx.workloads.tokens import ByteCounter
 
 EOS_ID = NUM_BYTES + SPECIAL_TOKENS.index("<|endoftext|>")
@@ -215,14 +215,15 @@ def chat_prompt(text: str, answer_prefix: str) -> str:
 def document_prompt(task: str, text: str, answer_prefix: str) -> str:
     """A niah sample as `POST /v1/documents/{id}/ask` renders it: a one-message chat whose user turn is
     the haystack (the document, without RULER's instruction line) + DOCUMENT_QUESTION_SEPARATOR + the
-    question, then the answer prefix as the model's own first words (`chat_prompt`'s convention)."""
+    question (`split_niah`), then the answer prefix as the model's own first words (`chat_prompt`'s
+    convention)."""
     if TASKS[task].family != "niah":
         raise DataError(f"{task} has no document form (niah tasks only)")
-    _, head, rest = text.partition("afterwards.\n")  # the instruction line ends the head
-    document, at, question = rest.rpartition("\nWhat ")  # the question is the text's last line
-    if not (head and at):
-        raise DataError(f"{task}: not a RULER niah input")
-    user = document + DOCUMENT_QUESTION_SEPARATOR + "What " + question
+    try:
+        document, question = split_niah(text)
+    except LongctxError as e:
+        raise DataError(f"{task}: {e}") from None
+    user = document + DOCUMENT_QUESTION_SEPARATOR + question
     return apply_chat_template([{"role": "user", "content": user}]) + answer_prefix.lstrip()
 
 

@@ -7,6 +7,7 @@ client is `parallel`: the caller sends one request per thread from a pool.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +23,14 @@ class ClientError(LongctxError):
 @dataclass(frozen=True)
 class GenRequest:
     """One greedy generation. `prompt` is the raw text; `chat_user`, when set, is sent as the
-    user message of a chat request instead; `prompt_ids` are its token ids when known."""
+    user message of a chat request instead; `document`, when set, as (document, question) to a
+    server's long-document endpoints (upload, ask, delete); `prompt_ids` are its token ids when known."""
 
     prompt: str
     max_new_tokens: int
     chat_user: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    document: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,8 @@ class HTTPClient(Client):
         )
 
     def _one(self, r: GenRequest) -> GenResult:
+        if r.document is not None:
+            return self._ask(*r.document, r.max_new_tokens)
         t0 = time.perf_counter()
         common = {"model": self.model, "max_tokens": r.max_new_tokens, "temperature": 0.0, "top_p": 1.0}
         if self.chat:
@@ -215,6 +220,27 @@ class HTTPClient(Client):
         body = self._post(f"/v1/documents/{doc_id}/ask", {"question": question, "max_tokens": max_tokens})
         assert body is not None
         return self._result(body, time.perf_counter() - t0, True)
+
+    def delete_document(self, doc_id: str) -> None:
+        """Unpin an uploaded document (a missing one is not an error)."""
+        try:
+            r = self.http.delete(f"/v1/documents/{doc_id}")
+        except self._httpx.TransportError as e:
+            raise ClientError(f"DELETE /v1/documents/{doc_id} failed: {_one_line(str(e))}") from None
+        if r.status_code >= 400 and r.status_code != 404:
+            raise ClientError(f"DELETE /v1/documents/{doc_id} -> HTTP {r.status_code}: {_one_line(r.text)}")
+
+    def _ask(self, document: str, question: str, max_tokens: int) -> GenResult:
+        """One question on its own document: upload, ask, unpin; the latency covers all three."""
+        t0 = time.perf_counter()
+        made = self.create_document(document)
+        if made is None:
+            raise ClientError(f"{self.label} has no /v1/documents endpoint")
+        try:
+            res = self.ask_document(made[0], question, max_tokens)
+        finally:
+            self.delete_document(made[0])
+        return dataclasses.replace(res, latency_s=time.perf_counter() - t0)
 
     def close(self) -> None:
         self.http.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from longctx.errors import LongctxError
-from longctx.workloads.ruler_tasks import TASKS, Renderer, Sample, parse_tasks, raw_render
+from longctx.workloads.ruler_tasks import TASKS, Renderer, Sample, parse_tasks, raw_render, split_niah
 
 DEFAULT_LENGTHS = "4k,8k,16k,32k,64k,128k"
 MIN_LENGTH = 256
@@ -77,7 +77,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
-    p.add_argument("--chat", action="store_true", help="use the chat template instead of raw completion")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--chat", action="store_true", help="use the chat template instead of raw completion")
+    form.add_argument(
+        "--documents",
+        action="store_true",
+        help="niah tasks as long-document QA: the haystack as the document, the question asked on it "
+        "(a server: POST /v1/documents, /ask, DELETE; --model: the same chat prompt), no answer prefix",
+    )
     p.add_argument("--out", metavar="DIR", help="results.jsonl (resumable), results.json and ruler.png")
     p.add_argument("--dump-dir", metavar="DIR", help="also write the generated samples to DIR/samples.jsonl")
     p.set_defaults(func=run)
@@ -102,6 +109,31 @@ def _chat_renderer(model_dir: str) -> Renderer:
 
     def render(text: str, prefix: str) -> str:
         return apply_chat_template([{"role": "user", "content": text}], template=template) + prefix.lstrip()
+
+    return render
+
+
+def _documents_renderer(tasks: list[str], model_dir: str | None) -> Renderer:
+    """--documents: (document, question) joined as a long-document QA request's user turn; in the
+    model's chat template for the embedded engine (the prompt /ask builds), bare for a server (which
+    applies its own). No answer prefix: a QA client sends none."""
+    from longctx.checkpoint.chat_template import (
+        DOCUMENT_QUESTION_SEPARATOR,
+        apply_chat_template,
+        load_chat_template,
+    )
+
+    other = [t for t in tasks if TASKS[t].family != "niah"]
+    if other:
+        raise UsageError(f"--documents takes niah tasks only, not {other[0]}")
+    template = load_chat_template(model_dir) if model_dir else None
+
+    def render(text: str, prefix: str) -> str:
+        document, question = split_niah(text)
+        user = document + DOCUMENT_QUESTION_SEPARATOR + question
+        if model_dir is None:
+            return user
+        return apply_chat_template([{"role": "user", "content": user}], template=template)
 
     return render
 
@@ -149,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
         tok_dir = None
     counter = load_counter(tok_dir)
     render: Renderer = raw_render
-    if args.chat and args.model:
+    if args.documents:
+        render = _documents_renderer(tasks, args.model)
+    elif args.chat and args.model:
         render = _chat_renderer(args.model)
     elif args.chat:
         render = lambda text, prefix: text  # noqa: E731  (the server applies its own template)
@@ -174,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     def make_request(s: Sample) -> GenRequest:
         prompt = gen.render(s.input, s.answer_prefix)
         if args.base_url:
+            if args.documents:
+                return GenRequest(prompt, s.max_new_tokens, document=split_niah(s.input))
             return GenRequest(prompt, s.max_new_tokens, chat_user=s.input if args.chat else None)
         ids = counter.encode(prompt)
         return GenRequest(prompt, s.max_new_tokens, prompt_ids=tuple(ids) if ids is not None else None)
@@ -188,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": seed,
         "tokenizer": counter.name,
         "chat": bool(args.chat),
+        "form": "documents" if args.documents else "chat" if args.chat else "raw",
         "max_new_tokens_scale": scale,
     }
     summary = rr.write_report(out, meta)

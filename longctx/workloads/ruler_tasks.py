@@ -131,6 +131,17 @@ Renderer = Callable[[str, str], str]
 Build = Callable[[int], tuple[str, str, tuple[str, ...]]]
 
 
+def split_niah(text: str) -> tuple[str, str]:
+    """A niah sample's input as (document, question): the haystack without RULER's instruction line,
+    and the question after it (without its leading newline), the two parts a long-document QA client
+    sends (`longctx ruler --documents`, the trainer's document rows)."""
+    _, head, rest = text.partition("afterwards.\n")  # the instruction line ends the head
+    document, at, question = rest.rpartition("\nWhat ")  # the question is the text's last line
+    if not (head and at):
+        raise LongctxError("not a RULER niah input (no instruction line or no question)")
+    return document, "What " + question
+
+
 def raw_render(text: str, answer_prefix: str) -> str:
     """Raw completion: the task text followed by the answer prefix the model continues."""
     return text + answer_prefix
