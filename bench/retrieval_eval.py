@@ -42,6 +42,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RUN_META = "run.json"
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
 MAX_NEW_TOKENS_SCALE = "0.5"
+# --documents sends no answer prefix: the model writes RULER's answer sentence (~80 bytes) before the
+# value, so it gets RULER's whole budget (128 tokens for niah)
+DOCUMENTS_MAX_NEW_TOKENS_SCALE = "1.0"
 
 
 def length_name(n: int) -> str:
@@ -65,13 +68,15 @@ def run(args: argparse.Namespace) -> int:
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
     meta["chat"] = bool(args.chat)
     meta["form"] = "documents" if args.documents else "chat" if args.chat else "raw"
+    scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
+    meta["max_new_tokens_scale"] = float(scale)
     meta["device_tokens"] = {}
     rc = 0
     for L in lengths:
         argv = [
             "ruler", "--model", str(args.model), "--tasks", args.tasks, "--lengths", str(L),
             "--samples", str(args.samples), "--concurrency", str(args.concurrency),
-            "--max-new-tokens-scale", MAX_NEW_TOKENS_SCALE, "--seed", str(args.seed), "--out", str(out),
+            "--max-new-tokens-scale", scale, "--seed", str(args.seed), "--out", str(out),
         ]  # fmt: skip
         if args.chat or args.documents:
             argv.append("--chat" if args.chat else "--documents")

@@ -10,7 +10,7 @@
 #
 # Lane A (GPU 0): train the retrieval model for TRAIN_MINUTES (bench/train_bg.sh, TRAIN_ARGS as
 #   there; default: from models-shipped/retrieval-wip), then score it through longctx
-#   (bench/retrieval_eval.py, uncapped: 4k, 32k), HiSparse at 128K with a RULER prompt
+#   (bench/retrieval_eval.py, uncapped: 4k, 32k, the documents form at 4k), HiSparse at 128K with a RULER prompt
 #   (bench/long_context.py --prompt ruler), 128k, then uncapped 1M samples until stopped.
 # Lane B (GPU 1): the GPU checks (bench/gpu_check.py: graph vs eager tokens, transformers parity),
 #   decode / prefill profiles (bench/step_profile.py), bench/vs_transformers.py, the indexer kernels,
@@ -64,6 +64,9 @@ lane_a() {
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
   # scores (140 long prefills: the longest part)
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 --out "$S/eval/uncapped"
+  # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
+    --tasks niah_single_1,niah_single_2,niah_multikey_1 --out "$S/eval/documents"
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
   touch "$S/timed.done"  # one GPU: the capped 1M lane starts now, after the only timed figures
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 --out "$S/eval/uncapped"

@@ -167,7 +167,8 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last
-    assert "--lengths 32k " in gpu0[3] and "long_context" in gpu0[4] and "--lengths 128k " in gpu0[5]
+    assert "--lengths 32k " in gpu0[3] and "--documents" in gpu0[4] and "long_context" in gpu0[5]
+    assert "--lengths 128k " in gpu0[6]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
