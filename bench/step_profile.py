@@ -167,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="zero the indexer's query projection so every step selects the same keys (HiSparse at ~100%% hits)",
     )
+    ap.add_argument(
+        "--prompt",
+        choices=("random", "ruler"),
+        default="random",
+        help="random bytes, or RULER niah_single_1 prompts (a trained byte-level --model: its real top-k "
+        "overlap from step to step, so HiSparse's real hit rate)",
+    )
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--config", default="configs/small-1m.json", help="config of the random checkpoint")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script")
@@ -197,12 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.stable_topk:
         zero_indexer_queries(model_dir)
     gen = torch.Generator().manual_seed(0)
+    prompts = iter(range(7, 1 << 30))  # --prompt ruler: a new haystack per request (no prefix reuse)
+
+    def make_prompt(n: int) -> list[int]:
+        if args.prompt == "ruler":
+            from bench.common import niah_byte_prompt
+
+            return niah_byte_prompt(n, seed=next(prompts))
+        return torch.randint(0, 256, (n,), generator=gen).tolist()
+
     res: dict = {
         "phase": args.phase,
         "tokens": args.tokens,
         "batch": args.batch,
         "prefill_form": args.prefill_form,
         "heads_min": sm.HEADS_MIN_QUERIES,
+        "prompt": args.prompt,
+        "model": str(args.model) if args.model else f"random {args.config}",
     }
     dtype = "bfloat16" if cuda else "float32"
     res["hisparse_device_tokens"] = args.hisparse_device_tokens
@@ -216,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as eng:
 
         def prefill(n: int, tag: str) -> float:
-            ids = torch.randint(0, 256, (n,), generator=gen).tolist()
+            ids = make_prompt(n)
             eng.add_request(Request(tag, ids, SamplingParams(max_new_tokens=1, ignore_eos=True)))
             sync()
             t = time.perf_counter()
@@ -232,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             """Seconds per decode step of `batch` requests at context `tokens`; only the decode steps
             run inside `wrap()` (the profiler), not the prefill before them."""
             for i in range(args.batch):
-                ids = torch.randint(0, 256, (args.tokens,), generator=gen).tolist()
+                ids = make_prompt(args.tokens)
                 params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
                 eng.add_request(Request(f"{tag}-{i}", ids, params))
             live = set(range(args.batch))
@@ -349,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         cap = f"-cap{args.hisparse_device_tokens}" if args.hisparse_device_tokens else ""
         cap += "-stable" if args.stable_topk else ""
+        cap += "-ruler" if args.prompt == "ruler" else ""
         name = f"step-profile-{args.phase}-{args.tokens}-b{args.batch}-{args.prefill_form}{cap}.json"
         (args.out / name).write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -42,6 +42,19 @@ def test_step_profile_capped_stable_topk_hits_on_cpu(tmp_path: Path) -> None:
     assert 0 <= runs["plain"]["device_fed_steps"] <= runs["plain"]["steps"]
 
 
+def test_step_profile_trained_model_on_ruler_prompts_on_cpu(tmp_path: Path) -> None:
+    """--prompt ruler --model <trained>: the capped decode profiled as the QA service runs it (a real
+    haystack, the trained indexer's top-k), recorded with the model and prompt form."""
+    from bench.step_profile import main
+
+    args = ["--device", "cpu", "--model", str(WIP), "--top", "3", "--out", str(tmp_path)]
+    args += ["--phase", "decode", "--tokens", "1200", "--steps", "4", "--hisparse-device-tokens", "400"]
+    assert main([*args, "--prompt", "ruler"]) == 0
+    d = json.loads((tmp_path / "step-profile-decode-1200-b1-auto-cap400-ruler.json").read_text())
+    assert d["prompt"] == "ruler" and "retrieval-wip" in d["model"]
+    assert d["hisparse"]["hits"] > 0 and 0 < d["hisparse"]["hit_rate"] <= 1
+
+
 def test_prefill_chunk_sweep_on_cpu(tmp_path: Path) -> None:
     from bench.prefill_chunks import main
 
@@ -168,7 +181,10 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last
     assert "--lengths 32k " in gpu0[3] and "--documents" in gpu0[4] and "long_context" in gpu0[5]
-    assert "--lengths 128k " in gpu0[6]
+    # the trained model's 128K decode profiled capped, then uncapped, on RULER prompts
+    assert all("step_profile" in x and "--prompt ruler" in x for x in gpu0[6:8])
+    assert "--hisparse-device-tokens 13106" in gpu0[6] and "--hisparse" not in gpu0[7]
+    assert "--lengths 128k " in gpu0[8]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
