@@ -420,6 +420,7 @@ def _documents_transport(answers: dict[tuple[str, str], str], seen: list) -> htt
             docs[doc_id] = body["text"]
             return httpx.Response(200, json={"id": doc_id, "tokens": len(body["text"])})
         doc_id = path.split("/")[3]
+        assert body["temperature"] == 0.0  # greedy, as every workload request
         text = answers[(docs[doc_id], body["question"])]
         choice = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
         return httpx.Response(

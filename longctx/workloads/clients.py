@@ -215,9 +215,13 @@ class HTTPClient(Client):
         return str(body["id"]), body.get("tokens")
 
     def ask_document(self, doc_id: str, question: str, max_tokens: int) -> GenResult:
-        """Ask a question about an uploaded document (the server reuses its prefilled KV)."""
+        """Ask a question about an uploaded document (the server reuses its prefilled KV); greedy, as
+        every workload request is."""
         t0 = time.perf_counter()
-        body = self._post(f"/v1/documents/{doc_id}/ask", {"question": question, "max_tokens": max_tokens})
+        body = self._post(
+            f"/v1/documents/{doc_id}/ask",
+            {"question": question, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0},
+        )
         assert body is not None
         return self._result(body, time.perf_counter() - t0, True)
 
