@@ -356,7 +356,10 @@ def test_probe_takes_the_faster_sparse_form_and_gathers_where_the_mask_does_not_
     assert seconds.keys() == forms.keys() == {512, 640} and 768 not in model.measured_forms
     timed = dataclasses.replace(cfg, steps=0, max_minutes=10.0)
     fitted = loop._auto_schedule(timed, model, torch.device("cpu"), None, loop._monotonic(), 0.0)
-    assert [S for _, S in fitted.data.curriculum] == [640, 512] and dict(fitted.sparse_forms) == forms
+    # (_auto_schedule probes again: 512's form is whichever timed faster this time)
+    planned = dict(fitted.sparse_forms)
+    assert [S for _, S in fitted.data.curriculum] == [640, 512] and planned.keys() == {512, 640}
+    assert planned[640] == "gather" and planned[512] in ("gather", "mask")
     assert fitted.data.curriculum[0][0] == 0 and fitted.steps > 0
     with monkeypatch.context() as m:
         m.setattr(loop, "probe_step_seconds", lambda *a, **k: ({}, {}))
