@@ -1,7 +1,7 @@
 """Time one HiSparse placement (kernels/lru_place.py): the Triton kernel against the torch reference
 (the sort / scatter path it replaces), at decode sizes with a full slot buffer.
 
-Each case fills N slots per (row, layer) with decode steps of M = 2048 top-k positions (ascending,
+Each case fills N slots per (row, layer) with decode steps of M (2048) top-k positions (ascending,
 -1 padded) drawn from a growing context, then times `steps` further steps (clock tick +
 placement; hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA
 events, each path on its own copy of the tables. Prints a table and writes JSON + markdown. With
@@ -9,6 +9,7 @@ events, each path on its own copy of the tables. Prints a table and writes JSON 
 plus a full-placement launch whose programs all return at once.
 
     python -m bench.place_bench [--out DIR] [--steps 50] [--hit 0.9 1.0] [--block-n 1024 2048 4096]
+                                [--m 2048] [--n 13107 104857]
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CASES = [(13_107, 1, 1), (13_107, 1, 3), (13_107, 8, 1), (104_857, 1, 1), (104_857, 8, 2)]  # (N, B, L)
 
 
-def _case(n: int, batch: int, layers: int, steps: int, hit: float, block_n: int | None = None) -> dict:
+def _case(
+    n: int, batch: int, layers: int, steps: int, hit: float, block_n: int | None = None, M: int = 2048
+) -> dict:
     from longctx.kernels.lru_place import lru_place, lru_place_ref
 
-    dev, M = "cuda", 2048
+    dev = "cuda"
     ctx_max = int(n / 0.1)  # the cap is 10% of the context, as in the one-million runs
     P = ctx_max + 1
     g = torch.Generator(device=dev).manual_seed(0)
@@ -108,25 +111,33 @@ def main(argv: list[str] | None = None) -> int:
         default=[None],
         help="the full kernel's slot block(s) (default: its own)",
     )
+    ap.add_argument(
+        "--m", type=int, default=2048, help="requested positions per row and step (the top-k: GLM-5.3 2048)"
+    )
+    ap.add_argument("--n", type=int, nargs="+", default=None, help="only the cases with these slot counts N")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    cases = [c for c in CASES if args.n is None or c[0] in args.n]
+    if not cases or not 0 < args.m <= 4096:
+        print(f"place_bench: --n must name some of {sorted({c[0] for c in CASES})} and 0 < --m <= 4096")
+        return 2
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
     rows = [
-        {**_case(n, b, l, args.steps, hit, bn), "block_n": bn}
+        {**_case(n, b, l, args.steps, hit, bn, args.m), "block_n": bn}
         for bn in args.block_n
         for hit in args.hit
-        for n, b, l in CASES
+        for n, b, l in cases
     ]
     lines = [
-        "| N | B | L | block_n | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| N | B | L | M | block_n | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t, k = r["torch"], r["triton"]
         lines.append(
-            f"| {r['N']} | {r['B']} | {r['L']} | {r['block_n'] or 'default'} | {t['median_us']:.1f} | {k['median_us']:.1f} | "
+            f"| {r['N']} | {r['B']} | {r['L']} | {r['M']} | {r['block_n'] or 'default'} | {t['median_us']:.1f} | {k['median_us']:.1f} | "
             f"{k['min_us']:.1f} | {t['median_us'] / k['median_us']:.1f}x | {k['hit_rate']:.3f} |"
         )
     print("\n".join(lines))

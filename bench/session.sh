@@ -78,6 +78,9 @@ lane_a() {
       "$PY" -m bench.step_profile --model "$MODEL" --phase decode --tokens 131072 --prompt ruler $cap \
         --out "$S/profiles"
     done
+    # the placement kernel alone at this model's shape (top-256 into 13,107 slots), by slot block
+    "$PY" -m bench.place_bench --m 256 --n 13107 --hit 0.75 1.0 --block-n 2048 4096 8192 --steps 30 \
+      --out "$S/profiles"
   fi
   touch "$S/timed.done"  # one GPU: the capped 1M lane starts now, after the only timed figures
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 --out "$S/eval/uncapped"
