@@ -60,14 +60,14 @@ def result_key(length: int, capped: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from longctx.cli import main as cli
-    from longctx.workloads.ruler_cli import parse_lengths
+    from longctx.workloads.ruler_cli import parse_lengths, prompt_form
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_lengths(args.lengths)
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
     meta["chat"] = bool(args.chat)
-    meta["form"] = "documents" if args.documents else "chat" if args.chat else "raw"
+    meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
     meta["max_new_tokens_scale"] = float(scale)
     meta["device_tokens"] = {}
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(run_dirs: list[Path]) -> dict:
     """Per (task, length, capped): the scores of every finished sample, from each run's results.jsonl."""
+    from longctx.workloads.ruler_cli import prompt_form
     from longctx.workloads.ruler_runner import read_rows
 
     scores: dict[tuple[str, int, bool], list[float]] = {}
@@ -102,7 +103,7 @@ def collect(run_dirs: list[Path]) -> dict:
         meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
         capped = bool(meta.get("cap_fraction"))
         if meta:  # (a directory without run.json does not say; one from before "form" has "chat")
-            forms.add(meta.get("form") or ("chat" if meta.get("chat") else "raw"))
+            forms.add(meta.get("form") or prompt_form(bool(meta.get("chat")), False))
         for r in read_rows(d / "results.jsonl"):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))

@@ -223,8 +223,7 @@ def document_prompt(task: str, text: str, answer_prefix: str) -> str:
         document, question = split_niah(text)
     except LongctxError as e:
         raise DataError(f"{task}: {e}") from None
-    user = document + DOCUMENT_QUESTION_SEPARATOR + question
-    return apply_chat_template([{"role": "user", "content": user}]) + answer_prefix.lstrip()
+    return chat_prompt(document + DOCUMENT_QUESTION_SEPARATOR + question, answer_prefix)
 
 
 def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str, list[int]]:

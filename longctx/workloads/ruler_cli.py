@@ -117,25 +117,25 @@ def _documents_renderer(tasks: list[str], model_dir: str | None) -> Renderer:
     """--documents: (document, question) joined as a long-document QA request's user turn; in the
     model's chat template for the embedded engine (the prompt /ask builds), bare for a server (which
     applies its own). No answer prefix: a QA client sends none."""
-    from longctx.checkpoint.chat_template import (
-        DOCUMENT_QUESTION_SEPARATOR,
-        apply_chat_template,
-        load_chat_template,
-    )
+    from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 
     other = [t for t in tasks if TASKS[t].family != "niah"]
     if other:
         raise UsageError(f"--documents takes niah tasks only, not {other[0]}")
-    template = load_chat_template(model_dir) if model_dir else None
+    chat = _chat_renderer(model_dir) if model_dir else None
 
     def render(text: str, prefix: str) -> str:
         document, question = split_niah(text)
         user = document + DOCUMENT_QUESTION_SEPARATOR + question
-        if model_dir is None:
-            return user
-        return apply_chat_template([{"role": "user", "content": user}], template=template)
+        return user if chat is None else chat(user, "")
 
     return render
+
+
+def prompt_form(chat: bool, documents: bool) -> str:
+    """The prompt form a run records ("raw", "chat" or "documents"; `bench/retrieval_eval` keeps runs
+    of different forms apart)."""
+    return "documents" if documents else "chat" if chat else "raw"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": seed,
         "tokenizer": counter.name,
         "chat": bool(args.chat),
-        "form": "documents" if args.documents else "chat" if args.chat else "raw",
+        "form": prompt_form(args.chat, args.documents),
         "max_new_tokens_scale": scale,
     }
     summary = rr.write_report(out, meta)
