@@ -40,6 +40,19 @@ it mixes several keys; then its <= M entries are sorted by (key + 1) << IB | ind
 stamps stay below 2^(63 - IB), i.e. for any realistic step count). It also writes the copies
 compacted per (row, layer) (`csrc`, `cdst`, `cnt`), so the swap-in reads no mask and sorts
 nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
+
+Parallel passes (`parallel`, by default from `PAR_MIN_BLOCKS` slot blocks): those passes are loops
+of one program, so at N = 13,106 a placement took 44.5 us on the H200 (six a decode step, ~0.27 ms).
+Three launches with one program per (row, layer, block of BLOCK_N slots) do steps 2-4 instead:
+`_par_scan_kernel` touches its block's hits, counts the evictable / free keys into a workspace with
+atomics and adds its block to a histogram of the keys' high radix digit (keys as d = key - (now -
+2^(2 DB)), DB = `digit_bits`, so no pass for the key range is needed; block 0 counts the misses);
+`_par_hist_kernel` picks that digit's bin from the histogram (every program alike) and histograms
+the low digit inside it, keeping each block's running histogram and its count below the bin;
+`_par_compact_kernel` picks T and the ties to take, and each block writes its victims where the
+blocks before it end (their counts from the per-block figures), so the full kernel reads a list
+already in slot order. A key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's
+own select.
 """
 
 from __future__ import annotations
@@ -57,6 +70,11 @@ HIT_CHUNK = 256  # positions per program of the all-hit pass
 # slot keys per iteration of the full kernel's passes over N (a decode placement has only B x L
 # programs, so each pass is a latency-bound loop: wider steps mean fewer of them; was 1024)
 BLOCK_N = 2048
+# the parallel passes (one program per (row, layer, block of BLOCK_N slots), a few launches) from this
+# many blocks on: the single program's passes are latency-bound loops (13,106 slots: 44.5 us a
+# placement in the H200 decode profile, six a step)
+PAR_MIN_BLOCKS = 4
+DIGIT_BITS = 11  # the parallel select's two radix digits: keys within 2^22 steps of now (else serial)
 
 
 class Placement(NamedTuple):
@@ -195,6 +213,8 @@ def lru_place(
     block_n: int = BLOCK_N,
     valid: torch.Tensor | None = None,
     below: torch.Tensor | None = None,
+    parallel: bool | None = None,
+    digit_bits: int = DIGIT_BITS,
 ) -> Placement:
     """One placement (arguments as `lru_place_ref`). The Triton path (M <= MAX_M) gives the same
     u / src / dst / copy / overflow and tables (sinks aside) plus the compacted copies; it makes no
@@ -204,7 +224,11 @@ def lru_place(
     are not requested) mask `pos` on the fly; pos may be int32 there.
     hit_chunk: positions per program of the hit pass (a power of two; 0: no hit pass; None:
     `HIT_CHUNK` for non-forced placements of at least 2 * HIT_CHUNK positions, else 0). block_n:
-    slot keys per iteration of the full kernel's passes over the N slots (a power of two)."""
+    slot keys per iteration of the full kernel's passes over the N slots (a power of two).
+    parallel: the victim selection's passes over the slots in one program per block of block_n
+    slots (three launches) instead of the full kernel's loops (None: from `PAR_MIN_BLOCKS` blocks);
+    digit_bits: its radix digit (two of them: keys older than 2^(2 digit_bits) steps send a
+    (row, layer) back to the full kernel's own select)."""
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
@@ -235,6 +259,16 @@ def lru_place(
     slow = torch.empty((B, L), dtype=torch.int32, device=dev) if split else cnt
     vb = valid if valid is not None else pos  # (unused pointers where absent)
     lim = below if below is not None else pos
+    n_blk = triton.cdiv(n_slots, block_n)
+    if parallel is None:
+        parallel = n_blk >= PAR_MIN_BLOCKS
+    check(
+        block_n == next_pow2(block_n) and 1 <= digit_bits <= 15,
+        "block_n: a power of two; 1 <= digit_bits <= 15",
+    )
+    nb = 1 << digit_bits
+    ws_n = _WS_HIST + 2 * nb
+    ws = torch.zeros((B * L, ws_n), dtype=torch.int32, device=dev) if parallel else cnt
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if split:
             check(hit_chunk == next_pow2(hit_chunk), "hit_chunk must be a power of two")
@@ -246,12 +280,27 @@ def lru_place(
                 PAGE=page_size, FORCE=force, BLOCK_M=block_m, CH=hit_chunk, HAS_VALID=valid is not None,
                 HAS_BELOW=below is not None, num_warps=8,
             )  # fmt: skip
+        if parallel:
+            pc = torch.empty((B * L, n_blk, 2), dtype=torch.int32, device=dev)
+            cum = torch.empty((B * L, n_blk, nb), dtype=torch.int32, device=dev)
+            head = (now, s_at, s_at.stride(0), s_at.stride(1), newest_from)
+            kw = {"WS": ws_n, "BLOCK_N": block_n, "NB": nb, "DB": digit_bits, "SPLIT": split, "num_warps": 8}
+            _par_scan_kernel[(B, L, n_blk)](
+                pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1),
+                newest_from, n_slots, L, n_blk, scratch, slow, ws, pc, BLOCK_M=block_m,
+                HAS_VALID=valid is not None, HAS_BELOW=below is not None, **kw,
+            )  # fmt: skip
+            _par_hist_kernel[(B, L, n_blk)](s2p, stamp, *head, n_slots, L, n_blk, slow, ws, pc, cum, **kw)
+            _par_compact_kernel[(B, L, n_blk)](
+                s2p, stamp, *head, n_slots, L, n_blk, scratch, slow, ws, pc, cum, BLOCK_M=block_m,
+                BLOCK_C=max(2, next_pow2(n_blk)), **kw,
+            )  # fmt: skip
         _lru_place_kernel[(B, L)](
             pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
             newest_from, table, table.stride(0), acc, n_slots, L,
-            u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow,
+            u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow, ws,
             PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=block_n, NB=256, SPLIT=split,
-            HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
+            PAR=parallel, WS=ws_n, HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
 
@@ -293,36 +342,10 @@ def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
 
 
 @jit
-def _lru_place_kernel(
-    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
-    nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
-    u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr, slow_ptr,
-    PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, HAS_VALID: tl.constexpr,
-    HAS_BELOW: tl.constexpr,
-):  # fmt: skip
-    BIG: tl.constexpr = 1 << 62
-    b = tl.program_id(0)
-    l = tl.program_id(1)
-    pl = (b * L + l).to(tl.int64)
-    if SPLIT:  # noqa: SIM102 (constexpr, then a device value) the hit pass did this (row, layer)
-        if tl.load(slow_ptr + pl) == 0:
-            return
-    now = tl.load(now_ptr)
-    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
-    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
-    nf = tl.load(nf_ptr + b)
-    base = tl.load(base_ptr + b)
-    j = tl.arange(0, BLOCK_M)
-    jm = j < M
-    us = scr_ptr + pl * (3 * BLOCK_M)  # this program's scratch: sorted positions, victim keys, slots
-    lk = us + BLOCK_M
-    li = us + 2 * BLOCK_M
-    prow = pos_ptr + b.to(tl.int64) * M
-
-    # 1. the requested positions in ascending order. Top-k rows come ascending then -1 padded, the
-    # newest tokens -1 padded then ascending: with the -1s taken to the front they are sorted.
-    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+def _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG: tl.constexpr):
+    # the requested positions of a row in ascending order (into scratch `us`), looked up in the
+    # (row, layer)'s p2s. Top-k rows come ascending then -1 padded, the newest tokens -1 padded
+    # then ascending: with the -1s taken to the front they are sorted (no tl.sort).
     p = _req(prow, j, jm, BIG, vb, lim)
     seen = tl.associative_scan(_req(prow, j - 1, jm & (j > 0), -1, vb, lim), 0, _max)
     bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
@@ -339,12 +362,14 @@ def _lru_place_kernel(
     m = jm & ((j == 0) | (u != up)) & (u >= 0)  # first of each distinct position
     uc = tl.maximum(u, 0)
     slot = tl.load(p2s_ptr + bp + uc, mask=jm, other=-1).to(tl.int64)
-    res = m & (slot >= 0)
-    need = m & (slot < 0)
-    tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=res)  # touch the hits
-    tl.debug_barrier()
-    n_need = tl.sum(need.to(tl.int32), 0)
+    return u, uc, slot, m & (slot >= 0), m & (slot < 0)
 
+
+@jit
+def _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    # Steps 2-4 of one (row, layer) in one program: R = min(misses, evictable) victims into lk / li
+    # (keys, slots) in slot order; returns R. Passes over the N slots in BLOCK_N steps.
+    BIG: tl.constexpr = 1 << 62
     # 2. evictable slots, free ones (key -1) and the range of the other keys
     cap = n_need * 0
     nfree = n_need * 0
@@ -395,7 +420,7 @@ def _lru_place_kernel(
         T = kmin + prefix
         take = rem
 
-    # 4. the victims in slot order, then in (key, slot) order
+    # 4. the victims in slot order
     if R > 0:
         got = R * 0
         eqn = R * 0
@@ -411,6 +436,57 @@ def _lru_place_kernel(
             tl.store(li + at, offs.to(tl.int64), mask=sel)
             got += tl.sum(si, 0)
             eqn += tl.sum(eqi, 0)
+    return R
+
+
+@jit
+def _lru_place_kernel(
+    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
+    nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
+    u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr, slow_ptr, ws_ptr,
+    PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, PAR: tl.constexpr, WS: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
+):  # fmt: skip
+    BIG: tl.constexpr = 1 << 62
+    b = tl.program_id(0)
+    l = tl.program_id(1)
+    pl = (b * L + l).to(tl.int64)
+    if SPLIT:  # noqa: SIM102 (constexpr, then a device value) the hit pass did this (row, layer)
+        if tl.load(slow_ptr + pl) == 0:
+            return
+    now = tl.load(now_ptr)
+    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
+    nf = tl.load(nf_ptr + b)
+    base = tl.load(base_ptr + b)
+    j = tl.arange(0, BLOCK_M)
+    jm = j < M
+    us = scr_ptr + pl * (3 * BLOCK_M)  # this program's scratch: sorted positions, victim keys, slots
+    lk = us + BLOCK_M
+    li = us + 2 * BLOCK_M
+    prow = pos_ptr + b.to(tl.int64) * M
+
+    # 1. the requested positions in ascending order, looked up; touch the hits
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    u, uc, slot, res, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
+    tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=res)  # touch the hits
+    tl.debug_barrier()
+    n_need = tl.sum(need.to(tl.int32), 0)
+
+    # 2-4. the R = min(misses, evictable) victims in lk / li: PAR, the parallel passes' lists
+    # (_par_compact_kernel wrote them) unless a key was too old for their digits; else in here
+    if PAR:
+        w = ws_ptr + pl * WS
+        if tl.load(w + 2) == 0:
+            R = tl.minimum(n_need, tl.load(w))
+        else:
+            R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N, NB)
+    else:
+        R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N, NB)
+    # the victims in (key, slot) order: the list is unless it mixes several keys; then its <= M
+    # entries are sorted by (key + 1) << IB | slot
+    if R > 0:
         tl.debug_barrier()
         k = tl.load(lk + j, mask=j < R, other=BIG)
         kp = tl.load(lk + j - 1, mask=(j > 0) & (j < R), other=-1)
@@ -542,3 +618,170 @@ def _place_hits_kernel(
             tl.store(cnt_ptr + pl, tl.sum(first.to(tl.int32), 0).to(tl.int64))
         else:
             tl.store(cnt_ptr + pl, n_mine * 0)
+
+
+# ------------------------------------------------------- the parallel passes over the slots (PAR)
+# Workspace `ws` (int32 [B * L, WS], zeroed): [0] evictable slots, [1] free ones, [2] evictable keys
+# older than the digits reach (> 0: the full kernel selects alone), [3] misses; [8, 8 + NB) the
+# histogram of digit 0, [8 + NB, 8 + 2 NB) that of digit 1. Per block `pc` (int32 [B * L, C, 2]):
+# free slots, keys below digit 0's bin; `cum` (int32 [B * L, C, NB]): the running histogram of
+# digit 1 in the block. A key k (an evictable stamp, k < now) is the 2 DB-bit number
+# d = k - (now - 2^(2 DB)): digit 0 its high DB bits, digit 1 its low ones.
+_WS_HIST = 8  # where the histograms start in a workspace row (the kernels' HIST)
+
+
+@jit
+def _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS: tl.constexpr):
+    b = tl.program_id(0)
+    l = tl.program_id(1)
+    pl = (b * L + l).to(tl.int64)
+    now = tl.load(now_ptr)
+    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
+    nf = tl.load(nf_ptr + b)
+    w = ws_ptr + pl * WS
+    return b, l, pl, now, bs, nf, w
+
+
+@jit
+def _pick(h_ptr, rem, NB: tl.constexpr):
+    # the bin of a histogram that holds the rem-th smallest element (1-based), and rem within it
+    bins = tl.arange(0, NB)
+    hist = tl.load(h_ptr + bins)
+    sel = tl.min(tl.where(tl.cumsum(hist, 0) >= rem, bins, NB), 0)
+    return sel, rem - tl.sum(tl.where(bins < sel, hist, 0), 0)
+
+
+@jit
+def _par_scan_kernel(
+    pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al,
+    nf_ptr, N, L, C, scr_ptr, slow_ptr, ws_ptr, pc_ptr,
+    WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DB: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
+):  # fmt: skip
+    # grid (B, L, C blocks of BLOCK_N slots). Touch the block's hits, then count its evictable /
+    # free / too-old keys and histogram digit 0 into the workspace; block 0 also counts the misses.
+    BIG: tl.constexpr = 1 << 62
+    HIST: tl.constexpr = 8  # (_WS_HIST)
+    b, l, pl, now, bs, nf, w = _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS)
+    c = tl.program_id(2)
+    if SPLIT:  # noqa: SIM102 (constexpr, then a device value)
+        if tl.load(slow_ptr + pl) == 0:
+            return
+    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+    j = tl.arange(0, BLOCK_M)
+    jm = j < M
+    prow = pos_ptr + b.to(tl.int64) * M
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    lo = c * BLOCK_N
+    # (a position asked for twice touches its slot twice, to the same value)
+    p = _req(prow, j, jm, -1, vb, lim)
+    slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
+    tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
+    if c == 0:
+        us = scr_ptr + pl * (3 * BLOCK_M)
+        _, _, _, _, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
+        tl.store(w + 3, tl.sum(need.to(tl.int32), 0))
+    tl.debug_barrier()
+    offs = lo + tl.arange(0, BLOCK_N)
+    key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+    ev = key < BIG
+    rest = ev & (key >= 0)
+    d = key - (now - (1 << (2 * DB)))
+    ok = rest & (d >= 0)
+    n_free = tl.sum((ev & (key == -1)).to(tl.int32), 0)
+    tl.atomic_add(w, tl.sum(ev.to(tl.int32), 0))
+    tl.atomic_add(w + 1, n_free)
+    tl.atomic_add(w + 2, tl.sum((rest & (d < 0)).to(tl.int32), 0))
+    tl.store(pc_ptr + (pl * C + c) * 2, n_free)
+    bins = tl.arange(0, NB)
+    dig = tl.where(ok, d >> DB, 0).to(tl.int32)
+    hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(ok.to(tl.int32), 0), 0)
+    tl.atomic_add(w + HIST + bins, hist, mask=hist > 0)
+
+
+@jit
+def _par_hist_kernel(
+    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, slow_ptr, ws_ptr, pc_ptr, cum_ptr,
+    WS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DB: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    # grid (B, L, C): where the victims go beyond the free slots, digit 1's histogram of the keys
+    # in digit 0's chosen bin (global, and running per block), and the block's keys below that bin.
+    BIG: tl.constexpr = 1 << 62
+    HIST: tl.constexpr = 8  # (_WS_HIST)
+    b, l, pl, now, bs, nf, w = _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS)
+    c = tl.program_id(2)
+    if SPLIT:  # noqa: SIM102 (constexpr, then a device value)
+        if tl.load(slow_ptr + pl) == 0:
+            return
+    nfree = tl.load(w + 1)
+    R = tl.minimum(tl.load(w + 3), tl.load(w))
+    if (tl.load(w + 2) == 0) & (nfree < R):
+        sel0, _ = _pick(w + HIST, R - nfree, NB)
+        offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+        rest = (key < BIG) & (key >= 0)
+        d = key - (now - (1 << (2 * DB)))
+        hi = d >> DB
+        inb = rest & (hi == sel0)
+        tl.store(pc_ptr + (pl * C + c) * 2 + 1, tl.sum((rest & (hi < sel0)).to(tl.int32), 0))
+        bins = tl.arange(0, NB)
+        dig = tl.where(inb, d & ((1 << DB) - 1), 0).to(tl.int32)
+        hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(inb.to(tl.int32), 0), 0)
+        tl.store(cum_ptr + (pl * C + c) * NB + bins, tl.cumsum(hist, 0))
+        tl.atomic_add(w + HIST + NB + bins, hist, mask=hist > 0)
+
+
+@jit
+def _par_compact_kernel(
+    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, scr_ptr, slow_ptr, ws_ptr, pc_ptr,
+    cum_ptr,
+    WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr,
+    DB: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    # grid (B, L, C): the R-th smallest key T (from the two histograms) and how many keys == T to
+    # take; each block writes its victims (keys < T, then its share of the lowest-index keys == T)
+    # to the (row, layer)'s list at the offsets the blocks before it fill, which their counts give.
+    BIG: tl.constexpr = 1 << 62
+    HIST: tl.constexpr = 8  # (_WS_HIST)
+    b, l, pl, now, bs, nf, w = _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS)
+    c = tl.program_id(2)
+    if SPLIT:  # noqa: SIM102 (constexpr, then a device value)
+        if tl.load(slow_ptr + pl) == 0:
+            return
+    nfree = tl.load(w + 1)
+    R = tl.minimum(tl.load(w + 3), tl.load(w))
+    if (tl.load(w + 2) == 0) & (R > 0):
+        cc = tl.arange(0, BLOCK_C)
+        before = cc < c
+        pcb = pc_ptr + pl * C * 2
+        free_before = tl.sum(tl.load(pcb + cc * 2, mask=before, other=0), 0)
+        T = now * 0 - 1  # R free slots or fewer: the lowest-index free ones
+        take = R
+        lt_before = free_before * 0
+        eq_before = free_before
+        if nfree < R:
+            sel0, rem = _pick(w + HIST, R - nfree, NB)
+            sel1, rem = _pick(w + HIST + NB, rem, NB)
+            T = now - (1 << (2 * DB)) + (sel0.to(tl.int64) << DB) + sel1
+            take = rem
+            cb = cum_ptr + (pl * C + cc) * NB
+            upto = tl.load(cb + sel1, mask=before, other=0)  # keys in sel0's bin with digit 1 <= sel1
+            under = tl.load(cb + sel1 - 1, mask=before & (cc * 0 + sel1 > 0), other=0)  # ... < sel1
+            lt_before = free_before + tl.sum(tl.load(pcb + cc * 2 + 1, mask=before, other=0), 0)
+            lt_before += tl.sum(under, 0)
+            eq_before = tl.sum(upto - under, 0)
+        offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+        ev = key < BIG
+        lk = scr_ptr + pl * (3 * BLOCK_M) + BLOCK_M
+        li = lk + BLOCK_M
+        lt = ev & (key < T)
+        si = lt.to(tl.int32)
+        at = lt_before + tl.cumsum(si, 0) - si
+        tl.store(lk + at, key, mask=lt)
+        tl.store(li + at, offs.to(tl.int64), mask=lt)
+        ei = (ev & (key == T)).to(tl.int32)
+        r = eq_before + tl.cumsum(ei, 0) - ei
+        sel = (ei > 0) & (r < take)
+        tl.store(lk + (R - take) + r, key, mask=sel)
+        tl.store(li + (R - take) + r, offs.to(tl.int64), mask=sel)

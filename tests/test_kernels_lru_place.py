@@ -68,6 +68,31 @@ def _request(g: torch.Generator, B: int, M: int, hi: int, style: str) -> torch.T
     ],
 )
 def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
+    _check_sequence(B, L, N, M, steps, seed, chunk, {})
+
+
+@pytest.mark.parametrize(
+    "B,L,N,M,steps,seed,chunk,block_n,digit_bits",
+    [
+        (1, 1, 300, 32, 12, 10, None, 32, 11),  # 10 blocks, the last one partial
+        (1, 1, 100, 32, 16, 15, None, 16, 11),  # a full buffer most steps: ties across blocks
+        (2, 2, 160, 48, 14, 16, None, 32, 11),
+        (3, 2, 200, 40, 12, 11, None, 16, 4),  # 4-bit digits: the clock's big jumps go serial
+        (2, 1, 130, 16, 12, 12, None, 64, 2),  # 2-bit digits: most selects go serial
+        (2, 2, 300, 40, 12, 13, 8, 64, 11),  # with the all-hit pass in front
+        (1, 1, 48, 64, 8, 14, None, 16, 11),  # M > N: overflow, every slot a victim
+    ],
+)
+def test_parallel_place_matches_reference(B, L, N, M, steps, seed, chunk, block_n, digit_bits):
+    """The victim selection's passes over the slots split over one program per slot block (three
+    launches before the full kernel), bit for bit the reference; too-old keys take the full kernel's
+    own select for that (row, layer)."""
+    _check_sequence(
+        B, L, N, M, steps, seed, chunk, {"parallel": True, "block_n": block_n, "digit_bits": digit_bits}
+    )
+
+
+def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     g = torch.Generator().manual_seed(seed)
     n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
     ref = _Tables(B + 1, n_l, N, P)
@@ -126,7 +151,7 @@ def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
                     **(
                         {}
                         if t is ref
-                        else {"backend": "triton", "hit_chunk": chunk, "valid": valid, "below": below}
+                        else {"backend": "triton", "hit_chunk": chunk, "valid": valid, "below": below, **kw}
                     ),
                 )  # fmt: skip
             )
