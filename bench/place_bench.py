@@ -1,12 +1,14 @@
 """Time one HiSparse placement (kernels/lru_place.py): the Triton kernel against the torch reference
-(the sort / scatter path it replaces), at decode sizes with a full slot buffer.
+(the sort / scatter path it replaces), with its single-program select and with the parallel passes,
+at decode sizes with a full slot buffer.
 
 Each case fills N slots per (row, layer) with decode steps of M (2048) top-k positions (ascending,
 -1 padded) drawn from a growing context, then times `steps` further steps (clock tick +
 placement; hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA
-events, each path on its own copy of the tables. Prints a table and writes JSON + markdown. With
-`--hit 1.0` (in the default set) every position hits: the Triton path is then the all-hit pass
-plus a full-placement launch whose programs all return at once.
+events around each call (host time in), each path on its own copy of the tables, and the Triton
+paths' kernels alone as `steps` placements replayed from one CUDA graph (per placement). Prints a
+table and writes JSON + markdown. With `--hit 1.0` (in the default set) every position hits: the
+Triton path is then the all-hit pass (M >= 512) plus a full placement that finds no misses.
 
     python -m bench.place_bench [--out DIR] [--steps 50] [--hit 0.9 1.0] [--block-n 1024 2048 4096]
                                 [--m 2048] [--n 13107 104857]
@@ -18,6 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,12 +32,16 @@ CASES = [(13_107, 1, 1), (13_107, 1, 3), (13_107, 8, 1), (104_857, 1, 1), (104_8
 def _case(
     n: int, batch: int, layers: int, steps: int, hit: float, block_n: int | None = None, M: int = 2048
 ) -> dict:
+    """One case: the torch reference, the Triton path with the single program's select
+    (`serial`) and with the parallel passes (`parallel`), each on its own tables. Each is timed with
+    events around one call per step (host time in: the wrapper's allocations and launches) and,
+    for the Triton paths, as the kernels alone: `steps` placements captured in one CUDA graph
+    and replayed once (`graph_us`: per placement, the clock tick included)."""
     from longctx.kernels.lru_place import lru_place, lru_place_ref
 
     dev = "cuda"
     ctx_max = int(n / 0.1)  # the cap is 10% of the context, as in the one-million runs
     P = ctx_max + 1
-    g = torch.Generator(device=dev).manual_seed(0)
     blk = torch.arange(1, batch + 1, device=dev)
     trow = blk[:, None] * layers + torch.arange(layers, device=dev)
     table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
@@ -42,15 +49,20 @@ def _case(
     nf = torch.full((batch,), ctx_max - 64, dtype=torch.int64, device=dev)
     p_at, s_at, base = trow * P, trow * (n + 1), 1 + (blk - 1) * n
     res = {}
-    for name, fn in (("torch", lru_place_ref), ("triton", lru_place)):
+    paths: tuple[tuple[str, Any, dict], ...] = (
+        ("torch", lru_place_ref, {}),
+        ("serial", lru_place, {"backend": "triton", "parallel": False}),
+        ("parallel", lru_place, {"backend": "triton", "parallel": True}),
+    )
+    for name, fn, kw in paths:
+        g = torch.Generator(device=dev).manual_seed(0)  # the same requests on every path
         p2s = torch.full((batch + 1, layers, P), -1, dtype=torch.int32, device=dev)
         s2p = torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev)
         st = torch.full_like(s2p, -1)
         acc = torch.zeros(5, dtype=torch.int64, device=dev)
         now = torch.zeros((), dtype=torch.int64, device=dev)
-        kw: dict = {"backend": "triton"} if fn is lru_place else {}
         if block_n is not None and fn is lru_place:
-            kw["block_n"] = block_n
+            kw = {**kw, "block_n": block_n}
         prev = torch.randperm(ctx_max, generator=g, device=dev)[:M].expand(batch, M)
 
         def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now)) -> None:  # type: ignore[no-untyped-def]
@@ -58,6 +70,13 @@ def _case(
             f(
                 p2s_.view(-1), s2p_.view(-1), st_.view(-1), now_, sel, p_at, s_at, base, nf, table, acc_, n_slots=n, pos_len=P, page_size=64, force=False, minus1=minus1, **kw_,
             )  # fmt: skip
+
+        def requests(prev: torch.Tensor, g: torch.Generator = g) -> torch.Tensor:
+            return torch.where(
+                torch.rand(batch, M, generator=g, device=dev) < hit,
+                prev,
+                torch.randint(0, ctx_max, (batch, M), generator=g, device=dev),
+            ).sort(dim=1).values  # fmt: skip
 
         for _ in range(n // (M // 2) + 4):  # fill the buffer (half the requests new each step)
             now.add_(1)
@@ -71,16 +90,11 @@ def _case(
         a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ms = []
         for _ in range(steps):
-            step_inputs = torch.where(
-                torch.rand(batch, M, generator=g, device=dev) < hit,
-                prev,
-                torch.randint(0, ctx_max, (batch, M), generator=g, device=dev),
-            ).sort(dim=1).values  # fmt: skip
-            prev = step_inputs
+            prev = requests(prev)
             now.add_(1)
             torch.cuda.synchronize()
             a.record()
-            place(step_inputs)
+            place(prev)
             z.record()
             torch.cuda.synchronize()
             ms.append(a.elapsed_time(z))
@@ -91,6 +105,22 @@ def _case(
             "min_us": 1e3 * ms[0],
             "hit_rate": h / max(1, h + mi),
         }
+        if fn is lru_place:  # the kernels alone: `steps` more placements in one graph, replayed once
+            reqs = []
+            for _ in range(steps):
+                prev = requests(prev)
+                reqs.append(prev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for r in reqs:
+                    now.add_(1)
+                    place(r)
+            torch.cuda.synchronize()
+            a.record()
+            graph.replay()
+            z.record()
+            torch.cuda.synchronize()
+            res[name]["graph_us"] = 1e3 * a.elapsed_time(z) / steps
     return {"N": n, "B": batch, "L": layers, "M": M, **res}
 
 
@@ -131,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         for n, b, l in cases
     ]
     lines = [
-        "| N | B | L | M | block_n | torch us (median) | triton us (median) | triton us (min) | speed-up | hit rate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N | B | L | M | block_n | hit rate | torch us | serial us | parallel us | serial graph us | "
+        "parallel graph us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        t, k = r["torch"], r["triton"]
+        t, k, q = r["torch"], r["serial"], r["parallel"]
         lines.append(
-            f"| {r['N']} | {r['B']} | {r['L']} | {r['M']} | {r['block_n'] or 'default'} | {t['median_us']:.1f} | {k['median_us']:.1f} | "
-            f"{k['min_us']:.1f} | {t['median_us'] / k['median_us']:.1f}x | {k['hit_rate']:.3f} |"
+            f"| {r['N']} | {r['B']} | {r['L']} | {r['M']} | {r['block_n'] or 'default'} | {k['hit_rate']:.3f} | "
+            f"{t['median_us']:.1f} | {k['median_us']:.1f} | {q['median_us']:.1f} | {k['graph_us']:.1f} | "
+            f"{q['graph_us']:.1f} |"
         )
     print("\n".join(lines))
     if args.out:

@@ -176,15 +176,19 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
-@pytest.mark.parametrize("hit_chunk", [None, 2])
-def test_cache_triton_path_matches_torch_path(hit_chunk):
+@pytest.mark.parametrize("hit_chunk,place_block", [(None, None), (2, None), (None, 2)])
+def test_cache_triton_path_matches_torch_path(hit_chunk, place_block):
     """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
     torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
     request whose block a new one reuses: same tables, same resolved rows and bytes, same stats.
-    hit_chunk 2: the all-hit pass on every placement (top-k 4 here)."""
+    hit_chunk 2: the all-hit pass on every placement (top-k 4 here); place_block 2: the victims
+    chosen by the parallel passes (6 blocks of the 12 slots)."""
     from .test_hisparse_lru import _cache, _ctx
 
-    caches = [_cache(12, use_triton=False), _cache(12, use_triton=True, hit_chunk=hit_chunk)]
+    caches = [
+        _cache(12, use_triton=False),
+        _cache(12, use_triton=True, hit_chunk=hit_chunk, place_block=place_block),
+    ]
     pages = [2, 0, 3]
     g = torch.Generator().manual_seed(5)
     last = torch.empty(0, dtype=torch.int64)

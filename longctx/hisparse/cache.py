@@ -172,7 +172,8 @@ class HiSparseKVCache:
     `max_requests`: blocks allocated up front (more concurrent requests grow the buffers);
     `max_context`: the longest request (default: every page). `hit_chunk`: the Triton placement's
     all-hit pass chunk (None: `lru_place`'s default; tests set it small to run the pass on tiny
-    top-k sizes).
+    top-k sizes). `place_block`: its slot block (None: `lru_place`'s default; from 4 blocks a
+    (request, layer) the victims are chosen by the parallel passes, so tests set it small).
     """
 
     dense_readable = False
@@ -193,6 +194,7 @@ class HiSparseKVCache:
         max_requests: int = 1,
         max_context: int | None = None,
         hit_chunk: int | None = None,
+        place_block: int | None = None,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -209,6 +211,7 @@ class HiSparseKVCache:
         self.use_triton = use_triton
         self._backend = "triton" if use_triton else "torch"
         self._hit_chunk = hit_chunk
+        self._place_kw = {} if place_block is None else {"block_n": place_block}
         L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         template = alloc_mla_pool(1, L, R, kind, dtype, "cpu")
         self._row_dtype, self._row_width = template.dtype, template.shape[1]
@@ -584,7 +587,7 @@ class HiSparseKVCache:
             self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1), self._now_t, pos.contiguous(),
             r.p_at[:, li], r.s_at[:, li], r.base, r.newest_from, r.table, acc, n_slots=self.N,
             pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
-            backend=self._backend, valid=r.valid, below=below, hit_chunk=self._hit_chunk,
+            backend=self._backend, valid=r.valid, below=below, hit_chunk=self._hit_chunk, **self._place_kw,
         )  # fmt: skip
         possible = pos.shape[1] + self.recent > self.N and not force
         return _Placed(
