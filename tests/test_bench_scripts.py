@@ -175,16 +175,18 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
         "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
-        "--curriculum 0:8192,2000:16384," in gpu0[0]
+        "--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 " in gpu0[0]
     )  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last
-    assert "--lengths 32k " in gpu0[3] and "--documents" in gpu0[4] and "long_context" in gpu0[5]
+    # (the placement kernels checked on the GPU before the first capped run)
+    assert "--lengths 32k " in gpu0[3] and "--documents" in gpu0[4] and "gpu_kernel_check --only place" in gpu0[5]
+    assert "long_context" in gpu0[6]
     # the trained model's 128K decode profiled capped, then uncapped, on RULER prompts
-    assert all("step_profile" in x and "--prompt ruler" in x for x in gpu0[6:8])
-    assert "--hisparse-device-tokens 13106" in gpu0[6] and "--hisparse" not in gpu0[7]
-    assert "place_bench --m 256" in gpu0[8] and "--lengths 128k " in gpu0[9]
+    assert all("step_profile" in x and "--prompt ruler" in x for x in gpu0[7:9])
+    assert "--hisparse-device-tokens 13106" in gpu0[7] and "--hisparse" not in gpu0[8]
+    assert "place_bench --m 256" in gpu0[9] and "--lengths 128k " in gpu0[10]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)

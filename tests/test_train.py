@@ -289,6 +289,40 @@ def test_schedule_fits_the_budget() -> None:
     assert always.dense_warmup_steps == 10**9
 
 
+def test_replay_steps_go_back_to_shorter_lengths_and_the_fit_counts_them() -> None:
+    """replay_fraction: about that share of the steps past the first phase take one of the shorter
+    lengths begun before (each alike, the same in every run), batches keep the tokens per step, and
+    the time fit's budget holds with the replayed steps' own seconds."""
+    from longctx.train.loop import fit_schedule
+
+    cur = ((0, 512), (100, 1024), (200, 2048))
+    plain, mixed = DataConfig(curriculum=cur), DataConfig(curriculum=cur, replay_fraction=0.3, seed=3)
+    assert all(plain.seq_len(s) == plain.curriculum_len(s) for s in range(300))
+    assert all(mixed.seq_len(s) == 512 for s in range(100))  # nothing shorter to go back to
+    later = [mixed.seq_len(s) for s in range(200, 2200)]
+    share = sum(S != 2048 for S in later) / len(later)
+    assert 0.25 <= share <= 0.35
+    assert abs(later.count(512) - later.count(1024)) < 0.25 * (later.count(512) + later.count(1024))
+    assert {mixed.seq_len(s) for s in range(100, 200)} == {512, 1024}
+    assert [mixed.seq_len(s) for s in range(200, 260)] == [
+        DataConfig(curriculum=cur, replay_fraction=0.3, seed=3).seq_len(s) for s in range(200, 260)
+    ]
+    step = next(s for s in range(200, 300) if mixed.seq_len(s) == 512)
+    b = make_batch(dataclasses.replace(mixed, tokens_per_step=4096), step)
+    assert b.ids.shape == (8, 512)
+    with pytest.raises(DataError):
+        DataConfig(curriculum=cur, replay_fraction=1.0)
+    step_s = {512: 0.01, 1024: 0.04, 2048: 0.16}
+    cfg = TrainConfig(data=DataConfig(curriculum=((0, 512), (3000, 1024), (6000, 2048)), replay_fraction=0.5))
+    fitted = fit_schedule(cfg, step_s, 60.0)
+    n = fitted.steps
+    spent = sum(step_s[fitted.data.seq_len(s)] for s in range(n))
+    assert 0.8 * 60 <= spent <= 60 * 1.02
+    # without replay's cheaper steps in the estimate the same budget fits fewer steps
+    no_replay = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, replay_fraction=0.0))
+    assert fit_schedule(no_replay, step_s, 60.0).steps < n
+
+
 def test_auto_schedule_from_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "auto"
     args = [
@@ -724,20 +758,27 @@ def test_sparse_attention_choice_from_the_cli(tmp_path: Path) -> None:
         main([*args, "--sparse-attention", "bogus"])
 
 
-def test_chat_and_document_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path: Path) -> None:
+def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path: Path) -> None:
     a = tmp_path / "a"
     args = [
         "--config", str(TINY), "--out", str(a), "--steps", "1", "--device", "cpu",
         "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "2",
         "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
     ]  # fmt: skip
-    assert main([*args, "--chat-fraction", "0.25", "--document-fraction", "0.5"]) == 0
+    assert (
+        main([*args, "--chat-fraction", "0.25", "--document-fraction", "0.5", "--replay-fraction", "0.2"])
+        == 0
+    )
     data = read_training(a)["recipe"]["data"]
-    assert data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5
+    assert (
+        data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
+    )
     b = tmp_path / "b"
     assert main([*args[:3], str(b), "--steps", "2", *args[6:], "--resume", str(a)]) == 0
     data = read_training(b)["recipe"]["data"]
-    assert data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5
+    assert (
+        data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
+    )
 
 
 def test_sparse_attention_train_is_the_masked_attention(monkeypatch) -> None:

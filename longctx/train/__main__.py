@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="niah rows (of those not drawn for chat) as POST /v1/documents/{id}/ask renders them: the "
         f"haystack as the document, then the question (default {d.document_fraction}, or the resumed run's)",
     )
+    p.add_argument(
+        "--replay-fraction",
+        type=float,
+        default=None,
+        help="steps at a shorter curriculum length begun before (drawn per step), so short rows stay in "
+        f"the mix as rows lengthen (default {d.replay_fraction}, or the resumed run's)",
+    )
     p.add_argument("--lm-weight", type=float, default=t.lm_weight)
     p.add_argument("--kl-weight", type=float, default=t.kl_weight)
     p.add_argument("--kl-rows", type=int, default=t.kl_rows)
@@ -147,15 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The --pose-*, --chat-fraction and --document-fraction flags as given; one left out keeps the resumed run's saved
-    value (else the default), so a resumed run goes on with the rows it was training on."""
+    """The --pose-*, --chat-fraction, --document-fraction and --replay-fraction flags as given; one left
+    out keeps the resumed run's saved value (else the default), so a resumed run goes on with the rows
+    it was training on."""
     from longctx.train.checkpoint import read_recipe
     from longctx.train.data import DataConfig
 
     saved = read_recipe(args.resume).get("data", {}) if args.resume else {}
     d = DataConfig()
     out: dict[str, Any] = {}
-    for k in ("pose_max", "pose_prob", "pose_chunks", "chat_fraction", "document_fraction"):
+    for k in (
+        "pose_max",
+        "pose_prob",
+        "pose_chunks",
+        "chat_fraction",
+        "document_fraction",
+        "replay_fraction",
+    ):
         given = getattr(args, k)
         default = getattr(d, k)
         out[k] = given if given is not None else type(default)(saved.get(k, default))

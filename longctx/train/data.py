@@ -92,6 +92,9 @@ class DataConfig:
     # niah rows (of those not drawn for chat) as the QA endpoint asks them (`document_prompt`: the
     # haystack as the document, the question after it, no RULER instruction line); 0 draws nothing
     document_fraction: float = 0.0
+    # steps that go back to a shorter length of the curriculum (one of those begun before, drawn
+    # per step) so the short rows stay in the mix as the rows lengthen; 0 follows the curriculum
+    replay_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.curriculum or self.curriculum[0][0] != 0:
@@ -109,8 +112,23 @@ class DataConfig:
             raise DataError("chat_fraction must be in [0, 1]")
         if not 0.0 <= self.document_fraction <= 1.0:
             raise DataError("document_fraction must be in [0, 1]")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise DataError("replay_fraction must be in [0, 1)")
 
     def seq_len(self, step: int) -> int:
+        """The curriculum's length at `step`, or (a `replay_fraction` share of the steps, chosen by
+        a generator seeded from (seed, step)) one of the shorter lengths begun before it."""
+        cur = self.curriculum_len(step)
+        if self.replay_fraction <= 0.0:
+            return cur
+        shorter = sorted({s for first, s in self.curriculum if first <= step and s < cur})
+        if not shorter:
+            return cur
+        rng = random.Random(self.seed * 1_000_003 + step * 7 + 5)
+        return shorter[rng.randrange(len(shorter))] if rng.random() < self.replay_fraction else cur
+
+    def curriculum_len(self, step: int) -> int:
+        """The curriculum's own length at `step` (no replay)."""
         return [s for first, s in self.curriculum if first <= step][-1]
 
     def batch_size(self, step: int) -> int:

@@ -166,10 +166,20 @@ def fit_schedule(cfg: TrainConfig, step_s: dict[int, float], budget_s: float) ->
     """The schedule length N whose curriculum (step numbers scaled by N / NOMINAL_STEPS) fills budget_s.
 
     The dense warm-up is scaled the same way (a value past NOMINAL_STEPS keeps the whole run dense).
-    The probe times sparse steps, which bounds the dense ones from above."""
+    The probe times sparse steps, which bounds the dense ones from above. With replay a phase's step
+    is its length's, or (`replay_fraction` of them) that of a shorter one begun before, each alike."""
     cur = cfg.data.curriculum
     bounds = [first / NOMINAL_STEPS for first, _ in cur] + [1.0]
-    per_step = sum((b - a) * step_s[S] for (a, b), (_, S) in zip(zip(bounds, bounds[1:]), cur))
+    F = cfg.data.replay_fraction
+
+    def phase_s(i: int) -> float:
+        S = cur[i][1]
+        shorter = sorted({s for _, s in cur[:i] if s < S})
+        if F <= 0.0 or not shorter:
+            return step_s[S]
+        return (1 - F) * step_s[S] + F * sum(step_s[s] for s in shorter) / len(shorter)
+
+    per_step = sum((b - a) * phase_s(i) for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
     n = max(cfg.warmup_steps + 1, int(budget_s / (per_step * 1.06)))  # 6%: optimizer, logging, saves
     scaled = tuple((round(first * n / NOMINAL_STEPS), S) for first, S in cur)
     scaled = tuple(p for i, p in enumerate(scaled) if i == 0 or p[0] > scaled[i - 1][0])
