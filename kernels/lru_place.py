@@ -58,6 +58,7 @@ own select.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import NamedTuple
 
 import torch
@@ -74,6 +75,9 @@ BLOCK_N = 2048
 # many blocks on: the single program's passes are latency-bound loops (13,106 slots: 44.5 us a
 # placement in the H200 decode profile, six a step)
 PAR_MIN_BLOCKS = 4
+# LONGCTX_PLACE_PARALLEL=0 keeps the one-program select for a process (A/B benches, or a GPU where the
+# parallel passes failed bench.gpu_kernel_check)
+PARALLEL_DEFAULT = os.environ.get("LONGCTX_PLACE_PARALLEL", "1").strip() != "0"
 DIGIT_BITS = 11  # the parallel select's two radix digits: keys within 2^22 steps of now (else serial)
 
 
@@ -226,7 +230,8 @@ def lru_place(
     `HIT_CHUNK` for non-forced placements of at least 2 * HIT_CHUNK positions, else 0). block_n:
     slot keys per iteration of the full kernel's passes over the N slots (a power of two).
     parallel: the victim selection's passes over the slots in one program per block of block_n
-    slots (three launches) instead of the full kernel's loops (None: from `PAR_MIN_BLOCKS` blocks);
+    slots (three launches) instead of the full kernel's loops (None: from `PAR_MIN_BLOCKS` blocks
+    unless LONGCTX_PLACE_PARALLEL=0);
     digit_bits: its radix digit (two of them: keys older than 2^(2 digit_bits) steps send a
     (row, layer) back to the full kernel's own select)."""
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
@@ -261,7 +266,7 @@ def lru_place(
     lim = below if below is not None else pos
     n_blk = triton.cdiv(n_slots, block_n)
     if parallel is None:
-        parallel = n_blk >= PAR_MIN_BLOCKS
+        parallel = PARALLEL_DEFAULT and n_blk >= PAR_MIN_BLOCKS
     check(
         block_n == next_pow2(block_n) and 1 <= digit_bits <= 15,
         "block_n: a power of two; 1 <= digit_bits <= 15",

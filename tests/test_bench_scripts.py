@@ -170,7 +170,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "s")], capture_output=True, text=True).stdout
     assert left.strip() == ""
     lines = calls.read_text().splitlines()
-    gpu0 = [x for x in lines if x.startswith("0 ")]
+    gpu0 = [x for x in lines if x.startswith("0 ") and not x.startswith("0 -c ")]
+    # the placement check's verdict is read before the first capped run
+    assert any(x.startswith("0 -c ") and x.endswith("gpu-kernel-check.json") for x in lines)
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
@@ -181,7 +183,11 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last
     # (the placement kernels checked on the GPU before the first capped run)
-    assert "--lengths 32k " in gpu0[3] and "--documents" in gpu0[4] and "gpu_kernel_check --only place" in gpu0[5]
+    assert (
+        "--lengths 32k " in gpu0[3]
+        and "--documents" in gpu0[4]
+        and "gpu_kernel_check --only place" in gpu0[5]
+    )
     assert "long_context" in gpu0[6]
     # the trained model's 128K decode profiled capped, then uncapped, on RULER prompts
     assert all("step_profile" in x and "--prompt ruler" in x for x in gpu0[7:9])
