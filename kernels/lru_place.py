@@ -43,16 +43,15 @@ nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
 
 Parallel passes (`parallel`, by default from `PAR_MIN_BLOCKS` slot blocks): those passes are loops
 of one program, so at N = 13,106 a placement took 44.5 us on the H200 (six a decode step, ~0.27 ms).
-Three launches with one program per (row, layer, block of BLOCK_N slots) do steps 2-4 instead:
-`_par_scan_kernel` touches its block's hits, counts the evictable / free keys into a workspace with
-atomics and adds its block to a histogram of the keys' high radix digit (keys as d = key - (now -
-2^(2 DB)), DB = `digit_bits`, so no pass for the key range is needed; block 0 counts the misses);
-`_par_hist_kernel` picks that digit's bin from the histogram (every program alike) and histograms
-the low digit inside it, keeping each block's running histogram and its count below the bin;
-`_par_compact_kernel` picks T and the ties to take, and each block writes its victims where the
-blocks before it end (their counts from the per-block figures), so the full kernel reads a list
-already in slot order. A key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's
-own select.
+Three launches with one program per (row, layer, block of BLOCK_N slots) do steps 2-4 instead (a
+zeroed workspace beside them): `_par_pass_kernel` phase 0 touches its block's hits, counts the
+evictable / free keys with atomics and adds its block to a histogram of the keys' high radix digit
+(keys as d = key - (now - 2^(2 DB)), DB = `digit_bits`, so no pass for the key range is needed;
+block 0 counts the misses); phase 1 picks that digit's bin (every program alike) and histograms the
+low digit inside it, keeping each block's running histogram and its count below the bin; phase 2
+picks T and the ties to take, and each block writes its victims where the blocks before it end
+(their counts from the per-block figures), so the full kernel reads a list already in slot order. A
+key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's own select.
 """
 
 from __future__ import annotations
@@ -288,18 +287,13 @@ def lru_place(
         if parallel:
             pc = torch.empty((B * L, n_blk, 2), dtype=torch.int32, device=dev)
             cum = torch.empty((B * L, n_blk, nb), dtype=torch.int32, device=dev)
-            head = (now, s_at, s_at.stride(0), s_at.stride(1), newest_from)
-            kw = {"WS": ws_n, "BLOCK_N": block_n, "NB": nb, "DB": digit_bits, "SPLIT": split, "num_warps": 8}
-            _par_scan_kernel[(B, L, n_blk)](
-                pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1),
-                newest_from, n_slots, L, n_blk, scratch, slow, ws, pc, BLOCK_M=block_m,
-                HAS_VALID=valid is not None, HAS_BELOW=below is not None, **kw,
-            )  # fmt: skip
-            _par_hist_kernel[(B, L, n_blk)](s2p, stamp, *head, n_slots, L, n_blk, slow, ws, pc, cum, **kw)
-            _par_compact_kernel[(B, L, n_blk)](
-                s2p, stamp, *head, n_slots, L, n_blk, scratch, slow, ws, pc, cum, BLOCK_M=block_m,
-                BLOCK_C=max(2, next_pow2(n_blk)), **kw,
-            )  # fmt: skip
+            for phase in (0, 1, 2):  # scan, low digit, compaction
+                _par_pass_kernel[(B, L, n_blk)](
+                    pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1),
+                    newest_from, n_slots, L, n_blk, scratch, slow, ws, pc, cum, WS=ws_n, BLOCK_M=block_m,
+                    BLOCK_N=block_n, BLOCK_C=max(2, next_pow2(n_blk)), NB=nb, DB=digit_bits, SPLIT=split,
+                    HAS_VALID=valid is not None, HAS_BELOW=below is not None, PHASE=phase, num_warps=8,
+                )  # fmt: skip
         _lru_place_kernel[(B, L)](
             pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
             newest_from, table, table.stride(0), acc, n_slots, L,
@@ -480,7 +474,7 @@ def _lru_place_kernel(
     n_need = tl.sum(need.to(tl.int32), 0)
 
     # 2-4. the R = min(misses, evictable) victims in lk / li: PAR, the parallel passes' lists
-    # (_par_compact_kernel wrote them) unless a key was too old for their digits; else in here
+    # (_par_pass_kernel wrote them) unless a key was too old for their digits; else in here
     if PAR:
         w = ws_ptr + pl * WS
         if tl.load(w + 2) == 0:
@@ -636,18 +630,6 @@ _WS_HIST = 8  # where the histograms start in a workspace row (the kernels' HIST
 
 
 @jit
-def _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS: tl.constexpr):
-    b = tl.program_id(0)
-    l = tl.program_id(1)
-    pl = (b * L + l).to(tl.int64)
-    now = tl.load(now_ptr)
-    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
-    nf = tl.load(nf_ptr + b)
-    w = ws_ptr + pl * WS
-    return b, l, pl, now, bs, nf, w
-
-
-@jit
 def _pick(h_ptr, rem, NB: tl.constexpr):
     # the bin of a histogram that holds the rem-th smallest element (1-based), and rem within it
     bins = tl.arange(0, NB)
@@ -657,136 +639,114 @@ def _pick(h_ptr, rem, NB: tl.constexpr):
 
 
 @jit
-def _par_scan_kernel(
+def _par_pass_kernel(
     pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al,
-    nf_ptr, N, L, C, scr_ptr, slow_ptr, ws_ptr, pc_ptr,
-    WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DB: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
-):  # fmt: skip
-    # grid (B, L, C blocks of BLOCK_N slots). Touch the block's hits, then count its evictable /
-    # free / too-old keys and histogram digit 0 into the workspace; block 0 also counts the misses.
-    BIG: tl.constexpr = 1 << 62
-    HIST: tl.constexpr = 8  # (_WS_HIST)
-    b, l, pl, now, bs, nf, w = _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS)
-    c = tl.program_id(2)
-    if SPLIT:  # noqa: SIM102 (constexpr, then a device value)
-        if tl.load(slow_ptr + pl) == 0:
-            return
-    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
-    j = tl.arange(0, BLOCK_M)
-    jm = j < M
-    prow = pos_ptr + b.to(tl.int64) * M
-    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
-    lo = c * BLOCK_N
-    # (a position asked for twice touches its slot twice, to the same value)
-    p = _req(prow, j, jm, -1, vb, lim)
-    slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
-    tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
-    if c == 0:
-        us = scr_ptr + pl * (3 * BLOCK_M)
-        _, _, _, _, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
-        tl.store(w + 3, tl.sum(need.to(tl.int32), 0))
-    tl.debug_barrier()
-    offs = lo + tl.arange(0, BLOCK_N)
-    key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
-    ev = key < BIG
-    rest = ev & (key >= 0)
-    d = key - (now - (1 << (2 * DB)))
-    ok = rest & (d >= 0)
-    n_free = tl.sum((ev & (key == -1)).to(tl.int32), 0)
-    tl.atomic_add(w, tl.sum(ev.to(tl.int32), 0))
-    tl.atomic_add(w + 1, n_free)
-    tl.atomic_add(w + 2, tl.sum((rest & (d < 0)).to(tl.int32), 0))
-    tl.store(pc_ptr + (pl * C + c) * 2, n_free)
-    bins = tl.arange(0, NB)
-    dig = tl.where(ok, d >> DB, 0).to(tl.int32)
-    hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(ok.to(tl.int32), 0), 0)
-    tl.atomic_add(w + HIST + bins, hist, mask=hist > 0)
-
-
-@jit
-def _par_hist_kernel(
-    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, slow_ptr, ws_ptr, pc_ptr, cum_ptr,
-    WS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, DB: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    # grid (B, L, C): where the victims go beyond the free slots, digit 1's histogram of the keys
-    # in digit 0's chosen bin (global, and running per block), and the block's keys below that bin.
-    BIG: tl.constexpr = 1 << 62
-    HIST: tl.constexpr = 8  # (_WS_HIST)
-    b, l, pl, now, bs, nf, w = _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS)
-    c = tl.program_id(2)
-    if SPLIT:  # noqa: SIM102 (constexpr, then a device value)
-        if tl.load(slow_ptr + pl) == 0:
-            return
-    nfree = tl.load(w + 1)
-    R = tl.minimum(tl.load(w + 3), tl.load(w))
-    if (tl.load(w + 2) == 0) & (nfree < R):
-        sel0, _ = _pick(w + HIST, R - nfree, NB)
-        offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
-        key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
-        rest = (key < BIG) & (key >= 0)
-        d = key - (now - (1 << (2 * DB)))
-        hi = d >> DB
-        inb = rest & (hi == sel0)
-        tl.store(pc_ptr + (pl * C + c) * 2 + 1, tl.sum((rest & (hi < sel0)).to(tl.int32), 0))
-        bins = tl.arange(0, NB)
-        dig = tl.where(inb, d & ((1 << DB) - 1), 0).to(tl.int32)
-        hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(inb.to(tl.int32), 0), 0)
-        tl.store(cum_ptr + (pl * C + c) * NB + bins, tl.cumsum(hist, 0))
-        tl.atomic_add(w + HIST + NB + bins, hist, mask=hist > 0)
-
-
-@jit
-def _par_compact_kernel(
-    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, scr_ptr, slow_ptr, ws_ptr, pc_ptr,
-    cum_ptr,
+    nf_ptr, N, L, C, scr_ptr, slow_ptr, ws_ptr, pc_ptr, cum_ptr,
     WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr,
-    DB: tl.constexpr, SPLIT: tl.constexpr,
+    DB: tl.constexpr, SPLIT: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
-    # grid (B, L, C): the R-th smallest key T (from the two histograms) and how many keys == T to
-    # take; each block writes its victims (keys < T, then its share of the lowest-index keys == T)
-    # to the (row, layer)'s list at the offsets the blocks before it fill, which their counts give.
+    # One of the parallel passes, grid (B, L, C blocks of BLOCK_N slots), launched for PHASE 0, 1, 2.
+    # 0 (scan): touch the block's hits, then count its evictable / free / too-old keys and histogram
+    # digit 0 into the workspace; block 0 also counts the misses. 1: where the victims go beyond the
+    # free slots, digit 1's histogram of the keys in digit 0's chosen bin (global, and running per
+    # block), and the block's keys below that bin. 2: the R-th smallest key T (from the two
+    # histograms) and how many keys == T to take; each block writes its victims (keys < T, then its
+    # share of the lowest-index keys == T) to the (row, layer)'s list at the offsets the blocks
+    # before it fill, which their counts give.
     BIG: tl.constexpr = 1 << 62
     HIST: tl.constexpr = 8  # (_WS_HIST)
-    b, l, pl, now, bs, nf, w = _par_head(now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, ws_ptr, L, WS)
+    b = tl.program_id(0)
+    l = tl.program_id(1)
     c = tl.program_id(2)
-    if SPLIT:  # noqa: SIM102 (constexpr, then a device value)
+    pl = (b * L + l).to(tl.int64)
+    if SPLIT:  # noqa: SIM102 (constexpr, then a device value) the all-hit pass placed this (row, layer)
         if tl.load(slow_ptr + pl) == 0:
             return
-    nfree = tl.load(w + 1)
-    R = tl.minimum(tl.load(w + 3), tl.load(w))
-    if (tl.load(w + 2) == 0) & (R > 0):
-        cc = tl.arange(0, BLOCK_C)
-        before = cc < c
-        pcb = pc_ptr + pl * C * 2
-        free_before = tl.sum(tl.load(pcb + cc * 2, mask=before, other=0), 0)
-        T = now * 0 - 1  # R free slots or fewer: the lowest-index free ones
-        take = R
-        lt_before = free_before * 0
-        eq_before = free_before
-        if nfree < R:
-            sel0, rem = _pick(w + HIST, R - nfree, NB)
-            sel1, rem = _pick(w + HIST + NB, rem, NB)
-            T = now - (1 << (2 * DB)) + (sel0.to(tl.int64) << DB) + sel1
-            take = rem
-            cb = cum_ptr + (pl * C + cc) * NB
-            upto = tl.load(cb + sel1, mask=before, other=0)  # keys in sel0's bin with digit 1 <= sel1
-            under = tl.load(cb + sel1 - 1, mask=before & (cc * 0 + sel1 > 0), other=0)  # ... < sel1
-            lt_before = free_before + tl.sum(tl.load(pcb + cc * 2 + 1, mask=before, other=0), 0)
-            lt_before += tl.sum(under, 0)
-            eq_before = tl.sum(upto - under, 0)
-        offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    now = tl.load(now_ptr)
+    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
+    nf = tl.load(nf_ptr + b)
+    w = ws_ptr + pl * WS
+    if PHASE == 0:
+        bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+        j = tl.arange(0, BLOCK_M)
+        jm = j < M
+        prow = pos_ptr + b.to(tl.int64) * M
+        vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+        lo = c * BLOCK_N
+        # (a position asked for twice touches its slot twice, to the same value)
+        p = _req(prow, j, jm, -1, vb, lim)
+        slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
+        tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
+        if c == 0:
+            us = scr_ptr + pl * (3 * BLOCK_M)
+            _, _, _, _, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
+            tl.store(w + 3, tl.sum(need.to(tl.int32), 0))
+        tl.debug_barrier()
+        offs = lo + tl.arange(0, BLOCK_N)
         key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
         ev = key < BIG
-        lk = scr_ptr + pl * (3 * BLOCK_M) + BLOCK_M
-        li = lk + BLOCK_M
-        lt = ev & (key < T)
-        si = lt.to(tl.int32)
-        at = lt_before + tl.cumsum(si, 0) - si
-        tl.store(lk + at, key, mask=lt)
-        tl.store(li + at, offs.to(tl.int64), mask=lt)
-        ei = (ev & (key == T)).to(tl.int32)
-        r = eq_before + tl.cumsum(ei, 0) - ei
-        sel = (ei > 0) & (r < take)
-        tl.store(lk + (R - take) + r, key, mask=sel)
-        tl.store(li + (R - take) + r, offs.to(tl.int64), mask=sel)
+        rest = ev & (key >= 0)
+        d = key - (now - (1 << (2 * DB)))
+        ok = rest & (d >= 0)
+        n_free = tl.sum((ev & (key == -1)).to(tl.int32), 0)
+        tl.atomic_add(w, tl.sum(ev.to(tl.int32), 0))
+        tl.atomic_add(w + 1, n_free)
+        tl.atomic_add(w + 2, tl.sum((rest & (d < 0)).to(tl.int32), 0))
+        tl.store(pc_ptr + (pl * C + c) * 2, n_free)
+        bins = tl.arange(0, NB)
+        dig = tl.where(ok, d >> DB, 0).to(tl.int32)
+        hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(ok.to(tl.int32), 0), 0)
+        tl.atomic_add(w + HIST + bins, hist, mask=hist > 0)
+    else:
+        # from the scan: free slots, R = min(misses, evictable), keys too old for the digits
+        nfree, R, nold = tl.load(w + 1), tl.minimum(tl.load(w + 3), tl.load(w)), tl.load(w + 2)
+        if PHASE == 1:  # noqa: SIM102 (constexpr, then a device value)
+            if (nold == 0) & (nfree < R):
+                sel0, _ = _pick(w + HIST, R - nfree, NB)
+                offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+                rest = (key < BIG) & (key >= 0)
+                d = key - (now - (1 << (2 * DB)))
+                hi = d >> DB
+                inb = rest & (hi == sel0)
+                tl.store(pc_ptr + (pl * C + c) * 2 + 1, tl.sum((rest & (hi < sel0)).to(tl.int32), 0))
+                bins = tl.arange(0, NB)
+                dig = tl.where(inb, d & ((1 << DB) - 1), 0).to(tl.int32)
+                hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(inb.to(tl.int32), 0), 0)
+                tl.store(cum_ptr + (pl * C + c) * NB + bins, tl.cumsum(hist, 0))
+                tl.atomic_add(w + HIST + NB + bins, hist, mask=hist > 0)
+        elif (nold == 0) & (R > 0):
+            cc = tl.arange(0, BLOCK_C)
+            before = cc < c
+            pcb = pc_ptr + pl * C * 2
+            free_before = tl.sum(tl.load(pcb + cc * 2, mask=before, other=0), 0)
+            T = now * 0 - 1  # R free slots or fewer: the lowest-index free ones
+            take = R
+            lt_before = free_before * 0
+            eq_before = free_before
+            if nfree < R:
+                sel0, rem = _pick(w + HIST, R - nfree, NB)
+                sel1, rem = _pick(w + HIST + NB, rem, NB)
+                T = now - (1 << (2 * DB)) + (sel0.to(tl.int64) << DB) + sel1
+                take = rem
+                cb = cum_ptr + (pl * C + cc) * NB
+                upto = tl.load(cb + sel1, mask=before, other=0)  # keys in sel0's bin with digit 1 <= sel1
+                under = tl.load(cb + sel1 - 1, mask=before & (cc * 0 + sel1 > 0), other=0)  # ... < sel1
+                lt_before = free_before + tl.sum(tl.load(pcb + cc * 2 + 1, mask=before, other=0), 0)
+                lt_before += tl.sum(under, 0)
+                eq_before = tl.sum(upto - under, 0)
+            offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+            ev = key < BIG
+            lk = scr_ptr + pl * (3 * BLOCK_M) + BLOCK_M
+            li = lk + BLOCK_M
+            lt = ev & (key < T)
+            si = lt.to(tl.int32)
+            at = lt_before + tl.cumsum(si, 0) - si
+            tl.store(lk + at, key, mask=lt)
+            tl.store(li + at, offs.to(tl.int64), mask=lt)
+            ei = (ev & (key == T)).to(tl.int32)
+            r = eq_before + tl.cumsum(ei, 0) - ei
+            sel = (ei > 0) & (r < take)
+            tl.store(lk + (R - take) + r, key, mask=sel)
+            tl.store(li + (R - take) + r, offs.to(tl.int64), mask=sel)
