@@ -1,0 +1,102 @@
+"""Compile the HiSparse placement kernels (kernels/lru_place.py) for an sm_90 GPU on a machine without
+one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
+the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
+fails here instead of in a device session. Every variant the wrapper launches: the full kernel
+with and without the parallel passes, the passes' three phases, with and without the all-hit pass
+and the row masks. Needs TRITON_INTERPRET unset (tests run it in a subprocess).
+
+    python -m bench.compile_check [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# argument name -> Triton pointer type (the rest: int64 strides, int32 scalars, constexprs)
+_PTR = {
+    "pos_ptr": "*i64", "vb_ptr": "*i1", "lim_ptr": "*i64", "p2s_ptr": "*i32", "s2p_ptr": "*i64",
+    "st_ptr": "*i64", "now_ptr": "*i64", "pat_ptr": "*i64", "sat_ptr": "*i64", "base_ptr": "*i64",
+    "nf_ptr": "*i64", "table_ptr": "*i32", "acc_ptr": "*i64", "u_ptr": "*i64", "src_ptr": "*i64",
+    "dst_ptr": "*i64", "copy_ptr": "*i1", "ovf_ptr": "*i1", "csrc_ptr": "*i64", "cdst_ptr": "*i64",
+    "cnt_ptr": "*i64", "scr_ptr": "*i64", "slow_ptr": "*i32", "ws_ptr": "*i32", "pc_ptr": "*i32",
+    "cum_ptr": "*i32", "hscr_ptr": "*i64",
+}  # fmt: skip
+# the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
+_CONST = {
+    "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
+    "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
+    "PHASE": 0, "CH": 256,
+}  # fmt: skip
+
+
+def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no-untyped-def]
+    """Compile one variant; returns its shared memory bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig: dict[str, str] = {}
+    cons: dict[str, object] = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in _PTR:
+            sig[name] = _PTR[name]
+        elif name in _CONST:
+            sig[name] = "constexpr"
+            cons[name] = over.get(name, _CONST[name])
+        else:
+            sig[name] = "i64" if name.startswith("stride") else "i32"
+    if kernel.fn.__name__ == "_lru_place_kernel":
+        cons["NB"] = 256  # the one-program select's own 8-bit digits
+    src = ASTSource(fn=kernel, signature=sig, constexprs=cons)
+    return int(
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).metadata.shared
+    )
+
+
+def variants() -> list[tuple[str, dict]]:
+    out: list[tuple[str, dict]] = []
+    for split in (False, True):
+        masks = {"SPLIT": split, "HAS_VALID": not split, "HAS_BELOW": not split}
+        out += [("_lru_place_kernel", {**masks, "PAR": par}) for par in (False, True)]
+        out += [("_par_pass_kernel", {**masks, "PHASE": ph}) for ph in (0, 1, 2)]
+    out.append(("_place_hits_kernel", {"BLOCK_M": 2048}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (the interpreter replaces the kernels' compiler)")
+        return 2
+    try:
+        import triton  # noqa: F401
+        from triton.backends import backends
+    except ImportError:
+        print("compile_check: needs triton")
+        return 2
+    if "nvidia" not in backends:
+        print("compile_check: this triton has no nvidia backend")
+        return 2
+    from longctx.kernels import lru_place
+
+    failed = 0
+    for name, over in variants():
+        try:
+            smem = compile_kernel(getattr(lru_place, name), args.arch, **over)
+            print(f"ok   {name} {over} ({smem} B shared)")
+        except Exception as e:  # noqa: BLE001  (report every variant, then fail)
+            failed += 1
+            print(f"FAIL {name} {over}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
