@@ -71,9 +71,9 @@ lane_a() {
     --tasks niah_single_1,niah_single_2,niah_multikey_1 --out "$S/eval/documents"
   # the placement kernels against their reference on this GPU before the first capped run (the parallel
   # select is new in the eleventh session; 13,107 and 104,857 slots, batch 1 and 8)
-  "$PY" -m bench.gpu_kernel_check --only place_1 --out "$S/checks"
+  "$PY" -m bench.gpu_kernel_check --only place_1 --out "$S/checks/place"
   if ! "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' \
-    "$S/checks/gpu-kernel-check.json"; then
+    "$S/checks/place/gpu-kernel-check.json"; then
     echo "placement check failed: the rest of the session keeps the one-program select"
     touch "$S/place.serial"
   fi
