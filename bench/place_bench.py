@@ -3,12 +3,13 @@
 at decode sizes with a full slot buffer.
 
 Each case fills N slots per (row, layer) with decode steps of M (2048) top-k positions (ascending,
--1 padded) drawn from a growing context, then times `steps` further steps (clock tick +
-placement; hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA
-events around each call (host time in), each path on its own copy of the tables, and the Triton
-paths' kernels alone as `steps` placements replayed from one CUDA graph (per placement). Prints a
-table and writes JSON + markdown. With `--hit 1.0` (in the default set) every position hits: the
-Triton path is then the all-hit pass (M >= 512) plus a full placement that finds no misses.
+-1 padded) drawn from a growing context, then times `steps` further steps (clock tick + placement;
+hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA events around
+each call (host time in), each path on its own copy of the tables, and the Triton paths' kernels
+alone as `steps` placements replayed from one CUDA graph (per placement); the three paths' tables
+after the event-timed steps must agree (`tables_match`). Prints a table and writes JSON + markdown.
+With `--hit 1.0` (in the default set) every position hits: the Triton path is then the all-hit pass
+(M >= 512) plus a full placement that finds no misses.
 
     python -m bench.place_bench [--out DIR] [--steps 50] [--hit 0.9 1.0] [--block-n 1024 2048 4096]
                                 [--m 2048] [--n 13107 104857]
@@ -49,6 +50,7 @@ def _case(
     nf = torch.full((batch,), ctx_max - 64, dtype=torch.int64, device=dev)
     p_at, s_at, base = trow * P, trow * (n + 1), 1 + (blk - 1) * n
     res = {}
+    snaps: dict[str, list[torch.Tensor]] = {}
     paths: tuple[tuple[str, Any, dict], ...] = (
         ("torch", lru_place_ref, {}),
         ("serial", lru_place, {"backend": "triton", "parallel": False}),
@@ -105,6 +107,8 @@ def _case(
             "min_us": 1e3 * ms[0],
             "hit_rate": h / max(1, h + mi),
         }
+        # the same requests went to every path: their tables must agree (sink columns aside)
+        snaps[name] = [t[..., :-1].clone() for t in (p2s, s2p, st)] + [acc[:2].clone()]
         if fn is lru_place:  # the kernels alone: `steps` more placements in one graph, replayed once
             reqs = []
             for _ in range(steps):
@@ -121,7 +125,10 @@ def _case(
             z.record()
             torch.cuda.synchronize()
             res[name]["graph_us"] = 1e3 * a.elapsed_time(z) / steps
-    return {"N": n, "B": batch, "L": layers, "M": M, **res}
+    same = all(
+        all(torch.equal(x, y) for x, y in zip(snaps["torch"], snaps[k])) for k in ("serial", "parallel")
+    )
+    return {"N": n, "B": batch, "L": layers, "M": M, "tables_match": same, **res}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,14 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         for n, b, l in cases
     ]
     lines = [
-        "| N | B | L | M | block_n | hit rate | torch us | serial us | parallel us | serial graph us | "
-        "parallel graph us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | B | L | M | block_n | hit rate | same tables | torch us | serial us | parallel us | "
+        "serial graph us | parallel graph us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t, k, q = r["torch"], r["serial"], r["parallel"]
         lines.append(
             f"| {r['N']} | {r['B']} | {r['L']} | {r['M']} | {r['block_n'] or 'default'} | {k['hit_rate']:.3f} | "
+            f"{'yes' if r['tables_match'] else '**NO**'} | "
             f"{t['median_us']:.1f} | {k['median_us']:.1f} | {q['median_us']:.1f} | {k['graph_us']:.1f} | "
             f"{q['graph_us']:.1f} |"
         )
