@@ -40,35 +40,8 @@ export S PY MODEL
 cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
-lane_a() {
-  # default: docs/training.md's next recipe (after run 14: rows 8K -> 64K scored 50 / 50 at 128K, 95 / 75 at
-  # 32K, but the harder tasks fell at 4K / 32K): from the WIP weights at a small lr, sparse throughout,
-  # the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a time-fitted
-  # schedule (the probe picks the sparse form per length and drops a length that does not fit), a third
-  # of the steps back at a shorter length begun before (replay), a quarter of the retrieval rows in the
-  # chat template and a quarter of the rest as /v1/documents + /ask render them
-  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
-    TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
---needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
---curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 \
---dense-warmup-steps 0"} bash bench/train_bg.sh start
-  bash bench/train_bg.sh wait
-  touch "$S/model.ready"
-  export CUDA_VISIBLE_DEVICES=0
-  [ "${EVAL:-1}" = 1 ] || { touch "$S/eval.stop"; return 0; }  # EVAL=0: train only
-  # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --out "$S/eval/uncapped"
-  if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then
-    touch "$S/eval.stop"
-    return 0
-  fi
-  touch "$S/eval.go"
-  # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
-  # scores (140 long prefills: the longest part)
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 --out "$S/eval/uncapped"
-  # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
-    --tasks niah_single_1,niah_single_2,niah_multikey_1 --out "$S/eval/documents"
+hisparse_measures() {
+  # issue 5's figures with the model in $MODEL:
   # the placement kernels against their reference on this GPU before the first capped run (the parallel
   # select is new in the eleventh session; 13,107 and 104,857 slots, batch 1 and 8)
   "$PY" -m bench.gpu_kernel_check --only place_1 --out "$S/checks/place"
@@ -92,6 +65,47 @@ lane_a() {
     # program's select against the parallel passes, with host time and as kernels replayed from a graph
     "$PY" -m bench.place_bench --m 256 --n 13107 104857 --hit 0.75 1.0 --steps 30 --out "$S/profiles"
   fi
+}
+
+lane_a() {
+  # default: docs/training.md's next recipe (after run 14: rows 8K -> 64K scored 50 / 50 at 128K, 95 / 75 at
+  # 32K, but the harder tasks fell at 4K / 32K): from the WIP weights at a small lr, sparse throughout,
+  # the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a time-fitted
+  # schedule (the probe picks the sparse form per length and drops a length that does not fit), a third
+  # of the steps back at a shorter length begun before (replay), a quarter of the retrieval rows in the
+  # chat template and a quarter of the rest as /v1/documents + /ask render them
+  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
+    TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
+--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
+--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 \
+--dense-warmup-steps 0"} bash bench/train_bg.sh start
+  bash bench/train_bg.sh wait
+  touch "$S/model.ready"
+  export CUDA_VISIBLE_DEVICES=0
+  [ "${EVAL:-1}" = 1 ] || { touch "$S/eval.stop"; return 0; }  # EVAL=0: train only
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    # training died before any save: nothing to score, but issue 5's figures still come, on the shipped
+    # model (their RULER prompts need a trained one)
+    echo "no trained checkpoint in $MODEL: HiSparse measured on the shipped model, nothing scored"
+    touch "$S/eval.stop"
+    MODEL=models-shipped/retrieval-wip hisparse_measures
+    touch "$S/timed.done"
+    return 0
+  fi
+  # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --out "$S/eval/uncapped"
+  if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then
+    touch "$S/eval.stop"
+    return 0
+  fi
+  touch "$S/eval.go"
+  # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
+  # scores (140 long prefills: the longest part)
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 --out "$S/eval/uncapped"
+  # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
+    --tasks niah_single_1,niah_single_2,niah_multikey_1 --out "$S/eval/documents"
+  hisparse_measures
   touch "$S/timed.done"  # one GPU: the capped 1M lane starts now, after the only timed figures
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 --out "$S/eval/uncapped"
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
@@ -160,7 +174,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes lane_a lane_b_checks lane_b_capped); run_lanes $n" \
+  setsid nohup bash -c "$(declare -f run_lanes lane_a hisparse_measures lane_b_checks lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"
   sleep 2

@@ -172,7 +172,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     lines = calls.read_text().splitlines()
     gpu0 = [x for x in lines if x.startswith("0 ") and not x.startswith("0 -c ")]
     # the placement check's verdict is read before the first capped run
-    assert any(x.startswith("0 -c ") and x.endswith("gpu-kernel-check.json") for x in lines)
+    assert any(x.startswith("0 -c ") and x.endswith("gpu-kernel-check.json") for x in lines), lines
     gpu1 = [x for x in lines if x.startswith("1 ")]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
@@ -248,6 +248,36 @@ def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
         assert modules[0] == "longctx.train" and "bench.step_profile" not in modules
     else:
         assert modules[0] == "bench.gpu_kernel_check" and "bench.step_profile" in modules
+
+
+def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_model(tmp_path: Path) -> None:
+    """Training that dies before its first save (a long row out of memory at step 1) leaves no
+    checkpoint: lane A scores nothing but still runs issue 5's measurements, on the shipped model."""
+    import os
+    import subprocess
+    import time
+
+    fake = tmp_path / "py"
+    calls = tmp_path / "calls"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'
+        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+        'if [ "$2" = "longctx.train" ]; then exit 1; fi\n'
+    )
+    fake.chmod(0o755)
+    s = tmp_path / "s"
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "CHECKS": "0"}
+    subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (calls.exists() and "place_bench" in calls.read_text()):
+        time.sleep(0.3)
+    lines = calls.read_text().splitlines()
+    subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
+    assert (s / "eval.stop").exists() and not any("retrieval_eval" in x for x in lines)
+    measured = [x for x in lines if "long_context" in x or "step_profile" in x]
+    assert len(measured) == 3 and all("--model models-shipped/retrieval-wip" in x for x in measured)
+    assert any("gpu_kernel_check --only place" in x for x in lines) and any("place_bench" in x for x in lines)
 
 
 def test_host_step_measures_a_decode_step_without_the_model() -> None:

@@ -468,6 +468,33 @@ def test_gated_curriculum_advances_restarts_the_data_and_resumes(tmp_path: Path,
     assert [r["stage"] for r in st2["log"]][10:] == ["sparse", "sparse"]
 
 
+def test_a_step_out_of_memory_ends_the_run_with_its_weights_saved(tmp_path: Path, monkeypatch) -> None:
+    """A training step that runs out of device memory (a long row the probe let through) stops the run
+    where it is: the steps before it are saved as a loadable checkpoint and the summary says why."""
+    import longctx.train.loop as loop
+
+    real = loop.train_step
+
+    def step_or_oom(model, opt, batch, cfg, step, device):  # type: ignore[no-untyped-def]
+        if step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, opt, batch, cfg, step, device)
+
+    monkeypatch.setattr(loop, "train_step", step_or_oom)
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),))
+    cfg = TrainConfig(
+        model_config=str(TINY), out=str(tmp_path / "o"), steps=6, device="cpu", data=data, warmup_steps=1,
+        dense_warmup_steps=0, log_every=1, kl_rows=16, save_dtype="float32", eval_samples=0,
+    )  # fmt: skip
+    summary = loop.train(cfg)
+    assert summary["stopped"] == "out of memory at step 3 (rows 2 x 512)" and summary["step"] == 3
+    st = read_training(tmp_path / "o")
+    assert st["step"] == 3 and len(st["log"]) == 3
+    assert all((tmp_path / "o" / f).exists() for f in MODEL_FILES)
+    m = TrainCausalLM(ModelConfig.from_json(tmp_path / "o"))
+    load_model_weights(m, tmp_path / "o", CPU)  # the weights of step 3 load
+
+
 def test_gated_time_fitted_run_uses_its_time_at_the_final_lr(tmp_path: Path, monkeypatch) -> None:
     """A gated `--steps 0` run whose gate holds reaches its planned steps early; it then goes on at the
     schedule's final lr until the deadline instead of stopping (run 7 left 30% of its time unused)."""

@@ -492,7 +492,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 stopped = "deadline"
                 break
             lr = lr_at(cfg, step)
-            metrics = train_step(model, opt, batch, cfg, step, device)
+            try:
+                metrics = train_step(model, opt, batch, cfg, step, device)
+            except torch.OutOfMemoryError:  # keep what the run learned: stop here and save (below)
+                stopped = f"out of memory at step {step} (rows {batch.ids.shape[0]} x {batch.ids.shape[1]})"
+                break
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v.float()
             n_acc += 1
@@ -557,6 +561,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             loader = None  # a deadline stop never advances
     bar.close()
+    if stopped.startswith("out of memory"):  # (outside the except: its frames are gone by now)
+        print(json.dumps({"oom": stopped}), flush=True)
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
     train_s = _monotonic() - t_start
     summary: dict[str, Any] = {
