@@ -341,6 +341,24 @@ def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
 
 
 @jit
+def _hist(dig, part, NB: tl.constexpr):
+    # histogram of the digits `dig` where `part`: tl.histogram has no mask, so the outsiders (their
+    # digit set to 0) are taken out of bin 0 again
+    bins = tl.arange(0, NB)
+    return tl.histogram(tl.where(part, dig, 0).to(tl.int32), NB) - tl.where(
+        bins == 0, tl.sum((~part).to(tl.int32), 0), 0
+    )
+
+
+@jit
+def _pick_bin(hist, rem, NB: tl.constexpr):
+    # the bin of a histogram that holds the rem-th smallest element (1-based), and rem within it
+    bins = tl.arange(0, NB)
+    sel = tl.min(tl.where(tl.cumsum(hist, 0) >= rem, bins, NB), 0)
+    return sel, rem - tl.sum(tl.where(bins < sel, hist, 0), 0)
+
+
+@jit
 def _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG: tl.constexpr):
     # the requested positions of a row in ascending order (into scratch `us`), looked up in the
     # (row, layer)'s p2s. Top-k rows come ascending then -1 padded, the newest tokens -1 padded
@@ -399,7 +417,6 @@ def _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N: tl.
             shift += 8
             t = t >> 8
         if (dmax > 0) & (rem > 1):  # (one victim beyond the free slots: the oldest, T = kmin)
-            bins = tl.arange(0, NB)
             while shift >= 0:
                 hist = tl.zeros([NB], tl.int32)
                 for c0 in range(0, N, BLOCK_N):
@@ -407,13 +424,8 @@ def _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N: tl.
                     key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
                     d = key - kmin
                     part = (key < BIG) & (key >= 0) & (((d >> shift) >> 8) == prefix)
-                    dig = tl.where(part, (d >> shift) & (NB - 1), 0).to(tl.int32)
-                    # tl.histogram has no mask: the outsiders counted in bin 0 are taken out again
-                    nout = BLOCK_N - tl.sum(part.to(tl.int32), 0)
-                    hist += tl.histogram(dig, NB) - tl.where(bins == 0, nout, 0)
-                cum = tl.cumsum(hist, 0)
-                sel = tl.min(tl.where(cum >= rem, bins, NB), 0)
-                rem -= tl.sum(tl.where(bins < sel, hist, 0), 0)
+                    hist += _hist((d >> shift) & (NB - 1), part, NB)
+                sel, rem = _pick_bin(hist, rem, NB)
                 prefix = prefix * NB + sel
                 shift -= 8
         T = kmin + prefix
@@ -631,11 +643,8 @@ _WS_HIST = 8  # where the histograms start in a workspace row (the kernels' HIST
 
 @jit
 def _pick(h_ptr, rem, NB: tl.constexpr):
-    # the bin of a histogram that holds the rem-th smallest element (1-based), and rem within it
-    bins = tl.arange(0, NB)
-    hist = tl.load(h_ptr + bins)
-    sel = tl.min(tl.where(tl.cumsum(hist, 0) >= rem, bins, NB), 0)
-    return sel, rem - tl.sum(tl.where(bins < sel, hist, 0), 0)
+    # `_pick_bin` of a histogram in memory (a workspace row's)
+    return _pick_bin(tl.load(h_ptr + tl.arange(0, NB)), rem, NB)
 
 
 @jit
@@ -693,10 +702,8 @@ def _par_pass_kernel(
         tl.atomic_add(w + 1, n_free)
         tl.atomic_add(w + 2, tl.sum((rest & (d < 0)).to(tl.int32), 0))
         tl.store(pc_ptr + (pl * C + c) * 2, n_free)
-        bins = tl.arange(0, NB)
-        dig = tl.where(ok, d >> DB, 0).to(tl.int32)
-        hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(ok.to(tl.int32), 0), 0)
-        tl.atomic_add(w + HIST + bins, hist, mask=hist > 0)
+        hist = _hist(d >> DB, ok, NB)
+        tl.atomic_add(w + HIST + tl.arange(0, NB), hist, mask=hist > 0)
     else:
         # from the scan: free slots, R = min(misses, evictable), keys too old for the digits
         nfree, R, nold = tl.load(w + 1), tl.minimum(tl.load(w + 3), tl.load(w)), tl.load(w + 2)
@@ -710,9 +717,8 @@ def _par_pass_kernel(
                 hi = d >> DB
                 inb = rest & (hi == sel0)
                 tl.store(pc_ptr + (pl * C + c) * 2 + 1, tl.sum((rest & (hi < sel0)).to(tl.int32), 0))
+                hist = _hist(d & ((1 << DB) - 1), inb, NB)
                 bins = tl.arange(0, NB)
-                dig = tl.where(inb, d & ((1 << DB) - 1), 0).to(tl.int32)
-                hist = tl.histogram(dig, NB) - tl.where(bins == 0, BLOCK_N - tl.sum(inb.to(tl.int32), 0), 0)
                 tl.store(cum_ptr + (pl * C + c) * NB + bins, tl.cumsum(hist, 0))
                 tl.atomic_add(w + HIST + NB + bins, hist, mask=hist > 0)
         elif (nold == 0) & (R > 0):

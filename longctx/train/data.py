@@ -119,9 +119,7 @@ class DataConfig:
         """The curriculum's length at `step`, or (a `replay_fraction` share of the steps, chosen by
         a generator seeded from (seed, step)) one of the shorter lengths begun before it."""
         cur = self.curriculum_len(step)
-        if self.replay_fraction <= 0.0:
-            return cur
-        shorter = sorted({s for first, s in self.curriculum if first <= step and s < cur})
+        shorter = self.replay_lengths(step) if self.replay_fraction > 0.0 else []
         if not shorter:
             return cur
         rng = random.Random(self.seed * 1_000_003 + step * 7 + 5)
@@ -130,6 +128,12 @@ class DataConfig:
     def curriculum_len(self, step: int) -> int:
         """The curriculum's own length at `step` (no replay)."""
         return [s for first, s in self.curriculum if first <= step][-1]
+
+    def replay_lengths(self, step: int) -> list[int]:
+        """The lengths a replayed step at `step` draws from, each alike: the curriculum's shorter ones
+        begun by then."""
+        cur = self.curriculum_len(step)
+        return sorted({s for first, s in self.curriculum if first <= step and s < cur})
 
     def batch_size(self, step: int) -> int:
         return max(1, self.tokens_per_step // self.seq_len(step))

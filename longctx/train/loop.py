@@ -173,8 +173,8 @@ def fit_schedule(cfg: TrainConfig, step_s: dict[int, float], budget_s: float) ->
     F = cfg.data.replay_fraction
 
     def phase_s(i: int) -> float:
-        S = cur[i][1]
-        shorter = sorted({s for _, s in cur[:i] if s < S})
+        first, S = cur[i]
+        shorter = cfg.data.replay_lengths(first)
         if F <= 0.0 or not shorter:
             return step_s[S]
         return (1 - F) * step_s[S] + F * sum(step_s[s] for s in shorter) / len(shorter)
