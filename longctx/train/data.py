@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR, apply_chat_template
+from longctx.checkpoint.chat_template import apply_chat_template
 from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from longctx.errors import LongctxError
 from longctx.workloads.prose import essay_sentences
-from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, split_niah
+from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, document_turn
 from longctx.workloads.tokens import ByteCounter
 
 EOS_ID = NUM_BYTES + SPECIAL_TOKENS.index("<|endoftext|>")
@@ -236,16 +236,16 @@ def chat_prompt(text: str, answer_prefix: str) -> str:
 
 def document_prompt(task: str, text: str, answer_prefix: str) -> str:
     """A niah sample as `POST /v1/documents/{id}/ask` renders it: a one-message chat whose user turn is
-    the haystack (the document, without RULER's instruction line) + DOCUMENT_QUESTION_SEPARATOR + the
-    question (`split_niah`), then the answer prefix as the model's own first words (`chat_prompt`'s
+    the haystack (the document, without RULER's instruction line), then the question
+    (`document_turn`), then the answer prefix as the model's own first words (`chat_prompt`'s
     convention)."""
     if TASKS[task].family != "niah":
         raise DataError(f"{task} has no document form (niah tasks only)")
     try:
-        document, question = split_niah(text)
+        user = document_turn(text)
     except LongctxError as e:
         raise DataError(f"{task}: {e}") from None
-    return chat_prompt(document + DOCUMENT_QUESTION_SEPARATOR + question, answer_prefix)
+    return chat_prompt(user, answer_prefix)
 
 
 def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], list[int], str, list[int]]:

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from longctx.errors import LongctxError
-from longctx.workloads.ruler_tasks import TASKS, Renderer, Sample, parse_tasks, raw_render, split_niah
+from longctx.workloads.ruler_tasks import (
+    TASKS,
+    Renderer,
+    Sample,
+    document_turn,
+    parse_tasks,
+    raw_render,
+    split_niah,
+)
 
 DEFAULT_LENGTHS = "4k,8k,16k,32k,64k,128k"
 MIN_LENGTH = 256
@@ -117,16 +125,13 @@ def _documents_renderer(tasks: list[str], model_dir: str | None) -> Renderer:
     """--documents: (document, question) joined as a long-document QA request's user turn; in the
     model's chat template for the embedded engine (the prompt /ask builds), bare for a server (which
     applies its own). No answer prefix: a QA client sends none."""
-    from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
-
     other = [t for t in tasks if TASKS[t].family != "niah"]
     if other:
         raise UsageError(f"--documents takes niah tasks only, not {other[0]}")
     chat = _chat_renderer(model_dir) if model_dir else None
 
     def render(text: str, prefix: str) -> str:
-        document, question = split_niah(text)
-        user = document + DOCUMENT_QUESTION_SEPARATOR + question
+        user = document_turn(text)
         return user if chat is None else chat(user, "")
 
     return render

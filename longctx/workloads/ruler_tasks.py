@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.errors import LongctxError
 from longctx.workloads.fit import LengthError, fit_size
 from longctx.workloads.haystack import PieceStream, insert_at_boundaries
@@ -140,6 +141,13 @@ def split_niah(text: str) -> tuple[str, str]:
     if not (head and at):
         raise LongctxError("not a RULER niah input (no instruction line or no question)")
     return document, "What " + question
+
+
+def document_turn(text: str) -> str:
+    """A niah sample's input as a long-document QA request's user turn: the document, then the question
+    (`split_niah`), joined as POST /v1/documents/{id}/ask joins them."""
+    document, question = split_niah(text)
+    return document + DOCUMENT_QUESTION_SEPARATOR + question
 
 
 def raw_render(text: str, answer_prefix: str) -> str:
