@@ -350,8 +350,11 @@ def test_probe_takes_the_faster_sparse_form_and_gathers_where_the_mask_does_not_
     import longctx.train.loop as loop
     import longctx.train.model as model_mod
 
-    data = DataConfig(tokens_per_step=1024, curriculum=((0, 640), (10, 512), (20, 768)))
-    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, data=data)
+    # phases begin at halves and three quarters of the nominal schedule, so the time fit below keeps
+    # them whatever a loaded machine's timings make of the fitted length
+    half, three_q = loop.NOMINAL_STEPS // 2, loop.NOMINAL_STEPS * 3 // 4
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 640), (half, 512), (three_q, 768)))
+    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, warmup_steps=2, data=data)
     model = _model(seed=1)
     seconds, forms = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
     assert seconds.keys() == forms.keys() == {512, 640, 768} and set(forms.values()) <= {"gather", "mask"}
