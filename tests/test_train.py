@@ -446,6 +446,39 @@ def test_gated_dense_warmup_follows_its_length() -> None:
     assert gated_dense_warmup(cfg, cur) == 12  # realized as planned: the plain schedule
 
 
+def test_gate_counts_only_steps_at_the_curriculum_length_under_replay(tmp_path: Path, monkeypatch) -> None:
+    """With replay a log row's answer exact match mixes in shorter, easier replayed steps: the gate
+    reads the row's mean over the steps at the curriculum's own length and skips rows that had none;
+    the training log carries that mean (None where a row's steps were all replayed)."""
+    import longctx.train.loop as loop
+
+    cfg = TrainConfig(advance_exact=0.8, advance_window=2, advance_min_steps=1)
+    rows = [
+        {"step": 1, "answer_exact": 0.95, loop.AT_LEN: 0.5},
+        {"step": 2, "answer_exact": 0.9, loop.AT_LEN: 0.6},
+    ]
+    assert not loop.gate_ready(rows, 0, cfg)  # 0.925 overall, 0.55 at the length
+    rows += [
+        {"step": 3, "answer_exact": 1.0, loop.AT_LEN: 0.9},
+        {"step": 4, "answer_exact": 1.0, loop.AT_LEN: None},
+    ]
+    assert not loop.gate_ready(rows, 0, cfg)  # (0.6 + 0.9) / 2: step 4's row does not count
+    assert loop.gate_ready(rows + [{"step": 5, "answer_exact": 0.2, loop.AT_LEN: 0.8}], 0, cfg)
+
+    # a gated run with replay, the gate open after one step: 640 from step 1, 512 replayed after it
+    monkeypatch.setattr(loop, "gate_ready", lambda rows, start, cfg: rows[-1]["step"] - start >= 1)
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (1000, 640)), replay_fraction=0.6, seed=1)
+    gated = TrainConfig(model_config=str(TINY), out=str(tmp_path / "g"), steps=8, device="cpu",
+                        warmup_steps=2, dense_warmup_steps=0, log_every=1, kl_rows=16, save_every=100,
+                        save_dtype="float32", advance_exact=0.5, data=data)  # fmt: skip
+    loop.train(gated)
+    log = read_training(tmp_path / "g")["log"]
+    assert all(loop.AT_LEN in r for r in log)
+    replayed = [r for r in log if r["seq_len"] == 512 and r["step"] > 1]  # log_every 1: one step a row
+    assert replayed and all(r[loop.AT_LEN] is None for r in replayed)
+    assert all(r[loop.AT_LEN] == r["answer_exact"] for r in log if r["seq_len"] == 640)
+
+
 def test_gated_curriculum_advances_restarts_the_data_and_resumes(tmp_path: Path, monkeypatch) -> None:
     """With the gate open every 3 steps: lengths 512 -> 640 -> 768 at steps 3 and 6 (the batches
     after an advance are at the new length, not prefetched old ones), the realized curriculum is

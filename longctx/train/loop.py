@@ -356,13 +356,22 @@ def _pairs(rows: Any) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in rows)
 
 
+AT_LEN = "answer_exact_at_len"  # the log's answer exact match over the steps not replayed
+
+
 def gate_ready(rows: list[dict[str, Any]], phase_start: int, cfg: TrainConfig) -> bool:
     """Whether the gated curriculum moves on: enough steps at this length and the answer exact match
-    of its last `advance_window` log rows at least `advance_exact` on average."""
-    recent = [r for r in rows if r["step"] > phase_start][-cfg.advance_window :]
+    of its last `advance_window` log rows at least `advance_exact` on average. With replay a row's
+    exact match counts only its steps at the curriculum's own length (AT_LEN): the
+    shorter, easier replayed steps would move the gate early; a row with none of them is left out."""
+
+    def exact(r: dict[str, Any]) -> Any:  # with replay, the mean over the row's steps at this length
+        return r.get(AT_LEN, r["answer_exact"])
+
+    recent = [r for r in rows if r["step"] > phase_start and exact(r) is not None][-cfg.advance_window :]
     if len(recent) < cfg.advance_window or recent[-1]["step"] - phase_start < cfg.advance_min_steps:
         return False
-    return sum(float(r["answer_exact"]) for r in recent) / len(recent) >= cfg.advance_exact
+    return sum(float(exact(r)) for r in recent) / len(recent) >= cfg.advance_exact
 
 
 def realized_curriculum(cfg: TrainConfig, state: dict[str, Any] | None) -> tuple[tuple[int, int], ...]:
@@ -480,6 +489,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     t_log, tok_log = _monotonic(), 0
     acc: dict[str, torch.Tensor] = {}
     n_acc = 0
+    n_at_len = 0  # with replay: the window's steps at the curriculum's own length (acc[AT_LEN] sums them)
     # PoSE rows of the log window: rows, rows with skips, summed spans (read from the batches' host copies)
     pose = [0, 0, 0]
     stopped = "steps"
@@ -500,6 +510,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             for k, v in metrics.items():
                 acc[k] = acc.get(k, 0.0) + v.float()
             n_acc += 1
+            if data.replay_fraction > 0.0 and batch.ids.shape[1] == data.curriculum_len(step):
+                acc[AT_LEN] = acc.get(AT_LEN, 0.0) + metrics["answer_exact"].float()
+                n_at_len += 1
             if batch.positions is not None:
                 last = batch.positions[:, -1]  # a CPU tensor: no device sync
                 pose[0] += last.numel()
@@ -523,6 +536,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     tokens_per_s=round(tok_log / max(now - t_log, 1e-9), 1),
                     elapsed_s=round(now - t_start, 1),
                 )
+                if data.replay_fraction > 0.0:  # None: every step of the window was replayed
+                    summed = dict(zip(acc, means)).get(AT_LEN)
+                    row[AT_LEN] = None if summed is None else round(summed / n_at_len, 5)
+                    n_at_len = 0
                 if pose[0]:  # the share of rows with skips; the mean span (last position + 1) of all rows
                     row.update(pose_rows=round(pose[1] / pose[0], 4), pose_span=round(pose[2] / pose[0], 1))
                     pose = [0, 0, 0]
