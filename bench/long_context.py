@@ -358,15 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         pair = run_pair(model_dir, device, prompt, args.decode, cap_b, args.chunk, "128k")
         data["decode_128k" + suffix] = {**summarise_128k(pair), **source}
         written.append("decode_128k" + suffix)
-    # the top level (ceilings, environment, command) describes the random-prompt run; a RULER
-    # run keeps its own inside its keys, so it cannot relabel the other run's figures
+
+    def describe(**fields: Any) -> None:
+        # the top level (ceilings, environment, command) describes the random-prompt run; a
+        # RULER run keeps its own inside its keys, so it cannot relabel the other run's figures
+        for name, value in fields.items():
+            for d in [data[key] for key in written] if suffix else [data]:
+                d[name] = value
+
     if suffix:
-        for key in written:
-            data[key]["ceilings"] = ceilings
+        describe(ceilings=ceilings)
     else:
-        data["ceilings"] = ceilings or data.get("ceilings", {})
-        data["command"] = command
-        data["config"] = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
+        config_name = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
+        describe(ceilings=ceilings or data.get("ceilings", {}), command=command, config=config_name)
     md = table(data)
     if quick:
         out = Path(args.out or tempfile.mkdtemp(prefix="long-context-quick-"))
@@ -377,12 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench.common import environment, write_results
 
-        env = environment()
-        if suffix:
-            for key in written:
-                data[key]["environment"] = env
-        else:
-            data["environment"] = env
+        describe(environment=environment())
         extra = args.out or os.environ.get("OUT")
         for path in write_results(NAME, data, md, Path(extra) if extra else None):
             print(f"wrote {path}", file=sys.stderr)
