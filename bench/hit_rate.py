@@ -117,13 +117,39 @@ def replay(
     return out
 
 
+def tail_cover(
+    steps: Sequence[Sequence[int]], tail: Sequence[Sequence[int]], first_ctx: int, recent: int
+) -> dict[str, float]:
+    """How much of one (request, layer)'s decode selections, every step counted, an unbounded cache
+    holds when it starts empty ("cold": the first-time selections miss) against when it starts with
+    the selections of the prompt's last queries (`tail`, the final prefill chunk's last rows), i.e. the
+    best a warm-up of the device slots from those queries can do. The `recent` newest are hits."""
+    warm = {p for sel in tail for p in sel}
+    seen: set[int] = set()
+    hits = {"cold": 0, "tail": 0}
+    total = 0
+    for t, sel in enumerate(steps):
+        cur = set(sel)
+        pinned = {p for p in cur if p >= first_ctx + t - recent}
+        old = cur - pinned
+        total += len(cur)
+        hits["cold"] += len(pinned) + len(old & seen)
+        hits["tail"] += len(pinned) + len(old & (seen | warm))
+        seen |= old
+    out = {k: v / max(1, total) for k, v in hits.items()}
+    out["tail_positions"] = float(len(warm))
+    return out
+
+
 class SelectionRecorder:
     """While entered: every layer's batch-1 decode selection as HiSparse resolves it (positions, -1
     dropped), and with `ahead` > 0 the next `ahead` positions the indexer ranked below its top-k (the
     torch top-k, i.e. the CPU path). Patches `HiSparseKVCache.resolve` and `topk.topk_indices_ref`."""
 
-    def __init__(self, ahead: int = 0) -> None:
+    def __init__(self, ahead: int = 0, tail: int = 0) -> None:
         self.ahead = ahead
+        self.tail = tail  # prefill: keep each layer's last `tail` query rows of the latest chunk
+        self.prefill_tail: dict[int, list[list[int]]] = {}
         self.steps: dict[int, list[list[int]]] = {}
         self.below: dict[int, list[list[int]]] = {}
         self.recent = 0
@@ -147,6 +173,9 @@ class SelectionRecorder:
             return out
 
         def resolve_rec(cache, layer, topk, ctx):  # type: ignore[no-untyped-def]
+            if rec.tail and getattr(cache, "_dec", None) is None and topk.shape[0] > 1:  # a prefill chunk
+                rows = topk[-rec.tail :].tolist()
+                rec.prefill_tail[layer] = [[p for p in r if p >= 0] for r in rows]
             if topk.shape[0] == 1 and getattr(cache, "_dec", None) is not None:
                 rec.steps.setdefault(layer, []).append([p for p in topk[0].tolist() if p >= 0])
                 rec.below.setdefault(layer, []).append(list(rec._extra))  # shared layers: their full layer's
@@ -183,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="with --policies: also replay LRU fetching the next N ranked (CPU)",
     )
+    ap.add_argument(
+        "--tail",
+        type=int,
+        default=0,
+        help="with --policies: also count what the prompt's last N queries' selections would hold",
+    )
     args = ap.parse_args(argv)
 
     from bench.common import niah_byte_prompt
@@ -195,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     topk = ModelConfig.from_json(args.model).index_topk
     cap = max(topk + 2, int(args.cap_fraction * len(ids)))  # a decode query's selection must fit
     params = SamplingParams(max_new_tokens=args.steps, temperature=0.0, ignore_eos=True)
-    rec = SelectionRecorder(args.ahead) if args.policies else contextlib.nullcontext()
+    rec = SelectionRecorder(args.ahead, args.tail) if args.policies else contextlib.nullcontext()
     with (
         rec,
         Engine(args.model, device=args.device, hisparse_device_tokens=cap, chunk_size=args.chunk) as eng,
@@ -229,12 +264,21 @@ def main(argv: list[str] | None = None) -> int:
             layer: replay(st, len(ids) + 1, cap, r, args.warmup, rec.below[layer] if args.ahead else None)
             for layer, st in sorted(rec.steps.items())
         }
+        if args.tail:
+            for layer, st in rec.steps.items():
+                per[layer].update(
+                    {
+                        f"tail_{k}": v
+                        for k, v in tail_cover(st, rec.prefill_tail.get(layer, []), len(ids) + 1, r).items()
+                    }
+                )
         keys = tuple(next(iter(per.values())))
         mean = {k: sum(v[k] for v in per.values()) / len(per) for k in keys}
         res["policies"] = {
             "warmup_steps": args.warmup,
             "recent": r,
             "ahead": args.ahead,
+            "tail": args.tail,
             "mean": mean,
             "per_layer": per,
         }
@@ -246,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"; LRU fetching the next {args.ahead} ranked: {mean['lru_ahead']:.3f} "
                 f"({mean['ahead_fetches']:.0f} extra rows a step against {mean['lru_misses']:.0f} misses)"
                 if args.ahead
+                else ""
+            )
+            + (
+                f"; every step, an unbounded cache from empty {mean['tail_cold']:.3f}, from the last "
+                f"{args.tail} prompt queries' selections ({mean['tail_tail_positions']:.0f} positions) "
+                f"{mean['tail_tail']:.3f}"
+                if args.tail
                 else ""
             )
         )

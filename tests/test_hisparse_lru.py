@@ -110,7 +110,8 @@ def _ctx(kv, pages, start, n_q):
 )
 def test_device_lru_rows_are_exact_and_capped(n_tokens, steps):
     """Every resolved row holds exactly the host row of its position; at most N resident; the
-    newest tokens and every requested one resident after a decode step."""
+    newest tokens and every requested one resident after a decode step, the selections of a prefill
+    chunk's last `tail_queries` queries after a prefill step."""
     kv = _cache(n_tokens)
     pages = [2, 0, 3]
     start = 0
@@ -146,6 +147,15 @@ def test_device_lru_rows_are_exact_and_capped(n_tokens, steps):
             assert set(range(max(0, end - kv.recent), end)) <= resident
             if n_q == 1:
                 assert set(prev[valid].tolist()) <= resident
+            else:  # a prefill chunk leaves what its last queries selected resident (the latest first)
+                tail = prev[-kv.tail_queries :]
+                union = set(tail[tail >= 0].tolist())
+                latest = set(prev[-1][prev[-1] >= 0].tolist())
+                room = n_tokens - kv.recent
+                if len(union) <= room:
+                    assert union <= resident
+                else:
+                    assert len(latest & resident) >= min(len(latest), room)
             # pos2slot and slot2pos agree
             p2s = kv._p2s[blk, layer, :end]
             for p in resident:

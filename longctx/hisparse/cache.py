@@ -59,7 +59,9 @@ the rest (overflow) are copied into a per-step pool `[slot buffer | overflow row
 `attend_pool(layer)` returns for that layer until the next step. Overflow rows never become
 resident, so `device_tokens_max` <= N always; the per-step extra is reported as
 `overflow_rows_max`. Prefill rows are placed one row at a time and only they read an overflow
-count on the host; decode rows are placed together and never do. Results are exact: every
+count on the host; decode rows are placed together and never do. A chunk that may overflow first
+places what its last `tail_queries` queries selected (`_place_tail`), so that is what stays
+resident for the first decode steps, which select much of it again. Results are exact: every
 attended row is a byte copy of the host row the paged pool would hold.
 """
 
@@ -85,6 +87,12 @@ from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
 from longctx.model.context import ForwardContext
 
 log = logging.getLogger("longctx.hisparse")
+
+# A prefill chunk's last queries are placed before the rest of the chunk, so what the prompt's last
+# queries selected is resident when decode starts: the first decode steps select much of it again
+# (`bench.hit_rate --policies --tail 32`, run 14 on a RULER prompt at 8K: an unbounded cache from
+# empty holds 0.823 of the decode selections, one holding the last 32 queries' selections 0.931).
+TAIL_QUERIES = 32
 
 
 @dataclass
@@ -195,6 +203,7 @@ class HiSparseKVCache:
         max_context: int | None = None,
         hit_chunk: int | None = None,
         place_block: int | None = None,
+        tail_queries: int = TAIL_QUERIES,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -208,6 +217,7 @@ class HiSparseKVCache:
         self.num_slots = num_pages * page_size
         self.N = device_tokens
         self.recent = max(1, min(64 if recent is None else recent, (device_tokens - K) // 2))
+        self.tail_queries = max(0, tail_queries)
         self.use_triton = use_triton
         self._backend = "triton" if use_triton else "torch"
         self._hit_chunk = hit_chunk
@@ -298,7 +308,9 @@ class HiSparseKVCache:
         self._pending: dict[int, list[CopyList]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
-        self._acc = {k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side")}
+        self._acc = {
+            k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side", "tail")
+        }
         self._swap_s = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._timed_before = False  # the first timed swap is not timed: see _timed
@@ -339,9 +351,14 @@ class HiSparseKVCache:
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
+            row = self._all.row(b)
+            w = min(self.tail_queries, e - s)
+            if w and (e - s) * q.shape[1] + self.recent > self.N:  # (else the whole chunk fits)
+                # what the chunk's last w queries selected first, so that it stays resident
+                self._place_tail(layer, li, row, q[e - w : e], acc)
             # the chunk's rows ascending as one: the placement kernel's lookup then takes them as they
             # come instead of sorting chunk x top-k positions in one program (the result is the same)
-            p = self._place(self._one[li], self._all.row(b), q[s:e].reshape(1, -1).sort(dim=1).values, acc)
+            p = self._place(self._one[li], row, q[s:e].reshape(1, -1).sort(dim=1).values, acc)
             self._swap(layer, p, 0, False)
             if p.overflow is not None:
                 n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
@@ -595,6 +612,30 @@ class HiSparseKVCache:
         return _Placed(
             pl.u, pl.overflow if possible else None, pl.src, pl.dst, pl.copy, pl.csrc, pl.cdst, pl.cnt
         )
+
+    def _place_tail(self, layer: int, li: int, row: _Rows, q: torch.Tensor, acc: torch.Tensor) -> None:
+        """Make what a prefill row's last queries selected (q [w, K]) resident in stage layer li before
+        the chunk's placement, which then finds it as hits and overflows the rest of the chunk. If it
+        is more than the N - recent evictable slots hold, the positions selected by the latest queries
+        go first. The stats stay those of one placement: what this one swapped in are the chunk's
+        misses, not its hits. (Prefill only: the sizes depend on the data.)"""
+        w, K = q.shape
+        flat = q.reshape(-1).long()
+        last_query = torch.arange(w, device=q.device).repeat_interleave(K)
+        keep = flat >= 0
+        pos, inv = torch.unique(flat[keep], return_inverse=True)  # ascending
+        room = self.N - self.recent
+        if pos.numel() > room:
+            latest = torch.full_like(pos, -1).scatter_reduce(0, inv, last_query[keep], "amax")
+            pos = pos[torch.argsort(latest, descending=True, stable=True)[:room]].sort().values
+        if pos.numel() == 0:
+            return
+        tail = self._acc["tail"]
+        t = self._place(self._one[li], row, pos[None].to(q.dtype), tail)
+        self._swap(layer, t, 0, False)
+        acc[0] -= tail[1]  # the chunk's placement will count them as hits
+        acc[1] += tail[1]
+        tail.zero_()
 
     def _copy(self, layer: int, p: _Placed, k: int, force: bool, defer: bool = True) -> None:
         """The copies placement p marked for its k-th layer (stage layer `layer`): on a fused decode
