@@ -89,10 +89,12 @@ from longctx.model.context import ForwardContext
 log = logging.getLogger("longctx.hisparse")
 
 # A prefill chunk's last queries are placed before the rest of the chunk, so what the prompt's last
-# queries selected is resident when decode starts: the first decode steps select much of it again
+# queries selected is resident when decode starts: the decode steps select much of it again
 # (`bench.hit_rate --policies --tail 32`, run 14 on a RULER prompt at 8K: an unbounded cache from
 # empty holds 0.823 of the decode selections, one holding the last 32 queries' selections 0.931).
-TAIL_QUERIES = 32
+# The engine's decode hit rate at a 10% cap (bench/results/hit-rate-cpu.md): 8K 0.766 without,
+# 0.792 / 0.796 / 0.804 / 0.804 with 8 / 32 / 128 / 2048 queries; 32K 0.779, 0.821 (32), 0.832 (128).
+TAIL_QUERIES = 128
 
 
 @dataclass
