@@ -464,7 +464,7 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
 def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     from bench.hit_rate import main
 
-    args = ["--tokens", "1024", "--steps", "4", "--policies", "--warmup", "1", "--ahead", "32"]
+    args = ["--tokens", "1024", "--steps", "4", "--policies", "--warmup", "1", "--ahead", "32", "--tail", "8"]
     assert main([*args, "--out", str(tmp_path)]) == 0
     (f,) = tmp_path.glob("hit-rate-*.json")
     d = json.loads(f.read_text())
@@ -474,13 +474,14 @@ def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     assert len(d["policies"]["per_layer"]) >= 1
     assert 0.0 <= m["lru"] <= m["belady"] + 1e-9 <= m["unbounded"] + 2e-9 <= 1.0 + 2e-9
     assert 0.0 <= m["lru_ahead"] <= 1.0 and m["ahead_fetches"] >= 0
+    assert 0.0 <= m["tail_cold"] <= m["tail_tail"] <= 1.0 and m["tail_tail_positions"] > 0
 
 
 def test_cache_policy_replay_against_hand_counts() -> None:
-    """`replay` on a sequence worked out by hand, then Belady >= LRU on random ones."""
+    """`replay` on a sequence worked out by hand, then Belady >= LRU on random ones; `tail_cover` by hand."""
     import random
 
-    from bench.hit_rate import replay
+    from bench.hit_rate import replay, tail_cover
 
     # 3 slots for old positions (cap 4, the newest position pinned); step t's context is 100 + t tokens
     steps = [[0, 1], [2, 3], [0, 2], [1, 3, 102]]  # 102: the newest position at step 3
@@ -500,6 +501,11 @@ def test_cache_policy_replay_against_hand_counts() -> None:
         seq = [rng.sample(range(60), 8) for _ in range(30)]
         r = replay(seq, 1000, cap=20, recent=4, warmup=3)
         assert r["lru"] <= r["belady"] + 1e-12 <= r["unbounded"] + 2e-12
+    # what the prompt's last queries selected, held from the start: every step counted
+    steps = [[0, 1, 100], [2, 0], [5, 1]]  # 100: the newest position at step 0 (pinned)
+    c = tail_cover(steps, [[0, 5], [5, 9]], 100, recent=1)
+    assert c["cold"] == (1 + 1 + 1) / 7  # 100 pinned; 0 seen at step 1; 1 seen at step 2
+    assert c["tail"] == (2 + 1 + 2) / 7 and c["tail_positions"] == 3  # + 0 at step 0, + 5 at step 2
 
 
 def test_vs_transformers_long_from(tmp_path):
