@@ -10,7 +10,10 @@ import torch
 
 # Kernels run under the Triton interpreter on CPU; set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Intra-op threads: the cores shared among the xdist workers (`make test` runs two on CI's two cores;
+# two threads each oversubscribe them), at most 2.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 def tiny_config(**overrides):
