@@ -354,13 +354,14 @@ class HiSparseKVCache:
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
             row = self._all.row(b)
-            w = min(self.tail_queries, e - s)
-            if w and (e - s) * q.shape[1] + self.recent > self.N:  # (else the whole chunk fits)
-                # what the chunk's last w queries selected first, so that it stays resident
-                self._place_tail(layer, li, row, q[e - w : e], acc)
             # the chunk's rows ascending as one: the placement kernel's lookup then takes them as they
             # come instead of sorting chunk x top-k positions in one program (the result is the same)
-            p = self._place(self._one[li], row, q[s:e].reshape(1, -1).sort(dim=1).values, acc)
+            chunk = q[s:e].reshape(1, -1).sort(dim=1).values
+            w = min(self.tail_queries, e - s)
+            if w and self._may_overflow(chunk.shape[1]):  # (else the whole chunk fits)
+                # what the chunk's last w queries selected first, so that it stays resident
+                self._place_tail(layer, li, row, q[e - w : e], acc)
+            p = self._place(self._one[li], row, chunk, acc)
             self._swap(layer, p, 0, False)
             if p.overflow is not None:
                 n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
@@ -610,10 +611,15 @@ class HiSparseKVCache:
             pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
             backend=self._backend, valid=r.valid, below=below, hit_chunk=self._hit_chunk, **self._place_kw,
         )  # fmt: skip
-        possible = pos.shape[1] + self.recent > self.N and not force
+        possible = self._may_overflow(pos.shape[1]) and not force
         return _Placed(
             pl.u, pl.overflow if possible else None, pl.src, pl.dst, pl.copy, pl.csrc, pl.cdst, pl.cnt
         )
+
+    def _may_overflow(self, m: int) -> bool:
+        """Whether a (non-forced) placement of m positions for one row may find no slot for some: more
+        than the N - recent slots that the step's newest tokens leave evictable."""
+        return m + self.recent > self.N
 
     def _place_tail(self, layer: int, li: int, row: _Rows, q: torch.Tensor, acc: torch.Tensor) -> None:
         """Make what a prefill row's last queries selected (q [w, K]) resident in stage layer li before

@@ -525,8 +525,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 now = _monotonic()
-                means = torch.stack(list(acc.values())).tolist()  # the one host sync of the log cadence
-                row: dict[str, Any] = {k: round(v / n_acc, 5) for k, v in zip(acc, means)}
+                sums = dict(zip(acc, torch.stack(list(acc.values())).tolist()))  # the log cadence's one sync
+                row: dict[str, Any] = {k: round(v / n_acc, 5) for k, v in sums.items()}
                 row.update(
                     step=step,
                     lr=lr,
@@ -537,8 +537,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     elapsed_s=round(now - t_start, 1),
                 )
                 if data.replay_fraction > 0.0:  # None: every step of the window was replayed
-                    summed = dict(zip(acc, means)).get(AT_LEN)
-                    row[AT_LEN] = None if summed is None else round(summed / n_at_len, 5)
+                    row[AT_LEN] = round(sums[AT_LEN] / n_at_len, 5) if n_at_len else None
                     n_at_len = 0
                 if pose[0]:  # the share of rows with skips; the mean span (last position + 1) of all rows
                     row.update(pose_rows=round(pose[1] / pose[0], 4), pose_span=round(pose[2] / pose[0], 1))
