@@ -42,8 +42,8 @@ compacted per (row, layer) (`csrc`, `cdst`, `cnt`), so the swap-in reads no mask
 nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
 
 Parallel passes (`parallel`, by default from `PAR_MIN_BLOCKS` slot blocks): those passes are loops
-of one program, so at N = 13,106 a placement took 44.5 us on the H200 (six a decode step, ~0.27 ms).
-Three launches with one program per (row, layer, block of BLOCK_N slots) do steps 2-4 instead (a
+of one program, so at N = 104,857 (the 1M request's 10% cap) a placement took 208 us on the H200
+(13,106: 44.5 us in a 128K decode profile, six placements a step). Three launches with one program per (row, layer, block of BLOCK_N slots) do steps 2-4 instead (a
 zeroed workspace beside them): `_par_pass_kernel` phase 0 touches its block's hits, counts the
 evictable / free keys with atomics and adds its block to a histogram of the keys' high radix digit
 (keys as d = key - (now - 2^(2 DB)), DB = `digit_bits`, so no pass for the key range is needed;
@@ -51,7 +51,8 @@ block 0 counts the misses); phase 1 picks that digit's bin (every program alike)
 low digit inside it, keeping each block's running histogram and its count below the bin; phase 2
 picks T and the ties to take, and each block writes its victims where the blocks before it end
 (their counts from the per-block figures), so the full kernel reads a list already in slot order. A
-key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's own select.
+key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's own select. Where nothing
+misses, phase 0 only touches the hits and every later step finds R = 0.
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ HIT_CHUNK = 256  # positions per program of the all-hit pass
 # slot keys per iteration of the full kernel's passes over N (a decode placement has only B x L
 # programs, so each pass is a latency-bound loop: wider steps mean fewer of them; was 1024)
 BLOCK_N = 2048
-# the parallel passes (one program per (row, layer, block of BLOCK_N slots), a few launches) from this
-# many blocks on: the single program's passes are latency-bound loops (13,106 slots: 44.5 us a
-# placement in the H200 decode profile, six a step)
-PAR_MIN_BLOCKS = 4
+# the parallel passes (one program per (row, layer, block of BLOCK_N slots), four launches) from this
+# many blocks on. H200, top-256 at hit rate 0.78, kernel time replayed from a graph (bench.place_bench,
+# thirteenth session): 13,107 slots (7 blocks) one program 50 us, parallel 59 us; 104,857 slots
+# (52 blocks) 208 us against 39 us. The one program grows ~3.5 us a block, so the two cross near
+# 9-10 blocks (interpolated from those two sizes, not measured between them)
+PAR_MIN_BLOCKS = 12
 # LONGCTX_PLACE_PARALLEL=0 keeps the one-program select for a process (A/B benches, or a GPU where the
 # parallel passes failed bench.gpu_kernel_check)
 PARALLEL_DEFAULT = os.environ.get("LONGCTX_PLACE_PARALLEL", "1").strip() != "0"
@@ -691,19 +694,22 @@ def _par_pass_kernel(
             _, _, _, _, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
             tl.store(w + 3, tl.sum(need.to(tl.int32), 0))
         tl.debug_barrier()
-        offs = lo + tl.arange(0, BLOCK_N)
-        key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
-        ev = key < BIG
-        rest = ev & (key >= 0)
-        d = key - (now - (1 << (2 * DB)))
-        ok = rest & (d >= 0)
-        n_free = tl.sum((ev & (key == -1)).to(tl.int32), 0)
-        tl.atomic_add(w, tl.sum(ev.to(tl.int32), 0))
-        tl.atomic_add(w + 1, n_free)
-        tl.atomic_add(w + 2, tl.sum((rest & (d < 0)).to(tl.int32), 0))
-        tl.store(pc_ptr + (pl * C + c) * 2, n_free)
-        hist = _hist(d >> DB, ok, NB)
-        tl.atomic_add(w + HIST + tl.arange(0, NB), hist, mask=hist > 0)
+        # nothing misses (every block sees the same p2s): no victims, so no scan; the workspace stays
+        # zero (R = 0), so phases 1 and 2 and the full kernel's victim steps do nothing either
+        if tl.sum(((p >= 0) & (slot < 0)).to(tl.int32), 0) > 0:
+            offs = lo + tl.arange(0, BLOCK_N)
+            key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
+            ev = key < BIG
+            rest = ev & (key >= 0)
+            d = key - (now - (1 << (2 * DB)))
+            ok = rest & (d >= 0)
+            n_free = tl.sum((ev & (key == -1)).to(tl.int32), 0)
+            tl.atomic_add(w, tl.sum(ev.to(tl.int32), 0))
+            tl.atomic_add(w + 1, n_free)
+            tl.atomic_add(w + 2, tl.sum((rest & (d < 0)).to(tl.int32), 0))
+            tl.store(pc_ptr + (pl * C + c) * 2, n_free)
+            hist = _hist(d >> DB, ok, NB)
+            tl.atomic_add(w + HIST + tl.arange(0, NB), hist, mask=hist > 0)
     else:
         # from the scan: free slots, R = min(misses, evictable), keys too old for the digits
         nfree, R, nold = tl.load(w + 1), tl.minimum(tl.load(w + 3), tl.load(w)), tl.load(w + 2)

@@ -169,6 +169,42 @@ def test_device_lru_rows_are_exact_and_capped(n_tokens, steps):
     kv.close()
 
 
+def test_prefill_placements_compile_nothing(monkeypatch):
+    """A prefill placement's width comes from the data (a chunk's queries x top-k, the tail's distinct
+    selections): it takes the torch placement even on the Triton path, since every new width would
+    compile a kernel variant (10-45 s each for sm_90; the H200's 128K capped prefill took 244 s). The
+    newest tokens (at most `recent` wide) and decode steps (top-k wide) keep the kernel."""
+    from longctx.hisparse import cache as cache_mod
+
+    calls: list[tuple[int, str, bool]] = []
+    real = cache_mod.lru_place
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        calls.append((args[4].shape[1], kw["backend"], kw["force"]))
+        return real(*args, **{**kw, "backend": "torch"})  # (the kernels are tested on their own)
+
+    monkeypatch.setattr(cache_mod, "lru_place", spy)
+    kv = _cache(6, use_triton=True)
+    g = torch.Generator().manual_seed(1)
+    for start, n_q in ((0, 20), (20, 1)):
+        ctx = _ctx(kv, [2, 0, 3], start, n_q)
+        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+        for t in range(n_q):
+            sel = torch.randperm(start + t + 1, generator=g)[:4]
+            topk[t, : len(sel)] = sel
+        for layer in range(3):  # (layer 1 shares layer 0's top-k)
+            kv.after_write(layer, ctx)
+            kv.resolve(layer, topk, ctx)
+        widths = {b for m, b, force in calls if not force and m > 4}
+        forced = {b for m, b, force in calls if force}
+        if n_q > 1:  # the chunk (20 x 4, sorted) and its tail's distinct selections
+            assert widths == {"torch"} and forced == {"triton"}
+        else:
+            assert {b for m, b, force in calls} == {"triton"}
+        calls.clear()
+    kv.close()
+
+
 def test_cap_must_exceed_topk():
     from longctx.errors import ConfigError
 

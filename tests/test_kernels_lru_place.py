@@ -80,6 +80,7 @@ def test_place_matches_reference(B, L, N, M, steps, seed, chunk):
         (3, 2, 200, 40, 12, 11, None, 16, 4),  # 4-bit digits: the clock's big jumps go serial
         (2, 1, 130, 16, 12, 12, None, 64, 2),  # 2-bit digits: most selects go serial
         (2, 2, 300, 40, 12, 13, 8, 64, 11),  # with the all-hit pass in front
+        (2, 2, 300, 40, 12, 17, 0, 32, 11),  # repeated requests without it: phase 0 finds no miss
         (1, 1, 48, 64, 8, 14, None, 16, 11),  # M > N: overflow, every slot a victim
     ],
 )
@@ -177,13 +178,17 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
 
 
 @pytest.mark.parametrize("hit_chunk,place_block", [(None, None), (2, None), (None, 2)])
-def test_cache_triton_path_matches_torch_path(hit_chunk, place_block):
+def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, monkeypatch):
     """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
     torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
     request whose block a new one reuses: same tables, same resolved rows and bytes, same stats.
     hit_chunk 2: the all-hit pass on every placement (top-k 4 here); place_block 2: the victims
-    chosen by the parallel passes (6 blocks of the 12 slots)."""
+    chosen by the parallel passes (6 blocks of the 12 slots, PAR_MIN_BLOCKS lowered to 4)."""
+    from longctx.kernels import lru_place as lru_place_mod
+
     from .test_hisparse_lru import _cache, _ctx
+
+    monkeypatch.setattr(lru_place_mod, "PAR_MIN_BLOCKS", 4)
 
     caches = [
         _cache(12, use_triton=False),

@@ -59,7 +59,11 @@ the rest (overflow) are copied into a per-step pool `[slot buffer | overflow row
 `attend_pool(layer)` returns for that layer until the next step. Overflow rows never become
 resident, so `device_tokens_max` <= N always; the per-step extra is reported as
 `overflow_rows_max`. Prefill rows are placed one row at a time and only they read an overflow
-count on the host; decode rows are placed together and never do. A chunk that may overflow first
+count on the host; decode rows are placed together and never do. A prefill placement's width comes
+from the data (a chunk's queries x top-k, or what its last queries selected), so it runs the torch
+placement on every device: on the Triton path each new width would compile a kernel variant (10-45 s
+for the sm_90 placement kernels at 1,024-4,096 positions), which made the H200's 128K capped prefill
+244 s instead of 9 s in the thirteenth session. A chunk that may overflow first
 places what its last `tail_queries` queries selected (`_place_tail`), so that is what stays
 resident for the first decode steps, which select much of it again. Results are exact: every
 attended row is a byte copy of the host row the paged pool would hold.
@@ -361,7 +365,7 @@ class HiSparseKVCache:
             if w and self._may_overflow(chunk.shape[1]):  # (else the whole chunk fits)
                 # what the chunk's last w queries selected first, so that it stays resident
                 self._place_tail(layer, li, row, q[e - w : e], acc)
-            p = self._place(self._one[li], row, chunk, acc)
+            p = self._place(self._one[li], row, chunk, acc, by_data=True)
             self._swap(layer, p, 0, False)
             if p.overflow is not None:
                 n = int(p.overflow.sum())  # host read only where overflow is possible (prefill)
@@ -597,6 +601,7 @@ class HiSparseKVCache:
         acc: torch.Tensor,
         force: bool = False,
         below: torch.Tensor | None = None,
+        by_data: bool = False,
     ) -> _Placed:
         """Make `pos` (int [B, M], -1 = none, duplicates allowed; positions >= below[b] and padding
         rows of a captured batch drop out) of rows `r` resident in
@@ -604,12 +609,14 @@ class HiSparseKVCache:
         own LRU). The caller copies (`_swap`) what `copy` marks. The overflow mask is None where
         overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
         on the host: copy them even if resident (and count them apart from hits / misses).
+        `by_data`: M comes from the data (prefill): the torch placement, which compiles nothing.
         """
         pl = lru_place(
             self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1), self._now_t, pos.contiguous(),
             r.p_at[:, li], r.s_at[:, li], r.base, r.newest_from, r.table, acc, n_slots=self.N,
             pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
-            backend=self._backend, valid=r.valid, below=below, hit_chunk=self._hit_chunk, **self._place_kw,
+            backend="torch" if by_data else self._backend, valid=r.valid, below=below,
+            hit_chunk=self._hit_chunk, **self._place_kw,
         )  # fmt: skip
         possible = self._may_overflow(pos.shape[1]) and not force
         return _Placed(
@@ -639,7 +646,7 @@ class HiSparseKVCache:
         if pos.numel() == 0:
             return
         tail = self._acc["tail"]
-        t = self._place(self._one[li], row, pos[None].to(q.dtype), tail)
+        t = self._place(self._one[li], row, pos[None].to(q.dtype), tail, by_data=True)
         self._swap(layer, t, 0, False)
         acc[0] -= tail[1]  # the chunk's placement will count them as hits
         acc[1] += tail[1]
