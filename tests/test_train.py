@@ -410,6 +410,31 @@ def test_probe_takes_the_faster_sparse_form_and_gathers_where_the_mask_does_not_
     assert forms == {} and seconds.keys() == {512, 640, 768} and model.measured_forms == {}
 
 
+def test_probe_times_each_phase_at_its_own_length_under_replay(monkeypatch) -> None:
+    """With replay the step a phase begins at may draw a shorter length; the probe still times a row
+    of the phase's own length (the H200 probe of run 15 timed a 16K row for the 64K phase)."""
+    import longctx.train.loop as loop
+
+    half = loop.NOMINAL_STEPS // 2
+    data = DataConfig(tokens_per_step=1536, curriculum=((0, 512), (half, 768)), replay_fraction=0.9, seed=0)
+    first = next(f for f in range(half, half + 100) if data.seq_len(f) != 768)  # a replayed first step
+    data = dataclasses.replace(data, curriculum=((0, 512), (first, 768)))
+    assert data.seq_len(first) == 512
+    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, warmup_steps=2, data=data)
+    timed: list[int] = []
+    real = loop.compute_loss
+
+    def spy(model, batch, *a, **k):  # type: ignore[no-untyped-def]
+        timed.append(batch.ids.shape[1])
+        return real(model, batch, *a, **k)
+
+    monkeypatch.setattr(loop, "compute_loss", spy)
+    model = _model(seed=2)
+    model.sparse_attention = "mask"
+    seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert seconds.keys() == {512, 768} and sorted(set(timed)) == [512, 768] and timed[-1] == 768
+
+
 def test_gate_waits_for_exact_match_over_the_window() -> None:
     from longctx.train.loop import gate_ready, next_length, realized_curriculum
 
