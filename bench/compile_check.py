@@ -2,8 +2,8 @@
 one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
-with and without the parallel passes, the passes' three phases, with and without the all-hit pass
-and the row masks. Needs TRITON_INTERPRET unset (tests run it in a subprocess).
+with and without the parallel passes or the step's candidates, the passes' three phases, with and
+without the all-hit pass and the row masks, and the candidates kernel. Needs TRITON_INTERPRET unset (tests run it in a subprocess).
 
     python -m bench.compile_check [--arch 90]
 """
@@ -25,13 +25,13 @@ _PTR = {
     "nf_ptr": "*i64", "table_ptr": "*i32", "acc_ptr": "*i64", "u_ptr": "*i64", "src_ptr": "*i64",
     "dst_ptr": "*i64", "copy_ptr": "*i1", "ovf_ptr": "*i1", "csrc_ptr": "*i64", "cdst_ptr": "*i64",
     "cnt_ptr": "*i64", "scr_ptr": "*i64", "slow_ptr": "*i32", "ws_ptr": "*i32", "pc_ptr": "*i32",
-    "cum_ptr": "*i32", "hscr_ptr": "*i64",
+    "cum_ptr": "*i32", "hscr_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*i64",
 }  # fmt: skip
 # the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
 _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
-    "PHASE": 0, "CH": 256,
+    "PHASE": 0, "CH": 256, "CAND": False,
 }  # fmt: skip
 
 
@@ -65,6 +65,9 @@ def variants() -> list[tuple[str, dict]]:
         masks = {"SPLIT": split, "HAS_VALID": not split, "HAS_BELOW": not split}
         out += [("_lru_place_kernel", {**masks, "PAR": par}) for par in (False, True)]
         out += [("_par_pass_kernel", {**masks, "PHASE": ph}) for ph in (0, 1, 2)]
+        # a decode placement from the step's candidates (256 of them: the top-k), and their kernel
+        out.append(("_lru_place_kernel", {**masks, "PAR": False, "CAND": True, "BLOCK_C": 256}))
+    out.append(("_lru_candidates_kernel", {"BLOCK_C": 256}))
     out.append(("_place_hits_kernel", {"BLOCK_M": 2048}))
     return out
 

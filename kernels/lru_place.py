@@ -53,6 +53,17 @@ picks T and the ties to take, and each block writes its victims where the blocks
 (their counts from the per-block figures), so the full kernel reads a list already in slot order. A
 key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's own select. Where nothing
 misses, phase 0 only touches the hits and every later step finds R = 0.
+
+Candidates (`lru_candidates`, then `lru_place(..., cand=...)`): a decode step places each (row, layer)
+once, after the step's newest tokens. Its victims are the R smallest (key, slot) of the slots
+evictable then, and those are the slots evictable at the start of the step less the ones this
+placement hits. So the C smallest evictable slots of every (row, layer) of the stage, found in ONE
+launch at the start of the step (`_lru_candidates_kernel`: the one-program select for C, then a sort
+by (key, slot)), hold every victim whenever C >= the placement's distinct positions (hits + misses
+<= M): the placement drops the candidates it hit (their stamp is now the clock) and takes the first R
+of the rest, in order, exactly what the select would have found. The per-layer placements then make
+no pass over the N slots at all, and the passes that remain run for all layers at once, side by side,
+instead of six times in a row.
 """
 
 from __future__ import annotations
@@ -196,6 +207,61 @@ def lru_place_ref(
     return Placement(u, src, dst, copy, need & ~placed, None, None, None)
 
 
+def lru_candidates_ref(
+    s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, s_at: torch.Tensor, newest_from: torch.Tensor,
+    *, n_slots: int, count: int,
+) -> torch.Tensor:  # fmt: skip
+    """Reference: int64 [B, L, count], each (row, layer)'s `count` smallest (key, slot) evictable slots
+    in that order (keys as the placement's: the stamp, free slots -1; slots holding a position >=
+    newest_from[b] or touched at `now` are not evictable), -1 where fewer are evictable."""
+    N = n_slots
+    cols = torch.arange(N, device=s_at.device)
+    s2p_n, stamp_n = s2p[s_at[:, :, None] + cols], stamp[s_at[:, :, None] + cols]  # [B, L, N]
+    key = torch.where((s2p_n >= newest_from[:, None, None]) | (stamp_n == now), _BIG, stamp_n)
+    order = torch.argsort(key, dim=-1, stable=True)[..., :count]
+    out = torch.where(key.gather(-1, order) < _BIG, order, -1)
+    if count > N:
+        out = torch.cat([out, out.new_full((*out.shape[:2], count - N), -1)], dim=-1)
+    return out
+
+
+def lru_candidates(
+    s2p: torch.Tensor,
+    stamp: torch.Tensor,
+    now: torch.Tensor,
+    s_at: torch.Tensor,
+    newest_from: torch.Tensor,
+    *,
+    n_slots: int,
+    count: int,
+    backend: str = "auto",
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """The victim candidates of a decode step's placements (module doc; `lru_candidates_ref`):
+    int64 [B, L, count], one launch for all B x L (row, layer)s. Call it after the step's newest
+    tokens are placed and before each (row, layer)'s one placement, which takes them through
+    `lru_place(..., cand=...)`. No host sync, no data-dependent shape (CUDA-graph safe)."""
+    check(s2p.dim() == 1 and stamp.dim() == 1 and s2p.dtype == stamp.dtype == torch.int64, "s2p / stamp")
+    check(now.dim() == 0 and now.dtype == torch.int64, "now must be a 0-d int64 tensor")
+    check(s_at.dim() == 2 and s_at.dtype == torch.int64, "s_at must be int64 [B, L]")
+    B, L = s_at.shape
+    check(newest_from.shape == (B,) and newest_from.dtype == torch.int64, "newest_from must be int64 [B]")
+    check(count >= 1 and block_n == next_pow2(block_n), "count >= 1; block_n a power of two")
+    if not use_triton(backend, s_at.device) or count > MAX_M or B * L == 0:
+        return lru_candidates_ref(s2p, stamp, now, s_at, newest_from, n_slots=n_slots, count=count)
+    dev = s_at.device
+    out = torch.empty((B, L, count), dtype=torch.int64, device=dev)
+    block_c = max(16, next_pow2(count))
+    scratch = torch.empty((B * L, 2, block_c), dtype=torch.int64, device=dev)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _lru_candidates_kernel[(B, L)](
+            s2p, stamp, now, s_at, s_at.stride(0), s_at.stride(1), newest_from.contiguous(), n_slots, L,
+            count, out, scratch, IB=max(1, (n_slots - 1).bit_length()), BLOCK_C=block_c, BLOCK_N=block_n,
+            NB=256, num_warps=8,
+        )  # fmt: skip
+    return out
+
+
 def lru_place(
     p2s: torch.Tensor,
     s2p: torch.Tensor,
@@ -221,6 +287,7 @@ def lru_place(
     below: torch.Tensor | None = None,
     parallel: bool | None = None,
     digit_bits: int = DIGIT_BITS,
+    cand: torch.Tensor | None = None,
 ) -> Placement:
     """One placement (arguments as `lru_place_ref`). The Triton path (M <= MAX_M) gives the same
     u / src / dst / copy / overflow and tables (sinks aside) plus the compacted copies; it makes no
@@ -235,7 +302,10 @@ def lru_place(
     slots (three launches) instead of the full kernel's loops (None: from `PAR_MIN_BLOCKS` blocks
     unless LONGCTX_PLACE_PARALLEL=0);
     digit_bits: its radix digit (two of them: keys older than 2^(2 digit_bits) steps send a
-    (row, layer) back to the full kernel's own select)."""
+    (row, layer) back to the full kernel's own select).
+    cand: int64 [B, L, C] (a view with unit last stride), `lru_candidates` of these (row, layer)s made
+    since the step's last placement of them, C >= M: the victims are taken from it (no pass over the
+    slots, no parallel passes). Ignored by the reference path, which finds the same victims."""
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
@@ -267,7 +337,14 @@ def lru_place(
     vb = valid if valid is not None else pos  # (unused pointers where absent)
     lim = below if below is not None else pos
     n_blk = triton.cdiv(n_slots, block_n)
-    if parallel is None:
+    if cand is not None:
+        check(
+            not force and cand.dim() == 3 and cand.shape[:2] == (B, L) and cand.shape[2] >= M
+            and cand.dtype == torch.int64 and cand.stride(2) == 1 and cand.device == dev,
+            "cand: int64 [B, L, C >= M] candidates of a non-forced placement",
+        )  # fmt: skip
+        parallel = False
+    elif parallel is None:
         parallel = PARALLEL_DEFAULT and n_blk >= PAR_MIN_BLOCKS
     check(
         block_n == next_pow2(block_n) and 1 <= digit_bits <= 15,
@@ -297,12 +374,16 @@ def lru_place(
                     BLOCK_N=block_n, BLOCK_C=max(2, next_pow2(n_blk)), NB=nb, DB=digit_bits, SPLIT=split,
                     HAS_VALID=valid is not None, HAS_BELOW=below is not None, PHASE=phase, num_warps=8,
                 )  # fmt: skip
+        cw = cand if cand is not None else s_at  # (an unused pointer without candidates)
+        c_n = cand.shape[2] if cand is not None else 1
         _lru_place_kernel[(B, L)](
             pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
             newest_from, table, table.stride(0), acc, n_slots, L,
             u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow, ws,
+            cw, cw.stride(0), cw.stride(1), c_n,
             PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=block_n, NB=256, SPLIT=split,
-            PAR=parallel, WS=ws_n, HAS_VALID=valid is not None, HAS_BELOW=below is not None, num_warps=8,
+            PAR=parallel, WS=ws_n, HAS_VALID=valid is not None, HAS_BELOW=below is not None,
+            CAND=cand is not None, BLOCK_C=max(16, next_pow2(c_n)), num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
 
@@ -458,9 +539,10 @@ def _lru_place_kernel(
     pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
     nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
     u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr, slow_ptr, ws_ptr,
+    cand_ptr, stride_cb, stride_cl, C,
     PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, PAR: tl.constexpr, WS: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr, CAND: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     BIG: tl.constexpr = 1 << 62
     b = tl.program_id(0)
@@ -488,9 +570,20 @@ def _lru_place_kernel(
     tl.debug_barrier()
     n_need = tl.sum(need.to(tl.int32), 0)
 
-    # 2-4. the R = min(misses, evictable) victims in lk / li: PAR, the parallel passes' lists
+    # 2-4. the R = min(misses, evictable) victims in lk / li: CAND, the candidates this placement
+    # did not hit (touched above: their stamp is now), in order; PAR, the parallel passes' lists
     # (_par_pass_kernel wrote them) unless a key was too old for their digits; else in here
-    if PAR:
+    if CAND:
+        cc = tl.arange(0, BLOCK_C)
+        cs = tl.load(cand_ptr + b * stride_cb + l * stride_cl + cc, mask=cc < C, other=-1)
+        cst = tl.load(st_ptr + bs + tl.maximum(cs, 0), mask=cs >= 0, other=0)
+        ok = (cs >= 0) & (cst != now)
+        oi = ok.to(tl.int32)
+        R = tl.minimum(n_need, tl.sum(oi, 0))
+        at = tl.cumsum(oi, 0) - oi
+        tl.store(li + at, cs, mask=ok & (at < R))
+        tl.debug_barrier()
+    elif PAR:
         w = ws_ptr + pl * WS
         if tl.load(w + 2) == 0:
             R = tl.minimum(n_need, tl.load(w))
@@ -499,18 +592,19 @@ def _lru_place_kernel(
     else:
         R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N, NB)
     # the victims in (key, slot) order: the list is unless it mixes several keys; then its <= M
-    # entries are sorted by (key + 1) << IB | slot
-    if R > 0:
-        tl.debug_barrier()
-        k = tl.load(lk + j, mask=j < R, other=BIG)
-        kp = tl.load(lk + j - 1, mask=(j > 0) & (j < R), other=-1)
-        if tl.sum(((j < R) & (k < kp)).to(tl.int32), 0) > 0:
-            v = tl.load(li + j, mask=j < R, other=0)
-            comb = tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF)
-            srt = tl.sort(comb)
+    # entries are sorted by (key + 1) << IB | slot (candidates come in that order)
+    if not CAND:  # noqa: SIM102 (constexpr, then a device value)
+        if R > 0:
             tl.debug_barrier()
-            tl.store(li + j, srt & ((1 << IB) - 1), mask=j < R)
-        tl.debug_barrier()
+            k = tl.load(lk + j, mask=j < R, other=BIG)
+            kp = tl.load(lk + j - 1, mask=(j > 0) & (j < R), other=-1)
+            if tl.sum(((j < R) & (k < kp)).to(tl.int32), 0) > 0:
+                v = tl.load(li + j, mask=j < R, other=0)
+                comb = tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF)
+                srt = tl.sort(comb)
+                tl.debug_barrier()
+                tl.store(li + j, srt & ((1 << IB) - 1), mask=j < R)
+            tl.debug_barrier()
 
     # 5. evict and insert: the i-th miss (ascending position) takes the i-th victim
     ni = need.to(tl.int32)
@@ -548,6 +642,31 @@ def _lru_place_kernel(
     else:
         tl.atomic_add(acc_ptr + 0, tl.sum(res.to(tl.int32), 0).to(tl.int64))
         tl.atomic_add(acc_ptr + 1, n_need.to(tl.int64))
+
+
+@jit
+def _lru_candidates_kernel(
+    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, out_ptr, scr_ptr,
+    IB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    # grid (B, L): the C smallest (key, slot) evictable slots of one (row, layer), in that order: the
+    # full kernel's select for C victims (slot order), then sorted by (key + 1) << IB | slot
+    BIG: tl.constexpr = 1 << 62
+    b = tl.program_id(0)
+    l = tl.program_id(1)
+    pl = (b * L + l).to(tl.int64)
+    now = tl.load(now_ptr)
+    bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
+    nf = tl.load(nf_ptr + b)
+    lk = scr_ptr + pl * (2 * BLOCK_C)
+    li = lk + BLOCK_C
+    R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
+    tl.debug_barrier()
+    j = tl.arange(0, BLOCK_C)
+    k = tl.load(lk + j, mask=j < R, other=BIG)
+    v = tl.load(li + j, mask=j < R, other=0)
+    srt = tl.sort(tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF))
+    tl.store(out_ptr + pl * C + j, tl.where(j < R, srt & ((1 << IB) - 1), -1), mask=j < C)
 
 
 @jit

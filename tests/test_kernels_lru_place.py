@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from longctx.kernels.common import HAS_TRITON, triton_interpret
-from longctx.kernels.lru_place import lru_place, lru_place_ref
+from longctx.kernels.lru_place import lru_candidates, lru_candidates_ref, lru_place, lru_place_ref
 
 from . import conftest_kernels  # noqa: F401  (TRITON_INTERPRET=1 before triton is imported)
 
@@ -93,7 +93,43 @@ def test_parallel_place_matches_reference(B, L, N, M, steps, seed, chunk, block_
     )
 
 
+@pytest.mark.parametrize(
+    "B,L,N,M,steps,seed,chunk,extra",
+    [
+        (1, 1, 40, 16, 14, 20, None, 0),
+        (3, 2, 24, 32, 10, 21, None, 0),  # M > N: overflow, every evictable slot a candidate
+        (2, 3, 300, 64, 10, 22, None, 5),  # more candidates than positions
+        (2, 2, 300, 40, 12, 23, 8, 0),  # behind the all-hit pass
+        (2, 2, 120, 40, 12, 24, 0, 0),  # repeated requests: every candidate may be a hit
+    ],
+)
+def test_place_from_candidates_matches_reference(B, L, N, M, steps, seed, chunk, extra):
+    """Victims taken from `lru_candidates` made just before each non-forced placement (C = M + extra
+    candidates per (row, layer)): the same tables, outputs and counters as the reference's select."""
+    _check_sequence(B, L, N, M, steps, seed, chunk, {"cand_count": M + extra})
+
+
+@pytest.mark.parametrize("B,L,N,count,seed", [(1, 1, 50, 16, 0), (3, 2, 300, 64, 1), (2, 3, 20, 32, 2)])
+def test_candidates_match_reference(B, L, N, count, seed):
+    """The candidates kernel against its reference on random tables: free slots, stamps of many
+    steps with ties, protected newest positions and slots touched at `now`; count > N pads with -1."""
+    g = torch.Generator().manual_seed(seed)
+    n_l = L + 1
+    s2p = torch.randint(-1, 4 * N, ((B + 1) * n_l * (N + 1),), generator=g)
+    stamp = torch.randint(-1, 12, s2p.shape, generator=g)
+    stamp[s2p < 0] = -1
+    now = torch.tensor(11, dtype=torch.int64)
+    trow = torch.arange(1, B + 1)[:, None] * n_l + torch.arange(1, 1 + L)
+    nf = torch.randint(N, 4 * N, (B,), generator=g)
+    want = lru_candidates_ref(s2p, stamp, now, trow * (N + 1), nf, n_slots=N, count=count)
+    got = lru_candidates(s2p, stamp, now, trow * (N + 1), nf, n_slots=N, count=count, backend="triton")
+    assert torch.equal(got, want)
+    assert (want >= 0).any() and ((want < 0).any() or count <= N)
+
+
 def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
+    kw = dict(kw)
+    cand_count = kw.pop("cand_count", None)
     g = torch.Generator().manual_seed(seed)
     n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
     ref = _Tables(B + 1, n_l, N, P)
@@ -129,6 +165,12 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
             below = torch.randint(0, hi + 2, (B,), generator=g)
             pos = torch.where(valid[:, None] & (pos < below[:, None]), pos, -1)
             pos_t = pos_t.to(torch.int32)
+        extra = {}
+        if cand_count is not None and not force:  # the candidates of the tables as they are now
+            extra["cand"] = lru_candidates(
+                tri.s2p.view(-1), tri.stamp.view(-1), now, trow * (N + 1), newest_from, n_slots=N,
+                count=cand_count, backend="triton",
+            )  # fmt: skip
         out = []
         for t, acc in ((ref, acc_r), (tri, acc_t)):
             out.append(
@@ -152,7 +194,14 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
                     **(
                         {}
                         if t is ref
-                        else {"backend": "triton", "hit_chunk": chunk, "valid": valid, "below": below, **kw}
+                        else {
+                            "backend": "triton",
+                            "hit_chunk": chunk,
+                            "valid": valid,
+                            "below": below,
+                            **kw,
+                            **extra,
+                        }
                     ),
                 )  # fmt: skip
             )
