@@ -67,7 +67,11 @@ def variants() -> list[tuple[str, dict]]:
         out += [("_par_pass_kernel", {**masks, "PHASE": ph}) for ph in (0, 1, 2)]
         # a decode placement from the step's candidates (256 of them: the top-k), and their kernel
         out.append(("_lru_place_kernel", {**masks, "PAR": False, "CAND": True, "BLOCK_C": 256}))
-    out.append(("_lru_candidates_kernel", {"BLOCK_C": 256}))
+    # the step's newest tokens (forced, row masks) from the same candidates (top-k + recent: 320)
+    out.append(
+        ("_lru_place_kernel", {"PAR": False, "CAND": True, "FORCE": True, "BLOCK_M": 64, "BLOCK_C": 512})
+    )
+    out.append(("_lru_candidates_kernel", {"BLOCK_C": 512}))
     out.append(("_place_hits_kernel", {"BLOCK_M": 2048}))
     return out
 

@@ -1,13 +1,15 @@
-"""Time one HiSparse placement (kernels/lru_place.py): the Triton kernel against the torch reference
-(the sort / scatter path it replaces), with its single-program select and with the parallel passes,
-at decode sizes with a full slot buffer.
+"""Time the HiSparse placements of a decode step (kernels/lru_place.py): the Triton kernel against the
+torch reference (the sort / scatter path it replaces), with its single-program select, with the
+parallel passes, and from the step's victim candidates, at decode sizes with a full slot buffer.
 
-Each case fills N slots per (row, layer) with decode steps of M (2048) top-k positions (ascending,
--1 padded) drawn from a growing context, then times `steps` further steps (clock tick + placement;
-hits, evictions and misses as they come, ~`hit` of the requests resident) with CUDA events around
-each call (host time in), each path on its own copy of the tables, and the Triton paths' kernels
-alone as `steps` placements replayed from one CUDA graph (per placement); the three paths' tables
-after the event-timed steps must agree (`tables_match`). Prints a table and writes JSON + markdown.
+A step places each of the L layers once, one call per layer as a decode step does (`cand`: one
+`lru_candidates` launch for all L layers first). Each case fills N slots per (row, layer) with decode
+steps of M (2048) top-k positions (ascending, -1 padded) drawn from a growing context, then times
+`steps` further steps (clock tick + placements; hits, evictions and misses as they come, ~`hit` of
+the requests resident) with CUDA events around each step (host time in), each path on its own copy
+of the tables, and the Triton paths' kernels alone as `steps` steps replayed from one CUDA graph (per
+step); the paths' tables after the event-timed steps must agree (`tables_match`). Prints a table and
+writes JSON + markdown.
 With `--hit 1.0` (in the default set) every position hits: the Triton path is then the all-hit pass
 (M >= 512) plus a full placement that finds no misses.
 
@@ -27,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = [(13_107, 1, 1), (13_107, 1, 3), (13_107, 8, 1), (104_857, 1, 1), (104_857, 8, 2)]  # (N, B, L)
+# (N, B, L): the trained model's 128K decode places six layers a step (three full, three shared)
+CASES = [(13_107, 1, 1), (13_107, 1, 6), (13_107, 8, 1), (104_857, 1, 1), (104_857, 1, 6), (104_857, 8, 2)]
 
 
 def _case(
@@ -38,7 +41,7 @@ def _case(
     events around one call per step (host time in: the wrapper's allocations and launches) and,
     for the Triton paths, as the kernels alone: `steps` placements captured in one CUDA graph
     and replayed once (`graph_us`: per placement, the clock tick included)."""
-    from longctx.kernels.lru_place import lru_place, lru_place_ref
+    from longctx.kernels.lru_place import lru_candidates, lru_place, lru_place_ref
 
     dev = "cuda"
     ctx_max = int(n / 0.1)  # the cap is 10% of the context, as in the one-million runs
@@ -55,6 +58,7 @@ def _case(
         ("torch", lru_place_ref, {}),
         ("serial", lru_place, {"backend": "triton", "parallel": False}),
         ("parallel", lru_place, {"backend": "triton", "parallel": True}),
+        ("cand", lru_place, {"backend": "triton", "cand": True}),
     )
     for name, fn, kw in paths:
         g = torch.Generator(device=dev).manual_seed(0)  # the same requests on every path
@@ -69,9 +73,18 @@ def _case(
 
         def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now)) -> None:  # type: ignore[no-untyped-def]
             f, kw_, p2s_, s2p_, st_, acc_, now_ = state
-            f(
-                p2s_.view(-1), s2p_.view(-1), st_.view(-1), now_, sel, p_at, s_at, base, nf, table, acc_, n_slots=n, pos_len=P, page_size=64, force=False, minus1=minus1, **kw_,
-            )  # fmt: skip
+            kw_ = dict(kw_)
+            cand = None
+            if kw_.pop("cand", False):  # the step's candidates for every layer, one launch
+                bn = {"block_n": kw_["block_n"]} if "block_n" in kw_ else {}
+                cand = lru_candidates(s2p_.view(-1), st_.view(-1), now_, s_at, nf, n_slots=n, count=M, **bn)
+            for li in range(layers):  # one placement per layer, as a decode step makes them
+                one = slice(li, li + 1)
+                if cand is not None:
+                    kw_["cand"] = cand[:, one]
+                f(
+                    p2s_.view(-1), s2p_.view(-1), st_.view(-1), now_, sel, p_at[:, one], s_at[:, one], base, nf, table, acc_, n_slots=n, pos_len=P, page_size=64, force=False, minus1=minus1, **kw_,
+                )  # fmt: skip
 
         def requests(prev: torch.Tensor, g: torch.Generator = g) -> torch.Tensor:
             return torch.where(
@@ -126,7 +139,8 @@ def _case(
             torch.cuda.synchronize()
             res[name]["graph_us"] = 1e3 * a.elapsed_time(z) / steps
     same = all(
-        all(torch.equal(x, y) for x, y in zip(snaps["torch"], snaps[k])) for k in ("serial", "parallel")
+        all(torch.equal(x, y) for x, y in zip(snaps["torch"], snaps[k]))
+        for k in ("serial", "parallel", "cand")
     )
     return {"N": n, "B": batch, "L": layers, "M": M, "tables_match": same, **res}
 
@@ -168,17 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         for n, b, l in cases
     ]
     lines = [
-        "| N | B | L | M | block_n | hit rate | same tables | torch us | serial us | parallel us | "
-        "serial graph us | parallel graph us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | B | L | M | block_n | hit rate | same tables | torch us | serial us | parallel us | cand us | "
+        "serial graph us | parallel graph us | cand graph us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        t, k, q = r["torch"], r["serial"], r["parallel"]
+        t, k, q, c = r["torch"], r["serial"], r["parallel"], r["cand"]
         lines.append(
             f"| {r['N']} | {r['B']} | {r['L']} | {r['M']} | {r['block_n'] or 'default'} | {k['hit_rate']:.3f} | "
             f"{'yes' if r['tables_match'] else '**NO**'} | "
-            f"{t['median_us']:.1f} | {k['median_us']:.1f} | {q['median_us']:.1f} | {k['graph_us']:.1f} | "
-            f"{q['graph_us']:.1f} |"
+            f"{t['median_us']:.1f} | {k['median_us']:.1f} | {q['median_us']:.1f} | {c['median_us']:.1f} | "
+            f"{k['graph_us']:.1f} | {q['graph_us']:.1f} | {c['graph_us']:.1f} |"
         )
     print("\n".join(lines))
     if args.out:

@@ -55,15 +55,15 @@ key older than 2^(2 DB) steps sends its (row, layer) to the full kernel's own se
 misses, phase 0 only touches the hits and every later step finds R = 0.
 
 Candidates (`lru_candidates`, then `lru_place(..., cand=...)`): a decode step places each (row, layer)
-once, after the step's newest tokens. Its victims are the R smallest (key, slot) of the slots
-evictable then, and those are the slots evictable at the start of the step less the ones this
-placement hits. So the C smallest evictable slots of every (row, layer) of the stage, found in ONE
-launch at the start of the step (`_lru_candidates_kernel`: the one-program select for C, then a sort
-by (key, slot)), hold every victim whenever C >= the placement's distinct positions (hits + misses
-<= M): the placement drops the candidates it hit (their stamp is now the clock) and takes the first R
-of the rest, in order, exactly what the select would have found. The per-layer placements then make
-no pass over the N slots at all, and the passes that remain run for all layers at once, side by side,
-instead of six times in a row.
+twice, its newest tokens and then its top-k. A placement's victims are the R smallest (key, slot) of
+the slots evictable then, which are the slots evictable at the step's start less those the step's
+placements touched so far (their stamp is the clock). So the C smallest evictable slots of every
+(row, layer) of the stage, found in ONE launch at the start of the step (`_lru_candidates_kernel`:
+the one-program select for C, then a sort by (key, slot)), hold every victim of both placements
+whenever C >= their distinct positions together (at most recent + top-k): each placement drops the
+candidates already touched and takes the first R of the rest, in order, exactly what the select
+would have found. The per-layer placements then make no pass over the N slots at all, and the
+passes that remain run for all layers at once, side by side, instead of six times in a row.
 """
 
 from __future__ import annotations
@@ -304,8 +304,10 @@ def lru_place(
     digit_bits: its radix digit (two of them: keys older than 2^(2 digit_bits) steps send a
     (row, layer) back to the full kernel's own select).
     cand: int64 [B, L, C] (a view with unit last stride), `lru_candidates` of these (row, layer)s made
-    since the step's last placement of them, C >= M: the victims are taken from it (no pass over the
-    slots, no parallel passes). Ignored by the reference path, which finds the same victims."""
+    this step (after the clock's tick) before any placement of them, with C >= the distinct positions
+    of all the placements that use it (the step's newest tokens and its top-k): the victims are taken
+    from it (no pass over the slots, no parallel passes). Ignored by the reference path, which finds
+    the same victims."""
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
@@ -339,9 +341,9 @@ def lru_place(
     n_blk = triton.cdiv(n_slots, block_n)
     if cand is not None:
         check(
-            not force and cand.dim() == 3 and cand.shape[:2] == (B, L) and cand.shape[2] >= M
+            cand.dim() == 3 and cand.shape[:2] == (B, L) and cand.shape[2] >= M
             and cand.dtype == torch.int64 and cand.stride(2) == 1 and cand.device == dev,
-            "cand: int64 [B, L, C >= M] candidates of a non-forced placement",
+            "cand: int64 [B, L, C >= M] victim candidates",
         )  # fmt: skip
         parallel = False
     elif parallel is None:

@@ -101,12 +101,17 @@ def test_parallel_place_matches_reference(B, L, N, M, steps, seed, chunk, block_
         (2, 3, 300, 64, 10, 22, None, 5),  # more candidates than positions
         (2, 2, 300, 40, 12, 23, 8, 0),  # behind the all-hit pass
         (2, 2, 120, 40, 12, 24, 0, 0),  # repeated requests: every candidate may be a hit
+        (1, 2, 60, 16, 14, 25, None, -3),  # a forced newest-tokens placement first, from the same ones
+        (3, 1, 200, 32, 12, 26, 0, -2),
     ],
 )
 def test_place_from_candidates_matches_reference(B, L, N, M, steps, seed, chunk, extra):
-    """Victims taken from `lru_candidates` made just before each non-forced placement (C = M + extra
-    candidates per (row, layer)): the same tables, outputs and counters as the reference's select."""
-    _check_sequence(B, L, N, M, steps, seed, chunk, {"cand_count": M + extra})
+    """Victims taken from `lru_candidates` made at each step's start (C = M + extra candidates per
+    (row, layer)): the same tables, outputs and counters as the reference's select. extra < 0: each
+    step first places its -extra newest positions (forced, as a decode step does) from the same
+    candidates, which then number M - extra (the distinct positions of both placements)."""
+    newest = max(0, -extra)
+    _check_sequence(B, L, N, M, steps, seed, chunk, {"cand_count": M + abs(extra), "newest": newest})
 
 
 @pytest.mark.parametrize("B,L,N,count,seed", [(1, 1, 50, 16, 0), (3, 2, 300, 64, 1), (2, 3, 20, 32, 2)])
@@ -130,6 +135,7 @@ def test_candidates_match_reference(B, L, N, count, seed):
 def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     kw = dict(kw)
     cand_count = kw.pop("cand_count", None)
+    newest = kw.pop("newest", 0)
     g = torch.Generator().manual_seed(seed)
     n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
     ref = _Tables(B + 1, n_l, N, P)
@@ -166,11 +172,21 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
             pos = torch.where(valid[:, None] & (pos < below[:, None]), pos, -1)
             pos_t = pos_t.to(torch.int32)
         extra = {}
-        if cand_count is not None and not force:  # the candidates of the tables as they are now
+        if cand_count is not None:  # the candidates of the tables as they are now
             extra["cand"] = lru_candidates(
                 tri.s2p.view(-1), tri.stamp.view(-1), now, trow * (N + 1), newest_from, n_slots=N,
                 count=cand_count, backend="triton",
             )  # fmt: skip
+        if newest:  # the step's newest positions first (forced), from the same candidates
+            npos = torch.arange(hi - newest, hi)[None].expand(B, newest).contiguous()
+            for t, acc in ((ref, acc_r), (tri, acc_t)):
+                (lru_place_ref if t is ref else lru_place)(
+                    t.p2s.view(-1), t.s2p.view(-1), t.stamp.view(-1), now,
+                    npos, trow * P, trow * (N + 1), base, newest_from, pages, acc, n_slots=N, pos_len=P,
+                    page_size=PS, force=True, minus1=minus1,
+                    **({} if t is ref else {"backend": "triton", **extra}),
+                )  # fmt: skip
+            assert ref.same(tri), step
         out = []
         for t, acc in ((ref, acc_r), (tri, acc_t)):
             out.append(
@@ -226,13 +242,17 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
-@pytest.mark.parametrize("hit_chunk,place_block", [(None, None), (2, None), (None, 2)])
-def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, monkeypatch):
+@pytest.mark.parametrize(
+    "hit_chunk,place_block,cand",
+    [(None, None, True), (2, None, True), (None, None, False), (None, 2, False), (2, 2, True)],
+)
+def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, cand, monkeypatch):
     """HiSparseKVCache with the placement kernel and the compacted swap-in (interpreted) against the
     torch path over prefill chunks (overflow), decode steps (prefetched shared layer) and a finished
     request whose block a new one reuses: same tables, same resolved rows and bytes, same stats.
-    hit_chunk 2: the all-hit pass on every placement (top-k 4 here); place_block 2: the victims
-    chosen by the parallel passes (6 blocks of the 12 slots, PAR_MIN_BLOCKS lowered to 4)."""
+    hit_chunk 2: the all-hit pass on every placement (top-k 4 here); place_block 2: slot blocks of 2
+    (the candidates' select, or the parallel passes over 6 blocks of the 12 slots, PAR_MIN_BLOCKS
+    lowered to 4); cand: decode placements take their victims from the step's candidates."""
     from longctx.kernels import lru_place as lru_place_mod
 
     from .test_hisparse_lru import _cache, _ctx
@@ -241,7 +261,7 @@ def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, monkeypatc
 
     caches = [
         _cache(12, use_triton=False),
-        _cache(12, use_triton=True, hit_chunk=hit_chunk, place_block=place_block),
+        _cache(12, use_triton=True, hit_chunk=hit_chunk, place_block=place_block, place_candidates=cand),
     ]
     pages = [2, 0, 3]
     g = torch.Generator().manual_seed(5)
@@ -284,6 +304,7 @@ def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, monkeypatc
         for (ra, pa), (rb, pb) in zip(*got):
             assert torch.equal(ra, rb) and torch.equal(pa, pb)
         a, b = caches
+        assert (b._cand is not None) == (cand and n_q == 1)  # a decode step made its candidates
         assert torch.equal(a._p2s[..., :-1], b._p2s[..., :-1])
         assert torch.equal(a._s2p[..., :-1], b._s2p[..., :-1])
         assert torch.equal(a._stamp[..., :-1], b._stamp[..., :-1])

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ from longctx.errors import ConfigError
 from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
 from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
-from longctx.kernels.lru_place import lru_place
+from longctx.kernels.lru_place import lru_candidates, lru_place
 from longctx.kernels.swap import swap_in_gather
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
 from longctx.model.context import ForwardContext
@@ -99,6 +100,11 @@ log = logging.getLogger("longctx.hisparse")
 # The engine's decode hit rate at a 10% cap (bench/results/hit-rate-cpu.md): 8K 0.766 without,
 # 0.792 / 0.796 / 0.804 / 0.804 with 8 / 32 / 128 / 2048 queries; 32K 0.779, 0.821 (32), 0.832 (128).
 TAIL_QUERIES = 128
+# A Triton decode step finds every (row, layer)'s victim candidates in one launch after the newest
+# tokens are placed (`lru_candidates`), and each layer's placement takes its victims from them instead
+# of walking the N slots itself (kernels/lru_place.py: the same victims). LONGCTX_PLACE_CANDIDATES=0
+# keeps each placement's own select (A/B benches).
+PLACE_CANDIDATES = os.environ.get("LONGCTX_PLACE_CANDIDATES", "1").strip() != "0"
 
 
 @dataclass
@@ -210,6 +216,7 @@ class HiSparseKVCache:
         hit_chunk: int | None = None,
         place_block: int | None = None,
         tail_queries: int = TAIL_QUERIES,
+        place_candidates: bool | None = None,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -224,6 +231,10 @@ class HiSparseKVCache:
         self.N = device_tokens
         self.recent = max(1, min(64 if recent is None else recent, (device_tokens - K) // 2))
         self.tail_queries = max(0, tail_queries)
+        self._use_cand = PLACE_CANDIDATES if place_candidates is None else place_candidates
+        # a decode step's two placements of a (row, layer) ask for <= recent + top-k positions
+        self._cand_n = K + self.recent
+        self._cand: torch.Tensor | None = None  # this decode step's victim candidates [B, layers, C]
         self.use_triton = use_triton
         self._backend = "triton" if use_triton else "torch"
         self._hit_chunk = hit_chunk
@@ -550,6 +561,15 @@ class HiSparseKVCache:
             self._dec = (tok, rows.take(torch.tensor(dec).to(dev, non_blocking=True)))
         else:
             self._dec = None
+        # a decode step places each (row, layer) twice (the newest tokens, then its own resolve or its
+        # full layer's prefetch): the victims of both are among the recent + K oldest evictable slots
+        # as they are now, after the clock's tick
+        self._cand = None
+        if self._fuse and self._use_cand:
+            self._cand = lru_candidates(
+                self._s2p.view(-1), self._stamp.view(-1), self._now_t, rows.s_at, rows.newest_from,
+                n_slots=self.N, count=self._cand_n, backend=self._backend, **self._place_kw,
+            )  # fmt: skip
         self._newest = self._place(self._every, rows, st.newest, self._acc["main"], force=True)
 
     def _capturing(self) -> bool:
@@ -610,13 +630,21 @@ class HiSparseKVCache:
         overflow is impossible, so decode never reads it on the host. `force`: rows were rewritten
         on the host: copy them even if resident (and count them apart from hits / misses).
         `by_data`: M comes from the data (prefill): the torch placement, which compiles nothing.
+        A pure decode step's placements take their victims from the step's candidates (`_begin`).
         """
+        cand = None
+        if (
+            self._cand is not None
+            and not by_data
+            and pos.shape[1] <= (self.recent if force else self._cand_n - self.recent)
+        ):
+            cand = self._cand[:, li]
         pl = lru_place(
             self._p2s.view(-1), self._s2p.view(-1), self._stamp.view(-1), self._now_t, pos.contiguous(),
             r.p_at[:, li], r.s_at[:, li], r.base, r.newest_from, r.table, acc, n_slots=self.N,
             pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
             backend="torch" if by_data else self._backend, valid=r.valid, below=below,
-            hit_chunk=self._hit_chunk, **self._place_kw,
+            hit_chunk=self._hit_chunk, cand=cand, **self._place_kw,
         )  # fmt: skip
         possible = self._may_overflow(pos.shape[1]) and not force
         return _Placed(
