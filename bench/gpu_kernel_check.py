@@ -437,13 +437,14 @@ def case_ln_rope_index(interleaved: bool) -> float:
     )
 
 
-def case_place(n: int, batch: int, layers: int, repeat: bool = False) -> float:
+def case_place(n: int, batch: int, layers: int, repeat: bool = False, cand: bool = False) -> float:
     """A sequence of decode placements (M = 2048 top-k rows, ascending then -1 padded; a buffer
     filling up, then full with hits and evictions; a padding row) on copies of the same tables:
     0.0 if the kernel's tables, outputs and counters equal the torch reference's every step.
     repeat: every other step asks for the last step's positions again (all hits: the hit pass
-    alone), every fourth one of those as a forced placement (its compacted copies)."""
-    from longctx.kernels.lru_place import lru_place, lru_place_ref
+    alone), every fourth one of those as a forced placement (its compacted copies).
+    cand: the kernel takes its victims from `lru_candidates` made before each step's placement."""
+    from longctx.kernels.lru_place import lru_candidates, lru_place, lru_place_ref
 
     dev, M, P = "cuda", 2048, 131_073
     g = torch.Generator(device=dev).manual_seed(n + batch)
@@ -479,7 +480,11 @@ def case_place(n: int, batch: int, layers: int, repeat: bool = False) -> float:
         nf = torch.full((batch,), ctx - 64, dtype=torch.int64, device=dev)
         outs = []
         for (p2s, s2p, st), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
-            kw = {"backend": "triton"} if fn is lru_place else {}
+            kw: dict = {"backend": "triton"} if fn is lru_place else {}
+            if cand and fn is lru_place:
+                kw["cand"] = lru_candidates(
+                    s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=M, backend="triton"
+                )
             outs.append(fn(
                 p2s.view(-1), s2p.view(-1), st.view(-1), now, pos.contiguous(), trow * P, trow * (n + 1),
                 1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=force,
@@ -611,6 +616,9 @@ CASES = {
     "place_105k_b1": (case_place, (104_857, 1, 2), 0.0),
     "place_105k_b8": (case_place, (104_857, 8, 2), 0.0),
     "place_allhit_13k_b1": (case_place, (13_107, 1, 3, True), 0.0),
+    "place_cand_13k_b1": (case_place, (13_107, 1, 3, False, True), 0.0),
+    "place_cand_13k_b8": (case_place, (13_107, 8, 3, True, True), 0.0),
+    "place_cand_105k_b1": (case_place, (104_857, 1, 2, False, True), 0.0),
     "place_allhit_13k_b8": (case_place, (13_107, 8, 1, True), 0.0),
     "place_hisparse_step_rows": (case_hisparse_step_rows, (8, 6), 0.0),
     "place_hisparse_resolve_tail_b1": (case_hisparse_resolve_tail, (1,), 0.0),

@@ -42,15 +42,15 @@ ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
 
 hisparse_measures() {
   # issue 5's figures with the model in $MODEL:
-  # the placement kernels against their reference on this GPU before the first capped run (the parallel
-  # select is new in the eleventh session; 13,107 and 104,857 slots, batch 1 and 8)
-  "$PY" -m bench.gpu_kernel_check --only place_1 --out "$S/checks/place"
+  # the placement kernels against their reference on this GPU before the first capped run (the victim
+  # candidates are new in the thirteenth session; 13,107 and 104,857 slots, batch 1 and 8)
+  "$PY" -m bench.gpu_kernel_check --only place_ --out "$S/checks/place"
   if ! "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' \
     "$S/checks/place/gpu-kernel-check.json"; then
     echo "placement check failed: the rest of the session keeps the one-program select"
     touch "$S/place.serial"
   fi
-  [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0
+  [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0 LONGCTX_PLACE_CANDIDATES=0
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
   # where the capped step's extra time goes with a trained model (issue 5: 1.39x at 0.75 hits in the
   # eleventh session, 0.27 ms of it the one-program placement): the 128K decode on RULER prompts profiled
