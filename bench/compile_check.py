@@ -31,7 +31,7 @@ _PTR = {
 _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
-    "PHASE": 0, "CH": 256, "CAND": False,
+    "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False,
 }  # fmt: skip
 
 
@@ -71,7 +71,9 @@ def variants() -> list[tuple[str, dict]]:
     out.append(
         ("_lru_place_kernel", {"PAR": False, "CAND": True, "FORCE": True, "BLOCK_M": 64, "BLOCK_C": 512})
     )
-    out.append(("_lru_candidates_kernel", {"BLOCK_C": 512}))
+    # the candidates (320 of them): one program's select, or the parallel passes without positions
+    out += [("_lru_candidates_kernel", {"BLOCK_C": 512, "PAR": par}) for par in (False, True)]
+    out += [("_par_pass_kernel", {"PHASE": ph, "FIXED": True, "BLOCK_M": 512}) for ph in (0, 1, 2)]
     out.append(("_place_hits_kernel", {"BLOCK_M": 2048}))
     return out
 

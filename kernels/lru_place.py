@@ -236,11 +236,15 @@ def lru_candidates(
     count: int,
     backend: str = "auto",
     block_n: int = BLOCK_N,
+    parallel: bool | None = None,
+    digit_bits: int = DIGIT_BITS,
 ) -> torch.Tensor:
     """The victim candidates of a decode step's placements (module doc; `lru_candidates_ref`):
-    int64 [B, L, count], one launch for all B x L (row, layer)s. Call it after the step's newest
-    tokens are placed and before each (row, layer)'s one placement, which takes them through
-    `lru_place(..., cand=...)`. No host sync, no data-dependent shape (CUDA-graph safe)."""
+    int64 [B, L, count], one launch for all B x L (row, layer)s (parallel: the select's passes over
+    the slots as `lru_place`'s parallel passes, three launches more; None: from PAR_MIN_BLOCKS slot
+    blocks). Call it after the step's clock tick and before the step's placements of those
+    (row, layer)s, which take them through `lru_place(..., cand=...)`. No host sync, no
+    data-dependent shape (CUDA-graph safe)."""
     check(s2p.dim() == 1 and stamp.dim() == 1 and s2p.dtype == stamp.dtype == torch.int64, "s2p / stamp")
     check(now.dim() == 0 and now.dtype == torch.int64, "now must be a 0-d int64 tensor")
     check(s_at.dim() == 2 and s_at.dtype == torch.int64, "s_at must be int64 [B, L]")
@@ -250,14 +254,31 @@ def lru_candidates(
     if not use_triton(backend, s_at.device) or count > MAX_M or B * L == 0:
         return lru_candidates_ref(s2p, stamp, now, s_at, newest_from, n_slots=n_slots, count=count)
     dev = s_at.device
+    nf = newest_from.contiguous()
     out = torch.empty((B, L, count), dtype=torch.int64, device=dev)
     block_c = max(16, next_pow2(count))
-    scratch = torch.empty((B * L, 2, block_c), dtype=torch.int64, device=dev)
+    scratch = torch.empty((B * L, 3, block_c), dtype=torch.int64, device=dev)
+    n_blk = triton.cdiv(n_slots, block_n)
+    if parallel is None:
+        parallel = PARALLEL_DEFAULT and n_blk >= PAR_MIN_BLOCKS
+    nb = 1 << digit_bits
+    ws_n = _WS_HIST + 2 * nb
+    ws = torch.zeros((B * L, ws_n), dtype=torch.int32, device=dev) if parallel else out
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        if parallel:
+            pc = torch.empty((B * L, n_blk, 2), dtype=torch.int32, device=dev)
+            cum = torch.empty((B * L, n_blk, nb), dtype=torch.int32, device=dev)
+            for phase in (0, 1, 2):  # scan, low digit, compaction (no requested positions: FIXED)
+                _par_pass_kernel[(B, L, n_blk)](
+                    s_at, count, s_at, s_at, s2p, s2p, stamp, now, s_at, s_at, s_at.stride(0), s_at.stride(1),
+                    nf, n_slots, L, n_blk, scratch, out, ws, pc, cum, WS=ws_n, BLOCK_M=block_c,
+                    BLOCK_N=block_n, BLOCK_C=max(2, next_pow2(n_blk)), NB=nb, DB=digit_bits, SPLIT=False,
+                    HAS_VALID=False, HAS_BELOW=False, PHASE=phase, FIXED=True, num_warps=8,
+                )  # fmt: skip
         _lru_candidates_kernel[(B, L)](
-            s2p, stamp, now, s_at, s_at.stride(0), s_at.stride(1), newest_from.contiguous(), n_slots, L,
-            count, out, scratch, IB=max(1, (n_slots - 1).bit_length()), BLOCK_C=block_c, BLOCK_N=block_n,
-            NB=256, num_warps=8,
+            s2p, stamp, now, s_at, s_at.stride(0), s_at.stride(1), nf, n_slots, L, count, out, scratch, ws,
+            IB=max(1, (n_slots - 1).bit_length()), BLOCK_C=block_c, BLOCK_N=block_n, NB=256, PAR=parallel,
+            WS=ws_n, num_warps=8,
         )  # fmt: skip
     return out
 
@@ -648,11 +669,13 @@ def _lru_place_kernel(
 
 @jit
 def _lru_candidates_kernel(
-    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, out_ptr, scr_ptr,
-    IB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+    s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, out_ptr, scr_ptr, ws_ptr,
+    IB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PAR: tl.constexpr,
+    WS: tl.constexpr,
 ):  # fmt: skip
     # grid (B, L): the C smallest (key, slot) evictable slots of one (row, layer), in that order: the
-    # full kernel's select for C victims (slot order), then sorted by (key + 1) << IB | slot
+    # select for C victims (slot order; PAR: the parallel passes' list, unless a key was too old for
+    # their digits), then sorted by (key + 1) << IB | slot
     BIG: tl.constexpr = 1 << 62
     b = tl.program_id(0)
     l = tl.program_id(1)
@@ -660,9 +683,16 @@ def _lru_candidates_kernel(
     now = tl.load(now_ptr)
     bs = tl.load(sat_ptr + b * stride_ab + l * stride_al)
     nf = tl.load(nf_ptr + b)
-    lk = scr_ptr + pl * (2 * BLOCK_C)
+    lk = scr_ptr + pl * (3 * BLOCK_C) + BLOCK_C  # (the parallel passes' layout)
     li = lk + BLOCK_C
-    R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
+    if PAR:
+        w = ws_ptr + pl * WS
+        if tl.load(w + 2) == 0:
+            R = tl.minimum(C + 0 * N, tl.load(w))
+        else:
+            R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
+    else:
+        R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
     tl.debug_barrier()
     j = tl.arange(0, BLOCK_C)
     k = tl.load(lk + j, mask=j < R, other=BIG)
@@ -777,8 +807,10 @@ def _par_pass_kernel(
     nf_ptr, N, L, C, scr_ptr, slow_ptr, ws_ptr, pc_ptr, cum_ptr,
     WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr,
     DB: tl.constexpr, SPLIT: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr, PHASE: tl.constexpr,
+    FIXED: tl.constexpr = False,
 ):  # fmt: skip
     # One of the parallel passes, grid (B, L, C blocks of BLOCK_N slots), launched for PHASE 0, 1, 2.
+    # FIXED: the victim candidates' select (`lru_candidates`): M victims wanted, nothing requested.
     # 0 (scan): touch the block's hits, then count its evictable / free / too-old keys and histogram
     # digit 0 into the workspace; block 0 also counts the misses. 1: where the victims go beyond the
     # free slots, digit 1's histogram of the keys in digit 0's chosen bin (global, and running per
@@ -800,24 +832,30 @@ def _par_pass_kernel(
     nf = tl.load(nf_ptr + b)
     w = ws_ptr + pl * WS
     if PHASE == 0:
-        bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
-        j = tl.arange(0, BLOCK_M)
-        jm = j < M
-        prow = pos_ptr + b.to(tl.int64) * M
-        vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
         lo = c * BLOCK_N
-        # (a position asked for twice touches its slot twice, to the same value)
-        p = _req(prow, j, jm, -1, vb, lim)
-        slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
-        tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
-        if c == 0:
-            us = scr_ptr + pl * (3 * BLOCK_M)
-            _, _, _, _, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
-            tl.store(w + 3, tl.sum(need.to(tl.int32), 0))
-        tl.debug_barrier()
-        # nothing misses (every block sees the same p2s): no victims, so no scan; the workspace stays
-        # zero (R = 0), so phases 1 and 2 and the full kernel's victim steps do nothing either
-        if tl.sum(((p >= 0) & (slot < 0)).to(tl.int32), 0) > 0:
+        if FIXED:
+            if c == 0:
+                tl.store(w + 3, M + 0 * N)
+            go = M + 0 * N
+        else:
+            bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+            j = tl.arange(0, BLOCK_M)
+            jm = j < M
+            prow = pos_ptr + b.to(tl.int64) * M
+            vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+            # (a position asked for twice touches its slot twice, to the same value)
+            p = _req(prow, j, jm, -1, vb, lim)
+            slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
+            tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
+            if c == 0:
+                us = scr_ptr + pl * (3 * BLOCK_M)
+                _, _, _, _, need = _lookup(prow, us, j, jm, M, vb, lim, p2s_ptr, bp, BIG)
+                tl.store(w + 3, tl.sum(need.to(tl.int32), 0))
+            tl.debug_barrier()
+            # nothing misses (every block sees the same p2s): no victims, so no scan; the workspace
+            # stays zero (R = 0), so phases 1 and 2 and the full kernel's victim steps do nothing either
+            go = tl.sum(((p >= 0) & (slot < 0)).to(tl.int32), 0)
+        if go > 0:
             offs = lo + tl.arange(0, BLOCK_N)
             key = _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG)
             ev = key < BIG

@@ -114,20 +114,32 @@ def test_place_from_candidates_matches_reference(B, L, N, M, steps, seed, chunk,
     _check_sequence(B, L, N, M, steps, seed, chunk, {"cand_count": M + abs(extra), "newest": newest})
 
 
-@pytest.mark.parametrize("B,L,N,count,seed", [(1, 1, 50, 16, 0), (3, 2, 300, 64, 1), (2, 3, 20, 32, 2)])
-def test_candidates_match_reference(B, L, N, count, seed):
+@pytest.mark.parametrize(
+    "B,L,N,count,seed,par",
+    [
+        (1, 1, 50, 16, 0, None),
+        (3, 2, 300, 64, 1, None),
+        (2, 3, 20, 32, 2, None),
+        (2, 2, 300, 64, 3, (32, 11)),  # the parallel passes: 10 blocks, the last one partial
+        (1, 2, 100, 40, 4, (16, 2)),  # 2-bit digits: stamps too old for them take the serial select
+        (2, 1, 20, 32, 5, (8, 11)),  # count > N, in parallel
+    ],
+)
+def test_candidates_match_reference(B, L, N, count, seed, par):
     """The candidates kernel against its reference on random tables: free slots, stamps of many
-    steps with ties, protected newest positions and slots touched at `now`; count > N pads with -1."""
+    steps with ties, protected newest positions and slots touched at `now`; count > N pads with -1.
+    par (block_n, digit_bits): the select's passes over the slots as the parallel passes."""
     g = torch.Generator().manual_seed(seed)
     n_l = L + 1
     s2p = torch.randint(-1, 4 * N, ((B + 1) * n_l * (N + 1),), generator=g)
-    stamp = torch.randint(-1, 12, s2p.shape, generator=g)
+    stamp = torch.randint(-1, 41, s2p.shape, generator=g)  # (2-bit digits span 16 steps: too old)
     stamp[s2p < 0] = -1
-    now = torch.tensor(11, dtype=torch.int64)
+    now = torch.tensor(40, dtype=torch.int64)
     trow = torch.arange(1, B + 1)[:, None] * n_l + torch.arange(1, 1 + L)
     nf = torch.randint(N, 4 * N, (B,), generator=g)
     want = lru_candidates_ref(s2p, stamp, now, trow * (N + 1), nf, n_slots=N, count=count)
-    got = lru_candidates(s2p, stamp, now, trow * (N + 1), nf, n_slots=N, count=count, backend="triton")
+    kw = {} if par is None else {"parallel": True, "block_n": par[0], "digit_bits": par[1]}
+    got = lru_candidates(s2p, stamp, now, trow * (N + 1), nf, n_slots=N, count=count, backend="triton", **kw)
     assert torch.equal(got, want)
     assert (want >= 0).any() and ((want < 0).any() or count <= N)
 
