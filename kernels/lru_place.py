@@ -59,7 +59,8 @@ twice, its newest tokens and then its top-k. A placement's victims are the R sma
 the slots evictable then, which are the slots evictable at the step's start less those the step's
 placements touched so far (their stamp is the clock). So the C smallest evictable slots of every
 (row, layer) of the stage, found in ONE launch at the start of the step (`_lru_candidates_kernel`:
-the one-program select for C, then a sort by (key, slot)), hold every victim of both placements
+the one-program select for C, then a sort by (key, slot); from PAR_MIN_BLOCKS slot blocks the
+parallel passes do the select first, `FIXED`), hold every victim of both placements
 whenever C >= their distinct positions together (at most recent + top-k): each placement drops the
 candidates already touched and takes the first R of the rest, in order, exactly what the select
 would have found. The per-layer placements then make no pass over the N slots at all, and the
