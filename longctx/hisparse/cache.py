@@ -100,10 +100,10 @@ log = logging.getLogger("longctx.hisparse")
 # The engine's decode hit rate at a 10% cap (bench/results/hit-rate-cpu.md): 8K 0.766 without,
 # 0.792 / 0.796 / 0.804 / 0.804 with 8 / 32 / 128 / 2048 queries; 32K 0.779, 0.821 (32), 0.832 (128).
 TAIL_QUERIES = 128
-# A Triton decode step finds every (row, layer)'s victim candidates in one launch after the newest
-# tokens are placed (`lru_candidates`), and each layer's placement takes its victims from them instead
-# of walking the N slots itself (kernels/lru_place.py: the same victims). LONGCTX_PLACE_CANDIDATES=0
-# keeps each placement's own select (A/B benches).
+# A Triton decode step finds every (row, layer)'s victim candidates in one launch after the clock's
+# tick (`lru_candidates`), and its newest-token placement and each layer's top-k placement take their
+# victims from them instead of walking the N slots themselves (kernels/lru_place.py: the same
+# victims). LONGCTX_PLACE_CANDIDATES=0 keeps each placement's own select (A/B benches).
 PLACE_CANDIDATES = os.environ.get("LONGCTX_PLACE_CANDIDATES", "1").strip() != "0"
 
 
