@@ -440,6 +440,21 @@ def _row_masks(vb_ptr, lim_ptr, b, HAS_VALID: tl.constexpr, HAS_BELOW: tl.conste
 
 
 @jit
+def _row_request(
+    pos_ptr, M, vb_ptr, lim_ptr, pat_ptr, stride_ab, stride_al, b, l, BLOCK_M: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
+):  # fmt: skip
+    # row b's requested positions as they come (-1 where masked) and what reading them takes: the
+    # (row, layer)'s p2s offset, the lanes, the row's pointer and masks
+    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
+    j = tl.arange(0, BLOCK_M)
+    jm = j < M
+    prow = pos_ptr + b.to(tl.int64) * M
+    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+    return bp, j, jm, prow, vb, lim, _req(prow, j, jm, -1, vb, lim)
+
+
+@jit
 def _keys(s2p_ptr, st_ptr, bs, offs, N, nf, now, BIG: tl.constexpr):
     # LRU keys of slots offs of one (row, layer): the stamp, or BIG where not evictable
     inb = offs < N
@@ -720,12 +735,9 @@ def _place_hits_kernel(
     l = tl.program_id(1)
     c = tl.program_id(2)
     pl = (b * L + l).to(tl.int64)
-    bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
-    j = tl.arange(0, BLOCK_M)
-    jm = j < M
-    prow = pos_ptr + b.to(tl.int64) * M
-    vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
-    p = _req(prow, j, jm, -1, vb, lim)
+    bp, j, jm, prow, vb, lim, p = _row_request(
+        pos_ptr, M, vb_ptr, lim_ptr, pat_ptr, stride_ab, stride_al, b, l, BLOCK_M, HAS_VALID, HAS_BELOW
+    )
     seen = tl.associative_scan(_req(prow, j - 1, jm & (j > 0), -1, vb, lim), 0, _max)
     bad = jm & ((p < -1) | ((p >= 0) & (p < seen)))
     slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=jm & (p >= 0), other=0)
@@ -839,13 +851,21 @@ def _par_pass_kernel(
                 tl.store(w + 3, M + 0 * N)
             go = M + 0 * N
         else:
-            bp = tl.load(pat_ptr + b * stride_ab + l * stride_al)
-            j = tl.arange(0, BLOCK_M)
-            jm = j < M
-            prow = pos_ptr + b.to(tl.int64) * M
-            vb, lim = _row_masks(vb_ptr, lim_ptr, b, HAS_VALID, HAS_BELOW)
+            bp, j, jm, prow, vb, lim, p = _row_request(
+                pos_ptr,
+                M,
+                vb_ptr,
+                lim_ptr,
+                pat_ptr,
+                stride_ab,
+                stride_al,
+                b,
+                l,
+                BLOCK_M,
+                HAS_VALID,
+                HAS_BELOW,
+            )
             # (a position asked for twice touches its slot twice, to the same value)
-            p = _req(prow, j, jm, -1, vb, lim)
             slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
             tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
             if c == 0:
