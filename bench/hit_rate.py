@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,15 +143,64 @@ def tail_cover(
     return out
 
 
+def warm_lru(
+    steps: Sequence[Sequence[int]],
+    tail: Sequence[Sequence[int]],
+    freq: dict[int, int],
+    first_ctx: int,
+    cap: int,
+    recent: int,
+) -> dict[str, float]:
+    """LRU with `cap` slots (the `recent` newest pinned), every decode step counted, starting from
+    what a prefill could leave resident: nothing ("cold"); the prompt's last queries' selections,
+    latest query first ("tail", as HiSparse's tail placement), or by how many of those queries
+    selected them ("tail_count"); the positions the whole prefill
+    selected most often ("freq", `freq`: position -> how many prefill queries selected it); the tail
+    first, then the most frequent ("tail_freq"). Each start set is cut to the cap's evictable room, and
+    its first entries are the most recent."""
+    room = cap - recent
+    latest = list(dict.fromkeys(p for sel in reversed(tail) for p in sel))  # the latest query's first
+    by_freq = sorted(freq, key=lambda p: (-freq[p], -p))
+    n_tail: dict[int, int] = {}
+    for sel in tail:
+        for p in sel:
+            n_tail[p] = n_tail.get(p, 0) + 1
+    rank = {p: i for i, p in enumerate(latest)}
+    starts = {
+        "cold": [],
+        "tail": latest[:room],
+        # the tail's positions by how many of its queries selected them, then latest first
+        "tail_count": sorted(latest, key=lambda p: (-n_tail[p], rank[p]))[:room],
+        "freq": by_freq[:room],
+        "tail_freq": list(dict.fromkeys(latest + by_freq))[:room],
+    }
+    out: dict[str, float] = {}
+    for name, start in starts.items():
+        lru: OrderedDict[int, None] = OrderedDict((p, None) for p in reversed(start))  # first = oldest
+        hits = total = 0
+        for t, sel in enumerate(steps):
+            cur = set(sel)
+            pinned = {p for p in cur if p >= first_ctx + t - recent}
+            old = cur - pinned
+            total += len(cur)
+            hits += len(pinned) + sum(1 for p in old if p in lru)
+            _use(lru, sorted(old), room)
+        out[name] = hits / max(1, total)
+    out["freq_positions"] = float(len(freq))
+    return out
+
+
 class SelectionRecorder:
     """While entered: every layer's batch-1 decode selection as HiSparse resolves it (positions, -1
     dropped), and with `ahead` > 0 the next `ahead` positions the indexer ranked below its top-k (the
     torch top-k, i.e. the CPU path). Patches `HiSparseKVCache.resolve` and `topk.topk_indices_ref`."""
 
-    def __init__(self, ahead: int = 0, tail: int = 0) -> None:
+    def __init__(self, ahead: int = 0, tail: int = 0, freq: bool = False) -> None:
         self.ahead = ahead
         self.tail = tail  # prefill: keep each layer's last `tail` query rows of the latest chunk
         self.prefill_tail: dict[int, list[list[int]]] = {}
+        self.freq = freq  # prefill: count how many queries selected each position, per layer
+        self.prefill_freq: dict[int, torch.Tensor] = {}
         self.steps: dict[int, list[list[int]]] = {}
         self.below: dict[int, list[list[int]]] = {}
         self.recent = 0
@@ -176,6 +227,16 @@ class SelectionRecorder:
             if rec.tail and getattr(cache, "_dec", None) is None and topk.shape[0] > 1:  # a prefill chunk
                 rows = topk[-rec.tail :].tolist()
                 rec.prefill_tail[layer] = [[p for p in r if p >= 0] for r in rows]
+            if rec.freq and getattr(cache, "_dec", None) is None and topk.shape[0] > 1:
+                sel = topk[topk >= 0].long().flatten().cpu()
+                n = torch.bincount(sel, minlength=int(sel.max()) + 1 if sel.numel() else 0)
+                prev = rec.prefill_freq.get(layer)
+                if prev is not None:
+                    m = max(prev.numel(), n.numel())
+                    n = torch.nn.functional.pad(n, (0, m - n.numel())) + torch.nn.functional.pad(
+                        prev, (0, m - prev.numel())
+                    )
+                rec.prefill_freq[layer] = n
             if topk.shape[0] == 1 and getattr(cache, "_dec", None) is not None:
                 rec.steps.setdefault(layer, []).append([p for p in topk[0].tolist() if p >= 0])
                 rec.below.setdefault(layer, []).append(list(rec._extra))  # shared layers: their full layer's
@@ -218,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="with --policies: also count what the prompt's last N queries' selections would hold",
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="with --policies and --tail: LRU started from what prefill could leave resident (the tail, "
+        "the positions the prefill selected most often, both)",
+    )
     args = ap.parse_args(argv)
 
     from bench.common import niah_byte_prompt
@@ -230,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     topk = ModelConfig.from_json(args.model).index_topk
     cap = max(topk + 2, int(args.cap_fraction * len(ids)))  # a decode query's selection must fit
     params = SamplingParams(max_new_tokens=args.steps, temperature=0.0, ignore_eos=True)
-    rec = SelectionRecorder(args.ahead, args.tail) if args.policies else contextlib.nullcontext()
+    rec = SelectionRecorder(args.ahead, args.tail, args.warm) if args.policies else contextlib.nullcontext()
     with (
         rec,
         Engine(args.model, device=args.device, hisparse_device_tokens=cap, chunk_size=args.chunk) as eng,
@@ -272,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                         for k, v in tail_cover(st, rec.prefill_tail.get(layer, []), len(ids) + 1, r).items()
                     }
                 )
+        if args.warm:
+            for layer, st in rec.steps.items():
+                f = rec.prefill_freq.get(layer, torch.zeros(0, dtype=torch.long))
+                nz = f.nonzero().flatten()
+                freq = dict(zip(nz.tolist(), f[nz].tolist()))
+                w = warm_lru(st, rec.prefill_tail.get(layer, []), freq, len(ids) + 1, cap, r)
+                per[layer].update({f"warm_{k}": v for k, v in w.items()})
         keys = tuple(next(iter(per.values())))
         mean = {k: sum(v[k] for v in per.values()) / len(per) for k in keys}
         res["policies"] = {
@@ -297,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.tail} prompt queries' selections ({mean['tail_tail_positions']:.0f} positions) "
                 f"{mean['tail_tail']:.3f}"
                 if args.tail
+                else ""
+            )
+            + (
+                f"; LRU at the cap, every step, from empty {mean['warm_cold']:.3f}, from the tail "
+                f"{mean['warm_tail']:.3f}, from the prefill's most selected {mean['warm_freq']:.3f}, "
+                f"tail then most selected {mean['warm_tail_freq']:.3f}"
+                if args.warm
                 else ""
             )
         )
