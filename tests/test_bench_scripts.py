@@ -483,7 +483,7 @@ def test_cache_policy_replay_against_hand_counts() -> None:
     """`replay` on a sequence worked out by hand, then Belady >= LRU on random ones; `tail_cover` by hand."""
     import random
 
-    from bench.hit_rate import replay, tail_cover
+    from bench.hit_rate import replay, tail_cover, warm_lru
 
     # 3 slots for old positions (cap 4, the newest position pinned); step t's context is 100 + t tokens
     steps = [[0, 1], [2, 3], [0, 2], [1, 3, 102]]  # 102: the newest position at step 3
@@ -508,6 +508,15 @@ def test_cache_policy_replay_against_hand_counts() -> None:
     c = tail_cover(steps, [[0, 5], [5, 9]], 100, recent=1)
     assert c["cold"] == (1 + 1 + 1) / 7  # 100 pinned; 0 seen at step 1; 1 seen at step 2
     assert c["tail"] == (2 + 1 + 2) / 7 and c["tail_positions"] == 3  # + 0 at step 0, + 5 at step 2
+    # LRU at the cap from a prefill's leftovers: room 2 (cap 3, one pinned); the tail latest first is
+    # 5, 9, 0, by count in it 5 (twice), 9, 0; the whole prefill's most selected 1, 0, 5
+    w = warm_lru(steps, [[0, 5], [5, 9]], {1: 9, 0: 4, 5: 1}, 100, cap=3, recent=1)
+    # from empty: step 0 only the pinned 100 -> {0, 1}; step 1 hits 0 -> {0, 2}; step 2 none
+    assert w["cold"] == (1 + 1 + 0) / 7
+    # from {5, 9}: step 0 misses both and evicts them -> {0, 1}: then as from empty
+    assert w["tail"] == w["tail_count"] == w["tail_freq"] == (1 + 1 + 0) / 7
+    # from {1, 0}: step 0 hits both, step 1 hits 0 -> {0, 2}, step 2 none
+    assert w["freq"] == (3 + 1 + 0) / 7 and w["freq_positions"] == 3
 
 
 def test_vs_transformers_long_from(tmp_path):
