@@ -43,9 +43,10 @@ nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
 
 Parallel passes (`parallel`, by default from `PAR_MIN_BLOCKS` slot blocks): those passes are loops
 of one program, so at N = 104,857 (the 1M request's 10% cap) a placement took 208 us on the H200
-(13,106: 44.5 us in a 128K decode profile, six placements a step). Three launches with one program per (row, layer, block of BLOCK_N slots) do steps 2-4 instead (a
-zeroed workspace beside them): `_par_pass_kernel` phase 0 touches its block's hits, counts the
-evictable / free keys with atomics and adds its block to a histogram of the keys' high radix digit
+(13,106: 44.5 us in a 128K decode profile, six placements a step). Three launches with one program
+per (row, layer, block of BLOCK_N slots) do steps 2-4 instead (a zeroed workspace beside them):
+`_par_pass_kernel` phase 0 touches its block's hits, counts the evictable / free keys with atomics
+and adds its block to a histogram of the keys' high radix digit
 (keys as d = key - (now - 2^(2 DB)), DB = `digit_bits`, so no pass for the key range is needed;
 block 0 counts the misses); phase 1 picks that digit's bin (every program alike) and histograms the
 low digit inside it, keeping each block's running histogram and its count below the bin; phase 2
@@ -141,6 +142,17 @@ def _check(
     check(len(devs) == 1, "all tensors must be on one device")
 
 
+def _keys_ref(
+    s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, s_at: torch.Tensor, newest_from: torch.Tensor,
+    N: int,
+) -> torch.Tensor:  # fmt: skip
+    """The LRU keys [B, L, N] of every (row, layer)'s slots: the stamp (free slots -1), or _BIG where
+    the slot holds one of the row's newest positions or was touched at `now`."""
+    cols = torch.arange(N, device=s_at.device)
+    s2p_n, stamp_n = s2p[s_at[:, :, None] + cols], stamp[s_at[:, :, None] + cols]
+    return torch.where((s2p_n >= newest_from[:, None, None]) | (stamp_n == now), _BIG, stamp_n)
+
+
 def lru_place_ref(
     p2s: torch.Tensor,
     s2p: torch.Tensor,
@@ -181,9 +193,7 @@ def lru_place_ref(
     res = m & (slot >= 0)
     stamp[bs + torch.where(res, slot, N)] = now  # touch hits; they may not be evicted this step
     need = m & (slot < 0)
-    cols = torch.arange(N, device=pos.device)
-    s2p_n, stamp_n = s2p[s_at[:, :, None] + cols], stamp[s_at[:, :, None] + cols]  # [B, L, N]
-    key = torch.where((s2p_n >= newest_from[:, None, None]) | (stamp_n == now), _BIG, stamp_n)
+    key = _keys_ref(s2p, stamp, now, s_at, newest_from, N)
     order = torch.argsort(key, dim=-1, stable=True)  # free slots (stamp -1) first, then LRU
     cap = (key < _BIG).sum(-1, keepdim=True)
     rank = torch.cumsum(need.long(), -1) - 1
@@ -216,9 +226,7 @@ def lru_candidates_ref(
     in that order (keys as the placement's: the stamp, free slots -1; slots holding a position >=
     newest_from[b] or touched at `now` are not evictable), -1 where fewer are evictable."""
     N = n_slots
-    cols = torch.arange(N, device=s_at.device)
-    s2p_n, stamp_n = s2p[s_at[:, :, None] + cols], stamp[s_at[:, :, None] + cols]  # [B, L, N]
-    key = torch.where((s2p_n >= newest_from[:, None, None]) | (stamp_n == now), _BIG, stamp_n)
+    key = _keys_ref(s2p, stamp, now, s_at, newest_from, N)
     order = torch.argsort(key, dim=-1, stable=True)[..., :count]
     out = torch.where(key.gather(-1, order) < _BIG, order, -1)
     if count > N:
@@ -262,20 +270,14 @@ def lru_candidates(
     n_blk = triton.cdiv(n_slots, block_n)
     if parallel is None:
         parallel = PARALLEL_DEFAULT and n_blk >= PAR_MIN_BLOCKS
-    nb = 1 << digit_bits
-    ws_n = _WS_HIST + 2 * nb
-    ws = torch.zeros((B * L, ws_n), dtype=torch.int32, device=dev) if parallel else out
+    ws, ws_n = _par_workspace(B * L, digit_bits, parallel, out)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        if parallel:
-            pc = torch.empty((B * L, n_blk, 2), dtype=torch.int32, device=dev)
-            cum = torch.empty((B * L, n_blk, nb), dtype=torch.int32, device=dev)
-            for phase in (0, 1, 2):  # scan, low digit, compaction (no requested positions: FIXED)
-                _par_pass_kernel[(B, L, n_blk)](
-                    s_at, count, s_at, s_at, s2p, s2p, stamp, now, s_at, s_at, s_at.stride(0), s_at.stride(1),
-                    nf, n_slots, L, n_blk, scratch, out, ws, pc, cum, WS=ws_n, BLOCK_M=block_c,
-                    BLOCK_N=block_n, BLOCK_C=max(2, next_pow2(n_blk)), NB=nb, DB=digit_bits, SPLIT=False,
-                    HAS_VALID=False, HAS_BELOW=False, PHASE=phase, FIXED=True, num_warps=8,
-                )  # fmt: skip
+        if parallel:  # no requested positions (FIXED): their pointers are placeholders
+            lead = (s_at, count, s_at, s_at, s2p, s2p, stamp, now, s_at, s_at, *s_at.stride(), nf)
+            _par_passes(
+                lead, B, L, n_slots, n_blk, scratch, out, ws, block_m=block_c, block_n=block_n,
+                digit_bits=digit_bits, SPLIT=False, HAS_VALID=False, HAS_BELOW=False, FIXED=True,
+            )  # fmt: skip
         _lru_candidates_kernel[(B, L)](
             s2p, stamp, now, s_at, s_at.stride(0), s_at.stride(1), nf, n_slots, L, count, out, scratch, ws,
             IB=max(1, (n_slots - 1).bit_length()), BLOCK_C=block_c, BLOCK_N=block_n, NB=256, PAR=parallel,
@@ -374,9 +376,7 @@ def lru_place(
         block_n == next_pow2(block_n) and 1 <= digit_bits <= 15,
         "block_n: a power of two; 1 <= digit_bits <= 15",
     )
-    nb = 1 << digit_bits
-    ws_n = _WS_HIST + 2 * nb
-    ws = torch.zeros((B * L, ws_n), dtype=torch.int32, device=dev) if parallel else cnt
+    ws, ws_n = _par_workspace(B * L, digit_bits, parallel, cnt)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if split:
             check(hit_chunk == next_pow2(hit_chunk), "hit_chunk must be a power of two")
@@ -389,15 +389,11 @@ def lru_place(
                 HAS_BELOW=below is not None, num_warps=8,
             )  # fmt: skip
         if parallel:
-            pc = torch.empty((B * L, n_blk, 2), dtype=torch.int32, device=dev)
-            cum = torch.empty((B * L, n_blk, nb), dtype=torch.int32, device=dev)
-            for phase in (0, 1, 2):  # scan, low digit, compaction
-                _par_pass_kernel[(B, L, n_blk)](
-                    pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1),
-                    newest_from, n_slots, L, n_blk, scratch, slow, ws, pc, cum, WS=ws_n, BLOCK_M=block_m,
-                    BLOCK_N=block_n, BLOCK_C=max(2, next_pow2(n_blk)), NB=nb, DB=digit_bits, SPLIT=split,
-                    HAS_VALID=valid is not None, HAS_BELOW=below is not None, PHASE=phase, num_warps=8,
-                )  # fmt: skip
+            lead = (pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, *p_at.stride(), newest_from)
+            _par_passes(
+                lead, B, L, n_slots, n_blk, scratch, slow, ws, block_m=block_m, block_n=block_n,
+                digit_bits=digit_bits, SPLIT=split, HAS_VALID=valid is not None, HAS_BELOW=below is not None,
+            )  # fmt: skip
         cw = cand if cand is not None else s_at  # (an unused pointer without candidates)
         c_n = cand.shape[2] if cand is not None else 1
         _lru_place_kernel[(B, L)](
@@ -410,6 +406,34 @@ def lru_place(
             CAND=cand is not None, BLOCK_C=max(16, next_pow2(c_n)), num_warps=8,
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
+
+
+def _par_workspace(
+    rows: int, digit_bits: int, parallel: bool, unused: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """The parallel passes' zeroed int32 workspace [rows, WS] and WS (counts, then the two digits'
+    histograms); `unused` (a placeholder pointer) where there are no parallel passes."""
+    ws_n = _WS_HIST + 2 * (1 << digit_bits)
+    ws = torch.zeros((rows, ws_n), dtype=torch.int32, device=unused.device) if parallel else unused
+    return ws, ws_n
+
+
+def _par_passes(
+    lead: tuple, B: int, L: int, n_slots: int, n_blk: int, scratch: torch.Tensor, slow: torch.Tensor,
+    ws: torch.Tensor, *, block_m: int, block_n: int, digit_bits: int, **flags: bool,
+) -> None:  # fmt: skip
+    """The parallel passes' three launches (scan, low digit, compaction) over grid (B, L, n_blk):
+    `lead` the kernel's arguments up to newest_from, `flags` its SPLIT / HAS_VALID / HAS_BELOW
+    (/ FIXED) constexprs."""
+    dev, nb = ws.device, 1 << digit_bits
+    pc = torch.empty((B * L, n_blk, 2), dtype=torch.int32, device=dev)
+    cum = torch.empty((B * L, n_blk, nb), dtype=torch.int32, device=dev)
+    for phase in (0, 1, 2):
+        _par_pass_kernel[(B, L, n_blk)](
+            *lead, n_slots, L, n_blk, scratch, slow, ws, pc, cum, WS=ws.shape[1], BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_C=max(2, next_pow2(n_blk)), NB=nb, DB=digit_bits, PHASE=phase,
+            num_warps=8, **flags,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- Triton
@@ -437,6 +461,16 @@ def _row_masks(vb_ptr, lim_ptr, b, HAS_VALID: tl.constexpr, HAS_BELOW: tl.conste
     if HAS_BELOW:
         lim = tl.load(lim_ptr + b)
     return vb, lim
+
+
+@jit
+def _by_key_slot(lk, li, j, R, IB: tl.constexpr):
+    # the slots li[:R] ordered by (key lk, slot): sorted as (key + 1) << IB | slot (exact while stamps
+    # stay below 2^(63 - IB)); lanes j >= R come last
+    BIG: tl.constexpr = 1 << 62
+    k = tl.load(lk + j, mask=j < R, other=BIG)
+    v = tl.load(li + j, mask=j < R, other=0)
+    return tl.sort(tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF)) & ((1 << IB) - 1)
 
 
 @jit
@@ -638,11 +672,9 @@ def _lru_place_kernel(
             k = tl.load(lk + j, mask=j < R, other=BIG)
             kp = tl.load(lk + j - 1, mask=(j > 0) & (j < R), other=-1)
             if tl.sum(((j < R) & (k < kp)).to(tl.int32), 0) > 0:
-                v = tl.load(li + j, mask=j < R, other=0)
-                comb = tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF)
-                srt = tl.sort(comb)
+                srt = _by_key_slot(lk, li, j, R, IB)
                 tl.debug_barrier()
-                tl.store(li + j, srt & ((1 << IB) - 1), mask=j < R)
+                tl.store(li + j, srt, mask=j < R)
             tl.debug_barrier()
 
     # 5. evict and insert: the i-th miss (ascending position) takes the i-th victim
@@ -691,8 +723,7 @@ def _lru_candidates_kernel(
 ):  # fmt: skip
     # grid (B, L): the C smallest (key, slot) evictable slots of one (row, layer), in that order: the
     # select for C victims (slot order; PAR: the parallel passes' list, unless a key was too old for
-    # their digits), then sorted by (key + 1) << IB | slot
-    BIG: tl.constexpr = 1 << 62
+    # their digits), then sorted by (key, slot)
     b = tl.program_id(0)
     l = tl.program_id(1)
     pl = (b * L + l).to(tl.int64)
@@ -711,10 +742,7 @@ def _lru_candidates_kernel(
         R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
     tl.debug_barrier()
     j = tl.arange(0, BLOCK_C)
-    k = tl.load(lk + j, mask=j < R, other=BIG)
-    v = tl.load(li + j, mask=j < R, other=0)
-    srt = tl.sort(tl.where(j < R, ((k + 1) << IB) | v, 0x7FFFFFFFFFFFFFFF))
-    tl.store(out_ptr + pl * C + j, tl.where(j < R, srt & ((1 << IB) - 1), -1), mask=j < C)
+    tl.store(out_ptr + pl * C + j, tl.where(j < R, _by_key_slot(lk, li, j, R, IB), -1), mask=j < C)
 
 
 @jit
@@ -852,19 +880,9 @@ def _par_pass_kernel(
             go = M + 0 * N
         else:
             bp, j, jm, prow, vb, lim, p = _row_request(
-                pos_ptr,
-                M,
-                vb_ptr,
-                lim_ptr,
-                pat_ptr,
-                stride_ab,
-                stride_al,
-                b,
-                l,
-                BLOCK_M,
-                HAS_VALID,
-                HAS_BELOW,
-            )
+                pos_ptr, M, vb_ptr, lim_ptr, pat_ptr, stride_ab, stride_al, b, l, BLOCK_M,
+                HAS_VALID, HAS_BELOW,
+            )  # fmt: skip
             # (a position asked for twice touches its slot twice, to the same value)
             slot = tl.load(p2s_ptr + bp + tl.maximum(p, 0), mask=p >= 0, other=-1).to(tl.int64)
             tl.store(st_ptr + bs + slot, tl.zeros_like(slot) + now, mask=(slot >= lo) & (slot < lo + BLOCK_N))
