@@ -42,6 +42,14 @@ def _use(cache: OrderedDict[int, None], positions: Iterable[int], room: int | No
         cache.popitem(last=False)
 
 
+def _split(sel: Iterable[int], t: int, first_ctx: int, recent: int) -> tuple[set[int], set[int], set[int]]:
+    """Decode step t's selection as a set, its pinned part (the `recent` newest positions of a context
+    of first_ctx + t tokens: always resident, so hits) and the rest."""
+    cur = set(sel)
+    pinned = {p for p in cur if p >= first_ctx + t - recent}
+    return cur, pinned, cur - pinned
+
+
 def replay(
     steps: Sequence[Sequence[int]],
     first_ctx: int,
@@ -78,13 +86,11 @@ def replay(
     total, overlap, n_overlap = 0, 0.0, 0
     prev: set[int] = set()
     for t, sel in enumerate(steps):
-        cur = set(sel)
+        cur, pinned, old = _split(sel, t, first_ctx, recent)
         if t and cur:
             overlap += len(cur & prev) / len(cur)
             n_overlap += 1
         prev = cur
-        pinned = {p for p in cur if p >= first_ctx + t - recent}
-        old = cur - pinned
         if t >= warmup:
             total += len(cur)
             hits["lru"] += len(pinned) + sum(1 for p in old if p in lru)
@@ -131,9 +137,7 @@ def tail_cover(
     hits = {"cold": 0, "tail": 0}
     total = 0
     for t, sel in enumerate(steps):
-        cur = set(sel)
-        pinned = {p for p in cur if p >= first_ctx + t - recent}
-        old = cur - pinned
+        cur, pinned, old = _split(sel, t, first_ctx, recent)
         total += len(cur)
         hits["cold"] += len(pinned) + len(old & seen)
         hits["tail"] += len(pinned) + len(old & (seen | warm))
@@ -179,9 +183,7 @@ def warm_lru(
         lru: OrderedDict[int, None] = OrderedDict((p, None) for p in reversed(start))  # first = oldest
         hits = total = 0
         for t, sel in enumerate(steps):
-            cur = set(sel)
-            pinned = {p for p in cur if p >= first_ctx + t - recent}
-            old = cur - pinned
+            cur, pinned, old = _split(sel, t, first_ctx, recent)
             total += len(cur)
             hits += len(pinned) + sum(1 for p in old if p in lru)
             _use(lru, sorted(old), room)
@@ -224,18 +226,16 @@ class SelectionRecorder:
             return out
 
         def resolve_rec(cache, layer, topk, ctx):  # type: ignore[no-untyped-def]
-            if rec.tail and getattr(cache, "_dec", None) is None and topk.shape[0] > 1:  # a prefill chunk
+            prefill = getattr(cache, "_dec", None) is None and topk.shape[0] > 1  # a prefill chunk
+            if rec.tail and prefill:
                 rows = topk[-rec.tail :].tolist()
                 rec.prefill_tail[layer] = [[p for p in r if p >= 0] for r in rows]
-            if rec.freq and getattr(cache, "_dec", None) is None and topk.shape[0] > 1:
-                sel = topk[topk >= 0].long().flatten().cpu()
-                n = torch.bincount(sel, minlength=int(sel.max()) + 1 if sel.numel() else 0)
+            if rec.freq and prefill:
                 prev = rec.prefill_freq.get(layer)
+                sel = topk[topk >= 0].long().flatten().cpu()
+                n = torch.bincount(sel, minlength=0 if prev is None else prev.numel())
                 if prev is not None:
-                    m = max(prev.numel(), n.numel())
-                    n = torch.nn.functional.pad(n, (0, m - n.numel())) + torch.nn.functional.pad(
-                        prev, (0, m - prev.numel())
-                    )
+                    n[: prev.numel()] += prev
                 rec.prefill_freq[layer] = n
             if topk.shape[0] == 1 and getattr(cache, "_dec", None) is not None:
                 rec.steps.setdefault(layer, []).append([p for p in topk[0].tolist() if p >= 0])
