@@ -3,7 +3,8 @@ one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interp
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
 with and without the parallel passes or the step's candidates, the passes' three phases, with and
-without the all-hit pass and the row masks, and the candidates kernel. Needs TRITON_INTERPRET unset (tests run it in a subprocess).
+without the all-hit pass and the row masks, and the candidates kernel. Needs TRITON_INTERPRET unset
+(tests run it in a subprocess).
 
     python -m bench.compile_check [--arch 90]
 """

@@ -71,19 +71,20 @@ def _case(
             kw = {**kw, "block_n": block_n}
         prev = torch.randperm(ctx_max, generator=g, device=dev)[:M].expand(batch, M)
 
-        def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now)) -> None:  # type: ignore[no-untyped-def]
-            f, kw_, p2s_, s2p_, st_, acc_, now_ = state
-            kw_ = dict(kw_)
+        use_cand = kw.get("cand", False)
+        kw = {k: v for k, v in kw.items() if k != "cand"}
+
+        def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now, use_cand)) -> None:  # type: ignore[no-untyped-def]
+            f, kw_, p2s_, s2p_, st_, acc_, now_, use_cand_ = state
             cand = None
-            if kw_.pop("cand", False):  # the step's candidates for every layer, one launch
+            if use_cand_:  # the step's candidates for every layer, one launch
                 bn = {"block_n": kw_["block_n"]} if "block_n" in kw_ else {}
                 cand = lru_candidates(s2p_.view(-1), st_.view(-1), now_, s_at, nf, n_slots=n, count=M, **bn)
             for li in range(layers):  # one placement per layer, as a decode step makes them
                 one = slice(li, li + 1)
-                if cand is not None:
-                    kw_["cand"] = cand[:, one]
                 f(
                     p2s_.view(-1), s2p_.view(-1), st_.view(-1), now_, sel, p_at[:, one], s_at[:, one], base, nf, table, acc_, n_slots=n, pos_len=P, page_size=64, force=False, minus1=minus1, **kw_,
+                    **({} if cand is None else {"cand": cand[:, one]}),
                 )  # fmt: skip
 
         def requests(prev: torch.Tensor, g: torch.Generator = g) -> torch.Tensor:

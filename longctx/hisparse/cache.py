@@ -632,11 +632,11 @@ class HiSparseKVCache:
         `by_data`: M comes from the data (prefill): the torch placement, which compiles nothing.
         A pure decode step's placements take their victims from the step's candidates (`_begin`).
         """
-        cand = None
+        cand = None  # (the newest tokens are <= recent wide, a top-k <= K: together what C covers)
         if (
             self._cand is not None
             and not by_data
-            and pos.shape[1] <= (self.recent if force else self._cand_n - self.recent)
+            and pos.shape[1] <= (self.recent if force else self.cfg.index_topk)
         ):
             cand = self._cand[:, li]
         pl = lru_place(
