@@ -68,10 +68,10 @@ hisparse_measures() {
 }
 
 lane_a() {
-  # default: docs/training.md's next recipe, run 16 = run 15's with the time fit's probe fixed (run 15
-  # planned with a replayed 16K row's 0.35 s for its 64K steps, ~3 s, so 128K got few steps; after
-  # run 14: rows 8K -> 64K scored 50 / 50 at 128K, 95 / 75 at 32K, but the harder tasks fell at 4K /
-  # 32K): from the WIP weights at a small lr, sparse throughout,
+  # default: docs/training.md's next recipe, run 17 = run 16's again from run 16's weights (run 16, the
+  # shipped WIP: 77 steps at 128K in 12 minutes moved the 7-task average up by 0.7-1.7 points at every
+  # length, the number tasks 90 / 70 at 32K and 50 / 35 at 128K): from the WIP weights at a small lr,
+  # sparse throughout,
   # the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a time-fitted
   # schedule (the probe picks the sparse form per length and drops a length that does not fit), a third
   # of the steps back at a shorter length begun before (replay), a quarter of the retrieval rows in the
