@@ -591,6 +591,11 @@ def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:
     d = data["decode_128k_ruler"]
     assert d["prompt"] == "ruler" and "--prompt ruler" in d["command"] and d["model"]
     assert d["tokens_match_uncapped"] == 1 and 0 <= d["hit_rate"] <= 1
+    # the decode timed both ways (--quick: 8 tokens, the first from prefill, then 4 engine-loop and 3 synced steps)
+    for key in ("decode_ms_per_token", "decode_ms_per_token_synced"):
+        assert all(v > 0 for v in d[key].values()) and set(d[key]) == {"capped", "uncapped"}
+    assert d["capped_over_uncapped_step"] > 0 and d["capped_over_uncapped_step_synced"] > 0
     # its ceilings travel with its keys: the top level stays the random-prompt run's
     assert "ceilings" not in data and "command" not in data and d["ceilings"] == {}
-    assert "decode_128k_ruler.hit_rate" in (tmp_path / "long-context-quick.md").read_text()
+    md = (tmp_path / "long-context-quick.md").read_text()
+    assert "decode_128k_ruler.hit_rate" in md and "decode_128k_ruler ms/token synced" in md
