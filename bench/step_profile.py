@@ -73,6 +73,17 @@ def step_spread(t0: float, stamps: list[float]) -> dict[str, float]:
     return {"step_ms_median": q(0.5), "step_ms_p10": q(0.1), "step_ms_p90": q(0.9), "step_ms_max": q(1.0)}
 
 
+def host_ms_per_step(st0: dict[str, Any], st1: dict[str, Any], n: int) -> dict[str, float]:
+    """The host's share of a decode loop's steps from two engine stats (ms a step): filling a graph's
+    inputs (`graph_prep_ms`), the graph launch call (`graph_launch_ms`) and the wait for the sampled
+    tokens (`token_wait_ms`), timed by the engine itself, so without a profiler's overhead."""
+    g0, g1 = st0.get("cuda_graphs", {}), st1.get("cuda_graphs", {})
+    pairs = [("graph_prep_ms", g0.get("prep_s"), g1.get("prep_s")),
+             ("graph_launch_ms", g0.get("launch_s"), g1.get("launch_s")),
+             ("token_wait_ms", st0.get("token_wait_s"), st1.get("token_wait_s"))]  # fmt: skip
+    return {k: round(1e3 * (b - a) / max(1, n), 4) for k, a, b in pairs if a is not None and b is not None}
+
+
 # idle gaps between kernels by size (us): upper bound, name
 _GAP_BUCKETS = (
     (2.0, "<2us"),
@@ -246,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         hs_decode: dict[str, int] = {}
         runs: dict[str, dict[str, int]] = {}
 
-        def decode(tag: str, steps: int, wrap: Any = contextlib.nullcontext) -> float:
+        def decode(tag: str, steps: int, wrap: Any = contextlib.nullcontext, synced: bool = False) -> float:
             """Seconds per decode step of `batch` requests at context `tokens`; only the decode steps
-            run inside `wrap()` (the profiler), not the prefill before them."""
+            run inside `wrap()` (the profiler), not the prefill before them. `synced`: the device is
+            synced after every step (nothing of a step overlaps the next one's host work)."""
             for i in range(args.batch):
                 ids = make_prompt(args.tokens)
                 params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
@@ -264,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 t, n = time.perf_counter(), 0
                 for _ in range(steps):
                     outs = eng.step()
+                    if synced:
+                        sync()
                     stamps.append(time.perf_counter())
                     n += 1
                     live -= {int(o.rid.rsplit("-", 1)[1]) for o in outs if o.finished}
@@ -283,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device_fed_steps": st1["device_fed_steps"] - st0["device_fed_steps"],
                 **{k: g1[k] - g0.get(k, 0) for k in ("replays", "recaptures", "buckets") if k in g1},
                 **step_spread(t, stamps),
+                **host_ms_per_step(st0, st1, n),
             }
             while eng.has_work():
                 eng.step()
@@ -302,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             decode("warm", 8)  # compiles and captures this (batch, context) bucket
             dt = decode("prof", args.steps, lambda: prof)
             plain = decode("plain", args.steps)
+            res["synced_s"] = decode("synced", args.steps, synced=True)
             res["decode_runs"] = runs
             if hs_decode:
                 hits, misses = hs_decode["hits"], hs_decode["misses"]
@@ -340,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         what = (
             f"decode batch {args.batch} at {args.tokens}: {plain * 1e3:.3f} ms/step ({per / plain:.0f} tok/s)"
         )
+    if "synced_s" in res:
+        what += f", synced {res['synced_s'] * 1e3:.3f} ms/step"
     if "hisparse" in res:
         what += f", HiSparse hit rate {res['hisparse']['hit_rate']:.3f}"
     print(f"{what}; {'GPU' if cuda else 'CPU'} busy {total / 1e3:.2f} ms in the profiled region")

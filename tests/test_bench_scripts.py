@@ -38,8 +38,11 @@ def test_step_profile_capped_stable_topk_hits_on_cpu(tmp_path: Path) -> None:
     assert d["stable_topk"] and d["hisparse"]["hits"] > 0
     assert d["hisparse"]["hit_rate"] > 0.9, d["hisparse"]
     runs = d["decode_runs"]  # how the timed steps ran (graph replays / recaptures on CUDA)
-    assert set(runs) == {"warm", "prof", "plain"} and runs["plain"]["steps"] > 0
+    assert set(runs) == {"warm", "prof", "plain", "synced"} and runs["plain"]["steps"] > 0
     assert 0 <= runs["plain"]["device_fed_steps"] <= runs["plain"]["steps"]
+    # the loop timed as the engine runs it and synced step by step, with the host's share per step
+    assert d["seconds"] > 0 and d["synced_s"] > 0 and runs["synced"]["steps"] == runs["plain"]["steps"]
+    assert runs["synced"]["token_wait_ms"] >= 0
 
 
 def test_step_profile_trained_model_on_ruler_prompts_on_cpu(tmp_path: Path) -> None:

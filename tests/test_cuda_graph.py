@@ -26,6 +26,10 @@ def test_static_decode_path_matches_eager(tiny_dir):
         got_sampled = g.generate(prompts[:1], temperature=1.0, seed=3, **kw)[0].token_ids
         assert graphs.replays >= 2 * 11
         assert {b for b, _ in graphs._graphs} == {1, 4}
+        # the replays' host time, in the engine's stats (bench.step_profile reads it per step)
+        st = g.stats()["cuda_graphs"]
+        assert st["replays"] == graphs.replays and st["prep_s"] > 0 and st["launch_s"] > 0
+        assert g.stats()["token_wait_s"] == 0.0  # CPU: the tokens are read without an event wait
     assert got == want
     assert got_sampled == want_sampled
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,10 @@ class DecodeGraphs:
         self._kv_version = getattr(getattr(worker, "kv", None), "layout_version", None)
         self.replays = 0
         self.recaptures = 0  # times every graph was dropped because the KV cache reallocated
+        # host seconds of the replays: filling the static inputs (KV binding included) and the
+        # graph launch call itself (what a profiler inflates; these two perf_counter reads do not)
+        self.prep_s = 0.0
+        self.launch_s = 0.0
 
     # ---- eligibility --------------------------------------------------------------------------
     def bucket(self, plan: BatchPlan) -> tuple[int, int] | None:
@@ -200,6 +205,7 @@ class DecodeGraphs:
     def run(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the plan's bucket; `tokens` [rows] on the device replaces the plan's token ids (an
         overlapped continuation launched before the previous step's tokens reached the host)."""
+        t0 = time.perf_counter()
         key = self.bucket(plan)
         assert key is not None, "not a graph-eligible decode plan"
         b, ctx_len = key
@@ -242,6 +248,7 @@ class DecodeGraphs:
         if blocks is not None:
             c.blocks[:n].copy_(torch.tensor(blocks, dtype=torch.int64), non_blocking=True)
             c.blocks[n:] = 0
+        t1 = time.perf_counter()
         if c.graph is not None:
             c.graph.replay()
             assert c.logits is not None
@@ -249,4 +256,6 @@ class DecodeGraphs:
         else:
             logits = self._forward(c)
         self.replays += 1
+        self.prep_s += t1 - t0
+        self.launch_s += time.perf_counter() - t1
         return logits[:n]

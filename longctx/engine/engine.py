@@ -95,7 +95,14 @@ class LocalRunner:
         out: dict[str, Any] = {"stages": [s]}
         if self.graphs is not None:  # decode graphs: how often they were captured, replayed, dropped
             g = self.graphs
-            out["cuda_graphs"] = {"buckets": len(g._graphs), "replays": g.replays, "recaptures": g.recaptures}
+            out["cuda_graphs"] = {
+                "buckets": len(g._graphs),
+                "replays": g.replays,
+                "recaptures": g.recaptures,
+                "prep_s": g.prep_s,
+                "launch_s": g.launch_s,
+            }
+        out["token_wait_s"] = self.worker.token_wait_s
         return out
 
     def release(self, rids: list[str]) -> None:

@@ -8,6 +8,7 @@ sending them to the next).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class StageWorker:
         self.is_first, self.is_last = model.has_embed, model.has_head
         self.last_topk: torch.Tensor | None = None
         self._page_rows = PageRows()
+        self.token_wait_s = 0.0  # host seconds waiting for sampled tokens (`resolve`)
         model.set_backend(use_triton)
 
     def context(self, plan: BatchPlan) -> ForwardContext:
@@ -211,7 +213,9 @@ class StageWorker:
             return p.out
         assert p.last_logits is not None
         if p.ready is not None and p.toks_host is not None:
+            t0 = time.perf_counter()
             p.ready.synchronize()
+            self.token_wait_s += time.perf_counter() - t0
             toks = p.toks_host.tolist()
         else:
             toks = p.toks.tolist()
