@@ -38,6 +38,51 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CTX_BUCKET = 4096
 
 
+class _Inputs:
+    """A bucket's per-step row inputs in one byte buffer, so a replay sends them with ONE host->device
+    copy from pinned memory (not one pageable copy and a padding fill per input): for B rows, int64
+    ids / positions / slots / blocks, then int32 seq_lens, then bool valid, each starting on a 16-byte
+    boundary (the alignment Triton specialises pointers on). Views of the device buffer are the
+    graph's static inputs; the host side is two pinned buffers used in turn, each reused only after
+    its last copy has run (an event), since a continuation may fill the next step's inputs while the
+    copy of this step's still waits in the stream."""
+
+    def __init__(self, b: int, device: torch.device) -> None:
+        self.b = b
+        self.device = device
+        self._s64 = -(-b // 2) * 2  # int64 row stride: 16-byte rows
+        self._o32 = 4 * self._s64 * 8
+        self._ob = self._o32 + -(-b // 4) * 16
+        size = self._ob + b
+        self.dev = torch.zeros(size, dtype=torch.uint8, device=device)
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(int64 [4, B]: ids, positions, slots, blocks; int32 [B] seq_lens; bool [B] valid) of buf."""
+        b = self.b
+        i64 = buf[: self._o32].view(torch.int64).view(4, self._s64)[:, :b]
+        return i64, buf[self._o32 : self._o32 + 4 * b].view(torch.int32), buf[self._ob :].view(torch.bool)
+
+    def send(self, i64: list[list[int]], seq_lens: list[int], valid: list[bool]) -> None:
+        """Fill the next host buffer (full rows, padding included) and copy it to the device buffer."""
+        k, self._turn = self._turn, 1 - self._turn
+        ev = self._done[k]
+        if ev is not None:
+            ev.synchronize()  # its copy two steps ago (long done unless the host ran far ahead)
+        host = self._host[k]
+        h64, h32, hb = self.views(host)
+        h64.copy_(torch.tensor(i64, dtype=torch.int64))
+        h32.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        hb.copy_(torch.tensor(valid, dtype=torch.bool))
+        self.dev.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            ev = self._done[k] = torch.cuda.Event()
+            ev.record()
+
+
 @dataclass
 class _Captured:
     ids: torch.Tensor
@@ -47,6 +92,7 @@ class _Captured:
     table: torch.Tensor
     valid: torch.Tensor
     blocks: torch.Tensor  # [B] int64 per-request KV state of each row (caches with `bind_rows`)
+    inputs: _Inputs  # ids, positions, seq_lens, slots, valid and blocks are views of its device buffer
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     ctx: ForwardContext | None = None
@@ -109,14 +155,19 @@ class DecodeGraphs:
     def _buffers(self, b: int, ctx_len: int) -> _Captured:
         dev = self.worker.device
         pages = ctx_len // self.page_size
+        inputs = _Inputs(b, dev)
+        i64, seq_lens, valid = inputs.views(inputs.dev)
+        seq_lens.fill_(1)
+        i64[2].fill_(self.dummy_page * self.page_size)
         return _Captured(
-            ids=torch.zeros(b, dtype=torch.int64, device=dev),
-            positions=torch.zeros(b, dtype=torch.int64, device=dev),
-            seq_lens=torch.ones(b, dtype=torch.int32, device=dev),
-            slots=torch.full((b,), self.dummy_page * self.page_size, dtype=torch.int64, device=dev),
+            ids=i64[0],
+            positions=i64[1],
+            seq_lens=seq_lens,
+            slots=i64[2],
             table=torch.full((b, pages), self.dummy_page, dtype=torch.int32, device=dev),
-            valid=torch.zeros(b, dtype=torch.bool, device=dev),
-            blocks=torch.zeros(b, dtype=torch.int64, device=dev),
+            valid=valid,
+            blocks=i64[3],
+            inputs=inputs,
             row_keys=[None] * b,
         )
 
@@ -222,32 +273,23 @@ class DecodeGraphs:
                 self._graphs.clear()  # they hold the old buffers' addresses
                 self._kv_version = kv.layout_version
         c = self._get(b, ctx_len)
-        # host side: fill the static inputs (padding rows keep the dummy page). The page table is
-        # kept on the device between steps and only new entries are written: a row's pages grow at
-        # their end while its (rid, pages_epoch) holds, so most steps copy nothing of it.
-        pos = torch.tensor([r.start for r in plan.rows], dtype=torch.int64)
-        slots = torch.tensor(
-            [r.pages[r.start // ps] * ps + r.start % ps for r in plan.rows], dtype=torch.int64
-        )
-        self._update_table(c, plan)
-        if tokens is None:
-            c.ids[:n].copy_(
-                torch.tensor([r.token_ids[0] for r in plan.rows], dtype=torch.int64), non_blocking=True
-            )
-        else:
+        # host side: fill the static inputs, padding rows with the dummy page (one pinned copy). The
+        # page table is kept on the device between steps and only new entries are written: a row's
+        # pages grow at their end while its (rid, pages_epoch) holds, so most steps copy nothing of it.
+        pad = b - n
+        pos = [r.start for r in plan.rows]
+        ids = [r.token_ids[0] for r in plan.rows] if tokens is None else [0] * n
+        slots = [r.pages[r.start // ps] * ps + r.start % ps for r in plan.rows]
+        rows = [
+            ids + [0] * pad,
+            pos + [0] * pad,
+            slots + [self.dummy_page * ps] * pad,
+            (blocks or [0] * n) + [0] * pad,
+        ]
+        c.inputs.send(rows, [p + 1 for p in pos] + [1] * pad, [True] * n + [False] * pad)
+        if tokens is not None:  # behind the copy in the stream: the device-fed tokens win
             c.ids[:n].copy_(tokens)
-        c.ids[n:] = 0
-        c.positions[:n].copy_(pos, non_blocking=True)
-        c.positions[n:] = 0
-        c.seq_lens[:n].copy_(pos + 1, non_blocking=True)
-        c.seq_lens[n:] = 1
-        c.slots[:n].copy_(slots, non_blocking=True)
-        c.slots[n:] = self.dummy_page * ps
-        c.valid[:n] = True
-        c.valid[n:] = False
-        if blocks is not None:
-            c.blocks[:n].copy_(torch.tensor(blocks, dtype=torch.int64), non_blocking=True)
-            c.blocks[n:] = 0
+        self._update_table(c, plan)
         t1 = time.perf_counter()
         if c.graph is not None:
             c.graph.replay()
