@@ -37,7 +37,7 @@ _CONST = {
 
 
 def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no-untyped-def]
-    """Compile one variant; returns its shared memory bytes."""
+    """Compile one variant (`num_warps` in `over`: its launch's, else 8); returns its shared memory bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,11 +56,17 @@ def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no
         cons["NB"] = 256  # the one-program select's own 8-bit digits
     src = ASTSource(fn=kernel, signature=sig, constexprs=cons)
     return int(
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).metadata.shared
+        triton.compile(
+            src,
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": over.get("num_warps", 8)},
+        ).metadata.shared
     )
 
 
 def variants() -> list[tuple[str, dict]]:
+    from longctx.kernels import lru_place
+
     out: list[tuple[str, dict]] = []
     for split in (False, True):
         masks = {"SPLIT": split, "HAS_VALID": not split, "HAS_BELOW": not split}
@@ -74,6 +80,19 @@ def variants() -> list[tuple[str, dict]]:
     )
     # the candidates (320 of them): one program's select, or the parallel passes without positions
     out += [("_lru_candidates_kernel", {"BLOCK_C": 512, "PAR": par}) for par in (False, True)]
+    # wider slot steps (place_bench --block-n), with the warps the wrappers launch them with
+    out += [
+        (
+            k,
+            {
+                "BLOCK_N": bn,
+                "num_warps": lru_place._select_warps(bn),
+                **({"BLOCK_C": 512} if "cand" in k else {}),
+            },
+        )
+        for k in ("_lru_candidates_kernel", "_lru_place_kernel")
+        for bn in (4096, 8192)
+    ]
     out += [("_par_pass_kernel", {"PHASE": ph, "FIXED": True, "BLOCK_M": 512}) for ph in (0, 1, 2)]
     out.append(("_place_hits_kernel", {"BLOCK_M": 2048}))
     return out

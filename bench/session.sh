@@ -64,6 +64,10 @@ hisparse_measures() {
     # the placement alone at this model's shape (top-256 into 13,107 slots; 1M's 104,857), the single
     # program's select against the parallel passes, with host time and as kernels replayed from a graph
     "$PY" -m bench.place_bench --m 256 --n 13107 104857 --hit 0.75 1.0 --steps 30 --out "$S/profiles"
+    # wider slot steps for the one-program selects (the candidates kernel was 48 us a step at 13,107
+    # slots in the fourteenth session: ~21 latency-bound iterations of 2,048 keys); 16 warps from 4,096
+    "$PY" -m bench.place_bench --m 256 --n 13107 --hit 0.75 --block-n 2048 4096 8192 --steps 30 \
+      --out "$S/profiles/block-n"
   fi
 }
 
