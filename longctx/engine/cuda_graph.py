@@ -57,7 +57,8 @@ class _Inputs:
         self.dev = torch.zeros(size, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._done: list[torch.cuda.Event | None] = [None, None]
+        # each host buffer's last copy (an event never recorded waits for nothing)
+        self._done = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._turn = 0
 
     def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,18 +70,16 @@ class _Inputs:
     def send(self, i64: list[list[int]], seq_lens: list[int], valid: list[bool]) -> None:
         """Fill the next host buffer (full rows, padding included) and copy it to the device buffer."""
         k, self._turn = self._turn, 1 - self._turn
-        ev = self._done[k]
-        if ev is not None:
-            ev.synchronize()  # its copy two steps ago (long done unless the host ran far ahead)
+        if self._done is not None:
+            self._done[k].synchronize()  # its copy two steps ago (long done unless the host ran far ahead)
         host = self._host[k]
         h64, h32, hb = self.views(host)
         h64.copy_(torch.tensor(i64, dtype=torch.int64))
         h32.copy_(torch.tensor(seq_lens, dtype=torch.int32))
         hb.copy_(torch.tensor(valid, dtype=torch.bool))
         self.dev.copy_(host, non_blocking=True)
-        if self.device.type == "cuda":
-            ev = self._done[k] = torch.cuda.Event()
-            ev.record()
+        if self._done is not None:  # (the copy's stream: the current one of the buffer's device)
+            self._done[k].record(torch.cuda.current_stream(self.device))
 
 
 @dataclass
