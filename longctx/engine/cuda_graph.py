@@ -42,41 +42,54 @@ class _Inputs:
     """A bucket's per-step row inputs in one byte buffer, so a replay sends them with ONE host->device
     copy from pinned memory (not one pageable copy and a padding fill per input): for B rows, int64
     ids / positions / slots / blocks, then int32 seq_lens, then bool valid, each starting on a 16-byte
-    boundary (the alignment Triton specialises pointers on). Views of the device buffer are the
-    graph's static inputs; the host side is two pinned buffers used in turn, each reused only after
-    its last copy has run (an event), since a continuation may fill the next step's inputs while the
-    copy of this step's still waits in the stream."""
+    boundary (the alignment Triton specialises pointers on). The attributes of those names are views
+    of the device buffer: the graph's static inputs. The host side is two pinned buffers used in
+    turn, each reused only after its last copy has run (an event), since a continuation may fill the
+    next step's inputs while the copy of this step's still waits in the stream."""
 
-    def __init__(self, b: int, device: torch.device) -> None:
+    def __init__(self, b: int, device: torch.device, pad_slot: int) -> None:
         self.b = b
         self.device = device
+        self.pad_slot = pad_slot  # the slot padding rows write their (ignored) KV to
         self._s64 = -(-b // 2) * 2  # int64 row stride: 16-byte rows
         self._o32 = 4 * self._s64 * 8
         self._ob = self._o32 + -(-b // 4) * 16
         size = self._ob + b
         self.dev = torch.zeros(size, dtype=torch.uint8, device=device)
+        i64, self.seq_lens, self.valid = self._views(self.dev)
+        self.ids, self.positions, self.slots, self.blocks = i64  # [B] int64 each
+        self.seq_lens.fill_(1)
+        self.slots.fill_(pad_slot)
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         # each host buffer's last copy (an event never recorded waits for nothing)
         self._done = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._turn = 0
 
-    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(int64 [4, B]: ids, positions, slots, blocks; int32 [B] seq_lens; bool [B] valid) of buf."""
         b = self.b
         i64 = buf[: self._o32].view(torch.int64).view(4, self._s64)[:, :b]
         return i64, buf[self._o32 : self._o32 + 4 * b].view(torch.int32), buf[self._ob :].view(torch.bool)
 
-    def send(self, i64: list[list[int]], seq_lens: list[int], valid: list[bool]) -> None:
-        """Fill the next host buffer (full rows, padding included) and copy it to the device buffer."""
+    def send(self, ids: list[int], positions: list[int], slots: list[int], blocks: list[int]) -> None:
+        """The n <= B rows' inputs (seq_lens position + 1, valid), padding rows after them (id 0,
+        position 0, `pad_slot`, block 0, seq_len 1, not valid), into the next host buffer and from it
+        to the device buffer."""
+        n, pad = len(positions), self.b - len(positions)
         k, self._turn = self._turn, 1 - self._turn
         if self._done is not None:
             self._done[k].synchronize()  # its copy two steps ago (long done unless the host ran far ahead)
         host = self._host[k]
-        h64, h32, hb = self.views(host)
-        h64.copy_(torch.tensor(i64, dtype=torch.int64))
-        h32.copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        hb.copy_(torch.tensor(valid, dtype=torch.bool))
+        h64, h32, hb = self._views(host)
+        z = [0] * pad
+        h64.copy_(
+            torch.tensor(
+                [ids + z, positions + z, slots + [self.pad_slot] * pad, blocks + z], dtype=torch.int64
+            )
+        )
+        h32.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
+        hb.copy_(torch.tensor([True] * n + [False] * pad, dtype=torch.bool))
         self.dev.copy_(host, non_blocking=True)
         if self._done is not None:  # (the copy's stream: the current one of the buffer's device)
             self._done[k].record(torch.cuda.current_stream(self.device))
@@ -84,14 +97,10 @@ class _Inputs:
 
 @dataclass
 class _Captured:
-    ids: torch.Tensor
-    positions: torch.Tensor
-    seq_lens: torch.Tensor
-    slots: torch.Tensor
+    # ids, positions, seq_lens, slots, valid and blocks (each request's KV state, caches with
+    # `bind_rows`) of every row
+    inputs: _Inputs
     table: torch.Tensor
-    valid: torch.Tensor
-    blocks: torch.Tensor  # [B] int64 per-request KV state of each row (caches with `bind_rows`)
-    inputs: _Inputs  # ids, positions, seq_lens, slots, valid and blocks are views of its device buffer
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
     ctx: ForwardContext | None = None
@@ -154,38 +163,29 @@ class DecodeGraphs:
     def _buffers(self, b: int, ctx_len: int) -> _Captured:
         dev = self.worker.device
         pages = ctx_len // self.page_size
-        inputs = _Inputs(b, dev)
-        i64, seq_lens, valid = inputs.views(inputs.dev)
-        seq_lens.fill_(1)
-        i64[2].fill_(self.dummy_page * self.page_size)
         return _Captured(
-            ids=i64[0],
-            positions=i64[1],
-            seq_lens=seq_lens,
-            slots=i64[2],
+            inputs=_Inputs(b, dev, self.dummy_page * self.page_size),
             table=torch.full((b, pages), self.dummy_page, dtype=torch.int32, device=dev),
-            valid=valid,
-            blocks=i64[3],
-            inputs=inputs,
             row_keys=[None] * b,
         )
 
     def _context(self, c: _Captured, ctx_len: int) -> ForwardContext:
         w = self.worker
-        b = c.ids.shape[0]
+        inp = c.inputs
+        b = inp.b
         return ForwardContext(
-            positions=c.positions,
+            positions=inp.positions,
             q_seq=torch.arange(b, dtype=torch.int32, device=w.device),
             q_start=list(range(b + 1)),
-            seq_lens=c.seq_lens,
+            seq_lens=inp.seq_lens,
             seq_lens_cpu=[ctx_len] * b,
             page_table=c.table,
-            slot_mapping=c.slots,
+            slot_mapping=inp.slots,
             kv=w.kv,
             use_triton=w.use_triton,
             prefill_form="absorbed",
             page_size=self.page_size,
-            extras={"valid": c.valid, "rids": (), "kv_blocks": c.blocks},
+            extras={"valid": inp.valid, "rids": (), "kv_blocks": inp.blocks},
         )
 
     def _forward(self, c: _Captured) -> torch.Tensor:
@@ -193,7 +193,7 @@ class DecodeGraphs:
         object per call (same tensors): KV caches tell one forward pass from the next by it."""
         assert c.ctx is not None
         ctx = dataclasses.replace(c.ctx, prev_topk=None, cos_sin=None, cos_sin_index=None)
-        return self.worker.model.logits(self.worker.model(c.ids, ctx))
+        return self.worker.model.logits(self.worker.model(c.inputs.ids, ctx))
 
     def _get(self, b: int, ctx_len: int) -> _Captured:
         key = (b, ctx_len)
@@ -259,13 +259,14 @@ class DecodeGraphs:
         key = self.bucket(plan)
         assert key is not None, "not a graph-eligible decode plan"
         b, ctx_len = key
-        n = len(plan.rows)
+        rows = plan.rows
+        n = len(rows)
+        starts = [r.start for r in rows]
         ps = self.page_size
         kv = self.worker.kv
         blocks = None
         if hasattr(kv, "bind_rows"):  # before `_get`: binding may grow (reallocate) the cache
-            blocks = kv.bind_rows([r.rid for r in plan.rows], [r.start for r in plan.rows],
-                                  [r.end for r in plan.rows])  # fmt: skip
+            blocks = kv.bind_rows([r.rid for r in rows], starts, [r.end for r in rows])
             if kv.layout_version != self._kv_version:
                 if self._graphs:
                     self.recaptures += 1
@@ -275,19 +276,14 @@ class DecodeGraphs:
         # host side: fill the static inputs, padding rows with the dummy page (one pinned copy). The
         # page table is kept on the device between steps and only new entries are written: a row's
         # pages grow at their end while its (rid, pages_epoch) holds, so most steps copy nothing of it.
-        pad = b - n
-        pos = [r.start for r in plan.rows]
-        ids = [r.token_ids[0] for r in plan.rows] if tokens is None else [0] * n
-        slots = [r.pages[r.start // ps] * ps + r.start % ps for r in plan.rows]
-        rows = [
-            ids + [0] * pad,
-            pos + [0] * pad,
-            slots + [self.dummy_page * ps] * pad,
-            (blocks or [0] * n) + [0] * pad,
-        ]
-        c.inputs.send(rows, [p + 1 for p in pos] + [1] * pad, [True] * n + [False] * pad)
+        c.inputs.send(
+            [r.token_ids[0] for r in rows] if tokens is None else [0] * n,
+            starts,
+            [r.pages[r.start // ps] * ps + r.start % ps for r in rows],
+            blocks or [0] * n,
+        )
         if tokens is not None:  # behind the copy in the stream: the device-fed tokens win
-            c.ids[:n].copy_(tokens)
+            c.inputs.ids[:n].copy_(tokens)
         self._update_table(c, plan)
         t1 = time.perf_counter()
         if c.graph is not None:
