@@ -48,7 +48,7 @@ def measure(batch: int, context: int, steps: int) -> dict[str, float]:
     graphs = DecodeGraphs(worker, context + 1000, dummy_page=alloc.num_pages - 1, capture=False)
     bufs: dict = {}
     graphs._get = lambda b, n: bufs.setdefault((b, n), graphs._buffers(b, n))  # type: ignore[method-assign]
-    graphs._forward = lambda c: torch.zeros(c.ids.shape[0], 8)  # type: ignore[method-assign]
+    graphs._forward = lambda c: torch.zeros(c.inputs.b, 8)  # type: ignore[method-assign]
     t_sched, t_inputs, t_update = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
