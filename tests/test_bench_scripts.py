@@ -201,6 +201,10 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
+    # the shipped model's needle recall at 32K and 128K on the checks' GPU, before the capped 1M lane
+    (needle,) = [x for x in gpu1 if "bench.needle_recall" in x]
+    assert "--lengths 32k,128k" in needle and "--model models-shipped/retrieval-wip" in needle
+    assert gpu1.index(needle) < len(gpu1) - 1
     # the capped 1M lane started only once the model existed
     assert lines.index(gpu1[-1]) > lines.index(gpu0[0])
     out = run("collect").stdout
@@ -583,6 +587,31 @@ def test_indexer_recall_on_the_shipped_model(tmp_path: Path) -> None:
     assert main(["--lengths", "512", "--samples", "1", "--no-dense", "--out", str(tmp_path / "s")]) == 0
     r2 = json.loads((tmp_path / "s" / "indexer-recall.json").read_text())["lengths"]["512"]
     assert r2["first_digit_dense"] is None and r2["recall_per_layer"] == r["recall_per_layer"]
+
+
+def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
+    """bench.needle_recall: the shipped model answers 1K niah prompts through the engine and the
+    recorded full layers (0, 1, 3) put the needle's value among the answer rows' selections; a
+    second run resumes (no sample twice); bad arguments get exit 2."""
+    from bench.needle_recall import main, needle_positions, recall_by_layer
+
+    assert needle_positions([5, 1, 2, 9, 1, 2], [1, 2]) == [1, 2, 4, 5] and needle_positions([1], []) == []
+    rows = {0: [(9, [3, 4, 7]), (10, [3]), (12, [4])], 1: [(9, [1])]}
+    r = recall_by_layer(rows, [3, 4], prompt_len=10, answer_len=2)
+    assert r["0"] == {"last_prompt": 1.0, "answer": 0.75, "any": 1.0}  # row 12 is past the answer
+    assert r["1"] == {"last_prompt": 0.0, "answer": 0.0, "any": 0.0}
+    args = ["--lengths", "1k", "--samples", "1", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(args) == 0
+    lines = (tmp_path / "needle-recall.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and main(args) == 0
+    assert len((tmp_path / "needle-recall.jsonl").read_text().splitlines()) == 2
+    d = json.loads((tmp_path / "needle-recall.json").read_text())["by_length"]["1K"]
+    assert d["all"]["samples"] == 2 and set(d["all"]["layers"]) == {"0", "1", "3"}
+    row = json.loads(lines[0])
+    assert row["score"] == 1 and row["value"] in row["output"]
+    assert all(v["any"] == 1 and 0 < v["answer"] <= 1 for v in row["recall"].values())
+    assert main([*args[:-1], str(tmp_path / "x"), "--tasks", "vt"]) == 2
+    assert main([*args[:-1], str(tmp_path / "x"), "--lengths", "12q"]) == 2
 
 
 def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:

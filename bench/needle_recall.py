@@ -1,0 +1,224 @@
+"""Where a long retrieval fails: the needle in each indexer's top-k, sample by sample (issue 10).
+
+A niah sample answered wrong at 128K either never reached attention (no full layer's indexer put the
+needle's value among the positions the answer's queries attend to) or reached it and was not used
+(the needle selected, the answer still wrong). This runs RULER niah samples (the same generator,
+seed and output budget as `bench.retrieval_eval`, raw prompts) through the engine eagerly, records
+every full layer's top-k for the rows that produce the answer (the last prompt token and the decode
+steps after it; shared layers use their full layer's), and reports per layer the fraction of the
+value's token positions that were selected, split by whether the sample was answered right.
+
+    python -m bench.needle_recall --model DIR --lengths 32k,128k --samples 10 [--device cuda] --out R
+
+Writes R/needle-recall.jsonl (one row per sample, resumable) and R/needle-recall.json (the summary).
+CUDA graphs are off here (a replayed graph runs no Python, so nothing could be recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = "niah_single_1,niah_single_2"
+SEED = 42  # bench.retrieval_eval's (longctx ruler's default)
+MAX_NEW_TOKENS_SCALE = 0.5  # bench.retrieval_eval's for raw prompts
+
+
+def find_all(ids: Sequence[int], sub: Sequence[int]) -> list[int]:
+    """Start offsets of every occurrence of `sub` in `ids`."""
+    n = len(sub)
+    if n == 0:
+        return []
+    first = sub[0]
+    return [i for i in range(len(ids) - n + 1) if ids[i] == first and list(ids[i : i + n]) == list(sub)]
+
+
+def needle_positions(ids: Sequence[int], value_ids: Sequence[int]) -> list[int]:
+    """The token positions of every occurrence of the answer's tokens in the prompt."""
+    n = len(value_ids)
+    return sorted({s + j for s in find_all(ids, value_ids) for j in range(n)})
+
+
+@contextmanager
+def record_selections(start: int) -> Iterator[dict[int, list[tuple[int, list[int]]]]]:
+    """While entered: each full layer's top-k rows for query positions >= `start` (batch of one
+    request), as {layer: [(position, [selected positions]), ...]} in the order they ran."""
+    from longctx.model.indexer import Indexer
+
+    rows: dict[int, list[tuple[int, list[int]]]] = {}
+    forward = Indexer.forward
+
+    def recorded(self, x, q_resid, ctx, x_proj=None):  # type: ignore[no-untyped-def]
+        out = forward(self, x, q_resid, ctx, x_proj)
+        pos = ctx.positions.tolist()
+        for r, p in enumerate(pos):
+            if p >= start:
+                rows.setdefault(self.layer, []).append((p, [t for t in out[r].tolist() if t >= 0]))
+        return out
+
+    Indexer.forward = recorded  # type: ignore[method-assign]
+    try:
+        yield rows
+    finally:
+        Indexer.forward = forward  # type: ignore[method-assign]
+
+
+def recall_by_layer(
+    rows: dict[int, list[tuple[int, list[int]]]], needle: Sequence[int], prompt_len: int, answer_len: int
+) -> dict[str, dict[str, float]]:
+    """Per full layer: `last_prompt` (the needle's share of the last prompt row's selection of it),
+    `answer` (that share averaged over the rows that produce the first `answer_len` output tokens: the
+    value and the space before it),
+    `any` (1 when any of those rows selected any needle position)."""
+    want = set(needle)
+    out: dict[str, dict[str, float]] = {}
+    for layer, got in sorted(rows.items()):
+        answer = [sel for p, sel in got if prompt_len - 1 <= p < prompt_len - 1 + answer_len]
+        last = [sel for p, sel in got if p == prompt_len - 1]
+        share = [len(want & set(s)) / len(want) for s in answer]
+        out[str(layer)] = {
+            "last_prompt": len(want & set(last[-1])) / len(want) if last else 0.0,
+            "answer": sum(share) / len(share) if share else 0.0,
+            "any": float(any(v > 0 for v in share)),
+        }
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per (length, right/wrong): samples and the mean of each layer's recall figures."""
+    out: dict = {}
+    for r in rows:
+        for group in ("all", "right" if r["score"] >= 1 else "wrong"):
+            g = out.setdefault(r["length_name"], {}).setdefault(group, {"samples": 0, "layers": {}})
+            g["samples"] += 1
+            for layer, v in r["recall"].items():
+                acc = g["layers"].setdefault(layer, {k: 0.0 for k in v})
+                for k, x in v.items():
+                    acc[k] += x
+    for groups in out.values():
+        for g in groups.values():
+            for acc in g["layers"].values():
+                for k in acc:
+                    acc[k] = round(acc[k] / g["samples"], 3)
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = [
+        "| length | samples | layer | needle share, last prompt row | share over the answer rows | any selected |",
+        "|---|---|---|---|---|---|",
+    ]
+    for length, groups in summary.items():
+        for group in ("right", "wrong"):
+            g = groups.get(group)
+            if not g:
+                continue
+            for layer, v in g["layers"].items():
+                lines.append(
+                    f"| {length} | {g['samples']} {group} | {layer} | {v['last_prompt']:.2f} | "
+                    f"{v['answer']:.2f} | {v['any']:.2f} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "models-shipped" / "retrieval-wip"))
+    ap.add_argument("--lengths", default="32k,128k")
+    ap.add_argument("--tasks", default=TASKS)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from longctx import Engine
+    from longctx.errors import LongctxError
+    from longctx.workloads.ruler_cli import parse_lengths
+    from longctx.workloads.ruler_runner import format_length
+    from longctx.workloads.ruler_tasks import RulerGenerator, parse_tasks
+    from longctx.workloads.scoring import sample_match_all
+    from longctx.workloads.tokens import load_counter
+
+    try:
+        lengths = parse_lengths(args.lengths)
+        tasks = parse_tasks(args.tasks)
+        if args.samples < 1:
+            raise LongctxError("--samples must be >= 1")
+        if not (Path(args.model) / "tokenizer.json").exists():
+            raise LongctxError(
+                f"--model {args.model}: no tokenizer.json (a trained byte-level model is needed)"
+            )
+    except LongctxError as e:
+        print(f"needle_recall: {e}", file=sys.stderr)
+        return 2
+    bad = [t for t in tasks if not t.startswith("niah_")]
+    if bad:
+        print(f"needle_recall: only niah tasks have one needle value to look for, not {bad}", file=sys.stderr)
+        return 2
+    os.environ["LONGCTX_CUDA_GRAPHS"] = "0"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "needle-recall.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    done = {(r["task"], r["length"], r["index"]) for r in rows}
+    counter = load_counter(args.model)
+    gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
+    with Engine(args.model, device=args.device, max_context=max(lengths), cuda_graphs=False) as eng:
+        for L in lengths:
+            for task in tasks:
+                for i in range(args.samples):
+                    if (task, L, i) in done:
+                        continue
+                    s = gen.sample(task, L, i)
+                    ids = eng.encode(s.input + s.answer_prefix)
+                    value = s.outputs[0]
+                    needle = needle_positions(ids, eng.encode(value))
+                    t0 = time.perf_counter()
+                    with record_selections(len(ids) - 1) as sel:
+                        (c,) = eng.generate([ids], max_new_tokens=s.max_new_tokens)
+                    row = {
+                        "task": task,
+                        "length": L,
+                        "length_name": format_length(L),
+                        "index": i,
+                        "prompt_tokens": len(ids),
+                        "value": value,
+                        "needle_positions": needle[:1] + needle[-1:],
+                        "output": c.text,
+                        "score": sample_match_all(c.text or "", s.outputs),
+                        "recall": recall_by_layer(sel, needle, len(ids), len(eng.encode(value)) + 1),
+                        "seconds": round(time.perf_counter() - t0, 2),
+                    }
+                    rows.append(row)
+                    with path.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(
+                        f"needle_recall: {task} {row['length_name']} #{i}: score {row['score']:.0f}, answer-row "
+                        "share by layer "
+                        + ", ".join(f"{k}: {v['answer']:.2f}" for k, v in row["recall"].items())
+                        + f" ({row['seconds']} s)",
+                        flush=True,
+                    )
+    summary = summarize(rows)
+    res = {
+        "model": args.model,
+        "seed": SEED,
+        "command": "python -m bench.needle_recall " + " ".join(sys.argv[1:] if argv is None else argv),
+        "by_length": summary,
+    }
+    (args.out / "needle-recall.json").write_text(json.dumps(res, indent=2) + "\n")
+    (args.out / "needle-recall.md").write_text(table(summary) + "\n")
+    print(table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
