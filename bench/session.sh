@@ -72,9 +72,10 @@ hisparse_measures() {
 }
 
 lane_a() {
-  # default: docs/training.md's next recipe, run 17 = run 16's again from run 16's weights (run 16, the
-  # shipped WIP: 77 steps at 128K in 12 minutes moved the 7-task average up by 0.7-1.7 points at every
-  # length, the number tasks 90 / 70 at 32K and 50 / 35 at 128K): from the WIP weights at a small lr,
+  # default: docs/training.md's next recipe, run 18 = run 17's (run 16's again) from run 17's weights with
+  # the answer's first value byte weighted 4x (--lead-weight 4: run 17, the shipped WIP, holds
+  # niah_single_1 at 100 to 128K, and its misses there, as run 16's, select the needle and write the
+  # value's first digit wrong, bench/results/needle-recall-h200.md): from the WIP weights at a small lr,
   # sparse throughout,
   # the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a time-fitted
   # schedule (the probe picks the sparse form per length and drops a length that does not fit), a third
@@ -82,7 +83,7 @@ lane_a() {
   # chat template and a quarter of the rest as /v1/documents + /ask render them
   TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
     TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
---needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
+--needle-weight 1.0 --lead-weight 4 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 \
 --dense-warmup-steps 0"} bash bench/train_bg.sh start
   bash bench/train_bg.sh wait

@@ -165,6 +165,44 @@ def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
     assert abs(float(metrics["loss"] - off["loss"]) - 2.0 * float(metrics["indexer_needle"])) < 1e-4
 
 
+def test_lead_weight_weighs_the_first_value_byte_of_each_answer(tmp_path: Path) -> None:
+    """--lead-weight: the answer loss weighs each retrieval row's first value byte (the target after the
+    answer's leading space) W times, others once; W = 1 is the plain mean; answer_lead_acc is logged."""
+    from longctx.train.loop import lead_targets, train
+
+    data = DataConfig(tokens_per_step=2048, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    batch = make_batch(data, 0)
+    ans = batch.kind == ANSWER
+    lead = lead_targets(ans)
+    assert lead.sum(1).tolist() == [1] * ans.shape[0]  # one a row, every row has an answer
+    for r in range(ans.shape[0]):
+        first = int(ans[r].nonzero()[0])
+        assert int(lead[r].nonzero()) == first + 1 and batch.targets[r, first] == ord(" ")
+        value_first = bytes(batch.ids[r, batch.needle[r]].tolist())[:1]
+        assert bytes([int(batch.targets[r, first + 1])]) == value_first
+    none = torch.zeros(2, 8, dtype=torch.bool)
+    last = none.clone()
+    last[1, 7] = True  # an answer of one target at the row's end has no value byte after it
+    assert not lead_targets(none).any() and not lead_targets(last).any()
+    m = _model(seed=2)
+    cfg = TrainConfig(data=data, kl_weight=0.0, dense_warmup_steps=10**6)
+    base_loss, base, _ = compute_loss(m, batch, cfg, 0, CPU)
+    _, heavy, _ = compute_loss(m, batch, dataclasses.replace(cfg, lead_weight=5.0), 0, CPU)
+    with torch.no_grad():
+        h, _ = m.forward_train(batch.ids, sparse=False)
+        ce = torch.nn.functional.cross_entropy(
+            m.logits(h).flatten(0, 1), batch.targets.flatten(), reduction="none"
+        )
+    ce = ce.view_as(batch.targets)
+    w = ans.float() + 4.0 * lead.float()
+    assert abs(float(heavy["loss_answer"]) - float((ce * w).sum() / w.sum())) < 1e-5
+    assert abs(float(base["loss_answer"]) - float(ce[ans].mean())) < 1e-5
+    right = m.logits(h).argmax(-1) == batch.targets
+    assert float(base["answer_lead_acc"]) == float(right[lead].float().mean())
+    with pytest.raises(ConfigError, match="lead_weight"):
+        train(dataclasses.replace(cfg, lead_weight=-1.0, model_config=str(TINY), out=str(tmp_path)))
+
+
 def test_indexer_warmup_kl_decreases() -> None:
     # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
     m = _model(seed=1, std=0.3)

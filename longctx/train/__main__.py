@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of the indexer's needle loss on answer rows (0: the DSA recipe alone)",
     )
     p.add_argument(
+        "--lead-weight",
+        type=float,
+        default=t.lead_weight,
+        help="weight of each retrieval row's first value byte in the answer loss (1: all answer bytes alike)",
+    )
+    p.add_argument(
         "--sparse-attention",
         choices=SPARSE_ATTENTION_FORMS,
         default=t.sparse_attention,
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_rows=args.kl_rows,
             train_only=args.train_only,
             needle_weight=args.needle_weight,
+            lead_weight=args.lead_weight,
             sparse_attention=args.sparse_attention,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,

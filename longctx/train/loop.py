@@ -70,6 +70,10 @@ class TrainConfig:
     # weight of the indexer's needle loss on answer rows (TrainCausalLM._indexer_kl): -log of the index
     # softmax's mass on the answer value's bytes in the prompt; 0 (the DSA recipe) skips it
     needle_weight: float = 0.0
+    # weight of each retrieval row's first value byte in the answer loss (1: every answer byte alike). The
+    # fifteenth session's misses at 32K-128K (bench/results/needle-recall-h200.md) selected the needle
+    # and got the value's first digit wrong, then copied the rest: that byte is the hard one
+    lead_weight: float = 1.0
     # the sparse stage's attention (TrainCausalLM.sparse_attention): auto, gather or mask; the same
     # function, different cost. auto takes at each row length the form the time fit's probe timed
     # faster (`sparse_forms`); without a probe (a fixed --steps) masked up to 16K-token rows, gathered
@@ -233,6 +237,16 @@ def kl_rows(batch_kind: torch.Tensor, n: int, gen: torch.Generator) -> torch.Ten
     return score.topk(min(n, S), dim=1).indices.sort(dim=1).values
 
 
+def lead_targets(ans: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: each row's first value byte among its answer targets. Every answer is `answer_text`'s
+    " " + value..., so that is the target after the row's first answer target (none in rows without one,
+    or whose answer is a single target). No host sync."""
+    S = ans.shape[1]
+    at = ans.to(torch.uint8).argmax(1, keepdim=True) + 1  # [B, 1]: after the first answer target
+    ok = (at < S) & ans.any(1, keepdim=True)
+    return torch.zeros_like(ans).scatter_(1, at.clamp(max=S - 1), True) & ans & ok
+
+
 def compute_loss(
     model: TrainCausalLM, batch: Batch, cfg: TrainConfig, step: int, device: torch.device
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[int, torch.Tensor]]:
@@ -255,7 +269,11 @@ def compute_loss(
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     ans, lm = kind == ANSWER, kind == LM
     n_ans = ans.sum()
-    loss_ans = (ce * ans).sum() / n_ans.clamp(min=1)
+    lead = lead_targets(ans)
+    w = ans.to(ce.dtype)
+    if cfg.lead_weight != 1.0:
+        w = w + (cfg.lead_weight - 1.0) * lead.to(ce.dtype)
+    loss_ans = (ce * w).sum() / w.sum().clamp(min=1)
     loss_lm = (ce * lm).sum() / lm.sum().clamp(min=1)
     kl = torch.stack(aux.indexer_kl).mean() if aux.indexer_kl else ce.new_zeros(())
     nll = torch.stack(aux.indexer_needle).mean() if aux.indexer_needle else ce.new_zeros(())
@@ -265,6 +283,7 @@ def compute_loss(
         has = ans.any(1)
         exact = (has & ~(ans & ~right).any(1)).sum() / has.sum().clamp(min=1)
         acc = (right & ans).sum() / n_ans.clamp(min=1)
+        lead_acc = (right & lead).sum() / lead.sum().clamp(min=1)
     metrics = {
         "loss": loss.detach(),
         "loss_answer": loss_ans.detach(),
@@ -273,6 +292,7 @@ def compute_loss(
         "indexer_needle": nll.detach(),
         "answer_acc": acc,
         "answer_exact": exact,
+        "answer_lead_acc": lead_acc,
     }
     return loss, metrics, aux.expert_load
 
@@ -446,6 +466,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         load_model_weights(model, cfg.init_from, torch.device("cpu"))
     else:
         model.init_weights(cfg.seed)
+    if not cfg.lead_weight >= 0:
+        raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
     if cfg.train_only not in ("all", "indexer"):
         raise ConfigError(f"train_only must be 'all' or 'indexer', got {cfg.train_only!r}")
     if cfg.train_only == "indexer":
