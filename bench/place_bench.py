@@ -3,7 +3,8 @@ torch reference (the sort / scatter path it replaces), with its single-program s
 parallel passes, and from the step's victim candidates, at decode sizes with a full slot buffer.
 
 A step places each of the L layers once, one call per layer as a decode step does (`cand`: one
-`lru_candidates` launch for all L layers first). Each case fills N slots per (row, layer) with decode
+`lru_candidates` launch for all L layers first; `cand_par`: the same with the candidates' select made
+by the parallel passes at any slot count). Each case fills N slots per (row, layer) with decode
 steps of M (2048) top-k positions (ascending, -1 padded) drawn from a growing context, then times
 `steps` further steps (clock tick + placements; hits, evictions and misses as they come, ~`hit` of
 the requests resident) with CUDA events around each step (host time in), each path on its own copy
@@ -59,6 +60,8 @@ def _case(
         ("serial", lru_place, {"backend": "triton", "parallel": False}),
         ("parallel", lru_place, {"backend": "triton", "parallel": True}),
         ("cand", lru_place, {"backend": "triton", "cand": True}),
+        # the candidates' select by the parallel passes whatever the slot count (CAND_PAR_MIN_BLOCKS)
+        ("cand_par", lru_place, {"backend": "triton", "cand": True, "cand_parallel": True}),
     )
     for name, fn, kw in paths:
         g = torch.Generator(device=dev).manual_seed(0)  # the same requests on every path
@@ -72,14 +75,17 @@ def _case(
         prev = torch.randperm(ctx_max, generator=g, device=dev)[:M].expand(batch, M)
 
         use_cand = kw.get("cand", False)
-        kw = {k: v for k, v in kw.items() if k != "cand"}
+        cand_kw = {"parallel": True} if kw.get("cand_parallel") else {}
+        kw = {k: v for k, v in kw.items() if k not in ("cand", "cand_parallel")}
 
-        def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now, use_cand)) -> None:  # type: ignore[no-untyped-def]
-            f, kw_, p2s_, s2p_, st_, acc_, now_, use_cand_ = state
+        def place(sel: torch.Tensor, state=(fn, kw, p2s, s2p, st, acc, now, use_cand, cand_kw)) -> None:  # type: ignore[no-untyped-def]
+            f, kw_, p2s_, s2p_, st_, acc_, now_, use_cand_, ckw = state
             cand = None
-            if use_cand_:  # the step's candidates for every layer, one launch
+            if use_cand_:  # the step's candidates for every layer, one launch (cand_par: four)
                 bn = {"block_n": kw_["block_n"]} if "block_n" in kw_ else {}
-                cand = lru_candidates(s2p_.view(-1), st_.view(-1), now_, s_at, nf, n_slots=n, count=M, **bn)
+                cand = lru_candidates(
+                    s2p_.view(-1), st_.view(-1), now_, s_at, nf, n_slots=n, count=M, **bn, **ckw
+                )
             for li in range(layers):  # one placement per layer, as a decode step makes them
                 one = slice(li, li + 1)
                 f(
@@ -141,7 +147,7 @@ def _case(
             res[name]["graph_us"] = 1e3 * a.elapsed_time(z) / steps
     same = all(
         all(torch.equal(x, y) for x, y in zip(snaps["torch"], snaps[k]))
-        for k in ("serial", "parallel", "cand")
+        for k in ("serial", "parallel", "cand", "cand_par")
     )
     return {"N": n, "B": batch, "L": layers, "M": M, "tables_match": same, **res}
 
@@ -184,16 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines = [
         "| N | B | L | M | block_n | hit rate | same tables | torch us | serial us | parallel us | cand us | "
-        "serial graph us | parallel graph us | cand graph us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "serial graph us | parallel graph us | cand graph us | cand_par graph us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        t, k, q, c = r["torch"], r["serial"], r["parallel"], r["cand"]
+        t, k, q, c, cp = r["torch"], r["serial"], r["parallel"], r["cand"], r["cand_par"]
         lines.append(
             f"| {r['N']} | {r['B']} | {r['L']} | {r['M']} | {r['block_n'] or 'default'} | {k['hit_rate']:.3f} | "
             f"{'yes' if r['tables_match'] else '**NO**'} | "
             f"{t['median_us']:.1f} | {k['median_us']:.1f} | {q['median_us']:.1f} | {c['median_us']:.1f} | "
-            f"{k['graph_us']:.1f} | {q['graph_us']:.1f} | {c['graph_us']:.1f} |"
+            f"{k['graph_us']:.1f} | {q['graph_us']:.1f} | {c['graph_us']:.1f} | {cp['graph_us']:.1f} |"
         )
     print("\n".join(lines))
     if args.out:

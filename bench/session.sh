@@ -62,12 +62,11 @@ hisparse_measures() {
         --out "$S/profiles"
     done
     # the placement alone at this model's shape (top-256 into 13,107 slots; 1M's 104,857), the single
-    # program's select against the parallel passes, with host time and as kernels replayed from a graph
+    # program's select against the parallel passes, with host time and as kernels replayed from a graph;
+    # `cand_par graph us`: the step's candidates selected by the parallel passes (the one program took
+    # 47.6 us a step at 13,107 slots in the fifteenth session; if cand_par beats cand there, lower
+    # kernels/lru_place.py's CAND_PAR_MIN_BLOCKS below 7 blocks)
     "$PY" -m bench.place_bench --m 256 --n 13107 104857 --hit 0.75 1.0 --steps 30 --out "$S/profiles"
-    # wider slot steps for the one-program selects (the candidates kernel was 48 us a step at 13,107
-    # slots in the fourteenth session: ~21 latency-bound iterations of 2,048 keys); 16 warps from 4,096
-    "$PY" -m bench.place_bench --m 256 --n 13107 --hit 0.75 --block-n 2048 4096 8192 --steps 30 \
-      --out "$S/profiles/block-n"
   fi
 }
 

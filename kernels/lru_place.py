@@ -90,6 +90,12 @@ BLOCK_N = 2048
 # (52 blocks) 208 us against 39 us. The one program grows ~3.5 us a block, so the two cross near
 # 9-10 blocks (interpolated from those two sizes, not measured between them)
 PAR_MIN_BLOCKS = 12
+# the same switch for the candidates (`lru_candidates`), which select for every layer of the step at once:
+# its one program per (row, layer) took 47.6 us a step at 13,107 slots (7 blocks) in the fifteenth
+# session's 128K profile, a latency-bound loop that the parallel passes' three launches of B x L x blocks
+# programs may beat at fewer blocks than a single placement's select does (bench.place_bench's
+# `cand_par` column times that at 13,107 slots; not measured yet, so the threshold is the placements')
+CAND_PAR_MIN_BLOCKS = PAR_MIN_BLOCKS
 # LONGCTX_PLACE_PARALLEL=0 keeps the one-program select for a process (A/B benches, or a GPU where the
 # parallel passes failed bench.gpu_kernel_check)
 PARALLEL_DEFAULT = os.environ.get("LONGCTX_PLACE_PARALLEL", "1").strip() != "0"
@@ -257,8 +263,8 @@ def lru_candidates(
 ) -> torch.Tensor:
     """The victim candidates of a decode step's placements (module doc; `lru_candidates_ref`):
     int64 [B, L, count], one launch for all B x L (row, layer)s (parallel: the select's passes over
-    the slots as `lru_place`'s parallel passes, three launches more; None: from PAR_MIN_BLOCKS slot
-    blocks). Call it after the step's clock tick and before the step's placements of those
+    the slots as `lru_place`'s parallel passes, three launches more; None: from CAND_PAR_MIN_BLOCKS
+    slot blocks, unless LONGCTX_PLACE_PARALLEL=0). Call it after the step's clock tick and before the step's placements of those
     (row, layer)s, which take them through `lru_place(..., cand=...)`. No host sync, no
     data-dependent shape (CUDA-graph safe)."""
     check(s2p.dim() == 1 and stamp.dim() == 1 and s2p.dtype == stamp.dtype == torch.int64, "s2p / stamp")
@@ -276,7 +282,7 @@ def lru_candidates(
     scratch = torch.empty((B * L, 3, block_c), dtype=torch.int64, device=dev)
     n_blk = triton.cdiv(n_slots, block_n)
     if parallel is None:
-        parallel = PARALLEL_DEFAULT and n_blk >= PAR_MIN_BLOCKS
+        parallel = PARALLEL_DEFAULT and n_blk >= CAND_PAR_MIN_BLOCKS
     ws, ws_n = _par_workspace(B * L, digit_bits, parallel, out)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if parallel:  # no requested positions (FIXED): their pointers are placeholders
