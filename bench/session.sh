@@ -144,11 +144,17 @@ lane_b_checks() {
     "$PY" -m bench.kernels --skip kv_write,topk,swap_in,sparse_mla_decode,moe,fp8_gemm,layer --out "$S/kernels"
   fi
   # issue 10: where the shipped model's long retrievals fail, the needle in each indexer's top-k or not
-  # (the eval's first 10 samples of niah_single_1 / _2; eager, ~3 minutes). On its own GPU only: with
-  # one GPU it would hold up training (NEEDLE=1 forces it, NEEDLE=0 leaves it out)
+  # (the eval's first 10 samples of niah_single_1 / _2; eager, ~3 minutes), then the training step's
+  # speed at 64K / 128K (~2 minutes). On its own GPU only: with one GPU it would hold up training
+  # (NEEDLE=1 forces it, NEEDLE=0 leaves it out)
   if [ "${NEEDLE:-$([ "$1" = 1 ] && echo 1 || echo 0)}" = 1 ]; then
     "$PY" -m bench.needle_recall --model models-shipped/retrieval-wip --lengths 32k,128k --samples 10 \
       --device cuda --out "$S/needle"
+    # issue 10's training speed at the lengths that move retrieval (a 128K step took 8.1 s, most of a
+    # run): the gathered step with the chunked selection against the engine's fused indexer + top-k
+    # (--select fused; never run on a GPU before), and one full layer's selection alone (select s)
+    "$PY" -m bench.train_speed --lengths 65536,131072 --tokens 131072 --stages sparse --impls gather,fused \
+      --steps 2 --out "$S/train_speed"
   fi
 }
 

@@ -4,7 +4,9 @@ as it is ("new") and as it was before its MoE and top-k selection lost their hos
 `ReferenceTrainCausalLM`, the per-expert loop of `moe_experts_ref`, a selection loop over rows and
 the masked sparse attention) and, with `--impls mask,gather`, the trainer with one form of its sparse
 attention at every row length: the masked O(S^2) form (every key, the selection as a mask) or the
-gathered O(S * top-k) one (the default, "auto", picks by length). On a GPU each point also reports the
+gathered O(S * top-k) one (the default, "auto", picks by length); `fused` is the gathered form with
+the top-k selection made by the engine's fused indexer + top-k kernel (`--select fused`). Sparse
+points also time one full layer's selection alone (`select s`). On a GPU each point also reports the
 peak memory the step allocated.
 
 The weights are the shipped WIP checkpoint's (trained routing: a fresh init sends most tokens to a
@@ -134,6 +136,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_select(model: TrainCausalLM, mcfg: ModelConfig, batch: Batch, device: torch.device) -> float:
+    """Seconds of one full layer's top-k selection for the batch's shape, as the model makes it
+    (`select_form`; random fp32 indexer queries, keys and weights; median of 3 after one warm-up):
+    times the full layers, it is the selection's share of a sparse step."""
+    B, S = batch.ids.shape
+    g = torch.Generator(device=device).manual_seed(0)
+    Hi, D = mcfg.index_n_heads, mcfg.index_head_dim
+    qi = torch.randn(B, S, Hi, D, generator=g, device=device)
+    ki = torch.randn(B, S, D, generator=g, device=device)
+    wi = torch.rand(B, S, Hi, generator=g, device=device)
+    select = model._select_fused if model.select_form == "fused" else model._select
+    times = []
+    for i in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        select(qi, ki, wi, mcfg.index_topk)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
+
+
 def measure(
     impl: str,
     mcfg: ModelConfig,
@@ -148,6 +172,8 @@ def measure(
     model = (ReferenceTrainCausalLM if impl == "old" else TrainCausalLM)(mcfg)
     if impl in ("mask", "gather"):  # the trainer with one form of the sparse attention at every length
         model.sparse_attention = impl
+    if impl == "fused":  # gathered attention over the engine's fused indexer + top-k selection
+        model.sparse_attention, model.select_form = "gather", "fused"
     if weights:
         load_model_weights(model, weights, torch.device("cpu"))
     else:
@@ -172,8 +198,10 @@ def measure(
         loss.backward()
     _sync(device)
     s = sorted(times)[len(times) // 2]
+    select_s = _time_select(model, mcfg, batch, device) if sparse and impl != "old" else None
     return {
         "s_per_step": s,
+        "select_s": select_s,
         "tokens_per_s": batch.ids.numel() / s,
         "ops": sum(count.ops.values()),
         "syncs": sum(count.syncs.values()),
@@ -195,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "--impls",
         default="new,old",
         help="new (the trainer: sparse attention 'auto'), old (before the sync-free step), mask / "
-        "gather (the trainer with that form of the sparse attention at every length)",
+        "gather (the trainer with that form of the sparse attention at every length), fused (gather, "
+        "with the selection by the engine's fused indexer + top-k kernel)",
     )
     ap.add_argument("--stages", default="dense,sparse")
     ap.add_argument("--quick", action="store_true", help="tiny config, 512-token rows, 1024 a step")
@@ -210,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     mcfg = ModelConfig.from_json(args.config)
     impls = args.impls.split(",")
+    bad = [i for i in impls if i not in ("new", "old", "mask", "gather", "fused")]
+    if bad:
+        print(f"train_speed: unknown --impls {bad}: new, old, mask, gather, fused")
+        return 2
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
@@ -219,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     lines = [
-        "| stage | S | B | data ms | " + " | ".join(f"{i} s/step | {i} tok/s | {i} ops | {i} syncs" for i in impls)
+        "| stage | S | B | data ms | "
+        + " | ".join(f"{i} s/step | {i} tok/s | {i} ops | {i} syncs | {i} select s" for i in impls)
         + (" | new / old |" if {"new", "old"} <= set(impls) else " |"),
-        "|---|---|---|---|" + "---|---|---|---|" * len(impls) + ("---|" if {"new", "old"} <= set(impls) else ""),
+        "|---|---|---|---|" + "---|---|---|---|---|" * len(impls) + ("---|" if {"new", "old"} <= set(impls) else ""),
     ]  # fmt: skip
     for stage in args.stages.split(","):
         for S in map(int, args.lengths.split(",")):
@@ -231,17 +265,26 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"stage": stage, "seq_len": S, "batch": batch.ids.shape[0]}
             row["data_ms"] = (time.perf_counter() - t0) * 1e3
             for impl in impls:
-                row[impl] = measure(impl, mcfg, args.weights, batch, stage == "sparse", args.steps, device)
+                try:
+                    row[impl] = measure(
+                        impl, mcfg, args.weights, batch, stage == "sparse", args.steps, device
+                    )
+                except (RuntimeError, ValueError) as e:  # out of memory, a kernel out of resources: say so
+                    row[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                    print(f"train_speed: {impl} at {S}: {row[impl]['error']}", flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             res["rows"].append(row)
             cells = [
-                f"{row[i]['s_per_step']:.4f} | {row[i]['tokens_per_s']:,.0f} | {row[i]['ops']} | {row[i]['syncs']}"
+                "failed | - | - | - | -"
+                if "error" in row[i]
+                else f"{row[i]['s_per_step']:.4f} | {row[i]['tokens_per_s']:,.0f} | {row[i]['ops']} | "
+                f"{row[i]['syncs']} | " + ("-" if row[i]["select_s"] is None else f"{row[i]['select_s']:.4f}")
                 for i in impls
             ]
             ratio = (
                 f" | {row['old']['s_per_step'] / row['new']['s_per_step']:.2f}x |"
-                if {"new", "old"} <= set(impls)
+                if {"new", "old"} <= set(impls) and not any("error" in row[i] for i in ("new", "old"))
                 else " |"
             )
             lines.append(

@@ -205,6 +205,8 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     (needle,) = [x for x in gpu1 if "bench.needle_recall" in x]
     assert "--lengths 32k,128k" in needle and "--model models-shipped/retrieval-wip" in needle
     assert gpu1.index(needle) < len(gpu1) - 1
+    (speed,) = [x for x in gpu1 if "bench.train_speed" in x]  # the chunked against the fused selection
+    assert "--impls gather,fused" in speed and "131072" in speed and gpu1.index(speed) < len(gpu1) - 1
     # the capped 1M lane started only once the model existed
     assert lines.index(gpu1[-1]) > lines.index(gpu0[0])
     out = run("collect").stdout
@@ -462,7 +464,7 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     # the point of the new step: no host syncs, fewer launches than the per-expert / per-row loops
     assert row["new"]["syncs"] == 0 and row["old"]["syncs"] > 0 and row["new"]["ops"] < row["old"]["ops"]
     # the two forms of the sparse attention, each at every length; both sync-free
-    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--impls", "gather,mask",
+    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--impls", "gather,mask,fused",
                  "--out", str(tmp_path / "forms")]) == 0  # fmt: skip
     (row,) = json.loads((tmp_path / "forms" / "train-speed-cpu.json").read_text())["rows"]
     assert (
@@ -470,6 +472,11 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
         and row["mask"]["syncs"] == 0
         and row["gather"]["ops"] != row["mask"]["ops"]
     )
+    # the fused selection (its torch reference on a CPU), and every sparse point's selection timed alone
+    assert row["fused"]["tokens_per_s"] > 0 and all(
+        row[i]["select_s"] > 0 for i in ("gather", "mask", "fused")
+    )
+    assert main(["--device", "cpu", "--quick", "--impls", "new,bogus"]) == 2
 
 
 def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:

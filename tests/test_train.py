@@ -132,6 +132,47 @@ def test_batched_selection_is_the_per_row_selection(monkeypatch) -> None:
             assert not (got & (torch.arange(S)[None, :] > torch.arange(S)[:, None])).any()  # causal
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_fused_selection_is_the_chunked_selection(backend: str) -> None:
+    """select_form "fused" (the engine's fused indexer + top-k over the keys as a paged fp32 pool) picks
+    what `_select` picks: bit for bit where the logits are exact whatever the summation order (integer
+    values, many ties: the same lowest-index tie-break), and all but a few near-ties on random floats.
+    backend auto: the kernel's torch reference on a CPU; triton: the kernels under the interpreter."""
+    B, S, Hi, D, topk = 2, 80, 4, 16, 8
+    g = torch.Generator().manual_seed(1)
+    qi, ki = torch.randn(B, S, Hi, D, generator=g), torch.randn(B, S, D, generator=g)
+    wi = torch.rand(B, S, Hi, generator=g)
+    tied = (qi.round(), ki.round().clamp(0, 1), wi.round() + 1)
+    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    m.select_form, m.select_backend = "fused", backend
+    for q, k_, w_, exact in ((*tied, True), (qi, ki, wi, False)):
+        want, got = m._select(q, k_, w_, topk), m._select_fused(q, k_, w_, topk)
+        assert got.shape == want.shape == (B, S, topk) and got.dtype == want.dtype == torch.int64
+        a, b = selection_mask(got, S), selection_mask(want, S)
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            assert (a != b).sum() <= 4 and torch.equal(a.sum(-1), b.sum(-1))
+    m.select_form = "bogus"
+    with pytest.raises(ValueError, match="select_form"):
+        m._select_fused(qi, ki, wi, topk)
+
+
+def test_fused_selection_from_the_cli_trains(tmp_path: Path) -> None:
+    """--select fused: a sparse run on the CPU trains through it and records it; a bad form is refused."""
+    args = [
+        "--config", str(TINY), "--out", str(tmp_path / "f"), "--steps", "2", "--device", "cpu",
+        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "0",
+        "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
+    ]  # fmt: skip
+    assert main([*args, "--select", "fused"]) == 0
+    st = read_training(tmp_path / "f")
+    assert st["recipe"]["select"] == "fused" and st["log"][-1]["stage"] == "sparse"
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in st["log"])
+    with pytest.raises(SystemExit):
+        main([*args, "--select", "bogus"])
+
+
 def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
     """The needle loss: -log of the index softmax's mass on the needle at answer rows. Only the indexer
     gets its gradient, and a few steps on one batch raise that mass (the selection moves to it)."""

@@ -35,7 +35,7 @@ def _ensure_kernels() -> None:
 def build_parser() -> argparse.ArgumentParser:
     from longctx.train.data import DataConfig
     from longctx.train.loop import TrainConfig
-    from longctx.train.model import SPARSE_ATTENTION_FORMS
+    from longctx.train.model import SELECT_FORMS, SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
     p = argparse.ArgumentParser(prog="python -m longctx.train", description=__doc__)
@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=t.lead_weight,
         help="weight of each retrieval row's first value byte in the answer loss (1: all answer bytes alike)",
+    )
+    p.add_argument(
+        "--select",
+        choices=SELECT_FORMS,
+        default=t.select,
+        help="the sparse stage's top-k selection: chunked torch scores, or the engine's fused indexer + top-k "
+        "kernel (nothing of rows x rows in memory)",
     )
     p.add_argument(
         "--sparse-attention",
@@ -219,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             needle_weight=args.needle_weight,
             lead_weight=args.lead_weight,
             sparse_attention=args.sparse_attention,
+            select=args.select,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,

@@ -34,7 +34,7 @@ from longctx.train.checkpoint import (
     save_training,
 )
 from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
-from longctx.train.model import SPARSE_ATTENTION_FORMS, TrainCausalLM
+from longctx.train.model import SELECT_FORMS, SPARSE_ATTENTION_FORMS, TrainCausalLM
 
 # the loop's clock (deadlines, the time fit, the log's rates); tests swap in one driven by the steps
 _monotonic = time.monotonic
@@ -79,6 +79,9 @@ class TrainConfig:
     # faster (`sparse_forms`); without a probe (a fixed --steps) masked up to 16K-token rows, gathered
     # beyond
     sparse_attention: str = "auto"
+    # the sparse stage's top-k selection (TrainCausalLM.select_form): "torch" (chunked scores, then
+    # top-k) or "fused" (the engine's fused prefill indexer + top-k kernel; not timed on a GPU yet)
+    select: str = "torch"
     # filled by the time fit with auto: ((row length, "gather" | "mask"), ...), the faster form per length
     sparse_forms: tuple[tuple[int, str], ...] = ()
     dense_warmup_steps: int = 5500  # dense attention until the 4096 phase (retrieval first, then sparsity)
@@ -454,8 +457,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(
             f"sparse_attention must be one of {SPARSE_ATTENTION_FORMS}, got {cfg.sparse_attention!r}"
         )
+    if cfg.select not in SELECT_FORMS:
+        raise ConfigError(f"select must be one of {SELECT_FORMS}, got {cfg.select!r}")
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
+    model.select_form = cfg.select
     start, log_rows = 0, []
     state = None
     if cfg.resume:

@@ -58,6 +58,11 @@ _GATHER_ELEMS = 1 << 27
 # faster at rows of 2K / 4K / 8K (docs/training.md).
 _GATHER_FROM = 16384
 SPARSE_ATTENTION_FORMS = ("auto", "gather", "mask")  # TrainCausalLM.sparse_attention
+# TrainCausalLM.select_form: "torch" scores the selection in chunks (`_select`: [chunk, heads, S] fp32
+# scores in memory, then a top-k call); "fused" takes the engine's prefill kernel
+# (`kernels.indexer_topk.indexer_topk_paged`: logits and top-k in one pass, nothing of [S, S] in memory;
+# on a CPU its torch reference), with the keys as a dense fp32 index pool of one page table per row
+SELECT_FORMS = ("torch", "fused")
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
 
 
@@ -87,6 +92,8 @@ class TrainCausalLM(CausalLM):
         # _GATHER_FROM)
         self.sparse_attention = "auto"
         self.measured_forms: dict[int, str] = {}  # row length -> "gather" | "mask" (the trainer's probe)
+        self.select_form = "torch"  # SELECT_FORMS
+        self.select_backend = "auto"  # the fused form's kernels: Triton on CUDA, the reference on a CPU
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -194,7 +201,10 @@ class TrainCausalLM(CausalLM):
         r = apply_rope_interleaved(ckv[:, L:], cos, sin)
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            sel = self._select(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
+            sel = None
+            if sparse and attn.indexer.topk < S:
+                select = self._select_fused if self.select_form == "fused" else self._select
+                sel = select(qi, ki, wi, attn.indexer.topk)
         if sel is not None and self._gathers(S):
             # absorbed form over the selected tokens only (O(S * top-k)): score = (W_UK^T q_nope) . c
             # + q_rope . r, output W_UV (sum_k p_k c_k); the expanded keys and values are never made
@@ -296,6 +306,32 @@ class TrainCausalLM(CausalLM):
                 sel = topk_fn(logits.view(-1, S), topk, (pos[s0:s1] + 1).repeat(b1 - b0))  # -1 pads
                 out[b0:b1, s0:s1] = sel.view(b1 - b0, n, topk)
         return out
+
+    @torch.no_grad()
+    def _select_fused(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+        """`_select` by the engine's fused prefill indexer + top-k (`select_form` "fused"): the same
+        logits up to float summation order, the same top-k routine, [B, S, topk] int64 (-1 pads). The
+        keys become a dense fp32 index pool, row b's tokens in pages of their own (rows padded to whole
+        pages); query t of row b is request b's position t. On a CPU the kernel's torch reference."""
+        from longctx.kernels.indexer_topk import indexer_topk_paged
+        from longctx.kernels.kv_layout import PAGE_SIZE
+
+        if self.select_form not in SELECT_FORMS:
+            raise ValueError(f"select_form must be one of {SELECT_FORMS}, not {self.select_form!r}")
+        B, S, Hi, D = qi.shape
+        dev = qi.device
+        n_pages = -(-S // PAGE_SIZE)
+        pool = ki.new_zeros(B, n_pages * PAGE_SIZE, D)
+        pool[:, :S] = ki
+        pages = torch.arange(B * n_pages, dtype=torch.int32, device=dev).view(B, n_pages)
+        q_seq = torch.arange(B, device=dev).repeat_interleave(S)
+        q_pos = torch.arange(S, device=dev).repeat(B)
+        sel = indexer_topk_paged(
+            qi.reshape(B * S, Hi, D).contiguous(), wi.reshape(B * S, Hi).float().contiguous(),
+            pool.view(-1, D), pages, torch.full((B,), S, dtype=torch.int64, device=dev), q_seq, q_pos,
+            "fp32", topk, max_len=S, backend=self.select_backend,
+        )  # fmt: skip
+        return sel.view(B, S, topk).long()
 
     def _indexer_kl(
         self,
