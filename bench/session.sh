@@ -155,6 +155,10 @@ lane_b_checks() {
     # (--select fused; never run on a GPU before), and one full layer's selection alone (select s)
     "$PY" -m bench.train_speed --lengths 65536,131072 --tokens 131072 --stages sparse --impls gather,fused \
       --steps 2 --out "$S/train_speed"
+    # at 1M the model writes prose capped or not: does any full layer still select the needle there?
+    # (2 samples a task, ~70 s each)
+    "$PY" -m bench.needle_recall --model models-shipped/retrieval-wip --lengths 1m --samples 2 \
+      --device cuda --out "$S/needle"
   fi
 }
 
@@ -167,7 +171,9 @@ lane_b_capped() {
     sleep 10
   done
   [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0  # (lane A's placement check failed)
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
+  # 5 a task: lane A's uncapped 1M lane gets through ~5 samples in a session, and both wrote prose alike
+  # on all 5 in the fifteenth
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 5 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --cap-fraction 0.1 --out "$S/eval/capped_1m"
 }
 

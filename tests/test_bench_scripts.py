@@ -202,9 +202,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
     # the shipped model's needle recall at 32K and 128K on the checks' GPU, before the capped 1M lane
-    (needle,) = [x for x in gpu1 if "bench.needle_recall" in x]
+    needle, needle_1m = [x for x in gpu1 if "bench.needle_recall" in x]
     assert "--lengths 32k,128k" in needle and "--model models-shipped/retrieval-wip" in needle
-    assert gpu1.index(needle) < len(gpu1) - 1
+    assert "--lengths 1m --samples 2" in needle_1m and gpu1.index(needle_1m) < len(gpu1) - 1
     (speed,) = [x for x in gpu1 if "bench.train_speed" in x]  # the chunked against the fused selection
     assert "--impls gather,fused" in speed and "131072" in speed and gpu1.index(speed) < len(gpu1) - 1
     # the capped 1M lane started only once the model existed
