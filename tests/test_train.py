@@ -158,21 +158,6 @@ def test_fused_selection_is_the_chunked_selection(backend: str) -> None:
         m._select_fused(qi, ki, wi, topk)
 
 
-def test_fused_selection_from_the_cli_trains(tmp_path: Path) -> None:
-    """--select fused: a sparse run on the CPU trains through it and records it; a bad form is refused."""
-    args = [
-        "--config", str(TINY), "--out", str(tmp_path / "f"), "--steps", "2", "--device", "cpu",
-        "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "0",
-        "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
-    ]  # fmt: skip
-    assert main([*args, "--select", "fused"]) == 0
-    st = read_training(tmp_path / "f")
-    assert st["recipe"]["select"] == "fused" and st["log"][-1]["stage"] == "sparse"
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in st["log"])
-    with pytest.raises(SystemExit):
-        main([*args, "--select", "bogus"])
-
-
 def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
     """The needle loss: -log of the index softmax's mass on the needle at answer rows. Only the indexer
     gets its gradient, and a few steps on one batch raise that mass (the selection moves to it)."""
@@ -909,20 +894,23 @@ def test_document_rows_are_the_prompts_the_documents_endpoint_sends() -> None:
         DataConfig(document_fraction=-0.1)
 
 
-def test_sparse_attention_choice_from_the_cli(tmp_path: Path) -> None:
-    """--sparse-attention gather trains (sparse stage: 512-token rows over a top-16) and is recorded;
-    a bogus value is an argparse error (exit code 2, one line)."""
+@pytest.mark.parametrize(("flag", "key", "value"), [("--sparse-attention", "sparse_attention", "gather"),
+                                                    ("--select", "select", "fused")])  # fmt: skip
+def test_sparse_stage_choices_from_the_cli(tmp_path: Path, flag: str, key: str, value: str) -> None:
+    """--sparse-attention gather and --select fused (the engine's fused indexer + top-k; its reference
+    on a CPU) train (sparse stage: 512-token rows over a top-16) and are recorded; a bogus value is an
+    argparse error (exit code 2, one line)."""
     args = [
         "--config", str(TINY), "--out", str(tmp_path / "g"), "--steps", "2", "--device", "cpu",
         "--tokens-per-step", "1024", "--curriculum", "0:512", "--dense-warmup-steps", "0",
         "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
     ]  # fmt: skip
-    assert main([*args, "--sparse-attention", "gather"]) == 0
+    assert main([*args, flag, value]) == 0
     st = read_training(tmp_path / "g")
-    assert st["recipe"]["sparse_attention"] == "gather" and st["log"][-1]["stage"] == "sparse"
+    assert st["recipe"][key] == value and st["log"][-1]["stage"] == "sparse"
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in st["log"])
     with pytest.raises(SystemExit):
-        main([*args, "--sparse-attention", "bogus"])
+        main([*args, flag, "bogus"])
 
 
 def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path: Path) -> None:
