@@ -459,6 +459,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         )
     if cfg.select not in SELECT_FORMS:
         raise ConfigError(f"select must be one of {SELECT_FORMS}, got {cfg.select!r}")
+    if not cfg.lead_weight >= 0:
+        raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
     model.select_form = cfg.select
@@ -472,8 +474,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         load_model_weights(model, cfg.init_from, torch.device("cpu"))
     else:
         model.init_weights(cfg.seed)
-    if not cfg.lead_weight >= 0:
-        raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
     if cfg.train_only not in ("all", "indexer"):
         raise ConfigError(f"train_only must be 'all' or 'indexer', got {cfg.train_only!r}")
     if cfg.train_only == "indexer":
