@@ -79,12 +79,14 @@ lane_a() {
   # the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a time-fitted
   # schedule (the probe picks the sparse form per length and drops a length that does not fit), a third
   # of the steps back at a shorter length begun before (replay), a quarter of the retrieval rows in the
-  # chat template and a quarter of the rest as /v1/documents + /ask render them
+  # chat template and a quarter of the rest as /v1/documents + /ask render them; the probe also times the
+  # selection by the engine's fused indexer + top-k from 16K rows on and keeps it where it is faster
+  # (--select auto; a fused step that fails leaves that length to the chunked selection)
   TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
     TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --lead-weight 4 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 \
---dense-warmup-steps 0"} bash bench/train_bg.sh start
+--dense-warmup-steps 0 --select auto"} bash bench/train_bg.sh start
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0

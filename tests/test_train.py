@@ -153,9 +153,12 @@ def test_fused_selection_is_the_chunked_selection(backend: str) -> None:
             assert torch.equal(got, want)
         else:
             assert (a != b).sum() <= 4 and torch.equal(a.sum(-1), b.sum(-1))
+    assert m._selects_fused(S)
+    m.select_form, m.measured_selects = "auto", {S: "fused"}
+    assert m._selects_fused(S) and not m._selects_fused(2 * S)  # auto: what the probe measured, else torch
     m.select_form = "bogus"
     with pytest.raises(ValueError, match="select_form"):
-        m._select_fused(qi, ki, wi, topk)
+        m._selects_fused(S)
 
 
 def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
@@ -472,6 +475,39 @@ def test_probe_takes_the_faster_sparse_form_and_gathers_where_the_mask_does_not_
     monkeypatch.setattr(model_mod, "selection_mask", real)
     seconds, forms = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
     assert forms == {} and seconds.keys() == {512, 640, 768} and model.measured_forms == {}
+
+
+def test_probe_times_the_fused_selection_and_falls_back_when_it_fails(monkeypatch) -> None:
+    """select "auto": from _FUSED_FROM-token rows on the probe also times the step with the fused
+    selection, keeps the faster per length in measured_selects, and a fused step that fails (here a
+    kernel error) leaves that length to the torch selection; the time fit records them (select_forms)."""
+    import longctx.train.loop as loop
+    import longctx.train.model as model_mod
+
+    monkeypatch.setattr(loop, "_FUSED_FROM", 640)
+    half = loop.NOMINAL_STEPS // 2
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (half, 640)))
+    cfg = TrainConfig(
+        device="cpu", kl_rows=16, dense_warmup_steps=0, warmup_steps=2, data=data, select="auto"
+    )
+    model = _model(seed=1)
+    model.select_form = "auto"
+    seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert seconds.keys() == {512, 640} and model.measured_selects.keys() == {640}  # 512: torch, untimed
+    assert model.measured_selects[640] in ("torch", "fused")
+    calls = []
+
+    def broken(self, *a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        raise RuntimeError("out of resources: shared memory (simulated)")
+
+    monkeypatch.setattr(model_mod.TrainCausalLM, "_select_fused", broken)
+    model.measured_selects = {}
+    seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert calls and model.measured_selects == {640: "torch"} and seconds.keys() == {512, 640}
+    timed = dataclasses.replace(cfg, steps=0, max_minutes=10.0)
+    fitted = loop._auto_schedule(timed, model, torch.device("cpu"), None, loop._monotonic(), 0.0)
+    assert fitted.select_forms == ((640, "torch"),)
 
 
 def test_probe_times_each_phase_at_its_own_length_under_replay(monkeypatch) -> None:

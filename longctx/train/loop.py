@@ -34,7 +34,7 @@ from longctx.train.checkpoint import (
     save_training,
 )
 from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
-from longctx.train.model import SELECT_FORMS, SPARSE_ATTENTION_FORMS, TrainCausalLM
+from longctx.train.model import _FUSED_FROM, SELECT_FORMS, SPARSE_ATTENTION_FORMS, TrainCausalLM
 
 # the loop's clock (deadlines, the time fit, the log's rates); tests swap in one driven by the steps
 _monotonic = time.monotonic
@@ -80,8 +80,12 @@ class TrainConfig:
     # beyond
     sparse_attention: str = "auto"
     # the sparse stage's top-k selection (TrainCausalLM.select_form): "torch" (chunked scores, then
-    # top-k) or "fused" (the engine's fused prefill indexer + top-k kernel; not timed on a GPU yet)
+    # top-k), "fused" (the engine's fused prefill indexer + top-k kernel; not timed on a GPU yet) or
+    # "auto" (per row length the one the time fit's probe timed faster, `select_forms`; torch below
+    # 16K-token rows and without a probe)
     select: str = "torch"
+    # filled by the time fit with select auto: ((row length, "torch" | "fused"), ...)
+    select_forms: tuple[tuple[int, str], ...] = ()
     # filled by the time fit with auto: ((row length, "gather" | "mask"), ...), the faster form per length
     sparse_forms: tuple[tuple[int, str], ...] = ()
     dense_warmup_steps: int = 5500  # dense attention until the 4096 phase (retrieval first, then sparsity)
@@ -115,7 +119,10 @@ def probe_step_seconds(
 ) -> tuple[dict[int, float], dict[int, str]]:
     """Seconds of one sparse-stage forward + backward at each curriculum length (no optimizer step),
     and, with `sparse_attention="auto"`, the sparse attention form ("gather" or "mask") that ran it
-    fastest at that length.
+    fastest at that length. With `select_form="auto"` it also times, from `_FUSED_FROM`-token rows on,
+    the step with the fused selection, and leaves the faster selection per length in
+    `model.measured_selects` (a fused step that fails in any way, out of memory or a kernel that does
+    not compile, leaves that length to the torch selection).
 
     "auto" times both forms at each length, shortest first, until the gathered one wins or the masked
     one runs out of memory; longer rows then take the gathered form untimed (the masked form's cost
@@ -164,10 +171,26 @@ def probe_step_seconds(
         if not timed:  # no form fits: S and every longer length are left out of the seconds
             model.measured_forms.pop(S, None)
             break
-        print(json.dumps({"probe": {"seq_len": S, "seconds": timed}}), flush=True)
-        seconds[S] = min(timed.values())
+        best = min(timed, key=timed.__getitem__)
         if auto:
-            forms[S] = min(timed, key=timed.__getitem__)
+            model.measured_forms[S] = best
+        secs = timed[best]
+        if model.select_form == "auto" and S >= _FUSED_FROM:
+            model.measured_selects[S] = "fused"
+            try:
+                timed[best + "+fused"] = median_seconds(batch)
+            except Exception as e:  # the fused kernel's first GPU runs: any failure leaves S to torch
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(json.dumps({"probe": {"seq_len": S, "fused_failed": f"{type(e).__name__}: {e}"[:300]}}))
+            fused = timed.get(best + "+fused")
+            model.measured_selects[S] = "fused" if fused is not None and fused < secs else "torch"
+            secs = min(secs, fused if fused is not None else secs)
+        print(json.dumps({"probe": {"seq_len": S, "seconds": timed}}), flush=True)
+        seconds[S] = secs
+        if auto:
+            forms[S] = best
             mask_lost = forms[S] == "gather"
     model.measured_forms = dict(forms)
     return seconds, forms
@@ -342,6 +365,7 @@ def _auto_schedule(
             steps=int(r["steps"]),
             dense_warmup_steps=int(r.get("dense_warmup_steps", cfg.dense_warmup_steps)),
             sparse_forms=tuple((int(a), str(b)) for a, b in r.get("sparse_forms", ())),
+            select_forms=tuple((int(a), str(b)) for a, b in r.get("select_forms", ())),
             data=dataclasses.replace(cfg.data, curriculum=cur),
         )
     if cfg.max_minutes is None:
@@ -358,7 +382,11 @@ def _auto_schedule(
     kept = ((0, kept[0][1]),) + kept[1:]
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, curriculum=kept))
     left = t_start + 60 * minutes - _monotonic() - eval_reserve
-    fitted = dataclasses.replace(fit_schedule(cfg, step_s, left), sparse_forms=tuple(sorted(forms.items())))
+    fitted = dataclasses.replace(
+        fit_schedule(cfg, step_s, left),
+        sparse_forms=tuple(sorted(forms.items())),
+        select_forms=tuple(sorted(model.measured_selects.items())),
+    )
     print(
         json.dumps(
             {
@@ -369,6 +397,7 @@ def _auto_schedule(
                     "dense_warmup_steps": fitted.dense_warmup_steps,
                     "curriculum": fitted.data.curriculum,
                     "sparse_forms": fitted.sparse_forms,
+                    "select_forms": fitted.select_forms,
                     "dropped_lengths": dropped,  # no step fitted in memory
                 }
             }
@@ -485,6 +514,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.steps <= 0:
         cfg = _auto_schedule(cfg, model, device, state, t_start, eval_reserve)
     model.measured_forms = dict(cfg.sparse_forms)
+    model.measured_selects = dict(cfg.select_forms)
     opt = build_optimizer(model, cfg, device)
     if state is not None:
         restore_moments(model, opt, state["moments"], start)

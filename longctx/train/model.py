@@ -61,8 +61,11 @@ SPARSE_ATTENTION_FORMS = ("auto", "gather", "mask")  # TrainCausalLM.sparse_atte
 # TrainCausalLM.select_form: "torch" scores the selection in chunks (`_select`: [chunk, heads, S] fp32
 # scores in memory, then a top-k call); "fused" takes the engine's prefill kernel
 # (`kernels.indexer_topk.indexer_topk_paged`: logits and top-k in one pass, nothing of [S, S] in memory;
-# on a CPU its torch reference), with the keys as a dense fp32 index pool of one page table per row
-SELECT_FORMS = ("torch", "fused")
+# on a CPU its torch reference), with the keys as a dense fp32 index pool of one page table per row;
+# "auto" takes per row length the form in `measured_selects` (the trainer's probe times the fused form
+# from _FUSED_FROM-token rows on), else torch
+SELECT_FORMS = ("torch", "fused", "auto")
+_FUSED_FROM = 16384
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
 
 
@@ -93,6 +96,7 @@ class TrainCausalLM(CausalLM):
         self.sparse_attention = "auto"
         self.measured_forms: dict[int, str] = {}  # row length -> "gather" | "mask" (the trainer's probe)
         self.select_form = "torch"  # SELECT_FORMS
+        self.measured_selects: dict[int, str] = {}  # row length -> "torch" | "fused" (the trainer's probe)
         self.select_backend = "auto"  # the fused form's kernels: Triton on CUDA, the reference on a CPU
 
     # ---- parameters ------------------------------------------------------------------------
@@ -203,7 +207,7 @@ class TrainCausalLM(CausalLM):
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
             sel = None
             if sparse and attn.indexer.topk < S:
-                select = self._select_fused if self.select_form == "fused" else self._select
+                select = self._select_fused if self._selects_fused(S) else self._select
                 sel = select(qi, ki, wi, attn.indexer.topk)
         if sel is not None and self._gathers(S):
             # absorbed form over the selected tokens only (O(S * top-k)): score = (W_UK^T q_nope) . c
@@ -256,6 +260,14 @@ class TrainCausalLM(CausalLM):
             form = self.measured_forms.get(S)
             return S > _GATHER_FROM if form is None else form == "gather"
         return self.sparse_attention == "gather"
+
+    def _selects_fused(self, S: int) -> bool:
+        """Whether the sparse stage at rows of S tokens selects with the fused kernel."""
+        if self.select_form not in SELECT_FORMS:
+            raise ValueError(f"select_form must be one of {SELECT_FORMS}, not {self.select_form!r}")
+        if self.select_form == "auto":
+            return self.measured_selects.get(S) == "fused"
+        return self.select_form == "fused"
 
     # ---- indexer ---------------------------------------------------------------------------
     def _indexer_qkw(
@@ -316,8 +328,6 @@ class TrainCausalLM(CausalLM):
         from longctx.kernels.indexer_topk import indexer_topk_paged
         from longctx.kernels.kv_layout import PAGE_SIZE
 
-        if self.select_form not in SELECT_FORMS:
-            raise ValueError(f"select_form must be one of {SELECT_FORMS}, not {self.select_form!r}")
         B, S, Hi, D = qi.shape
         dev = qi.device
         n_pages = -(-S // PAGE_SIZE)
