@@ -143,6 +143,23 @@ def case_indexer_topk_fused() -> float:
     return float((got != ref).float().mean())
 
 
+def case_train_select_fused(rows: int, S: int) -> float:
+    """The trainer's fused selection (`TrainCausalLM._select_fused`: the fused kernel over the keys as a
+    dense fp32 pool, the retrieval model's 8 x 64 indexer, top-256) against its chunked selection on
+    random fp32 inputs: the share of selected positions that differ (near-ties only)."""
+    from longctx.config import ModelConfig
+    from longctx.train.model import TrainCausalLM, selection_mask
+
+    m = TrainCausalLM(ModelConfig.from_json(ROOT / "configs" / "retrieval.json"))
+    m.select_form = "fused"
+    g = torch.Generator(device="cuda").manual_seed(S)
+    qi = torch.randn(rows, S, 8, 64, generator=g, device="cuda")
+    ki = torch.randn(rows, S, 64, generator=g, device="cuda")
+    wi = torch.rand(rows, S, 8, generator=g, device="cuda")
+    got, want = m._select_fused(qi, ki, wi, 256), m._select(qi, ki, wi, 256)
+    return float((selection_mask(got, S) != selection_mask(want, S)).sum() / (selection_mask(want, S).sum()))
+
+
 def case_topk(n: int, batch: int) -> float:
     from longctx.kernels.topk import topk_indices, topk_indices_ref
 
@@ -560,6 +577,8 @@ CASES = {
     "index_bf16_decode_ragged": (case_indexer_decode, ("bf16", {}), 1e-2),
     "index_fp8_prefill": (case_indexer_prefill, ("fp8",), 1e-3),
     "index_topk_fused_fp8": (case_indexer_topk_fused, (), 1e-3),
+    "train_select_fused_1x20000": (case_train_select_fused, (1, 20_000), 1e-3),
+    "train_select_fused_2x9000": (case_train_select_fused, (2, 9_000), 1e-3),
     "topk_1m": (case_topk, (1 << 20, 1), 0.0),
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),
