@@ -82,11 +82,22 @@ lane_a() {
   # chat template and a quarter of the rest as /v1/documents + /ask render them; the probe also times the
   # selection by the engine's fused indexer + top-k from 16K rows on and keeps it where it is faster
   # (--select auto; a fused step that fails leaves that length to the chunked selection)
-  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} \
-    TRAIN_ARGS=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
+  local args=${TRAIN_ARGS:-"--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --lead-weight 4 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto"} bash bench/train_bg.sh start
+--dense-warmup-steps 0 --select auto"}
+  if [[ "$args" == *"--select auto"* || "$args" == *"--select fused"* ]]; then
+    # the fused selection against the chunked one on this GPU first (~1 minute): the probe falls back
+    # on a fused step that fails, not on one that selects wrongly
+    CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.gpu_kernel_check --only train_select --out "$S/checks/select"
+    if ! "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not r or not all(v["ok"] for v in r.values()))' \
+      "$S/checks/select/gpu-kernel-check.json"; then
+      echo "fused selection check failed: training selects with the chunked torch form"
+      args=${args/--select auto/--select torch}
+      args=${args/--select fused/--select torch}
+    fi
+  fi
+  TRAIN_GPU=0 TRAIN_MINUTES=${TRAIN_MINUTES:-16} TRAIN_ARGS="$args" bash bench/train_bg.sh start
   bash bench/train_bg.sh wait
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=0

@@ -177,6 +177,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     # the placement check's verdict is read before the first capped run
     assert any(x.startswith("0 -c ") and x.endswith("gpu-kernel-check.json") for x in lines), lines
     gpu1 = [x for x in lines if x.startswith("1 ")]
+    # the fused selection checked on lane A's GPU before training selects with it (--select auto)
+    assert "gpu_kernel_check --only train_select" in gpu0[0]
+    gpu0 = gpu0[1:]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
         "--needle-weight 1.0 --lead-weight 4 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
@@ -257,15 +260,18 @@ def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
     assert work and all(w == str(s / "src") for w in work)
     assert (s / "src" / "bench" / "session.sh").exists() and not (s / "src" / "tests").exists()
     modules = [x.split(" -m ")[1].split()[0] for x in lines if " -m " in x and "pip" not in x]
-    if checks == "0":
-        assert modules[0] == "longctx.train" and "bench.step_profile" not in modules
+    if checks == "0":  # (the fused selection's check comes first, on lane A)
+        assert (
+            modules[:2] == ["bench.gpu_kernel_check", "longctx.train"] and "bench.step_profile" not in modules
+        )
     else:
         assert modules[0] == "bench.gpu_kernel_check" and "bench.step_profile" in modules
 
 
 def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_model(tmp_path: Path) -> None:
     """Training that dies before its first save (a long row out of memory at step 1) leaves no
-    checkpoint: lane A scores nothing but still runs issue 5's measurements, on the shipped model."""
+    checkpoint: lane A scores nothing but still runs issue 5's measurements, on the shipped model. A
+    fused selection that fails its GPU check leaves training to the chunked one (--select torch)."""
     import os
     import subprocess
     import time
@@ -275,7 +281,7 @@ def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_mod
     fake.write_text(
         "#!/usr/bin/env bash\n"
         f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'
-        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+        'if [ "$1" = "-c" ]; then case "$*" in *checks/select*) exit 1;; esac; echo 1; exit 0; fi\n'
         'if [ "$2" = "longctx.train" ]; then exit 1; fi\n'
     )
     fake.chmod(0o755)
@@ -290,6 +296,8 @@ def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_mod
     assert (s / "eval.stop").exists() and not any("retrieval_eval" in x for x in lines)
     measured = [x for x in lines if "long_context" in x or "step_profile" in x]
     assert len(measured) == 3 and all("--model models-shipped/retrieval-wip" in x for x in measured)
+    (train,) = [x for x in lines if "longctx.train" in x]
+    assert "--select torch" in train and "--select auto" not in train
     assert any("gpu_kernel_check --only place" in x for x in lines) and any("place_bench" in x for x in lines)
 
 
