@@ -11,6 +11,7 @@ bench/results/retrieval-h200.{json,md} and a PNG of score vs length.
     python -m bench.retrieval_eval run --model DIR --lengths 1m --samples 3 --cap-fraction 0.1 --out R/capped
     python -m bench.retrieval_eval merge R/uncapped R/capped [--out bench/results]
     python -m bench.retrieval_eval gate R/uncapped --length 4k --min 20   # exit 0: scores reach 20
+    python -m bench.retrieval_eval depth R/uncapped/results.jsonl   # niah scores by the needle's depth
 
 Keys of the JSON: `<task>.<len>` (0-100; at 1m the HiSparse-capped run, elsewhere the uncapped one),
 `<task>.1m_uncapped` / `<task>.<len>_capped` for the other kind, `avg_niah.<len>` (the mean over the
@@ -190,6 +191,62 @@ def merge(args: argparse.Namespace) -> int:
     return 0
 
 
+DEPTH_BINS = (0.1, 0.3, 0.5, 0.7, 0.9)  # upper edges; the last bin runs to 1.0
+
+
+def depth(args: argparse.Namespace) -> int:
+    """Scores of a run's niah samples by where the needle's value stands in the prompt (0: its start, 1:
+    just before the question), from the samples regenerated with the run's seed, tokenizer and output
+    budget (raw prompts). Prints a table per (task, length) and writes it as JSON with --out."""
+    from longctx.workloads.ruler_runner import format_length, read_rows
+    from longctx.workloads.ruler_tasks import TASKS as RULER_TASKS
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import load_counter
+
+    rows = read_rows(Path(args.results))
+    rows = [r for r in rows if RULER_TASKS.get(r["task"]) and RULER_TASKS[r["task"]].family == "niah"]
+    if not rows:
+        print(f"depth: no niah rows in {args.results}", file=sys.stderr)
+        return 2
+    gens: dict[int, RulerGenerator] = {}
+    counter = load_counter(args.tokenizer)
+    table: dict[str, dict[str, list[int]]] = {}
+    edges = (*DEPTH_BINS, 1.0)
+    for r in rows:
+        seed = int(r.get("seed", 42))
+        gen = gens.setdefault(seed, RulerGenerator(counter, seed=seed, max_new_tokens_scale=args.scale))
+        s = gen.sample(r["task"], int(r["length"]), int(r["index"]))
+        text = s.input + s.answer_prefix
+        at = text.find(s.outputs[0])
+        if at < 0:
+            continue
+        d = at / len(text)
+        lo = 0.0
+        for hi in edges:
+            if d < hi or hi == 1.0:
+                break
+            lo = hi
+        key = f"{r['task']} {format_length(int(r['length']))}"
+        cell = table.setdefault(key, {}).setdefault(f"{lo:.1f}-{hi:.1f}", [0, 0])
+        cell[0] += int(float(r["score"]) >= 1)
+        cell[1] += 1
+    names = [f"{lo:.1f}-{hi:.1f}" for lo, hi in zip((0.0, *DEPTH_BINS), edges)]
+    lines = [
+        "| task, length | " + " | ".join(f"depth {n}" for n in names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for key, cells in sorted(table.items()):
+        lines.append(
+            f"| {key} | "
+            + " | ".join(f"{cells[n][0]} / {cells[n][1]}" if n in cells else "-" for n in names)
+            + " |"
+        )
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": args.results, "right_of": table}, indent=2) + "\n")
+    return 0
+
+
 def plot(by_len: dict[tuple[int, bool], dict[str, float]], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -252,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("runs", nargs="+")
     m.add_argument("--out", default=None, help="directory for the results (default bench/results)")
     m.set_defaults(func=merge)
+    d = sub.add_parser("depth", help="a run's niah scores by the needle's depth in the prompt (raw form)")
+    d.add_argument("results", help="a results.jsonl (run directory's, or a committed eval-*.jsonl)")
+    d.add_argument("--tokenizer", default=str(RESULTS.parents[1] / "models-shipped" / "retrieval-wip"))
+    d.add_argument("--scale", type=float, default=float(MAX_NEW_TOKENS_SCALE), help="the run's output scale")
+    d.add_argument("--out", default=None, help="write the table as JSON here")
+    d.set_defaults(func=depth)
     args = ap.parse_args(argv)
     return int(args.func(args) or 0)
 

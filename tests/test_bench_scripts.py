@@ -132,6 +132,27 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "y" / "retrieval-h200.json").read_text())["form"] == "documents"
 
 
+def test_retrieval_eval_depth_bins_a_runs_niah_scores(tmp_path: Path) -> None:
+    """`retrieval_eval depth`: a run's niah samples regenerated (seed, length, index) and their scores
+    counted by where the needle's value stands in the prompt; a run without niah rows is refused."""
+    from bench.retrieval_eval import main
+
+    rows = [
+        {"task": "niah_single_1", "length": 1024, "index": i, "seed": 42, "score": float(i % 2)}
+        for i in range(4)
+    ]
+    rows.append({"task": "vt", "length": 1024, "index": 0, "seed": 42, "score": 1.0})
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["depth", str(path), "--out", str(tmp_path / "d.json")]) == 0
+    got = json.loads((tmp_path / "d.json").read_text())["right_of"]
+    (cells,) = got.values()  # one (task, length): vt has no needle depth
+    assert list(got) == ["niah_single_1 1K"] and sum(n for _, n in cells.values()) == 4
+    assert sum(r for r, _ in cells.values()) == 2
+    (tmp_path / "vt.jsonl").write_text(json.dumps(rows[-1]) + "\n")
+    assert main(["depth", str(tmp_path / "vt.jsonl")]) == 2
+
+
 def test_train_report_on_the_committed_logs(tmp_path: Path) -> None:
     from bench.train_report import main
 
