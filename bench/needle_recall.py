@@ -6,7 +6,9 @@ needle's value among the positions the answer's queries attend to) or reached it
 seed and output budget as `bench.retrieval_eval`, raw prompts) through the engine eagerly, records
 every full layer's top-k for the rows that produce the answer (the last prompt token and the decode
 steps after it; shared layers use their full layer's), and reports per layer the fraction of the
-value's token positions that were selected, split by whether the sample was answered right.
+value's token positions that were selected, split by whether the sample was answered right, and at
+the step that wrote the value's first token the rank of the wanted token among the top 5 (the wrong
+answers' ranks are counted in the summary).
 
     python -m bench.needle_recall --model DIR --lengths 32k,128k --samples 10 [--device cuda] --out R
 
@@ -24,6 +26,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,6 +96,44 @@ def recall_by_layer(
     return out
 
 
+TOP_LOGPROBS = 5
+
+
+def _greedy(eng: Any, rid: str, ids: list[int], max_new: int) -> tuple[list[int], list[Any]]:
+    """Greedy tokens of one request and each one's top-`TOP_LOGPROBS` logprobs (`TokenLogprob`s)."""
+    from longctx.engine.request import Request, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, logprobs=TOP_LOGPROBS)
+    eng.add_request(Request(rid, ids, params))
+    out: list[int] = []
+    lps: list[Any] = []
+    while eng.has_work():
+        for o in eng.step():
+            if o.rid == rid:
+                out += o.new_token_ids
+                lps += o.logprobs
+                if o.error:
+                    raise RuntimeError(o.error)
+    return out, lps
+
+
+def first_digit(out_ids: Sequence[int], logprobs: Sequence[Any], value_ids: Sequence[int]) -> dict | None:
+    """At the step that wrote the answer's first value token (the first output token equal to none of
+    the answer prefix's trailing spaces): the token written, the one wanted, and the wanted one's
+    logprob and rank among the step's top `TOP_LOGPROBS` (None: not among them)."""
+    if not value_ids or not out_ids:
+        return None
+    space = 32  # byte-level tokens: the model writes " " before the value
+    k = next((j for j, t in enumerate(out_ids) if t != space), None)
+    if k is None or k >= len(logprobs):
+        return None
+    want = value_ids[0]
+    top = [t for t, _ in logprobs[k].top]
+    rank = top.index(want) + 1 if want in top else None
+    lp = dict(logprobs[k].top).get(want)
+    return {"step": k, "wrote": out_ids[k], "want": want, "want_logprob": lp, "want_rank": rank}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per (length, right/wrong): samples and the mean of each layer's recall figures."""
     out: dict = {}
@@ -109,6 +150,13 @@ def summarize(rows: list[dict]) -> dict:
             for acc in g["layers"].values():
                 for k in acc:
                     acc[k] = round(acc[k] / g["samples"], 3)
+    for r in rows:  # wrong answers: where the wanted first value token ranked at the step that wrote one
+        fd = r.get("first_digit")
+        if r["score"] >= 1 or not fd or fd["wrote"] == fd["want"]:
+            continue
+        ranks = out[r["length_name"]]["wrong"].setdefault("first_digit_rank", {})
+        key = str(fd["want_rank"]) if fd["want_rank"] is not None else f">{TOP_LOGPROBS}"
+        ranks[key] = ranks.get(key, 0) + 1
     return out
 
 
@@ -127,7 +175,13 @@ def table(summary: dict) -> str:
                     f"| {length} | {g['samples']} {group} | {layer} | {v['last_prompt']:.2f} | "
                     f"{v['answer']:.2f} | {v['any']:.2f} |"
                 )
-    return "\n".join(lines)
+    notes = [
+        f"- {length}: wrong first value token; the wanted one ranked "
+        + ", ".join(f"{k}: {n}" for k, n in sorted(g["first_digit_rank"].items()))
+        for length, groups in summary.items()
+        if (g := groups.get("wrong")) and g.get("first_digit_rank")
+    ]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                     needle = needle_positions(ids, eng.encode(value))
                     t0 = time.perf_counter()
                     with record_selections(len(ids) - 1) as sel:
-                        (c,) = eng.generate([ids], max_new_tokens=s.max_new_tokens)
-                    row = {
+                        out_ids, logprobs = _greedy(eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens)
+                    text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
+                    recall = recall_by_layer(sel, needle, len(ids), len(eng.encode(value)) + 1)
+                    row: dict[str, Any] = {
                         "task": task,
                         "length": L,
                         "length_name": format_length(L),
@@ -192,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                         "prompt_tokens": len(ids),
                         "value": value,
                         "needle_positions": needle[:1] + needle[-1:],
-                        "output": c.text,
-                        "score": sample_match_all(c.text or "", s.outputs),
-                        "recall": recall_by_layer(sel, needle, len(ids), len(eng.encode(value)) + 1),
+                        "output": text,
+                        "score": sample_match_all(text, s.outputs),
+                        "first_digit": first_digit(out_ids, logprobs, eng.encode(value)),
+                        "recall": recall,
                         "seconds": round(time.perf_counter() - t0, 2),
                     }
                     rows.append(row)
@@ -203,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"needle_recall: {task} {row['length_name']} #{i}: score {row['score']:.0f}, answer-row "
                         "share by layer "
-                        + ", ".join(f"{k}: {v['answer']:.2f}" for k, v in row["recall"].items())
+                        + ", ".join(f"{k}: {v['answer']:.2f}" for k, v in recall.items())
                         + f" ({row['seconds']} s)",
                         flush=True,
                     )

@@ -648,6 +648,20 @@ def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
     row = json.loads(lines[0])
     assert row["score"] == 1 and row["value"] in row["output"]
     assert all(v["any"] == 1 and 0 < v["answer"] <= 1 for v in row["recall"].values())
+    # the step that wrote the value's first digit: it wrote the wanted one, ranked first among the top 5
+    fd = row["first_digit"]
+    assert (
+        fd["wrote"] == fd["want"] == ord(row["value"][0]) and fd["want_rank"] == 1 and fd["want_logprob"] <= 0
+    )
+    from bench.needle_recall import first_digit, summarize
+    from longctx.engine.request import TokenLogprob
+
+    lps = [TokenLogprob(32, 0.0), TokenLogprob(52, -0.5, ((52, -0.5), (49, -1.0)))]
+    assert first_digit([32, 52], lps, [49, 50]) == {
+        "step": 1, "wrote": 52, "want": 49, "want_logprob": -1.0, "want_rank": 2
+    }  # fmt: skip
+    wrong = {**row, "score": 0.0, "first_digit": first_digit([32, 52], lps, [49, 50])}
+    assert summarize([row, wrong])["1K"]["wrong"]["first_digit_rank"] == {"2": 1}
     assert main([*args[:-1], str(tmp_path / "x"), "--tasks", "vt"]) == 2
     assert main([*args[:-1], str(tmp_path / "x"), "--lengths", "12q"]) == 2
 
