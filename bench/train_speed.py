@@ -146,12 +146,11 @@ def _time_select(model: TrainCausalLM, mcfg: ModelConfig, batch: Batch, device: 
     qi = torch.randn(B, S, Hi, D, generator=g, device=device)
     ki = torch.randn(B, S, D, generator=g, device=device)
     wi = torch.rand(B, S, Hi, generator=g, device=device)
-    select = model._select_fused if model.select_form == "fused" else model._select
     times = []
     for i in range(4):
         _sync(device)
         t0 = time.perf_counter()
-        select(qi, ki, wi, mcfg.index_topk)
+        model._selection(qi, ki, wi, mcfg.index_topk)
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)

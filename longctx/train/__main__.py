@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--select",
         choices=SELECT_FORMS,
         default=t.select,
-        help="the sparse stage's top-k selection: chunked torch scores, or the engine's fused indexer + top-k "
-        "kernel (nothing of rows x rows in memory)",
+        help="the sparse stage's top-k selection: chunked torch scores, the engine's fused indexer + top-k "
+        "kernel (nothing of rows x rows in memory), or auto (per row length the faster as the time fit's "
+        "probe timed them, from 16K-token rows on; torch without a probe)",
     )
     p.add_argument(
         "--sparse-attention",

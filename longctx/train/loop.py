@@ -171,10 +171,9 @@ def probe_step_seconds(
         if not timed:  # no form fits: S and every longer length are left out of the seconds
             model.measured_forms.pop(S, None)
             break
-        best = min(timed, key=timed.__getitem__)
+        best = min(timed, key=timed.__getitem__)  # the attention form
         if auto:
             model.measured_forms[S] = best
-        secs = timed[best]
         if model.select_form == "auto" and S >= _FUSED_FROM:
             model.measured_selects[S] = "fused"
             try:
@@ -184,11 +183,10 @@ def probe_step_seconds(
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 print(json.dumps({"probe": {"seq_len": S, "fused_failed": f"{type(e).__name__}: {e}"[:300]}}))
-            fused = timed.get(best + "+fused")
-            model.measured_selects[S] = "fused" if fused is not None and fused < secs else "torch"
-            secs = min(secs, fused if fused is not None else secs)
+            fastest = min(timed, key=timed.__getitem__)  # (a tie keeps the chunked selection)
+            model.measured_selects[S] = "fused" if fastest == best + "+fused" else "torch"
         print(json.dumps({"probe": {"seq_len": S, "seconds": timed}}), flush=True)
-        seconds[S] = secs
+        seconds[S] = min(timed.values())
         if auto:
             forms[S] = best
             mask_lost = forms[S] == "gather"

@@ -205,10 +205,7 @@ class TrainCausalLM(CausalLM):
         r = apply_rope_interleaved(ckv[:, L:], cos, sin)
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            sel = None
-            if sparse and attn.indexer.topk < S:
-                select = self._select_fused if self._selects_fused(S) else self._select
-                sel = select(qi, ki, wi, attn.indexer.topk)
+            sel = self._selection(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
         if sel is not None and self._gathers(S):
             # absorbed form over the selected tokens only (O(S * top-k)): score = (W_UK^T q_nope) . c
             # + q_rope . r, output W_UV (sum_k p_k c_k); the expanded keys and values are never made
@@ -260,6 +257,11 @@ class TrainCausalLM(CausalLM):
             form = self.measured_forms.get(S)
             return S > _GATHER_FROM if form is None else form == "gather"
         return self.sparse_attention == "gather"
+
+    def _selection(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+        """The sparse stage's top-k of rows of qi.shape[1] tokens, by the form `select_form` takes there."""
+        select = self._select_fused if self._selects_fused(qi.shape[1]) else self._select
+        return select(qi, ki, wi, topk)
 
     def _selects_fused(self, S: int) -> bool:
         """Whether the sparse stage at rows of S tokens selects with the fused kernel."""
