@@ -234,12 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                     s = gen.sample(task, L, i)
                     ids = eng.encode(s.input + s.answer_prefix)
                     value = s.outputs[0]
-                    needle = needle_positions(ids, eng.encode(value))
+                    value_ids = eng.encode(value)
+                    needle = needle_positions(ids, value_ids)
                     t0 = time.perf_counter()
                     with record_selections(len(ids) - 1) as sel:
                         out_ids, logprobs = _greedy(eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens)
                     text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
-                    recall = recall_by_layer(sel, needle, len(ids), len(eng.encode(value)) + 1)
+                    recall = recall_by_layer(sel, needle, len(ids), len(value_ids) + 1)
                     row: dict[str, Any] = {
                         "task": task,
                         "length": L,
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                         "needle_positions": needle[:1] + needle[-1:],
                         "output": text,
                         "score": sample_match_all(text, s.outputs),
-                        "first_digit": first_digit(out_ids, logprobs, eng.encode(value)),
+                        "first_digit": first_digit(out_ids, logprobs, value_ids),
                         "recall": recall,
                         "seconds": round(time.perf_counter() - t0, 2),
                     }
