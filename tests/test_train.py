@@ -232,6 +232,46 @@ def test_lead_weight_weighs_the_first_value_byte_of_each_answer(tmp_path: Path) 
         train(dataclasses.replace(cfg, lead_weight=-1.0, model_config=str(TINY), out=str(tmp_path)))
 
 
+def test_long_topk_selects_fewer_at_long_rows(tmp_path: Path) -> None:
+    """--long-topk S:K: from rows of S tokens on the sparse stage selects the top K (on a --long-topk-prob
+    share of steps, drawn per step from the seed), shorter rows the config's top-k; bad specs refuse."""
+    from longctx.train.__main__ import main as train_main
+    from longctx.train.__main__ import parse_long_topk
+    from longctx.train.loop import step_topk, train
+
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    cfg = TrainConfig(data=data, kl_weight=0.0, dense_warmup_steps=0, long_topk_from=400, long_topk=4)
+    assert step_topk(cfg, 0, 399) is None and step_topk(cfg, 0, 400) == 4
+    half = dataclasses.replace(cfg, long_topk_prob=0.5)
+    draws = [step_topk(half, s, 512) for s in range(200)]
+    assert set(draws) == {None, 4} and 70 < draws.count(4) < 130
+    assert draws == [step_topk(half, s, 512) for s in range(200)]  # the same draws on a resume
+    assert step_topk(TrainConfig(), 0, 10**6) is None  # off by default
+    m = _model(seed=3)
+    batch = make_batch(data, 0)
+    picked: list[int] = []
+    select = m._selection
+
+    def spy(qi, ki, wi, topk):  # type: ignore[no-untyped-def]
+        picked.append(topk)
+        return select(qi, ki, wi, topk)
+
+    m._selection = spy  # type: ignore[method-assign]
+    loss_k4, _, _ = compute_loss(m, batch, cfg, 0, CPU)
+    own = m.model.layers["0"].self_attn.indexer.topk
+    assert picked and set(picked) == {4} and own > 4
+    picked.clear()
+    loss_own, _, _ = compute_loss(m, batch, dataclasses.replace(cfg, long_topk_from=0), 0, CPU)
+    assert set(picked) == {own} and float(loss_k4.detach()) != float(loss_own.detach())
+    assert parse_long_topk(None) == (0, 0) and parse_long_topk("65536:32") == (65536, 32)
+    for bad in ("65536", "x:32", "0:32", "65536:0"):
+        with pytest.raises(ConfigError, match="long-topk"):
+            parse_long_topk(bad)
+    assert train_main(["--config", str(TINY), "--out", str(tmp_path / "x"), "--long-topk", "12q"]) == 2
+    with pytest.raises(ConfigError, match="long_topk_prob"):
+        train(dataclasses.replace(cfg, long_topk_prob=1.5, model_config=str(TINY), out=str(tmp_path)))
+
+
 def test_indexer_warmup_kl_decreases() -> None:
     # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
     m = _model(seed=1, std=0.3)

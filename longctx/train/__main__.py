@@ -121,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of each retrieval row's first value byte in the answer loss (1: all answer bytes alike)",
     )
     p.add_argument(
+        "--long-topk",
+        default=None,
+        metavar="S:K",
+        help="from rows of S tokens on the sparse stage selects the top K instead of the config's top-k "
+        "(e.g. 65536:32: 32 of 128K is the share 256 of 1M is); off by default",
+    )
+    p.add_argument(
+        "--long-topk-prob",
+        type=float,
+        default=t.long_topk_prob,
+        help="the share of those steps that take --long-topk's K (drawn per step)",
+    )
+    p.add_argument(
         "--select",
         choices=SELECT_FORMS,
         default=t.select,
@@ -191,6 +204,21 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def parse_long_topk(spec: str | None) -> tuple[int, int]:
+    """--long-topk "S:K" -> (S, K); None -> (0, 0), off."""
+    from longctx.errors import ConfigError
+
+    if spec is None:
+        return 0, 0
+    try:
+        s, k = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"--long-topk wants S:K (row length : top-k), got {spec!r}") from None
+    if s < 1 or k < 1:
+        raise ConfigError(f"--long-topk wants a row length and a top-k >= 1, got {spec!r}")
+    return s, k
+
+
 def main(argv: list[str] | None = None) -> int:
     _ensure_kernels()
     from longctx.errors import LongctxError
@@ -207,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_fraction=args.copy_fraction,
             **_resumable_data_settings(args),
         )
+        long_topk = parse_long_topk(args.long_topk)
         cfg = dataclasses.replace(
             TrainConfig(),
             model_config=args.config,
@@ -226,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             train_only=args.train_only,
             needle_weight=args.needle_weight,
             lead_weight=args.lead_weight,
+            long_topk_from=long_topk[0],
+            long_topk=long_topk[1],
+            long_topk_prob=args.long_topk_prob,
             sparse_attention=args.sparse_attention,
             select=args.select,
             advance_exact=args.advance_exact,

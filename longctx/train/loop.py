@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,16 @@ class TrainConfig:
     # fifteenth session's misses at 32K-128K (bench/results/needle-recall-h200.md) selected the needle
     # and got the value's first digit wrong, then copied the rest: that byte is the hard one
     lead_weight: float = 1.0
+    # from rows of `long_topk_from` tokens on (0: never), the sparse stage selects the top `long_topk`
+    # instead of the config's top-k, on a `long_topk_prob` share of those steps (drawn per step). At 1M
+    # the shipped model's answers are haystack prose although every full layer selects the needle: on the
+    # CPU its last prompt row selects 25 / 41 / 61 of the prompt's last 64 positions at 4K (layers 0 / 1 /
+    # 3), 13 / 31 / 33 at 16K, ever fewer as haystack keys outnumber the question's. 256 of 1M is the
+    # share 32 of 128K is, so 128K rows with the top 32 train the indexers to rank what the question
+    # needs as high as 1M needs it
+    long_topk_from: int = 0
+    long_topk: int = 0
+    long_topk_prob: float = 1.0
     # the sparse stage's attention (TrainCausalLM.sparse_attention): auto, gather or mask; the same
     # function, different cost. auto takes at each row length the form the time fit's probe timed
     # faster (`sparse_forms`); without a probe (a fixed --steps) masked up to 16K-token rows, gathered
@@ -271,6 +282,17 @@ def lead_targets(ans: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(ans).scatter_(1, at.clamp(max=S - 1), True) & ans & ok
 
 
+def step_topk(cfg: TrainConfig, step: int, S: int) -> int | None:
+    """The sparse stage's top-k at `step` for rows of S tokens: `long_topk` from `long_topk_from` on, on a
+    `long_topk_prob` share of steps (a host draw from the seed and the step: no device work, the same on
+    a resume), else None (the config's top-k)."""
+    if not cfg.long_topk_from or cfg.long_topk_from > S:
+        return None
+    if cfg.long_topk_prob < 1.0 and random.Random(f"{cfg.seed}:{step}:topk").random() >= cfg.long_topk_prob:
+        return None
+    return cfg.long_topk
+
+
 def compute_loss(
     model: TrainCausalLM, batch: Batch, cfg: TrainConfig, step: int, device: torch.device
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[int, torch.Tensor]]:
@@ -286,6 +308,7 @@ def compute_loss(
         needle = (batch.needle.to(device, non_blocking=True), at_rows)
     positions = None if batch.positions is None else batch.positions.to(device, non_blocking=True)
     sparse = step >= cfg.dense_warmup_steps
+    model.topk_override = step_topk(cfg, step, ids.shape[1])
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
     with amp:
         h, aux = model.forward_train(ids, sparse=sparse, kl_rows=rows, needle=needle, positions=positions)
@@ -488,6 +511,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"select must be one of {SELECT_FORMS}, got {cfg.select!r}")
     if not cfg.lead_weight >= 0:
         raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
+    if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):
+        raise ConfigError(
+            f"long_topk needs a top-k >= 1 from a row length >= 1, got {cfg.long_topk} from {cfg.long_topk_from}"
+        )
+    if not 0.0 <= cfg.long_topk_prob <= 1.0:
+        raise ConfigError(f"long_topk_prob must be in [0, 1], got {cfg.long_topk_prob}")
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
     model.select_form = cfg.select

@@ -98,6 +98,8 @@ class TrainCausalLM(CausalLM):
         self.select_form = "torch"  # SELECT_FORMS
         self.measured_selects: dict[int, str] = {}  # row length -> "torch" | "fused" (the trainer's probe)
         self.select_backend = "auto"  # the fused form's kernels: Triton on CUDA, the reference on a CPU
+        # the sparse stage's top-k for the next forward (None: each indexer's own; `loop.step_topk`)
+        self.topk_override: int | None = None
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -205,7 +207,8 @@ class TrainCausalLM(CausalLM):
         r = apply_rope_interleaved(ckv[:, L:], cos, sin)
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            sel = self._selection(qi, ki, wi, attn.indexer.topk) if sparse and attn.indexer.topk < S else None
+            k = self.topk_override or attn.indexer.topk
+            sel = self._selection(qi, ki, wi, k) if sparse and k < S else None
         if sel is not None and self._gathers(S):
             # absorbed form over the selected tokens only (O(S * top-k)): score = (W_UK^T q_nope) . c
             # + q_rope . r, output W_UV (sum_k p_k c_k); the expanded keys and values are never made
