@@ -75,14 +75,20 @@ def record_selections(start: int) -> Iterator[dict[int, list[tuple[int, list[int
         Indexer.forward = forward  # type: ignore[method-assign]
 
 
+LOCAL = 64  # the prompt's last positions whose selection `recall_by_layer` reports
+
+
 def recall_by_layer(
     rows: dict[int, list[tuple[int, list[int]]]], needle: Sequence[int], prompt_len: int, answer_len: int
 ) -> dict[str, dict[str, float]]:
     """Per full layer: `last_prompt` (the needle's share of the last prompt row's selection of it),
     `answer` (that share averaged over the rows that produce the first `answer_len` output tokens: the
     value and the space before it),
-    `any` (1 when any of those rows selected any needle position)."""
+    `any` (1 when any of those rows selected any needle position), `local` (the share of the last
+    `LOCAL` prompt positions, the question and the answer prefix, that the last prompt row selected: at
+    1M the answers are haystack prose, as if the question went unread)."""
     want = set(needle)
+    near = set(range(max(0, prompt_len - LOCAL), prompt_len))
     out: dict[str, dict[str, float]] = {}
     for layer, got in sorted(rows.items()):
         answer = [sel for p, sel in got if prompt_len - 1 <= p < prompt_len - 1 + answer_len]
@@ -92,6 +98,7 @@ def recall_by_layer(
             "last_prompt": len(want & set(last[-1])) / len(want) if last else 0.0,
             "answer": sum(share) / len(share) if share else 0.0,
             "any": float(any(v > 0 for v in share)),
+            "local": len(near & set(last[-1])) / len(near) if last else 0.0,
         }
     return out
 
@@ -142,9 +149,9 @@ def summarize(rows: list[dict]) -> dict:
             g = out.setdefault(r["length_name"], {}).setdefault(group, {"samples": 0, "layers": {}})
             g["samples"] += 1
             for layer, v in r["recall"].items():
-                acc = g["layers"].setdefault(layer, {k: 0.0 for k in v})
+                acc = g["layers"].setdefault(layer, {})
                 for k, x in v.items():
-                    acc[k] += x
+                    acc[k] = acc.get(k, 0.0) + x
     for groups in out.values():
         for g in groups.values():
             for acc in g["layers"].values():
@@ -162,8 +169,9 @@ def summarize(rows: list[dict]) -> dict:
 
 def table(summary: dict) -> str:
     lines = [
-        "| length | samples | layer | needle share, last prompt row | share over the answer rows | any selected |",
-        "|---|---|---|---|---|---|",
+        "| length | samples | layer | needle share, last prompt row | share over the answer rows | any selected "
+        f"| last {LOCAL} prompt positions selected |",
+        "|---|---|---|---|---|---|---|",
     ]
     for length, groups in summary.items():
         for group in ("right", "wrong"):
@@ -173,7 +181,8 @@ def table(summary: dict) -> str:
             for layer, v in g["layers"].items():
                 lines.append(
                     f"| {length} | {g['samples']} {group} | {layer} | {v['last_prompt']:.2f} | "
-                    f"{v['answer']:.2f} | {v['any']:.2f} |"
+                    f"{v['answer']:.2f} | {v['any']:.2f} | "
+                    + (f"{v['local']:.2f} |" if "local" in v else "- |")
                 )
     notes = [
         f"- {length}: wrong first value token; the wanted one ranked "

@@ -203,7 +203,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu0 = gpu0[1:]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
-        "--needle-weight 1.0 --lead-weight 4 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
+        "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
         "--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 "
         in gpu0[0]
         and "--select auto" in gpu0[0]
@@ -224,6 +224,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "place_bench --m 256" in gpu0[9] and "--block-n" not in gpu0[9]
     assert "--lengths 128k " in gpu0[10]
     assert "bench.hit_rate" in gpu0[11] and "--tokens 131072" in gpu0[11] and "--device cuda" in gpu0[11]
+    # the trained model's needle recall at 1M (the question's share of the last row's selection), then 1M
+    assert "bench.needle_recall" in gpu0[12] and "--lengths 1m --samples 1" in gpu0[12]
+    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[12] and "--lengths 1m " in gpu0[13]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
@@ -240,6 +243,79 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "out" / "results.tgz") as t:
         names = t.getnames()
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
+
+
+def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
+    """LANE_B=train on two GPUs: lane B trains TRAIN_ARGS_B (default: lane A's with --long-topk) on GPU 1
+    under $SESSION/b and scores it as lane A does; no checks, no HiSparse figures (HISPARSE=0 by
+    default); `collect` packs both models, lane B's in $OUT/b, and both lanes' logs."""
+    import os
+    import subprocess
+    import tarfile
+    import time
+
+    fake = tmp_path / "py"
+    calls = tmp_path / "calls"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'
+        'if [ "$1" = "-c" ]; then echo 2; exit 0; fi\n'
+        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
+        'mkdir -p $o; echo w > $o/model.safetensors; echo "{}" > $o/train_log.jsonl; fi\n'
+    )
+    fake.chmod(0o755)
+    s = tmp_path / "s"
+    env = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "SESSION": str(s),
+        "OUT": str(tmp_path / "out"),
+        "LANE_B": "train",
+    }
+    run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
+                                    capture_output=True, text=True)  # fmt: skip
+    run("start")
+    deadline = time.time() + 60
+    while time.time() < deadline and (
+        not calls.exists() or calls.read_text().count("--lengths 1m --samples 10") < 2
+    ):
+        time.sleep(0.5)
+    run("stop")
+    lines = calls.read_text().splitlines()
+    gpu0 = [x for x in lines if x.startswith("0 ") and not x.startswith("0 -c ")]
+    gpu1 = [x for x in lines if x.startswith("1 ") and not x.startswith("1 -c ")]
+    (train_a,) = [x for x in gpu0 if "longctx.train" in x]
+    (train_b,) = [x for x in gpu1 if "longctx.train" in x]
+    assert "--long-topk" not in train_a and "--lead-weight" not in train_a
+    assert (
+        train_b.endswith("--long-topk 65536:32 --long-topk-prob 0.5") and f"--out {s}/b/train/ckpt" in train_b
+    )
+    # the same recipe otherwise (lane B's command is lane A's with its own paths, on its own GPU)
+    assert (
+        train_b.replace(" --long-topk 65536:32 --long-topk-prob 0.5", "").replace(f"{s}/b/", f"{s}/")[1:]
+        == train_a[1:]
+    )
+    for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
+        assert "gpu_kernel_check --only train_select" in lane[0]
+        evals = [x for x in lane if "retrieval_eval run" in x]
+        assert [x.split("--lengths ")[1].split()[0] for x in evals] == ["4k", "32k", "4k", "128k", "1m"]
+        assert all(f"--model {model}" in x for x in evals)
+        assert not any(
+            m in x for x in lane for m in ("long_context", "step_profile", "place_bench", "hit_rate")
+        )
+        assert not any("gpu_check" in x or "--cap-fraction" in x for x in lane)
+    assert any(f"--out {s}/b/eval/uncapped" in x for x in gpu1)
+    out = run("collect").stdout
+    assert "model.tar.00" in out and (tmp_path / "out" / "b" / "model.tar.00").exists()
+    with tarfile.open(tmp_path / "out" / "results.tgz") as t:
+        names = t.getnames()
+    assert {
+        "./logs/lane_a.log",
+        "./logs/lane_b.log",
+        "./logs/train_log.jsonl",
+        "./b/logs/train_log.jsonl",
+    } <= set(names)
+    assert not any("/train/" in n for n in names)
 
 
 @pytest.mark.parametrize("checks", ["1", "0"])
@@ -636,8 +712,9 @@ def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
     assert needle_positions([5, 1, 2, 9, 1, 2], [1, 2]) == [1, 2, 4, 5] and needle_positions([1], []) == []
     rows = {0: [(9, [3, 4, 7]), (10, [3]), (12, [4])], 1: [(9, [1])]}
     r = recall_by_layer(rows, [3, 4], prompt_len=10, answer_len=2)
-    assert r["0"] == {"last_prompt": 1.0, "answer": 0.75, "any": 1.0}  # row 12 is past the answer
-    assert r["1"] == {"last_prompt": 0.0, "answer": 0.0, "any": 0.0}
+    # row 12 is past the answer; `local`: the last prompt row's share of the prompt's (10) positions
+    assert r["0"] == {"last_prompt": 1.0, "answer": 0.75, "any": 1.0, "local": 0.3}
+    assert r["1"] == {"last_prompt": 0.0, "answer": 0.0, "any": 0.0, "local": 0.1}
     args = ["--lengths", "1k", "--samples", "1", "--device", "cpu", "--out", str(tmp_path)]
     assert main(args) == 0
     lines = (tmp_path / "needle-recall.jsonl").read_text().splitlines()
@@ -647,13 +724,13 @@ def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
     assert d["all"]["samples"] == 2 and set(d["all"]["layers"]) == {"0", "1", "3"}
     row = json.loads(lines[0])
     assert row["score"] == 1 and row["value"] in row["output"]
-    assert all(v["any"] == 1 and 0 < v["answer"] <= 1 for v in row["recall"].values())
+    assert all(v["any"] == 1 and 0 < v["answer"] <= 1 and 0 < v["local"] <= 1 for v in row["recall"].values())
     # the step that wrote the value's first digit: it wrote the wanted one, ranked first among the top 5
     fd = row["first_digit"]
     assert (
         fd["wrote"] == fd["want"] == ord(row["value"][0]) and fd["want_rank"] == 1 and fd["want_logprob"] <= 0
     )
-    from bench.needle_recall import first_digit, summarize
+    from bench.needle_recall import first_digit, summarize, table
     from longctx.engine.request import TokenLogprob
 
     lps = [TokenLogprob(32, 0.0), TokenLogprob(52, -0.5, ((52, -0.5), (49, -1.0)))]
@@ -661,7 +738,13 @@ def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
         "step": 1, "wrote": 52, "want": 49, "want_logprob": -1.0, "want_rank": 2
     }  # fmt: skip
     wrong = {**row, "score": 0.0, "first_digit": first_digit([32, 52], lps, [49, 50])}
-    assert summarize([row, wrong])["1K"]["wrong"]["first_digit_rank"] == {"2": 1}
+    summary = summarize([row, wrong])
+    assert summary["1K"]["wrong"]["first_digit_rank"] == {"2": 1}
+    older = {
+        **row,
+        "recall": {k: {x: y for x, y in v.items() if x != "local"} for k, v in row["recall"].items()},
+    }
+    assert "- |" in table(summarize([older])) and "- |" not in table(summary)  # rows from before `local`
     assert main([*args[:-1], str(tmp_path / "x"), "--tasks", "vt"]) == 2
     assert main([*args[:-1], str(tmp_path / "x"), "--lengths", "12q"]) == 2
 
