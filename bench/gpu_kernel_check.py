@@ -143,10 +143,11 @@ def case_indexer_topk_fused() -> float:
     return float((got != ref).float().mean())
 
 
-def case_train_select_fused(rows: int, S: int) -> float:
+def case_train_select_fused(rows: int, S: int, k: int = 256) -> float:
     """The trainer's fused selection (`TrainCausalLM._select_fused`: the fused kernel over the keys as a
-    dense fp32 pool, the retrieval model's 8 x 64 indexer, top-256) against its chunked selection on
-    random fp32 inputs: the share of selected positions that differ (near-ties only)."""
+    dense fp32 pool, the retrieval model's 8 x 64 indexer, top-k: the model's 256, or --long-topk's 32)
+    against its chunked selection on random fp32 inputs: the share of selected positions that differ
+    (near-ties only)."""
     from longctx.config import ModelConfig
     from longctx.train.model import TrainCausalLM, selection_mask
 
@@ -156,7 +157,7 @@ def case_train_select_fused(rows: int, S: int) -> float:
     qi = torch.randn(rows, S, 8, 64, generator=g, device="cuda")
     ki = torch.randn(rows, S, 64, generator=g, device="cuda")
     wi = torch.rand(rows, S, 8, generator=g, device="cuda")
-    got, want = m._select_fused(qi, ki, wi, 256), m._select(qi, ki, wi, 256)
+    got, want = m._select_fused(qi, ki, wi, k), m._select(qi, ki, wi, k)
     return float((selection_mask(got, S) != selection_mask(want, S)).sum() / (selection_mask(want, S).sum()))
 
 
@@ -579,6 +580,7 @@ CASES = {
     "index_topk_fused_fp8": (case_indexer_topk_fused, (), 1e-3),
     "train_select_fused_1x20000": (case_train_select_fused, (1, 20_000), 1e-3),
     "train_select_fused_2x9000": (case_train_select_fused, (2, 9_000), 1e-3),
+    "train_select_fused_1x20000_k32": (case_train_select_fused, (1, 20_000, 32), 1e-3),
     "topk_1m": (case_topk, (1 << 20, 1), 0.0),
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),
