@@ -93,8 +93,9 @@ PAR_MIN_BLOCKS = 12
 # the same switch for the candidates (`lru_candidates`), which select for every layer of the step at once:
 # its one program per (row, layer) took 47.6 us a step at 13,107 slots (7 blocks) in the fifteenth
 # session's 128K profile, a latency-bound loop that the parallel passes' three launches of B x L x blocks
-# programs may beat at fewer blocks than a single placement's select does (bench.place_bench's
-# `cand_par` column times that at 13,107 slots; not measured yet, so the threshold is the placements')
+# programs might beat at fewer blocks; they do not (bench.place_bench, sixteenth session, H200, graph
+# replay at 13,107 slots: one program 54.0 / 86.8 us for 1 / 6 layers at 0.78 hits, parallel 57.9 /
+# 92.6; at 104,857 slots the two tie, 41-171 us), so the threshold stays the placements'
 CAND_PAR_MIN_BLOCKS = PAR_MIN_BLOCKS
 # LONGCTX_PLACE_PARALLEL=0 keeps the one-program select for a process (A/B benches, or a GPU where the
 # parallel passes failed bench.gpu_kernel_check)

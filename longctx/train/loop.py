@@ -78,8 +78,8 @@ class TrainConfig:
     # from rows of `long_topk_from` tokens on (0: never), the sparse stage selects the top `long_topk`
     # instead of the config's top-k, on a `long_topk_prob` share of those steps (drawn per step). At 1M
     # the shipped model's answers are haystack prose although every full layer selects the needle: on the
-    # CPU its last prompt row selects 25 / 41 / 61 of the prompt's last 64 positions at 4K (layers 0 / 1 /
-    # 3), 13 / 31 / 33 at 16K, ever fewer as haystack keys outnumber the question's. 256 of 1M is the
+    # CPU its last prompt row selects 0.62 / 0.94 of the prompt's last 64 positions at 4K (layers 1 / 3),
+    # 0.31 / 0.41 at 32K, ever fewer as haystack keys outnumber the question's. 256 of 1M is the
     # share 32 of 128K is, so 128K rows with the top 32 train the indexers to rank what the question
     # needs as high as 1M needs it
     long_topk_from: int = 0
