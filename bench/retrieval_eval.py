@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,21 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_lengths(args.lengths)
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
+    model = Path(args.model)
+    if args.index_topk is not None:
+        # the same weights selecting another top-k: a view of the checkpoint (files linked) beside the results
+        from longctx.train.evaluate import with_topk
+
+        if args.index_topk < 1 or not (model / "config.json").exists():
+            print(
+                "retrieval_eval: --index-topk needs a value >= 1 and a checkpoint directory", file=sys.stderr
+            )
+            return 2
+        view = out / f"model-topk{args.index_topk}"
+        shutil.rmtree(view, ignore_errors=True)
+        view.mkdir()
+        model = with_topk(model, args.index_topk, view)
+        meta["index_topk"] = args.index_topk
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
@@ -75,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     for L in lengths:
         argv = [
-            "ruler", "--model", str(args.model), "--tasks", args.tasks, "--lengths", str(L),
+            "ruler", "--model", str(model), "--tasks", args.tasks, "--lengths", str(L),
             "--samples", str(args.samples), "--concurrency", str(args.concurrency),
             "--max-new-tokens-scale", scale, "--seed", str(args.seed), "--out", str(out),
         ]  # fmt: skip
@@ -297,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         "--documents",
         action="store_true",
         help="niah tasks as long-document QA, the prompt /v1/documents + /ask build (`longctx ruler --documents`)",
+    )
+    r.add_argument(
+        "--index-topk",
+        type=int,
+        default=None,
+        help="score the same weights selecting this top-k instead of the checkpoint's (a linked view of it)",
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

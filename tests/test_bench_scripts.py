@@ -107,6 +107,17 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert main([*run, "--lengths", "3k", "--tasks", "niah_single_1", "--cap-fraction", "0.1",
                  "--out", str(tmp_path / "c")]) == 0  # fmt: skip
     assert json.loads((tmp_path / "c" / "run.json").read_text())["device_tokens"] == {"3072": 307}
+    # the same weights selecting another top-k (a linked view of the checkpoint beside the results)
+    t = tmp_path / "t"
+    assert (
+        main([*run, "--lengths", "1k", "--tasks", "niah_single_1", "--index-topk", "64", "--out", str(t)])
+        == 0
+    )
+    assert json.loads((t / "run.json").read_text())["index_topk"] == 64
+    assert json.loads((t / "model-topk64" / "config.json").read_text())["index_topk"] == 64
+    assert (t / "model-topk64" / "model.safetensors").resolve() == (WIP / "model.safetensors").resolve()
+    assert len((t / "results.jsonl").read_text().splitlines()) == 1
+    assert main([*run, "--lengths", "1k", "--index-topk", "0", "--out", str(tmp_path / "z")]) == 2
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
     res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())
     assert {"niah_single_1.1k", "niah_multikey_1.1k", "niah_single_1.3k_capped"} <= set(res)
@@ -226,7 +237,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "bench.hit_rate" in gpu0[11] and "--tokens 131072" in gpu0[11] and "--device cuda" in gpu0[11]
     # the trained model's needle recall at 1M (the question's share of the last row's selection), then 1M
     assert "bench.needle_recall" in gpu0[12] and "--lengths 1m --samples 1" in gpu0[12]
-    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[12] and "--lengths 1m " in gpu0[13]
+    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[12]
+    # then at 1M with the top 2048 (the question crowded out of the top 256?), then the 1M scores
+    assert "--index-topk 2048" in gpu0[13] and "--lengths 1m " in gpu0[13] and "--lengths 1m " in gpu0[14]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
@@ -298,7 +311,9 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]
         evals = [x for x in lane if "retrieval_eval run" in x]
-        assert [x.split("--lengths ")[1].split()[0] for x in evals] == ["4k", "32k", "4k", "128k", "1m"]
+        want = ["4k", "32k", "4k", "128k"] + (["1m", "1m"] if lane is gpu0 else ["1m"])
+        assert [x.split("--lengths ")[1].split()[0] for x in evals] == want
+        assert any("--index-topk 2048" in x for x in evals) == (lane is gpu0)
         assert all(f"--model {model}" in x for x in evals)
         assert not any(
             m in x for x in lane for m in ("long_context", "step_profile", "place_bench", "hit_rate")

@@ -21,7 +21,7 @@ EVAL_SEED = 987_654_321
 DEFAULT_EVAL_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1")
 
 
-def _with_topk(src: Path, topk: int, dst: Path) -> Path:
+def with_topk(src: Path, topk: int, dst: Path) -> Path:
     """A view of checkpoint `src` in `dst` whose config has `index_topk` = topk (other files linked)."""
     for f in src.iterdir():
         if f.name != "config.json":
@@ -66,7 +66,7 @@ def niah_eval(
     max_context = max(lengths) + max_new_tokens + 64
     with contextlib.ExitStack() as stack:
         if dense:
-            model_dir = _with_topk(
+            model_dir = with_topk(
                 Path(model_dir), max_context, Path(stack.enter_context(tempfile.TemporaryDirectory()))
             )
         with Engine(model_dir, device=device, dtype=dtype, max_context=max_context) as eng:
