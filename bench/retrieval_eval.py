@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -68,20 +67,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_lengths(args.lengths)
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
-    model = Path(args.model)
-    if args.index_topk is not None:
-        # the same weights selecting another top-k: a view of the checkpoint (files linked) beside the results
-        from longctx.train.evaluate import with_topk
-
-        if args.index_topk < 1 or not (model / "config.json").exists():
-            print(
-                "retrieval_eval: --index-topk needs a value >= 1 and a checkpoint directory", file=sys.stderr
-            )
-            return 2
-        view = out / f"model-topk{args.index_topk}"
-        shutil.rmtree(view, ignore_errors=True)
-        view.mkdir()
-        model = with_topk(model, args.index_topk, view)
+    if args.index_topk is not None:  # the same weights, each full layer selecting another top-k
         meta["index_topk"] = args.index_topk
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
@@ -91,12 +77,14 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     for L in lengths:
         argv = [
-            "ruler", "--model", str(model), "--tasks", args.tasks, "--lengths", str(L),
+            "ruler", "--model", str(args.model), "--tasks", args.tasks, "--lengths", str(L),
             "--samples", str(args.samples), "--concurrency", str(args.concurrency),
             "--max-new-tokens-scale", scale, "--seed", str(args.seed), "--out", str(out),
         ]  # fmt: skip
         if args.chat or args.documents:
             argv.append("--chat" if args.chat else "--documents")
+        if args.index_topk is not None:
+            argv += ["--index-topk", str(args.index_topk)]
         if args.cap_fraction:
             cap = max(1, int(args.cap_fraction * L))
             meta["device_tokens"][str(L)] = cap
@@ -318,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "--index-topk",
         type=int,
         default=None,
-        help="score the same weights selecting this top-k instead of the checkpoint's (a linked view of it)",
+        help="score the same weights with each full layer selecting this top-k (`longctx ruler --index-topk`)",
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

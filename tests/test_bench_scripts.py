@@ -107,15 +107,13 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert main([*run, "--lengths", "3k", "--tasks", "niah_single_1", "--cap-fraction", "0.1",
                  "--out", str(tmp_path / "c")]) == 0  # fmt: skip
     assert json.loads((tmp_path / "c" / "run.json").read_text())["device_tokens"] == {"3072": 307}
-    # the same weights selecting another top-k (a linked view of the checkpoint beside the results)
+    # the same weights with each full layer selecting another top-k (`longctx ruler --index-topk`)
     t = tmp_path / "t"
     assert (
         main([*run, "--lengths", "1k", "--tasks", "niah_single_1", "--index-topk", "64", "--out", str(t)])
         == 0
     )
     assert json.loads((t / "run.json").read_text())["index_topk"] == 64
-    assert json.loads((t / "model-topk64" / "config.json").read_text())["index_topk"] == 64
-    assert (t / "model-topk64" / "model.safetensors").resolve() == (WIP / "model.safetensors").resolve()
     assert len((t / "results.jsonl").read_text().splitlines()) == 1
     assert main([*run, "--lengths", "1k", "--index-topk", "0", "--out", str(tmp_path / "z")]) == 2
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0

@@ -92,6 +92,30 @@ def test_string_prompts_round_trip(eng):
     assert len(out.token_ids) == 4 and isinstance(out.text, str)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_index_topk_override_is_a_checkpoint_with_that_topk(tmp_path, pp):
+    """Engine(index_topk=K) scores exactly as the same weights saved with index_topk K, in one process
+    and across pipeline stages (the override reaches every stage), and differs from the checkpoint's own
+    top-k once the prompt is longer than K; a bad K is refused."""
+    from longctx.errors import ConfigError
+
+    own = tiny_config()
+    a = make_checkpoint(tmp_path / "a", own, seed=3)
+    b = make_checkpoint(tmp_path / "b", dataclasses.replace(own, index_topk=8), seed=3)
+    ids = rand_ids(70, 4)
+    with Engine(a, device="cpu", index_topk=8, pp=pp) as e:
+        assert e.config.index_topk == 8
+        got = e.score(ids)
+    with Engine(b, device="cpu") as e:
+        want = e.score(ids)
+    with Engine(a, device="cpu") as e:
+        plain = e.score(ids)
+    assert own.index_topk > 8 and rel(got, want) <= 1e-6 and rel(plain, want) > 1e-3
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ConfigError, match="index_topk"):
+            Engine(a, device="cpu", index_topk=bad)
+
+
 def test_bad_requests_are_rejected_cleanly(eng):
     with pytest.raises(RequestError):
         eng.generate([[]], max_new_tokens=2)

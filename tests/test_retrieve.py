@@ -307,6 +307,7 @@ def test_cli_end_to_end_against_a_server(repo, tmp_path, monkeypatch, capsys):
         ["--base-url", "http://x", "--max-context", "ten"],
         ["--base-url", "http://x", "--max-context", "100"],  # no room after the question and answer
         ["--base-url", "http://x", "--concurrency", "0"],
+        ["--base-url", "http://x", "--index-topk", "64"],  # a server selects what it was started with
     ],
 )
 def test_cli_bad_args_exit_2_with_one_line(extra, repo, tmp_path, capsys):

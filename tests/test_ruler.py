@@ -272,6 +272,8 @@ def test_parse_lengths():
         ["--base-url", "http://x"],  # no --out
         [],  # nothing to do
         ["--model", "/does/not/exist", "--out", "O"],
+        ["--base-url", "http://x", "--out", "O", "--index-topk", "64"],  # a server selects its own
+        ["--index-topk", "0", "--dump-dir", "D"],
     ],
 )
 def test_cli_bad_args_exit_2_with_one_line(argv, capsys, tmp_path, monkeypatch):

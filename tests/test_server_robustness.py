@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -212,3 +213,22 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         assert "Traceback" not in s.log()
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--index-topk", "0"],
+        ["--hisparse-device-tokens", "-1"],
+        ["--pp", "0"],
+        ["--max-context", "0"],
+    ],
+)
+def test_serve_bad_args_exit_2_with_one_line(extra, capsys):
+    """`longctx serve` refuses bad engine flags before it loads anything or binds a port."""
+    from longctx.cli import main
+
+    model = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
+    assert main(["serve", "--model", str(model), "--port", "0", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("longctx serve: error:") and extra[0] in err

@@ -368,7 +368,7 @@ def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
         max_new_tokens=4,
     )
     assert r["skipped"] == ["niah_multikey_1@512"] and "niah_single_1@512" in r
-    # dense=True: the same weights through a config whose index_topk covers every prompt
+    # dense=True: the same weights with an index_topk (Engine(index_topk=...)) that covers every prompt
     d = niah_eval(tmp_path, lengths=(length,), tasks=("niah_single_1",), samples=2, device="cpu",
                   max_new_tokens=4, dense=True)  # fmt: skip
     assert set(d) == {f"niah_single_1@{length}", "avg", "examples"}

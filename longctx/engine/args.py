@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-# Engine keyword arguments that both commands expose, in Engine's positional order.
+# Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
 ENGINE_FIELDS = (
     "device",
     "dtype",
@@ -19,6 +19,7 @@ ENGINE_FIELDS = (
     "hisparse_device_tokens",
     "max_context",
     "backend",
+    "index_topk",
 )
 
 _CHOICES = {
@@ -54,6 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         help="device KV slots per request and layer (HiSparse); default: all on device",
     )
     p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
+    p.add_argument(
+        "--index-topk",
+        type=int,
+        default=None,
+        help="tokens each full layer's indexer selects (default: the checkpoint's index_topk)",
+    )
 
 
 def engine_kwargs(obj: Any) -> dict[str, Any]:

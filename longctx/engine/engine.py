@@ -140,9 +140,16 @@ class Engine:
         layer_split: list[int] | None = None,
         cuda_graphs: bool | None = None,
         overlap: bool | None = None,
+        index_topk: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
+        if index_topk is not None:
+            # every full layer selects this many tokens instead of the checkpoint's `index_topk` (the
+            # same weights: a trade of attention work for what a long context keeps in view)
+            if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+                raise ConfigError(f"index_topk must be a positive int, got {index_topk!r}")
+            self.cfg = dataclasses.replace(self.cfg, index_topk=index_topk)
         self.device = _resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"

@@ -74,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("--fake-engine: expected a JSON object")
     elif not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model}: no config.json there")
-    for name in ("pp", "tp", "max_queue", "max_context"):
-        if getattr(args, name) < 1:
+    for name in ("pp", "tp", "max_queue", "max_context", "index_topk", "hisparse_device_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:  # (the last two are optional)
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     spec = EngineSpec(model_dir=args.model, **engine_kwargs(args), fake=fake)
     name = args.served_model_name or (Path(args.model).resolve().name or "longctx")

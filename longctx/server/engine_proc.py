@@ -38,6 +38,7 @@ class EngineSpec:
     hisparse_device_tokens: int | None = None
     max_context: int = 1_048_576
     backend: str = "auto"
+    index_topk: int | None = None
     fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
 
 

@@ -7,9 +7,6 @@ score is RULER's string_match_all in percent.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +16,6 @@ from longctx.workloads.tokens import ByteCounter
 
 EVAL_SEED = 987_654_321
 DEFAULT_EVAL_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1")
-
-
-def with_topk(src: Path, topk: int, dst: Path) -> Path:
-    """A view of checkpoint `src` in `dst` whose config has `index_topk` = topk (other files linked)."""
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (dst / f.name).symlink_to(f.resolve())
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["index_topk"] = topk
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
 
 
 def niah_eval(
@@ -64,13 +50,9 @@ def niah_eval(
     if not items:
         return {"avg": 0.0, "skipped": skipped, "examples": []}
     max_context = max(lengths) + max_new_tokens + 64
-    with contextlib.ExitStack() as stack:
-        if dense:
-            model_dir = with_topk(
-                Path(model_dir), max_context, Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            )
-        with Engine(model_dir, device=device, dtype=dtype, max_context=max_context) as eng:
-            outs = eng.generate([p for *_, p in items], max_new_tokens=max_new_tokens, temperature=0.0)
+    topk = max_context if dense else None
+    with Engine(model_dir, device=device, dtype=dtype, max_context=max_context, index_topk=topk) as eng:
+        outs = eng.generate([p for *_, p in items], max_new_tokens=max_new_tokens, temperature=0.0)
     scores: dict[str, list[float]] = {}
     examples: list[dict[str, Any]] = []
     for (t, L, s, _), o in zip(items, outs):

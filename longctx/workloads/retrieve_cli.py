@@ -62,6 +62,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--pack-report", metavar="FILE", help="write what was packed / left out as JSON")
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
     p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
+    p.add_argument(
+        "--index-topk",
+        metavar="N",
+        help="tokens each full layer selects (embedded Engine; default the model's)",
+    )
     p.set_defaults(func=run)
 
 
@@ -108,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     hisparse = (
         _int("--hisparse-device-tokens", args.hisparse_device_tokens) if args.hisparse_device_tokens else None
     )
+    index_topk = _int("--index-topk", args.index_topk) if args.index_topk else None
+    if index_topk is not None and not args.model:
+        raise UsageError("--index-topk is for --model (a server selects what it was started with)")
     if args.max_context:
         max_context = _int("--max-context", args.max_context)
     else:
@@ -146,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
 
     client: Any
     if args.model:
-        client = EngineClient(args.model, hisparse_device_tokens=hisparse, device=args.device)
+        client = EngineClient(
+            args.model, hisparse_device_tokens=hisparse, device=args.device, index_topk=index_topk
+        )
     else:
         client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=True)
     try:

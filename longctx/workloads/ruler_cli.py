@@ -84,6 +84,11 @@ def register(subparsers: Any) -> None:
         help="multiply RULER's per-task output budgets (default 1)",
     )
     p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
+    p.add_argument(
+        "--index-topk",
+        metavar="N",
+        help="tokens each full layer selects (embedded Engine; default the model's)",
+    )
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--chat", action="store_true", help="use the chat template instead of raw completion")
@@ -166,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     hisparse = (
         _int("--hisparse-device-tokens", args.hisparse_device_tokens) if args.hisparse_device_tokens else None
     )
+    index_topk = _int("--index-topk", args.index_topk) if args.index_topk else None
+    if index_topk is not None and not args.model:
+        raise UsageError("--index-topk is for --model (a server selects what it was started with)")
     has_model = bool(args.model or args.base_url)
     if not has_model and not args.dump_dir:
         raise UsageError("give --model DIR or --base-url URL (or only --dump-dir DIR to write samples)")
@@ -206,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
 
     client: Any
     if args.model:
-        client = EngineClient(args.model, hisparse_device_tokens=hisparse, device=args.device)
+        client = EngineClient(
+            args.model, hisparse_device_tokens=hisparse, device=args.device, index_topk=index_topk
+        )
     else:
         client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
 
