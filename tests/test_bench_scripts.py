@@ -172,14 +172,9 @@ def test_train_report_on_the_committed_logs(tmp_path: Path) -> None:
     assert all(p.stem in table for p in logs) and (tmp_path / "curves.png").exists()
 
 
-def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
-    """bench/session.sh with a stand-in python that logs its arguments: with two GPUs lane A trains
-    then evaluates on GPU 0 and lane B checks on GPU 1 then waits for the model; `collect` packs."""
-    import os
-    import subprocess
-    import tarfile
-    import time
-
+def _two_gpu_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in python for bench/session.sh: logs "$CUDA_VISIBLE_DEVICES argv" to `calls`, says 2
+    GPUs, and a `longctx.train` run leaves a checkpoint and a log in its --out."""
     fake = tmp_path / "py"
     calls = tmp_path / "calls"
     fake.write_text(
@@ -190,6 +185,18 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
         'mkdir -p $o; echo w > $o/model.safetensors; echo "{}" > $o/train_log.jsonl; fi\n'
     )
     fake.chmod(0o755)
+    return fake, calls
+
+
+def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
+    """bench/session.sh with a stand-in python that logs its arguments: with two GPUs lane A trains
+    then evaluates on GPU 0 and lane B checks on GPU 1 then waits for the model; `collect` packs."""
+    import os
+    import subprocess
+    import tarfile
+    import time
+
+    fake, calls = _two_gpu_python(tmp_path)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(tmp_path / "s"), "OUT": str(tmp_path / "out")}
     run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
@@ -265,16 +272,7 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     import tarfile
     import time
 
-    fake = tmp_path / "py"
-    calls = tmp_path / "calls"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'
-        'if [ "$1" = "-c" ]; then echo 2; exit 0; fi\n'
-        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
-        'mkdir -p $o; echo w > $o/model.safetensors; echo "{}" > $o/train_log.jsonl; fi\n'
-    )
-    fake.chmod(0o755)
+    fake, calls = _two_gpu_python(tmp_path)
     s = tmp_path / "s"
     env = {
         **os.environ,
