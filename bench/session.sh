@@ -140,6 +140,12 @@ lane_a() {
   # layers 3-5 0.955): eager decode, so the recorder sees every step's selection (graphs replay unseen)
   [ "${HISPARSE:-1}" = 1 ] && LONGCTX_CUDA_GRAPHS=0 LONGCTX_OVERLAP=0 timeout 300 "$PY" -m bench.hit_rate \
     --model "$MODEL" --tokens 131072 --steps 32 --policies --tail 128 --device cuda --out "$S/hit_rate"
+  # where between 128K (run 17: niah_single_1 100) and 1M (0, haystack prose) retrieval breaks:
+  # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip), ~2 minutes
+  if [ -n "${MID_LENGTHS-256k,512k}" ]; then
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "${MID_LENGTHS-256k,512k}" --samples 2 \
+      --concurrency 1 --tasks niah_single_1 --out "$S/eval/mid"
+  fi
   # at 1M the shipped model writes haystack prose although its full layers select the needle; the bench's
   # `local` column: how much of the prompt's last 64 positions (the question) the last prompt row
   # selects (on the CPU, run 17's layers 1 / 3 take 0.62 / 0.94 of them at 4K, 0.31 / 0.41 at 32K)

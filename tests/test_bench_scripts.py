@@ -240,11 +240,13 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "place_bench --m 256" in gpu0[9] and "--block-n" not in gpu0[9]
     assert "--lengths 128k " in gpu0[10]
     assert "bench.hit_rate" in gpu0[11] and "--tokens 131072" in gpu0[11] and "--device cuda" in gpu0[11]
-    # the trained model's needle recall at 1M (the question's share of the last row's selection), then 1M
-    assert "bench.needle_recall" in gpu0[12] and "--lengths 1m --samples 1" in gpu0[12]
-    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[12]
+    # niah_single_1 between 128K and 1M, the trained model's needle recall at 1M (the question's share of
+    # the last row's selection)
+    assert "--lengths 256k,512k " in gpu0[12] and "--out " + str(tmp_path / "s" / "eval" / "mid") in gpu0[12]
+    assert "bench.needle_recall" in gpu0[13] and "--lengths 1m --samples 1" in gpu0[13]
+    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[13]
     # then at 1M with the top 2048 (the question crowded out of the top 256?), then the 1M scores
-    assert "--index-topk 2048" in gpu0[13] and "--lengths 1m " in gpu0[13] and "--lengths 1m " in gpu0[14]
+    assert "--index-topk 2048" in gpu0[14] and "--lengths 1m " in gpu0[14] and "--lengths 1m " in gpu0[15]
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
@@ -307,7 +309,7 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]
         evals = [x for x in lane if "retrieval_eval run" in x]
-        want = ["4k", "32k", "4k", "128k"] + (["1m", "1m"] if lane is gpu0 else ["1m"])
+        want = ["4k", "32k", "4k", "128k", "256k,512k"] + (["1m", "1m"] if lane is gpu0 else ["1m"])
         assert [x.split("--lengths ")[1].split()[0] for x in evals] == want
         assert any("--index-topk 2048" in x for x in evals) == (lane is gpu0)
         assert all(f"--model {model}" in x for x in evals)
