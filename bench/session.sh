@@ -153,7 +153,7 @@ lane_a() {
   # the same weights selecting the top TOPK_1M (default 2048; 0: skip) at 1M: 2048 of 1M is the share 256
   # is of 128K, where the question is still read; if the crowding is the cause, 1M retrieves
   if [ "${TOPK_1M:-2048}" != 0 ]; then
-    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 2 --concurrency 1 \
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
       --tasks niah_single_1,niah_single_2 --index-topk "${TOPK_1M:-2048}" --out "$S/eval/topk_1m"
   fi
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
