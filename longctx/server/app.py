@@ -38,13 +38,31 @@ async def require_api_key(request: Request) -> None:
         )
 
 
-def create_app(settings: ServerSettings, on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """An app that starts the engine process on startup and stops it on shutdown."""
+def create_app(
+    settings: ServerSettings,
+    on_ready: Callable[[], None] | None = None,
+    on_start_failure: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """An app that starts the engine process on startup and stops it on shutdown. An engine that fails
+    to start (a bad flag combination, unloadable weights) goes to `on_start_failure(reason)` when given,
+    which should stop the server: the app then serves nothing (503 while it stops) and raises nothing,
+    so the CLI can say what went wrong in one line instead of a startup traceback."""
     state = ServerState(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ready = await state.client.start(settings.engine_start_timeout_s)
+        try:
+            ready = await state.client.start(settings.engine_start_timeout_s)
+        except Exception as e:
+            if on_start_failure is None:
+                raise
+            on_start_failure(str(e))
+            state.draining = True
+            try:
+                yield
+            finally:
+                await state.client.close()
+            return
         log.info(
             "engine ready: max_context=%d vocab=%d %s",
             ready.max_context,

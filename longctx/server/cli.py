@@ -93,8 +93,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    failed: list[str] = []
+
+    def on_start_failure(reason: str) -> None:
+        failed.append(reason)
+        server.should_exit = True
+
     app = create_app(
-        settings, on_ready=lambda: log.info("longctx serving %s at %s (OpenAI API: %s/v1)", name, url, url)
+        settings,
+        on_ready=lambda: log.info("longctx serving %s at %s (OpenAI API: %s/v1)", name, url, url),
+        on_start_failure=on_start_failure,
     )
 
     try:
@@ -116,5 +124,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
-    # uvicorn swallows a failed startup into a non-zero exit of its own; report it as one.
+    if failed:  # the engine did not start: one line, exit 2
+        raise CLIError(f"the engine did not start: {failed[0].removeprefix('engine failed: ')}")
+    # uvicorn swallows any other failed startup into a non-zero exit of its own; report it as one.
     return 0 if server.started else 1

@@ -146,7 +146,7 @@ class EngineClient:
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
-            if not self.closing:
+            if not self.closing and self.ready is not None:  # (a failed start is the caller's to report)
                 log.error("engine is down: %s", reason)
         err = EngineDeadError(self.dead_reason)
         for h in self._handles.values():

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from longctx.errors import LongctxError
 from longctx.server import messages as m
 
 log = logging.getLogger("longctx.engine_proc")
@@ -315,7 +316,8 @@ def main(
         try:
             eng = build_engine(spec)
         except Exception as e:
-            log.error("engine failed to start:\n%s", traceback.format_exc())
+            if not isinstance(e, LongctxError):  # bad configuration says what is wrong in its message
+                log.error("engine failed to start:\n%s", traceback.format_exc())
             push.send(m.encode(m.EngineFailed(_one_line(e))))
             return
         cfg = getattr(eng, "config", None)
