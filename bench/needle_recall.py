@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=TASKS)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--index-topk", type=int, default=None, help="tokens each full layer selects (Engine's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         tasks = parse_tasks(args.tasks)
         if args.samples < 1:
             raise LongctxError("--samples must be >= 1")
+        if args.index_topk is not None and args.index_topk < 1:
+            raise LongctxError("--index-topk must be >= 1")
         if not (Path(args.model) / "tokenizer.json").exists():
             raise LongctxError(
                 f"--model {args.model}: no tokenizer.json (a trained byte-level model is needed)"
@@ -234,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r["task"], r["length"], r["index"]) for r in rows}
     counter = load_counter(args.model)
     gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
-    with Engine(args.model, device=args.device, max_context=max(lengths), cuda_graphs=False) as eng:
+    engine_kw = dict(
+        device=args.device, max_context=max(lengths), cuda_graphs=False, index_topk=args.index_topk
+    )
+    with Engine(args.model, **engine_kw) as eng:
         for L in lengths:
             for task in tasks:
                 for i in range(args.samples):

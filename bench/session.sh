@@ -140,6 +140,13 @@ lane_a() {
   # layers 3-5 0.955): eager decode, so the recorder sees every step's selection (graphs replay unseen)
   [ "${HISPARSE:-1}" = 1 ] && LONGCTX_CUDA_GRAPHS=0 LONGCTX_OVERLAP=0 timeout 300 "$PY" -m bench.hit_rate \
     --model "$MODEL" --tokens 131072 --steps 32 --policies --tail 128 --device cuda --out "$S/hit_rate"
+  # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
+  # the engine against the training forward (PARITY=0: skip; ~4 minutes): at 1M its answers are haystack
+  # prose, while on the CPU at 16K even a top-4 selection keeps it writing digits
+  if [ "${PARITY:-1}" = 1 ]; then
+    "$PY" -m bench.long_parity --model models-shipped/retrieval-wip --lengths 1m --forms engine,train \
+      --device cuda --out "$S/parity"
+  fi
   # where between 128K (run 17: niah_single_1 100) and 1M (0, haystack prose) retrieval breaks:
   # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip), ~2 minutes
   if [ -n "${MID_LENGTHS-256k,512k}" ]; then
@@ -150,11 +157,11 @@ lane_a() {
   # `local` column: how much of the prompt's last 64 positions (the question) the last prompt row
   # selects (on the CPU, run 17's layers 1 / 3 take 0.62 / 0.94 of them at 4K, 0.31 / 0.41 at 32K)
   "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda --out "$S/needle"
-  # the same weights selecting the top TOPK_1M (default 2048; 0: skip) at 1M: 2048 of 1M is the share 256
-  # is of 128K, where the question is still read; if the crowding is the cause, 1M retrieves
-  if [ "${TOPK_1M:-2048}" != 0 ]; then
+  # the same weights selecting the top TOPK_1M (e.g. 2048, the share of 1M that 256 is of 128K; default
+  # 0: skip) at 1M
+  if [ "${TOPK_1M:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
-      --tasks niah_single_1,niah_single_2 --index-topk "${TOPK_1M:-2048}" --out "$S/eval/topk_1m"
+      --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" --out "$S/eval/topk_1m"
   fi
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"
@@ -209,8 +216,8 @@ lane_b_train() {
   MODEL=$TRAIN_WORK/ckpt
   export S TRAIN_WORK MODEL
   mkdir -p "$S"
-  TOPK_1M=0 TRAIN_ARGS=${TRAIN_ARGS_B:-"${TRAIN_ARGS:-$(default_train_args)} --long-topk 65536:32 --long-topk-prob 0.5"} \
-    lane_a 1  # (lane A alone scores its model at 1M with another top-k)
+  PARITY=0 TOPK_1M=0 TRAIN_ARGS=${TRAIN_ARGS_B:-"${TRAIN_ARGS:-$(default_train_args)} --long-topk 65536:32 --long-topk-prob 0.5"} \
+    lane_a 1  # (the engine's parity at 1M is lane A's)
 }
 
 lane_b_capped() {

@@ -240,13 +240,13 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "place_bench --m 256" in gpu0[9] and "--block-n" not in gpu0[9]
     assert "--lengths 128k " in gpu0[10]
     assert "bench.hit_rate" in gpu0[11] and "--tokens 131072" in gpu0[11] and "--device cuda" in gpu0[11]
-    # niah_single_1 between 128K and 1M, the trained model's needle recall at 1M (the question's share of
-    # the last row's selection)
-    assert "--lengths 256k,512k " in gpu0[12] and "--out " + str(tmp_path / "s" / "eval" / "mid") in gpu0[12]
-    assert "bench.needle_recall" in gpu0[13] and "--lengths 1m --samples 1" in gpu0[13]
-    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[13]
-    # then at 1M with the top 2048 (the question crowded out of the top 256?), then the 1M scores
-    assert "--index-topk 2048" in gpu0[14] and "--lengths 1m " in gpu0[14] and "--lengths 1m " in gpu0[15]
+    # the engine against the training forward at 1M (the shipped model), niah_single_1 between 128K and
+    # 1M, the trained model's needle recall at 1M (the question's share of the last row's selection)
+    assert "bench.long_parity --model models-shipped/retrieval-wip --lengths 1m" in gpu0[12]
+    assert "--lengths 256k,512k " in gpu0[13] and "--out " + str(tmp_path / "s" / "eval" / "mid") in gpu0[13]
+    assert "bench.needle_recall" in gpu0[14] and "--lengths 1m --samples 1" in gpu0[14]
+    assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[14]
+    assert "--lengths 1m " in gpu0[15] and "--index-topk" not in gpu0[15]  # (TOPK_1M: off by default)
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
     assert any("vs_transformers" in x for x in gpu1) and any("bench.kernels --skip" in x for x in gpu1)
@@ -309,9 +309,15 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]
         evals = [x for x in lane if "retrieval_eval run" in x]
-        want = ["4k", "32k", "4k", "128k", "256k,512k"] + (["1m", "1m"] if lane is gpu0 else ["1m"])
-        assert [x.split("--lengths ")[1].split()[0] for x in evals] == want
-        assert any("--index-topk 2048" in x for x in evals) == (lane is gpu0)
+        assert [x.split("--lengths ")[1].split()[0] for x in evals] == [
+            "4k",
+            "32k",
+            "4k",
+            "128k",
+            "256k,512k",
+            "1m",
+        ]
+        assert any("bench.long_parity" in x for x in lane) == (lane is gpu0)
         assert all(f"--model {model}" in x for x in evals)
         assert not any(
             m in x for x in lane for m in ("long_context", "step_profile", "place_bench", "hit_rate")
@@ -760,6 +766,27 @@ def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
     assert "- |" in table(summarize([older])) and "- |" not in table(summary)  # rows from before `local`
     assert main([*args[:-1], str(tmp_path / "x"), "--tasks", "vt"]) == 2
     assert main([*args[:-1], str(tmp_path / "x"), "--lengths", "12q"]) == 2
+    assert main([*args[:-1], str(tmp_path / "x"), "--index-topk", "0"]) == 2
+
+
+def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -> None:
+    """bench.long_parity: the engine's last prompt row and the training forward's agree on the CPU
+    (fp32: the same model, ~1e-7 apart), both put the answer's space first; bad arguments exit 2."""
+    from bench.long_parity import main
+
+    assert main(["--lengths", "1k", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "long-parity.json").read_text())["rows"]
+    assert set(row["forms"]) == {"engine", "train"} and row["forms"]["engine"]["rel_diff"] <= 1e-4
+    assert all(v["top"][0][0] == " " and v["want_logprob"] > -0.1 for v in row["forms"].values())
+    assert "| 1K | engine |" in (tmp_path / "long-parity.md").read_text()
+    for bad in (
+        ["--task", "vt"],
+        ["--index", "-1"],
+        ["--lengths", "12q"],
+        ["--forms", "engine"],
+        ["--forms", "x,train"],
+    ):
+        assert main([*bad, "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
 
 
 def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:

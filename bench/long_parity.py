@@ -1,0 +1,195 @@
+"""Does the engine compute what the model computes at a long context? (issue 10: the prose at 1M)
+
+At 1M the shipped retrieval model's full layers select the needle, yet its answer continues the
+haystack from the first byte; on the CPU the same model at 16K keeps writing answer-shaped digits even
+when its indexers select nothing of the question (`--index-topk 4`). So the engine's 1M path is suspect
+until shown equal to an independent computation of the same model. This takes one RULER niah prompt per
+length (`bench.retrieval_eval`'s generator, seed and output budget, raw prompt) and compares the last
+prompt row's next-byte distribution three ways:
+
+- `engine`: `longctx.Engine` as served (bf16 and fp8 KV on CUDA, fp32 on a CPU), chunked paged prefill;
+- `engine_bf16kv` (CUDA only): the same with `kv_dtype="bf16"` (no fp8 quantisation of the caches);
+- `train`: the training forward (`TrainCausalLM.forward_train`, sparse, the same weights): dense
+  tensors, no pages, no chunks, the selection by the fused indexer + top-k over an fp32 key pool on
+  CUDA (the chunked torch selection on a CPU), bf16 autocast on CUDA as in training.
+
+For each: the top 5 bytes, the logprob of the answer's first byte (a space), and the relative
+difference of its logits from `train`'s (max |a - b| / max |b|).
+
+    python -m bench.long_parity --model DIR --lengths 128k,1m [--task niah_single_1] [--index 0]
+        [--device cuda] --out R
+
+Writes R/long-parity.json and R/long-parity.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 42  # bench.retrieval_eval's (longctx ruler's default)
+MAX_NEW_TOKENS_SCALE = 0.5  # bench.retrieval_eval's for raw prompts
+TOP = 5
+SPACE = 32  # byte-level tokens: a niah answer's first byte
+
+
+def describe(logits: torch.Tensor, want: int, decode: Any, ref: torch.Tensor | None) -> dict[str, Any]:
+    """A last-row logits vector [V] -> its top bytes, the wanted byte's logprob and (given `ref`) the
+    relative difference from it."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(TOP)
+    out: dict[str, Any] = {
+        "top": [[decode([int(t)]), round(float(v), 4)] for v, t in zip(top.values, top.indices)],
+        "want_logprob": round(float(lp[want]), 4),
+    }
+    if ref is not None:
+        out["rel_diff"] = float((logits.float() - ref).abs().max() / ref.abs().max())
+    return out
+
+
+def train_last_logits(model_dir: str, ids: list[int], device: torch.device) -> torch.Tensor:
+    """The training forward's logits at the last of `ids` (fp32 [V])."""
+    from longctx.config import ModelConfig
+    from longctx.train.checkpoint import load_model_weights
+    from longctx.train.model import TrainCausalLM
+
+    m = TrainCausalLM(ModelConfig.from_json(model_dir))
+    load_model_weights(m, model_dir, torch.device("cpu"))
+    m.sparse_attention = "gather"
+    m.select_form = "fused" if device.type == "cuda" else "torch"
+    m.to(device).eval()
+    x = torch.tensor([ids], device=device)
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
+    with torch.no_grad(), amp:
+        h, _ = m.forward_train(x, sparse=True)
+        out = m.logits(h[:, -1:])[0, -1].float().cpu()
+    del m, h
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| length | form | top 5 next bytes (logprob) | logprob of the answer's space | rel. diff from train | s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for form, v in r["forms"].items():
+            top = ", ".join(f"{b!r} {p:.2f}" for b, p in v["top"])
+            rel = f"{v['rel_diff']:.2e}" if "rel_diff" in v else "-"
+            lines.append(
+                f"| {r['length_name']} | {form} | {top} | {v['want_logprob']:.3f} | {rel} | {v['seconds']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "models-shipped" / "retrieval-wip"))
+    ap.add_argument("--lengths", default="128k,1m")
+    ap.add_argument("--task", default="niah_single_1")
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--forms", default="engine,engine_bf16kv,train", help="of engine, engine_bf16kv (CUDA only), train"
+    )
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from longctx import Engine
+    from longctx.errors import LongctxError
+    from longctx.workloads.ruler_cli import parse_lengths
+    from longctx.workloads.ruler_runner import format_length
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import load_counter
+
+    try:
+        lengths = parse_lengths(args.lengths)
+        wanted = [f for f in args.forms.split(",") if f]
+        if (
+            "train" not in wanted
+            or not set(wanted) <= {"engine", "engine_bf16kv", "train"}
+            or len(wanted) < 2
+        ):
+            raise LongctxError(f"--forms {args.forms}: train and at least one of engine, engine_bf16kv")
+        if not args.task.startswith("niah_"):
+            raise LongctxError(f"--task {args.task}: a niah task (its answer starts with a space)")
+        if args.index < 0:
+            raise LongctxError("--index must be >= 0")
+        if not (Path(args.model) / "tokenizer.json").exists():
+            raise LongctxError(
+                f"--model {args.model}: no tokenizer.json (a trained byte-level model is needed)"
+            )
+    except LongctxError as e:
+        print(f"long_parity: {e}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
+    os.environ["LONGCTX_CUDA_GRAPHS"] = "0"  # one prefill: nothing to replay
+    args.out.mkdir(parents=True, exist_ok=True)
+    gen = RulerGenerator(load_counter(args.model), seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
+    forms: dict[str, dict[str, Any]] = {}
+    if "engine" in wanted:
+        forms["engine"] = {}
+    if "engine_bf16kv" in wanted and device.type == "cuda":  # (on a CPU the engine form is fp32 already)
+        forms["engine_bf16kv"] = {"kv_dtype": "bf16"}
+    if not forms:
+        print("long_parity: engine_bf16kv runs on CUDA only; add engine", file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    for L in lengths:
+        s = gen.sample(args.task, L, args.index)
+        got: dict[str, torch.Tensor] = {}
+        secs: dict[str, float] = {}
+        ids: list[int] = []
+        decode: Any = str
+        for form, kw in forms.items():
+            t = time.perf_counter()
+            with Engine(args.model, device=str(device), max_context=L + 64, cuda_graphs=False, **kw) as eng:
+                ids = eng.encode(s.input + s.answer_prefix)
+                got[form] = eng.score(ids)[-1].float().cpu()
+                decode = eng.tokenizer.decode
+            secs[form] = time.perf_counter() - t
+        t = time.perf_counter()
+        ref = train_last_logits(args.model, ids, device)
+        secs["train"] = time.perf_counter() - t
+        out_forms = {
+            f: {**describe(v, SPACE, decode, ref), "seconds": round(secs[f], 1)} for f, v in got.items()
+        }
+        out_forms["train"] = {**describe(ref, SPACE, decode, None), "seconds": round(secs["train"], 1)}
+        row = {"length": L, "length_name": format_length(L), "prompt_tokens": len(ids), "forms": out_forms}
+        rows.append(row)
+        print(f"long_parity: {row['length_name']}: " + "; ".join(
+            f"{f} top {v['top'][0][0]!r} space {v['want_logprob']:.2f}" for f, v in out_forms.items()
+        ), flush=True)  # fmt: skip
+    res = {
+        "model": args.model,
+        "task": args.task,
+        "index": args.index,
+        "device": str(device),
+        "command": "python -m bench.long_parity " + " ".join(sys.argv[1:] if argv is None else argv),
+        "rows": rows,
+    }
+    (args.out / "long-parity.json").write_text(json.dumps(res, indent=2) + "\n")
+    (args.out / "long-parity.md").write_text(table(rows) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
