@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         decode: Any = str
         for form, kw in forms.items():
             t = time.perf_counter()
-            with Engine(args.model, device=str(device), max_context=L + 64, cuda_graphs=False, **kw) as eng:
+            with Engine(args.model, device=str(device), max_context=L, cuda_graphs=False, **kw) as eng:
                 ids = eng.encode(s.input + s.answer_prefix)
                 got[form] = eng.score(ids)[-1].float().cpu()
                 decode = eng.tokenizer.decode
