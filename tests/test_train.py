@@ -133,7 +133,7 @@ def test_batched_selection_is_the_per_row_selection(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_fused_selection_is_the_chunked_selection(backend: str) -> None:
+def test_fused_selection_is_the_chunked_selection(backend: str, monkeypatch) -> None:
     """select_form "fused" (the engine's fused indexer + top-k over the keys as a paged fp32 pool) picks
     what `_select` picks: bit for bit where the logits are exact whatever the summation order (integer
     values, many ties: the same lowest-index tie-break), and all but a few near-ties on random floats.
@@ -151,6 +151,11 @@ def test_fused_selection_is_the_chunked_selection(backend: str) -> None:
         a, b = selection_mask(got, S), selection_mask(want, S)
         if exact:
             assert torch.equal(got, want)
+            import longctx.train.model as model_mod
+
+            with monkeypatch.context() as mp:  # the queries in several calls (a 1M-token row's way)
+                mp.setattr(model_mod, "_FUSED_QUERIES", 37)
+                assert torch.equal(m._select_fused(q, k_, w_, topk), want)
         else:
             assert (a != b).sum() <= 4 and torch.equal(a.sum(-1), b.sum(-1))
     assert m._selects_fused(S)

@@ -50,6 +50,7 @@ from longctx.model.rope import apply_rope_interleaved
 _SELECT_ELEMS = 1 << 27
 # Query rows per chunk of the sparse attention (bounds the gathered [B, chunk, top-k, latent + rope]).
 _GATHER_ELEMS = 1 << 27
+_FUSED_QUERIES = 1 << 17  # queries per call of the fused selection (`_select_fused`)
 # sparse_attention "auto" without a measurement (TrainCausalLM.measured_forms, which the trainer's time
 # fit fills by timing both forms on its device): rows longer than this take the gathered form, shorter
 # ones the masked form. The gathered form moves top-k x (latent + rope) values per query (three times:
@@ -341,11 +342,18 @@ class TrainCausalLM(CausalLM):
         pages = torch.arange(B * n_pages, dtype=torch.int32, device=dev).view(B, n_pages)
         q_seq = torch.arange(B, device=dev).repeat_interleave(S)
         q_pos = torch.arange(S, device=dev).repeat(B)
-        sel = indexer_topk_paged(
-            qi.reshape(B * S, Hi, D).contiguous(), wi.reshape(B * S, Hi).float().contiguous(),
-            pool.view(-1, D), pages, torch.full((B,), S, dtype=torch.int64, device=dev), q_seq, q_pos,
-            "fp32", topk, max_len=S, backend=self.select_backend,
-        )  # fmt: skip
+        q, w = qi.reshape(B * S, Hi, D).contiguous(), wi.reshape(B * S, Hi).float().contiguous()
+        lens = torch.full((B,), S, dtype=torch.int64, device=dev)
+        # the kernel's per-query buffers (a threshold sample of up to 8,192 logits, 4 x top-k candidates)
+        # are ~40 KB a query: a 1M-token row goes in chunks of _FUSED_QUERIES queries
+        sel = torch.cat([
+            indexer_topk_paged(
+                q[a : a + _FUSED_QUERIES], w[a : a + _FUSED_QUERIES], pool.view(-1, D), pages, lens,
+                q_seq[a : a + _FUSED_QUERIES], q_pos[a : a + _FUSED_QUERIES], "fp32", topk, max_len=S,
+                backend=self.select_backend,
+            )
+            for a in range(0, B * S, _FUSED_QUERIES)
+        ])  # fmt: skip
         return sel.view(B, S, topk).long()
 
     def _indexer_kl(
