@@ -25,7 +25,6 @@ Writes R/long-parity.json and R/long-parity.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,8 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED = 42  # bench.retrieval_eval's (longctx ruler's default)
-MAX_NEW_TOKENS_SCALE = 0.5  # bench.retrieval_eval's for raw prompts
 TOP = 5
 SPACE = 32  # byte-level tokens: a niah answer's first byte
 
@@ -111,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
+    from bench.common import write_json_md
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, check_trained_model
     from longctx import Engine
     from longctx.errors import LongctxError
     from longctx.workloads.ruler_cli import parse_lengths
@@ -131,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LongctxError(f"--task {args.task}: a niah task (its answer starts with a space)")
         if args.index < 0:
             raise LongctxError("--index must be >= 0")
-        if not (Path(args.model) / "tokenizer.json").exists():
-            raise LongctxError(
-                f"--model {args.model}: no tokenizer.json (a trained byte-level model is needed)"
-            )
+        check_trained_model(args.model)
     except LongctxError as e:
         print(f"long_parity: {e}", file=sys.stderr)
         return 2
@@ -185,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.long_parity " + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": rows,
     }
-    (args.out / "long-parity.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / "long-parity.md").write_text(table(rows) + "\n")
+    write_json_md(args.out, "long-parity", res, table(rows) + "\n")
     print(table(rows))
     return 0
 

@@ -75,6 +75,14 @@ def record_selections(start: int) -> Iterator[dict[int, list[tuple[int, list[int
         Indexer.forward = forward  # type: ignore[method-assign]
 
 
+def check_trained_model(model: str) -> None:
+    """LongctxError unless `model` has a tokenizer (the RULER prompts need the trained byte-level model)."""
+    from longctx.errors import LongctxError
+
+    if not (Path(model) / "tokenizer.json").exists():
+        raise LongctxError(f"--model {model}: no tokenizer.json (a trained byte-level model is needed)")
+
+
 LOCAL = 64  # the prompt's last positions whose selection `recall_by_layer` reports
 
 
@@ -219,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LongctxError("--samples must be >= 1")
         if args.index_topk is not None and args.index_topk < 1:
             raise LongctxError("--index-topk must be >= 1")
-        if not (Path(args.model) / "tokenizer.json").exists():
-            raise LongctxError(
-                f"--model {args.model}: no tokenizer.json (a trained byte-level model is needed)"
-            )
+        check_trained_model(args.model)
     except LongctxError as e:
         print(f"needle_recall: {e}", file=sys.stderr)
         return 2
