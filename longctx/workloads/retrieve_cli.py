@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from longctx.errors import LongctxError
+from longctx.workloads.cli_args import UsageError, int_arg
 
 DEFAULT_MAX_CONTEXT = 1_048_576
-
-
-class UsageError(LongctxError):
-    """A bad command-line argument (one line, exit code 2)."""
 
 
 def register(subparsers: Any) -> None:
@@ -70,16 +67,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _int(name: str, text: str | None, lo: int = 1) -> int:
-    try:
-        v = int(str(text).replace("_", "").replace(",", ""))
-    except ValueError:
-        raise UsageError(f"{name} must be an integer, not {text!r}") from None
-    if v < lo:
-        raise UsageError(f"{name} must be >= {lo}")
-    return v
-
-
 def _model_context(model_dir: str) -> int:
     try:
         from longctx.config import ModelConfig
@@ -107,17 +94,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: not a directory")
     if args.chat and args.base_url:
         raise UsageError("--chat is for --model; servers are always asked through chat endpoints")
-    max_new = _int("--max-new-tokens", args.max_new_tokens)
-    max_file = _int("--max-file-bytes", args.max_file_bytes)
-    concurrency = _int("--concurrency", args.concurrency)
+    max_new = int_arg("--max-new-tokens", args.max_new_tokens)
+    max_file = int_arg("--max-file-bytes", args.max_file_bytes)
+    concurrency = int_arg("--concurrency", args.concurrency)
     hisparse = (
-        _int("--hisparse-device-tokens", args.hisparse_device_tokens) if args.hisparse_device_tokens else None
+        int_arg("--hisparse-device-tokens", args.hisparse_device_tokens)
+        if args.hisparse_device_tokens
+        else None
     )
-    index_topk = _int("--index-topk", args.index_topk) if args.index_topk else None
+    index_topk = int_arg("--index-topk", args.index_topk) if args.index_topk else None
     if index_topk is not None and not args.model:
         raise UsageError("--index-topk is for --model (a server selects what it was started with)")
     if args.max_context:
-        max_context = _int("--max-context", args.max_context)
+        max_context = int_arg("--max-context", args.max_context)
     else:
         max_context = _model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
     queries = read_queries(args.queries)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.errors import LongctxError
+from longctx.workloads.cli_args import UsageError, int_arg
 from longctx.workloads.ruler_tasks import (
     TASKS,
     Renderer,
@@ -26,10 +26,6 @@ from longctx.workloads.ruler_tasks import (
 
 DEFAULT_LENGTHS = "4k,8k,16k,32k,64k,128k"
 MIN_LENGTH = 256
-
-
-class UsageError(LongctxError):
-    """A bad command-line argument (one line, exit code 2)."""
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -103,16 +99,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _int(name: str, text: str | None, lo: int = 1) -> int:
-    try:
-        v = int(str(text))
-    except ValueError:
-        raise UsageError(f"{name} must be an integer, not {text!r}") from None
-    if v < lo:
-        raise UsageError(f"{name} must be >= {lo}")
-    return v
-
-
 def _chat_renderer(model_dir: str) -> Renderer:
     try:
         from longctx.checkpoint.chat_template import apply_chat_template, load_chat_template
@@ -157,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give either --model or --base-url, not both")
     tasks = parse_tasks(args.tasks)
     lengths = parse_lengths(args.lengths)
-    samples = _int("--samples", args.samples)
-    seed = _int("--seed", args.seed, lo=0)
-    concurrency = _int("--concurrency", args.concurrency)
+    samples = int_arg("--samples", args.samples)
+    seed = int_arg("--seed", args.seed, lo=0)
+    concurrency = int_arg("--concurrency", args.concurrency)
     try:
         scale = float(args.max_new_tokens_scale)
     except ValueError:
@@ -169,9 +155,11 @@ def run(args: argparse.Namespace) -> int:
     if not scale > 0:
         raise UsageError("--max-new-tokens-scale must be > 0")
     hisparse = (
-        _int("--hisparse-device-tokens", args.hisparse_device_tokens) if args.hisparse_device_tokens else None
+        int_arg("--hisparse-device-tokens", args.hisparse_device_tokens)
+        if args.hisparse_device_tokens
+        else None
     )
-    index_topk = _int("--index-topk", args.index_topk) if args.index_topk else None
+    index_topk = int_arg("--index-topk", args.index_topk) if args.index_topk else None
     if index_topk is not None and not args.model:
         raise UsageError("--index-topk is for --model (a server selects what it was started with)")
     has_model = bool(args.model or args.base_url)
