@@ -274,6 +274,7 @@ def test_parse_lengths():
         ["--model", "/does/not/exist", "--out", "O"],
         ["--base-url", "http://x", "--out", "O", "--index-topk", "64"],  # a server selects its own
         ["--index-topk", "0", "--dump-dir", "D"],
+        ["--base-url", "http://x", "--out", "O", "--hisparse-device-tokens", "4096"],
     ],
 )
 def test_cli_bad_args_exit_2_with_one_line(argv, capsys, tmp_path, monkeypatch):

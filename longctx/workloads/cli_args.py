@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 from longctx.errors import LongctxError
 
 
@@ -18,3 +21,30 @@ def int_arg(name: str, text: str | None, lo: int = 1) -> int:
     if v < lo:
         raise UsageError(f"{name} must be >= {lo}")
     return v
+
+
+def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
+    """The flags passed to the engine a workload embeds with --model."""
+    p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
+    p.add_argument(
+        "--index-topk",
+        metavar="N",
+        help="tokens each full layer selects (embedded Engine; default the model's)",
+    )
+    p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
+
+
+def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`add_embedded_engine_args`' flags as Engine keywords (the integer ones only when given); they
+    are refused without --model, since a server runs with the engine it was started with."""
+    kw: dict[str, Any] = {"device": args.device}
+    for flag, name in (
+        ("--hisparse-device-tokens", "hisparse_device_tokens"),
+        ("--index-topk", "index_topk"),
+    ):
+        text = getattr(args, name)
+        if text:
+            if not args.model:
+                raise UsageError(f"{flag} is for --model (a server runs the engine it was started with)")
+            kw[name] = int_arg(flag, text)
+    return kw

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from longctx.errors import LongctxError
-from longctx.workloads.cli_args import UsageError, int_arg
+from longctx.workloads.cli_args import UsageError, add_embedded_engine_args, embedded_engine_kwargs, int_arg
 
 DEFAULT_MAX_CONTEXT = 1_048_576
 
@@ -57,13 +57,7 @@ def register(subparsers: Any) -> None:
         "--no-git", action="store_true", help="apply .gitignore files directly instead of asking git"
     )
     p.add_argument("--pack-report", metavar="FILE", help="write what was packed / left out as JSON")
-    p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
-    p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
-    p.add_argument(
-        "--index-topk",
-        metavar="N",
-        help="tokens each full layer selects (embedded Engine; default the model's)",
-    )
+    add_embedded_engine_args(p)
     p.set_defaults(func=run)
 
 
@@ -97,14 +91,7 @@ def run(args: argparse.Namespace) -> int:
     max_new = int_arg("--max-new-tokens", args.max_new_tokens)
     max_file = int_arg("--max-file-bytes", args.max_file_bytes)
     concurrency = int_arg("--concurrency", args.concurrency)
-    hisparse = (
-        int_arg("--hisparse-device-tokens", args.hisparse_device_tokens)
-        if args.hisparse_device_tokens
-        else None
-    )
-    index_topk = int_arg("--index-topk", args.index_topk) if args.index_topk else None
-    if index_topk is not None and not args.model:
-        raise UsageError("--index-topk is for --model (a server selects what it was started with)")
+    engine_kw = embedded_engine_kwargs(args)
     if args.max_context:
         max_context = int_arg("--max-context", args.max_context)
     else:
@@ -143,9 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
     client: Any
     if args.model:
-        client = EngineClient(
-            args.model, hisparse_device_tokens=hisparse, device=args.device, index_topk=index_topk
-        )
+        client = EngineClient(args.model, **engine_kw)
     else:
         client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=True)
     try:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.workloads.cli_args import UsageError, int_arg
+from longctx.workloads.cli_args import UsageError, add_embedded_engine_args, embedded_engine_kwargs, int_arg
 from longctx.workloads.ruler_tasks import (
     TASKS,
     Renderer,
@@ -79,13 +79,7 @@ def register(subparsers: Any) -> None:
         metavar="X",
         help="multiply RULER's per-task output budgets (default 1)",
     )
-    p.add_argument("--hisparse-device-tokens", metavar="N", help="passed to the embedded Engine")
-    p.add_argument(
-        "--index-topk",
-        metavar="N",
-        help="tokens each full layer selects (embedded Engine; default the model's)",
-    )
-    p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
+    add_embedded_engine_args(p)
     form = p.add_mutually_exclusive_group()
     form.add_argument("--chat", action="store_true", help="use the chat template instead of raw completion")
     form.add_argument(
@@ -154,14 +148,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if not scale > 0:
         raise UsageError("--max-new-tokens-scale must be > 0")
-    hisparse = (
-        int_arg("--hisparse-device-tokens", args.hisparse_device_tokens)
-        if args.hisparse_device_tokens
-        else None
-    )
-    index_topk = int_arg("--index-topk", args.index_topk) if args.index_topk else None
-    if index_topk is not None and not args.model:
-        raise UsageError("--index-topk is for --model (a server selects what it was started with)")
+    engine_kw = embedded_engine_kwargs(args)
     has_model = bool(args.model or args.base_url)
     if not has_model and not args.dump_dir:
         raise UsageError("give --model DIR or --base-url URL (or only --dump-dir DIR to write samples)")
@@ -202,9 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
     client: Any
     if args.model:
-        client = EngineClient(
-            args.model, hisparse_device_tokens=hisparse, device=args.device, index_topk=index_topk
-        )
+        client = EngineClient(args.model, **engine_kw)
     else:
         client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
 
