@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = 5
-SPACE = 32  # byte-level tokens: a niah answer's first byte
 
 
 def describe(logits: torch.Tensor, want: int, decode: Any, ref: torch.Tensor | None) -> dict[str, Any]:
@@ -109,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
-    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, check_trained_model
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, SPACE, check_trained_model
     from longctx import Engine
     from longctx.errors import LongctxError
+    from longctx.train.loop import resolve_device
     from longctx.workloads.ruler_cli import parse_lengths
     from longctx.workloads.ruler_runner import format_length
     from longctx.workloads.ruler_tasks import RulerGenerator
@@ -131,11 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.index < 0:
             raise LongctxError("--index must be >= 0")
         check_trained_model(args.model)
+        device = resolve_device(args.device)
     except LongctxError as e:
         print(f"long_parity: {e}", file=sys.stderr)
         return 2
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     os.environ["LONGCTX_CUDA_GRAPHS"] = "0"  # one prefill: nothing to replay
     args.out.mkdir(parents=True, exist_ok=True)
     gen = RulerGenerator(load_counter(args.model), seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)

@@ -112,6 +112,7 @@ def recall_by_layer(
 
 
 TOP_LOGPROBS = 5
+SPACE = 32  # byte-level tokens: the model writes " " before a niah value
 
 
 def _greedy(eng: Any, rid: str, ids: list[int], max_new: int) -> tuple[list[int], list[Any]]:
@@ -138,8 +139,7 @@ def first_digit(out_ids: Sequence[int], logprobs: Sequence[Any], value_ids: Sequ
     logprob and rank among the step's top `TOP_LOGPROBS` (None: not among them)."""
     if not value_ids or not out_ids:
         return None
-    space = 32  # byte-level tokens: the model writes " " before the value
-    k = next((j for j, t in enumerate(out_ids) if t != space), None)
+    k = next((j for j, t in enumerate(out_ids) if t != SPACE), None)
     if k is None or k >= len(logprobs):
         return None
     want = value_ids[0]

@@ -99,8 +99,6 @@ class TrainCausalLM(CausalLM):
         self.select_form = "torch"  # SELECT_FORMS
         self.measured_selects: dict[int, str] = {}  # row length -> "torch" | "fused" (the trainer's probe)
         self.select_backend = "auto"  # the fused form's kernels: Triton on CUDA, the reference on a CPU
-        # the sparse stage's top-k for the next forward (None: each indexer's own; `loop.step_topk`)
-        self.topk_override: int | None = None
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,6 +143,7 @@ class TrainCausalLM(CausalLM):
         kl_rows: torch.Tensor | None = None,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
         positions: torch.Tensor | None = None,
+        topk: int | None = None,
     ) -> tuple[torch.Tensor, TrainAux]:
         """ids [B, S] -> final-normed hidden states [B, S, hidden].
 
@@ -155,7 +154,8 @@ class TrainCausalLM(CausalLM):
         positions at the marked kl rows (see `_indexer_kl`). `positions` [B, S] int64: the rotary
         position of every token (PoSE skips, `data.pose_positions`); None: 0..S-1 in every row. They
         reach only the rotary angles (main attention and indexer alike): causality, the top-k's
-        causal limit and the KL rows go by the order of tokens in the row.
+        causal limit and the KL rows go by the order of tokens in the row. `topk`: the sparse stage's
+        selection size (None: each indexer's own; `loop.step_topk`).
         """
         B, S = ids.shape
         dev = ids.device
@@ -173,7 +173,7 @@ class TrainCausalLM(CausalLM):
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
             a, sel = self._attention(
-                attn, layer.input_layernorm(h), B, S, cos, sin, sel, sparse, kl_rows, aux, needle
+                attn, layer.input_layernorm(h), B, S, cos, sin, sel, sparse, kl_rows, aux, needle, topk
             )
             h = h + a
             x = layer.post_attention_layernorm(h)
@@ -197,6 +197,7 @@ class TrainCausalLM(CausalLM):
         kl_rows: torch.Tensor | None,
         aux: TrainAux,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+        topk: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T, H, nope, rope, vd, L = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim, attn.kv_lora
         # the same projections, norms and rope as MLAttention.forward
@@ -208,7 +209,7 @@ class TrainCausalLM(CausalLM):
         r = apply_rope_interleaved(ckv[:, L:], cos, sin)
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            k = self.topk_override or attn.indexer.topk
+            k = topk or attn.indexer.topk
             sel = self._selection(qi, ki, wi, k) if sparse and k < S else None
         if sel is not None and self._gathers(S):
             # absorbed form over the selected tokens only (O(S * top-k)): score = (W_UK^T q_nope) . c
