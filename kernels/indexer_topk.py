@@ -23,7 +23,11 @@ looping over key tiles in ascending key order):
    n_i valid keys) so that, with high probability, k <= #{logit >= t_i} <= ~2k. Queries with
    n_i <= k get t_i = -inf (everything valid is selected). Costs M / L of one full pass.
 2. Select pass: recompute every logit; keys with logit > t_i go to a candidate buffer
-   (value + index, capacity C = 4k), keys with logit == t_i to a tie buffer (index, capacity k).
+   (value + index, capacity C = max(4k, the count a threshold at the largest rank j_i can let
+   through, ~(j + 4 sqrt(j) + 1) S: `candidate_capacity`)), keys with logit == t_i to a tie buffer
+   (index, capacity k). With k = 2048 at 1M (j* ~ 16) C is 4k; a small k makes j* small and the
+   margin's share large (k = 32 at 128K: ~4.3k keys pass a threshold, and a fixed 4k sent 58% of
+   the queries to the fallback, a 17x slower training step in the seventeenth session).
    Positions come from a running per-query count plus an exclusive scan inside the key tile, so
    both buffers are filled in ascending key order without atomics (one program owns a query).
    The tie buffer thus holds the LOWEST-index keys equal to t_i, which is exactly what the
@@ -164,12 +168,11 @@ def indexer_topk_paged(
     bq = max(bq, 16 // hp if hp < 16 else 1)  # the dot's N = bq * hp must be >= 16
     bk = block_k if block_k is not None else (_BLOCK_K if d <= 128 else _BLOCK_K // 2)
     check(bq == next_pow2(bq) and bk == next_pow2(bk) and 16 <= bk <= 32768, "block_q/block_k: powers of 2")
-    cap = capacity if capacity is not None else 4 * k
-    check(cap >= k, f"capacity {cap} must be >= k {k}")
-
     # --- sample pass: one key per stratum of S keys, at a fixed pseudo-random offset
     spos, s_len = sample_positions(max_len, sample_keys, dev)
     m_cols = spos.numel()
+    cap = capacity if capacity is not None else candidate_capacity(k, s_len, m_cols, max_len)
+    check(cap >= k, f"capacity {cap} must be >= k {k}")
     n_valid = (q_pos.long() + 1).clamp(0, max_len)  # [Tq] keys each query may select from
     sample = torch.empty((tq, m_cols), dtype=torch.float32, device=dev)
     nval32 = n_valid.to(torch.int32)
@@ -258,13 +261,30 @@ def sample_thresholds(
     jstar = k * m_valid.double() / n_valid.clamp_min(1).double()
     jlo = torch.ceil(jstar + _Z * jstar.sqrt() + 1).long()
     jlo = torch.minimum(jlo, m_valid).clamp_min(1)
-    js_max = k / s_len + 1.0  # bound on j* over queries with n_i > k (m_i <= n_i / S + 1)
-    jmax = min(m_cols, math.ceil(js_max + _Z * math.sqrt(js_max) + 1))
+    jmax = _max_rank(k, s_len, m_cols)
     cols = torch.arange(m_cols, device=sample.device)
     sample.masked_fill_(cols[None, :] >= m_valid[:, None], float("-inf"))
     top = sample.topk(jmax, dim=1).values  # [Tq, jmax] descending
     t = top.gather(1, (jlo.clamp_max(jmax) - 1)[:, None]).squeeze(1)
     return torch.where((n_valid <= k) | (m_valid == 0), float("-inf"), t)
+
+
+def _max_rank(k: int, s_len: int, m_cols: int) -> int:
+    """The largest sample rank j_i any query's threshold takes (j* <= k / S + 1 when n_i > k, as
+    m_i <= n_i / S + 1)."""
+    js_max = k / s_len + 1.0
+    return min(m_cols, math.ceil(js_max + _Z * math.sqrt(js_max) + 1))
+
+
+def candidate_capacity(k: int, s_len: int, m_cols: int, max_len: int) -> int:
+    """Candidate slots per query: 4k, or more where the sampled threshold's margin lets more through.
+
+    A threshold at sample rank j has about j strata of S keys above it (keys between samples are as
+    likely to be above as the samples), with a spread of ~sqrt(j) strata; the capacity covers
+    (j + Z sqrt(j) + 1) S at the largest rank any query uses, and never more than the context."""
+    j = _max_rank(k, s_len, m_cols)
+    need = math.ceil((j + _Z * math.sqrt(j) + 1) * s_len)
+    return max(k, min(max(4 * k, need), max_len))
 
 
 def _unfused(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, k, max_len, backend):  # type: ignore[no-untyped-def]

@@ -16,7 +16,13 @@ import torch
 from longctx.kernels import kv_layout as kvl
 from longctx.kernels.common import KernelInputError
 from longctx.kernels.indexer import indexer_logits_paged, indexer_logits_paged_ref
-from longctx.kernels.indexer_topk import indexer_topk_paged, indexer_topk_paged_ref
+from longctx.kernels.indexer_topk import (
+    candidate_capacity,
+    indexer_topk_paged,
+    indexer_topk_paged_ref,
+    sample_positions,
+    sample_thresholds,
+)
 from longctx.kernels.topk import topk_indices_ref
 
 from . import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET before triton kernels are built)
@@ -182,3 +188,32 @@ def test_rejects_bad_inputs():
         indexer_topk_paged(*args, "fp8_e4m3", 8, backend="triton", sample_keys=8, capacity=4)
     with pytest.raises(KernelInputError):
         indexer_topk_paged(args[0], args[1].bfloat16(), *args[2:], "fp8_e4m3", 8, backend="triton")
+
+
+def test_small_k_candidates_fit_without_fallback():
+    # k = 4 of 1,024 keys with a 64-key sample (strata of 16): the threshold sits at sample rank ~4,
+    # so ~64 keys pass it; a fixed capacity of 4k (16) sent such queries to the unfused fallback
+    # (the seventeenth session's top-32 training step at 128K: 58% of queries, 17x slower)
+    args = _case([1024], [(0, [700, 811, 900, 1000, 1023])], seed=7)
+    stats = _check_exact(args, "fp8_e4m3", 4, sample_keys=64, block_k=64)
+    assert stats["fallback_queries"] == 0 and stats["capacity"] > 16, stats
+    old: dict = {}
+    indexer_topk_paged(
+        *args, "fp8_e4m3", 4, backend="triton", sample_keys=64, block_k=64, capacity=16, stats=old
+    )
+    assert old["fallback_queries"] > 0  # the case does tell the two capacities apart
+
+
+@pytest.mark.parametrize("length,k", [(131072, 32), (65536, 32), (262144, 4), (262144, 2048)])
+def test_candidate_capacity_covers_the_sampled_threshold(length, k):
+    # the counts a sampled threshold lets through on random relu'd logits stay within the capacity
+    # (at 2048 of 262,144 the capacity is the memory-bounded 4k)
+    logits = torch.relu(torch.randn(16, length))
+    spos, s_len = sample_positions(length, 8192, "cpu")
+    n_valid = torch.full((16,), length)
+    thr = sample_thresholds(logits[:, spos.long()].clone(), spos, s_len, n_valid, k)
+    above = (logits > thr[:, None]).sum(1)
+    cap = candidate_capacity(k, s_len, spos.numel(), length)
+    assert k <= cap <= length and int(above.max()) <= cap, (cap, above.tolist())
+    if k == 2048:
+        assert cap == 4 * k  # a large k's buffers stay as they were

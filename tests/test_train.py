@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -553,6 +554,31 @@ def test_probe_times_the_fused_selection_and_falls_back_when_it_fails(monkeypatc
     timed = dataclasses.replace(cfg, steps=0, max_minutes=10.0)
     fitted = loop._auto_schedule(timed, model, torch.device("cpu"), None, loop._monotonic(), 0.0)
     assert fitted.select_forms == ((640, "torch"),)
+
+
+def test_probe_stops_timing_a_form_twice_as_slow(monkeypatch) -> None:
+    """A timed rep over twice the faster form's median ends that form's timing (the seventeenth
+    session's fused top-32 steps took 69 s at 128K against 6.8: four of them ate the budget)."""
+    import longctx.train.loop as loop
+
+    monkeypatch.setattr(loop, "_FUSED_FROM", 512)
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),))
+    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, warmup_steps=2, data=data)
+    model = _model(seed=3)
+    model.sparse_attention, model.select_form = "gather", "auto"
+    fused_calls = []
+    real = loop.compute_loss
+
+    def slow_fused(model, batch, *a, **k):  # type: ignore[no-untyped-def]
+        if model.measured_selects.get(512) == "fused":
+            fused_calls.append(1)
+            time.sleep(0.5)
+        return real(model, batch, *a, **k)
+
+    monkeypatch.setattr(loop, "compute_loss", slow_fused)
+    seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=3)
+    assert len(fused_calls) == 2  # the warm-up and one timed rep, not 1 + 3
+    assert model.measured_selects == {512: "torch"} and seconds[512] < 0.5
 
 
 def test_probe_times_each_phase_at_its_own_length_under_replay(monkeypatch) -> None:

@@ -142,7 +142,10 @@ def probe_step_seconds(
     which no form fits a step in memory ends the probe: it and the longer lengths get no seconds."""
     from longctx.train.data import make_batch
 
-    def median_seconds(batch: Any) -> float:
+    def median_seconds(batch: Any, rival: float | None = None) -> float:
+        # `rival`: the time to beat; a timed step over twice it ends the timing there (a form that
+        # slow loses anyway, and its reps would come out of the training budget: the seventeenth
+        # session's fused top-32 steps at 128K took 69 s each against 6.8)
         times = []
         for i in range(reps + 1):
             if device.type == "cuda":
@@ -155,6 +158,8 @@ def probe_step_seconds(
                 torch.cuda.synchronize(device)
             if i:  # the first is a warm-up
                 times.append(time.perf_counter() - t0)
+                if rival is not None and times[-1] > 2 * rival:
+                    return times[-1]
         return sorted(times)[len(times) // 2]
 
     seconds: dict[int, float] = {}
@@ -175,7 +180,7 @@ def probe_step_seconds(
             if auto:
                 model.measured_forms[S] = form
             try:
-                timed[form] = median_seconds(batch)
+                timed[form] = median_seconds(batch, rival=min(timed.values(), default=None))
             except torch.OutOfMemoryError:  # this form does not fit a step at S
                 model.zero_grad(set_to_none=True)
                 if device.type == "cuda":
@@ -189,7 +194,7 @@ def probe_step_seconds(
         if model.select_form == "auto" and S >= _FUSED_FROM:
             model.measured_selects[S] = "fused"
             try:
-                timed[best + "+fused"] = median_seconds(batch)
+                timed[best + "+fused"] = median_seconds(batch, rival=timed[best])
             except Exception as e:  # the fused kernel's first GPU runs: any failure leaves S to torch
                 model.zero_grad(set_to_none=True)
                 if device.type == "cuda":
