@@ -143,6 +143,21 @@ def case_indexer_topk_fused() -> float:
     return float((got != ref).float().mean())
 
 
+def case_indexer_topk_small_k(ctx: int, k: int) -> float:
+    """The fused indexer + top-k at a long context with a small k (the retrieval model's 256 at 1M,
+    --long-topk's 32 at 128K: a sampled threshold's margin lets ~4-13k keys through, more than the
+    old fixed 4k candidates): the share of mismatched rows plus the share of queries that took the
+    unfused fallback (0 expected; the seventeenth session's 128K top-32 training step sent 58%)."""
+    from longctx.kernels.indexer_topk import indexer_topk_paged, indexer_topk_paged_ref
+
+    q, w, pool, pt, sl, qs, qp, kind, _ = _ragged_case([ctx], 256, "fp8")
+    info: dict = {}
+    got = indexer_topk_paged(q, w, pool, pt, sl, qs, qp, kind, k, backend="triton", stats=info)
+    ref = indexer_topk_paged_ref(q, w, pool, pt, sl, qs, qp, kind, k)
+    print(info, file=sys.stderr)
+    return float((got != ref).any(1).float().mean()) + info["fallback_queries"] / q.shape[0]
+
+
 def case_train_select_fused(rows: int, S: int, k: int = 256) -> float:
     """The trainer's fused selection (`TrainCausalLM._select_fused`: the fused kernel over the keys as a
     dense fp32 pool, the retrieval model's 8 x 64 indexer, top-k: the model's 256, or --long-topk's 32)
@@ -578,9 +593,12 @@ CASES = {
     "index_bf16_decode_ragged": (case_indexer_decode, ("bf16", {}), 1e-2),
     "index_fp8_prefill": (case_indexer_prefill, ("fp8",), 1e-3),
     "index_topk_fused_fp8": (case_indexer_topk_fused, (), 1e-3),
+    "index_topk_small_k_128k_k32": (case_indexer_topk_small_k, (131_072, 32), 1e-2),
+    "index_topk_small_k_1m_k256": (case_indexer_topk_small_k, (1_048_576, 256), 1e-2),
     "train_select_fused_1x20000": (case_train_select_fused, (1, 20_000), 1e-3),
     "train_select_fused_2x9000": (case_train_select_fused, (2, 9_000), 1e-3),
     "train_select_fused_1x20000_k32": (case_train_select_fused, (1, 20_000, 32), 1e-3),
+    "train_select_fused_1x131072_k32": (case_train_select_fused, (1, 131_072, 32), 1e-3),
     "topk_1m": (case_topk, (1 << 20, 1), 0.0),
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),

@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 got[form] = eng.score(ids)[-1].float().cpu()
                 decode = eng.tokenizer.decode
             secs[form] = time.perf_counter() - t
+            # each form as it comes (a bounded run that stops in a later form still says this one's)
+            print(f"long_parity: {format_length(L)} {form}: {describe(got[form], SPACE, decode, None)} "
+                  f"({secs[form]:.0f} s)", flush=True)  # fmt: skip
         t = time.perf_counter()
         ref = train_last_logits(args.model, ids, device)
         secs["train"] = time.perf_counter() - t

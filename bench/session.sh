@@ -31,7 +31,8 @@
 #   the checks), RULER_PROFILES=0 (no lane A profiles of the trained model's 128K decode), VS=0 (no
 #   vs_transformers / indexer kernels in the checks), EVAL=0 (train only), CHECKS=0 (no lane B checks
 #   and profiles at all: on one GPU, training starts at once), LANE_B=train and TRAIN_ARGS_B (above),
-#   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A).
+#   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A), PARITY=0 (no
+#   bench.long_parity at 1M in lane A) and PARITY_SECONDS (its bound, 480), MID_LENGTHS, TOPK_1M.
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
 # end every call with `collect`, since the machine (and /tmp) goes back 30 s after the last call.
 set -uo pipefail
@@ -140,13 +141,6 @@ lane_a() {
   # layers 3-5 0.955): eager decode, so the recorder sees every step's selection (graphs replay unseen)
   [ "${HISPARSE:-1}" = 1 ] && LONGCTX_CUDA_GRAPHS=0 LONGCTX_OVERLAP=0 timeout 300 "$PY" -m bench.hit_rate \
     --model "$MODEL" --tokens 131072 --steps 32 --policies --tail 128 --device cuda --out "$S/hit_rate"
-  # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
-  # the engine against the training forward (PARITY=0: skip; ~4 minutes): at 1M its answers are haystack
-  # prose, while on the CPU at 16K even a top-4 selection keeps it writing digits
-  if [ "${PARITY:-1}" = 1 ]; then
-    "$PY" -m bench.long_parity --model models-shipped/retrieval-wip --lengths 1m --forms engine,train \
-      --device cuda --out "$S/parity"
-  fi
   # where between 128K (run 17: niah_single_1 100) and 1M (0, haystack prose) retrieval breaks:
   # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip), ~2 minutes
   if [ -n "${MID_LENGTHS-256k,512k}" ]; then
@@ -157,6 +151,15 @@ lane_a() {
   # `local` column: how much of the prompt's last 64 positions (the question) the last prompt row
   # selects (on the CPU, run 17's layers 1 / 3 take 0.62 / 0.94 of them at 4K, 0.31 / 0.41 at 32K)
   "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda --out "$S/needle"
+  # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
+  # the engine against the training forward (PARITY=0: skip): at 1M its answers are haystack prose, while
+  # on the CPU at 16K even a top-4 selection keeps it writing digits. After the mid lengths and the
+  # needle recall, and bounded: in the seventeenth session it ran 13 minutes without a result (the fused
+  # selection's fixed 4k candidates sent half of each 1M layer's queries to the unfused fallback; fixed)
+  if [ "${PARITY:-1}" = 1 ]; then
+    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model models-shipped/retrieval-wip \
+      --lengths 1m --forms engine,train --device cuda --out "$S/parity"
+  fi
   # the same weights selecting the top TOPK_1M (e.g. 2048, the share of 1M that 256 is of 128K; default
   # 0: skip) at 1M
   if [ "${TOPK_1M:-0}" != 0 ]; then
