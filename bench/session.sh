@@ -76,19 +76,27 @@ hisparse_measures() {
 }
 
 default_train_args() {
-  # docs/training.md's next recipe, run 19 = run 17's (run 16's again) from run 17's weights with the
-  # fused selection where the probe times it faster (--select auto: 128K steps 8.1 -> 4.1 s in the
-  # sixteenth session, so ~1.7x the steps in the same minutes). Run 18 (the same plus --lead-weight 4)
-  # lost at every length (niah_single_1 90 / 65 / 40 at 4K / 32K / 128K against 100 / 100 / 100): run 19
-  # tells the longer schedule from the lead weight. From the WIP weights at a small lr, sparse throughout,
-  # the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a time-fitted
-  # schedule (the probe picks the sparse form per length and drops a length that does not fit), a third
-  # of the steps back at a shorter length begun before (replay), a quarter of the retrieval rows in the
-  # chat template and a quarter of the rest as /v1/documents + /ask render them
+  # docs/training.md's next recipe, run 20a: run 17's (run 16's again) from run 17's weights with the
+  # fused selection where the probe times it faster (--select auto), fresh rows (--seed 20: every run
+  # before drew seed 0's rows, so runs 16, 17 and 19a trained on the same rows step for step, and 19a,
+  # a repeat of 17 from 17, lost at 32K / 128K), and half the 64K-128K steps selecting the top 32 (the
+  # share of 128K that the top 256 is of 1M, --long-topk: run 19b was to test it and barely trained, the
+  # fused selection's top-32 overflow, fixed since). From the WIP weights at a small lr, sparse
+  # throughout, the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a
+  # time-fitted schedule (the probe picks the sparse form per length and drops a length that does not
+  # fit), a third of the steps back at a shorter length begun before (replay), a quarter of the
+  # retrieval rows in the chat template and a quarter of the rest as /v1/documents + /ask render them
   echo "--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
---curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto"
+--curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
+--dense-warmup-steps 0 --select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5"
+}
+
+default_train_args_b() {
+  # LANE_B=train's default, run 20b: run 20a's recipe with real rows on to 256K (the last 30% of the
+  # schedule; 19b, nearly run 17, got 1 of 2 right at 256K and at 512K, 0 of 8 at 1M: retrieval degrades
+  # past the trained 128K). The probe drops 256K if its step does not fit the GPU (then 20b is 20a).
+  CURRICULUM=0:4096,1000:16384,3000:65536,5500:131072,7000:262144 default_train_args
 }
 
 lane_a() {
@@ -141,10 +149,11 @@ lane_a() {
   # layers 3-5 0.955): eager decode, so the recorder sees every step's selection (graphs replay unseen)
   [ "${HISPARSE:-1}" = 1 ] && LONGCTX_CUDA_GRAPHS=0 LONGCTX_OVERLAP=0 timeout 300 "$PY" -m bench.hit_rate \
     --model "$MODEL" --tokens 131072 --steps 32 --policies --tail 128 --device cuda --out "$S/hit_rate"
-  # where between 128K (run 17: niah_single_1 100) and 1M (0, haystack prose) retrieval breaks:
-  # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip), ~2 minutes
+  # where between 128K (run 17: niah_single_1 100) and 1M (0, haystack prose) retrieval breaks (19b, nearly
+  # run 17: 1 of 2 right at 256K and at 512K):
+  # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip; MID_SAMPLES a length), ~1 minute
   if [ -n "${MID_LENGTHS-256k,512k}" ]; then
-    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "${MID_LENGTHS-256k,512k}" --samples 2 \
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "${MID_LENGTHS-256k,512k}" --samples "${MID_SAMPLES:-4}" \
       --concurrency 1 --tasks niah_single_1 --out "$S/eval/mid"
   fi
   # at 1M the shipped model writes haystack prose although its full layers select the needle; the bench's
@@ -212,14 +221,13 @@ lane_b_checks() {
 
 lane_b_train() {
   # LANE_B=train on two GPUs: a second recipe trained and scored beside lane A's, everything under $S/b
-  # (TRAIN_ARGS_B; default: lane A's with half the steps at 64K-128K rows selecting the top 32, the share
-  # of 128K that the top 256 is of 1M, `--long-topk`)
+  # (TRAIN_ARGS_B; default: default_train_args_b, lane A's default with rows on to 256K)
   S=$S/b
   TRAIN_WORK=$S/train
   MODEL=$TRAIN_WORK/ckpt
   export S TRAIN_WORK MODEL
   mkdir -p "$S"
-  PARITY=0 TOPK_1M=0 TRAIN_ARGS=${TRAIN_ARGS_B:-"${TRAIN_ARGS:-$(default_train_args)} --long-topk 65536:32 --long-topk-prob 0.5"} \
+  PARITY=0 TOPK_1M=0 TRAIN_ARGS=${TRAIN_ARGS_B:-$(default_train_args_b)} \
     lane_a 1  # (the engine's parity at 1M is lane A's)
 }
 
@@ -269,7 +277,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes default_train_args lane_a hisparse_measures lane_b_checks lane_b_train \
+  setsid nohup bash -c "$(declare -f run_lanes default_train_args default_train_args_b lane_a hisparse_measures lane_b_checks lane_b_train \
     lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"
