@@ -81,7 +81,9 @@ default_train_args() {
   # before drew seed 0's rows, so runs 16, 17 and 19a trained on the same rows step for step, and 19a,
   # a repeat of 17 from 17, lost at 32K / 128K), and half the 64K-128K steps selecting the top 32 (the
   # share of 128K that the top 256 is of 1M, --long-topk: run 19b was to test it and barely trained, the
-  # fused selection's top-32 overflow, fixed since). From the WIP weights at a small lr, sparse
+  # fused selection's top-32 overflow, fixed since), with the indexer KL reaching each row's last 64
+  # positions selected or not (--kl-local 64: over the selection alone, DSA's, a question crowded out of
+  # the top-k, as at 1M, gets no gradient back in). From the WIP weights at a small lr, sparse
   # throughout, the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a
   # time-fitted schedule (the probe picks the sparse form per length and drops a length that does not
   # fit), a third of the steps back at a shorter length begun before (replay), a quarter of the
@@ -89,7 +91,7 @@ default_train_args() {
   echo "--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5"
+--dense-warmup-steps 0 --select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5 --kl-local 64"
 }
 
 default_train_args_b() {

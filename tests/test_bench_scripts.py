@@ -222,7 +222,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
         "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
         "--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 "
         in gpu0[0]
-        and "--select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5" in gpu0[0]
+        and "--select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5 --kl-local 64" in gpu0[0]
     )  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]

@@ -278,6 +278,59 @@ def test_long_topk_selects_fewer_at_long_rows(tmp_path: Path) -> None:
         train(dataclasses.replace(cfg, long_topk_prob=1.5, model_config=str(TINY), out=str(tmp_path)))
 
 
+def test_kl_local_reaches_recent_positions_out_of_the_selection(tmp_path: Path) -> None:
+    """--kl-local W: the sparse stage's indexer KL covers each KL row's selection plus its last W causal
+    positions, so an unselected recent key gets a gradient (none without it); keys neither selected nor
+    recent still get none, and W >= the row is the dense stage's KL over every causal key."""
+    from longctx.train.__main__ import main as train_main
+    from longctx.train.loop import train
+
+    m = _model(seed=4)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, S, Hi, D, H = 2, 40, 3, 8, 2
+    # positive queries and keys: every relu(q . k) is live, so each key in the KL's set has a gradient
+    qi, wi = torch.rand(B, S, Hi, D, generator=g), torch.rand(B, S, Hi, generator=g)
+    scores = torch.randn(B, H, S, S, generator=g)
+    rows = torch.tensor([[39, 20], [30, 39]])
+    sel = torch.full((B, S, 4), -1)
+    sel[:, :, :4] = torch.arange(4)  # every query selects the first 4 keys only
+
+    def main_scores(bi: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return scores[bi, :, r].transpose(1, 2)  # [B, H, R, S]
+
+    def key_grad(local: int, selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        ki = torch.rand(B, S, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        kl, _ = m._indexer_kl(qi, ki, wi, main_scores, selection, rows, 1.0, None, local)
+        kl.backward()
+        assert ki.grad is not None
+        return kl.detach(), ki.grad.abs().sum(-1)  # [B, S]
+
+    _, g0 = key_grad(0, sel)
+    assert float(g0[:, 4:].sum()) == 0.0 and float(g0[:, :4].sum()) > 0  # the selection only
+    _, g6 = key_grad(6, sel)
+    for b in range(B):
+        for r in rows[b].tolist():
+            assert float(g6[b, r - 5 : r + 1].min()) > 0  # the row's last 6 positions, unselected
+        recent = torch.zeros(S, dtype=torch.bool)
+        recent[:4] = True
+        for r in rows[b].tolist():
+            recent[r - 5 : r + 1] = True
+        assert float(g6[b, ~recent].sum()) == 0.0  # neither selected nor recent: no gradient
+    dense, _ = key_grad(0, None)
+    assert torch.allclose(key_grad(S, sel)[0], dense, rtol=1e-6, atol=0)
+    # through the training step: the flag reaches every full layer's KL
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    cfg = TrainConfig(data=data, dense_warmup_steps=0)
+    batch = make_batch(data, 0)
+    _, own, _ = compute_loss(m, batch, cfg, 0, CPU)
+    _, wide, _ = compute_loss(m, batch, dataclasses.replace(cfg, kl_local=64), 0, CPU)
+    assert float(own["indexer_kl"]) != float(wide["indexer_kl"])
+    assert train_main(["--config", str(TINY), "--out", str(tmp_path / "x"), "--kl-local", "-1"]) == 2
+    cfg = TrainConfig(kl_local=-1, model_config=str(TINY), out=str(tmp_path / "y"))
+    with pytest.raises(ConfigError, match="kl_local"):
+        train(cfg)
+
+
 def test_indexer_warmup_kl_decreases() -> None:
     # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
     m = _model(seed=1, std=0.3)

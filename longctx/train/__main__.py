@@ -134,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the share of those steps that take --long-topk's K (drawn per step)",
     )
     p.add_argument(
+        "--kl-local",
+        type=int,
+        default=t.kl_local,
+        metavar="W",
+        help="the sparse stage's indexer KL also covers each KL row's last W positions, selected or not "
+        "(0: the selection only, as DSA)",
+    )
+    p.add_argument(
         "--select",
         choices=SELECT_FORMS,
         default=t.select,
@@ -258,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             long_topk_from=long_topk[0],
             long_topk=long_topk[1],
             long_topk_prob=args.long_topk_prob,
+            kl_local=args.kl_local,
             sparse_attention=args.sparse_attention,
             select=args.select,
             advance_exact=args.advance_exact,

@@ -86,6 +86,12 @@ class TrainConfig:
     long_topk_from: int = 0
     long_topk: int = 0
     long_topk_prob: float = 1.0
+    # the sparse stage's indexer KL (and needle loss) over each KL row's selection plus its last
+    # `kl_local` causal positions, selected or not (0: the selection only, DSA's L_I). Over the selection
+    # alone a token the indexer ranks out of the top-k gets no gradient back in: at 1M the shipped model
+    # selects almost none of the question (0.00-0.06 of the prompt's last 64 positions, the seventeenth
+    # session), and --long-topk's smaller selections only make that worse unless the KL reaches past them
+    kl_local: int = 0
     # the sparse stage's attention (TrainCausalLM.sparse_attention): auto, gather or mask; the same
     # function, different cost. auto takes at each row length the form the time fit's probe timed
     # faster (`sparse_forms`); without a probe (a fixed --steps) masked up to 16K-token rows, gathered
@@ -318,7 +324,7 @@ def compute_loss(
     with amp:
         h, aux = model.forward_train(
             ids, sparse=sparse, kl_rows=rows, needle=needle, positions=positions,
-            topk=step_topk(cfg, step, ids.shape[1]),
+            topk=step_topk(cfg, step, ids.shape[1]), kl_local=cfg.kl_local,
         )  # fmt: skip
         logits = model.logits(h)  # [B, S, V] fp32
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
@@ -523,6 +529,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(
             f"long_topk needs a top-k >= 1 from a row length >= 1, got {cfg.long_topk} from {cfg.long_topk_from}"
         )
+    if cfg.kl_local < 0:
+        raise ConfigError(f"kl_local must be >= 0, got {cfg.kl_local}")
     if not 0.0 <= cfg.long_topk_prob <= 1.0:
         raise ConfigError(f"long_topk_prob must be in [0, 1], got {cfg.long_topk_prob}")
     model = TrainCausalLM(mcfg)

@@ -144,6 +144,7 @@ class TrainCausalLM(CausalLM):
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
         positions: torch.Tensor | None = None,
         topk: int | None = None,
+        kl_local: int = 0,
     ) -> tuple[torch.Tensor, TrainAux]:
         """ids [B, S] -> final-normed hidden states [B, S, hidden].
 
@@ -155,7 +156,8 @@ class TrainCausalLM(CausalLM):
         position of every token (PoSE skips, `data.pose_positions`); None: 0..S-1 in every row. They
         reach only the rotary angles (main attention and indexer alike): causality, the top-k's
         causal limit and the KL rows go by the order of tokens in the row. `topk`: the sparse stage's
-        selection size (None: each indexer's own; `loop.step_topk`).
+        selection size (None: each indexer's own; `loop.step_topk`). `kl_local`: the sparse stage's KL also
+        covers each KL row's last `kl_local` positions (see `_indexer_kl`).
         """
         B, S = ids.shape
         dev = ids.device
@@ -173,7 +175,19 @@ class TrainCausalLM(CausalLM):
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
             a, sel = self._attention(
-                attn, layer.input_layernorm(h), B, S, cos, sin, sel, sparse, kl_rows, aux, needle, topk
+                attn,
+                layer.input_layernorm(h),
+                B,
+                S,
+                cos,
+                sin,
+                sel,
+                sparse,
+                kl_rows,
+                aux,
+                needle,
+                topk,
+                kl_local,
             )
             h = h + a
             x = layer.post_attention_layernorm(h)
@@ -198,6 +212,7 @@ class TrainCausalLM(CausalLM):
         aux: TrainAux,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
         topk: int | None = None,
+        kl_local: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T, H, nope, rope, vd, L = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim, attn.kv_lora
         # the same projections, norms and rope as MLAttention.forward
@@ -246,7 +261,7 @@ class TrainCausalLM(CausalLM):
                 )
 
         if attn.indexer is not None and kl_rows is not None:
-            kl, nll = self._indexer_kl(qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle)
+            kl, nll = self._indexer_kl(qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle, kl_local)
             aux.indexer_kl.append(kl)
             if nll is not None:
                 aux.indexer_needle.append(nll)
@@ -367,6 +382,7 @@ class TrainCausalLM(CausalLM):
         rows: torch.Tensor,
         scale: float,
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+        local: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KL(main attention, summed over heads and normalised || softmax of index scores) on `rows`,
         where `main_scores(bi, rows)` gives the main attention's unscaled logits of those rows over
@@ -376,7 +392,9 @@ class TrainCausalLM(CausalLM):
         without `needle`).
 
         Dense stage: over every causal key. Sparse stage: over the selected set only (DSA's
-        L_I = sum_t KL(p_{t,S_t} || softmax(I_{t,S_t}))). Gradients reach only the indexer. The
+        L_I = sum_t KL(p_{t,S_t} || softmax(I_{t,S_t}))), or with `local` > 0 over the selected set and
+        the row's last `local` positions (the main attention as the teacher there too, so a recent token
+        ranked out of the selection is pulled back in). Gradients reach only the indexer. The
         needle loss is supervision the DSA recipe does not have: run 7's indexers selected the needle
         at about chance while the dense model retrieved every one (docs/training.md).
         """
@@ -385,7 +403,10 @@ class TrainCausalLM(CausalLM):
         pos = torch.arange(S, device=qi.device)
         allowed = pos[None, None, :] <= rows[..., None]  # [B, R, S]
         if sel is not None:
-            allowed = allowed & selection_mask(sel[bi, rows], S)
+            chosen = selection_mask(sel[bi, rows], S)
+            if local > 0:
+                chosen = chosen | (pos[None, None, :] > rows[..., None] - local)
+            allowed = allowed & chosen
         with _no_autocast(qi.device):
             with torch.no_grad():
                 sc = main_scores(bi, rows) * scale
