@@ -360,8 +360,8 @@ class TrainCausalLM(CausalLM):
         q_pos = torch.arange(S, device=dev).repeat(B)
         q, w = qi.reshape(B * S, Hi, D).contiguous(), wi.reshape(B * S, Hi).float().contiguous()
         lens = torch.full((B,), S, dtype=torch.int64, device=dev)
-        # the kernel's per-query buffers (a threshold sample of up to 8,192 logits, 4 x top-k candidates)
-        # are ~40 KB a query: a 1M-token row goes in chunks of _FUSED_QUERIES queries
+        # the kernel's per-query buffers (a threshold sample of up to 8,192 logits, >= 4 x top-k candidates,
+        # `candidate_capacity`) are ~40 KB a query: a 1M-token row goes in chunks of _FUSED_QUERIES queries
         sel = torch.cat([
             indexer_topk_paged(
                 q[a : a + _FUSED_QUERIES], w[a : a + _FUSED_QUERIES], pool.view(-1, D), pages, lens,
