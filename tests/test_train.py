@@ -634,6 +634,28 @@ def test_probe_stops_timing_a_form_twice_as_slow(monkeypatch) -> None:
     assert model.measured_selects == {512: "torch"} and seconds[512] < 0.5
 
 
+def test_probe_times_the_own_topk_under_long_topk() -> None:
+    """With --long-topk the probe's steps select each indexer's own top-k, not step 0's draw."""
+    import longctx.train.loop as loop
+
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),))
+    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, warmup_steps=2, data=data,
+                      long_topk_from=256, long_topk=4)  # fmt: skip
+    assert loop.step_topk(cfg, 0, 512) == 4  # step 0 would draw the small one
+    model = _model(seed=5)
+    model.sparse_attention = "gather"
+    picked: list[int] = []
+    select = model._selection
+
+    def spy(qi, ki, wi, topk):  # type: ignore[no-untyped-def]
+        picked.append(topk)
+        return select(qi, ki, wi, topk)
+
+    model._selection = spy  # type: ignore[method-assign]
+    loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert picked and set(picked) == {model.model.layers["0"].self_attn.indexer.topk}
+
+
 def test_probe_times_each_phase_at_its_own_length_under_replay(monkeypatch) -> None:
     """With replay the step a phase begins at may draw a shorter length; the probe still times a row
     of the phase's own length (the H200 probe of run 15 timed a 16K row for the 64K phase)."""

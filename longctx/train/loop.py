@@ -148,6 +148,11 @@ def probe_step_seconds(
     which no form fits a step in memory ends the probe: it and the longer lengths get no seconds."""
     from longctx.train.data import make_batch
 
+    # the steps timed select each indexer's own top-k: not a --long-topk draw, which made the seventeenth
+    # session's probe time (and choose forms by) the top 32 or the top 256 by the luck of step 0's draw;
+    # the own top-k is the costlier step of the two in the gathered form, so the fit errs short
+    own_topk = dataclasses.replace(cfg, long_topk_from=0)
+
     def median_seconds(batch: Any, rival: float | None = None) -> float:
         # `rival`: the time to beat; a timed step over twice it ends the timing there (a form that
         # slow loses anyway, and its reps would come out of the training budget: the seventeenth
@@ -157,7 +162,7 @@ def probe_step_seconds(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            loss, _, _ = compute_loss(model, batch, cfg, step, device)
+            loss, _, _ = compute_loss(model, batch, own_topk, step, device)
             loss.backward()
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
