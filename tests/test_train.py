@@ -32,6 +32,19 @@ def _model(seed: int = 0, std: float = 0.02) -> TrainCausalLM:
     return m
 
 
+def _spy_topk(m: TrainCausalLM) -> list[int]:
+    """Record the top-k of every sparse-stage selection `m` makes from now on."""
+    picked: list[int] = []
+    select = m._selection
+
+    def spy(qi, ki, wi, topk):  # type: ignore[no-untyped-def]
+        picked.append(topk)
+        return select(qi, ki, wi, topk)
+
+    m._selection = spy  # type: ignore[method-assign]
+    return picked
+
+
 def test_batches_are_deterministic_and_mark_answers() -> None:
     cfg = DataConfig(
         seed=3, tokens_per_step=2048, curriculum=((0, 512), (2, 1024)), text_fraction=0.0, copy_fraction=0.0
@@ -255,14 +268,7 @@ def test_long_topk_selects_fewer_at_long_rows(tmp_path: Path) -> None:
     assert step_topk(TrainConfig(), 0, 10**6) is None  # off by default
     m = _model(seed=3)
     batch = make_batch(data, 0)
-    picked: list[int] = []
-    select = m._selection
-
-    def spy(qi, ki, wi, topk):  # type: ignore[no-untyped-def]
-        picked.append(topk)
-        return select(qi, ki, wi, topk)
-
-    m._selection = spy  # type: ignore[method-assign]
+    picked = _spy_topk(m)
     loss_k4, _, _ = compute_loss(m, batch, cfg, 0, CPU)
     own = m.model.layers["0"].self_attn.indexer.topk
     assert picked and set(picked) == {4} and own > 4
@@ -644,14 +650,7 @@ def test_probe_times_the_own_topk_under_long_topk() -> None:
     assert loop.step_topk(cfg, 0, 512) == 4  # step 0 would draw the small one
     model = _model(seed=5)
     model.sparse_attention = "gather"
-    picked: list[int] = []
-    select = model._selection
-
-    def spy(qi, ki, wi, topk):  # type: ignore[no-untyped-def]
-        picked.append(topk)
-        return select(qi, ki, wi, topk)
-
-    model._selection = spy  # type: ignore[method-assign]
+    picked = _spy_topk(model)
     loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
     assert picked and set(picked) == {model.model.layers["0"].self_attn.indexer.topk}
 
