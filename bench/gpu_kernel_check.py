@@ -158,21 +158,23 @@ def case_indexer_topk_small_k(ctx: int, k: int) -> float:
     return float((got != ref).any(1).float().mean()) + info["fallback_queries"] / q.shape[0]
 
 
-def case_train_select_fused(rows: int, S: int, k: int = 256) -> float:
+def case_train_select_fused(rows: int, S: int, k: int = 256, dot: str = "tf32x3") -> float:
     """The trainer's fused selection (`TrainCausalLM._select_fused`: the fused kernel over the keys as a
     dense fp32 pool, the retrieval model's 8 x 64 indexer, top-k: the model's 256, or --long-topk's 32)
     against its chunked selection on random fp32 inputs: the share of selected positions that differ
-    (near-ties only)."""
+    (near-ties only; `dot`: the fused kernel's fp32 products, the trainer's tf32x3 or exact ieee)."""
     from longctx.config import ModelConfig
     from longctx.train.model import TrainCausalLM, selection_mask
 
     m = TrainCausalLM(ModelConfig.from_json(ROOT / "configs" / "retrieval.json"))
-    m.select_form = "fused"
+    m.select_form, m.select_dot = "fused", dot
     g = torch.Generator(device="cuda").manual_seed(S)
     qi = torch.randn(rows, S, 8, 64, generator=g, device="cuda")
     ki = torch.randn(rows, S, 64, generator=g, device="cuda")
     wi = torch.rand(rows, S, 8, generator=g, device="cuda")
     got, want = m._select_fused(qi, ki, wi, k), m._select(qi, ki, wi, k)
+    if m.select_dot != dot:  # (the trainer's fallback took exact products: this case did not run)
+        raise RuntimeError(f"fp32_dot {dot} did not run on this GPU")
     return float((selection_mask(got, S) != selection_mask(want, S)).sum() / (selection_mask(want, S).sum()))
 
 
@@ -598,6 +600,7 @@ CASES = {
     "train_select_fused_1x20000": (case_train_select_fused, (1, 20_000), 1e-3),
     "train_select_fused_2x9000": (case_train_select_fused, (2, 9_000), 1e-3),
     "train_select_fused_1x20000_k32": (case_train_select_fused, (1, 20_000, 32), 1e-3),
+    "train_select_fused_1x20000_ieee": (case_train_select_fused, (1, 20_000, 256, "ieee"), 1e-3),
     "train_select_fused_1x131072_k32": (case_train_select_fused, (1, 131_072, 32), 1e-3),
     "topk_1m": (case_topk, (1 << 20, 1), 0.0),
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),

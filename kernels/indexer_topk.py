@@ -129,6 +129,7 @@ def indexer_topk_paged(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp32_dot: str = "ieee",
     stats: dict | None = None,
 ) -> torch.Tensor:
     """Top-k key positions (int32 [Tq, k], ascending, -1 padded) of the indexer logits, fused.
@@ -138,13 +139,17 @@ def indexer_topk_paged(
     `topk_indices(indexer_logits_paged(...), k, q_pos + 1)` (see the module docstring).
     `max_len` defaults to max(seq_lens) (a device sync). Tuning knobs: `sample_keys` (strata of
     the threshold sample; contexts up to it take the unfused path), `capacity` (candidate slots
-    per query, default 4k), `block_q` / `block_k` / `num_warps` / `num_stages` (queries per
-    program / keys per tile / the launch's; None picks the `_BLOCK_*` / `_WARPS` / `_STAGES`
-    defaults, which `python -m bench.kernels_indexer_topk --sweep` ranks on the GPU). If
+    per query, default `candidate_capacity`), `block_q` / `block_k` / `num_warps` / `num_stages`
+    (queries per program / keys per tile / the launch's; None picks the `_BLOCK_*` / `_WARPS` /
+    `_STAGES` defaults, which `python -m bench.kernels_indexer_topk --sweep` ranks on the GPU).
+    `fp32_dot` (fp32 q only): "ieee" (exact products: the contract above up to summation order) or
+    "tf32x3" (three TF32 tensor-core products, ~1e-6 relative: selections may differ between
+    near-ties; the trainer's choice, whose fp32 scores are not the engine's fp8 ones anyway). If
     `stats` is a dict it receives what the call did (path, S, fallback queries).
     """
     _check_all(q, w, index_pool, page_table, seq_lens, q_seq, q_pos, kind, k)
     check(sample_keys >= 1, f"sample_keys must be >= 1, got {sample_keys}")
+    check(fp32_dot in ("ieee", "tf32x3"), f"fp32_dot must be 'ieee' or 'tf32x3', got {fp32_dot!r}")
     if max_len is None:
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     tq = q.shape[0]
@@ -180,7 +185,8 @@ def indexer_topk_paged(
     dummy_i = torch.empty(1, dtype=torch.int32, device=dev)
     common = dict(
         H=h, HP=hp, D=d, DP=dp, ROW=index_pool.shape[1], FP8=is_fp8(kind), PAGE=PAGE_SIZE, BQ=bq, BK=bk,
-        IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(),
+        F32=q.dtype == torch.float32, DOT=fp32_dot if q.dtype == torch.float32 else "",
+        INTERPRET=triton_interpret(),
         num_warps=num_warps or _WARPS, num_stages=num_stages or _STAGES,
     )  # fmt: skip
     grid = (-(-tq // bq),)
@@ -310,7 +316,7 @@ def _fused_kernel(
     gtv_ptr, gti_ptr, eqi_ptr, cnt_ptr, C, K,
     SAMPLE: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     ROW: tl.constexpr, FP8: tl.constexpr, PAGE: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    F32: tl.constexpr, DOT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     # Program: queries [pid*BQ, +BQ), all heads. Keys are the M side of the dot ([BK, D] x
     # [D, BQ*HP]) so the head sum runs along the accumulator's N axis (in-thread + quad shuffles)
@@ -329,7 +335,7 @@ def _fused_kernel(
         other=0.0,
     )  # [DP, BQ*HP]
     wv = tl.load(w_ptr + ci.to(tl.int64) * stride_wt + ch, mask=cmask, other=0.0)  # [BQ*HP]
-    if FP8 and not IEEE:  # fp16 operands (see `fp16_scaled_q`); fp32 q keeps fp32
+    if FP8 and not F32:  # fp16 operands (see `fp16_scaled_q`); fp32 q keeps fp32
         qT, wq = fp16_scaled_q(qT, 0)  # [DP, BQ*HP] fp16, [BQ*HP]
         wv = wv * wq
     if INTERPRET:  # the interpreter's dot reads bf16 as raw uint16; fp32 is exact for all
@@ -369,8 +375,8 @@ def _fused_kernel(
             if FP8:
                 kscale = load_index_scales(pool_ptr, slot, rk >= 0, D, PAGE)
             kt_ = kt_.to(qT.dtype)  # fp8: e4m3 -> fp16 (exact) or fp32
-            if IEEE:
-                s = tl.dot(kt_, qT, input_precision="ieee")
+            if F32:  # fp32 operands: exact products ("ieee") or three TF32 MMAs ("tf32x3")
+                s = tl.dot(kt_, qT, input_precision=DOT)
             else:
                 s = tl.dot(kt_, qT)  # [BK, BQ*HP] fp32
             s = tl.maximum(s, 0.0) * wv[None, :]

@@ -265,6 +265,36 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
 
 
+def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> None:
+    """Lane A's fused-selection check: if only the tf32x3 cases fail (the `_ieee` ones pass), training
+    keeps the fused selection with --select-dot ieee; if those fail too, the chunked torch form."""
+    import os
+    import subprocess
+    import time
+
+    for code, expect in (("3", "--select auto --seed 20"), ("1", "--select torch --seed 20")):
+        case = tmp_path / code
+        case.mkdir()
+        fake, calls = _two_gpu_python(case)
+        text = fake.read_text().splitlines()
+        # the verdict's -c script names the _ieee cases: it exits `code`
+        text.insert(2, f'case "$2" in *_ieee*) exit {code};; esac')
+        fake.write_text("\n".join(text) + "\n")
+        env = {**os.environ, "PYTHON": str(fake), "SESSION": str(case / "s"), "OUT": str(case / "out"),
+               "CHECKS": "0", "EVAL": "0"}  # fmt: skip
+        subprocess.run(
+            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline and (not calls.exists() or "longctx.train" not in calls.read_text()):
+            time.sleep(0.5)
+        subprocess.run(
+            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        (train,) = [x for x in calls.read_text().splitlines() if "longctx.train" in x]
+        assert expect in train and (("--select-dot ieee" in train) == (code == "3")), train
+
+
 def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     """LANE_B=train on two GPUs: lane B trains TRAIN_ARGS_B (default: lane A's with rows to 256K) on GPU 1
     under $SESSION/b and scores it as lane A does; no checks, no HiSparse figures (HISPARSE=0 by

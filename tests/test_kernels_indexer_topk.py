@@ -93,6 +93,15 @@ def test_several_requests_in_one_chunk(kind, dtype):
     _check_exact(args, kind, 32, sample_keys=128, block_k=32)
 
 
+def test_tf32x3_products_select_as_the_reference():
+    # fp32 queries through three TF32 products (the trainer's fused selection): on these exact integer
+    # logits the same selection as the reference; an unknown precision is refused
+    args = _case([301, 190], [(0, [63, 64, 200, 300]), (1, list(range(100, 190, 17)))], kind="auto", seed=8)
+    _check_exact(args, "auto", 32, sample_keys=128, block_k=32, fp32_dot="tf32x3")
+    with pytest.raises(KernelInputError, match="fp32_dot"):
+        indexer_topk_paged(*args, "auto", 8, backend="triton", fp32_dot="tf32")
+
+
 def test_k_larger_than_context_pads():
     lens = [90, 40]
     queries = [(0, [0, 1, 30, 63, 64, 89]), (1, [5, 39])]

@@ -655,6 +655,35 @@ def test_probe_times_the_own_topk_under_long_topk() -> None:
     assert picked and set(picked) == {model.model.layers["0"].self_attn.indexer.topk}
 
 
+def test_fused_selection_falls_back_to_exact_products(monkeypatch) -> None:
+    """The trainer's fused selection asks for tf32x3 products; where they fail (a Triton that cannot
+    compile them) it says so once and selects with exact ones from then on, the same positions."""
+    import longctx.kernels.indexer_topk as it
+
+    m = _model(seed=6)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    qi, ki, wi = (
+        torch.randn(1, 300, 4, 16, generator=g),
+        torch.randn(1, 300, 16, generator=g),
+        torch.rand(1, 300, 4, generator=g),
+    )
+    want = m._select(qi, ki, wi, 8)
+    real = it.indexer_topk_paged
+    asked: list[str] = []
+
+    def no_tf32x3(*a, **k):  # type: ignore[no-untyped-def]
+        asked.append(k["fp32_dot"])
+        if k["fp32_dot"] == "tf32x3":
+            raise RuntimeError("PassManager::run failed (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(it, "indexer_topk_paged", no_tf32x3)
+    assert m.select_dot == "tf32x3"
+    assert torch.equal(m._select_fused(qi, ki, wi, 8), want) and m.select_dot == "ieee"
+    assert torch.equal(m._select_fused(qi, ki, wi, 8), want)
+    assert asked == ["tf32x3", "ieee", "ieee"]  # one failed try, then exact products only
+
+
 def test_probe_times_each_phase_at_its_own_length_under_replay(monkeypatch) -> None:
     """With replay the step a phase begins at may draw a shorter length; the probe still times a row
     of the phase's own length (the H200 probe of run 15 timed a 16K row for the 64K phase)."""

@@ -35,7 +35,7 @@ def _ensure_kernels() -> None:
 def build_parser() -> argparse.ArgumentParser:
     from longctx.train.data import DataConfig
     from longctx.train.loop import TrainConfig
-    from longctx.train.model import SELECT_FORMS, SPARSE_ATTENTION_FORMS
+    from longctx.train.model import SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
     p = argparse.ArgumentParser(prog="python -m longctx.train", description=__doc__)
@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sparse stage's top-k selection: chunked torch scores, the engine's fused indexer + top-k "
         "kernel (nothing of rows x rows in memory), or auto (per row length the faster as the time fit's "
         "probe timed them, from 16K-token rows on; torch without a probe)",
+    )
+    p.add_argument(
+        "--select-dot",
+        choices=SELECT_DOTS,
+        default=t.select_dot,
+        help="the fused selection's fp32 products: three TF32 tensor-core products (~1e-6 relative) or "
+        "exact ieee ones (fp32 FMAs); a GPU that cannot compile tf32x3 falls back to ieee by itself",
     )
     p.add_argument(
         "--sparse-attention",
@@ -269,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_local=args.kl_local,
             sparse_attention=args.sparse_attention,
             select=args.select,
+            select_dot=args.select_dot,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,

@@ -35,7 +35,7 @@ from longctx.train.checkpoint import (
     save_training,
 )
 from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
-from longctx.train.model import _FUSED_FROM, SELECT_FORMS, SPARSE_ATTENTION_FORMS, TrainCausalLM
+from longctx.train.model import _FUSED_FROM, SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS, TrainCausalLM
 
 # the loop's clock (deadlines, the time fit, the log's rates); tests swap in one driven by the steps
 _monotonic = time.monotonic
@@ -102,6 +102,9 @@ class TrainConfig:
     # "auto" (per row length the one the time fit's probe timed faster, `select_forms`; torch below
     # 16K-token rows and without a probe)
     select: str = "torch"
+    # the fused selection's fp32 products (TrainCausalLM.select_dot): "tf32x3" (three TF32 tensor-core
+    # products, ~1e-6 relative) or "ieee" (exact, fp32 FMAs); see kernels.indexer_topk
+    select_dot: str = "tf32x3"
     # filled by the time fit with select auto: ((row length, "torch" | "fused"), ...)
     select_forms: tuple[tuple[int, str], ...] = ()
     # filled by the time fit with auto: ((row length, "gather" | "mask"), ...), the faster form per length
@@ -528,6 +531,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         )
     if cfg.select not in SELECT_FORMS:
         raise ConfigError(f"select must be one of {SELECT_FORMS}, got {cfg.select!r}")
+    if cfg.select_dot not in SELECT_DOTS:
+        raise ConfigError(f"select_dot must be one of {SELECT_DOTS}, got {cfg.select_dot!r}")
     if not cfg.lead_weight >= 0:
         raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
     if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):
@@ -541,6 +546,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
     model.select_form = cfg.select
+    model.select_dot = cfg.select_dot
     start, log_rows = 0, []
     state = None
     if cfg.resume:

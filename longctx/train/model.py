@@ -66,6 +66,7 @@ SPARSE_ATTENTION_FORMS = ("auto", "gather", "mask")  # TrainCausalLM.sparse_atte
 # "auto" takes per row length the form in `measured_selects` (the trainer's probe times the fused form
 # from _FUSED_FROM-token rows on), else torch
 SELECT_FORMS = ("torch", "fused", "auto")
+SELECT_DOTS = ("tf32x3", "ieee")  # TrainCausalLM.select_dot: the fused form's fp32 products
 _FUSED_FROM = 16384
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
 
@@ -99,6 +100,11 @@ class TrainCausalLM(CausalLM):
         self.select_form = "torch"  # SELECT_FORMS
         self.measured_selects: dict[int, str] = {}  # row length -> "torch" | "fused" (the trainer's probe)
         self.select_backend = "auto"  # the fused form's kernels: Triton on CUDA, the reference on a CPU
+        # the fused form's fp32 products (`indexer_topk_paged(fp32_dot=)`): "tf32x3", three TF32
+        # tensor-core products (~1e-6 relative; compiled for sm_90 the "ieee" kernel is ~4,100 fp32
+        # FMAs a thread per key tile, the tf32x3 one wgmma), or "ieee"; a Triton that cannot compile
+        # tf32x3 falls back to ieee on the first call, once, with a line saying so
+        self.select_dot = "tf32x3"
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -344,7 +350,8 @@ class TrainCausalLM(CausalLM):
     @torch.no_grad()
     def _select_fused(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
         """`_select` by the engine's fused prefill indexer + top-k (`select_form` "fused"): the same
-        logits up to float summation order, the same top-k routine, [B, S, topk] int64 (-1 pads). The
+        logits up to float summation order and (`select_dot` tf32x3) ~1e-6 relative rounding, the same
+        top-k routine, [B, S, topk] int64 (-1 pads). The
         keys become a dense fp32 index pool, row b's tokens in pages of their own (rows padded to whole
         pages); query t of row b is request b's position t. On a CPU the kernel's torch reference."""
         from longctx.kernels.indexer_topk import indexer_topk_paged
@@ -362,14 +369,28 @@ class TrainCausalLM(CausalLM):
         lens = torch.full((B,), S, dtype=torch.int64, device=dev)
         # the kernel's per-query buffers (a threshold sample of up to 8,192 logits, >= 4 x top-k candidates,
         # `candidate_capacity`) are ~40 KB a query: a 1M-token row goes in chunks of _FUSED_QUERIES queries
-        sel = torch.cat([
-            indexer_topk_paged(
-                q[a : a + _FUSED_QUERIES], w[a : a + _FUSED_QUERIES], pool.view(-1, D), pages, lens,
-                q_seq[a : a + _FUSED_QUERIES], q_pos[a : a + _FUSED_QUERIES], "fp32", topk, max_len=S,
-                backend=self.select_backend,
-            )
-            for a in range(0, B * S, _FUSED_QUERIES)
-        ])  # fmt: skip
+
+        def run(dot: str) -> torch.Tensor:
+            return torch.cat([
+                indexer_topk_paged(
+                    q[a : a + _FUSED_QUERIES], w[a : a + _FUSED_QUERIES], pool.view(-1, D), pages, lens,
+                    q_seq[a : a + _FUSED_QUERIES], q_pos[a : a + _FUSED_QUERIES], "fp32", topk, max_len=S,
+                    backend=self.select_backend, fp32_dot=dot,
+                )
+                for a in range(0, B * S, _FUSED_QUERIES)
+            ])  # fmt: skip
+
+        try:
+            sel = run(self.select_dot)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a Triton without the tf32x3 dot on this GPU: exact products instead
+            if self.select_dot == "ieee":
+                raise
+            print(f"fused selection: fp32_dot {self.select_dot} failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}); using ieee", flush=True)  # fmt: skip
+            self.select_dot = "ieee"
+            sel = run("ieee")
         return sel.view(B, S, topk).long()
 
     def _indexer_kl(
