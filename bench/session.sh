@@ -223,7 +223,7 @@ lane_b_checks() {
     # issue 10's training speed at the lengths that move retrieval (a 128K step took 8.1 s, most of a
     # run): the gathered step with the chunked selection against the engine's fused indexer + top-k
     # (--select fused; never run on a GPU before), and one full layer's selection alone (select s)
-    "$PY" -m bench.train_speed --lengths 65536,131072 --tokens 131072 --stages sparse --impls gather,fused \
+    "$PY" -m bench.train_speed --lengths 65536,131072 --tokens 131072 --stages sparse --impls gather,fused,fused_ieee \
       --steps 2 --out "$S/train_speed"
     # at 1M the model writes prose capped or not: does any full layer still select the needle there?
     # (2 samples a task, ~70 s each)

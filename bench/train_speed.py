@@ -5,7 +5,8 @@ as it is ("new") and as it was before its MoE and top-k selection lost their hos
 the masked sparse attention) and, with `--impls mask,gather`, the trainer with one form of its sparse
 attention at every row length: the masked O(S^2) form (every key, the selection as a mask) or the
 gathered O(S * top-k) one (the default, "auto", picks by length); `fused` is the gathered form with
-the top-k selection made by the engine's fused indexer + top-k kernel (`--select fused`). Sparse
+the top-k selection made by the engine's fused indexer + top-k kernel (`--select fused`; its fp32
+products as three TF32 tensor-core ones, the trainer's default, or exact with `fused_ieee`). Sparse
 points also time one full layer's selection alone (`select s`). On a GPU each point also reports the
 peak memory the step allocated.
 
@@ -171,8 +172,9 @@ def measure(
     model = (ReferenceTrainCausalLM if impl == "old" else TrainCausalLM)(mcfg)
     if impl in ("mask", "gather"):  # the trainer with one form of the sparse attention at every length
         model.sparse_attention = impl
-    if impl == "fused":  # gathered attention over the engine's fused indexer + top-k selection
+    if impl in ("fused", "fused_ieee"):  # gathered attention over the engine's fused indexer + top-k
         model.sparse_attention, model.select_form = "gather", "fused"
+        model.select_dot = "ieee" if impl == "fused_ieee" else "tf32x3"
     if weights:
         load_model_weights(model, weights, torch.device("cpu"))
     else:
@@ -223,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         default="new,old",
         help="new (the trainer: sparse attention 'auto'), old (before the sync-free step), mask / "
         "gather (the trainer with that form of the sparse attention at every length), fused (gather, "
-        "with the selection by the engine's fused indexer + top-k kernel)",
+        "with the selection by the engine's fused indexer + top-k kernel, tf32x3 products), fused_ieee (the "
+        "same with exact fp32 products)",
     )
     ap.add_argument("--stages", default="dense,sparse")
     ap.add_argument("--quick", action="store_true", help="tiny config, 512-token rows, 1024 a step")
@@ -238,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     mcfg = ModelConfig.from_json(args.config)
     impls = args.impls.split(",")
-    bad = [i for i in impls if i not in ("new", "old", "mask", "gather", "fused")]
+    bad = [i for i in impls if i not in ("new", "old", "mask", "gather", "fused", "fused_ieee")]
     if bad:
-        print(f"train_speed: unknown --impls {bad}: new, old, mask, gather, fused")
+        print(f"train_speed: unknown --impls {bad}: new, old, mask, gather, fused, fused_ieee")
         return 2
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),

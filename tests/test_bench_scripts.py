@@ -619,7 +619,7 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     # the point of the new step: no host syncs, fewer launches than the per-expert / per-row loops
     assert row["new"]["syncs"] == 0 and row["old"]["syncs"] > 0 and row["new"]["ops"] < row["old"]["ops"]
     # the two forms of the sparse attention, each at every length; both sync-free
-    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--impls", "gather,mask,fused",
+    assert main(["--device", "cpu", "--quick", "--stages", "sparse", "--impls", "gather,mask,fused,fused_ieee",
                  "--out", str(tmp_path / "forms")]) == 0  # fmt: skip
     (row,) = json.loads((tmp_path / "forms" / "train-speed-cpu.json").read_text())["rows"]
     assert (
@@ -629,7 +629,7 @@ def test_train_speed_times_old_and_new_steps_on_cpu(tmp_path: Path) -> None:
     )
     # the fused selection (its torch reference on a CPU), and every sparse point's selection timed alone
     assert row["fused"]["tokens_per_s"] > 0 and all(
-        row[i]["select_s"] > 0 for i in ("gather", "mask", "fused")
+        row[i]["select_s"] > 0 for i in ("gather", "mask", "fused", "fused_ieee")
     )
     assert main(["--device", "cpu", "--quick", "--impls", "new,bogus"]) == 2
 
