@@ -173,20 +173,20 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # `local` column: how much of the prompt's last 64 positions (the question) the last prompt row
   # selects (on the CPU, run 17's layers 1 / 3 take 0.62 / 0.94 of them at 4K, 0.31 / 0.41 at 32K)
   "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda --out "$S/needle"
-  # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
-  # the engine against the training forward (PARITY=0: skip): at 1M its answers are haystack prose, while
-  # on the CPU at 16K even a top-4 selection keeps it writing digits. After the mid lengths and the
-  # needle recall, and bounded: in the seventeenth session it ran 13 minutes without a result (the fused
-  # selection's fixed 4k candidates sent half of each 1M layer's queries to the unfused fallback; fixed)
-  if [ "${PARITY:-1}" = 1 ]; then
-    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model models-shipped/retrieval-wip \
-      --lengths 1m --forms engine,train --device cuda --out "$S/parity"
-  fi
   # the same weights selecting the top TOPK_1M (e.g. 2048, the share of 1M that 256 is of 128K; default
   # 0: skip) at 1M
   if [ "${TOPK_1M:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
       --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" --out "$S/eval/topk_1m"
+  fi
+  # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
+  # the engine against the training forward (PARITY=0: skip): at 1M its answers are haystack prose, while
+  # on the CPU at 16K even a top-4 selection keeps it writing digits. After the mid lengths and the
+  # needle recall (and the top-2048 scores), and bounded: in the seventeenth session it ran 13 minutes without a result (the fused
+  # selection's fixed 4k candidates sent half of each 1M layer's queries to the unfused fallback; fixed)
+  if [ "${PARITY:-1}" = 1 ]; then
+    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model models-shipped/retrieval-wip \
+      --lengths 1m --forms engine,train --device cuda --out "$S/parity"
   fi
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"

@@ -312,6 +312,7 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
         "SESSION": str(s),
         "OUT": str(tmp_path / "out"),
         "LANE_B": "train",
+        "TOPK_1M": "2048",
     }
     run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
@@ -338,14 +339,12 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]
         evals = [x for x in lane if "retrieval_eval run" in x]
-        assert [x.split("--lengths ")[1].split()[0] for x in evals] == [
-            "4k",
-            "32k",
-            "4k",
-            "128k",
-            "256k,512k",
-            "1m",
-        ]
+        lengths = ["4k", "32k", "4k", "128k", "256k,512k", "1m"]
+        if lane is gpu0:  # TOPK_1M: lane A's 1M with the top 2048, before the parity and the 1M scores
+            lengths.insert(5, "1m")
+            (topk,) = [x for x in lane if "--index-topk 2048" in x]
+            assert lane.index(topk) < next(i for i, x in enumerate(lane) if "bench.long_parity" in x)
+        assert [x.split("--lengths ")[1].split()[0] for x in evals] == lengths
         assert any("bench.long_parity" in x for x in lane) == (lane is gpu0)
         assert all(f"--model {model}" in x for x in evals)
         assert not any(
