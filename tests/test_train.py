@@ -638,6 +638,13 @@ def test_probe_stops_timing_a_form_twice_as_slow(monkeypatch) -> None:
     seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=3)
     assert len(fused_calls) == 2  # the warm-up and one timed rep, not 1 + 3
     assert model.measured_selects == {512: "torch"} and seconds[512] < 0.5
+    # rows from _PROBE_ONE_REP_FROM tokens on: one timed rep after the warm-up, whatever `reps` says
+    calls: list[int] = []
+    monkeypatch.setattr(loop, "compute_loss", lambda m, b, *a, **k: calls.append(1) or real(m, b, *a, **k))
+    monkeypatch.setattr(loop, "_PROBE_ONE_REP_FROM", 512)
+    model.select_form = "torch"
+    loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=3)
+    assert len(calls) == 2
 
 
 def test_probe_times_the_own_topk_under_long_topk() -> None:

@@ -133,6 +133,9 @@ class TrainConfig:
 
 
 NOMINAL_STEPS = TrainConfig.steps  # with steps=0 the curriculum's step numbers are read out of this
+# rows of this many tokens on are timed once after the warm-up, not `reps` times: each timed step of a
+# 256K row is ~10-25 s of the training budget, and a median of three of them moves the fit little
+_PROBE_ONE_REP_FROM = 131072
 
 
 def probe_step_seconds(
@@ -161,7 +164,8 @@ def probe_step_seconds(
         # slow loses anyway, and its reps would come out of the training budget: the seventeenth
         # session's fused top-32 steps at 128K took 69 s each against 6.8)
         times = []
-        for i in range(reps + 1):
+        n = reps if batch.ids.shape[1] < _PROBE_ONE_REP_FROM else 1  # a long step varies little
+        for i in range(n + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
