@@ -181,20 +181,9 @@ class TrainCausalLM(CausalLM):
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
             a, sel = self._attention(
-                attn,
-                layer.input_layernorm(h),
-                B,
-                S,
-                cos,
-                sin,
-                sel,
-                sparse,
-                kl_rows,
-                aux,
-                needle,
-                topk,
+                attn, layer.input_layernorm(h), B, S, cos, sin, sel, sparse, kl_rows, aux, needle, topk,
                 kl_local,
-            )
+            )  # fmt: skip
             h = h + a
             x = layer.post_attention_layernorm(h)
             if isinstance(layer.mlp, MoE):
