@@ -17,7 +17,13 @@ For each: the top 5 bytes, the logprob of the answer's first byte (a space), and
 difference of its logits from `train`'s (max |a - b| / max |b|).
 
     python -m bench.long_parity --model DIR --lengths 128k,1m [--task niah_single_1] [--index 0]
-        [--device cuda] --out R
+        [--index-topk K] [--device cuda] --out R
+
+With a needle to find it also reports, for the training forward's last prompt row, each full layer's
+main attention share on the needle's value and on the question (the prompt's last 64 positions), over
+the selection and over every key: that row writes the answer's first byte, and it reads the question,
+not the needle (run 17 on a CPU at 4K-16K: layers 1 / 3 put 0.39-0.74 of their attention on the question,
+~0 on the needle).
 
 Writes R/long-parity.json and R/long-parity.md.
 """
@@ -37,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = 5
+LOCAL = 64  # the prompt's last positions counted as the question (needle_recall's `local` column)
 
 
 def describe(logits: torch.Tensor, want: int, decode: Any, ref: torch.Tensor | None) -> dict[str, Any]:
@@ -53,8 +60,37 @@ def describe(logits: torch.Tensor, want: int, decode: Any, ref: torch.Tensor | N
     return out
 
 
-def train_last_logits(model_dir: str, ids: list[int], device: torch.device) -> torch.Tensor:
-    """The training forward's logits at the last of `ids` (fp32 [V])."""
+def attention_mass(
+    scores: torch.Tensor, selected: torch.Tensor, needle: list[int], local: int = LOCAL
+) -> dict[str, float]:
+    """One query row's main attention (unscaled-to-scaled logits [H, S] over every causal key, `selected`
+    the top-k positions, -1 pads) -> the share of it, averaged over heads, on the needle's positions and
+    on the last `local` positions: over the selection (what the sparse model attends) and over every key
+    (the dense model, the indexer KL's teacher)."""
+    S = scores.shape[-1]
+    sel = torch.zeros(S, dtype=torch.bool, device=scores.device)
+    sel[selected[selected >= 0].long()] = True
+    at = torch.zeros(S, dtype=torch.bool, device=scores.device)
+    at[torch.tensor(needle, dtype=torch.long, device=scores.device)] = True
+    near = torch.arange(S, device=scores.device) >= S - local
+    out: dict[str, float] = {}
+    for name, allowed in (("sel", sel), ("dense", torch.ones_like(sel))):
+        p = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).mean(0)
+        out[f"needle_{name}"] = round(float(p[at].sum()), 4)
+        out[f"local_{name}"] = round(float(p[near].sum()), 4)
+    return out
+
+
+def train_last_logits(
+    model_dir: str,
+    ids: list[int],
+    device: torch.device,
+    needle: list[int] | None = None,
+    topk: int | None = None,
+) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
+    """The training forward's logits at the last of `ids` (fp32 [V]) and, per full layer (one with an
+    indexer), `attention_mass` of its last row given the needle's positions (none without them);
+    `topk`: the selection's size (None: each indexer's own)."""
     from longctx.config import ModelConfig
     from longctx.train.checkpoint import load_model_weights
     from longctx.train.model import TrainCausalLM
@@ -64,19 +100,36 @@ def train_last_logits(model_dir: str, ids: list[int], device: torch.device) -> t
     m.sparse_attention = "gather"
     m.select_form = "fused" if device.type == "cuda" else "torch"
     m.to(device).eval()
+    layers = zip(m.layer_range, m.model.layers.values())
+    full = [str(i) for i, lay in layers if getattr(lay.self_attn, "indexer", None) is not None]
+    masses: dict[str, dict[str, float]] = {}
+    kl = m._indexer_kl
+
+    def read_rows(qi, ki, wi, main_scores, sel, rows, scale, *rest):  # type: ignore[no-untyped-def]
+        # the last row's main attention logits [H, S] and its selection, at each full layer in turn
+        bi = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        sc = main_scores(bi, rows)[0, :, 0] * scale
+        S = sc.shape[-1]
+        chosen = sel[0, S - 1] if sel is not None else torch.arange(S, device=sc.device)
+        masses[full[len(masses)]] = attention_mass(sc, chosen, needle or [])
+        return kl(qi, ki, wi, main_scores, sel, rows, scale, *rest)
+
     x = torch.tensor([ids], device=device)
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if device.type == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
+    rows = torch.tensor([[len(ids) - 1]], device=device) if needle else None
+    if needle:
+        m._indexer_kl = read_rows  # type: ignore[method-assign]
     with torch.no_grad(), amp:
-        h, _ = m.forward_train(x, sparse=True)
+        h, _ = m.forward_train(x, sparse=True, kl_rows=rows, topk=topk)
         out = m.logits(h[:, -1:])[0, -1].float().cpu()
     del m, h
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return out
+    return out, masses
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -91,6 +144,22 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['length_name']} | {form} | {top} | {v['want_logprob']:.3f} | {rel} | {v['seconds']:.0f} |"
             )
+    if any(r.get("attention") for r in rows):
+        lines += [
+            "",
+            "The training forward's last prompt row, each full layer's main attention (mean over heads): its",
+            f"share on the needle's value and on the prompt's last {LOCAL} positions (the question), over the",
+            "selection the sparse model attends and over every causal key (the dense model).",
+            "",
+            "| length | layer | needle, selection | question, selection | needle, every key | question, every key |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            for layer, a in r.get("attention", {}).items():
+                lines.append(
+                    f"| {r['length_name']} | {layer} | {a['needle_sel']:.3f} | {a['local_sel']:.3f} | "
+                    f"{a['needle_dense']:.3f} | {a['local_dense']:.3f} |"
+                )
     return "\n".join(lines)
 
 
@@ -100,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="128k,1m")
     ap.add_argument("--task", default="niah_single_1")
     ap.add_argument("--index", type=int, default=0)
+    ap.add_argument(
+        "--index-topk",
+        type=int,
+        default=None,
+        help="every form selects this top-k (default: the model's own)",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument(
         "--forms", default="engine,engine_bf16kv,train", help="of engine, engine_bf16kv (CUDA only), train"
@@ -108,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
-    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, SPACE, check_trained_model
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, SPACE, check_trained_model, needle_positions
     from longctx import Engine
     from longctx.errors import LongctxError
     from longctx.train.loop import resolve_device
@@ -130,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LongctxError(f"--task {args.task}: a niah task (its answer starts with a space)")
         if args.index < 0:
             raise LongctxError("--index must be >= 0")
+        if args.index_topk is not None and args.index_topk < 1:
+            raise LongctxError("--index-topk must be >= 1")
         check_trained_model(args.model)
         device = resolve_device(args.device)
     except LongctxError as e:
@@ -152,11 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         got: dict[str, torch.Tensor] = {}
         secs: dict[str, float] = {}
         ids: list[int] = []
+        value_ids: list[int] = []
         decode: Any = str
         for form, kw in forms.items():
             t = time.perf_counter()
-            with Engine(args.model, device=str(device), max_context=L, cuda_graphs=False, **kw) as eng:
+            with Engine(
+                args.model,
+                device=str(device),
+                max_context=L,
+                cuda_graphs=False,
+                index_topk=args.index_topk,
+                **kw,
+            ) as eng:
                 ids = eng.encode(s.input + s.answer_prefix)
+                value_ids = eng.encode(s.outputs[0])
                 got[form] = eng.score(ids)[-1].float().cpu()
                 decode = eng.tokenizer.decode
             secs[form] = time.perf_counter() - t
@@ -164,13 +250,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"long_parity: {format_length(L)} {form}: {describe(got[form], SPACE, decode, None)} "
                   f"({secs[form]:.0f} s)", flush=True)  # fmt: skip
         t = time.perf_counter()
-        ref = train_last_logits(args.model, ids, device)
+        ref, masses = train_last_logits(
+            args.model, ids, device, needle_positions(ids, value_ids), topk=args.index_topk
+        )
         secs["train"] = time.perf_counter() - t
         out_forms = {
             f: {**describe(v, SPACE, decode, ref), "seconds": round(secs[f], 1)} for f, v in got.items()
         }
         out_forms["train"] = {**describe(ref, SPACE, decode, None), "seconds": round(secs["train"], 1)}
-        row = {"length": L, "length_name": format_length(L), "prompt_tokens": len(ids), "forms": out_forms}
+        row = {
+            "length": L, "length_name": format_length(L), "prompt_tokens": len(ids), "forms": out_forms,
+            "attention": masses,
+        }  # fmt: skip
         rows.append(row)
         print(f"long_parity: {row['length_name']}: " + "; ".join(
             f"{f} top {v['top'][0][0]!r} space {v['want_logprob']:.2f}" for f, v in out_forms.items()
@@ -179,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "task": args.task,
         "index": args.index,
+        "index_topk": args.index_topk,
         "device": str(device),
         "command": "python -m bench.long_parity " + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": rows,

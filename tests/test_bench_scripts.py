@@ -807,12 +807,25 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
     assert set(row["forms"]) == {"engine", "train"} and row["forms"]["engine"]["rel_diff"] <= 1e-4
     assert all(v["top"][0][0] == " " and v["want_logprob"] > -0.1 for v in row["forms"].values())
     assert "| 1K | engine |" in (tmp_path / "long-parity.md").read_text()
+    # each full layer's attention at the last row: shares in [0, 1], the needle's and the question's
+    # together at most all of it, and (a trained model at 1K) some of it on the needle over the selection
+    att = row["attention"]
+    assert set(att) == {"0", "1", "3"}  # configs/retrieval.json's full layers
+    for a in att.values():
+        assert all(0.0 <= v <= 1.0 for v in a.values())
+        assert (
+            a["needle_sel"] + a["local_sel"] <= 1.0 + 1e-3
+            and a["needle_dense"] + a["local_dense"] <= 1.0 + 1e-3
+        )
+    assert max(a["needle_sel"] for a in att.values()) > 0.01
+    assert "| 1K | 0 |" in (tmp_path / "long-parity.md").read_text()
     for bad in (
         ["--task", "vt"],
         ["--index", "-1"],
         ["--lengths", "12q"],
         ["--forms", "engine"],
         ["--forms", "x,train"],
+        ["--index-topk", "0"],
     ):
         assert main([*bad, "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
 
