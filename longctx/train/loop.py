@@ -81,8 +81,8 @@ class TrainConfig:
     # CPU its last prompt row selects 0.62 / 0.94 of the prompt's last 64 positions at 4K (layers 1 / 3),
     # 0.31 / 0.41 at 32K, ever fewer as haystack keys outnumber the question's. 256 of 1M is the
     # share 32 of 128K is, so 128K rows with the top 32 train the indexers to rank what the question
-    # needs as high as 1M needs it (a hypothesis: at 16K a top-4 selection, the question unselected,
-    # still writes digits, so the crowding is not shown to be what breaks 1M)
+    # needs as high as 1M needs it (a hypothesis: the row that writes the answer's first byte reads the
+    # question, 0.39-0.74 of layers 1 / 3's attention at 4K-16K, bench/results/long-parity-cpu.md)
     long_topk_from: int = 0
     long_topk: int = 0
     long_topk_prob: float = 1.0
