@@ -81,16 +81,40 @@ def attention_mass(
     return out
 
 
+def question_row(
+    qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int, window: int, keep: bool
+) -> torch.Tensor:
+    """The last query row's selection [B, topk] (ascending, -1 pads) with the prompt's last `window`
+    positions before it all in (`keep`: the window, then the top of the rest by index score) or all out
+    (the top-k of the rest; the row's own position stays a candidate either way)."""
+    B, S = ki.shape[:2]
+    lg = (torch.relu(torch.einsum("bhd,bsd->bhs", qi[:, -1].float(), ki.float())) * wi[:, -1, :, None]).sum(1)
+    lo = max(0, S - 1 - window)
+    lg[:, lo : S - 1] = float("-inf")
+    if keep:
+        k_rest = max(0, min(topk - (S - 1 - lo), S - (S - 1 - lo)))
+        rest = lg.topk(k_rest, dim=-1).indices
+        win = torch.arange(lo, S - 1, device=ki.device).expand(B, -1)
+        pos = torch.cat([win, rest], -1)[:, :topk]
+    else:
+        pos = lg.topk(min(topk, S - (S - 1 - lo)), dim=-1).indices
+    out = torch.full((B, topk), -1, dtype=torch.long, device=ki.device)
+    out[:, : pos.shape[1]] = pos.sort(-1).values
+    return out
+
+
 def train_last_logits(
     model_dir: str,
     ids: list[int],
     device: torch.device,
     needle: list[int] | None = None,
     topk: int | None = None,
+    question: tuple[int, bool] | None = None,
 ) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
     """The training forward's logits at the last of `ids` (fp32 [V]) and, per full layer (one with an
     indexer), `attention_mass` of its last row given the needle's positions (none without them);
-    `topk`: the selection's size (None: each indexer's own)."""
+    `topk`: the selection's size (None: each indexer's own); `question` = (W, keep): every full layer's
+    last-row selection made by `question_row` (the question's last W positions forced in or kept out)."""
     from longctx.config import ModelConfig
     from longctx.train.checkpoint import load_model_weights
     from longctx.train.model import TrainCausalLM
@@ -123,6 +147,15 @@ def train_last_logits(
     rows = torch.tensor([[len(ids) - 1]], device=device) if needle else None
     if needle:
         m._indexer_kl = read_rows  # type: ignore[method-assign]
+    if question is not None:
+        select = m._selection
+
+        def last_row_question(qi, ki, wi, k):  # type: ignore[no-untyped-def]
+            sel = select(qi, ki, wi, k).clone()
+            sel[:, -1] = question_row(qi, ki, wi, k, *question).to(sel.dtype)
+            return sel
+
+        m._selection = last_row_question  # type: ignore[method-assign]
     with torch.no_grad(), amp:
         h, _ = m.forward_train(x, sparse=True, kl_rows=rows, topk=topk)
         out = m.logits(h[:, -1:])[0, -1].float().cpu()
@@ -175,6 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="every form selects this top-k (default: the model's own)",
     )
+    ap.add_argument(
+        "--with-question",
+        type=int,
+        default=0,
+        metavar="W",
+        help="also the training forward with every full layer's last-row selection holding the prompt's "
+        "last W positions (form train+q)",
+    )
+    ap.add_argument(
+        "--without-question",
+        type=int,
+        default=0,
+        metavar="W",
+        help="also the training forward with the prompt's last W positions kept out of that selection "
+        "(form train-q)",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument(
         "--forms", default="engine,engine_bf16kv,train", help="of engine, engine_bf16kv (CUDA only), train"
@@ -207,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LongctxError("--index must be >= 0")
         if args.index_topk is not None and args.index_topk < 1:
             raise LongctxError("--index-topk must be >= 1")
+        if args.with_question < 0 or args.without_question < 0:
+            raise LongctxError("--with-question / --without-question must be >= 0")
         check_trained_model(args.model)
         device = resolve_device(args.device)
     except LongctxError as e:
@@ -258,6 +309,19 @@ def main(argv: list[str] | None = None) -> int:
             f: {**describe(v, SPACE, decode, ref), "seconds": round(secs[f], 1)} for f, v in got.items()
         }
         out_forms["train"] = {**describe(ref, SPACE, decode, None), "seconds": round(secs["train"], 1)}
+        for name, w, keep in (
+            ("train+q", args.with_question, True),
+            ("train-q", args.without_question, False),
+        ):
+            if w:
+                t = time.perf_counter()
+                got_q, _ = train_last_logits(
+                    args.model, ids, device, topk=args.index_topk, question=(w, keep)
+                )
+                out_forms[name] = {
+                    **describe(got_q, SPACE, decode, ref), "question_window": w,
+                    "seconds": round(time.perf_counter() - t, 1),
+                }  # fmt: skip
         row = {
             "length": L, "length_name": format_length(L), "prompt_tokens": len(ids), "forms": out_forms,
             "attention": masses,

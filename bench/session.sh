@@ -185,8 +185,10 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # needle recall (and the top-2048 scores), and bounded: in the seventeenth session it ran 13 minutes without a result (the fused
   # selection's fixed 4k candidates sent half of each 1M layer's queries to the unfused fallback; fixed)
   if [ "${PARITY:-1}" = 1 ]; then
+    # (train+q: the same forward with the question's last 64 positions forced into the last row's
+    # selection; if that restores the answer's space, crowding is what breaks 1M's first byte)
     timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model models-shipped/retrieval-wip \
-      --lengths 1m --forms engine,train --device cuda --out "$S/parity"
+      --lengths 1m --forms engine,train --with-question 64 --device cuda --out "$S/parity"
   fi
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
     --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"

@@ -246,6 +246,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "bench.needle_recall" in gpu0[13] and "--lengths 1m --samples 1" in gpu0[13]
     assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[13]
     assert "bench.long_parity --model models-shipped/retrieval-wip --lengths 1m" in gpu0[14]
+    assert "--with-question 64" in gpu0[14]
     assert "--lengths 1m " in gpu0[15] and "--index-topk" not in gpu0[15]  # (TOPK_1M: off by default)
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
@@ -802,8 +803,12 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
     (fp32: the same model, ~1e-7 apart), both put the answer's space first; bad arguments exit 2."""
     from bench.long_parity import main
 
-    assert main(["--lengths", "1k", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    args = ["--lengths", "1k", "--device", "cpu", "--with-question", "16", "--without-question", "16"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "long-parity.json").read_text())["rows"]
+    # the question's last 16 positions forced into / kept out of the last row's selection: other forwards
+    q_in, q_out = row["forms"].pop("train+q"), row["forms"].pop("train-q")
+    assert q_in["question_window"] == q_out["question_window"] == 16 and q_out["rel_diff"] > 1e-6
     assert set(row["forms"]) == {"engine", "train"} and row["forms"]["engine"]["rel_diff"] <= 1e-4
     assert all(v["top"][0][0] == " " and v["want_logprob"] > -0.1 for v in row["forms"].values())
     assert "| 1K | engine |" in (tmp_path / "long-parity.md").read_text()
@@ -826,6 +831,7 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
         ["--forms", "engine"],
         ["--forms", "x,train"],
         ["--index-topk", "0"],
+        ["--with-question", "-1"],
     ):
         assert main([*bad, "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
 
