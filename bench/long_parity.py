@@ -91,11 +91,10 @@ def question_row(
     lg = (torch.relu(torch.einsum("bhd,bsd->bhs", qi[:, -1].float(), ki.float())) * wi[:, -1, :, None]).sum(1)
     lo = max(0, S - 1 - window)
     lg[:, lo : S - 1] = float("-inf")
-    if keep:
-        k_rest = max(0, min(topk - (S - 1 - lo), S - (S - 1 - lo)))
-        rest = lg.topk(k_rest, dim=-1).indices
-        win = torch.arange(lo, S - 1, device=ki.device).expand(B, -1)
-        pos = torch.cat([win, rest], -1)[:, :topk]
+    if keep:  # the window's latest positions if it is wider than the top-k
+        win = torch.arange(S - 1 - min(S - 1 - lo, topk), S - 1, device=ki.device).expand(B, -1)
+        rest = lg.topk(min(topk - win.shape[1], S - (S - 1 - lo)), dim=-1).indices
+        pos = torch.cat([win, rest], -1)
     else:
         pos = lg.topk(min(topk, S - (S - 1 - lo)), dim=-1).indices
     out = torch.full((B, topk), -1, dtype=torch.long, device=ki.device)
