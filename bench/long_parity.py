@@ -41,9 +41,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# the prompt's last positions counted as the question: needle_recall's `local` column's
+from bench.needle_recall import LOCAL  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TOP = 5
-LOCAL = 64  # the prompt's last positions counted as the question (needle_recall's `local` column)
 
 
 def describe(logits: torch.Tensor, want: int, decode: Any, ref: torch.Tensor | None) -> dict[str, Any]:
