@@ -17,7 +17,7 @@ For each: the top 5 bytes, the logprob of the answer's first byte (a space), and
 difference of its logits from `train`'s (max |a - b| / max |b|).
 
     python -m bench.long_parity --model DIR --lengths 128k,1m [--task niah_single_1] [--index 0]
-        [--index-topk K] [--device cuda] --out R
+        [--index-topk K] [--index-local-window W] [--device cuda] --out R
 
 With a needle to find it also reports, for the training forward's last prompt row, each full layer's
 main attention share on the needle's value and on the question (the prompt's last 64 positions), over
@@ -31,6 +31,7 @@ Writes R/long-parity.json and R/long-parity.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -111,16 +112,19 @@ def train_last_logits(
     needle: list[int] | None = None,
     topk: int | None = None,
     question: tuple[int, bool] | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
     """The training forward's logits at the last of `ids` (fp32 [V]) and, per full layer (one with an
     indexer), `attention_mass` of its last row given the needle's positions (none without them);
     `topk`: the selection's size (None: each indexer's own); `question` = (W, keep): every full layer's
-    last-row selection made by `question_row` (the question's last W positions forced in or kept out)."""
+    last-row selection made by `question_row` (the question's last W positions forced in or kept out);
+    `window`: the model's index_local_window instead of its config's."""
     from longctx.config import ModelConfig
     from longctx.train.checkpoint import load_model_weights
     from longctx.train.model import TrainCausalLM
 
-    m = TrainCausalLM(ModelConfig.from_json(model_dir))
+    cfg = ModelConfig.from_json(model_dir)
+    m = TrainCausalLM(cfg if window is None else dataclasses.replace(cfg, index_local_window=window))
     load_model_weights(m, model_dir, torch.device("cpu"))
     m.sparse_attention = "gather"
     m.select_form = "fused" if device.type == "cuda" else "torch"
@@ -210,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         help="every form selects this top-k (default: the model's own)",
     )
     ap.add_argument(
+        "--index-local-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="every form keeps each query's newest W positions in its selection (default: the model's)",
+    )
+    ap.add_argument(
         "--with-question",
         type=int,
         default=0,
@@ -291,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_context=L,
                 cuda_graphs=False,
                 index_topk=args.index_topk,
+                index_local_window=args.index_local_window,
                 **kw,
             ) as eng:
                 ids = eng.encode(s.input + s.answer_prefix)
@@ -303,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({secs[form]:.0f} s)", flush=True)  # fmt: skip
         t = time.perf_counter()
         ref, masses = train_last_logits(
-            args.model, ids, device, needle_positions(ids, value_ids), topk=args.index_topk
-        )
+            args.model, ids, device, needle_positions(ids, value_ids), topk=args.index_topk,
+            window=args.index_local_window,
+        )  # fmt: skip
         secs["train"] = time.perf_counter() - t
         out_forms = {
             f: {**describe(v, SPACE, decode, ref), "seconds": round(secs[f], 1)} for f, v in got.items()
@@ -317,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             if w:
                 t = time.perf_counter()
                 got_q, _ = train_last_logits(
-                    args.model, ids, device, topk=args.index_topk, question=(w, keep)
-                )
+                    args.model, ids, device, topk=args.index_topk, question=(w, keep),
+                    window=args.index_local_window,
+                )  # fmt: skip
                 out_forms[name] = {
                     **describe(got_q, SPACE, decode, ref), "question_window": w,
                     "seconds": round(time.perf_counter() - t, 1),
@@ -336,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "task": args.task,
         "index": args.index,
         "index_topk": args.index_topk,
+        "index_local_window": args.index_local_window,
         "device": str(device),
         "command": "python -m bench.long_parity " + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": rows,

@@ -209,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--index-topk", type=int, default=None, help="tokens each full layer selects (Engine's)")
+    ap.add_argument(
+        "--index-local-window",
+        type=int,
+        default=None,
+        help="newest positions each selection keeps (Engine's)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -243,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     counter = load_counter(args.model)
     gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
     engine_kw = dict(
-        device=args.device, max_context=max(lengths), cuda_graphs=False, index_topk=args.index_topk
-    )
+        device=args.device, max_context=max(lengths), cuda_graphs=False, index_topk=args.index_topk,
+        index_local_window=args.index_local_window,
+    )  # fmt: skip
     with Engine(args.model, **engine_kw) as eng:
         for L in lengths:
             for task in tasks:

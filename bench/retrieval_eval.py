@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
     if args.index_topk is not None:  # the same weights, each full layer selecting another top-k
         meta["index_topk"] = args.index_topk
+    if args.index_local_window is not None:  # the same weights, each query's newest positions kept
+        meta["index_local_window"] = args.index_local_window
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
@@ -85,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             argv.append("--chat" if args.chat else "--documents")
         if args.index_topk is not None:
             argv += ["--index-topk", str(args.index_topk)]
+        if args.index_local_window is not None:
+            argv += ["--index-local-window", str(args.index_local_window)]
         if args.cap_fraction:
             cap = max(1, int(args.cap_fraction * L))
             meta["device_tokens"][str(L)] = cap
@@ -307,6 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="score the same weights with each full layer selecting this top-k (`longctx ruler --index-topk`)",
+    )
+    r.add_argument(
+        "--index-local-window",
+        type=int,
+        default=None,
+        help="score the same weights with each query's newest W positions kept in every full layer's "
+        "selection (`longctx ruler --index-local-window`)",
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

@@ -33,7 +33,12 @@
 #   and profiles at all: on one GPU, training starts at once), LANE_B=train and TRAIN_ARGS_B (above),
 #   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A), PARITY=0 (no
 #   bench.long_parity at 1M in lane A) and PARITY_SECONDS (its bound, 480), MID_LENGTHS, TOPK_1M,
-#   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation).
+#   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
+#   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
+#   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate),
+#   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL.
+# LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
+#   beside lane A's training.
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
 # end every call with `collect`, since the machine (and /tmp) goes back 30 s after the last call.
 set -uo pipefail
@@ -42,6 +47,7 @@ PY=${PYTHON:-python3}
 TRAIN_WORK=$S/train
 export TRAIN_WORK PYTHONUNBUFFERED=1
 MODEL=$TRAIN_WORK/ckpt
+[ "${TRAIN:-1}" = 0 ] && MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}  # (TRAIN=0: lane A's model)
 export S PY MODEL
 cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
@@ -77,35 +83,36 @@ hisparse_measures() {
 }
 
 default_train_args() {
-  # docs/training.md's next recipe, run 20a: run 17's (run 16's again) from run 17's weights with the
-  # fused selection where the probe times it faster (--select auto), fresh rows (--seed 20: every run
-  # before drew seed 0's rows, so runs 16, 17 and 19a trained on the same rows step for step, and 19a,
-  # a repeat of 17 from 17, lost at 32K / 128K), and half the 64K-128K steps selecting the top 32 (the
-  # share of 128K that the top 256 is of 1M, --long-topk: run 19b was to test it and barely trained, the
-  # fused selection's top-32 overflow, fixed since), with the indexer KL reaching each row's last 64
-  # positions selected or not (--kl-local 64: over the selection alone, DSA's, a question crowded out of
-  # the top-k, as at 1M, gets no gradient back in). From the WIP weights at a small lr, sparse
-  # throughout, the indexers kept on the needle, the skips kept on, real rows lengthening 4K -> 128K on a
-  # time-fitted schedule (the probe picks the sparse form per length and drops a length that does not
-  # fit), a third of the steps back at a shorter length begun before (replay), a quarter of the
-  # retrieval rows in the chat template and a quarter of the rest as /v1/documents + /ask render them
+  # run 21: run 17's recipe from run 17's weights, fresh rows (--seed 21), every full layer keeping each
+  # query's newest 64 positions in its selection (--index-local-window 64, saved in the checkpoint: at
+  # 1M the top 256 held almost none of the question, and with it forced in the training forward wrote the
+  # answer's space, eighteenth session), the fused selection where the probe times it faster
   echo "--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5 --kl-local 64"
+--dense-warmup-steps 0 --select auto --seed 21 --index-local-window 64"
 }
 
 default_train_args_b() {
-  # LANE_B=train's default, run 20b: run 20a's recipe with real rows on to 256K (the last 30% of the
-  # schedule; 19b, nearly run 17, got 1 of 2 right at 256K and at 512K, 0 of 8 at 1M: retrieval degrades
-  # past the trained 128K). The probe drops 256K if its step does not fit the GPU (then 20b is 20a).
+  # LANE_B=train's default: run 21's recipe with real rows on to 256K (the last 30% of the schedule;
+  # run 20a got 2 of 4 right at 256K, 1 of 4 at 512K: retrieval degrades past the trained 128K). The
+  # probe drops 256K if its step does not fit the GPU (then this is run 21 again).
   CURRICULUM=0:4096,1000:16384,3000:65536,5500:131072,7000:262144 default_train_args
 }
 
 lane_a() {
-  # $1: the GPU (default 0). Train TRAIN_ARGS (default_train_args), then score the model
+  # $1: the GPU (default 0). Train TRAIN_ARGS (default_train_args), then score the model (TRAIN=0: score
+  # EVAL_MODEL, default the shipped one, without training; WINDOW=W: every score, the needle recall and
+  # the parity with `--index-local-window W`, the same weights keeping each query's newest W positions)
   local gpu=${1:-0}
   local args=${TRAIN_ARGS:-$(default_train_args)}
+  local win=()
+  [ -n "${WINDOW:-}" ] && win=(--index-local-window "$WINDOW")
+  if [ "${TRAIN:-1}" = 0 ]; then
+    MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}
+    args=""
+    echo "TRAIN=0: scoring $MODEL ${win[*]}"
+  fi
   if [[ "$args" == *"--select auto"* || "$args" == *"--select fused"* ]]; then
     # the fused selection against the chunked one on this GPU first (~1 minute): the probe falls back
     # on a fused step that fails, not on one that selects wrongly
@@ -128,8 +135,10 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
       args=${args/--select fused/--select torch}
     fi
   fi
-  TRAIN_GPU=$gpu TRAIN_MINUTES=${TRAIN_MINUTES:-16} TRAIN_ARGS="$args" bash bench/train_bg.sh start
-  bash bench/train_bg.sh wait
+  if [ -n "$args" ]; then
+    TRAIN_GPU=$gpu TRAIN_MINUTES=${TRAIN_MINUTES:-16} TRAIN_ARGS="$args" bash bench/train_bg.sh start
+    bash bench/train_bg.sh wait
+  fi
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=$gpu
   [ "${EVAL:-1}" = 1 ] || { touch "$S/eval.stop"; return 0; }  # EVAL=0: train only
@@ -143,22 +152,28 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     return 0
   fi
   # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --out "$S/eval/uncapped"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
   if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then
     touch "$S/eval.stop"
     return 0
   fi
   touch "$S/eval.go"
+  # EARLY_1M=N: N niah_single_1 samples at 1M first (the figure the session is for; the last 1M run
+  # below goes on from them)
+  if [ "${EARLY_1M:-0}" != 0 ]; then
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "$EARLY_1M" --concurrency 1 \
+      --tasks niah_single_1 "${win[@]}" --out "$S/eval/uncapped_1m"
+  fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
   # scores (140 long prefills: the longest part)
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 --out "$S/eval/uncapped"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
   # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
-    --tasks niah_single_1,niah_single_2,niah_multikey_1 --out "$S/eval/documents"
+    --tasks niah_single_1,niah_single_2,niah_multikey_1 "${win[@]}" --out "$S/eval/documents"
   # HISPARSE=0 (the default with LANE_B=train): issue 5's figures left out, for the scores' time
   [ "${HISPARSE:-1}" = 1 ] && hisparse_measures
   touch "$S/timed.done"  # one GPU: the capped 1M lane starts now, after the only timed figures
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 --out "$S/eval/uncapped"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
   # issue 5's hit rate by layer at 128K (on the CPU layer 0 kept 0.42 of its selection resident at 32K,
   # layers 3-5 0.955): eager decode, so the recorder sees every step's selection (graphs replay unseen)
   [ "${HISPARSE:-1}" = 1 ] && LONGCTX_CUDA_GRAPHS=0 LONGCTX_OVERLAP=0 timeout 300 "$PY" -m bench.hit_rate \
@@ -168,17 +183,17 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip; MID_SAMPLES a length), ~1 minute
   if [ -n "${MID_LENGTHS-256k,512k}" ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "${MID_LENGTHS-256k,512k}" --samples "${MID_SAMPLES:-4}" \
-      --concurrency 1 --tasks niah_single_1 --out "$S/eval/mid"
+      --concurrency 1 --tasks niah_single_1 "${win[@]}" --out "$S/eval/mid"
   fi
   # at 1M the shipped model writes haystack prose although its full layers select the needle; the bench's
   # `local` column: how much of the prompt's last 64 positions (the question) the last prompt row
   # selects (on the CPU, run 17's layers 1 / 3 take 0.62 / 0.94 of them at 4K, 0.31 / 0.41 at 32K)
-  "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda --out "$S/needle"
+  "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda "${win[@]}" --out "$S/needle"
   # the same weights selecting the top TOPK_1M (e.g. 2048, the share of 1M that 256 is of 128K; default
   # 0: skip) at 1M
   if [ "${TOPK_1M:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
-      --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" --out "$S/eval/topk_1m"
+      --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" "${win[@]}" --out "$S/eval/topk_1m"
   fi
   # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
   # the engine against the training forward (PARITY=0: skip): at 1M its answers are haystack prose, while
@@ -188,11 +203,16 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   if [ "${PARITY:-1}" = 1 ]; then
     # (train+q: the same forward with the question's last 64 positions forced into the last row's
     # selection; if that restores the answer's space, crowding is what breaks 1M's first byte)
-    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model models-shipped/retrieval-wip \
-      --lengths 1m --forms engine,train --with-question 64 --device cuda --out "$S/parity"
+    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model "${PARITY_MODEL:-models-shipped/retrieval-wip}" \
+      --lengths 1m --forms engine,train --with-question 64 "${win[@]}" --device cuda --out "$S/parity"
+  fi
+  # ALT_WINDOW=W: 4 niah_single_1 samples at 1M with another window (e.g. 128) before the long 1M run
+  if [ -n "${ALT_WINDOW:-}" ]; then
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 4 --concurrency 1 \
+      --tasks niah_single_1 --index-local-window "$ALT_WINDOW" --out "$S/eval/window${ALT_WINDOW}_1m"
   fi
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
-    --tasks niah_single_1,niah_multikey_1 --out "$S/eval/uncapped_1m"
+    --tasks niah_single_1,niah_multikey_1 "${win[@]}" --out "$S/eval/uncapped_1m"
 }
 
 lane_b_checks() {
@@ -247,6 +267,16 @@ lane_b_train() {
     lane_a 1  # (the engine's parity at 1M is lane A's)
 }
 
+lane_b_eval() {
+  # LANE_B=eval on two GPUs: lane B scores an existing model (EVAL_MODEL, default the shipped one) with
+  # WINDOW_B (default 64) beside lane A's training, everything under $S/b
+  S=$S/b
+  TRAIN_WORK=$S/train
+  export S TRAIN_WORK
+  mkdir -p "$S"
+  PARITY=0 TOPK_1M=0 TRAIN=0 WINDOW=${WINDOW_B-64} ALT_WINDOW=${ALT_WINDOW_B:-} lane_a 1
+}
+
 lane_b_capped() {
   # $2: the marker to wait for: eval.go (the model passed the 4K gate) on its own GPU; timed.done on a
   # shared GPU, so long_context's ms/token figures are not taken beside it
@@ -259,7 +289,8 @@ lane_b_capped() {
   # 5 a task: lane A's uncapped 1M lane gets through ~5 samples in a session, and both wrote prose alike
   # on all 5 in the fifteenth
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 5 --concurrency 1 \
-    --tasks niah_single_1,niah_multikey_1 --cap-fraction 0.1 --out "$S/eval/capped_1m"
+    --tasks niah_single_1,niah_multikey_1 --cap-fraction 0.1 ${WINDOW:+--index-local-window "$WINDOW"} \
+    --out "$S/eval/capped_1m"
 }
 
 run_lanes() {
@@ -269,6 +300,10 @@ run_lanes() {
     export HISPARSE=${HISPARSE:-0}
     lane_a 0 >"$S/logs/lane_a.log" 2>&1 &
     (lane_b_train) >"$S/logs/lane_b.log" 2>&1 &
+  elif [ "$1" -ge 2 ] && [ "${LANE_B:-checks}" = eval ]; then
+    export HISPARSE=${HISPARSE:-0}
+    lane_a 0 >"$S/logs/lane_a.log" 2>&1 &
+    (lane_b_eval) >"$S/logs/lane_b.log" 2>&1 &
   elif [ "$1" -ge 2 ]; then
     lane_a 0 >"$S/logs/lane_a.log" 2>&1 &
     { lane_b_checks 1; lane_b_capped 1; } >"$S/logs/lane_b.log" 2>&1 &
@@ -295,7 +330,7 @@ start)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
   setsid nohup bash -c "$(declare -f run_lanes default_train_args default_train_args_b lane_a hisparse_measures lane_b_checks lane_b_train \
-    lane_b_capped); run_lanes $n" \
+    lane_b_eval lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"
   sleep 2

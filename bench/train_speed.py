@@ -69,10 +69,13 @@ class ReferenceTrainCausalLM(TrainCausalLM):
         self.sparse_attention = "mask"
 
     @torch.no_grad()
-    def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+    def _select(
+        self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int, shift: int = 0
+    ) -> torch.Tensor:
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
+        bound = (pos - shift).clamp(min=0)
         out = torch.empty(B, S, topk, dtype=torch.long, device=qi.device)
         step = max(1, _SELECT_ELEMS // (Hi * S))
         for b in range(B):
@@ -80,8 +83,8 @@ class ReferenceTrainCausalLM(TrainCausalLM):
                 s1 = min(S, s0 + step)
                 sc = torch.relu(qi[b, s0:s1].reshape(-1, D) @ ki[b].T).view(s1 - s0, Hi, S)
                 logits = (sc * wi[b, s0:s1, :, None]).sum(1)
-                logits.masked_fill_(pos[None, :] > pos[s0:s1, None], float("-inf"))
-                out[b, s0:s1] = topk_fn(logits, topk, pos[s0:s1] + 1)
+                logits.masked_fill_(pos[None, :] > bound[s0:s1, None], float("-inf"))
+                out[b, s0:s1] = topk_fn(logits, topk, bound[s0:s1] + 1)
         return out
 
     def _moe(self, moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,10 @@ class ModelConfig:
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 2048
+    # longctx's own (not in GLM-5 / DeepSeek-V3.2, whose checkpoints leave it 0): each full layer's
+    # selection keeps the query's newest `index_local_window` positions (itself and the tokens just
+    # before it) and takes the top (index_topk - window) of the earlier keys by index score
+    index_local_window: int = 0
     indexer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
     first_k_dense_replace: int = 3
@@ -172,11 +176,14 @@ class ModelConfig:
             raise ConfigError("n_routed_experts must be divisible by n_group")
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ConfigError("index_head_dim must be at least qk_rope_head_dim")
+        check_local_window(self.index_local_window, self.index_topk)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers reads (and longctx reads back identically)."""
         d = asdict(self)
         d.pop("quant_block")
+        if not self.index_local_window:  # (a GLM-5 / DeepSeek-V3.2 config.json stays as theirs)
+            d.pop("index_local_window")
         d["indexer_types"] = list(self.indexer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["architectures"] = [ARCHITECTURES[self.model_type]]
@@ -193,6 +200,12 @@ class ModelConfig:
                 "weight_block_size": list(self.quant_block),
             }
         return d
+
+
+def check_local_window(window: object, topk: int) -> None:
+    """`index_local_window` must be an int in [0, index_topk): the window takes part of the top-k's budget."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < topk:
+        raise ConfigError(f"index_local_window must be an int in [0, index_topk = {topk}), got {window!r}")
 
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"

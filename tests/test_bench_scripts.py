@@ -110,10 +110,25 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     # the same weights with each full layer selecting another top-k (`longctx ruler --index-topk`)
     t = tmp_path / "t"
     assert (
-        main([*run, "--lengths", "1k", "--tasks", "niah_single_1", "--index-topk", "64", "--out", str(t)])
+        main(
+            [
+                *run,
+                "--lengths",
+                "1k",
+                "--tasks",
+                "niah_single_1",
+                "--index-topk",
+                "64",
+                "--index-local-window",
+                "16",
+                "--out",
+                str(t),
+            ]
+        )  # fmt: skip
         == 0
     )
     assert json.loads((t / "run.json").read_text())["index_topk"] == 64
+    assert json.loads((t / "run.json").read_text())["index_local_window"] == 16
     assert len((t / "results.jsonl").read_text().splitlines()) == 1
     assert main([*run, "--lengths", "1k", "--index-topk", "0", "--out", str(tmp_path / "z")]) == 2
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
@@ -222,7 +237,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
         "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
         "--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 "
         in gpu0[0]
-        and "--select auto --seed 20 --long-topk 65536:32 --long-topk-prob 0.5 --kl-local 64" in gpu0[0]
+        and "--select auto --seed 21 --index-local-window 64" in gpu0[0]
     )  # one argv
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
@@ -273,7 +288,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
     import subprocess
     import time
 
-    for code, expect in (("3", "--select auto --seed 20"), ("1", "--select torch --seed 20")):
+    for code, expect in (("3", "--select auto --seed 21"), ("1", "--select torch --seed 21")):
         case = tmp_path / code
         case.mkdir()
         fake, calls = _two_gpu_python(case)
@@ -329,7 +344,7 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     gpu1 = [x for x in lines if x.startswith("1 ") and not x.startswith("1 -c ")]
     (train_a,) = [x for x in gpu0 if "longctx.train" in x]
     (train_b,) = [x for x in gpu1 if "longctx.train" in x]
-    assert "--long-topk 65536:32" in train_a and "--lead-weight" not in train_a
+    assert "--index-local-window 64" in train_a and "--lead-weight" not in train_a
     cur_a, cur_b = (
         "0:4096,1000:16384,3000:65536,6500:131072 ",
         "0:4096,1000:16384,3000:65536,5500:131072,7000:262144 ",
@@ -364,6 +379,60 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
         "./b/logs/train_log.jsonl",
     } <= set(names)
     assert not any("/train/" in n for n in names)
+
+
+def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
+    """TRAIN=0 WINDOW=64 on one GPU: lane A trains nothing and scores the shipped model, every score,
+    the needle recall and the parity with --index-local-window 64, 1M first (EARLY_1M) and with another
+    window (ALT_WINDOW) before the last 1M run. LANE_B=eval on two GPUs: lane A trains, lane B scores the
+    shipped model with WINDOW_B's window under $SESSION/b."""
+    import os
+    import subprocess
+    import time
+
+    shipped = "--model models-shipped/retrieval-wip"
+    for ngpu in (1, 2):
+        case = tmp_path / str(ngpu)
+        case.mkdir()
+        fake, calls = _two_gpu_python(case)
+        fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {ngpu}; exit 0"))
+        s = case / "s"
+        env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(case / "out"), "CHECKS": "0",
+               "HISPARSE": "0", "CAPPED": "0"}  # fmt: skip
+        env.update(
+            {"TRAIN": "0", "WINDOW": "64", "EARLY_1M": "4", "ALT_WINDOW": "128"}
+            if ngpu == 1
+            else {"LANE_B": "eval", "WINDOW_B": "32"}
+        )
+        subprocess.run(
+            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        want = 1 if ngpu == 1 else 2
+        deadline = time.time() + 60
+        while time.time() < deadline and (
+            not calls.exists() or calls.read_text().count("--lengths 1m --samples 10") < want
+        ):
+            time.sleep(0.5)
+        subprocess.run(
+            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        lines = calls.read_text().splitlines()
+        lane = [x for x in lines if x.startswith(f"{ngpu - 1} ") and " -m " in x]
+        assert not any("longctx.train" in x or "gpu_kernel_check" in x for x in lane)
+        evals = [x for x in lane if "retrieval_eval run" in x or "needle_recall" in x or "long_parity" in x]
+        assert evals and all(shipped in x for x in evals)
+        if ngpu == 1:
+            assert all("--index-local-window 64" in x for x in evals if "window128" not in x)
+            lengths = [x.split("--lengths ")[1].split()[0] for x in evals]
+            assert lengths == ["4k", "1m", "32k", "4k", "128k", "256k,512k", "1m", "1m", "1m", "1m"]
+            (alt,) = [x for x in evals if "window128_1m" in x]
+            assert "--index-local-window 128" in alt and "--index-local-window 64" not in alt
+            assert lane.index(alt) == len(lane) - 2 and "--samples 4 " in evals[1]
+        else:
+            assert all("--index-local-window 32" in x and f"{s}/b/" in x for x in evals)
+            assert not any("long_parity" in x for x in evals)
+            (train,) = [x for x in lines if x.startswith("0 ") and "longctx.train" in x]
+            assert "--index-local-window 64" in train
 
 
 @pytest.mark.parametrize("checks", ["1", "0"])

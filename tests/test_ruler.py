@@ -274,6 +274,8 @@ def test_parse_lengths():
         ["--model", "/does/not/exist", "--out", "O"],
         ["--base-url", "http://x", "--out", "O", "--index-topk", "64"],  # a server selects its own
         ["--index-topk", "0", "--dump-dir", "D"],
+        ["--index-local-window", "-1", "--dump-dir", "D"],
+        ["--base-url", "http://x", "--out", "O", "--index-local-window", "8"],  # (the server's own)
         ["--base-url", "http://x", "--out", "O", "--hisparse-device-tokens", "4096"],
     ],
 )

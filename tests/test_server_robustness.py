@@ -219,6 +219,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
     "extra",
     [
         ["--index-topk", "0"],
+        ["--index-local-window", "-1"],
         ["--hisparse-device-tokens", "-1"],
         ["--pp", "0"],
         ["--max-context", "0"],

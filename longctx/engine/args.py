@@ -20,6 +20,7 @@ ENGINE_FIELDS = (
     "max_context",
     "backend",
     "index_topk",
+    "index_local_window",
 )
 
 _CHOICES = {
@@ -60,6 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         type=int,
         default=None,
         help="tokens each full layer's indexer selects (default: the checkpoint's index_topk)",
+    )
+    p.add_argument(
+        "--index-local-window",
+        type=int,
+        default=None,
+        help="each query's newest positions every full layer keeps in its selection, out of the top-k "
+        "(default: the checkpoint's index_local_window, 0 for GLM-5 / DeepSeek-V3.2)",
     )
 
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, check_local_window
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
@@ -141,6 +141,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         overlap: bool | None = None,
         index_topk: int | None = None,
+        index_local_window: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
@@ -150,6 +151,11 @@ class Engine:
             if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
                 raise ConfigError(f"index_topk must be a positive int, got {index_topk!r}")
             self.cfg = dataclasses.replace(self.cfg, index_topk=index_topk)
+        if index_local_window is not None:
+            # every full layer keeps each query's newest positions in its selection (the rest of the top-k
+            # by index score); the checkpoint's `index_local_window` otherwise
+            self.cfg = dataclasses.replace(self.cfg, index_local_window=index_local_window)
+        check_local_window(self.cfg.index_local_window, self.cfg.index_topk)
         self.device = _resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"

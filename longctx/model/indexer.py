@@ -4,6 +4,13 @@ score[q, t] = sum_h w[q, h] * relu(q_h . k_t) * index_head_dim^-0.5,  w = weight
 over every earlier token t <= pos(q) of the same request, then top-`index_topk`. Keys live in the
 stage's paged index pool (fp8 132 bytes per token, page-major, or the model dtype); only "full" layers own an indexer,
 "shared" layers reuse the previous full layer's selection (IndexShare).
+
+`index_local_window` W > 0 (longctx's own; 0 in GLM-5 / DeepSeek-V3.2): a query at pos > topk - 1 keeps
+positions pos - W + 1 .. pos and takes the top (topk - W) of the keys before them; a query with at most
+topk keys keeps them all, as without it. At 1M tokens the retrieval model's top 256 held almost none of
+the question it was answering (its first byte then came out as haystack prose; with the question's
+positions forced in, the answer's space, bench/results/long-parity-h200.md): a million haystack keys
+outrank the few dozen tokens every answer has to read.
 """
 
 from __future__ import annotations
@@ -17,6 +24,30 @@ from longctx.model.linear import Linear
 from longctx.model.ops import op
 
 
+def local_window_bound(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The last key position the index scores choose from, for queries at `positions` (clamped at 0:
+    a query that has fewer keys than the top-k keeps all of them, see `with_local_window`)."""
+    return (positions - window).clamp(min=0) if window else positions
+
+
+def with_local_window(top: torch.Tensor, positions: torch.Tensor, topk: int, window: int) -> torch.Tensor:
+    """The selection [T, topk] (ascending, -1 pads) from `top` [T, topk - window], the top of each query's
+    keys at positions <= `local_window_bound` (ascending, -1 pads), and the window: for a query at
+    pos >= topk `top` is full (pos + 1 - window > topk - window keys to choose from) and every one of its
+    positions is below the window, so the concatenation is ascending; a query at pos < topk selects every
+    key 0 .. pos, as the plain top-k does."""
+    if not window:
+        return top
+    T = positions.shape[0]
+    assert top.shape == (T, topk - window), (
+        f"top {tuple(top.shape)} for {T} queries, top-k {topk} - window {window}"
+    )
+    pos = positions.to(top.dtype)[:, None]
+    ar = torch.arange(topk, device=top.device, dtype=top.dtype)[None]
+    row = torch.cat([top, pos - window + 1 + ar[:, :window]], 1)
+    return torch.where(pos >= topk, row, torch.where(ar <= pos, ar, -1))
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -25,6 +56,7 @@ class Indexer(nn.Module):
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
+        self.window = cfg.index_local_window
         self.interleaved = cfg.model_type == "glm_moe_dsa"
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = Linear(cfg.hidden_size, self.head_dim)
@@ -58,20 +90,22 @@ class Indexer(nn.Module):
             self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind,
         )  # fmt: skip
         w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
+        k_top = self.topk - self.window  # (the rest of the budget is the local window)
         if ctx.use_triton and not ctx.is_decode:
             # prefill chunk: fused logits + top-k, so the [T, context] logits are never materialised
-            return op("indexer_topk", "indexer_topk_paged", ctx.use_triton)(
+            top = op("indexer_topk", "indexer_topk_paged", ctx.use_triton)(
                 q,
                 w.float() * w_scale,
                 kv.index_pool(self.layer),
                 ctx.page_table,
                 ctx.seq_lens,
                 ctx.q_seq,
-                ctx.positions,
+                local_window_bound(ctx.positions, self.window),
                 kv.index_kind,
-                self.topk,
+                k_top,
                 max_len=max(ctx.seq_lens_cpu),
             )
+            return with_local_window(top, ctx.positions, self.topk, self.window)
         logits = op("indexer", "indexer_logits_paged", ctx.use_triton)(
             q,
             w,
@@ -85,5 +119,6 @@ class Indexer(nn.Module):
             w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
         )  # [T, max_len] fp32, -inf where not causal
         if ctx.key_lens is None:
-            ctx.key_lens = ctx.positions + 1
-        return op("topk", "topk_indices", ctx.use_triton)(logits, self.topk, ctx.key_lens)
+            ctx.key_lens = local_window_bound(ctx.positions, self.window) + 1
+        top = op("topk", "topk_indices", ctx.use_triton)(logits, k_top, ctx.key_lens)
+        return with_local_window(top, ctx.positions, self.topk, self.window)

@@ -40,6 +40,7 @@ class EngineSpec:
     max_context: int = 1_048_576
     backend: str = "auto"
     index_topk: int | None = None
+    index_local_window: int | None = None
     fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
 
 

@@ -142,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: the selection only, as DSA)",
     )
     p.add_argument(
+        "--index-local-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="the trained model's index_local_window: each query's newest W positions always in every "
+        "full layer's selection, the rest of the top-k by index score (saved in the checkpoint's config; "
+        "default: the model config's)",
+    )
+    p.add_argument(
         "--select",
         choices=SELECT_FORMS,
         default=t.select,
@@ -274,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             long_topk=long_topk[1],
             long_topk_prob=args.long_topk_prob,
             kl_local=args.kl_local,
+            index_local_window=args.index_local_window,
             sparse_attention=args.sparse_attention,
             select=args.select,
             select_dot=args.select_dot,

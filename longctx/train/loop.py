@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, check_local_window
 from longctx.errors import ConfigError
 from longctx.train.checkpoint import (
     load_model_weights,
@@ -92,6 +92,11 @@ class TrainConfig:
     # selects almost none of the question (0.00-0.06 of the prompt's last 64 positions, the seventeenth
     # session), and --long-topk's smaller selections only make that worse unless the KL reaches past them
     kl_local: int = 0
+    # the model's `index_local_window` (each query's newest W positions always in its selection, the rest
+    # of the top-k by index score; `model.indexer.with_local_window`), saved in the checkpoint's config
+    # (None: the resumed or --init-from checkpoint's, else the model config's). At 1M the top 256 held almost none of the question and the answer's
+    # first byte came out as haystack prose; with the question forced in, the space (eighteenth session)
+    index_local_window: int | None = None
     # the sparse stage's attention (TrainCausalLM.sparse_attention): auto, gather or mask; the same
     # function, different cost. auto takes at each row length the form the time fit's probe timed
     # faster (`sparse_forms`); without a probe (a fixed --steps) masked up to 16K-token rows, gathered
@@ -527,6 +532,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     mcfg = ModelConfig.from_json(cfg.model_config)
+    window = cfg.index_local_window
+    source = cfg.resume or cfg.init_from
+    if window is None and source:  # the weights' own window goes on with them
+        window = ModelConfig.from_json(source).index_local_window
+    if window is not None:
+        check_local_window(window, mcfg.index_topk)
+        mcfg = dataclasses.replace(mcfg, index_local_window=window)
     save_dtype = getattr(torch, cfg.save_dtype)
 
     if cfg.sparse_attention not in SPARSE_ATTENTION_FORMS:
@@ -542,6 +554,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):
         raise ConfigError(
             f"long_topk needs a top-k >= 1 from a row length >= 1, got {cfg.long_topk} from {cfg.long_topk_from}"
+        )
+    if cfg.long_topk_from and cfg.long_topk <= mcfg.index_local_window:
+        raise ConfigError(
+            f"long_topk ({cfg.long_topk}) must be larger than the model's index_local_window "
+            f"({mcfg.index_local_window}): the window is part of the top-k"
         )
     if cfg.kl_local < 0:
         raise ConfigError(f"kl_local must be >= 0, got {cfg.kl_local}")

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from longctx.config import ModelConfig
-from longctx.model.indexer import Indexer
+from longctx.config import ModelConfig, check_local_window
+from longctx.model.indexer import Indexer, with_local_window
 from longctx.model.mla import MLAttention
 from longctx.model.model import CausalLM
 from longctx.model.moe import MoE
@@ -274,9 +274,18 @@ class TrainCausalLM(CausalLM):
         return self.sparse_attention == "gather"
 
     def _selection(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
-        """The sparse stage's top-k of rows of qi.shape[1] tokens, by the form `select_form` takes there."""
+        """The sparse stage's top-k of rows of qi.shape[1] tokens, by the form `select_form` takes there;
+        with the config's `index_local_window` W, each query's newest W positions and the top (topk - W)
+        of the keys before them, as the engine's indexer selects (`model.indexer.with_local_window`)."""
         select = self._select_fused if self._selects_fused(qi.shape[1]) else self._select
-        return select(qi, ki, wi, topk)
+        W = self.cfg.index_local_window
+        if not W:
+            return select(qi, ki, wi, topk)
+        check_local_window(W, topk)  # (a --long-topk draw must leave room for the window)
+        B, S = qi.shape[:2]
+        top = select(qi, ki, wi, topk - W, shift=W).view(B * S, topk - W)
+        pos = torch.arange(S, device=qi.device).repeat(B)
+        return with_local_window(top, pos, topk, W).view(B, S, topk)
 
     def _selects_fused(self, S: int) -> bool:
         """Whether the sparse stage at rows of S tokens selects with the fused kernel."""
@@ -310,9 +319,12 @@ class TrainCausalLM(CausalLM):
         return q.view(B, S, idx.n_heads, idx.head_dim), k.view(B, S, -1), w.view(B, S, idx.n_heads)
 
     @torch.no_grad()
-    def _select(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+    def _select(
+        self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int, shift: int = 0
+    ) -> torch.Tensor:
         """Top-k selection as the engine makes it (same logits, same top-k routine) -> positions
-        [B, S, topk] int64 (-1: none; a query at position t selects only positions <= t).
+        [B, S, topk] int64 (-1: none; a query at position t selects only positions <= max(t - shift, 0),
+        `shift` the local window that `_selection` adds).
 
         Scored in chunks of _SELECT_ELEMS: whole rows of the batch at once when they fit (one batched
         matmul and one top-k call for a batch of short rows, not a loop over them), else query rows of
@@ -320,6 +332,7 @@ class TrainCausalLM(CausalLM):
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
+        bound = (pos - shift).clamp(min=0)  # the last key each query chooses from
         out = torch.empty(B, S, topk, dtype=torch.long, device=qi.device)
         rows = max(1, _SELECT_ELEMS // (Hi * S))  # query rows scored at once
         nb, step = max(1, rows // S), min(S, rows)  # batch rows per chunk, query rows per chunk of one
@@ -331,13 +344,15 @@ class TrainCausalLM(CausalLM):
                 # the reference's order of operations: relu(q @ k.T) * w, summed over heads
                 sc = torch.relu(qi[b0:b1, s0:s1].reshape(b1 - b0, n * Hi, D) @ ki[b0:b1].transpose(1, 2))
                 logits = (sc.view(b1 - b0, n, Hi, S) * wi[b0:b1, s0:s1, :, None]).sum(2)  # [b, n, S]
-                logits.masked_fill_(pos > pos[s0:s1, None], float("-inf"))
-                sel = topk_fn(logits.view(-1, S), topk, (pos[s0:s1] + 1).repeat(b1 - b0))  # -1 pads
+                logits.masked_fill_(pos > bound[s0:s1, None], float("-inf"))
+                sel = topk_fn(logits.view(-1, S), topk, (bound[s0:s1] + 1).repeat(b1 - b0))  # -1 pads
                 out[b0:b1, s0:s1] = sel.view(b1 - b0, n, topk)
         return out
 
     @torch.no_grad()
-    def _select_fused(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+    def _select_fused(
+        self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int, shift: int = 0
+    ) -> torch.Tensor:
         """`_select` by the engine's fused prefill indexer + top-k (`select_form` "fused"): the same
         logits up to float summation order and (`select_dot` tf32x3) ~1e-6 relative rounding, the same
         top-k routine, [B, S, topk] int64 (-1 pads). The
@@ -353,7 +368,7 @@ class TrainCausalLM(CausalLM):
         pool[:, :S] = ki
         pages = torch.arange(B * n_pages, dtype=torch.int32, device=dev).view(B, n_pages)
         q_seq = torch.arange(B, device=dev).repeat_interleave(S)
-        q_pos = torch.arange(S, device=dev).repeat(B)
+        q_pos = (torch.arange(S, device=dev) - shift).clamp(min=0).repeat(B)  # (the causal bound only)
         q, w = qi.reshape(B * S, Hi, D).contiguous(), wi.reshape(B * S, Hi).float().contiguous()
         lens = torch.full((B,), S, dtype=torch.int64, device=dev)
         # the kernel's per-query buffers (a threshold sample of up to 8,192 logits, >= 4 x top-k candidates,

@@ -31,6 +31,12 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tokens each full layer selects (embedded Engine; default the model's)",
     )
+    p.add_argument(
+        "--index-local-window",
+        metavar="N",
+        help="each query's newest positions kept in every full layer's selection (embedded Engine; "
+        "default the model's)",
+    )
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
 
 
@@ -38,13 +44,14 @@ def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`add_embedded_engine_args`' flags as Engine keywords (the integer ones only when given); they
     are refused without --model, since a server runs with the engine it was started with."""
     kw: dict[str, Any] = {"device": args.device}
-    for flag, name in (
-        ("--hisparse-device-tokens", "hisparse_device_tokens"),
-        ("--index-topk", "index_topk"),
+    for flag, name, lo in (
+        ("--hisparse-device-tokens", "hisparse_device_tokens", 1),
+        ("--index-topk", "index_topk", 1),
+        ("--index-local-window", "index_local_window", 0),
     ):
         text = getattr(args, name)
         if text:
             if not args.model:
                 raise UsageError(f"{flag} is for --model (a server runs the engine it was started with)")
-            kw[name] = int_arg(flag, text)
+            kw[name] = int_arg(flag, text, lo)
     return kw
