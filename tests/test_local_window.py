@@ -142,12 +142,19 @@ def test_training_takes_the_window_and_saves_it(tmp_path, capsys) -> None:
         "--curriculum", "0:512", "--dense-warmup-steps", "0", "--warmup-steps", "1", "--log-every", "1",
         "--kl-rows", "8", "--save-dtype", "float32", "--seed", "3",
     ]  # fmt: skip
+    plain = tmp_path / "plain"
+    assert main([*base, "--out", str(plain), "--steps", "1"]) == 0
+    assert ModelConfig.from_json(plain).index_local_window == 0
+    # from weights trained without a window (run 21 from run 17)
     a = tmp_path / "a"
-    assert main([*base, "--out", str(a), "--index-local-window", str(W)]) == 0
+    assert main([*base, "--out", str(a), "--init-from", str(plain), "--index-local-window", str(W)]) == 0
     assert ModelConfig.from_json(a).index_local_window == W
     b = tmp_path / "b"
     assert main([*base, "--out", str(b), "--init-from", str(a), "--steps", "1"]) == 0
     assert ModelConfig.from_json(b).index_local_window == W
+    c = tmp_path / "c"  # a resumed run keeps the window its checkpoint has
+    assert main([*base, "--out", str(c), "--resume", str(b), "--steps", "2"]) == 0
+    assert ModelConfig.from_json(c).index_local_window == W
     capsys.readouterr()
     assert (
         main([*base, "--out", str(tmp_path / "c"), "--index-local-window", str(W), "--long-topk", "128:4"])
