@@ -137,8 +137,10 @@ def load_model_weights(model: TrainCausalLM, model_dir: str | Path, device: torc
     """Load a checkpoint's weights into `model` through the engine's own loader, as fp32 trainables."""
     cfg = ModelConfig.from_json(model_dir)
     # (the dtype and the selection's local window are not the weights': --index-local-window may change it)
-    same = {"torch_dtype": model.cfg.torch_dtype, "index_local_window": model.cfg.index_local_window}
-    if dataclasses.replace(cfg, **same) != model.cfg:
+    same = dataclasses.replace(
+        cfg, torch_dtype=model.cfg.torch_dtype, index_local_window=model.cfg.index_local_window
+    )
+    if same != model.cfg:
         raise CheckpointError(f"{model_dir} holds a different architecture than the training config")
     model.load_weights(iter_weights(model_dir, cfg, dtype=torch.float32), device, torch.float32)
     model.mark_trainable()
