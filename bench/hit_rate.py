@@ -285,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --policies and --tail: LRU started from what prefill could leave resident (the tail, "
         "the positions the prefill selected most often, both)",
     )
+    ap.add_argument(
+        "--index-local-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="each query's newest W positions in every selection (Engine's; default the model's)",
+    )
     args = ap.parse_args(argv)
 
     from bench.common import niah_byte_prompt
@@ -300,7 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     rec = SelectionRecorder(args.ahead, args.tail, args.warm) if args.policies else contextlib.nullcontext()
     with (
         rec,
-        Engine(args.model, device=args.device, hisparse_device_tokens=cap, chunk_size=args.chunk) as eng,
+        Engine(
+            args.model,
+            device=args.device,
+            hisparse_device_tokens=cap,
+            chunk_size=args.chunk,
+            index_local_window=args.index_local_window,
+        ) as eng,  # fmt: skip
     ):
         eng.add_request(Request("hit-rate", ids, params))
         t0 = time.perf_counter()
@@ -316,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "context_tokens": len(ids),
         "index_topk": topk,
+        "index_local_window": args.index_local_window,
         "device_tokens_cap": cap,
         "decode_steps": args.steps,
         "hits": hits,

@@ -707,10 +707,11 @@ def test_hit_rate_runs_the_shipped_model_capped(tmp_path: Path) -> None:
     from bench.hit_rate import main
 
     args = ["--tokens", "1024", "--steps", "4", "--policies", "--warmup", "1", "--ahead", "32", "--tail", "8"]
-    assert main([*args, "--out", str(tmp_path)]) == 0
+    assert main([*args, "--index-local-window", "32", "--out", str(tmp_path)]) == 0
     (f,) = tmp_path.glob("hit-rate-*.json")
     d = json.loads(f.read_text())
     assert d["device_tokens_cap"] == d["index_topk"] + 2  # 10% of ~1K is below top-k: the floor
+    assert d["index_local_window"] == 32
     assert d["hits"] + d["misses"] > 0 and 0.0 <= d["decode_hit_rate"] <= 1.0
     m = d["policies"]["mean"]
     assert len(d["policies"]["per_layer"]) >= 1
