@@ -2,9 +2,10 @@
 
 transformers' GlmMoeDsaForCausalLM vs longctx on a tiny random checkpoint, on CUDA: fp32 with the
 torch references and with the Triton kernels (logits rel <= 1e-3, identical greedy tokens), and bf16
-with fp8 KV through Triton against the torch path on a smooth model. Writes gpu-check.json.
+with fp8 KV through Triton against the torch path on a smooth model; decode through CUDA graphs against
+eager decode (plain, HiSparse-capped, and with `index_local_window`). Writes gpu-check.json.
 
-    python -m bench.gpu_check [--out $OUT]
+    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window] [--out $OUT]
 """
 
 from __future__ import annotations
@@ -14,21 +15,39 @@ import dataclasses
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+if TYPE_CHECKING:
+    from longctx.config import ModelConfig
+
+
+CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window"}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window (default: all)",
+    )
     args = ap.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and not only <= CHECKS:
+        print(f"gpu_check: --only {args.only}: each of {', '.join(sorted(CHECKS))}", file=sys.stderr)
+        return 2
+
+    def want(name: str) -> bool:
+        return only is None or name in only
+
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    import transformers
-
     from bench.common import environment, write_results
     from longctx import Engine
     from longctx.checkpoint.init_random import init_random_checkpoint
@@ -38,6 +57,42 @@ def main(argv: list[str] | None = None) -> int:
     base = ModelConfig.from_json(root / "configs" / "tiny.json")
     tmp = Path(tempfile.mkdtemp())
     res: dict = {"env": environment()}
+    smooth = dataclasses.replace(base, index_topk=512, mlp_layer_types=("dense",) * base.num_hidden_layers)
+    d2 = init_random_checkpoint(smooth, tmp / "smooth", seed=1, dtype="bfloat16", std=0.08)
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    long_prompts = [
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (900, 1300, 610)
+    ]
+    if want("fp32"):
+        fp32_vs_transformers(base, tmp, ids, res)
+    if want("bf16"):
+        outs = {}
+        for backend in ("torch", "triton"):
+            with Engine(
+                d2, device="cuda", dtype="bfloat16", kv_dtype="fp8_e4m3", backend=backend, kv_pages=256
+            ) as e:
+                outs[backend] = e.score(ids)
+        rel = float((outs["triton"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
+        res["bf16_fp8kv_triton_vs_torch"] = {"rel_err": rel, "ok": rel <= 0.05}
+        print(res["bf16_fp8kv_triton_vs_torch"])
+    if want("graphs"):
+        graph_vs_eager(d2, ids, res)
+    if want("hisparse_graphs"):
+        hisparse_graph_vs_eager(d2, long_prompts, res)
+    if want("window"):
+        window_graph_vs_eager(d2, long_prompts, res)
+    write_results("gpu-check", res, "\n".join(f"{k}: {v}" for k, v in res.items()), args.out)
+    return 0
+
+
+def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict) -> None:
+    """The tiny model in fp32, torch and Triton backends, against transformers: logits and greedy tokens."""
+    import transformers
+
+    from longctx import Engine
+    from longctx.checkpoint.init_random import init_random_checkpoint
+
     d = init_random_checkpoint(base, tmp / "tiny", seed=0, dtype="float32", std=0.08)
     ref = (
         transformers.AutoModelForCausalLM.from_pretrained(
@@ -46,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         .cuda()
         .eval()
     )
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         want = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
         x = list(ids[:100])
@@ -65,17 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             "ok": rel <= 1e-3 and toks == x[100:],
         }
         print(backend, res[f"fp32_{backend}"], flush=True)
-    smooth = dataclasses.replace(base, index_topk=512, mlp_layer_types=("dense",) * base.num_hidden_layers)
-    d2 = init_random_checkpoint(smooth, tmp / "smooth", seed=1, dtype="bfloat16", std=0.08)
-    outs = {}
-    for backend in ("torch", "triton"):
-        with Engine(
-            d2, device="cuda", dtype="bfloat16", kv_dtype="fp8_e4m3", backend=backend, kv_pages=256
-        ) as e:
-            outs[backend] = e.score(ids)
-    rel = float((outs["triton"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
-    res["bf16_fp8kv_triton_vs_torch"] = {"rel_err": rel, "ok": rel <= 0.05}
-    print(res["bf16_fp8kv_triton_vs_torch"])
+
+
+def graph_vs_eager(d2: Path, ids: list[int], res: dict) -> None:
+    from longctx import Engine
+
     # decode through CUDA graphs, overlapped with device-fed continuations == eager decode one step
     # at a time: same greedy tokens for a ragged batch (bf16, fp8 KV)
     prompts = [ids[:n] for n in (37, 100, 211, 300)]
@@ -95,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     g = res["graph_vs_eager"]
     g.update(tokens_match=same, ok=same and g["replays"] > 0 and g["device_fed_steps"] > 0)
     print(res["graph_vs_eager"])
+
+
+def hisparse_graph_vs_eager(d2: Path, long_prompts: list[list[int]], res: dict) -> None:
+    from longctx import Engine
+
     # HiSparse-capped decode through CUDA graphs (overlapped, device-fed) == capped eager decode one
     # step at a time: top-k 512 of up to 1,400 keys with 700 device slots, so misses swap in
     try:
-        long_prompts = [
-            torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            for n in (900, 1300, 610)
-        ]
         htoks, hs = {}, {}
         for graphs in (True, False):
             with Engine(d2, device="cuda", dtype="bfloat16", kv_pages=256, cuda_graphs=graphs, overlap=graphs,
@@ -121,8 +170,30 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - report it with the other checks' results
         res["hisparse_graph_vs_eager"] = {"error": repr(e)[:500], "ok": False}
     print(res["hisparse_graph_vs_eager"])
-    write_results("gpu-check", res, "\n".join(f"{k}: {v}" for k, v in res.items()), args.out)
-    return 0
+
+
+def window_graph_vs_eager(d2: Path, long_prompts: list[list[int]], res: dict) -> None:
+    """`index_local_window` 64 (top-k 512 of up to 1,400 keys): decode through CUDA graphs, uncapped and
+    HiSparse-capped (700 slots), gives eager decode's tokens, and the window changes them."""
+    from longctx import Engine
+
+    try:
+        toks = {}
+        for window, cap, graphs in ((64, None, True), (64, None, False), (64, 700, True), (0, None, False)):
+            with Engine(d2, device="cuda", dtype="bfloat16", kv_pages=256, cuda_graphs=graphs, overlap=graphs,
+                        hisparse_device_tokens=cap, index_local_window=window) as e:  # fmt: skip
+                outs = e.generate(long_prompts, max_new_tokens=24, ignore_eos=True)
+                toks[(window, cap, graphs)] = [o.token_ids for o in outs]
+        eager = toks[(64, None, False)]
+        r = {
+            "graphs_match": toks[(64, None, True)] == eager,
+            "capped_graphs_match": toks[(64, 700, True)] == eager,
+            "window_changes_tokens": toks[(0, None, False)] != eager,
+        }
+        res["window_graph_vs_eager"] = {**r, "ok": all(r.values())}
+    except Exception as e:  # noqa: BLE001 - report it with the other checks' results
+        res["window_graph_vs_eager"] = {"error": repr(e)[:500], "ok": False}
+    print(res["window_graph_vs_eager"])
 
 
 if __name__ == "__main__":

@@ -151,6 +151,11 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     touch "$S/timed.done"
     return 0
   fi
+  # a selection window (WINDOW, or run 21's --index-local-window): decode through CUDA graphs, capped or
+  # not, against eager decode with it on this GPU first (~1 minute; never run on a GPU before)
+  if [ ${#win[@]} -gt 0 ] || [[ "$args" == *"--index-local-window"* ]]; then
+    "$PY" -m bench.gpu_check --only window --out "$S/checks/window"
+  fi
   # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
   if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then

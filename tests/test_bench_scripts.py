@@ -239,6 +239,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
         in gpu0[0]
         and "--select auto --seed 21 --index-local-window 64" in gpu0[0]
     )  # one argv
+    # the selection window: graphs against eager decode with it on this GPU, before any score
+    assert "bench.gpu_check --only window" in gpu0[1]
+    del gpu0[1]
     # a quick 4K score, the gate on it, then the long lengths
     assert "--lengths 4k " in gpu0[1] and "retrieval_eval gate" in gpu0[2]
     # 32K, then HiSparse at 128K on a RULER prompt, then the 128K scores (the longest) last
@@ -366,7 +369,9 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
         assert not any(
             m in x for x in lane for m in ("long_context", "step_profile", "place_bench", "hit_rate")
         )
-        assert not any("gpu_check" in x or "--cap-fraction" in x for x in lane)
+        # (the only whole-engine GPU check: the selection window's graphs against eager decode)
+        assert [x for x in lane if "gpu_check" in x] == [x for x in lane if "gpu_check --only window" in x]
+        assert not any("--cap-fraction" in x for x in lane)
     assert any(f"--out {s}/b/eval/uncapped" in x for x in gpu1)
     out = run("collect").stdout
     assert "model.tar.00" in out and (tmp_path / "out" / "b" / "model.tar.00").exists()
@@ -419,6 +424,7 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
         lines = calls.read_text().splitlines()
         lane = [x for x in lines if x.startswith(f"{ngpu - 1} ") and " -m " in x]
         assert not any("longctx.train" in x or "gpu_kernel_check" in x for x in lane)
+        assert "bench.gpu_check --only window" in lane[0]  # the window checked before any score
         evals = [x for x in lane if "retrieval_eval run" in x or "needle_recall" in x or "long_parity" in x]
         assert evals and all(shipped in x for x in evals)
         if ngpu == 1:
