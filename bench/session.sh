@@ -200,16 +200,16 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
       --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" "${win[@]}" --out "$S/eval/topk_1m"
   fi
-  # does the engine compute what the model computes at 1M? The shipped model's last prompt row through
-  # the engine against the training forward (PARITY=0: skip): at 1M its answers are haystack prose, while
-  # on the CPU at 16K even a top-4 selection keeps it writing digits. After the mid lengths and the
-  # needle recall (and the top-2048 scores), and bounded: in the seventeenth session it ran 13 minutes without a result (the fused
-  # selection's fixed 4k candidates sent half of each 1M layer's queries to the unfused fallback; fixed)
+  # the engine's last prompt row at 1M against the training forward of the same weights (PARITY=0: skip;
+  # bounded: ~2 minutes in the eighteenth session, where both wrote prose and the question forced into
+  # the selection, form train+q, wrote the answer's space). With a window the question's end is in every
+  # selection already, so train+q (the same forward again) is left out
   if [ "${PARITY:-1}" = 1 ]; then
-    # (train+q: the same forward with the question's last 64 positions forced into the last row's
-    # selection; if that restores the answer's space, crowding is what breaks 1M's first byte)
-    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model "${PARITY_MODEL:-models-shipped/retrieval-wip}" \
-      --lengths 1m --forms engine,train --with-question 64 "${win[@]}" --device cuda --out "$S/parity"
+    local q=(--with-question 64)
+    [ ${#win[@]} -gt 0 ] && q=()
+    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity \
+      --model "${PARITY_MODEL:-models-shipped/retrieval-wip}" --lengths 1m --forms engine,train "${q[@]}" \
+      "${win[@]}" --device cuda --out "$S/parity"
   fi
   # ALT_WINDOW=W: 4 niah_single_1 samples at 1M with another window (e.g. 128) before the long 1M run
   if [ -n "${ALT_WINDOW:-}" ]; then

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from longctx.config import ModelConfig  # noqa: E402
+from longctx.model.indexer import local_window_bound  # noqa: E402
 from longctx.model.moe import MoE  # noqa: E402
 from longctx.model.ops import op  # noqa: E402
 from longctx.train.checkpoint import load_model_weights  # noqa: E402
@@ -75,7 +76,7 @@ class ReferenceTrainCausalLM(TrainCausalLM):
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
-        bound = (pos - shift).clamp(min=0)
+        bound = local_window_bound(pos, shift)
         out = torch.empty(B, S, topk, dtype=torch.long, device=qi.device)
         step = max(1, _SELECT_ELEMS // (Hi * S))
         for b in range(B):

@@ -434,6 +434,8 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
             (alt,) = [x for x in evals if "window128_1m" in x]
             assert "--index-local-window 128" in alt and "--index-local-window 64" not in alt
             assert lane.index(alt) == len(lane) - 2 and "--samples 4 " in evals[1]
+            (parity,) = [x for x in evals if "long_parity" in x]  # (train+q is train under a window)
+            assert "--with-question" not in parity
         else:
             assert all("--index-local-window 32" in x and f"{s}/b/" in x for x in evals)
             assert not any("long_parity" in x for x in evals)

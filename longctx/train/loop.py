@@ -94,8 +94,9 @@ class TrainConfig:
     kl_local: int = 0
     # the model's `index_local_window` (each query's newest W positions always in its selection, the rest
     # of the top-k by index score; `model.indexer.with_local_window`), saved in the checkpoint's config
-    # (None: the resumed or --init-from checkpoint's, else the model config's). At 1M the top 256 held almost none of the question and the answer's
-    # first byte came out as haystack prose; with the question forced in, the space (eighteenth session)
+    # (None: the resumed or --init-from checkpoint's, else the model config's). At 1M the top 256 held
+    # almost none of the question and the answer's first byte came out as haystack prose; with the
+    # question forced in, the space (eighteenth session)
     index_local_window: int | None = None
     # the sparse stage's attention (TrainCausalLM.sparse_attention): auto, gather or mask; the same
     # function, different cost. auto takes at each row length the form the time fit's probe timed

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longctx.config import ModelConfig, check_local_window
-from longctx.model.indexer import Indexer, with_local_window
+from longctx.model.indexer import Indexer, local_window_bound, with_local_window
 from longctx.model.mla import MLAttention
 from longctx.model.model import CausalLM
 from longctx.model.moe import MoE
@@ -332,7 +332,7 @@ class TrainCausalLM(CausalLM):
         B, S, Hi, D = qi.shape
         topk_fn = op("topk", "topk_indices", False)
         pos = torch.arange(S, device=qi.device)
-        bound = (pos - shift).clamp(min=0)  # the last key each query chooses from
+        bound = local_window_bound(pos, shift)  # the last key each query chooses from
         out = torch.empty(B, S, topk, dtype=torch.long, device=qi.device)
         rows = max(1, _SELECT_ELEMS // (Hi * S))  # query rows scored at once
         nb, step = max(1, rows // S), min(S, rows)  # batch rows per chunk, query rows per chunk of one
@@ -368,7 +368,7 @@ class TrainCausalLM(CausalLM):
         pool[:, :S] = ki
         pages = torch.arange(B * n_pages, dtype=torch.int32, device=dev).view(B, n_pages)
         q_seq = torch.arange(B, device=dev).repeat_interleave(S)
-        q_pos = (torch.arange(S, device=dev) - shift).clamp(min=0).repeat(B)  # (the causal bound only)
+        q_pos = local_window_bound(torch.arange(S, device=dev), shift).repeat(B)  # (the causal bound only)
         q, w = qi.reshape(B * S, Hi, D).contiguous(), wi.reshape(B * S, Hi).float().contiguous()
         lens = torch.full((B,), S, dtype=torch.int64, device=dev)
         # the kernel's per-query buffers (a threshold sample of up to 8,192 logits, >= 4 x top-k candidates,
