@@ -16,8 +16,15 @@ prompt row's next-byte distribution three ways:
 For each: the top 5 bytes, the logprob of the answer's first byte (a space), and the relative
 difference of its logits from `train`'s (max |a - b| / max |b|).
 
+`--answer-row` also compares the next row, the answer's space (every form scores the prompt and that
+space): the distribution of the answer's first value byte. There the engine's prefill row (`engine`) and
+the training forward are joined by the engine's own decode step (`engine_decode`: greedy from the prompt,
+whose first token is the space, then the step after it, top 5 logprobs only, compared with the training
+forward's logprobs of the same bytes), and the attention table describes that row: a 1M answer that starts
+with the space and then goes wrong is either the model's (all three agree) or the decode path's.
+
     python -m bench.long_parity --model DIR --lengths 128k,1m [--task niah_single_1] [--index 0]
-        [--index-topk K] [--index-local-window W] [--device cuda] --out R
+        [--index-topk K] [--index-local-window W] [--answer-row] [--device cuda] --out R
 
 With a needle to find it also reports, for the training forward's last prompt row, each full layer's
 main attention share on the needle's value and on the question (the prompt's last 64 positions), over
@@ -35,6 +42,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +51,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the prompt's last positions counted as the question: needle_recall's `local` column's
-from bench.needle_recall import LOCAL  # noqa: E402
+from bench.needle_recall import LOCAL, SPACE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = 5
+
+
+def describe_top(
+    top: Sequence[tuple[int, float]], want: int, decode: Any, ref: torch.Tensor | None
+) -> dict[str, Any]:
+    """An engine step's top logprobs [(token, logprob)] -> `describe`'s keys, the wanted byte's logprob
+    None when it is not among them; `ref` (logits [V]): `logprob_diff`, the largest |difference| from its
+    logprobs of the same bytes (the relative logits difference needs every logit)."""
+    got = dict(top)
+    out: dict[str, Any] = {
+        "top": [[decode([int(t)]), round(float(v), 4)] for t, v in top[:TOP]],
+        "want_logprob": None if want not in got else round(float(got[want]), 4),
+    }
+    if ref is not None:
+        lp = torch.log_softmax(ref.float(), -1)
+        out["logprob_diff"] = max(abs(float(v) - float(lp[int(t)])) for t, v in top)
+    return out
 
 
 def describe(logits: torch.Tensor, want: int, decode: Any, ref: torch.Tensor | None) -> dict[str, Any]:
@@ -113,9 +138,10 @@ def train_last_logits(
     topk: int | None = None,
     question: tuple[int, bool] | None = None,
     window: int | None = None,
+    tail: int = 1,
 ) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
-    """The training forward's logits at the last of `ids` (fp32 [V]) and, per full layer (one with an
-    indexer), `attention_mass` of its last row given the needle's positions (none without them);
+    """The training forward's logits at the last `tail` of `ids` (fp32 [tail, V]) and, per full layer (one
+    with an indexer), `attention_mass` of its last row given the needle's positions (none without them);
     `topk`: the selection's size (None: each indexer's own); `question` = (W, keep): every full layer's
     last-row selection made by `question_row` (the question's last W positions forced in or kept out);
     `window`: the model's index_local_window instead of its config's."""
@@ -163,11 +189,31 @@ def train_last_logits(
         m._selection = last_row_question  # type: ignore[method-assign]
     with torch.no_grad(), amp:
         h, _ = m.forward_train(x, sparse=True, kl_rows=rows, topk=topk)
-        out = m.logits(h[:, -1:])[0, -1].float().cpu()
+        out = m.logits(h[:, -tail:])[0].float().cpu()
     del m, h
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out, masses
+
+
+def answer_row(
+    got: dict[str, torch.Tensor],
+    decoded: dict[str, tuple[list[int], list[Any]]],
+    ref: torch.Tensor,
+    want: int,
+    decode: Any,
+) -> dict[str, Any]:
+    """The answer's space row, each form against the training forward's `ref` ([V]): the engine's prefill
+    rows (`got`), its decode steps after writing the space (`decoded`: greedy tokens and their logprobs;
+    a form whose first token was not the space has only a note), and train itself."""
+    forms: dict[str, Any] = {f: describe(v, want, decode, ref) for f, v in got.items()}
+    for f, (out, lps) in decoded.items():
+        if len(out) >= 2 and len(lps) >= 2 and out[0] == SPACE:
+            forms[f"{f}_decode"] = describe_top(lps[1].top, want, decode, ref)
+        else:
+            forms[f"{f}_decode"] = {"note": f"wrote {decode(out[:1])!r} first, not the space"}
+    forms["train"] = describe(ref, want, decode, None)
+    return {"want": decode([want]), "forms": forms}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -182,10 +228,34 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['length_name']} | {form} | {top} | {v['want_logprob']:.3f} | {rel} | {v['seconds']:.0f} |"
             )
-    if any(r.get("attention") for r in rows):
+    if any(r.get("answer_row") for r in rows):
         lines += [
             "",
-            "The training forward's last prompt row, each full layer's main attention (mean over heads): its",
+            "The next row, the answer's space (`--answer-row`): the answer's first value byte. `engine_decode` is",
+            "the engine's decode step after it wrote the space (its top 5 logprobs; the difference column is the",
+            "largest logprob difference from train's over those bytes).",
+            "",
+            "| length | form | top 5 next bytes (logprob) | wanted byte | its logprob | diff from train |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            a = r.get("answer_row") or {"forms": {}}
+            for form, v in a["forms"].items():
+                if "top" not in v:
+                    lines.append(f"| {r['length_name']} | {form} | {v['note']} | {a['want']!r} | - | - |")
+                    continue
+                top = ", ".join(f"{b!r} {p:.2f}" for b, p in v["top"])
+                lp = "-" if v["want_logprob"] is None else f"{v['want_logprob']:.3f}"
+                diff = (
+                    f"{v['rel_diff']:.2e} (rel.)" if "rel_diff" in v
+                    else f"{v['logprob_diff']:.3f} (logprob)" if "logprob_diff" in v else "-"
+                )  # fmt: skip
+                lines.append(f"| {r['length_name']} | {form} | {top} | {a['want']!r} | {lp} | {diff} |")
+    if any(r.get("attention") for r in rows):
+        which = {r.get("attention_row", "last prompt row") for r in rows if r.get("attention")}
+        lines += [
+            "",
+            f"The training forward's {' / '.join(sorted(which))}, each full layer's main attention (mean over heads): its",
             f"share on the needle's value and on the prompt's last {LOCAL} positions (the question), over the",
             "selection the sparse model attends and over every causal key (the dense model).",
             "",
@@ -236,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also the training forward with the prompt's last W positions kept out of that selection "
         "(form train-q)",
     )
+    ap.add_argument(
+        "--answer-row",
+        action="store_true",
+        help="also the row after the answer's space (its first value byte), with the engine's decode step",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument(
         "--forms", default="engine,engine_bf16kv,train", help="of engine, engine_bf16kv (CUDA only), train"
@@ -244,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
-    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, SPACE, check_trained_model, needle_positions
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, _greedy, check_trained_model, needle_positions
     from longctx import Engine
     from longctx.errors import LongctxError
     from longctx.train.loop import resolve_device
@@ -270,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LongctxError("--index-topk must be >= 1")
         if args.with_question < 0 or args.without_question < 0:
             raise LongctxError("--with-question / --without-question must be >= 0")
+        if args.answer_row and (args.with_question or args.without_question):
+            raise LongctxError("--answer-row: without --with-question / --without-question (last-row forms)")
         check_trained_model(args.model)
         device = resolve_device(args.device)
     except LongctxError as e:
@@ -287,9 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         print("long_parity: engine_bf16kv runs on CUDA only; add engine", file=sys.stderr)
         return 2
     rows: list[dict[str, Any]] = []
+    tail = 2 if args.answer_row else 1  # the last prompt row (and the answer's space's)
     for L in lengths:
         s = gen.sample(args.task, L, args.index)
         got: dict[str, torch.Tensor] = {}
+        got_answer: dict[str, torch.Tensor] = {}
+        decoded: dict[str, tuple[list[int], list[Any]]] = {}
         secs: dict[str, float] = {}
         ids: list[int] = []
         value_ids: list[int] = []
@@ -307,17 +387,23 @@ def main(argv: list[str] | None = None) -> int:
             ) as eng:
                 ids = eng.encode(s.input + s.answer_prefix)
                 value_ids = eng.encode(s.outputs[0])
-                got[form] = eng.score(ids)[-1].float().cpu()
+                scored = eng.score(ids + [SPACE] * (tail - 1))[-tail:].float().cpu()
+                got[form] = scored[0]
+                if args.answer_row:  # the same row by the decode path: greedy from the prompt
+                    got_answer[form] = scored[1]
+                    decoded[form] = _greedy(eng, f"decode-{form}", ids, 2)
                 decode = eng.tokenizer.decode
             secs[form] = time.perf_counter() - t
             # each form as it comes (a bounded run that stops in a later form still says this one's)
             print(f"long_parity: {format_length(L)} {form}: {describe(got[form], SPACE, decode, None)} "
                   f"({secs[form]:.0f} s)", flush=True)  # fmt: skip
         t = time.perf_counter()
-        ref, masses = train_last_logits(
-            args.model, ids, device, needle_positions(ids, value_ids), topk=args.index_topk,
-            window=args.index_local_window,
+        full = ids + [SPACE] * (tail - 1)
+        ref_rows, masses = train_last_logits(
+            args.model, full, device, needle_positions(full, value_ids), topk=args.index_topk,
+            window=args.index_local_window, tail=tail,
         )  # fmt: skip
+        ref = ref_rows[0]
         secs["train"] = time.perf_counter() - t
         out_forms = {
             f: {**describe(v, SPACE, decode, ref), "seconds": round(secs[f], 1)} for f, v in got.items()
@@ -334,13 +420,15 @@ def main(argv: list[str] | None = None) -> int:
                     window=args.index_local_window,
                 )  # fmt: skip
                 out_forms[name] = {
-                    **describe(got_q, SPACE, decode, ref), "question_window": w,
+                    **describe(got_q[-1], SPACE, decode, ref), "question_window": w,
                     "seconds": round(time.perf_counter() - t, 1),
                 }  # fmt: skip
         row = {
             "length": L, "length_name": format_length(L), "prompt_tokens": len(ids), "forms": out_forms,
-            "attention": masses,
+            "attention": masses, "attention_row": "answer's space row" if args.answer_row else "last prompt row",
         }  # fmt: skip
+        if args.answer_row:
+            row["answer_row"] = answer_row(got_answer, decoded, ref_rows[-1], value_ids[0], decode)
         rows.append(row)
         print(f"long_parity: {row['length_name']}: " + "; ".join(
             f"{f} top {v['top'][0][0]!r} space {v['want_logprob']:.2f}" for f, v in out_forms.items()

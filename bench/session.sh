@@ -36,7 +36,8 @@
 #   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
 #   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate),
-#   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL.
+#   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
+#   weights; default the scored model).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
@@ -200,16 +201,13 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
       --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" "${win[@]}" --out "$S/eval/topk_1m"
   fi
-  # the engine's last prompt row at 1M against the training forward of the same weights (PARITY=0: skip;
-  # bounded: ~2 minutes in the eighteenth session, where both wrote prose and the question forced into
-  # the selection, form train+q, wrote the answer's space). With a window the question's end is in every
-  # selection already, so train+q (the same forward again) is left out
+  # the engine's last prompt row and the answer's space row (`--answer-row`: the first value byte, also by
+  # the engine's decode step) at 1M against the training forward of the same weights (PARITY=0: skip;
+  # PARITY_MODEL: other weights). Bounded: ~2 minutes at one row in the nineteenth session, where the
+  # window put the space first and the first value byte went wrong: the model's or the decode path's?
   if [ "${PARITY:-1}" = 1 ]; then
-    local q=(--with-question 64)
-    [ ${#win[@]} -gt 0 ] && q=()
-    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity \
-      --model "${PARITY_MODEL:-models-shipped/retrieval-wip}" --lengths 1m --forms engine,train "${q[@]}" \
-      "${win[@]}" --device cuda --out "$S/parity"
+    timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model "${PARITY_MODEL:-$MODEL}" \
+      --lengths 1m --forms engine,train --answer-row "${win[@]}" --device cuda --out "$S/parity"
   fi
   # ALT_WINDOW=W: 4 niah_single_1 samples at 1M with another window (e.g. 128) before the long 1M run
   if [ -n "${ALT_WINDOW:-}" ]; then

@@ -263,8 +263,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "--lengths 256k,512k " in gpu0[12] and "--out " + str(tmp_path / "s" / "eval" / "mid") in gpu0[12]
     assert "bench.needle_recall" in gpu0[13] and "--lengths 1m --samples 1" in gpu0[13]
     assert "--model " + str(tmp_path / "s" / "train" / "ckpt") in gpu0[13]
-    assert "bench.long_parity --model models-shipped/retrieval-wip --lengths 1m" in gpu0[14]
-    assert "--with-question 64" in gpu0[14]
+    # the trained model's parity, its last prompt row and the answer's space row (the decode step too)
+    assert "bench.long_parity --model " + str(tmp_path / "s" / "train" / "ckpt") + " --lengths 1m" in gpu0[14]
+    assert "--answer-row" in gpu0[14] and "--with-question" not in gpu0[14]
     assert "--lengths 1m " in gpu0[15] and "--index-topk" not in gpu0[15]  # (TOPK_1M: off by default)
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
@@ -434,8 +435,8 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
             (alt,) = [x for x in evals if "window128_1m" in x]
             assert "--index-local-window 128" in alt and "--index-local-window 64" not in alt
             assert lane.index(alt) == len(lane) - 2 and "--samples 4 " in evals[1]
-            (parity,) = [x for x in evals if "long_parity" in x]  # (train+q is train under a window)
-            assert "--with-question" not in parity
+            (parity,) = [x for x in evals if "long_parity" in x]
+            assert "--answer-row" in parity and "--with-question" not in parity
         else:
             assert all("--index-local-window 32" in x and f"{s}/b/" in x for x in evals)
             assert not any("long_parity" in x for x in evals)
@@ -912,6 +913,27 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
         ["--with-question", "-1"],
     ):
         assert main([*bad, "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_long_parity_answer_row_compares_the_decode_step_on_cpu(tmp_path: Path) -> None:
+    """`--answer-row`: the row after the answer's space through the engine's prefill, the engine's decode
+    step and the training forward agree on the CPU (fp32), and the attention table is that row's."""
+    from bench.long_parity import main
+
+    assert main(["--lengths", "1k", "--device", "cpu", "--answer-row", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "long-parity.json").read_text())["rows"]
+    assert row["forms"]["engine"]["top"][0][0] == " " and row["forms"]["engine"]["rel_diff"] <= 1e-4
+    ans = row["answer_row"]
+    assert set(ans["forms"]) == {"engine", "engine_decode", "train"} and ans["want"].isdigit()
+    eng, dec, train = (ans["forms"][f] for f in ("engine", "engine_decode", "train"))
+    assert eng["rel_diff"] <= 1e-4 and dec["logprob_diff"] <= 1e-3
+    assert eng["top"][0][0] == dec["top"][0][0] == train["top"][0][0]
+    assert train["want_logprob"] is not None and train["want_logprob"] <= 0.0
+    assert row["attention_row"] == "answer's space row" and set(row["attention"]) == {"0", "1", "3"}
+    md = (tmp_path / "long-parity.md").read_text()
+    assert "| 1K | engine_decode |" in md and "answer's space row" in md
+    bad = ["--answer-row", "--with-question", "8", "--device", "cpu", "--out", str(tmp_path / "x")]
+    assert main(bad) == 2
 
 
 def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:
