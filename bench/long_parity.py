@@ -26,11 +26,12 @@ with the space and then goes wrong is either the model's (all three agree) or th
     python -m bench.long_parity --model DIR --lengths 128k,1m [--task niah_single_1] [--index 0]
         [--index-topk K] [--index-local-window W] [--answer-row] [--device cuda] --out R
 
-With a needle to find it also reports, for the training forward's last prompt row, each full layer's
-main attention share on the needle's value and on the question (the prompt's last 64 positions), over
-the selection and over every key: that row writes the answer's first byte, and it reads the question,
-not the needle (run 17 on a CPU at 4K-16K: layers 1 / 3 put 0.39-0.74 of their attention on the question,
-~0 on the needle).
+With a needle to find it also reports, for the training forward's last prompt row (the answer's space row
+under `--answer-row`), every layer's main attention share on the needle's value and on the question (the
+prompt's last 64 positions), over the selection and over every key. Run 17 on a CPU at 4K-16K: at the last
+prompt row, which writes the space, full layers 1 / 3 put 0.39-0.74 of their attention on the question and
+~0 on the needle. The IndexShare layers (2, 4, 5: the selection of the full layer before them, their own
+attention) are in the table too, since the row that writes the first value byte may read the needle there.
 
 Writes R/long-parity.json and R/long-parity.md.
 """
@@ -140,8 +141,8 @@ def train_last_logits(
     window: int | None = None,
     tail: int = 1,
 ) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
-    """The training forward's logits at the last `tail` of `ids` (fp32 [tail, V]) and, per full layer (one
-    with an indexer), `attention_mass` of its last row given the needle's positions (none without them);
+    """The training forward's logits at the last `tail` of `ids` (fp32 [tail, V]) and, per layer (full or
+    IndexShare), `attention_mass` of its last row given the needle's positions (none without them);
     `topk`: the selection's size (None: each indexer's own); `question` = (W, keep): every full layer's
     last-row selection made by `question_row` (the question's last W positions forced in or kept out);
     `window`: the model's index_local_window instead of its config's."""
@@ -155,19 +156,15 @@ def train_last_logits(
     m.sparse_attention = "gather"
     m.select_form = "fused" if device.type == "cuda" else "torch"
     m.to(device).eval()
-    layers = zip(m.layer_range, m.model.layers.values())
-    full = [str(i) for i, lay in layers if getattr(lay.self_attn, "indexer", None) is not None]
+    names = [str(i) for i in m.layer_range]
     masses: dict[str, dict[str, float]] = {}
-    kl = m._indexer_kl
 
-    def read_rows(qi, ki, wi, main_scores, sel, rows, scale, *rest):  # type: ignore[no-untyped-def]
-        # the last row's main attention logits [H, S] and its selection, at each full layer in turn
-        bi = torch.arange(rows.shape[0], device=rows.device)[:, None]
-        sc = main_scores(bi, rows)[0, :, 0] * scale
-        S = sc.shape[-1]
+    def read_row(main_scores, sel, scale):  # type: ignore[no-untyped-def]
+        # the last row's main attention logits [H, S] and its selection, at every layer in turn
+        S = ids_len
+        sc = main_scores(torch.zeros(1, 1, dtype=torch.long, device=device), last)[0, :, 0] * scale
         chosen = sel[0, S - 1] if sel is not None else torch.arange(S, device=sc.device)
-        masses[full[len(masses)]] = attention_mass(sc, chosen, needle or [])
-        return kl(qi, ki, wi, main_scores, sel, rows, scale, *rest)
+        masses[names[len(masses)]] = attention_mass(sc, chosen, needle or [])
 
     x = torch.tensor([ids], device=device)
     amp = (
@@ -175,9 +172,10 @@ def train_last_logits(
         if device.type == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
-    rows = torch.tensor([[len(ids) - 1]], device=device) if needle else None
+    ids_len = len(ids)
+    last = torch.tensor([[ids_len - 1]], device=device)
     if needle:
-        m._indexer_kl = read_rows  # type: ignore[method-assign]
+        m.attention_probe = read_row
     if question is not None:
         select = m._selection
 
@@ -188,7 +186,7 @@ def train_last_logits(
 
         m._selection = last_row_question  # type: ignore[method-assign]
     with torch.no_grad(), amp:
-        h, _ = m.forward_train(x, sparse=True, kl_rows=rows, topk=topk)
+        h, _ = m.forward_train(x, sparse=True, topk=topk)
         out = m.logits(h[:, -tail:])[0].float().cpu()
     del m, h
     if device.type == "cuda":
@@ -255,7 +253,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         which = {r.get("attention_row", "last prompt row") for r in rows if r.get("attention")}
         lines += [
             "",
-            f"The training forward's {' / '.join(sorted(which))}, each full layer's main attention (mean over heads): its",
+            f"The training forward's {' / '.join(sorted(which))}, each layer's main attention (mean over heads): its",
             f"share on the needle's value and on the prompt's last {LOCAL} positions (the question), over the",
             "selection the sparse model attends and over every causal key (the dense model).",
             "",

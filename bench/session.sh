@@ -18,7 +18,8 @@
 #   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks
 #   and profiles run first (undisturbed; CHECKS=0 leaves them out), then lane A, with the capped 1M
 #   samples beside lane A's evaluation once its timed part (long_context and the profiles at 128K) is done.
-# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B) on GPU 1 and scores it
+# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 21 without
+#   --kl-share) on GPU 1 and scores it
 #   as lane A does, under $SESSION/b (its model in $OUT/b); no checks, no capped 1M lane, and neither lane
 #   takes issue 5's HiSparse figures unless HISPARSE=1: an A/B of two recipes in one session.
 # The lanes run from a copy of the tree in $SESSION/src (installed there), so a later call's carry
@@ -85,20 +86,19 @@ hisparse_measures() {
 
 default_train_args() {
   # run 21: run 17's recipe from run 17's weights, fresh rows (--seed 21), every full layer keeping each
-  # query's newest 64 positions in its selection (--index-local-window 64, saved in the checkpoint: at
-  # 1M the top 256 held almost none of the question, and with it forced in the training forward wrote the
-  # answer's space, eighteenth session), the fused selection where the probe times it faster
+  # query's newest 64 positions in its selection (--index-local-window 64, saved in the checkpoint: with
+  # it run 17's weights write the answer's space at 1M, nineteenth session), each full layer's indexer KL
+  # against its IndexShare group's mean attention (--kl-share: layers 2 and 4 read the needle, 1 and 3 the
+  # question; bench.long_parity's table), the fused selection where the probe times it faster
   echo "--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto --seed 21 --index-local-window 64"
+--dense-warmup-steps 0 --select auto --seed 21 --index-local-window 64 --kl-share"
 }
 
 default_train_args_b() {
-  # LANE_B=train's default: run 21's recipe with real rows on to 256K (the last 30% of the schedule;
-  # run 20a got 2 of 4 right at 256K, 1 of 4 at 512K: retrieval degrades past the trained 128K). The
-  # probe drops 256K if its step does not fit the GPU (then this is run 21 again).
-  CURRICULUM=0:4096,1000:16384,3000:65536,5500:131072,7000:262144 default_train_args
+  # LANE_B=train's default: run 21 without --kl-share (run 21b), the A/B of the KL's target
+  default_train_args | sed 's/ --kl-share$//'
 }
 
 lane_a() {

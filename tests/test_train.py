@@ -337,6 +337,65 @@ def test_kl_local_reaches_recent_positions_out_of_the_selection(tmp_path: Path) 
         train(cfg)
 
 
+def test_kl_share_targets_the_mean_of_each_index_share_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kl-share: each full layer's KL target is the mean of its own and its IndexShare layers' head-mean
+    attention over the same allowed keys (tiny: groups {0, 1}, {2, 3, 4}, {5}), in the sparse and the dense
+    stage; a full layer with no IndexShare layer after it keeps its own KL bit for bit; the CLI flag
+    reaches the training step."""
+    m = _model(seed=5)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, S = 2, 48  # > tiny's top-k 16: the sparse stage selects
+    ids = torch.randint(0, 256, (B, S), generator=g)
+    rows = torch.tensor([[47, 30], [40, 47]])
+    bi = torch.arange(B)[:, None]
+    seen: list[torch.Tensor] = []  # every layer's own target, computed here from its attention logits
+    passed: list[torch.Tensor] = []  # the targets the KLs were computed against
+
+    def probe(main_scores, sel, scale):  # type: ignore[no-untyped-def]
+        ok = torch.arange(S)[None, None, :] <= rows[..., None]
+        if sel is not None:
+            ok = ok & selection_mask(sel[bi, rows], S)
+        sc = (main_scores(bi, rows).float() * scale).masked_fill(~ok[:, None], float("-inf"))
+        seen.append(torch.softmax(sc, -1).mean(1))
+
+    kl_loss = m._kl_loss
+
+    def spy(qi, ki, wi, r, allowed, p, needle):  # type: ignore[no-untyped-def]
+        passed.append(p)
+        return kl_loss(qi, ki, wi, r, allowed, p, needle)
+
+    m.attention_probe = probe
+    m._kl_loss = spy  # type: ignore[method-assign]
+    groups = [[0, 1], [2, 3, 4], [5]]  # configs/tiny.json: full, shared, full, shared, shared, full
+    for sparse in (True, False):
+        got = {}
+        for share in (False, True):
+            seen.clear()
+            passed.clear()
+            with torch.no_grad():
+                _, aux = m.forward_train(ids, sparse=sparse, kl_rows=rows, kl_share=share)
+            assert len(seen) == 6 and len(passed) == len(aux.indexer_kl) == 3
+            for j, grp in enumerate(groups):
+                want = torch.stack([seen[i] for i in grp]).mean(0) if share else seen[grp[0]]
+                assert torch.allclose(passed[j], want, rtol=1e-5, atol=1e-7), (sparse, share, j)
+            got[share] = [float(k) for k in aux.indexer_kl]
+        assert got[True][2] == got[False][2]  # layer 5 alone: its own target either way
+        assert got[True][0] != got[False][0] and got[True][1] != got[False][1]
+    # through the training step and the CLI
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    cfg = TrainConfig(data=data, dense_warmup_steps=0)
+    batch = make_batch(data, 0)
+    m.attention_probe = None
+    _, own, _ = compute_loss(m, batch, cfg, 0, CPU)
+    _, shared, _ = compute_loss(m, batch, dataclasses.replace(cfg, kl_share=True), 0, CPU)
+    assert float(own["indexer_kl"]) != float(shared["indexer_kl"])
+    taken: list[TrainConfig] = []
+    monkeypatch.setattr("longctx.train.loop.train", lambda c: taken.append(c) or {})
+    for flag, want in (([], False), (["--kl-share"], True), (["--no-kl-share"], False)):
+        main(["--config", str(TINY), "--out", "unused", *flag])
+        assert taken[-1].kl_share is want
+
+
 def test_indexer_warmup_kl_decreases() -> None:
     # a sharp (large-init) frozen main model; only the indexer trains, as in DSA's dense warm-up
     m = _model(seed=1, std=0.3)

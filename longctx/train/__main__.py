@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: the selection only, as DSA)",
     )
     p.add_argument(
+        "--kl-share",
+        action=argparse.BooleanOptionalAction,
+        default=t.kl_share,
+        help="each full layer's indexer KL target averages its own and its IndexShare layers' attention "
+        "(default: its own, as DSA)",
+    )
+    p.add_argument(
         "--index-local-window",
         type=int,
         default=None,
@@ -283,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             long_topk=long_topk[1],
             long_topk_prob=args.long_topk_prob,
             kl_local=args.kl_local,
+            kl_share=args.kl_share,
             index_local_window=args.index_local_window,
             sparse_attention=args.sparse_attention,
             select=args.select,

@@ -92,6 +92,10 @@ class TrainConfig:
     # selects almost none of the question (0.00-0.06 of the prompt's last 64 positions, the seventeenth
     # session), and --long-topk's smaller selections only make that worse unless the KL reaches past them
     kl_local: int = 0
+    # each full layer's KL target: the mean of its own and its IndexShare layers' attention (they attend
+    # over its selection; in the retrieval model layers 2 and 4 read the needle while full layers 1 and 3
+    # read the question: bench.long_parity's table), not its own alone as in DSA
+    kl_share: bool = False
     # the model's `index_local_window` (each query's newest W positions always in its selection, the rest
     # of the top-k by index score; `model.indexer.with_local_window`), saved in the checkpoint's config
     # (None: the resumed or --init-from checkpoint's, else the model config's). At 1M the top 256 held
@@ -342,7 +346,7 @@ def compute_loss(
     with amp:
         h, aux = model.forward_train(
             ids, sparse=sparse, kl_rows=rows, needle=needle, positions=positions,
-            topk=step_topk(cfg, step, ids.shape[1]), kl_local=cfg.kl_local,
+            topk=step_topk(cfg, step, ids.shape[1]), kl_local=cfg.kl_local, kl_share=cfg.kl_share,
         )  # fmt: skip
         logits = model.logits(h)  # [B, S, V] fp32
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)

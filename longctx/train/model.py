@@ -80,6 +80,20 @@ class TrainAux:
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E] token counts
 
 
+@dataclass
+class _GroupKL:
+    """A full layer's indexer KL held open (`kl_share`) while the IndexShare layers after it, which attend
+    over its selection, add their attention to its target."""
+
+    qi: torch.Tensor
+    ki: torch.Tensor
+    wi: torch.Tensor
+    rows: torch.Tensor
+    allowed: torch.Tensor
+    needle: tuple[torch.Tensor, torch.Tensor] | None
+    targets: list[torch.Tensor]
+
+
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
@@ -98,6 +112,11 @@ class TrainCausalLM(CausalLM):
         self.sparse_attention = "auto"
         self.measured_forms: dict[int, str] = {}  # row length -> "gather" | "mask" (the trainer's probe)
         self.select_form = "torch"  # SELECT_FORMS
+        # (bench.long_parity) called at every layer, in order, with (main_scores, the selection or None,
+        # the softmax scale): `main_scores(bi, rows)` = that layer's unscaled attention logits of those rows
+        self.attention_probe: (
+            Callable[[Callable[..., torch.Tensor], torch.Tensor | None, float], None] | None
+        ) = None
         self.measured_selects: dict[int, str] = {}  # row length -> "torch" | "fused" (the trainer's probe)
         self.select_backend = "auto"  # the fused form's kernels: Triton on CUDA, the reference on a CPU
         # the fused form's fp32 products (`indexer_topk_paged(fp32_dot=)`): "tf32x3", three TF32
@@ -151,6 +170,7 @@ class TrainCausalLM(CausalLM):
         positions: torch.Tensor | None = None,
         topk: int | None = None,
         kl_local: int = 0,
+        kl_share: bool = False,
     ) -> tuple[torch.Tensor, TrainAux]:
         """ids [B, S] -> final-normed hidden states [B, S, hidden].
 
@@ -163,7 +183,10 @@ class TrainCausalLM(CausalLM):
         reach only the rotary angles (main attention and indexer alike): causality, the top-k's
         causal limit and the KL rows go by the order of tokens in the row. `topk`: the sparse stage's
         selection size (None: each indexer's own; `loop.step_topk`). `kl_local`: the sparse stage's KL also
-        covers each KL row's last `kl_local` positions (see `_indexer_kl`).
+        covers each KL row's last `kl_local` positions (see `_indexer_kl`). `kl_share`: a full layer's KL
+        target is the mean of its own and its IndexShare layers' attention distributions (each head-mean
+        and normalised, over the same allowed keys), not its own alone: the shared layers attend over its
+        selection, and in the retrieval model they are the ones that read the needle.
         """
         B, S = ids.shape
         dev = ids.device
@@ -177,12 +200,13 @@ class TrainCausalLM(CausalLM):
             cos, sin = self.rotary(positions.reshape(-1), torch.float32)
         aux = TrainAux()
         sel: torch.Tensor | None = None  # [B, S, top-k] selection of the last full layer (None: causal)
+        group: list[_GroupKL] | None = [] if kl_share and kl_rows is not None else None
         layer: Any
         for i, layer in zip(self.layer_range, self.model.layers.values()):
             attn = layer.self_attn
             a, sel = self._attention(
                 attn, layer.input_layernorm(h), B, S, cos, sin, sel, sparse, kl_rows, aux, needle, topk,
-                kl_local,
+                kl_local, group,
             )  # fmt: skip
             h = h + a
             x = layer.post_attention_layernorm(h)
@@ -191,6 +215,8 @@ class TrainCausalLM(CausalLM):
             else:
                 m = layer.mlp(x)
             h = h + m
+        if group:
+            self._close_group_kl(group, aux)
         return self.model.norm(h).view(B, S, -1), aux
 
     def _attention(
@@ -208,6 +234,7 @@ class TrainCausalLM(CausalLM):
         needle: tuple[torch.Tensor, torch.Tensor] | None = None,
         topk: int | None = None,
         kl_local: int = 0,
+        group: list[_GroupKL] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T, H, nope, rope, vd, L = B * S, attn.n_heads, attn.nope, attn.rope, attn.v_dim, attn.kv_lora
         # the same projections, norms and rope as MLAttention.forward
@@ -255,12 +282,33 @@ class TrainCausalLM(CausalLM):
                     "brhd,bhsd->bhrs", Qe.detach().transpose(1, 2)[bi, rows].float(), Ke.detach().float()
                 )
 
-        if attn.indexer is not None and kl_rows is not None:
+        if self.attention_probe is not None:
+            self.attention_probe(main_scores, sel, attn.scale)
+        if attn.indexer is not None and kl_rows is not None and group is None:
             kl, nll = self._indexer_kl(qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle, kl_local)
             aux.indexer_kl.append(kl)
             if nll is not None:
                 aux.indexer_needle.append(nll)
+        elif attn.indexer is not None and kl_rows is not None and group is not None:
+            # kl_share: this full layer's KL waits for the IndexShare layers after it
+            if group:
+                self._close_group_kl(group, aux)
+            allowed = self._kl_allowed(S, kl_rows, sel, kl_local)
+            target = self._kl_target(main_scores, kl_rows, attn.scale, allowed)
+            group.append(_GroupKL(qi, ki, wi, kl_rows, allowed, needle, [target]))
+        elif group:  # an IndexShare layer: its attention over the open group's selection joins the target
+            g = group[-1]
+            g.targets.append(self._kl_target(main_scores, g.rows, attn.scale, g.allowed))
         return attn.o_proj(o), sel
+
+    def _close_group_kl(self, group: list[_GroupKL], aux: TrainAux) -> None:
+        """The open full layer's KL (and needle loss) against the mean of its group's targets."""
+        g = group.pop()
+        p = torch.stack(g.targets).mean(0) if len(g.targets) > 1 else g.targets[0]
+        kl, nll = self._kl_loss(g.qi, g.ki, g.wi, g.rows, g.allowed, p, g.needle)
+        aux.indexer_kl.append(kl)
+        if nll is not None:
+            aux.indexer_needle.append(nll)
 
     def _gathers(self, S: int) -> bool:
         """Whether the sparse stage at rows of S tokens takes the gathered form."""
@@ -423,20 +471,51 @@ class TrainCausalLM(CausalLM):
         needle loss is supervision the DSA recipe does not have: run 7's indexers selected the needle
         at about chance while the dense model retrieved every one (docs/training.md).
         """
-        B, S = qi.shape[:2]
-        bi = torch.arange(B, device=qi.device)[:, None]
-        pos = torch.arange(S, device=qi.device)
+        allowed = self._kl_allowed(qi.shape[1], rows, sel, local)
+        p = self._kl_target(main_scores, rows, scale, allowed)
+        return self._kl_loss(qi, ki, wi, rows, allowed, p, needle)
+
+    @staticmethod
+    def _kl_allowed(S: int, rows: torch.Tensor, sel: torch.Tensor | None, local: int) -> torch.Tensor:
+        """The keys each KL row's distributions cover [B, R, S]: the causal ones, within the selection (and
+        the row's last `local` positions) in the sparse stage."""
+        bi = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        pos = torch.arange(S, device=rows.device)
         allowed = pos[None, None, :] <= rows[..., None]  # [B, R, S]
         if sel is not None:
             chosen = selection_mask(sel[bi, rows], S)
             if local > 0:
                 chosen = chosen | (pos[None, None, :] > rows[..., None] - local)
             allowed = allowed & chosen
+        return allowed
+
+    @staticmethod
+    def _kl_target(
+        main_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        rows: torch.Tensor,
+        scale: float,
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer's main attention on the KL rows over the allowed keys, head-mean [B, R, S] (no grad)."""
+        bi = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        with _no_autocast(rows.device), torch.no_grad():
+            sc = main_scores(bi, rows) * scale
+            sc = sc.masked_fill(~allowed[:, None], float("-inf"))
+            return torch.softmax(sc, dim=-1).mean(1)  # rows sum to 1
+
+    @staticmethod
+    def _kl_loss(
+        qi: torch.Tensor,
+        ki: torch.Tensor,
+        wi: torch.Tensor,
+        rows: torch.Tensor,
+        allowed: torch.Tensor,
+        p: torch.Tensor,
+        needle: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KL(p || softmax of index scores) over the allowed keys and the needle loss (`_indexer_kl`)."""
+        bi = torch.arange(rows.shape[0], device=rows.device)[:, None]
         with _no_autocast(qi.device):
-            with torch.no_grad():
-                sc = main_scores(bi, rows) * scale
-                sc = sc.masked_fill(~allowed[:, None], float("-inf"))
-                p = torch.softmax(sc, dim=-1).mean(1)  # [B, R, S], rows sum to 1
             s = torch.relu(torch.einsum("brhd,bsd->brhs", qi[bi, rows], ki))
             logits = (s * wi[bi, rows][..., None]).sum(2)  # [B, R, S]
             logq = torch.log_softmax(logits.masked_fill(~allowed, _NEG), dim=-1)
