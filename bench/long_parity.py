@@ -161,8 +161,8 @@ def train_last_logits(
 
     def read_row(main_scores, sel, scale):  # type: ignore[no-untyped-def]
         # the last row's main attention logits [H, S] and its selection, at every layer in turn
-        S = ids_len
         sc = main_scores(torch.zeros(1, 1, dtype=torch.long, device=device), last)[0, :, 0] * scale
+        S = sc.shape[-1]
         chosen = sel[0, S - 1] if sel is not None else torch.arange(S, device=sc.device)
         masses[names[len(masses)]] = attention_mass(sc, chosen, needle or [])
 
@@ -172,8 +172,7 @@ def train_last_logits(
         if device.type == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
-    ids_len = len(ids)
-    last = torch.tensor([[ids_len - 1]], device=device)
+    last = torch.tensor([[len(ids) - 1]], device=device)
     if needle:
         m.attention_probe = read_row
     if question is not None:
@@ -370,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         decoded: dict[str, tuple[list[int], list[Any]]] = {}
         secs: dict[str, float] = {}
         ids: list[int] = []
+        full: list[int] = []
         value_ids: list[int] = []
         decode: Any = str
         for form, kw in forms.items():
@@ -384,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                 **kw,
             ) as eng:
                 ids = eng.encode(s.input + s.answer_prefix)
+                full = ids + [SPACE] * (tail - 1)  # (with --answer-row, the answer's space too)
                 value_ids = eng.encode(s.outputs[0])
-                scored = eng.score(ids + [SPACE] * (tail - 1))[-tail:].float().cpu()
+                scored = eng.score(full)[-tail:].float().cpu()
                 got[form] = scored[0]
                 if args.answer_row:  # the same row by the decode path: greedy from the prompt
                     got_answer[form] = scored[1]
@@ -396,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"long_parity: {format_length(L)} {form}: {describe(got[form], SPACE, decode, None)} "
                   f"({secs[form]:.0f} s)", flush=True)  # fmt: skip
         t = time.perf_counter()
-        full = ids + [SPACE] * (tail - 1)
         ref_rows, masses = train_last_logits(
             args.model, full, device, needle_positions(full, value_ids), topk=args.index_topk,
             window=args.index_local_window, tail=tail,

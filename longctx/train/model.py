@@ -284,18 +284,20 @@ class TrainCausalLM(CausalLM):
 
         if self.attention_probe is not None:
             self.attention_probe(main_scores, sel, attn.scale)
-        if attn.indexer is not None and kl_rows is not None and group is None:
-            kl, nll = self._indexer_kl(qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle, kl_local)
-            aux.indexer_kl.append(kl)
-            if nll is not None:
-                aux.indexer_needle.append(nll)
-        elif attn.indexer is not None and kl_rows is not None and group is not None:
-            # kl_share: this full layer's KL waits for the IndexShare layers after it
-            if group:
-                self._close_group_kl(group, aux)
-            allowed = self._kl_allowed(S, kl_rows, sel, kl_local)
-            target = self._kl_target(main_scores, kl_rows, attn.scale, allowed)
-            group.append(_GroupKL(qi, ki, wi, kl_rows, allowed, needle, [target]))
+        if attn.indexer is not None and kl_rows is not None:
+            if group is None:
+                kl, nll = self._indexer_kl(
+                    qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle, kl_local
+                )
+                aux.indexer_kl.append(kl)
+                if nll is not None:
+                    aux.indexer_needle.append(nll)
+            else:  # kl_share: this full layer's KL waits for the IndexShare layers after it
+                if group:
+                    self._close_group_kl(group, aux)
+                allowed = self._kl_allowed(S, kl_rows, sel, kl_local)
+                target = self._kl_target(main_scores, kl_rows, attn.scale, allowed)
+                group.append(_GroupKL(qi, ki, wi, kl_rows, allowed, needle, [target]))
         elif group:  # an IndexShare layer: its attention over the open group's selection joins the target
             g = group[-1]
             g.targets.append(self._kl_target(main_scores, g.rows, attn.scale, g.allowed))
