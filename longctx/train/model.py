@@ -79,6 +79,12 @@ class TrainAux:
     indexer_needle: list[torch.Tensor] = field(default_factory=list)  # one scalar per full layer (if asked)
     expert_load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E] token counts
 
+    def add_indexer_loss(self, kl: torch.Tensor, nll: torch.Tensor | None) -> None:
+        """One full layer's indexer KL and (if asked) needle loss."""
+        self.indexer_kl.append(kl)
+        if nll is not None:
+            self.indexer_needle.append(nll)
+
 
 @dataclass
 class _GroupKL:
@@ -286,12 +292,9 @@ class TrainCausalLM(CausalLM):
             self.attention_probe(main_scores, sel, attn.scale)
         if attn.indexer is not None and kl_rows is not None:
             if group is None:
-                kl, nll = self._indexer_kl(
-                    qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle, kl_local
+                aux.add_indexer_loss(
+                    *self._indexer_kl(qi, ki, wi, main_scores, sel, kl_rows, attn.scale, needle, kl_local)
                 )
-                aux.indexer_kl.append(kl)
-                if nll is not None:
-                    aux.indexer_needle.append(nll)
             else:  # kl_share: this full layer's KL waits for the IndexShare layers after it
                 if group:
                     self._close_group_kl(group, aux)
@@ -310,10 +313,7 @@ class TrainCausalLM(CausalLM):
         for t in g.targets[1:]:  # in place: a target is [B, R, S] fp32 (134 MB at 128K, 256 rows)
             p += t
         p /= len(g.targets)
-        kl, nll = self._kl_loss(g.qi, g.ki, g.wi, g.rows, g.allowed, p, g.needle)
-        aux.indexer_kl.append(kl)
-        if nll is not None:
-            aux.indexer_needle.append(nll)
+        aux.add_indexer_loss(*self._kl_loss(g.qi, g.ki, g.wi, g.rows, g.allowed, p, g.needle))
 
     def _gathers(self, S: int) -> bool:
         """Whether the sparse stage at rows of S tokens takes the gathered form."""
