@@ -18,8 +18,8 @@
 #   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks
 #   and profiles run first (undisturbed; CHECKS=0 leaves them out), then lane A, with the capped 1M
 #   samples beside lane A's evaluation once its timed part (long_context and the profiles at 128K) is done.
-# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 21 without
-#   --kl-share) on GPU 1 and scores it
+# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 22 at half
+#   the learning rate) on GPU 1 and scores it
 #   as lane A does, under $SESSION/b (its model in $OUT/b); no checks, no capped 1M lane, and neither lane
 #   takes issue 5's HiSparse figures unless HISPARSE=1: an A/B of two recipes in one session.
 # The lanes run from a copy of the tree in $SESSION/src (installed there), so a later call's carry
@@ -38,7 +38,8 @@
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
 #   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate),
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
-#   weights; default the scored model).
+#   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
+#   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
@@ -85,20 +86,21 @@ hisparse_measures() {
 }
 
 default_train_args() {
-  # run 21: run 17's recipe from run 17's weights, fresh rows (--seed 21), every full layer keeping each
-  # query's newest 64 positions in its selection (--index-local-window 64, saved in the checkpoint: with
-  # it run 17's weights write the answer's space at 1M, nineteenth session), each full layer's indexer KL
-  # against its IndexShare group's mean attention (--kl-share: layers 2 and 4 read the needle, 1 and 3 the
-  # question; bench.long_parity's table), the fused selection where the probe times it faster
+  # run 22: run 21's recipe (shipped: run 17's recipe plus the window and --kl-share; 1M niah_single_1 4 of
+  # 5, 128K 100 / 95) again from run 21's weights with fresh rows (--seed 22): every full layer keeping each
+  # query's newest 64 positions in its selection (--index-local-window 64, also in run 21's checkpoint),
+  # each full layer's indexer KL against its IndexShare group's mean attention (--kl-share: without it run
+  # 21b lost 55 / 65 points at 128K), the fused selection where the probe times it faster
   echo "--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
 --needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto --seed 21 --index-local-window 64 --kl-share"
+--dense-warmup-steps 0 --select auto --seed 22 --index-local-window 64 --kl-share"
 }
 
 default_train_args_b() {
-  # LANE_B=train's default: run 21 without --kl-share (run 21b), the A/B of the KL's target
-  default_train_args | sed 's/ --kl-share$//'
+  # LANE_B=train's default: run 22 at half the learning rate (run 22b): run 19a, run 17's recipe repeated
+  # from run 17 at 2e-4, came out worse than run 17, so the A/B asks whether continuing wants a lower rate
+  default_train_args | sed 's/--lr 2e-4/--lr 1e-4/'
 }
 
 lane_a() {
@@ -284,6 +286,12 @@ lane_b_capped() {
   # $2: the marker to wait for: eval.go (the model passed the 4K gate) on its own GPU; timed.done on a
   # shared GPU, so long_context's ms/token figures are not taken beside it
   export CUDA_VISIBLE_DEVICES=$1
+  # CAPPED_FIRST=N (own GPU): while lane A trains, N niah_single_1 samples at 1M of the shipped model
+  # (CAPPED_FIRST_MODEL) under a 10% cap, paired with its uncapped 1M samples of the session before
+  if [ "${CAPPED_FIRST:-0}" != 0 ]; then
+    "$PY" -m bench.retrieval_eval run --model "${CAPPED_FIRST_MODEL:-models-shipped/retrieval-wip}" --lengths 1m \
+      --samples "$CAPPED_FIRST" --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1 --out "$S/eval/capped_1m_shipped"
+  fi
   while [ ! -f "$S/${2:-eval.go}" ]; do
     [ -f "$S/eval.stop" ] && return 0
     sleep 10

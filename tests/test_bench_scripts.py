@@ -237,7 +237,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
         "--needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
         "--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 "
         in gpu0[0]
-        and "--select auto --seed 21 --index-local-window 64" in gpu0[0]
+        and "--select auto --seed 22 --index-local-window 64 --kl-share" in gpu0[0]
     )  # one argv
     # the selection window: graphs against eager decode with it on this GPU, before any score
     assert "bench.gpu_check --only window" in gpu0[1]
@@ -285,6 +285,35 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
 
 
+def test_session_capped_first_scores_the_shipped_model_under_the_cap_before_the_trained_one(
+    tmp_path: Path,
+) -> None:
+    """CAPPED_FIRST=N with two GPUs and no checks: lane B's GPU first scores N niah_single_1 samples of the
+    shipped model at 1M under a 10% HiSparse cap (its own directory), then the trained model's capped 1M."""
+    import os
+    import subprocess
+    import time
+
+    fake, calls = _two_gpu_python(tmp_path)
+    s = tmp_path / "s"
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"),
+           "CHECKS": "0", "CAPPED_FIRST": "3"}  # fmt: skip
+    run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
+                                    capture_output=True, text=True)  # fmt: skip
+    run("start")
+    deadline = time.time() + 60
+    while time.time() < deadline and (not calls.exists() or calls.read_text().count("--cap-fraction") < 2):
+        time.sleep(0.5)
+    run("stop")
+    gpu1 = [x for x in calls.read_text().splitlines() if x.startswith("1 ") and not x.startswith("1 -c ")]
+    first, trained = gpu1[:2]
+    assert "--model models-shipped/retrieval-wip --lengths 1m --samples 3" in first
+    assert (
+        "--tasks niah_single_1 --cap-fraction 0.1" in first and f"--out {s}/eval/capped_1m_shipped" in first
+    )
+    assert f"--model {s}/train/ckpt --lengths 1m" in trained and f"--out {s}/eval/capped_1m" in trained
+
+
 def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> None:
     """Lane A's fused-selection check: if only the tf32x3 cases fail (the `_ieee` ones pass), training
     keeps the fused selection with --select-dot ieee; if those fail too, the chunked torch form."""
@@ -292,7 +321,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
     import subprocess
     import time
 
-    for code, expect in (("3", "--select auto --seed 21"), ("1", "--select torch --seed 21")):
+    for code, expect in (("3", "--select auto --seed 22"), ("1", "--select torch --seed 22")):
         case = tmp_path / code
         case.mkdir()
         fake, calls = _two_gpu_python(case)
@@ -350,10 +379,10 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     (train_b,) = [x for x in gpu1 if "longctx.train" in x]
     assert "--index-local-window 64" in train_a and "--lead-weight" not in train_a
     assert "0:4096,1000:16384,3000:65536,6500:131072 " in train_a and f"--out {s}/b/train/ckpt" in train_b
-    # the same recipe otherwise (lane B's command is lane A's without --kl-share and with its own paths, on
-    # its GPU): the A/B of the indexer KL's target
-    assert "--kl-share" in train_a and "--kl-share" not in train_b
-    assert train_b.replace(f"{s}/b/", f"{s}/")[1:] == train_a[1:].replace(" --kl-share", "")
+    # the same recipe otherwise (lane B's command is lane A's at half the learning rate, with its own paths,
+    # on its GPU): the A/B of the rate for continued training
+    assert "--kl-share" in train_a and "--lr 2e-4 " in train_a and "--lr 1e-4 " in train_b
+    assert train_b.replace(f"{s}/b/", f"{s}/")[1:] == train_a[1:].replace("--lr 2e-4 ", "--lr 1e-4 ")
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]
         evals = [x for x in lane if "retrieval_eval run" in x]
