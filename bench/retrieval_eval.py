@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         meta["index_topk"] = args.index_topk
     if args.index_local_window is not None:  # the same weights, each query's newest positions kept
         meta["index_local_window"] = args.index_local_window
+    if args.kv_dtype:  # the same weights with another KV cache dtype (CUDA's default: fp8)
+        meta["kv_dtype"] = args.kv_dtype
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
@@ -89,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--index-topk", str(args.index_topk)]
         if args.index_local_window is not None:
             argv += ["--index-local-window", str(args.index_local_window)]
+        if args.kv_dtype:
+            argv += ["--kv-dtype", args.kv_dtype]
         if args.cap_fraction:
             cap = max(1, int(args.cap_fraction * L))
             meta["device_tokens"][str(L)] = cap
@@ -285,6 +289,8 @@ def plot(by_len: dict[tuple[int, bool], dict[str, float]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from longctx.engine.args import KV_DTYPE_CHOICES
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="score tasks at lengths into a resumable run directory")
@@ -318,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="score the same weights with each query's newest W positions kept in every full layer's "
         "selection (`longctx ruler --index-local-window`)",
+    )
+    r.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default=None,
+        help="score the same weights with this KV cache dtype (`longctx ruler --kv-dtype`; CUDA's default fp8)",
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

@@ -121,6 +121,8 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
                 "64",
                 "--index-local-window",
                 "16",
+                "--kv-dtype",
+                "bf16",
                 "--out",
                 str(t),
             ]
@@ -129,6 +131,7 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     )
     assert json.loads((t / "run.json").read_text())["index_topk"] == 64
     assert json.loads((t / "run.json").read_text())["index_local_window"] == 16
+    assert json.loads((t / "run.json").read_text())["kv_dtype"] == "bf16"
     assert len((t / "results.jsonl").read_text().splitlines()) == 1
     assert main([*run, "--lengths", "1k", "--index-topk", "0", "--out", str(tmp_path / "z")]) == 2
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
@@ -266,6 +269,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     # the trained model's parity, its last prompt row and the answer's space row (the decode step too)
     assert "bench.long_parity --model " + str(tmp_path / "s" / "train" / "ckpt") + " --lengths 1m" in gpu0[14]
     assert "--answer-row" in gpu0[14] and "--with-question" not in gpu0[14]
+    assert "--forms engine,engine_bf16kv,train" in gpu0[14]  # (the engine with bf16 KV too)
     assert "--lengths 1m " in gpu0[15] and "--index-topk" not in gpu0[15]  # (TOPK_1M: off by default)
     assert "gpu_kernel_check" in gpu1[0] and "gpu_check" in gpu1[1] and "step_profile" in gpu1[2]
     assert "--cap-fraction 0.1" in gpu1[-1]
@@ -289,7 +293,8 @@ def test_session_capped_first_scores_the_shipped_model_under_the_cap_before_the_
     tmp_path: Path,
 ) -> None:
     """CAPPED_FIRST=N with two GPUs and no checks: lane B's GPU first scores N niah_single_1 samples of the
-    shipped model at 1M under a 10% HiSparse cap (its own directory), then the trained model's capped 1M."""
+    shipped model at 1M under a 10% HiSparse cap (its own directory), BF16KV_FIRST=M then M uncapped with a
+    bf16 KV cache, then the trained model's capped 1M."""
     import os
     import subprocess
     import time
@@ -297,7 +302,7 @@ def test_session_capped_first_scores_the_shipped_model_under_the_cap_before_the_
     fake, calls = _two_gpu_python(tmp_path)
     s = tmp_path / "s"
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"),
-           "CHECKS": "0", "CAPPED_FIRST": "3"}  # fmt: skip
+           "CHECKS": "0", "CAPPED_FIRST": "3", "BF16KV_FIRST": "2"}  # fmt: skip
     run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
     run("start")
@@ -306,11 +311,15 @@ def test_session_capped_first_scores_the_shipped_model_under_the_cap_before_the_
         time.sleep(0.5)
     run("stop")
     gpu1 = [x for x in calls.read_text().splitlines() if x.startswith("1 ") and not x.startswith("1 -c ")]
-    first, trained = gpu1[:2]
+    first, bf16kv, trained = gpu1[:3]
     assert "--model models-shipped/retrieval-wip --lengths 1m --samples 3" in first
     assert (
         "--tasks niah_single_1 --cap-fraction 0.1" in first and f"--out {s}/eval/capped_1m_shipped" in first
     )
+    # then uncapped with a bf16 KV cache (CUDA's default is fp8)
+    assert "--model models-shipped/retrieval-wip --lengths 1m --samples 2" in bf16kv
+    assert "--kv-dtype bf16" in bf16kv and "--cap-fraction" not in bf16kv
+    assert f"--out {s}/eval/bf16kv_1m_shipped" in bf16kv
     assert f"--model {s}/train/ckpt --lengths 1m" in trained and f"--out {s}/eval/capped_1m" in trained
 
 

@@ -277,6 +277,8 @@ def test_parse_lengths():
         ["--index-local-window", "-1", "--dump-dir", "D"],
         ["--base-url", "http://x", "--out", "O", "--index-local-window", "8"],  # (the server's own)
         ["--base-url", "http://x", "--out", "O", "--hisparse-device-tokens", "4096"],
+        ["--kv-dtype", "fp4", "--dump-dir", "D"],
+        ["--base-url", "http://x", "--out", "O", "--kv-dtype", "bf16"],  # (the server's own)
     ],
 )
 def test_cli_bad_args_exit_2_with_one_line(argv, capsys, tmp_path, monkeypatch):
@@ -482,3 +484,12 @@ def test_documents_form_embedded_prompt_is_the_servers(tmp_path):
     document, question = split_niah(sample.input)
     served = codec.encode(head + document) + codec.encode(DOCUMENT_QUESTION_SEPARATOR + question + tail)
     assert codec.encode(render(sample.input, sample.answer_prefix)) == served
+
+
+def test_cli_kv_dtype_is_checked_before_the_model_loads(capsys, tmp_path):
+    """`longctx ruler --model DIR --kv-dtype X`: an unknown X is one error line (exit 2), nothing written."""
+    wip = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
+    assert main(["ruler", "--model", str(wip), "--kv-dtype", "fp4", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "longctx ruler: error: --kv-dtype must be one of auto, model, bf16, fp8_e4m3, not 'fp4'"
+    assert not (tmp_path / "o").exists()

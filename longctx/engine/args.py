@@ -23,10 +23,12 @@ ENGINE_FIELDS = (
     "index_local_window",
 )
 
+KV_DTYPE_CHOICES = ("auto", "model", "bf16", "fp8_e4m3")  # Engine's kv_dtype (`--kv-dtype`)
+
 _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "dtype": ["auto", "bfloat16", "float32", "float16"],
-    "kv_dtype": ["auto", "model", "bf16", "fp8_e4m3"],
+    "kv_dtype": list(KV_DTYPE_CHOICES),
     "backend": ["auto", "torch", "triton"],
 }
 
