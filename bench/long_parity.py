@@ -9,6 +9,8 @@ prompt row's next-byte distribution three ways:
 
 - `engine`: `longctx.Engine` as served (bf16 and fp8 KV on CUDA, fp32 on a CPU), chunked paged prefill;
 - `engine_bf16kv` (CUDA only): the same with `kv_dtype="bf16"` (no fp8 quantisation of the caches);
+- `engine_fp8kv`: the same with `kv_dtype="fp8_e4m3"` (CUDA's default; on a CPU it isolates what the fp8
+  caches change, the rest computed in fp32);
 - `train`: the training forward (`TrainCausalLM.forward_train`, sparse, the same weights): dense
   tensors, no pages, no chunks, the selection by the fused indexer + top-k over an fp32 key pool on
   CUDA (the chunked torch selection on a CPU), bf16 autocast on CUDA as in training.
@@ -56,6 +58,14 @@ from bench.needle_recall import LOCAL, SPACE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = 5
+
+
+# the engine's forms: Engine keywords beyond the model's (each compared with the training forward)
+ENGINE_FORMS: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "engine_bf16kv": {"kv_dtype": "bf16"},
+    "engine_fp8kv": {"kv_dtype": "fp8_e4m3"},
+}
 
 
 def describe_top(
@@ -310,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default="auto")
     ap.add_argument(
-        "--forms", default="engine,engine_bf16kv,train", help="of engine, engine_bf16kv (CUDA only), train"
+        "--forms",
+        default="engine,engine_bf16kv,train",
+        help="of engine, engine_bf16kv (CUDA only), engine_fp8kv, train",
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -328,12 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = parse_lengths(args.lengths)
         wanted = [f for f in args.forms.split(",") if f]
-        if (
-            "train" not in wanted
-            or not set(wanted) <= {"engine", "engine_bf16kv", "train"}
-            or len(wanted) < 2
-        ):
-            raise LongctxError(f"--forms {args.forms}: train and at least one of engine, engine_bf16kv")
+        if "train" not in wanted or not set(wanted) <= {"train", *ENGINE_FORMS} or len(wanted) < 2:
+            raise LongctxError(f"--forms {args.forms}: train and at least one of {', '.join(ENGINE_FORMS)}")
         if not args.task.startswith("niah_"):
             raise LongctxError(f"--task {args.task}: a niah task (its answer starts with a space)")
         if args.index < 0:
@@ -353,10 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     gen = RulerGenerator(load_counter(args.model), seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
     forms: dict[str, dict[str, Any]] = {}
-    if "engine" in wanted:
-        forms["engine"] = {}
-    if "engine_bf16kv" in wanted and device.type == "cuda":  # (on a CPU the engine form is fp32 already)
-        forms["engine_bf16kv"] = {"kv_dtype": "bf16"}
+    for form, kw in ENGINE_FORMS.items():
+        if form in wanted and (form != "engine_bf16kv" or device.type == "cuda"):
+            forms[form] = kw  # (engine_bf16kv: on a CPU the engine form is fp32 already)
     if not forms:
         print("long_parity: engine_bf16kv runs on CUDA only; add engine", file=sys.stderr)
         return 2

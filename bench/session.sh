@@ -207,8 +207,9 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # the engine's last prompt row and the answer's space row (`--answer-row`: the first value byte, also by
   # the engine's decode step) at 1M against the training forward of the same weights (PARITY=0: skip;
   # PARITY_MODEL: other weights; PARITY_FORMS: the engine with bf16 KV too by default, since run 21's 1M miss
-  # was a near tie at the first value byte that the engine's fp8 KV may tip). Bounded: ~2 minutes at one row in the nineteenth session, where the
-  # window put the space first and the first value byte went wrong: the model's or the decode path's?
+  # was a near tie at the first value byte that the engine's fp8 KV may tip). Bounded: ~2 minutes at one
+  # row in the nineteenth session, where the window put the space first and the first value byte went
+  # wrong: the model's or the decode path's?
   if [ "${PARITY:-1}" = 1 ]; then
     timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model "${PARITY_MODEL:-$MODEL}" \
       --lengths 1m --forms "${PARITY_FORMS:-engine,engine_bf16kv,train}" --answer-row "${win[@]}" --device cuda \
@@ -293,13 +294,15 @@ lane_b_capped() {
   # (CAPPED_FIRST_MODEL) under a 10% cap, paired with its uncapped 1M samples of the session before
   if [ "${CAPPED_FIRST:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "${CAPPED_FIRST_MODEL:-models-shipped/retrieval-wip}" --lengths 1m \
-      --samples "$CAPPED_FIRST" --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1 --out "$S/eval/capped_1m_shipped"
+      --samples "$CAPPED_FIRST" --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1 \
+      --out "$S/eval/capped_1m_shipped"
   fi
   # BF16KV_FIRST=N: then N of them uncapped with a bf16 KV cache (CUDA's default is fp8; run 21's 1M miss was
   # a near tie at the first value byte, its engine and training forward 4e-2 apart)
   if [ "${BF16KV_FIRST:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "${CAPPED_FIRST_MODEL:-models-shipped/retrieval-wip}" --lengths 1m \
-      --samples "$BF16KV_FIRST" --concurrency 1 --tasks niah_single_1 --kv-dtype bf16 --out "$S/eval/bf16kv_1m_shipped"
+      --samples "$BF16KV_FIRST" --concurrency 1 --tasks niah_single_1 --kv-dtype bf16 \
+      --out "$S/eval/bf16kv_1m_shipped"
   fi
   while [ ! -f "$S/${2:-eval.go}" ]; do
     [ -f "$S/eval.stop" ] && return 0

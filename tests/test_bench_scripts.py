@@ -954,14 +954,19 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
 
 def test_long_parity_answer_row_compares_the_decode_step_on_cpu(tmp_path: Path) -> None:
     """`--answer-row`: the row after the answer's space through the engine's prefill, the engine's decode
-    step and the training forward agree on the CPU (fp32), and the attention table is that row's."""
+    step and the training forward agree on the CPU (fp32), and the attention table is that row's; the
+    engine with fp8 caches (`engine_fp8kv`) is near them but not equal."""
     from bench.long_parity import main
 
-    assert main(["--lengths", "1k", "--device", "cpu", "--answer-row", "--out", str(tmp_path)]) == 0
+    forms = ["--forms", "engine,engine_fp8kv,train"]
+    assert main(["--lengths", "1k", "--device", "cpu", "--answer-row", *forms, "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "long-parity.json").read_text())["rows"]
     assert row["forms"]["engine"]["top"][0][0] == " " and row["forms"]["engine"]["rel_diff"] <= 1e-4
+    fp8 = row["forms"]["engine_fp8kv"]
+    assert fp8["top"][0][0] == " " and 1e-5 < fp8["rel_diff"] < 0.1  # (quantised caches: close, not equal)
     ans = row["answer_row"]
-    assert set(ans["forms"]) == {"engine", "engine_decode", "train"} and ans["want"].isdigit()
+    assert set(ans["forms"]) == {"engine", "engine_decode", "engine_fp8kv", "engine_fp8kv_decode", "train"}
+    assert ans["want"].isdigit()
     eng, dec, train = (ans["forms"][f] for f in ("engine", "engine_decode", "train"))
     assert eng["rel_diff"] <= 1e-4 and dec["logprob_diff"] <= 1e-3
     assert eng["top"][0][0] == dec["top"][0][0] == train["top"][0][0]
