@@ -16,7 +16,8 @@ bench/results/retrieval-h200.{json,md} and a PNG of score vs length.
 Keys of the JSON: `<task>.<len>` (0-100; at 1m the HiSparse-capped run, elsewhere the uncapped one),
 `<task>.1m_uncapped` / `<task>.<len>_capped` for the other kind, `avg_niah.<len>` (the mean over the
 tasks when every task has a score at that length), `samples.<task>.<len>`, and
-`capped_minus_uncapped.1m` (mean over tasks scored both ways).
+`capped_minus_uncapped.1m` (over the samples scored both ways, same seed and index: per task the mean
+difference, then the mean over tasks; `capped_minus_uncapped_pairs.1m` counts them).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def collect(run_dirs: list[Path]) -> dict:
 
     scores: dict[tuple[str, int, bool], list[float]] = {}
     latency: dict[tuple[str, int, bool], list[float]] = {}
+    # (task, length, capped) -> {(seed, index): score}: the same sample scored capped and uncapped pairs up
+    by_sample: dict[tuple[str, int, bool], dict[tuple[int, int], float]] = {}
     forms: set[str] = set()  # the prompt forms of the runs (raw, chat, documents)
     for d in run_dirs:
         meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
@@ -120,9 +123,24 @@ def collect(run_dirs: list[Path]) -> dict:
         for r in read_rows(d / "results.jsonl"):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))
+            if "index" in r:
+                by_sample.setdefault(k, {})[(int(r.get("seed", 42)), int(r["index"]))] = float(r["score"])
             if r.get("latency_s") is not None:
                 latency.setdefault(k, []).append(float(r["latency_s"]))
-    return {"scores": scores, "latency": latency, "forms": forms}
+    return {"scores": scores, "latency": latency, "forms": forms, "by_sample": by_sample}
+
+
+def capped_minus_uncapped(by_sample: dict, length: int) -> tuple[float, int] | None:
+    """Capped minus uncapped score (0-100) at `length` over the samples scored both ways: per task the mean
+    over its paired samples, then the mean over tasks; and how many pairs there were. None: no pairs."""
+    per_task, pairs = [], 0
+    for (task, L, capped), cap in sorted(by_sample.items()):
+        unc = by_sample.get((task, L, False), {})
+        both = sorted(set(cap) & set(unc)) if capped and L == length else []
+        if both:
+            per_task.append(100 * sum(cap[s] - unc[s] for s in both) / len(both))
+            pairs += len(both)
+    return (round(sum(per_task) / len(per_task), 1), pairs) if per_task else None
 
 
 def gate(args: argparse.Namespace) -> int:
@@ -176,11 +194,9 @@ def merge(args: argparse.Namespace) -> int:
     for (L, capped), row in sorted(by_len.items()):
         if all(t in row for t in TASKS):
             res[f"avg_niah.{result_key(L, capped)}"] = round(sum(row.values()) / len(row), 1)
-    both = [t for t in TASKS if t in by_len.get((ONE_M, True), {}) and t in by_len.get((ONE_M, False), {})]
-    if both:
-        res["capped_minus_uncapped.1m"] = round(
-            sum(by_len[(ONE_M, True)][t] - by_len[(ONE_M, False)][t] for t in both) / len(both), 1
-        )
+    paired = capped_minus_uncapped(got["by_sample"], ONE_M)
+    if paired is not None:  # over the samples run both ways (the runs may hold different numbers of them)
+        res["capped_minus_uncapped.1m"], res["capped_minus_uncapped_pairs.1m"] = paired
     lengths = sorted({L for L, _ in by_len})
     head = "| task | " + " | ".join(length_name(L) for L in lengths) + " |"
     rows = [head, "|---" * (len(lengths) + 1) + "|"]

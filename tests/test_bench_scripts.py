@@ -97,6 +97,33 @@ def test_step_profile_groups_kernels_by_model_part() -> None:
     assert list(g)[0] == "indexer + top-k + sorts" and "other (elementwise etc.)" in g
 
 
+def test_retrieval_eval_merge_pairs_capped_and_uncapped_samples(tmp_path: Path) -> None:
+    """`capped_minus_uncapped.1m` compares the samples scored both ways (same seed and index), not the two
+    runs' means over different samples: uncapped 0-4 (4 right), capped 0-7 (7 right, sample 2 wrong)."""
+    from bench.retrieval_eval import main
+
+    L = 1 << 20
+    uncapped = {("niah_single_1", i): float(i != 0) for i in range(5)}
+    uncapped.update({("niah_multikey_1", i): 0.0 for i in range(3)})
+    capped = {("niah_single_1", i): float(i != 2) for i in range(8)}
+    capped.update({("niah_multikey_1", i): float(i == 1) for i in range(4)})
+    for name, rows, cap in (("u", uncapped, None), ("c", capped, 0.1)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({"cap_fraction": cap, "form": "raw"}))
+        (d / "results.jsonl").write_text("".join(
+            json.dumps({"task": task, "length": L, "index": i, "seed": 42, "score": s}) + "\n"
+            for (task, i), s in rows.items()
+        ))  # fmt: skip
+    assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
+    res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())
+    # niah_single_1 over 0-4: capped 4 right of 5 (0 right, 2 wrong), uncapped 4: 0; multikey over 0-2:
+    # capped 1 of 3, uncapped 0: +33.3; the mean of the two
+    assert res["capped_minus_uncapped.1m"] == round((0.0 + 100 / 3) / 2, 1)
+    assert res["capped_minus_uncapped_pairs.1m"] == 8
+    assert res["niah_single_1.1m"] == 87.5 and res["niah_single_1.1m_uncapped"] == 80.0  # (all samples)
+
+
 def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     from bench.retrieval_eval import main
 
