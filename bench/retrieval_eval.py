@@ -134,9 +134,11 @@ def capped_minus_uncapped(by_sample: dict, length: int) -> tuple[float, int] | N
     """Capped minus uncapped score (0-100) at `length` over the samples scored both ways: per task the mean
     over its paired samples, then the mean over tasks; and how many pairs there were. None: no pairs."""
     per_task, pairs = [], 0
-    for (task, L, capped), cap in sorted(by_sample.items()):
-        unc = by_sample.get((task, L, False), {})
-        both = sorted(set(cap) & set(unc)) if capped and L == length else []
+    for (task, n, capped), cap in sorted(by_sample.items()):
+        if not capped or n != length:
+            continue
+        unc = by_sample.get((task, n, False), {})
+        both = sorted(set(cap) & set(unc))
         if both:
             per_task.append(100 * sum(cap[s] - unc[s] for s in both) / len(both))
             pairs += len(both)
