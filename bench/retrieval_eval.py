@@ -68,12 +68,16 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_lengths(args.lengths)
     meta = {"model": str(args.model), "cap_fraction": args.cap_fraction, "tasks": list(args.tasks.split(","))}
-    if args.index_topk is not None:  # the same weights, each full layer selecting another top-k
-        meta["index_topk"] = args.index_topk
-    if args.index_local_window is not None:  # the same weights, each query's newest positions kept
-        meta["index_local_window"] = args.index_local_window
-    if args.kv_dtype:  # the same weights with another KV cache dtype (CUDA's default: fp8)
-        meta["kv_dtype"] = args.kv_dtype
+    # the same weights with each full layer selecting another top-k, each query's newest positions kept,
+    # another KV cache dtype (CUDA's default: fp8): recorded, and passed on to `longctx ruler`
+    engine_flags: list[str] = []
+    for flag, name in (
+        ("--index-topk", "index_topk"), ("--index-local-window", "index_local_window"), ("--kv-dtype", "kv_dtype"),
+    ):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None:
+            meta[name] = value
+            engine_flags += [flag, str(value)]
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
@@ -88,12 +92,7 @@ def run(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         if args.chat or args.documents:
             argv.append("--chat" if args.chat else "--documents")
-        if args.index_topk is not None:
-            argv += ["--index-topk", str(args.index_topk)]
-        if args.index_local_window is not None:
-            argv += ["--index-local-window", str(args.index_local_window)]
-        if args.kv_dtype:
-            argv += ["--kv-dtype", args.kv_dtype]
+        argv += engine_flags
         if args.cap_fraction:
             cap = max(1, int(args.cap_fraction * L))
             meta["device_tokens"][str(L)] = cap

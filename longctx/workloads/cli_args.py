@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
 from longctx.engine.args import KV_DTYPE_CHOICES
@@ -46,25 +47,26 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
 
 
+def kv_dtype_arg(name: str, text: str) -> str:
+    """The KV cache dtype flag `name` given as `text`, one of Engine's kv_dtype values."""
+    if text not in KV_DTYPE_CHOICES:
+        raise UsageError(f"{name} must be one of {', '.join(KV_DTYPE_CHOICES)}, not {text!r}")
+    return text
+
+
 def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`add_embedded_engine_args`' flags as Engine keywords (each only when given); they are refused
     without --model, since a server runs with the engine it was started with."""
-    ints = (
-        ("--hisparse-device-tokens", "hisparse_device_tokens", 1),
-        ("--index-topk", "index_topk", 1),
-        ("--index-local-window", "index_local_window", 0),
-    )
-    for flag, name in [(f, n) for f, n, _ in ints] + [("--kv-dtype", "kv_dtype")]:
-        if getattr(args, name) and not args.model:
-            raise UsageError(f"{flag} is for --model (a server runs the engine it was started with)")
     kw: dict[str, Any] = {"device": args.device}
-    for flag, name, lo in ints:
-        if getattr(args, name):
-            kw[name] = int_arg(flag, getattr(args, name), lo)
-    if args.kv_dtype:
-        if args.kv_dtype not in KV_DTYPE_CHOICES:
-            raise UsageError(
-                f"--kv-dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, not {args.kv_dtype!r}"
-            )
-        kw["kv_dtype"] = args.kv_dtype
+    for flag, name, parse in (
+        ("--hisparse-device-tokens", "hisparse_device_tokens", partial(int_arg, lo=1)),
+        ("--index-topk", "index_topk", partial(int_arg, lo=1)),
+        ("--index-local-window", "index_local_window", partial(int_arg, lo=0)),
+        ("--kv-dtype", "kv_dtype", kv_dtype_arg),
+    ):
+        text = getattr(args, name)
+        if text:
+            if not args.model:
+                raise UsageError(f"{flag} is for --model (a server runs the engine it was started with)")
+            kw[name] = parse(flag, text)
     return kw
