@@ -39,7 +39,8 @@
 #   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate),
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
 #   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
-#   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains),
+#   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains;
+#   on one GPU beside the training), TRAIN_LR (default_train_args' rate, 2e-4),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
@@ -92,7 +93,7 @@ default_train_args() {
   # query's newest 64 positions in its selection (--index-local-window 64, also in run 21's checkpoint),
   # each full layer's indexer KL against its IndexShare group's mean attention (--kl-share: without it run
   # 21b lost 55 / 65 points at 128K), the fused selection where the probe times it faster
-  echo "--init-from models-shipped/retrieval-wip --lr 2e-4 --warmup-steps 30 \
+  echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
 --dense-warmup-steps 0 --select auto --seed 22 --index-local-window 64 --kl-share"
@@ -101,7 +102,7 @@ default_train_args() {
 default_train_args_b() {
   # LANE_B=train's default: run 22 at half the learning rate (run 22b): run 19a, run 17's recipe repeated
   # from run 17 at 2e-4, came out worse than run 17, so the A/B asks whether continuing wants a lower rate
-  default_train_args | sed 's/--lr 2e-4/--lr 1e-4/'
+  TRAIN_LR=1e-4 default_train_args
 }
 
 lane_a() {
@@ -290,8 +291,9 @@ lane_b_capped() {
   # $2: the marker to wait for: eval.go (the model passed the 4K gate) on its own GPU; timed.done on a
   # shared GPU, so long_context's ms/token figures are not taken beside it
   export CUDA_VISIBLE_DEVICES=$1
-  # CAPPED_FIRST=N (own GPU): while lane A trains, N niah_single_1 samples at 1M of the shipped model
-  # (CAPPED_FIRST_MODEL) under a 10% cap, paired with its uncapped 1M samples of the session before
+  # CAPPED_FIRST=N: while lane A trains (on its own GPU, or beside the training on one GPU), N niah_single_1
+  # samples at 1M of the shipped model (CAPPED_FIRST_MODEL) under a 10% cap, paired with its uncapped 1M
+  # samples of the session before
   if [ "${CAPPED_FIRST:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "${CAPPED_FIRST_MODEL:-models-shipped/retrieval-wip}" --lengths 1m \
       --samples "$CAPPED_FIRST" --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1 \
