@@ -87,15 +87,22 @@ LOCAL = 64  # the prompt's last positions whose selection `recall_by_layer` repo
 
 
 def recall_by_layer(
-    rows: dict[int, list[tuple[int, list[int]]]], needle: Sequence[int], prompt_len: int, answer_len: int
+    rows: dict[int, list[tuple[int, list[int]]]],
+    needle: Sequence[int],
+    prompt_len: int,
+    answer_len: int,
+    letters: Sequence[int] = (),
 ) -> dict[str, dict[str, float]]:
     """Per full layer: `last_prompt` (the needle's share of the last prompt row's selection of it),
     `answer` (that share averaged over the rows that produce the first `answer_len` output tokens: the
     value and the space before it),
     `any` (1 when any of those rows selected any needle position), `local` (the share of the last
     `LOCAL` prompt positions, the question and the answer prefix, that the last prompt row selected: at
-    1M the answers are haystack prose, as if the question went unread)."""
+    1M the answers are haystack prose, as if the question went unread), and with `letters` (the needle
+    positions holding a letter, e.g. a UUID's a-f) `answer_letters` / `answer_digits`: `answer` over those
+    positions and over the rest (run 21's answer rows select a UUID's digits and drop its letters)."""
     want = set(needle)
+    parts = {"answer_letters": set(letters), "answer_digits": want - set(letters)} if letters else {}
     near = set(range(max(0, prompt_len - LOCAL), prompt_len))
     out: dict[str, dict[str, float]] = {}
     for layer, got in sorted(rows.items()):
@@ -108,6 +115,9 @@ def recall_by_layer(
             "any": float(any(v > 0 for v in share)),
             "local": len(near & set(last[-1])) / len(near) if last else 0.0,
         }
+        for k, part in parts.items():
+            if part and answer:
+                out[str(layer)][k] = sum(len(part & set(s)) / len(part) for s in answer) / len(answer)
     return out
 
 
@@ -158,13 +168,13 @@ def summarize(rows: list[dict]) -> dict:
             g["samples"] += 1
             for layer, v in r["recall"].items():
                 acc = g["layers"].setdefault(layer, {})
-                for k, x in v.items():
-                    acc[k] = acc.get(k, 0.0) + x
+                for k, x in v.items():  # (sum, samples): a value without letters has no answer_letters
+                    acc[k] = (acc.get(k, (0.0, 0))[0] + x, acc.get(k, (0.0, 0))[1] + 1)
     for groups in out.values():
         for g in groups.values():
             for acc in g["layers"].values():
-                for k in acc:
-                    acc[k] = round(acc[k] / g["samples"], 3)
+                for k, (total, n) in acc.items():
+                    acc[k] = round(total / n, 3)
     for r in rows:  # wrong answers: where the wanted first value token ranked at the step that wrote one
         fd = r.get("first_digit")
         if r["score"] >= 1 or not fd or fd["wrote"] == fd["want"]:
@@ -178,8 +188,8 @@ def summarize(rows: list[dict]) -> dict:
 def table(summary: dict) -> str:
     lines = [
         "| length | samples | layer | needle share, last prompt row | share over the answer rows | any selected "
-        f"| last {LOCAL} prompt positions selected |",
-        "|---|---|---|---|---|---|---|",
+        f"| last {LOCAL} prompt positions selected | letters / digits over the answer rows |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for length, groups in summary.items():
         for group in ("right", "wrong"):
@@ -191,6 +201,11 @@ def table(summary: dict) -> str:
                     f"| {length} | {g['samples']} {group} | {layer} | {v['last_prompt']:.2f} | "
                     f"{v['answer']:.2f} | {v['any']:.2f} | "
                     + (f"{v['local']:.2f} |" if "local" in v else "- |")
+                    + (
+                        f" {v['answer_letters']:.2f} / {v['answer_digits']:.2f} |"
+                        if "answer_letters" in v
+                        else " - |"
+                    )
                 )
     notes = [
         f"- {length}: wrong first value token; the wanted one ranked "
@@ -267,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                     with record_selections(len(ids) - 1) as sel:
                         out_ids, logprobs = _greedy(eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens)
                     text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
-                    recall = recall_by_layer(sel, needle, len(ids), len(value_ids) + 1)
+                    letters = [
+                        p for p in needle if ids[p] < 256 and bytes([ids[p]]).isalpha()
+                    ]  # (byte tokens)
+                    recall = recall_by_layer(sel, needle, len(ids), len(value_ids) + 1, letters)
                     row: dict[str, Any] = {
                         "task": task,
                         "length": L,

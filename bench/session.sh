@@ -18,8 +18,8 @@
 #   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks
 #   and profiles run first (undisturbed; CHECKS=0 leaves them out), then lane A, with the capped 1M
 #   samples beside lane A's evaluation once its timed part (long_context and the profiles at 128K) is done.
-# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 22 at half
-#   the learning rate) on GPU 1 and scores it
+# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 23 with the
+#   needle loss of run 21, --needle-form set) on GPU 1 and scores it
 #   as lane A does, under $SESSION/b (its model in $OUT/b); no checks, no capped 1M lane, and neither lane
 #   takes issue 5's HiSparse figures unless HISPARSE=1: an A/B of two recipes in one session.
 # The lanes run from a copy of the tree in $SESSION/src (installed there), so a later call's carry
@@ -40,7 +40,8 @@
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
 #   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
 #   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains;
-#   on one GPU beside the training), TRAIN_LR (default_train_args' rate, 2e-4),
+#   on one GPU once lane A's timed figures are done), TRAIN_LR and NEEDLE_FORM (default_train_args' rate,
+#   2e-4, and needle form, bytes),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
@@ -88,21 +89,24 @@ hisparse_measures() {
 }
 
 default_train_args() {
-  # run 22: run 21's recipe (shipped: run 17's recipe plus the window and --kl-share; 1M niah_single_1 4 of
-  # 5, 128K 100 / 95) again from run 21's weights with fresh rows (--seed 22): every full layer keeping each
-  # query's newest 64 positions in its selection (--index-local-window 64, also in run 21's checkpoint),
-  # each full layer's indexer KL against its IndexShare group's mean attention (--kl-share: without it run
-  # 21b lost 55 / 65 points at 128K), the fused selection where the probe times it faster
+  # run 23: run 21's recipe (shipped: run 17's recipe plus the window and --kl-share; 1M niah_single_1 4 of
+  # 5, 128K 100 / 95) from run 21's weights with fresh rows (--seed 23) and the needle loss per byte over
+  # every causal key (--needle-form bytes: run 21's UUID misses are hex letters its full layers no longer
+  # select; with the needle forced into the selection 16 of 20 niah_single_3 samples at 4K come out right
+  # against 4, docs/training.md, run 22): every full layer keeping each query's newest 64 positions in its
+  # selection (--index-local-window 64, also in run 21's checkpoint), each full layer's indexer KL against
+  # its IndexShare group's mean attention (--kl-share: without it run 21b lost 55 / 65 points at 128K), the
+  # fused selection where the probe times it faster. TRAIN_LR / NEEDLE_FORM: its rate (2e-4) and needle form
   echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
---needle-weight 1.0 --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 \
---curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} --replay-fraction 0.3 \
---dense-warmup-steps 0 --select auto --seed 22 --index-local-window 64 --kl-share"
+--needle-weight 1.0 --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 --chat-fraction 0.25 \
+--document-fraction 0.25 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} \
+--replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 23 --index-local-window 64 --kl-share"
 }
 
 default_train_args_b() {
-  # LANE_B=train's default: run 22 at half the learning rate (run 22b): run 19a, run 17's recipe repeated
-  # from run 17 at 2e-4, came out worse than run 17, so the A/B asks whether continuing wants a lower rate
-  TRAIN_LR=1e-4 default_train_args
+  # LANE_B=train's default: run 23 with the needle loss as before (run 23b, --needle-form set): the A/B of
+  # the needle form
+  NEEDLE_FORM=set default_train_args
 }
 
 lane_a() {
@@ -291,9 +295,18 @@ lane_b_capped() {
   # $2: the marker to wait for: eval.go (the model passed the 4K gate) on its own GPU; timed.done on a
   # shared GPU, so long_context's ms/token figures are not taken beside it
   export CUDA_VISIBLE_DEVICES=$1
-  # CAPPED_FIRST=N: while lane A trains (on its own GPU, or beside the training on one GPU), N niah_single_1
-  # samples at 1M of the shipped model (CAPPED_FIRST_MODEL) under a 10% cap, paired with its uncapped 1M
-  # samples of the session before
+  local marker=${2:-eval.go}
+  wait_marker() {
+    while [ ! -f "$S/$1" ]; do
+      [ -f "$S/eval.stop" ] && return 1
+      sleep 10
+    done
+  }
+  # on a shared GPU the shipped model's samples below wait for the marker too: beside the training they
+  # cost run 22 40% of its steps (its planner's probe timed the 128K step twice as long)
+  if [ "$marker" = timed.done ]; then wait_marker "$marker" || return 0; fi
+  # CAPPED_FIRST=N: N niah_single_1 samples at 1M of the shipped model (CAPPED_FIRST_MODEL) under a 10% cap,
+  # paired with its uncapped 1M samples of an earlier session (on its own GPU while lane A trains)
   if [ "${CAPPED_FIRST:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "${CAPPED_FIRST_MODEL:-models-shipped/retrieval-wip}" --lengths 1m \
       --samples "$CAPPED_FIRST" --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1 \
@@ -306,10 +319,7 @@ lane_b_capped() {
       --samples "$BF16KV_FIRST" --concurrency 1 --tasks niah_single_1 --kv-dtype bf16 \
       --out "$S/eval/bf16kv_1m_shipped"
   fi
-  while [ ! -f "$S/${2:-eval.go}" ]; do
-    [ -f "$S/eval.stop" ] && return 0
-    sleep 10
-  done
+  wait_marker "$marker" || return 0
   [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0  # (lane A's placement check failed)
   # 5 a task: lane A's uncapped 1M lane gets through ~5 samples in a session, and both wrote prose alike
   # on all 5 in the fifteenth

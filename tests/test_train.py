@@ -17,7 +17,7 @@ from longctx.train.__main__ import main
 from longctx.train.checkpoint import MODEL_FILES, TRAINER_STATE, load_model_weights, read_training
 from longctx.train.data import ANSWER, EOS_ID, DataConfig, DataError, answer_text, make_batch, pose_positions
 from longctx.train.loop import TrainConfig, build_optimizer, compute_loss, kl_rows
-from longctx.train.model import TrainCausalLM, selection_mask, sparse_attention_train
+from longctx.train.model import Needle, TrainCausalLM, selection_mask, sparse_attention_train
 from longctx.workloads.ruler_tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
     batch = make_batch(data, 0)
     assert batch.needle.any()
     rows = kl_rows(batch.kind, 64, torch.Generator().manual_seed(0))
-    needle = (batch.needle, torch.gather(batch.kind, 1, rows) == ANSWER)
+    needle = Needle(batch.needle, torch.gather(batch.kind, 1, rows) == ANSWER)
     for n, p in m.named_parameters():
         p.requires_grad_(".indexer." in n)
     idx_params = [p for n, p in m.named_parameters() if ".indexer." in n]
@@ -211,6 +211,77 @@ def test_needle_loss_trains_the_indexer_toward_the_needle() -> None:
     _, off, _ = compute_loss(m, batch, dataclasses.replace(cfg, needle_weight=0.0), 0, CPU)
     assert float(metrics["indexer_needle"]) > 0 and float(off["indexer_needle"]) == 0.0
     assert abs(float(metrics["loss"] - off["loss"]) - 2.0 * float(metrics["indexer_needle"])) < 1e-4
+
+
+def test_needle_bytes_form_pulls_every_needle_byte_in_past_the_selection() -> None:
+    """--needle-form bytes: the mean over the needle's bytes of each one's -log index probability over every
+    causal key, selected or not. A needle byte outside the allowed keys (the sparse stage's selection) gets
+    a gradient from it and none from the "set" form, which a needle's other bytes can satisfy alone."""
+    g = torch.Generator().manual_seed(3)
+    B, S, H, D, R = 2, 24, 3, 8, 5
+    qi = torch.randn(B, S, H, D, generator=g)
+    ki = torch.randn(B, S, D, generator=g, requires_grad=True)
+    wi = torch.rand(B, S, H, generator=g)
+    rows = torch.tensor([[6, 10, 15, 20, 23], [3, 9, 12, 18, 22]])
+    pos = torch.arange(S)
+    allowed = pos[None, None, :] <= rows[..., None]
+    allowed = allowed & (pos != 4)[None, None, :]  # needle byte 4 ranked out of every row's selection
+    p = torch.softmax(torch.randn(B, R, S, generator=g).masked_fill(~allowed, float("-inf")), -1)
+    needle_pos = torch.zeros(B, S, dtype=torch.bool)
+    needle_pos[:, 2:6] = True  # bytes 2..5
+    at_rows = torch.tensor([[False, True, True, True, False], [False, True, False, True, True]])
+    grads, nlls = {}, {}
+    for form in ("set", "bytes"):
+        ki.grad = None
+        kl, nll = TrainCausalLM._kl_loss(qi, ki, wi, rows, allowed, p, Needle(needle_pos, at_rows, form))
+        assert nll is not None
+        nll.backward()
+        assert ki.grad is not None
+        grads[form], nlls[form] = ki.grad.clone(), nll.detach()
+    assert float(grads["set"][:, 4].abs().max()) == 0.0  # ranked out: the set form cannot reach it
+    assert float(grads["bytes"][:, 4].abs().min()) > 0.0
+    # the reference: per marked row, the index logits over its causal keys, each needle byte's log softmax
+    with torch.no_grad():
+        logits = (torch.relu(torch.einsum("bshd,btd->bsht", qi, ki)) * wi[..., None]).sum(2)  # [B, S, S]
+        terms = []
+        for b in range(B):
+            for j in range(R):
+                if at_rows[b, j]:
+                    t = int(rows[b, j])
+                    logq = torch.log_softmax(logits[b, t, : t + 1], -1)
+                    terms.append(-logq[needle_pos[b, : t + 1]].mean())
+        torch.testing.assert_close(nlls["bytes"], torch.stack(terms).mean(), rtol=1e-5, atol=1e-6)
+    # a marked row before the needle sees none of it and does not count
+    early = torch.zeros_like(at_rows)
+    early[:, 0] = True
+    rows_early = rows.clone()
+    rows_early[:, 0] = 1
+    _, nll = TrainCausalLM._kl_loss(qi, ki, wi, rows_early, allowed, p, Needle(needle_pos, early, "bytes"))
+    assert nll is not None and float(nll.detach()) == 0.0
+
+
+def test_needle_form_reaches_the_loss_and_is_checked(tmp_path: Path) -> None:
+    """TrainConfig.needle_form through compute_loss (the bytes form differs from the set form on the same
+    batch), --needle-form on the CLI (saved in the recipe), and an unknown form refused."""
+    from longctx.train.checkpoint import read_recipe
+
+    m = _model(seed=1)
+    data = DataConfig(tokens_per_step=512, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
+    batch = make_batch(data, 0)
+    cfg = TrainConfig(data=data, needle_weight=1.0, kl_rows=64, dense_warmup_steps=0)
+    _, a, _ = compute_loss(m, batch, cfg, 0, CPU)
+    _, b, _ = compute_loss(m, batch, dataclasses.replace(cfg, needle_form="bytes"), 0, CPU)
+    assert float(b["indexer_needle"]) > float(a["indexer_needle"]) > 0  # each byte's share < the set's
+    out = tmp_path / "run"
+    args = ["--config", str(TINY), "--out", str(out), "--steps", "2", "--device", "cpu",
+            "--tokens-per-step", "1024", "--curriculum", "0:512", "--needle-weight", "1",
+            "--needle-form", "bytes", "--eval-samples", "0", "--dense-warmup-steps", "0"]  # fmt: skip
+    assert main(args) == 0
+    assert read_recipe(str(out))["needle_form"] == "bytes"
+    from longctx.train.loop import train
+
+    with pytest.raises(ConfigError, match="needle_form"):
+        train(TrainConfig(needle_form="bogus", model_config=str(TINY), out=str(tmp_path / "bad")))
 
 
 def test_lead_weight_weighs_the_first_value_byte_of_each_answer(tmp_path: Path) -> None:
@@ -1255,7 +1326,7 @@ def test_gathered_sparse_step_equals_the_masked_reference(monkeypatch) -> None:
     data = DataConfig(tokens_per_step=1024, curriculum=((0, 512),), text_fraction=0.0, copy_fraction=0.0)
     batch = make_batch(data, 3)
     rows = kl_rows(batch.kind, 48, torch.Generator().manual_seed(0))
-    needle = (batch.needle, torch.gather(batch.kind, 1, rows) == ANSWER)
+    needle = Needle(batch.needle, torch.gather(batch.kind, 1, rows) == ANSWER)
     out = {}
     for impl in ("mask", "gather"):
         m = _model(seed=2)

@@ -35,7 +35,7 @@ def _ensure_kernels() -> None:
 def build_parser() -> argparse.ArgumentParser:
     from longctx.train.data import DataConfig
     from longctx.train.loop import TrainConfig
-    from longctx.train.model import SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS
+    from longctx.train.model import NEEDLE_FORMS, SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
     p = argparse.ArgumentParser(prog="python -m longctx.train", description=__doc__)
@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=t.needle_weight,
         help="weight of the indexer's needle loss on answer rows (0: the DSA recipe alone)",
+    )
+    p.add_argument(
+        "--needle-form",
+        choices=NEEDLE_FORMS,
+        default=t.needle_form,
+        help="the needle loss: the index mass on the needle as a whole over the KL's keys (set: the "
+        "selection in the sparse stage), or every needle byte's own probability over every causal key "
+        "(bytes: a byte ranked out of the selection is pulled back in)",
     )
     p.add_argument(
         "--lead-weight",
@@ -285,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_rows=args.kl_rows,
             train_only=args.train_only,
             needle_weight=args.needle_weight,
+            needle_form=args.needle_form,
             lead_weight=args.lead_weight,
             long_topk_from=long_topk[0],
             long_topk=long_topk[1],

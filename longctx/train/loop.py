@@ -35,7 +35,15 @@ from longctx.train.checkpoint import (
     save_training,
 )
 from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
-from longctx.train.model import _FUSED_FROM, SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS, TrainCausalLM
+from longctx.train.model import (
+    _FUSED_FROM,
+    NEEDLE_FORMS,
+    SELECT_DOTS,
+    SELECT_FORMS,
+    SPARSE_ATTENTION_FORMS,
+    Needle,
+    TrainCausalLM,
+)
 
 # the loop's clock (deadlines, the time fit, the log's rates); tests swap in one driven by the steps
 _monotonic = time.monotonic
@@ -71,6 +79,10 @@ class TrainConfig:
     # weight of the indexer's needle loss on answer rows (TrainCausalLM._indexer_kl): -log of the index
     # softmax's mass on the answer value's bytes in the prompt; 0 (the DSA recipe) skips it
     needle_weight: float = 0.0
+    # its form (`model.Needle`): "set", the mass on the needle as a whole over the KL's keys (the selection
+    # in the sparse stage), or "bytes", every needle byte's own probability over every causal key (run
+    # 21's UUID misses are hex letters that dropped out of the selection while its digits stayed in)
+    needle_form: str = "set"
     # weight of each retrieval row's first value byte in the answer loss (1: every answer byte alike). The
     # fifteenth session's misses at 32K-128K (bench/results/needle-recall-h200.md) selected the needle
     # and got the value's first digit wrong, then copied the rest: that byte is the hard one
@@ -339,7 +351,7 @@ def compute_loss(
     needle = None
     if rows is not None and cfg.needle_weight > 0:
         at_rows = torch.gather(kind, 1, rows) == ANSWER  # the kl rows that predict answer bytes
-        needle = (batch.needle.to(device, non_blocking=True), at_rows)
+        needle = Needle(batch.needle.to(device, non_blocking=True), at_rows, cfg.needle_form)
     positions = None if batch.positions is None else batch.positions.to(device, non_blocking=True)
     sparse = step >= cfg.dense_warmup_steps
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
@@ -554,6 +566,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"select must be one of {SELECT_FORMS}, got {cfg.select!r}")
     if cfg.select_dot not in SELECT_DOTS:
         raise ConfigError(f"select_dot must be one of {SELECT_DOTS}, got {cfg.select_dot!r}")
+    if cfg.needle_form not in NEEDLE_FORMS:
+        raise ConfigError(f"needle_form must be one of {NEEDLE_FORMS}, got {cfg.needle_form!r}")
     if not cfg.lead_weight >= 0:
         raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
     if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):

@@ -32,7 +32,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,22 @@ SELECT_FORMS = ("torch", "fused", "auto")
 SELECT_DOTS = ("tf32x3", "ieee")  # TrainCausalLM.select_dot: the fused form's fp32 products
 _FUSED_FROM = 16384
 _NEG = -1e30  # finite "minus infinity": keeps 0 * masked terms at 0 in the KL
+NEEDLE_FORMS = ("set", "bytes")
+
+
+class Needle(NamedTuple):
+    """The indexer's needle loss on answer rows (`TrainCausalLM._kl_loss`): `positions` [B, S] bool, the
+    needle's value bytes in the prompt; `rows` [B, R] bool over the KL rows, those that predict answer bytes.
+
+    `form` "set": -log of the index softmax's mass on the needle as a whole, over the keys the KL covers
+    (the selection in the sparse stage). The mass its digits hold satisfies it, and a needle byte that
+    drops out of the selection gets no gradient back: run 21's UUID misses are hex letters its full layers
+    no longer select (docs/training.md, run 22). "bytes": the mean over the needle's bytes of each one's
+    -log index probability over every causal key, selected or not, so every byte is pulled in."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+    form: str = "set"
 
 
 @dataclass
@@ -96,7 +112,7 @@ class _GroupKL:
     wi: torch.Tensor
     rows: torch.Tensor
     allowed: torch.Tensor
-    needle: tuple[torch.Tensor, torch.Tensor] | None
+    needle: Needle | None
     targets: list[torch.Tensor]
 
 
@@ -172,7 +188,7 @@ class TrainCausalLM(CausalLM):
         ids: torch.Tensor,
         sparse: bool,
         kl_rows: torch.Tensor | None = None,
-        needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+        needle: Needle | None = None,
         positions: torch.Tensor | None = None,
         topk: int | None = None,
         kl_local: int = 0,
@@ -183,8 +199,8 @@ class TrainCausalLM(CausalLM):
         `sparse`: attend over the indexer's top-k (the inference model); otherwise dense causal
         attention (the warm-up stage). `kl_rows` [B, R] (query positions): compute the indexer KL
         on those rows; None skips it (evaluation). `needle` (positions [B, S] bool, rows [B, R] bool over
-        kl_rows): also each full layer's retrieval loss, -log of the indexer's softmax mass on the needle
-        positions at the marked kl rows (see `_indexer_kl`). `positions` [B, S] int64: the rotary
+        kl_rows; `Needle`): also each full layer's retrieval loss at the marked kl rows, in the needle's
+        `form` (see `Needle`). `positions` [B, S] int64: the rotary
         position of every token (PoSE skips, `data.pose_positions`); None: 0..S-1 in every row. They
         reach only the rotary angles (main attention and indexer alike): causality, the top-k's
         causal limit and the KL rows go by the order of tokens in the row. `topk`: the sparse stage's
@@ -237,7 +253,7 @@ class TrainCausalLM(CausalLM):
         sparse: bool,
         kl_rows: torch.Tensor | None,
         aux: TrainAux,
-        needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+        needle: Needle | None = None,
         topk: int | None = None,
         kl_local: int = 0,
         group: list[_GroupKL] | None = None,
@@ -459,15 +475,14 @@ class TrainCausalLM(CausalLM):
         sel: torch.Tensor | None,
         rows: torch.Tensor,
         scale: float,
-        needle: tuple[torch.Tensor, torch.Tensor] | None = None,
+        needle: Needle | None = None,
         local: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KL(main attention, summed over heads and normalised || softmax of index scores) on `rows`,
         where `main_scores(bi, rows)` gives the main attention's unscaled logits of those rows over
         every key [B, H, R, S] (no grad) and `sel` [B, S, top-k] the selection (None: every causal key);
-        and with `needle` = (positions [B, S], which rows [B, R]) the needle loss: -log of the index
-        softmax's mass on the needle positions, averaged over the marked rows that can see one (None
-        without `needle`).
+        and with `needle` (`Needle`: positions [B, S], which rows [B, R], its form) the needle loss,
+        averaged over the marked rows that can see a needle byte (None without `needle`).
 
         Dense stage: over every causal key. Sparse stage: over the selected set only (DSA's
         L_I = sum_t KL(p_{t,S_t} || softmax(I_{t,S_t}))), or with `local` > 0 over the selected set and
@@ -516,7 +531,7 @@ class TrainCausalLM(CausalLM):
         rows: torch.Tensor,
         allowed: torch.Tensor,
         p: torch.Tensor,
-        needle: tuple[torch.Tensor, torch.Tensor] | None,
+        needle: Needle | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KL(p || softmax of index scores) over the allowed keys and the needle loss (`_indexer_kl`)."""
         bi = torch.arange(rows.shape[0], device=rows.device)[:, None]
@@ -528,9 +543,16 @@ class TrainCausalLM(CausalLM):
             kl = torch.where(allowed, kl, 0.0).sum(-1).mean()
             if needle is None:
                 return kl, None
-            at = needle[0][:, None, :] & allowed  # [B, R, S]
-            use = needle[1] & at.any(-1)  # [B, R]
-            hit = torch.logsumexp(logq.masked_fill(~at, _NEG), dim=-1)  # log mass on the needle
+            if needle.form == "bytes":  # each byte's own probability over every causal key
+                S = allowed.shape[-1]
+                causal = torch.arange(S, device=rows.device)[None, None, :] <= rows[..., None]
+                at = needle.positions[:, None, :] & causal  # [B, R, S]
+                logq = torch.log_softmax(logits.masked_fill(~causal, _NEG), dim=-1)
+                hit = torch.where(at, logq, 0.0).sum(-1) / at.sum(-1).clamp(min=1)  # mean log prob
+            else:  # "set": the log mass on the needle as a whole, over the allowed keys
+                at = needle.positions[:, None, :] & allowed
+                hit = torch.logsumexp(logq.masked_fill(~at, _NEG), dim=-1)
+            use = needle.rows & at.any(-1)  # [B, R]
             nll = -(torch.where(use, hit, 0.0).sum() / use.sum().clamp(min=1))
             return kl, nll
 
