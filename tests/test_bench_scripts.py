@@ -316,28 +316,37 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "./logs/lane_a.log" in names and "./logs/train_log.jsonl" in names
 
 
-def test_session_capped_first_scores_the_shipped_model_under_the_cap_before_the_trained_one(
-    tmp_path: Path,
-) -> None:
-    """CAPPED_FIRST=N with two GPUs and no checks: lane B's GPU first scores N niah_single_1 samples of the
-    shipped model at 1M under a 10% HiSparse cap (its own directory), BF16KV_FIRST=M then M uncapped with a
-    bf16 KV cache, then the trained model's capped 1M."""
+def _capped_first_session(tmp_path: Path, gpus: int) -> tuple[list[str], Path]:
+    """A session with CHECKS=0 CAPPED_FIRST=3 BF16KV_FIRST=2 on `gpus` fake GPUs, run until the trained model's
+    capped 1M lane starts: the fake python's calls ("$CUDA_VISIBLE_DEVICES argv", `-c` probes left out) and
+    the session directory."""
     import os
     import subprocess
     import time
 
     fake, calls = _two_gpu_python(tmp_path)
+    fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {gpus}; exit 0"))
     s = tmp_path / "s"
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"),
            "CHECKS": "0", "CAPPED_FIRST": "3", "BF16KV_FIRST": "2"}  # fmt: skip
     run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
     run("start")
-    deadline = time.time() + 60
+    deadline = time.time() + 90
     while time.time() < deadline and (not calls.exists() or calls.read_text().count("--cap-fraction") < 2):
         time.sleep(0.5)
     run("stop")
-    gpu1 = [x for x in calls.read_text().splitlines() if x.startswith("1 ") and not x.startswith("1 -c ")]
+    return [x for x in calls.read_text().splitlines() if " -c " not in f" {x}"], s
+
+
+def test_session_capped_first_scores_the_shipped_model_under_the_cap_before_the_trained_one(
+    tmp_path: Path,
+) -> None:
+    """CAPPED_FIRST=N with two GPUs and no checks: lane B's GPU first scores N niah_single_1 samples of the
+    shipped model at 1M under a 10% HiSparse cap (its own directory), BF16KV_FIRST=M then M uncapped with a
+    bf16 KV cache, then the trained model's capped 1M."""
+    lines, s = _capped_first_session(tmp_path, gpus=2)
+    gpu1 = [x for x in lines if x.startswith("1 ")]
     first, bf16kv, trained = gpu1[:3]
     assert "--model models-shipped/retrieval-wip --lengths 1m --samples 3" in first
     assert (
@@ -356,23 +365,7 @@ def test_session_one_gpu_scores_the_shipped_model_after_the_training_and_timed_f
     """CAPPED_FIRST / BF16KV_FIRST on one GPU: the shipped model's 1M samples wait for lane A's timed figures
     (training, long_context and the step profiles), so they share the GPU with neither (beside the training
     they cost run 22 40% of its steps); then the trained model's capped 1M."""
-    import os
-    import subprocess
-    import time
-
-    fake, calls = _two_gpu_python(tmp_path)
-    fake.write_text(fake.read_text().replace("echo 2; exit 0", "echo 1; exit 0"))
-    s = tmp_path / "s"
-    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"),
-           "CHECKS": "0", "CAPPED_FIRST": "3", "BF16KV_FIRST": "2"}  # fmt: skip
-    run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
-                                    capture_output=True, text=True)  # fmt: skip
-    run("start")
-    deadline = time.time() + 90
-    while time.time() < deadline and (not calls.exists() or calls.read_text().count("--cap-fraction") < 2):
-        time.sleep(0.5)
-    run("stop")
-    lines = [x for x in calls.read_text().splitlines() if not x.startswith("0 -c ")]
+    lines, s = _capped_first_session(tmp_path, gpus=1)
     shipped = [i for i, x in enumerate(lines) if "--model models-shipped/retrieval-wip --lengths 1m" in x]
     assert (
         len(shipped) == 2
