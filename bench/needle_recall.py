@@ -282,9 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                     with record_selections(len(ids) - 1) as sel:
                         out_ids, logprobs = _greedy(eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens)
                     text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
-                    letters = [
-                        p for p in needle if ids[p] < 256 and bytes([ids[p]]).isalpha()
-                    ]  # (byte tokens)
+                    # the needle's letters (a UUID's a-f; a byte token's id is its byte)
+                    letters = [p for p in needle if ids[p] < 256 and bytes([ids[p]]).isalpha()]
                     recall = recall_by_layer(sel, needle, len(ids), len(value_ids) + 1, letters)
                     row: dict[str, Any] = {
                         "task": task,
