@@ -328,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
-    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, _greedy, check_trained_model, needle_positions
+    from bench.needle_recall import (
+        MAX_NEW_TOKENS_SCALE,
+        SEED,
+        check_trained_model,
+        greedy_with_logprobs,
+        needle_positions,
+    )
     from longctx import Engine
     from longctx.errors import LongctxError
     from longctx.train.loop import resolve_device
@@ -397,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 got[form] = scored[0]
                 if args.answer_row:  # the same row by the decode path: greedy from the prompt
                     got_answer[form] = scored[1]
-                    decoded[form] = _greedy(eng, f"decode-{form}", ids, 2)
+                    decoded[form] = greedy_with_logprobs(eng, f"decode-{form}", ids, 2)
                 decode = eng.tokenizer.decode
             secs[form] = time.perf_counter() - t
             # each form as it comes (a bounded run that stops in a later form still says this one's)

@@ -125,7 +125,7 @@ TOP_LOGPROBS = 5
 SPACE = 32  # byte-level tokens: the model writes " " before a niah value
 
 
-def _greedy(eng: Any, rid: str, ids: list[int], max_new: int) -> tuple[list[int], list[Any]]:
+def greedy_with_logprobs(eng: Any, rid: str, ids: list[int], max_new: int) -> tuple[list[int], list[Any]]:
     """Greedy tokens of one request and each one's top-`TOP_LOGPROBS` logprobs (`TokenLogprob`s)."""
     from longctx.engine.request import Request, SamplingParams
 
@@ -280,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                     needle = needle_positions(ids, value_ids)
                     t0 = time.perf_counter()
                     with record_selections(len(ids) - 1) as sel:
-                        out_ids, logprobs = _greedy(eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens)
+                        out_ids, logprobs = greedy_with_logprobs(
+                            eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens
+                        )
                     text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
                     # the needle's letters (a UUID's a-f; a byte token's id is its byte)
                     letters = [p for p in needle if ids[p] < 256 and bytes([ids[p]]).isalpha()]
