@@ -169,7 +169,8 @@ def summarize(rows: list[dict]) -> dict:
             for layer, v in r["recall"].items():
                 acc = g["layers"].setdefault(layer, {})
                 for k, x in v.items():  # (sum, samples): a value without letters has no answer_letters
-                    acc[k] = (acc.get(k, (0.0, 0))[0] + x, acc.get(k, (0.0, 0))[1] + 1)
+                    total, n = acc.get(k, (0.0, 0))
+                    acc[k] = (total + x, n + 1)
     for groups in out.values():
         for g in groups.values():
             for acc in g["layers"].values():

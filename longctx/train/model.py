@@ -544,8 +544,7 @@ class TrainCausalLM(CausalLM):
             if needle is None:
                 return kl, None
             if needle.form == "bytes":  # each byte's own probability over every causal key
-                S = allowed.shape[-1]
-                causal = torch.arange(S, device=rows.device)[None, None, :] <= rows[..., None]
+                causal = TrainCausalLM._kl_allowed(allowed.shape[-1], rows, None, 0)  # (no selection)
                 at = needle.positions[:, None, :] & causal  # [B, R, S]
                 logq = torch.log_softmax(logits.masked_fill(~causal, _NEG), dim=-1)
                 hit = torch.where(at, logq, 0.0).sum(-1) / at.sum(-1).clamp(min=1)  # mean log prob
