@@ -121,3 +121,94 @@ def test_capped_decode_step_is_graph_safe(model_dir):
         assert audited >= 2 and all(len(o.token_ids) == 3 for o in outs)
         assert eng.stats()["hisparse"]["misses"] > 0
     assert not bad, dict(bad)
+
+
+class _FakeStream:
+    """Stands for a CUDA stream on the CPU: records waits into the shared log."""
+
+    def __init__(self, name: str, log: list[tuple[str, ...]]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+def test_captured_step_forks_candidates_and_joins_before_the_first_placement(model_dir, monkeypatch):
+    """LONGCTX_HISPARSE_FORK: inside a (here pretended) decode graph capture, `_begin` runs the victim
+    candidates and the newest-token placement on the side stream (forked from the capturing stream),
+    nothing of the first layer's top-k placement starts before the main stream joins it, every fork is
+    joined before the step's forward returns, and the greedy tokens are the unforked run's."""
+    import contextlib
+
+    from longctx.kernels.common import HAS_TRITON, triton_interpret
+
+    import longctx.hisparse.cache as cache_mod
+
+    if not (HAS_TRITON and triton_interpret()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    prompts = [_ids(40, 1), _ids(30, 2)]
+
+    def run(fork: bool) -> tuple[list[list[int]], list[tuple[str, ...]]]:
+        log: list[tuple[str, ...]] = []
+        main, side = _FakeStream("main", log), _FakeStream("side", log)
+        on = [main]
+
+        @contextlib.contextmanager
+        def stream(s):  # type: ignore[no-untyped-def]
+            on.append(s)
+            log.append(("enter", s.name))
+            yield
+            on.pop()
+            log.append(("exit", s.name))
+
+        cand, place = cache_mod.lru_candidates, cache_mod.lru_place
+        with Engine(model_dir, **KW, backend="triton", hisparse_device_tokens=CAP, cuda_graphs=True) as eng:
+            kv = eng.runner.worker.kv
+            kv._fork = fork
+            graphs = eng.runner.graphs
+            forward = graphs._forward
+
+            def captured(c):  # type: ignore[no-untyped-def]
+                with monkeypatch.context() as m:
+                    m.setattr(kv, "_side", side)  # (outside the pretended capture: none, as on a CPU)
+                    m.setattr(cache_mod.HiSparseKVCache, "_capturing", lambda self: True)
+                    m.setattr(torch.cuda, "current_stream", lambda device=None: on[-1])
+                    m.setattr(torch.cuda, "stream", stream)
+                    m.setattr(
+                        cache_mod,
+                        "lru_candidates",
+                        lambda *a, **k: (log.append(("cand", on[-1].name)), cand(*a, **k))[1],
+                    )  # noqa: E501
+                    m.setattr(
+                        cache_mod,
+                        "lru_place",
+                        lambda *a, **k: (log.append(("place", on[-1].name)), place(*a, **k))[1],
+                    )  # noqa: E501
+                    log.append(("step",))
+                    out = forward(c)
+                    assert not kv._forked  # joined before the captured region ends
+                    log.append(("end",))
+                    return out
+
+            graphs._forward = captured
+            outs = eng.generate(prompts, max_new_tokens=3, ignore_eos=True)
+            assert eng.stats()["hisparse"]["misses"] > 0
+        return [o.token_ids for o in outs], log
+
+    plain, log0 = run(False)
+    forked, log1 = run(True)
+    assert forked == plain
+    assert not any(e[0] == "wait" for e in log0) and ("cand", "main") in log0
+    steps = [i for i, e in enumerate(log1) if e == ("step",)]
+    assert len(steps) >= 2
+    for a in steps:
+        b = log1.index(("end",), a)
+        step = log1[a:b]
+        fork_at = step.index(("wait", "side", "main"))
+        join_at = step.index(("wait", "main", "side"))
+        # the candidates and the newest placement on the side stream, between the fork and the join
+        assert step[fork_at + 1 : fork_at + 4] == [("enter", "side"), ("cand", "side"), ("place", "side")]
+        assert step.index(("exit", "side")) < join_at
+        # the first top-k placement (on the main stream) comes after the join, and only one fork a step
+        first_main = step.index(("place", "main"))
+        assert join_at < first_main and step.count(("wait", "side", "main")) == 1

@@ -42,7 +42,9 @@ no `resolve` took (`attend_pool`, the next `_begin`). The torch path keeps them 
 
 Per step (`_begin`, at the first layer): the newest `recent` tokens of each request get their
 slots in every layer of the stage at once (one placement over all layers; each layer keeps its
-own LRU), so the newest tokens are always resident. Then per layer:
+own LRU), so the newest tokens are always resident (with FORK_DEFAULT, inside a decode graph
+capture, that placement and the step's victim candidates run on the side stream until the first
+top-k placement joins it). Then per layer:
 1. `after_write(layer)`: the new rows are in the host pool; they are copied into the slots chosen
    at the start of the step.
 2. full layers: the indexer's top-k -> `resolve(layer)` places this layer's misses and returns
@@ -105,6 +107,13 @@ TAIL_QUERIES = 128
 # victims from them instead of walking the N slots themselves (kernels/lru_place.py: the same
 # victims). LONGCTX_PLACE_CANDIDATES=0 keeps each placement's own select (A/B benches).
 PLACE_CANDIDATES = os.environ.get("LONGCTX_PLACE_CANDIDATES", "1").strip() != "0"
+# In a captured decode step the candidates and the newest-token placement (~80 us at a 128K RULER
+# decode's 10% cap, one latency-bound program per (row, layer)) depend only on the LRU state after
+# the clock's tick, and nothing reads what they write before the first layer's top-k placement: with
+# LONGCTX_HISPARSE_FORK=1 they run on a side stream forked inside the graph at `_begin` and joined at
+# that placement (`_join`), beside the first layer's indexer and top-k. Off by default until an H200
+# run shows it faster with the same tokens (bench/session.sh's hisparse_measures times both).
+FORK_DEFAULT = os.environ.get("LONGCTX_HISPARSE_FORK", "0").strip() == "1"
 
 
 @dataclass
@@ -217,6 +226,7 @@ class HiSparseKVCache:
         place_block: int | None = None,
         tail_queries: int = TAIL_QUERIES,
         place_candidates: bool | None = None,
+        fork: bool | None = None,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -324,6 +334,9 @@ class HiSparseKVCache:
         self._fuse = False
         self._pending: dict[int, list[CopyList]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # a captured decode step's candidates + newest placement on the side stream (FORK_DEFAULT)
+        self._fork = self._side is not None and (FORK_DEFAULT if fork is None else fork)
+        self._forked = False  # they were forked and the main stream has not joined them yet
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
         self._acc = {
             k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side", "tail")
@@ -340,6 +353,7 @@ class HiSparseKVCache:
         return self._index[layer]
 
     def attend_pool(self, layer: int) -> torch.Tensor:
+        self._join()
         self._flush(layer)  # (a decode layer's `resolve` made its copies already)
         pool = self._step_pool.get(layer)
         return pool if pool is not None else self._slots[layer]
@@ -348,9 +362,10 @@ class HiSparseKVCache:
         """The new rows are in the host pool: copy each request's newest ones into the slots
         `_begin` chose for them in every layer."""
         self._begin(ctx)
-        self._wait_side()
         p = self._newest
         assert p is not None
+        if not self._forked or p.cnt is None:  # (a fork's copies are deferred to the tails, joined)
+            self._wait_side()
         self._copy(layer, p, self._index_of[layer], True)
 
     def resolve(self, layer: int, topk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -565,20 +580,34 @@ class HiSparseKVCache:
         # full layer's prefetch): the victims of both are among the recent + K oldest evictable slots
         # as they are now, after the clock's tick
         self._cand = None
-        if self._fuse and self._use_cand:
-            self._cand = lru_candidates(
-                self._s2p.view(-1), self._stamp.view(-1), self._now_t, rows.s_at, rows.newest_from,
-                n_slots=self.N, count=self._cand_n, backend=self._backend, **self._place_kw,
-            )  # fmt: skip
-        self._newest = self._place(self._every, rows, st.newest, self._acc["main"], force=True)
+        fork = self._fork and self._fuse and self._use_cand and self._capturing()
+        if fork:  # (a fork inside the graph: the side stream joins the capture here, `_join` ends it)
+            assert self._side is not None
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side) if fork else contextlib.nullcontext():
+            if self._fuse and self._use_cand:
+                self._cand = lru_candidates(
+                    self._s2p.view(-1), self._stamp.view(-1), self._now_t, rows.s_at, rows.newest_from,
+                    n_slots=self.N, count=self._cand_n, backend=self._backend, **self._place_kw,
+                )  # fmt: skip
+            self._newest = self._place(self._every, rows, st.newest, self._acc["main"], force=True)
+        self._forked = fork
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _wait_side(self) -> None:
-        # nothing runs on the side stream while a graph is captured (see `_prefetch`)
+        # outside a capture: the prefetch's side stream; inside one only a fork runs there (`_begin`)
+        self._join()
         if self._side is not None and not self._capturing():
             torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def _join(self) -> None:
+        """End a fork of `_begin`: the main stream waits for the candidates and the newest placement."""
+        if self._forked:
+            assert self._side is not None
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._forked = False
 
     def _phys(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Host-pool rows of positions pos [B, M] (>= 0) of the rows whose page tables are `table`."""
