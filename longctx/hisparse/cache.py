@@ -203,6 +203,8 @@ class HiSparseKVCache:
     all-hit pass chunk (None: `lru_place`'s default; tests set it small to run the pass on tiny
     top-k sizes). `place_block`: its slot block (None: `lru_place`'s default; from 4 blocks a
     (request, layer) the victims are chosen by the parallel passes, so tests set it small).
+    `place_candidates` / `fork`: a decode step's victim candidates (None: PLACE_CANDIDATES) and their
+    fork onto the side stream inside a decode graph (None: FORK_DEFAULT; CUDA only).
     """
 
     dense_readable = False
