@@ -12,6 +12,12 @@ answers' ranks are counted in the summary).
 
     python -m bench.needle_recall --model DIR --lengths 32k,128k --samples 10 [--device cuda] --out R
 
+`--force-layers 0,1,3` (CPU): what if those full layers' indexers had found the needle? Every query
+row from the last prompt token on gets the value's missing positions into those layers' selections
+(each in place of the lowest-scored selected position outside the local window), so a sample still
+wrong is a copy the attention got wrong, not a selection (run 23 at 4K niah_single_3: 6 of 20 right,
+14 forced into layers 0, 1 and 3, 13 into layer 3 alone, 6 into layers 0 and 1).
+
 Writes R/needle-recall.jsonl (one row per sample, resumable) and R/needle-recall.json (the summary).
 CUDA graphs are off here (a replayed graph runs no Python, so nothing could be recorded).
 """
@@ -27,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -73,6 +81,67 @@ def record_selections(start: int) -> Iterator[dict[int, list[tuple[int, list[int
         yield rows
     finally:
         Indexer.forward = forward  # type: ignore[method-assign]
+
+
+@contextmanager
+def forced_needle(layers: set[int], needle: Sequence[int], start: int) -> Iterator[dict[str, int]]:
+    """While entered: the full layers in `layers` select every position of `needle` at each query
+    position >= `start` (batch of one request, the torch path, whose top-k op sees the index scores):
+    each missing position takes the place of the lowest-scored selected one outside the local window
+    (ties: the later position goes). Yields the counts of rows forced and positions put in."""
+    import longctx.model.indexer as ix
+    from longctx.errors import LongctxError
+
+    want = sorted(set(needle))
+    counts = {"rows": 0, "replaced": 0}
+    seen: dict[str, Any] = {}
+    op, forward = ix.op, ix.Indexer.forward
+
+    def spied_op(module, name, use_triton):  # type: ignore[no-untyped-def]
+        fn = op(module, name, use_triton)
+        if name != "topk_indices":
+            return fn
+
+        def topk(logits, k, lens):  # type: ignore[no-untyped-def]
+            if "layer" in seen:  # (only a forced layer's scores are kept: at 128K a chunk's are GBs)
+                seen["logits"] = logits
+            return fn(logits, k, lens)
+
+        return topk
+
+    def forced(self, x, q_resid, ctx, x_proj=None):  # type: ignore[no-untyped-def]
+        if self.layer not in layers:
+            return forward(self, x, q_resid, ctx, x_proj)
+        seen["layer"] = True
+        try:
+            out = forward(self, x, q_resid, ctx, x_proj)
+            logits = seen.get("logits")
+        finally:
+            seen.clear()
+        if logits is None or logits.shape[0] != out.shape[0]:
+            raise LongctxError("--force-layers needs the torch path's index scores (--device cpu)")
+        out = out.clone()
+        for r, p in enumerate(ctx.positions.tolist()):
+            row = [t for t in out[r].tolist() if t >= 0]
+            missing = [t for t in want if t <= p and t not in set(row)]
+            if p < start or not missing:
+                continue
+            window = set(range(p - self.window + 1, p + 1))
+            room = [t for t in row if t not in window and t not in set(want)]
+            room.sort(key=lambda t: (logits[r, t].item(), -t))
+            if len(room) < len(missing):
+                raise LongctxError(f"layer {self.layer}'s top-k has no room for the needle's {len(missing)}")
+            keep = sorted(set(row) - set(room[: len(missing)]) | set(missing))
+            out[r] = torch.tensor(keep + [-1] * (out.shape[1] - len(keep)), dtype=out.dtype)
+            counts["rows"] += 1
+            counts["replaced"] += len(missing)
+        return out
+
+    ix.op, ix.Indexer.forward = spied_op, forced  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        ix.op, ix.Indexer.forward = op, forward  # type: ignore[method-assign]
 
 
 def check_trained_model(model: str) -> None:
@@ -217,6 +286,26 @@ def table(summary: dict) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def _force_layers(spec: str, model: str, device: str) -> set[int]:
+    """`--force-layers`: the full layers named (LongctxError for another layer or a GPU device)."""
+    from longctx.config import ModelConfig
+    from longctx.errors import LongctxError
+
+    if not spec.strip():
+        return set()
+    try:
+        layers = {int(x) for x in spec.split(",")}
+    except ValueError:
+        raise LongctxError(f"--force-layers must be a comma list of layer numbers, not {spec!r}") from None
+    if device != "cpu":
+        raise LongctxError("--force-layers needs --device cpu (the torch path's index scores)")
+    cfg = ModelConfig.from_json(Path(model) / "config.json")
+    bad = sorted(x for x in layers if not (0 <= x < cfg.num_hidden_layers and cfg.is_full_indexer(x)))
+    if bad:
+        raise LongctxError(f"--force-layers: {bad} not full indexer layers of this model")
+    return layers
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models-shipped" / "retrieval-wip"))
@@ -230,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="newest positions each selection keeps (Engine's)",
+    )
+    ap.add_argument(
+        "--force-layers",
+        default="",
+        help="comma list of full layers that select the needle at every answer row (CPU; module doc)",
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -250,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.index_topk is not None and args.index_topk < 1:
             raise LongctxError("--index-topk must be >= 1")
         check_trained_model(args.model)
+        force = _force_layers(args.force_layers, args.model, args.device)
     except LongctxError as e:
         print(f"needle_recall: {e}", file=sys.stderr)
         return 2
@@ -268,50 +363,59 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, max_context=max(lengths), cuda_graphs=False, index_topk=args.index_topk,
         index_local_window=args.index_local_window,
     )  # fmt: skip
-    with Engine(args.model, **engine_kw) as eng:
-        for L in lengths:
-            for task in tasks:
-                for i in range(args.samples):
-                    if (task, L, i) in done:
-                        continue
-                    s = gen.sample(task, L, i)
-                    ids = eng.encode(s.input + s.answer_prefix)
-                    value = s.outputs[0]
-                    value_ids = eng.encode(value)
-                    needle = needle_positions(ids, value_ids)
-                    t0 = time.perf_counter()
-                    with record_selections(len(ids) - 1) as sel:
-                        out_ids, logprobs = greedy_with_logprobs(
-                            eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens
+    try:
+        with Engine(args.model, **engine_kw) as eng:
+            for L in lengths:
+                for task in tasks:
+                    for i in range(args.samples):
+                        if (task, L, i) in done:
+                            continue
+                        s = gen.sample(task, L, i)
+                        ids = eng.encode(s.input + s.answer_prefix)
+                        value = s.outputs[0]
+                        value_ids = eng.encode(value)
+                        needle = needle_positions(ids, value_ids)
+                        t0 = time.perf_counter()
+                        with (  # (forced first: the selections recorded are the forced ones)
+                            forced_needle(force, needle, len(ids) - 1) as fc,
+                            record_selections(len(ids) - 1) as sel,
+                        ):
+                            out_ids, logprobs = greedy_with_logprobs(
+                                eng, f"needle-{task}-{L}-{i}", ids, s.max_new_tokens
+                            )
+                        text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
+                        # the needle's letters (a UUID's a-f; a byte token's id is its byte)
+                        letters = [p for p in needle if ids[p] < 256 and bytes([ids[p]]).isalpha()]
+                        recall = recall_by_layer(sel, needle, len(ids), len(value_ids) + 1, letters)
+                        row: dict[str, Any] = {
+                            "task": task,
+                            "length": L,
+                            "length_name": format_length(L),
+                            "index": i,
+                            "prompt_tokens": len(ids),
+                            "value": value,
+                            "needle_positions": needle[:1] + needle[-1:],
+                            "output": text,
+                            "score": sample_match_all(text, s.outputs),
+                            "first_digit": first_digit(out_ids, logprobs, value_ids),
+                            "recall": recall,
+                            "seconds": round(time.perf_counter() - t0, 2),
+                        }
+                        if force:
+                            row["forced"] = {"layers": sorted(force), **fc}
+                        rows.append(row)
+                        with path.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        print(
+                            f"needle_recall: {task} {row['length_name']} #{i}: score {row['score']:.0f}, answer-row "
+                            "share by layer "
+                            + ", ".join(f"{k}: {v['answer']:.2f}" for k, v in recall.items())
+                            + f" ({row['seconds']} s)",
+                            flush=True,
                         )
-                    text = eng.tokenizer.decode(out_ids) if eng.tokenizer is not None else ""
-                    # the needle's letters (a UUID's a-f; a byte token's id is its byte)
-                    letters = [p for p in needle if ids[p] < 256 and bytes([ids[p]]).isalpha()]
-                    recall = recall_by_layer(sel, needle, len(ids), len(value_ids) + 1, letters)
-                    row: dict[str, Any] = {
-                        "task": task,
-                        "length": L,
-                        "length_name": format_length(L),
-                        "index": i,
-                        "prompt_tokens": len(ids),
-                        "value": value,
-                        "needle_positions": needle[:1] + needle[-1:],
-                        "output": text,
-                        "score": sample_match_all(text, s.outputs),
-                        "first_digit": first_digit(out_ids, logprobs, value_ids),
-                        "recall": recall,
-                        "seconds": round(time.perf_counter() - t0, 2),
-                    }
-                    rows.append(row)
-                    with path.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    print(
-                        f"needle_recall: {task} {row['length_name']} #{i}: score {row['score']:.0f}, answer-row "
-                        "share by layer "
-                        + ", ".join(f"{k}: {v['answer']:.2f}" for k, v in recall.items())
-                        + f" ({row['seconds']} s)",
-                        flush=True,
-                    )
+    except LongctxError as e:  # (e.g. a forced needle wider than the selection leaves room for)
+        print(f"needle_recall: {e}", file=sys.stderr)
+        return 2
     summary = summarize(rows)
     res = {
         "model": args.model,

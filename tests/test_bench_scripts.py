@@ -990,6 +990,34 @@ def test_needle_recall_through_the_engine(tmp_path: Path) -> None:
     assert main([*args[:-1], str(tmp_path / "x"), "--index-topk", "0"]) == 2
 
 
+def test_needle_recall_forces_the_needle_into_chosen_layers(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--force-layers: with a top-k too small to hold a UUID needle beside the window, the forced full
+    layers select every needle position at every answer row (the recorded selections are the forced
+    ones), the others are left as the indexer chose, and the row says how many positions were put in;
+    a shared layer, a non-number or a GPU device is one error line (exit 2)."""
+    from bench.needle_recall import main
+
+    base = ["--lengths", "1k", "--samples", "1", "--tasks", "niah_single_3", "--device", "cpu"]
+    base += ["--index-topk", "112"]  # (48 positions beside the window of 64: room for a UUID's 36 bytes)
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert main([*base, "--force-layers", "0,3", "--out", str(tmp_path / "f")]) == 0
+    (plain,) = [json.loads(x) for x in (tmp_path / "a" / "needle-recall.jsonl").read_text().splitlines()]
+    (row,) = [json.loads(x) for x in (tmp_path / "f" / "needle-recall.jsonl").read_text().splitlines()]
+    assert "forced" not in plain and all(v["answer"] < 1 for v in plain["recall"].values())
+    assert row["forced"]["layers"] == [0, 3] and row["forced"]["rows"] > 0 and row["forced"]["replaced"] > 0
+    assert row["recall"]["0"]["answer"] == row["recall"]["3"]["answer"] == 1.0
+    assert row["recall"]["1"]["answer"] < 1
+    capsys.readouterr()
+    for bad in ("2", "0,x", "99"):
+        assert main([*base, "--force-layers", bad, "--out", str(tmp_path / "x")]) == 2
+    assert main([*base[:-4], "--device", "auto", "--force-layers", "0", "--out", str(tmp_path / "x")]) == 2
+    # a top-k whose room beside the window cannot take the needle: one line, not a traceback
+    assert main([*base[:-1], "72", "--force-layers", "0", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 5 and all(e.startswith("needle_recall: ") for e in err), err
+    assert all("--force-layers" in e for e in err[:4]) and "no room for the needle" in err[4]
+
+
 def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -> None:
     """bench.long_parity: the engine's last prompt row and the training forward's agree on the CPU
     (fp32: the same model, ~1e-7 apart), both put the answer's space first; bad arguments exit 2."""
