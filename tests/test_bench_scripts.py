@@ -265,7 +265,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
         "--needle-weight 1.0 --needle-form bytes --pose-max 1048576 --chat-fraction 0.25 --document-fraction 0.25 "
-        "--curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 "
+        "--copy-hex-fraction 0.5 --curriculum 0:4096,1000:16384,3000:65536,6500:131072 --replay-fraction 0.3 "
         in gpu0[0]
         and "--select auto --seed 24 --index-local-window 64 --kl-share" in gpu0[0]
     )  # one argv
@@ -416,7 +416,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
 
 
 def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
-    """LANE_B=train on two GPUs: lane B trains TRAIN_ARGS_B (default: lane A's with twice the needle weight) on GPU 1
+    """LANE_B=train on two GPUs: lane B trains TRAIN_ARGS_B (default: lane A's without its UUID copy rows) on GPU 1
     under $SESSION/b and scores it as lane A does; no checks, no HiSparse figures (HISPARSE=0 by
     default); `collect` packs both models, lane B's in $OUT/b, and both lanes' logs."""
     import os
@@ -450,12 +450,12 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     (train_b,) = [x for x in gpu1 if "longctx.train" in x]
     assert "--index-local-window 64" in train_a and "--lead-weight" not in train_a
     assert "0:4096,1000:16384,3000:65536,6500:131072 " in train_a and f"--out {s}/b/train/ckpt" in train_b
-    # the same recipe otherwise (lane B's command is lane A's with twice the needle weight, with its own
-    # paths, on its GPU): the A/B of the needle weight
+    # the same recipe otherwise (lane B's command is lane A's without the UUID copy rows, with its own
+    # paths, on its GPU): the A/B of the copy rows
     assert "--kl-share" in train_a and "--needle-form bytes " in train_a and "--needle-form bytes " in train_b
-    assert "--lr 2e-4 " in train_a and "--needle-weight 1.0 " in train_a
+    assert "--lr 2e-4 " in train_a and "--copy-hex-fraction 0.5 " in train_a
     assert train_b.replace(f"{s}/b/", f"{s}/")[1:] == train_a[1:].replace(
-        "--needle-weight 1.0 ", "--needle-weight 2.0 "
+        "--copy-hex-fraction 0.5 ", "--copy-hex-fraction 0 "
     )
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]

@@ -1043,6 +1043,42 @@ def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> No
     assert read_training(b_dir)["step"] == 2
 
 
+def test_hex_copy_rows_pool_uuids_and_leave_other_rows_alone() -> None:
+    """--copy-hex-fraction: that share of the copy rows pools UUIDs (recurring, 8-4-4-4-12 lowercase
+    hex); at 0 the rows are the old generator's bit for bit (no extra draw); out of [0, 1] is refused."""
+    import random
+    import re
+
+    from longctx.train.data import _copy_row
+
+    def old_copy_row(rng: random.Random, n: int) -> list[int]:  # the generator before the flag
+        alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+        pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(rng.randint(4, 24))]
+        out: list[str] = []
+        size = 0
+        while size <= n:
+            w = rng.choice(pool)
+            out.append(w)
+            size += len(w) + 1
+        return list(" ".join(out).encode("ascii")[:n])
+
+    for seed in range(5):
+        assert _copy_row(random.Random(seed), 700) == old_copy_row(random.Random(seed), 700)
+    cfg = DataConfig(tokens_per_step=4096, curriculum=((0, 1024),), copy_fraction=1.0, copy_hex_fraction=1.0)
+    b = make_batch(cfg, 0)
+    assert set(b.tasks) == {"copy"}
+    uuid = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+    for row in b.ids.tolist():
+        words = bytes(row).decode().split()[:-1]  # (the last one may be cut off)
+        assert words and all(uuid.fullmatch(w) for w in words) and len(set(words)) < len(words)
+    half = [_copy_row(random.Random(i), 300, 0.5) for i in range(40)]
+    hexed = sum(bool(uuid.match(bytes(r).decode())) for r in half)
+    assert 8 < hexed < 32  # about half the rows
+    for bad in (-0.1, 1.5):
+        with pytest.raises(DataError):
+            DataConfig(copy_hex_fraction=bad)
+
+
 def test_shipped_wip_checkpoint_loads_and_retrieves_at_1024() -> None:
     """The part-trained retrieval model (models-shipped/retrieval-wip) through the real engine on the CPU:
     it must keep finding the needle in niah_single_1/2 prompts of 1,024 tokens, through the top-256
@@ -1268,19 +1304,24 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
         "--warmup-steps", "1", "--log-every", "1", "--kl-rows", "16", "--save-dtype", "float32",
     ]  # fmt: skip
     assert (
-        main([*args, "--chat-fraction", "0.25", "--document-fraction", "0.5", "--replay-fraction", "0.2"])
+        main(
+            [*args, "--chat-fraction", "0.25", "--document-fraction", "0.5", "--replay-fraction", "0.2",
+             "--copy-hex-fraction", "0.5"]
+        )
         == 0
-    )
+    )  # fmt: skip
     data = read_training(a)["recipe"]["data"]
     assert (
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
+    assert data["copy_hex_fraction"] == 0.5
     b = tmp_path / "b"
     assert main([*args[:3], str(b), "--steps", "2", *args[6:], "--resume", str(a)]) == 0
     data = read_training(b)["recipe"]["data"]
     assert (
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
+    assert data["copy_hex_fraction"] == 0.5
 
 
 def test_sparse_attention_train_is_the_masked_attention(monkeypatch) -> None:

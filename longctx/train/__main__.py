@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--copy-fraction", type=float, default=d.copy_fraction, help="rows of recurring random strings"
     )
     p.add_argument(
+        "--copy-hex-fraction",
+        type=float,
+        default=None,
+        help="copy rows whose recurring strings are UUIDs (lowercase hex: bytes recur inside a string) "
+        f"(default {d.copy_hex_fraction}, or the resumed run's)",
+    )
+    p.add_argument(
         "--pose-max",
         type=int,
         default=None,
@@ -220,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The --pose-*, --chat-fraction, --document-fraction and --replay-fraction flags as given; one left
-    out keeps the resumed run's saved value (else the default), so a resumed run goes on with the rows
-    it was training on."""
+    """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction and --copy-hex-fraction
+    flags as given; one left out keeps the resumed run's saved value (else the default), so a resumed
+    run goes on with the rows it was training on."""
     from longctx.train.checkpoint import read_recipe
     from longctx.train.data import DataConfig
 
@@ -236,6 +243,7 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
         "chat_fraction",
         "document_fraction",
         "replay_fraction",
+        "copy_hex_fraction",
     ):
         given = getattr(args, k)
         default = getattr(d, k)

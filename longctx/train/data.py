@@ -77,6 +77,11 @@ class DataConfig:
     # rows of random strings that recur (only copying predicts them): without them the H200 runs never
     # learned retrieval (docs/training.md, "What the runs showed")
     copy_fraction: float = 0.3
+    # copy rows whose strings are UUIDs (16 symbols, so a byte recurs inside a string and copying it
+    # needs more than the byte before it: run 23's UUID misses with the needle selected are such
+    # slips, `826d009d` for 826a009d); 0 draws nothing, so the rows stay bit for bit those of a run
+    # without it
+    copy_hex_fraction: float = 0.0
     min_length_fraction: float = 0.5  # a retrieval sample fills [fraction * S, S] tokens
     tasks: tuple[tuple[str, float], ...] = field(default=DEFAULT_TASKS)
     # PoSE positional skips (`pose_positions`): 0 keeps positions 0..S-1 (no `Batch.positions`);
@@ -114,6 +119,8 @@ class DataConfig:
             raise DataError("document_fraction must be in [0, 1]")
         if not 0.0 <= self.replay_fraction < 1.0:
             raise DataError("replay_fraction must be in [0, 1)")
+        if not 0.0 <= self.copy_hex_fraction <= 1.0:
+            raise DataError("copy_hex_fraction must be in [0, 1]")
 
     def seq_len(self, step: int) -> int:
         """The curriculum's length at `step`, or (a `replay_fraction` share of the steps, chosen by
@@ -195,11 +202,22 @@ def _prose(rng: random.Random, n_bytes: int) -> bytes:
     return "".join(out).encode("utf-8")[:n_bytes]
 
 
-def _copy_row(rng: random.Random, n: int) -> list[int]:
+def _uuid(rng: random.Random) -> str:
+    """A random UUID-shaped string (8-4-4-4-12 lowercase hex digits) from `rng`."""
+    h = "".join(rng.choices("0123456789abcdef", k=32))
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _copy_row(rng: random.Random, n: int, hex_fraction: float = 0.0) -> list[int]:
     """Random strings (8-48 letters/digits) drawn with replacement from a small pool: every repeat is
-    predictable only by finding its earlier occurrence (the induction pattern retrieval is built on)."""
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(rng.randint(4, 24))]
+    predictable only by finding its earlier occurrence (the induction pattern retrieval is built on).
+    A `hex_fraction` share of the rows pools UUIDs instead (no draw when it is 0)."""
+    size_pool = rng.randint(4, 24)
+    if hex_fraction > 0.0 and rng.random() < hex_fraction:
+        pool = [_uuid(rng) for _ in range(size_pool)]
+    else:
+        alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+        pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(size_pool)]
     out: list[str] = []
     size = 0
     while size <= n:  # the joined text is size - 1 bytes long
@@ -286,7 +304,7 @@ def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], l
     rng = random.Random(f"{cfg.seed}:{step}:{row}")
     u = rng.random()
     if u < cfg.copy_fraction:
-        return _copy_row(rng, S + 1), [LM] * (S + 1), "copy", []
+        return _copy_row(rng, S + 1, cfg.copy_hex_fraction), [LM] * (S + 1), "copy", []
     needle: list[int] = []
     if u - cfg.copy_fraction < cfg.text_fraction:
         ids: list[int] = []
