@@ -93,6 +93,7 @@ def forced_needle(layers: set[int], needle: Sequence[int], start: int) -> Iterat
     from longctx.errors import LongctxError
 
     want = sorted(set(needle))
+    want_set = set(want)
     counts = {"rows": 0, "replaced": 0}
     seen: dict[str, Any] = {}
     op, forward = ix.op, ix.Indexer.forward
@@ -122,16 +123,19 @@ def forced_needle(layers: set[int], needle: Sequence[int], start: int) -> Iterat
             raise LongctxError("--force-layers needs the torch path's index scores (--device cpu)")
         out = out.clone()
         for r, p in enumerate(ctx.positions.tolist()):
+            if p < start:
+                continue
             row = [t for t in out[r].tolist() if t >= 0]
-            missing = [t for t in want if t <= p and t not in set(row)]
-            if p < start or not missing:
+            have = set(row)
+            missing = [t for t in want if t <= p and t not in have]
+            if not missing:
                 continue
             window = set(range(p - self.window + 1, p + 1))
-            room = [t for t in row if t not in window and t not in set(want)]
+            room = [t for t in row if t not in window and t not in want_set]
             room.sort(key=lambda t: (logits[r, t].item(), -t))
             if len(room) < len(missing):
                 raise LongctxError(f"layer {self.layer}'s top-k has no room for the needle's {len(missing)}")
-            keep = sorted(set(row) - set(room[: len(missing)]) | set(missing))
+            keep = sorted(have - set(room[: len(missing)]) | set(missing))
             out[r] = torch.tensor(keep + [-1] * (out.shape[1] - len(keep)), dtype=out.dtype)
             counts["rows"] += 1
             counts["replaced"] += len(missing)
