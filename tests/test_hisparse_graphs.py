@@ -178,12 +178,12 @@ def test_captured_step_forks_candidates_and_joins_before_the_first_placement(mod
                         cache_mod,
                         "lru_candidates",
                         lambda *a, **k: (log.append(("cand", on[-1].name)), cand(*a, **k))[1],
-                    )  # noqa: E501
+                    )
                     m.setattr(
                         cache_mod,
                         "lru_place",
                         lambda *a, **k: (log.append(("place", on[-1].name)), place(*a, **k))[1],
-                    )  # noqa: E501
+                    )
                     log.append(("step",))
                     out = forward(c)
                     assert not kv._forked  # joined before the captured region ends

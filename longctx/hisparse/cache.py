@@ -203,8 +203,8 @@ class HiSparseKVCache:
     all-hit pass chunk (None: `lru_place`'s default; tests set it small to run the pass on tiny
     top-k sizes). `place_block`: its slot block (None: `lru_place`'s default; from 4 blocks a
     (request, layer) the victims are chosen by the parallel passes, so tests set it small).
-    `place_candidates` / `fork`: a decode step's victim candidates (None: PLACE_CANDIDATES) and their
-    fork onto the side stream inside a decode graph (None: FORK_DEFAULT; CUDA only).
+    `place_candidates`: a decode step's victim candidates (None: PLACE_CANDIDATES); their fork onto the
+    side stream inside a decode graph follows FORK_DEFAULT (CUDA only).
     """
 
     dense_readable = False
@@ -228,7 +228,6 @@ class HiSparseKVCache:
         place_block: int | None = None,
         tail_queries: int = TAIL_QUERIES,
         place_candidates: bool | None = None,
-        fork: bool | None = None,
     ) -> None:
         K = cfg.index_topk
         if device_tokens <= K:
@@ -337,7 +336,7 @@ class HiSparseKVCache:
         self._pending: dict[int, list[CopyList]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # a captured decode step's candidates + newest placement on the side stream (FORK_DEFAULT)
-        self._fork = self._side is not None and (FORK_DEFAULT if fork is None else fork)
+        self._fork = self._side is not None and FORK_DEFAULT
         self._forked = False  # they were forked and the main stream has not joined them yet
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
         self._acc = {
