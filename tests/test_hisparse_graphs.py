@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from longctx import Engine
 from longctx.engine.cuda_graph import DecodeGraphs
@@ -124,13 +125,21 @@ def test_capped_decode_step_is_graph_safe(model_dir):
 
 
 class _FakeStream:
-    """Stands for a CUDA stream on the CPU: records waits into the shared log."""
+    """Stands for a CUDA stream on the CPU: records waits into the shared log. `reads` holds weak
+    references to the memory the side stream's kernels were given; when the main stream joins the
+    side one, each must still be alive: memory freed earlier goes back to the main stream's cache while
+    the side stream may still read it, and inside a CUDA graph the main stream's next allocation can
+    overwrite it (nothing orders the two streams before the join)."""
 
-    def __init__(self, name: str, log: list[tuple[str, ...]]) -> None:
-        self.name, self.log = name, log
+    def __init__(self, name: str, log: list[tuple[str, ...]], reads: list | None = None) -> None:
+        self.name, self.log, self.reads = name, log, reads
 
     def wait_stream(self, other: _FakeStream) -> None:
         self.log.append(("wait", self.name, other.name))
+        if other.reads is not None and self.name == "main":
+            freed = [what for what, ref in other.reads if ref.expired()]
+            self.log.append(("freed before the join", *freed) if freed else ("alive at the join",))
+            other.reads.clear()
 
 
 def test_captured_step_forks_candidates_and_joins_before_the_first_placement(model_dir, monkeypatch):
@@ -150,8 +159,19 @@ def test_captured_step_forks_candidates_and_joins_before_the_first_placement(mod
 
     def run(fork: bool) -> tuple[list[list[int]], list[tuple[str, ...]]]:
         log: list[tuple[str, ...]] = []
-        main, side = _FakeStream("main", log), _FakeStream("side", log)
+        main, side = _FakeStream("main", log), _FakeStream("side", log, reads=[])
         on = [main]
+
+        def read(name, f):  # type: ignore[no-untyped-def]
+            def call(*a, **k):  # type: ignore[no-untyped-def]
+                log.append((name, on[-1].name))
+                if on[-1] is side:  # the memory behind every tensor given
+                    for i, t in enumerate([*a, *k.values()]):
+                        if isinstance(t, torch.Tensor):
+                            side.reads.append((f"{name} arg {i}", StorageWeakRef(t.untyped_storage())))
+                return f(*a, **k)
+
+            return call
 
         @contextlib.contextmanager
         def stream(s):  # type: ignore[no-untyped-def]
@@ -174,16 +194,8 @@ def test_captured_step_forks_candidates_and_joins_before_the_first_placement(mod
                     m.setattr(cache_mod.HiSparseKVCache, "_capturing", lambda self: True)
                     m.setattr(torch.cuda, "current_stream", lambda device=None: on[-1])
                     m.setattr(torch.cuda, "stream", stream)
-                    m.setattr(
-                        cache_mod,
-                        "lru_candidates",
-                        lambda *a, **k: (log.append(("cand", on[-1].name)), cand(*a, **k))[1],
-                    )
-                    m.setattr(
-                        cache_mod,
-                        "lru_place",
-                        lambda *a, **k: (log.append(("place", on[-1].name)), place(*a, **k))[1],
-                    )
+                    m.setattr(cache_mod, "lru_candidates", read("cand", cand))
+                    m.setattr(cache_mod, "lru_place", read("place", place))
                     log.append(("step",))
                     out = forward(c)
                     assert not kv._forked  # joined before the captured region ends
@@ -212,3 +224,6 @@ def test_captured_step_forks_candidates_and_joins_before_the_first_placement(mod
         # the first top-k placement (on the main stream) comes after the join, and only one fork a step
         first_main = step.index(("place", "main"))
         assert join_at < first_main and step.count(("wait", "side", "main")) == 1
+        # what the side stream read was kept until the join (the twenty-third session's H200 run of the
+        # fork diverged from the uncapped tokens: the newest positions went back to the cache at once)
+        assert step[join_at + 1] == ("alive at the join",), step[join_at + 1]

@@ -112,7 +112,9 @@ PLACE_CANDIDATES = os.environ.get("LONGCTX_PLACE_CANDIDATES", "1").strip() != "0
 # the clock's tick, and nothing reads what they write before the first layer's top-k placement: with
 # LONGCTX_HISPARSE_FORK=1 they run on a side stream forked inside the graph at `_begin` and joined at
 # that placement (`_join`), beside the first layer's indexer and top-k. Off by default until an H200
-# run shows it faster with the same tokens (bench/session.sh's hisparse_measures times both).
+# run shows it faster with the same tokens (bench/session.sh's hisparse_measures times both). The
+# twenty-third session's did not: 1.16x for 1.26x unforked, but other tokens, because the newest
+# positions went back to the allocator before the join (held since, `_fork_hold`); not re-run yet.
 FORK_DEFAULT = os.environ.get("LONGCTX_HISPARSE_FORK", "0").strip() == "1"
 
 
@@ -338,6 +340,7 @@ class HiSparseKVCache:
         # a captured decode step's candidates + newest placement on the side stream (FORK_DEFAULT)
         self._fork = self._side is not None and FORK_DEFAULT
         self._forked = False  # they were forked and the main stream has not joined them yet
+        self._fork_hold: object = None  # the fork's inputs made on the main stream, kept until `_join`
         # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
         self._acc = {
             k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side", "tail")
@@ -593,6 +596,9 @@ class HiSparseKVCache:
                 )  # fmt: skip
             self._newest = self._place(self._every, rows, st.newest, self._acc["main"], force=True)
         self._forked = fork
+        # the side stream reads memory the main stream made (the newest positions): held until `_join`,
+        # else the main stream's next allocation (layer 0's) may reuse it while the fork still reads it
+        self._fork_hold = st if fork else None
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -609,6 +615,7 @@ class HiSparseKVCache:
             assert self._side is not None
             torch.cuda.current_stream(self.device).wait_stream(self._side)
             self._forked = False
+            self._fork_hold = None  # (freed after the wait: the main stream reuses it only after the fork)
 
     def _phys(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Host-pool rows of positions pos [B, M] (>= 0) of the rows whose page tables are `table`."""
