@@ -44,6 +44,8 @@
 #   on one GPU once lane A's timed figures are done), TRAIN_LR, NEEDLE_FORM, NEEDLE_WEIGHT and COPY_HEX
 #   (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, and UUID copy rows, 0.5),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
+# LANE_A=score1m: no training; SCORE_1M (20) niah_single_1 samples at 1M of EVAL_MODEL uncapped and capped,
+#   after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples on GPU 1).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
@@ -85,7 +87,9 @@ hisparse_measures() {
     # `cand_par graph us`: the step's candidates selected by the parallel passes (the one program took
     # 47.6 us a step at 13,107 slots in the fifteenth session; if cand_par beats cand there, lower
     # kernels/lru_place.py's CAND_PAR_MIN_BLOCKS below 7 blocks)
-    "$PY" -m bench.place_bench --m 256 --n 13107 104857 --hit 0.75 1.0 --steps 30 --out "$S/profiles"
+    # (PLACE_BENCH=0: skip)
+    [ "${PLACE_BENCH:-1}" = 1 ] && "$PY" -m bench.place_bench --m 256 --n 13107 104857 --hit 0.75 1.0 --steps 30 \
+      --out "$S/profiles"
   fi
   # the victim candidates and the newest placement forked beside the first layer's indexer and top-k
   # inside the decode graph (LONGCTX_HISPARSE_FORK=1, off by default until this shows it faster with the
@@ -244,6 +248,34 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     --tasks niah_single_1,niah_multikey_1 "${win[@]}" --out "$S/eval/uncapped_1m"
 }
 
+lane_score_1m() {
+  # LANE_A=score1m: no training and no 4K-128K scores, for issue 10's 1M figure with 20 samples: SCORE_1M
+  # (default 20) niah_single_1 samples at 1M of EVAL_MODEL (default the shipped model), uncapped and under a
+  # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
+  # SEED_1M_CAPPED: results.jsonl files, default run 23's of the twenty-second session; the runner skips
+  # the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
+  # capped 128K RULER decode with and without LONGCTX_HISPARSE_FORK, its step profiles).
+  # $1: the GPU; $2: uncapped (the measures, then the uncapped samples), capped, or both (one GPU: the
+  # measures, the uncapped samples, then the capped ones)
+  export CUDA_VISIBLE_DEVICES=$1
+  MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}
+  local n=${SCORE_1M:-20} runs=()
+  mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
+  [ -f "$S/eval/uncapped_1m/results.jsonl" ] || cp \
+    "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
+  [ -f "$S/eval/capped_1m/results.jsonl" ] || cp \
+    "${SEED_1M_CAPPED:-bench/results/training/eval-run23-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
+  [ "$2" != capped ] && { PLACE_BENCH=0 hisparse_measures; runs+=(uncapped_1m); }
+  [ "$2" != uncapped ] && runs+=(capped_1m)
+  local r
+  for r in "${runs[@]}"; do
+    local cap=()
+    [ "$r" = capped_1m ] && cap=(--cap-fraction 0.1)
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "$n" --concurrency 1 \
+      --tasks niah_single_1 "${cap[@]}" --out "$S/eval/$r"
+  done
+}
+
 lane_b_checks() {
   export CUDA_VISIBLE_DEVICES=$1
   [ "${CHECKS:-1}" = 1 ] || return 0  # CHECKS=0: training and its evaluation only
@@ -346,7 +378,12 @@ lane_b_capped() {
 run_lanes() {
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$S/logs/pip.log" 2>&1 \
     || echo "pip install -e of the copy failed (see $S/logs/pip.log); running from the copy anyway"
-  if [ "$1" -ge 2 ] && [ "${LANE_B:-checks}" = train ]; then
+  if [ "${LANE_A:-train}" = score1m ] && [ "$1" -ge 2 ]; then  # the capped samples on their own GPU
+    lane_score_1m 0 uncapped >"$S/logs/lane_a.log" 2>&1 &
+    lane_score_1m 1 capped >"$S/logs/lane_b.log" 2>&1 &
+  elif [ "${LANE_A:-train}" = score1m ]; then
+    lane_score_1m 0 both >"$S/logs/lane_a.log" 2>&1 &
+  elif [ "$1" -ge 2 ] && [ "${LANE_B:-checks}" = train ]; then
     export HISPARSE=${HISPARSE:-0}
     lane_a 0 >"$S/logs/lane_a.log" 2>&1 &
     (lane_b_train) >"$S/logs/lane_b.log" 2>&1 &
@@ -379,7 +416,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes default_train_args default_train_args_b lane_a hisparse_measures lane_b_checks lane_b_train \
+  setsid nohup bash -c "$(declare -f run_lanes default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
     lane_b_eval lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"

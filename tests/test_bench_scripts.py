@@ -545,6 +545,61 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
             assert "--index-local-window 64" in train
 
 
+def test_session_score_1m_lane(tmp_path: Path) -> None:
+    """LANE_A=score1m: no training, no 4K-128K scores; issue 5's capped 128K RULER decode (with and without
+    the fork, no place_bench) on the shipped model, then SCORE_1M niah_single_1 samples at 1M uncapped and
+    under a 10% cap, each run going on from the committed samples of that model (seeded results.jsonl);
+    with two GPUs the capped samples run on GPU 1 from the start."""
+    import os
+    import subprocess
+    import time
+
+    shipped = "--model models-shipped/retrieval-wip"
+    for ngpu in (1, 2):
+        case = tmp_path / str(ngpu)
+        case.mkdir()
+        fake, calls = _two_gpu_python(case)
+        fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {ngpu}; exit 0"))
+        s = case / "s"
+        env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(case / "out"),
+               "LANE_A": "score1m", "SCORE_1M": "12"}  # fmt: skip
+        subprocess.run(
+            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline and (not calls.exists() or calls.read_text().count("--lengths 1m") < 2):
+            time.sleep(0.5)
+        time.sleep(0.5)
+        subprocess.run(
+            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        lines = [x for x in calls.read_text().splitlines() if " -m " in x and "pip" not in x]
+        modules = [x.split(" -m ")[1].split()[0] for x in lines]
+        assert "longctx.train" not in modules and "bench.place_bench" not in modules
+        assert "bench.gpu_check" not in modules and "bench.vs_transformers" not in modules
+        runs = [x for x in lines if "retrieval_eval run" in x]
+        assert len(runs) == 2 and all(shipped in x and "--lengths 1m --samples 12 " in x for x in runs)
+        assert all("--tasks niah_single_1" in x for x in runs)
+        (unc,) = [x for x in runs if "--cap-fraction" not in x]
+        (cap,) = [x for x in runs if "--cap-fraction 0.1" in x]
+        assert f"--out {s}/eval/uncapped_1m" in unc and f"--out {s}/eval/capped_1m" in cap
+        fork = [x for x in lines if str(s / "long_context_fork") in x or str(s / "profiles_fork") in x]
+        assert len(fork) == 2 and all(shipped in x for x in fork)
+        # the HiSparse figures before the uncapped samples, on the same GPU
+        assert lines.index(unc) > max(lines.index(x) for x in fork) and unc[0] == fork[0][0] == "0"
+        assert cap[0] == ("1" if ngpu == 2 else "0")
+        if ngpu == 1:
+            assert lines.index(cap) > lines.index(unc)
+        # the committed samples of run 23 seed both runs (the runner skips what a file holds)
+        for d, src in (
+            ("uncapped_1m", "eval-run23-1m-h200.jsonl"),
+            ("capped_1m", "eval-run23-capped-1m-h200.jsonl"),
+        ):
+            assert (s / "eval" / d / "results.jsonl").read_text() == (
+                ROOT / "bench" / "results" / "training" / src
+            ).read_text()
+
+
 @pytest.mark.parametrize("checks", ["1", "0"])
 def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
     tmp_path: Path, checks: str
