@@ -146,7 +146,8 @@ def test_captured_step_forks_candidates_and_joins_before_the_first_placement(mod
     """LONGCTX_HISPARSE_FORK: inside a (here pretended) decode graph capture, `_begin` runs the victim
     candidates and the newest-token placement on the side stream (forked from the capturing stream),
     nothing of the first layer's top-k placement starts before the main stream joins it, every fork is
-    joined before the step's forward returns, and the greedy tokens are the unforked run's."""
+    joined before the step's forward returns, and the greedy tokens are the unforked run's and the
+    uncapped run's."""
     import contextlib
 
     from longctx.kernels.common import HAS_TRITON, triton_interpret
@@ -210,6 +211,10 @@ def test_captured_step_forks_candidates_and_joins_before_the_first_placement(mod
     plain, log0 = run(False)
     forked, log1 = run(True)
     assert forked == plain
+    # and both are the uncapped tokens (the fused decode step's placements: the newest tokens', then
+    # each full layer's with its shared layers')
+    with Engine(model_dir, **KW, backend="triton") as eng:
+        assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=3, ignore_eos=True)] == plain
     assert not any(e[0] == "wait" for e in log0) and ("cand", "main") in log0
     steps = [i for i, e in enumerate(log1) if e == ("step",)]
     assert len(steps) >= 2

@@ -242,7 +242,7 @@ def test_counted_swap_kernel_interpreted(dtype, width):
 def test_decode_bookkeeping_makes_no_host_sync():
     """A decode step's bookkeeping as a captured graph runs it: the rows are bound on the host first
     (`bind_rows`), the step reads their block ids and a padding row's mask from device buffers.
-    Its placements (newest tokens, a full layer's misses, the shared layer's prefetch) and the
+    Its placements (newest tokens, a full layer's misses with its shared layer's in one launch) and the
     device-counted swap-in copies (the Triton kernel, interpreted) read nothing back and make no
     host tensor: on CUDA each of those would stall the step or break the capture. The step is still
     exact, and the padding row places nothing."""

@@ -322,6 +322,12 @@ class HiSparseKVCache:
             for f, sh in self._shared_after.items()
             if sh
         }
+        # each full layer with its shared layers (one placement on a fused decode step, see `resolve`)
+        self._group = {
+            f: slice(self._index_of[f], self._index_of[f] + 1 + len(sh))
+            for f, sh in self._shared_after.items()
+            if sh
+        }
         # the current step (set by `_begin`)
         self._ctx: ForwardContext | None = None
         self._all: _Rows | None = None  # every batch row
@@ -380,10 +386,16 @@ class HiSparseKVCache:
         li = self._index_of[layer]
         q = topk if self.use_triton else topk.long()  # the kernels read int32 positions as they come
         acc = self._acc["main"]
+        group = self._group.get(layer) if self._fuse and q.shape[1] + self.recent <= self.N else None
         if self._dec is not None and layer not in self._prefetched:  # every decode row at once
             tok, rows = self._dec
-            p = self._place(self._one[li], rows, q if tok is None else q[tok], acc)
+            # a fused decode step places the layer's shared layers (the same top-k) in the same launch,
+            # their copies deferred to their own tails; else `_prefetch` below places them
+            p = self._place(group or self._one[li], rows, q if tok is None else q[tok], acc)
             self._copy(layer, p, 0, False)
+            for k, s in enumerate(self._shared_after[layer] if group else [], 1):
+                self._copy(s, p, k, False)
+                self._prefetched.add(s)
         overflow: list[tuple[int, torch.Tensor]] = []  # (batch row, sorted overflow positions)
         for b in self._pre:
             s, e = ctx.q_start[b], ctx.q_start[b + 1]
@@ -407,7 +419,7 @@ class HiSparseKVCache:
             rows_out = self._lookup(li, q, ctx)
         if overflow:
             self._build_step_pool(layer, topk, ctx, rows_out, overflow)
-        if layer in self._shared_ids:
+        if layer in self._shared_ids and group is None:
             self._prefetch(layer, q, ctx)
         return rows_out
 
