@@ -26,6 +26,11 @@ deterministic ascending positions. Every pass runs one program per (query, chunk
 so a single 1M-key query still fills the GPU; every pass re-reads the logits (4 MB at 1M,
 L2-resident after the first); per-chunk histograms are merged with one atomic per non-empty bin.
 Launches per call: 1 memset + 4 histogram passes + count + write (the write pass pads with -1 itself).
+
+`window` W > 0 (`index_local_window`): the selection of a query at `positions[i]` is the top k of its keys
+before the window followed by the window's W positions (`with_local_window`), [Tq, k + W]; the write pass
+stores the window too, and a query with at most k + W keys (every key selected) in full, so the decode
+step's selection costs no torch ops after the top-k (there were ~6 small launches a full layer).
 """
 
 from __future__ import annotations
@@ -60,8 +65,47 @@ def _order_key_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.where(u < 0, u ^ 0x7FFFFFFF, u)
 
 
-def topk_indices_ref(logits: torch.Tensor, k: int, valid_len: torch.Tensor) -> torch.Tensor:
-    """Reference: one torch.topk over an int64 key (value key, then inverted index) per row."""
+def with_local_window(top: torch.Tensor, positions: torch.Tensor, topk: int, window: int) -> torch.Tensor:
+    """The selection [T, topk] (ascending, -1 pads) from `top` [T, topk - window], the top of each query's
+    keys at positions <= `pos - window` (ascending, -1 pads), and the window: for a query at
+    pos >= topk `top` is full (pos + 1 - window > topk - window keys to choose from) and every one of its
+    positions is below the window, so the concatenation is ascending; a query at pos < topk selects every
+    key 0 .. pos, as the plain top-k does."""
+    if not window:
+        return top
+    T = positions.shape[0]
+    assert top.shape == (T, topk - window), (
+        f"top {tuple(top.shape)} for {T} queries, top-k {topk} - window {window}"
+    )
+    pos = positions.to(top.dtype)[:, None]
+    ar = torch.arange(topk, device=top.device, dtype=top.dtype)[None]
+    row = torch.cat([top, pos - window + 1 + ar[:, :window]], 1)
+    return torch.where(pos >= topk, row, torch.where(ar <= pos, ar, -1))
+
+
+def _check_window(logits: torch.Tensor, window: int, positions: torch.Tensor | None) -> None:
+    check(isinstance(window, int) and window >= 0, f"window must be a non-negative int, got {window!r}")
+    if window:
+        check(
+            positions is not None and positions.shape == (logits.shape[0],)
+            and positions.dtype in (torch.int32, torch.int64) and positions.device == logits.device,
+            "positions must be int [Tq] on the logits' device when window > 0",
+        )  # fmt: skip
+
+
+def topk_indices_ref(
+    logits: torch.Tensor,
+    k: int,
+    valid_len: torch.Tensor,
+    window: int = 0,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: one torch.topk over an int64 key (value key, then inverted index) per row; with a
+    window, `with_local_window` of that (valid_len is then the callers' `pos - window + 1`, clamped)."""
+    _check_window(logits, window, positions)
+    if window:
+        assert positions is not None
+        return with_local_window(topk_indices_ref(logits, k, valid_len), positions, k + window, window)
     _check(logits, k, valid_len)
     tq, n = logits.shape
     out = torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
@@ -81,20 +125,28 @@ def topk_indices_ref(logits: torch.Tensor, k: int, valid_len: torch.Tensor) -> t
 
 
 def topk_indices(
-    logits: torch.Tensor, k: int, valid_len: torch.Tensor, *, backend: str = "auto"
+    logits: torch.Tensor,
+    k: int,
+    valid_len: torch.Tensor,
+    window: int = 0,
+    positions: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Indices (int32 [Tq, k], ascending, -1 padded) of the k largest of logits[i, :valid_len[i]].
+    """Indices (int32 [Tq, k], ascending, -1 padded) of the k largest of logits[i, :valid_len[i]]; with
+    `window` W > 0, [Tq, k + W]: those followed by the window of each query at `positions` (module doc).
 
     See the module docstring for the exact tie / NaN / ordering contract.
     """
     _check(logits, k, valid_len)
-    if not use_triton(backend, logits.device):
-        return topk_indices_ref(logits, k, valid_len)
+    _check_window(logits, window, positions)
     tq, n = logits.shape
+    if not use_triton(backend, logits.device) or (window and (tq == 0 or k == 0 or n == 0)):
+        return topk_indices_ref(logits, k, valid_len, window, positions)
     if tq == 0 or k == 0 or n == 0:
         return torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
-    # No fill of `out`: the write pass stores the -1 padding itself (one launch fewer).
-    out = torch.empty((tq, k), dtype=torch.int32, device=logits.device)
+    # No fill of `out`: the write pass stores the -1 padding (and the window) itself (one launch fewer).
+    out = torch.empty((tq, k + window), dtype=torch.int32, device=logits.device)
     chunk = 4096 if n >= 65536 else 1024
     nch = (n + chunk - 1) // chunk
     # One zeroed buffer (one memset launch) for the histograms and, per query and level, (prefix of the
@@ -114,7 +166,8 @@ def topk_indices(
     )
     _topk_write_kernel[grid](
         logits, logits.stride(0), valid_len, state, counts, out, out.stride(0), n, k, nch,
-        CHUNK=chunk, NCHP=next_pow2(nch), num_warps=8,
+        positions if window else valid_len, CHUNK=chunk, NCHP=next_pow2(nch), WINDOW=window,
+        WP=next_pow2(max(window, 1)), num_warps=8,
     )  # fmt: skip
     return out
 
@@ -210,8 +263,8 @@ def _topk_count_kernel(
 
 @jit
 def _topk_write_kernel(
-    x_ptr, stride_x, valid_ptr, st_ptr, cnt_ptr, out_ptr, stride_o, N, K, NCH,
-    CHUNK: tl.constexpr, NCHP: tl.constexpr,
+    x_ptr, stride_x, valid_ptr, st_ptr, cnt_ptr, out_ptr, stride_o, N, K, NCH, pos_ptr,
+    CHUNK: tl.constexpr, NCHP: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(0)
     c = tl.program_id(1)
@@ -219,6 +272,29 @@ def _topk_write_kernel(
     offs = c * CHUNK + tl.arange(0, CHUNK)
     inr = offs < valid
     orow = out_ptr + q.to(tl.int64) * stride_o
+    if WINDOW > 0:
+        pos = tl.load(pos_ptr + q).to(tl.int32)
+        if pos < K + WINDOW:  # at most k + W keys: every key 0 .. pos, then -1 (`with_local_window`)
+            for p0 in range(c * CHUNK, K + WINDOW, NCH * CHUNK):
+                pp = p0 + tl.arange(0, CHUNK)
+                tl.store(orow + pp, tl.where(pp <= pos, pp, -1), mask=pp < K + WINDOW)
+        else:
+            _topk_write_top(
+                x_ptr, stride_x, st_ptr, cnt_ptr, orow, q, c, valid, offs, inr, K, NCH, CHUNK, NCHP
+            )
+            if c == 0:  # the window after the top k: pos - W + 1 .. pos
+                w = tl.arange(0, WP)
+                tl.store(orow + K + w, pos - WINDOW + 1 + w, mask=w < WINDOW)
+    else:
+        _topk_write_top(x_ptr, stride_x, st_ptr, cnt_ptr, orow, q, c, valid, offs, inr, K, NCH, CHUNK, NCHP)
+
+
+@jit
+def _topk_write_top(
+    x_ptr, stride_x, st_ptr, cnt_ptr, orow, q, c, valid, offs, inr, K, NCH,
+    CHUNK: tl.constexpr, NCHP: tl.constexpr,
+):  # fmt: skip
+    # the top k of row q into orow[0, k): this program's chunk c of the selected keys, ascending
     if valid > K:
         thr = tl.load(st_ptr + (q * 4 + 3) * 2)
         r = tl.load(st_ptr + (q * 4 + 3) * 2 + 1)  # how many keys == thr to take, lowest index first

@@ -65,6 +65,31 @@ def test_topk_triton_equals_ref_exactly(tq, n, k, chunk_kind):
         _check_contract(ref, x, k, valid)
 
 
+@pytest.mark.parametrize(
+    "n,k,window", [(5000, 64, 16), (5000, 2040, 8), (300, 12, 4), (100, 190, 10), (40, 5, 1)]
+)
+def test_topk_with_window_equals_ref_exactly(n, k, window):
+    """`window` W: the write pass stores each query's top k before its window, then the window (or every
+    key when the query has at most k + W of them), as `with_local_window` composes it; queries on both
+    sides of k + W, at the first and last position, over several chunks, with ties."""
+    g = torch.Generator().manual_seed(n + k + window)
+    pos = torch.randint(0, n, (6,), generator=g)
+    pos[:3] = torch.tensor([0, min(k + window - 1, n - 1), min(k + window, n - 1)])
+    x = _tricky_logits(6, n, seed=k)
+    valid = (pos - window).clamp(min=0) + 1  # (the indexer's `local_window_bound` + 1)
+    got = topk_indices(x, k, valid, window, pos, backend="triton")
+    ref = topk_indices_ref(x, k, valid, window, pos)
+    assert got.dtype == torch.int32 and got.shape == (6, k + window)
+    assert torch.equal(got, ref)
+    for i, p in enumerate(pos.tolist()):  # the window's positions close every long row
+        if p >= k + window:
+            assert got[i, k:].tolist() == list(range(p - window + 1, p + 1))
+        else:
+            assert got[i].tolist() == [j if j <= p else -1 for j in range(k + window)]
+    with pytest.raises(KernelInputError, match="positions"):
+        topk_indices(x, k, valid, window, None, backend="triton")
+
+
 def test_topk_ref_equals_torch_topk_set_at_200k():
     g = torch.Generator().manual_seed(5)
     n, k = 200_000, 2048

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from longctx.config import ModelConfig
+from longctx.kernels.topk import with_local_window  # (the window's composition; its kernel form is topk's)
 from longctx.model.context import ForwardContext
 from longctx.model.linear import Linear
 from longctx.model.ops import op
@@ -28,24 +29,6 @@ def local_window_bound(positions: torch.Tensor, window: int) -> torch.Tensor:
     """The last key position the index scores choose from, for queries at `positions` (clamped at 0:
     a query that has fewer keys than the top-k keeps all of them, see `with_local_window`)."""
     return (positions - window).clamp(min=0) if window else positions
-
-
-def with_local_window(top: torch.Tensor, positions: torch.Tensor, topk: int, window: int) -> torch.Tensor:
-    """The selection [T, topk] (ascending, -1 pads) from `top` [T, topk - window], the top of each query's
-    keys at positions <= `local_window_bound` (ascending, -1 pads), and the window: for a query at
-    pos >= topk `top` is full (pos + 1 - window > topk - window keys to choose from) and every one of its
-    positions is below the window, so the concatenation is ascending; a query at pos < topk selects every
-    key 0 .. pos, as the plain top-k does."""
-    if not window:
-        return top
-    T = positions.shape[0]
-    assert top.shape == (T, topk - window), (
-        f"top {tuple(top.shape)} for {T} queries, top-k {topk} - window {window}"
-    )
-    pos = positions.to(top.dtype)[:, None]
-    ar = torch.arange(topk, device=top.device, dtype=top.dtype)[None]
-    row = torch.cat([top, pos - window + 1 + ar[:, :window]], 1)
-    return torch.where(pos >= topk, row, torch.where(ar <= pos, ar, -1))
 
 
 class Indexer(nn.Module):
@@ -120,5 +103,7 @@ class Indexer(nn.Module):
         )  # [T, max_len] fp32, -inf where not causal
         if ctx.key_lens is None:
             ctx.key_lens = local_window_bound(ctx.positions, self.window) + 1
-        top = op("topk", "topk_indices", ctx.use_triton)(logits, k_top, ctx.key_lens)
-        return with_local_window(top, ctx.positions, self.topk, self.window)
+        # the top (k - W) and the window in one: the write pass stores the window itself
+        return op("topk", "topk_indices", ctx.use_triton)(
+            logits, k_top, ctx.key_lens, self.window, ctx.positions
+        )
