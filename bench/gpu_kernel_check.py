@@ -196,6 +196,20 @@ def case_topk(n: int, batch: int) -> float:
     )
 
 
+def case_topk_window(n: int, batch: int, k: int, window: int) -> float:
+    """The decode step's top-k with `index_local_window` (the write pass stores the window): rows before
+    and after k + window, at the retrieval model's 192 + 64."""
+    from longctx.kernels.topk import topk_indices, topk_indices_ref
+
+    g = torch.Generator(device="cuda").manual_seed(n + batch)
+    x = torch.randn(batch, n, device="cuda", generator=g)
+    pos = torch.randint(0, n, (batch,), device="cuda", generator=g)
+    pos[0], pos[1] = k + window - 1, k + window  # every key selected / the first top-k row
+    v = (pos - window).clamp(min=0) + 1
+    got = topk_indices(x, k, v, window, pos, backend="triton")
+    return 0.0 if torch.equal(got, topk_indices_ref(x, k, v, window, pos)) else 1.0
+
+
 def case_swap(rpi: int) -> float:
     from longctx.kernels.swap import swap_in_gather, swap_in_gather_ref
 
@@ -612,6 +626,8 @@ CASES = {
     "train_select_fused_1x131072_k32": (case_train_select_fused, (1, 131_072, 32), 1e-3),
     "topk_1m": (case_topk, (1 << 20, 1), 0.0),
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),
+    "topk_window_128k_b4": (case_topk_window, (131_072, 4, 192, 64), 0.0),
+    "topk_window_5k_b8": (case_topk_window, (5000, 8, 192, 64), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),
     "swap_pages": (case_swap, (64,), 0.0),
     "mla_fp8_b1": (case_sparse_mla, ("fp8", 1), 2e-2),

@@ -265,6 +265,8 @@ lane_score_1m() {
     "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
   [ -f "$S/eval/capped_1m/results.jsonl" ] || cp \
     "${SEED_1M_CAPPED:-bench/results/training/eval-run23-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
+  # the decode top-k's window (its write pass stores it since the twenty-third session) on this GPU first
+  [ "$2" != capped ] && "$PY" -m bench.gpu_kernel_check --only topk_window --out "$S/checks/topk"
   [ "$2" != capped ] && { PLACE_BENCH=0 hisparse_measures; runs+=(uncapped_1m); }
   [ "$2" != uncapped ] && runs+=(capped_1m)
   local r

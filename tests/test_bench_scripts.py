@@ -577,6 +577,8 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         modules = [x.split(" -m ")[1].split()[0] for x in lines]
         assert "longctx.train" not in modules and "bench.place_bench" not in modules
         assert "bench.gpu_check" not in modules and "bench.vs_transformers" not in modules
+        # the decode top-k's window checked on the GPU before the figures (on the uncapped lane's GPU)
+        assert [x for x in lines if "gpu_kernel_check --only topk_window" in x][0][0] == "0"
         runs = [x for x in lines if "retrieval_eval run" in x]
         assert len(runs) == 2 and all(shipped in x and "--lengths 1m --samples 12 " in x for x in runs)
         assert all("--tasks niah_single_1" in x for x in runs)
