@@ -35,10 +35,15 @@ step's selection costs no torch ops after the top-k (there were ~6 small launche
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import check, jit, next_pow2, tl, use_triton
 
+# LONGCTX_TOPK_WINDOW=0: the window composed after the kernel's top-k with torch ops, as before the
+# twenty-third session (bench/session.sh sets it for a GPU where gpu_kernel_check's topk_window failed)
+WINDOW_IN_WRITE = os.environ.get("LONGCTX_TOPK_WINDOW", "1").strip() != "0"
 _NB = 256  # bins per radix pass (8-bit digits, 4 passes cover the 32-bit key)
 _LEVELS = 4
 
@@ -143,6 +148,11 @@ def topk_indices(
     tq, n = logits.shape
     if not use_triton(backend, logits.device) or (window and (tq == 0 or k == 0 or n == 0)):
         return topk_indices_ref(logits, k, valid_len, window, positions)
+    if window and not WINDOW_IN_WRITE:
+        assert positions is not None
+        return with_local_window(
+            topk_indices(logits, k, valid_len, backend=backend), positions, k + window, window
+        )
     if tq == 0 or k == 0 or n == 0:
         return torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
     # No fill of `out`: the write pass stores the -1 padding (and the window) itself (one launch fewer).

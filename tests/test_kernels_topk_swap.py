@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from longctx.kernels import topk as topk_mod
 from longctx.kernels.common import KernelInputError
 from longctx.kernels.swap import swap_in_gather, swap_in_gather_ref, swap_out_scatter, swap_out_scatter_ref
 from longctx.kernels.topk import topk_indices, topk_indices_ref
@@ -68,7 +69,7 @@ def test_topk_triton_equals_ref_exactly(tq, n, k, chunk_kind):
 @pytest.mark.parametrize(
     "n,k,window", [(5000, 64, 16), (5000, 2040, 8), (300, 12, 4), (100, 190, 10), (40, 5, 1)]
 )
-def test_topk_with_window_equals_ref_exactly(n, k, window):
+def test_topk_with_window_equals_ref_exactly(n, k, window, monkeypatch):
     """`window` W: the write pass stores each query's top k before its window, then the window (or every
     key when the query has at most k + W of them), as `with_local_window` composes it; queries on both
     sides of k + W, at the first and last position, over several chunks, with ties."""
@@ -88,6 +89,8 @@ def test_topk_with_window_equals_ref_exactly(n, k, window):
             assert got[i].tolist() == [j if j <= p else -1 for j in range(k + window)]
     with pytest.raises(KernelInputError, match="positions"):
         topk_indices(x, k, valid, window, None, backend="triton")
+    monkeypatch.setattr(topk_mod, "WINDOW_IN_WRITE", False)  # LONGCTX_TOPK_WINDOW=0: composed after it
+    assert torch.equal(topk_indices(x, k, valid, window, pos, backend="triton"), ref)
 
 
 def test_topk_ref_equals_torch_topk_set_at_200k():
