@@ -271,6 +271,11 @@ lane_score_1m() {
     "$PY" -m bench.gpu_kernel_check --only topk_window --out "$S/checks/topk"
     "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' \
       "$S/checks/topk/gpu-kernel-check.json" || { echo "topk_window failed: LONGCTX_TOPK_WINDOW=0"; touch "$S/topk.compose"; }
+    touch "$S/topk.checked"
+  fi
+  if [ "$2" = capped ]; then  # (two GPUs: the other lane's check decides for both; ~10 s)
+    local t=0
+    while [ ! -f "$S/topk.checked" ] && [ "$t" -lt 180 ]; do sleep 1; t=$((t + 1)); done
   fi
   [ -f "$S/topk.compose" ] && export LONGCTX_TOPK_WINDOW=0
   [ "$2" != capped ] && { PLACE_BENCH=0 hisparse_measures; runs+=(uncapped_1m); }
@@ -414,7 +419,7 @@ run_lanes() {
 case "$cmd" in
 start)
   mkdir -p "$S/logs"
-  rm -f "$S/model.ready" "$S/eval.go" "$S/eval.stop" "$S/timed.done"
+  rm -f "$S/model.ready" "$S/eval.go" "$S/eval.stop" "$S/timed.done" "$S/topk.checked" "$S/topk.compose"
   # The lanes run from a private copy of the tree, installed there: the device tool replaces a carried
   # folder on every call, and a lane whose working directory was replaced under it finds no `bench`
   # (that cost a whole evaluation once). Later calls' status/collect may run from any copy.
