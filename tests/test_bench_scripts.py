@@ -233,6 +233,15 @@ def _two_gpu_python(tmp_path: Path) -> tuple[Path, Path]:
     return fake, calls
 
 
+def _gpu_case(tmp_path: Path, ngpu: int) -> tuple[Path, Path, Path]:
+    """`_two_gpu_python` in tmp_path/<ngpu>, saying `ngpu` GPUs: (its python, its calls log, a session dir)."""
+    case = tmp_path / str(ngpu)
+    case.mkdir()
+    fake, calls = _two_gpu_python(case)
+    fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {ngpu}; exit 0"))
+    return fake, calls, case / "s"
+
+
 def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     """bench/session.sh with a stand-in python that logs its arguments: with two GPUs lane A trains
     then evaluates on GPU 0 and lane B checks on GPU 1 then waits for the model; `collect` packs."""
@@ -499,11 +508,8 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
 
     shipped = "--model models-shipped/retrieval-wip"
     for ngpu in (1, 2):
-        case = tmp_path / str(ngpu)
-        case.mkdir()
-        fake, calls = _two_gpu_python(case)
-        fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {ngpu}; exit 0"))
-        s = case / "s"
+        fake, calls, s = _gpu_case(tmp_path, ngpu)
+        case = s.parent
         env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(case / "out"), "CHECKS": "0",
                "HISPARSE": "0", "CAPPED": "0"}  # fmt: skip
         env.update(
@@ -556,11 +562,8 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
 
     shipped = "--model models-shipped/retrieval-wip"
     for ngpu in (1, 2):
-        case = tmp_path / str(ngpu)
-        case.mkdir()
-        fake, calls = _two_gpu_python(case)
-        fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {ngpu}; exit 0"))
-        s = case / "s"
+        fake, calls, s = _gpu_case(tmp_path, ngpu)
+        case = s.parent
         env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(case / "out"),
                "LANE_A": "score1m", "SCORE_1M": "12"}  # fmt: skip
         subprocess.run(
