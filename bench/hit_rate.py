@@ -217,11 +217,11 @@ class SelectionRecorder:
         rec, resolve, ref = self, HiSparseKVCache.resolve, topk_mod.topk_indices_ref
         self._undo = [(HiSparseKVCache, "resolve", resolve), (topk_mod, "topk_indices_ref", ref)]
 
-        def topk_indices_ref(logits, k, valid_len):  # type: ignore[no-untyped-def]
-            out = ref(logits, k, valid_len)
+        def topk_indices_ref(logits, k, valid_len, *window):  # type: ignore[no-untyped-def]
+            out = ref(logits, k, valid_len, *window)
             if rec.ahead and logits.shape[0] == 1:
-                chosen = set(out[0].tolist())
-                wide = ref(logits, k + rec.ahead, valid_len)[0].tolist()
+                chosen = set(out[0].tolist())  # (with a window: the next ranked before it)
+                wide = ref(logits, k + rec.ahead, valid_len, *window)[0].tolist()
                 rec._extra = [p for p in wide if p >= 0 and p not in chosen]
             return out
 

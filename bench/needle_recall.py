@@ -103,10 +103,10 @@ def forced_needle(layers: set[int], needle: Sequence[int], start: int) -> Iterat
         if name != "topk_indices":
             return fn
 
-        def topk(logits, k, lens):  # type: ignore[no-untyped-def]
+        def topk(logits, k, lens, *window):  # type: ignore[no-untyped-def]
             if "layer" in seen:  # (only a forced layer's scores are kept: at 128K a chunk's are GBs)
                 seen["logits"] = logits
-            return fn(logits, k, lens)
+            return fn(logits, k, lens, *window)
 
         return topk
 

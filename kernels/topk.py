@@ -98,19 +98,31 @@ def _check_window(logits: torch.Tensor, window: int, positions: torch.Tensor | N
         )  # fmt: skip
 
 
+def _before_window(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Each query's keys before its window: max(pos - W, 0) + 1 (`valid_len` None with a window)."""
+    return (positions - window).clamp(min=0) + 1
+
+
 def topk_indices_ref(
     logits: torch.Tensor,
     k: int,
-    valid_len: torch.Tensor,
+    valid_len: torch.Tensor | None,
     window: int = 0,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: one torch.topk over an int64 key (value key, then inverted index) per row; with a
-    window, `with_local_window` of that (valid_len is then the callers' `pos - window + 1`, clamped)."""
+    window, `with_local_window` of that (valid_len None: the keys before each window)."""
     _check_window(logits, window, positions)
     if window:
         assert positions is not None
-        return with_local_window(topk_indices_ref(logits, k, valid_len), positions, k + window, window)
+        lens = _before_window(positions, window) if valid_len is None else valid_len
+        return with_local_window(_topk_ref(logits, k, lens), positions, k + window, window)
+    check(valid_len is not None, "valid_len is required without a window")
+    assert valid_len is not None
+    return _topk_ref(logits, k, valid_len)
+
+
+def _topk_ref(logits: torch.Tensor, k: int, valid_len: torch.Tensor) -> torch.Tensor:
     _check(logits, k, valid_len)
     tq, n = logits.shape
     out = torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
@@ -132,26 +144,32 @@ def topk_indices_ref(
 def topk_indices(
     logits: torch.Tensor,
     k: int,
-    valid_len: torch.Tensor,
+    valid_len: torch.Tensor | None,
     window: int = 0,
     positions: torch.Tensor | None = None,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Indices (int32 [Tq, k], ascending, -1 padded) of the k largest of logits[i, :valid_len[i]]; with
-    `window` W > 0, [Tq, k + W]: those followed by the window of each query at `positions` (module doc).
+    `window` W > 0, [Tq, k + W]: those followed by the window of each query at `positions` (module doc),
+    and `valid_len` None stands for the keys before each window, max(pos - W, 0) + 1 (made in the kernels).
 
     See the module docstring for the exact tie / NaN / ordering contract.
     """
-    _check(logits, k, valid_len)
     _check_window(logits, window, positions)
+    check(valid_len is not None or window > 0, "valid_len is required without a window")
+    from_pos = window if valid_len is None else 0  # (the kernels make each row's length from its position)
+    vlen = positions if valid_len is None else valid_len
+    assert vlen is not None
+    _check(logits, k, vlen)
     tq, n = logits.shape
     if not use_triton(backend, logits.device) or (window and (tq == 0 or k == 0 or n == 0)):
         return topk_indices_ref(logits, k, valid_len, window, positions)
     if window and not WINDOW_IN_WRITE:
         assert positions is not None
+        lens = _before_window(positions, window) if valid_len is None else valid_len
         return with_local_window(
-            topk_indices(logits, k, valid_len, backend=backend), positions, k + window, window
+            topk_indices(logits, k, lens, backend=backend), positions, k + window, window
         )
     if tq == 0 or k == 0 or n == 0:
         return torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
@@ -166,18 +184,14 @@ def topk_indices(
     state = scratch[_LEVELS * tq * _NB :].view(tq, _LEVELS, 2)
     counts = torch.empty((tq, nch, 2), dtype=torch.int32, device=logits.device)  # (# > T, # == T) per chunk
     grid = (tq, nch)
-    common = dict(CHUNK=chunk, NB=_NB, num_warps=8)
+    common = dict(CHUNK=chunk, NB=_NB, FROM_POS=from_pos, num_warps=8)
     for level in range(_LEVELS):
-        _topk_hist_kernel[grid](
-            logits, logits.stride(0), valid_len, hist, state, tq, n, k, LEVEL=level, **common
-        )
-    _topk_count_kernel[grid](
-        logits, logits.stride(0), valid_len, hist, state, counts, tq, n, k, nch, **common
-    )
+        _topk_hist_kernel[grid](logits, logits.stride(0), vlen, hist, state, tq, n, k, LEVEL=level, **common)
+    _topk_count_kernel[grid](logits, logits.stride(0), vlen, hist, state, counts, tq, n, k, nch, **common)
     _topk_write_kernel[grid](
-        logits, logits.stride(0), valid_len, state, counts, out, out.stride(0), n, k, nch,
-        positions if window else valid_len, CHUNK=chunk, NCHP=next_pow2(nch), WINDOW=window,
-        WP=next_pow2(max(window, 1)), num_warps=8,
+        logits, logits.stride(0), vlen, state, counts, out, out.stride(0), n, k, nch,
+        positions if window else vlen, CHUNK=chunk, NCHP=next_pow2(nch), WINDOW=window,
+        WP=next_pow2(max(window, 1)), FROM_POS=from_pos, num_warps=8,
     )  # fmt: skip
     return out
 
@@ -225,13 +239,23 @@ def _level_state(hist_ptr, st_ptr, q, c, Tq, K, LEVEL: tl.constexpr, NB: tl.cons
 
 
 @jit
+def _row_valid(valid_ptr, q, N, FROM_POS: tl.constexpr):
+    # row q's keys to choose from, in [0, N]: valid_len[q], or (FROM_POS > 0, the window W = FROM_POS,
+    # valid_ptr the positions) the keys before the window, max(pos - W, 0) + 1
+    v = tl.load(valid_ptr + q).to(tl.int32)
+    if FROM_POS > 0:
+        v = tl.maximum(v - FROM_POS, 0) + 1
+    return tl.minimum(tl.maximum(v, 0), N)
+
+
+@jit
 def _topk_hist_kernel(
     x_ptr, stride_x, valid_ptr, hist_ptr, st_ptr, Tq, N, K,
-    LEVEL: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
+    LEVEL: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr, FROM_POS: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(0)
     c = tl.program_id(1)
-    valid = tl.minimum(tl.maximum(tl.load(valid_ptr + q).to(tl.int32), 0), N)
+    valid = _row_valid(valid_ptr, q, N, FROM_POS)
     if valid > K:  # otherwise everything valid is selected and the write pass handles it alone
         offs = c * CHUNK + tl.arange(0, CHUNK)
         inr = offs < valid
@@ -255,11 +279,11 @@ def _topk_hist_kernel(
 @jit
 def _topk_count_kernel(
     x_ptr, stride_x, valid_ptr, hist_ptr, st_ptr, cnt_ptr, Tq, N, K, NCH,
-    CHUNK: tl.constexpr, NB: tl.constexpr,
+    CHUNK: tl.constexpr, NB: tl.constexpr, FROM_POS: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(0)
     c = tl.program_id(1)
-    valid = tl.minimum(tl.maximum(tl.load(valid_ptr + q).to(tl.int32), 0), N)
+    valid = _row_valid(valid_ptr, q, N, FROM_POS)
     if valid > K:
         thr, krem = _level_state(hist_ptr, st_ptr, q, c, Tq, K, 4, NB)
         offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -274,11 +298,11 @@ def _topk_count_kernel(
 @jit
 def _topk_write_kernel(
     x_ptr, stride_x, valid_ptr, st_ptr, cnt_ptr, out_ptr, stride_o, N, K, NCH, pos_ptr,
-    CHUNK: tl.constexpr, NCHP: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr,
+    CHUNK: tl.constexpr, NCHP: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr, FROM_POS: tl.constexpr,
 ):  # fmt: skip
     q = tl.program_id(0)
     c = tl.program_id(1)
-    valid = tl.minimum(tl.maximum(tl.load(valid_ptr + q).to(tl.int32), 0), N)
+    valid = _row_valid(valid_ptr, q, N, FROM_POS)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     inr = offs < valid
     orow = out_ptr + q.to(tl.int64) * stride_o

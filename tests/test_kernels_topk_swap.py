@@ -82,6 +82,9 @@ def test_topk_with_window_equals_ref_exactly(n, k, window, monkeypatch):
     ref = topk_indices_ref(x, k, valid, window, pos)
     assert got.dtype == torch.int32 and got.shape == (6, k + window)
     assert torch.equal(got, ref)
+    # valid_len None: the kernels make it from the positions (the decode step's call)
+    assert torch.equal(topk_indices(x, k, None, window, pos, backend="triton"), ref)
+    assert torch.equal(topk_indices_ref(x, k, None, window, pos), ref)
     for i, p in enumerate(pos.tolist()):  # the window's positions close every long row
         if p >= k + window:
             assert got[i, k:].tolist() == list(range(p - window + 1, p + 1))
@@ -89,8 +92,11 @@ def test_topk_with_window_equals_ref_exactly(n, k, window, monkeypatch):
             assert got[i].tolist() == [j if j <= p else -1 for j in range(k + window)]
     with pytest.raises(KernelInputError, match="positions"):
         topk_indices(x, k, valid, window, None, backend="triton")
+    with pytest.raises(KernelInputError, match="valid_len"):
+        topk_indices(x, k, None, backend="triton")
     monkeypatch.setattr(topk_mod, "WINDOW_IN_WRITE", False)  # LONGCTX_TOPK_WINDOW=0: composed after it
     assert torch.equal(topk_indices(x, k, valid, window, pos, backend="triton"), ref)
+    assert torch.equal(topk_indices(x, k, None, window, pos, backend="triton"), ref)
 
 
 def test_topk_ref_equals_torch_topk_set_at_200k():

@@ -101,9 +101,9 @@ class Indexer(nn.Module):
             max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
             w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
         )  # [T, max_len] fp32, -inf where not causal
+        topk = op("topk", "topk_indices", ctx.use_triton)
+        if self.window:  # the top (k - W) and the window in one: the kernels read the positions alone
+            return topk(logits, k_top, None, self.window, ctx.positions)
         if ctx.key_lens is None:
-            ctx.key_lens = local_window_bound(ctx.positions, self.window) + 1
-        # the top (k - W) and the window in one: the write pass stores the window itself
-        return op("topk", "topk_indices", ctx.use_triton)(
-            logits, k_top, ctx.key_lens, self.window, ctx.positions
-        )
+            ctx.key_lens = ctx.positions + 1
+        return topk(logits, k_top, ctx.key_lens)
