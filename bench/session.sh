@@ -61,13 +61,17 @@ export S PY MODEL
 cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
+checks_pass() {
+  # $1: a bench.gpu_kernel_check JSON; exit 0 when every case in it passed
+  "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' "$1"
+}
+
 hisparse_measures() {
   # issue 5's figures with the model in $MODEL:
   # the placement kernels against their reference on this GPU before the first capped run (the victim
   # candidates are new in the thirteenth session; 13,107 and 104,857 slots, batch 1 and 8)
   "$PY" -m bench.gpu_kernel_check --only place_ --out "$S/checks/place"
-  if ! "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' \
-    "$S/checks/place/gpu-kernel-check.json"; then
+  if ! checks_pass "$S/checks/place/gpu-kernel-check.json"; then
     echo "placement check failed: the rest of the session keeps the one-program select"
     touch "$S/place.serial"
   fi
@@ -269,11 +273,10 @@ lane_score_1m() {
   # (if it fails, the session composes the window after the top-k as before: LONGCTX_TOPK_WINDOW=0)
   if [ "$2" != capped ]; then
     "$PY" -m bench.gpu_kernel_check --only topk_window --out "$S/checks/topk"
-    "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' \
-      "$S/checks/topk/gpu-kernel-check.json" || { echo "topk_window failed: LONGCTX_TOPK_WINDOW=0"; touch "$S/topk.compose"; }
+    checks_pass "$S/checks/topk/gpu-kernel-check.json" \
+      || { echo "topk_window failed: LONGCTX_TOPK_WINDOW=0"; touch "$S/topk.compose"; }
     touch "$S/topk.checked"
-  fi
-  if [ "$2" = capped ]; then  # (two GPUs: the other lane's check decides for both; ~10 s)
+  else  # (two GPUs: the other lane's check decides for both; ~10 s)
     local t=0
     while [ ! -f "$S/topk.checked" ] && [ "$t" -lt 180 ]; do sleep 1; t=$((t + 1)); done
   fi
@@ -429,7 +432,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
+  setsid nohup bash -c "$(declare -f run_lanes checks_pass default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
     lane_b_eval lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"

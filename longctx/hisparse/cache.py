@@ -323,11 +323,7 @@ class HiSparseKVCache:
             if sh
         }
         # each full layer with its shared layers (one placement on a fused decode step, see `resolve`)
-        self._group = {
-            f: slice(self._index_of[f], self._index_of[f] + 1 + len(sh))
-            for f, sh in self._shared_after.items()
-            if sh
-        }
+        self._group = {f: slice(sh.start - 1, sh.stop) for f, sh in self._shared_ids.items()}
         # the current step (set by `_begin`)
         self._ctx: ForwardContext | None = None
         self._all: _Rows | None = None  # every batch row
