@@ -32,8 +32,8 @@
 #   the checks), RULER_PROFILES=0 (no lane A profiles of the trained model's 128K decode), VS=0 (no
 #   vs_transformers / indexer kernels in the checks), EVAL=0 (train only), CHECKS=0 (no lane B checks
 #   and profiles at all: on one GPU, training starts at once), LANE_B=train and TRAIN_ARGS_B (above),
-#   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A), FORK=0 (none of
-#   its runs with LONGCTX_HISPARSE_FORK=1), PARITY=0 (no
+#   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A), FORK=0 (no second
+#   capped run with LONGCTX_HISPARSE_FORK=0), PARITY=0 (no
 #   bench.long_parity at 1M in lane A) and PARITY_SECONDS (its bound, 480), MID_LENGTHS, TOPK_1M,
 #   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
@@ -95,15 +95,15 @@ hisparse_measures() {
     [ "${PLACE_BENCH:-1}" = 1 ] && "$PY" -m bench.place_bench --m 256 --n 13107 104857 --hit 0.75 1.0 --steps 30 \
       --out "$S/profiles"
   fi
-  # the victim candidates and the newest placement forked beside the first layer's indexer and top-k
-  # inside the decode graph (LONGCTX_HISPARSE_FORK=1, off by default until this shows it faster with the
-  # same tokens): the capped 128K RULER decode again, its greedy tokens against uncapped, its step, and
-  # its kernels' timeline (FORK=0: skip)
+  # the A/B of the fork (the victim candidates and the newest placement beside the first layer's indexer
+  # and top-k inside the decode graph, on by default since the twenty-fourth session: 1.16x against 1.25x
+  # unforked, the same tokens): the capped 128K RULER decode again with LONGCTX_HISPARSE_FORK=0, its greedy
+  # tokens against uncapped, its step, and its kernels' timeline (FORK=0: skip)
   if [ "${FORK:-1}" = 1 ]; then
-    LONGCTX_HISPARSE_FORK=1 "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler \
-      --out "$S/long_context_fork"
-    LONGCTX_HISPARSE_FORK=1 "$PY" -m bench.step_profile --model "$MODEL" --phase decode --tokens 131072 \
-      --prompt ruler --hisparse-device-tokens 13106 --out "$S/profiles_fork"
+    LONGCTX_HISPARSE_FORK=0 "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler \
+      --out "$S/long_context_nofork"
+    LONGCTX_HISPARSE_FORK=0 "$PY" -m bench.step_profile --model "$MODEL" --phase decode --tokens 131072 \
+      --prompt ruler --hisparse-device-tokens 13106 --out "$S/profiles_nofork"
   fi
 }
 
@@ -258,7 +258,7 @@ lane_score_1m() {
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
   # SEED_1M_CAPPED: results.jsonl files, default run 23's of the twenty-second session; the runner skips
   # the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
-  # capped 128K RULER decode with and without LONGCTX_HISPARSE_FORK, its step profiles).
+  # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles).
   # $1: the GPU; $2: uncapped (the measures, then the uncapped samples), capped, or both (one GPU: the
   # measures, the uncapped samples, then the capped ones)
   export CUDA_VISIBLE_DEVICES=$1

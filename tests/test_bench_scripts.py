@@ -295,10 +295,10 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert all("step_profile" in x and "--prompt ruler" in x for x in gpu0[7:9])
     assert "--hisparse-device-tokens 13106" in gpu0[7] and "--hisparse" not in gpu0[8]
     assert "place_bench --m 256" in gpu0[9] and "--block-n" not in gpu0[9]
-    # the capped 128K decode again with the candidates forked beside the first layer (LONGCTX_HISPARSE_FORK)
-    assert "long_context" in gpu0[10] and str(tmp_path / "s" / "long_context_fork") in gpu0[10]
+    # the capped 128K decode again with the candidates not forked (LONGCTX_HISPARSE_FORK=0, the A/B)
+    assert "long_context" in gpu0[10] and str(tmp_path / "s" / "long_context_nofork") in gpu0[10]
     assert "step_profile" in gpu0[11] and "--hisparse-device-tokens 13106" in gpu0[11]
-    assert str(tmp_path / "s" / "profiles_fork") in gpu0[11]
+    assert str(tmp_path / "s" / "profiles_nofork") in gpu0[11]
     del gpu0[10:12]
     assert "--lengths 128k " in gpu0[10]
     assert "bench.hit_rate" in gpu0[11] and "--tokens 131072" in gpu0[11] and "--device cuda" in gpu0[11]
@@ -389,7 +389,7 @@ def test_session_one_gpu_scores_the_shipped_model_after_the_training_and_timed_f
     timed = [
         i for i, x in enumerate(lines) if "longctx.train" in x or "long_context" in x or "step_profile" in x
     ]
-    assert len(timed) == 6 and max(timed) < min(shipped)  # (two of them with LONGCTX_HISPARSE_FORK=1)
+    assert len(timed) == 6 and max(timed) < min(shipped)  # (two of them with LONGCTX_HISPARSE_FORK=0)
     trained = [x for x in lines if f"--model {s}/train/ckpt --lengths 1m" in x and "--cap-fraction" in x]
     assert len(trained) == 1 and lines.index(trained[0]) > max(shipped)
 
@@ -588,7 +588,7 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         (unc,) = [x for x in runs if "--cap-fraction" not in x]
         (cap,) = [x for x in runs if "--cap-fraction 0.1" in x]
         assert f"--out {s}/eval/uncapped_1m" in unc and f"--out {s}/eval/capped_1m" in cap
-        fork = [x for x in lines if str(s / "long_context_fork") in x or str(s / "profiles_fork") in x]
+        fork = [x for x in lines if str(s / "long_context_nofork") in x or str(s / "profiles_nofork") in x]
         assert len(fork) == 2 and all(shipped in x for x in fork)
         # the HiSparse figures before the uncapped samples, on the same GPU
         assert lines.index(unc) > max(lines.index(x) for x in fork) and unc[0] == fork[0][0] == "0"
@@ -673,7 +673,7 @@ def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_mod
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "CHECKS": "0"}
     subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
     deadline = time.time() + 60
-    while time.time() < deadline and not (calls.exists() and "profiles_fork" in calls.read_text()):
+    while time.time() < deadline and not (calls.exists() and "profiles_nofork" in calls.read_text()):
         time.sleep(0.3)
     lines = calls.read_text().splitlines()
     subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)

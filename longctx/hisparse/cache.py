@@ -109,13 +109,13 @@ TAIL_QUERIES = 128
 PLACE_CANDIDATES = os.environ.get("LONGCTX_PLACE_CANDIDATES", "1").strip() != "0"
 # In a captured decode step the candidates and the newest-token placement (~80 us at a 128K RULER
 # decode's 10% cap, one latency-bound program per (row, layer)) depend only on the LRU state after
-# the clock's tick, and nothing reads what they write before the first layer's top-k placement: with
-# LONGCTX_HISPARSE_FORK=1 they run on a side stream forked inside the graph at `_begin` and joined at
-# that placement (`_join`), beside the first layer's indexer and top-k. Off by default until an H200
-# run shows it faster with the same tokens (bench/session.sh's hisparse_measures times both). The
-# twenty-third session's did not: 1.16x for 1.26x unforked, but other tokens, because the newest
-# positions went back to the allocator before the join (held since, `_fork_hold`); not re-run yet.
-FORK_DEFAULT = os.environ.get("LONGCTX_HISPARSE_FORK", "0").strip() == "1"
+# the clock's tick, and nothing reads what they write before the first layer's top-k placement: they
+# run on a side stream forked inside the graph at `_begin` and joined at that placement (`_join`),
+# beside the first layer's indexer and top-k. On the H200 (twenty-fourth session, 128K RULER decode,
+# run 23, 10% cap) that took the capped step from 1.25x to 1.16x of uncapped in the engine's loop
+# (0.580 -> 0.544 ms), with the uncapped greedy tokens. LONGCTX_HISPARSE_FORK=0 keeps them on the
+# main stream (A/B benches).
+FORK_DEFAULT = os.environ.get("LONGCTX_HISPARSE_FORK", "1").strip() != "0"
 
 
 @dataclass
