@@ -560,6 +560,93 @@ def case_place(n: int, batch: int, layers: int, repeat: bool = False, cand: bool
     return 0.0
 
 
+def case_place_keep(n: int, batch: int, layers: int) -> float:
+    """Kept victim candidates over a decode-like sequence (the top-256 of a 100K context, three
+    quarters of it from the positions selected before, the newest 64 positions protected and moving
+    on by one a step, a buffer filling up and then evicting; a padding row): 0.0 if every step's
+    candidates equal `lru_candidates_ref` on the tables as they are and the placements from them equal
+    the reference's, with the kept lists both reused and made again."""
+    from longctx.kernels.lru_place import (
+        CandKeep,
+        cand_keep_buffers,
+        lru_candidates,
+        lru_candidates_ref,
+        lru_place,
+        lru_place_ref,
+    )
+
+    dev, M, P, recent = "cuda", 256, 131_073, 64
+    count = M + recent
+    g = torch.Generator(device=dev).manual_seed(n + batch + 7)
+    tabs = [
+        (torch.full((batch + 1, layers, P), -1, dtype=torch.int32, device=dev),
+         torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev),
+         torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev))
+        for _ in range(2)
+    ]  # fmt: skip
+    kept = cand_keep_buffers((batch + 1) * layers, count, dev)
+    accs = [torch.zeros(5, dtype=torch.int64, device=dev) for _ in range(2)]
+    now, minus1 = (
+        torch.zeros((), dtype=torch.int64, device=dev),
+        torch.full((), -1, dtype=torch.int32, device=dev),
+    )
+    blk = torch.arange(1, batch + 1, device=dev)
+    blk[-1] = 0 if batch > 1 else 1
+    trow = blk[:, None] * layers + torch.arange(layers, device=dev)
+    table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
+    hot = torch.randint(0, 100_000, (batch, 4 * M), generator=g, device=dev)
+    reused = made = 0
+    for step in range(n // (M // 4) + 40):
+        now += 1
+        ctx = 100_000 + step
+        fresh = torch.randint(0, ctx - recent, (batch, M), generator=g, device=dev)
+        old = hot.gather(1, torch.randint(0, hot.shape[1], (batch, M), generator=g, device=dev))
+        pick = torch.where(torch.rand(batch, M, generator=g, device=dev) < 0.75, old, fresh)
+        hot = torch.cat([hot[:, M // 4 :], fresh[:, : M // 4]], dim=1)
+        pos = pick.sort(dim=1).values  # (duplicates allowed)
+        if batch > 1:
+            pos[-1] = -1
+        nf = torch.full((batch,), ctx - recent, dtype=torch.int64, device=dev)
+        newest = torch.arange(ctx - recent, ctx, device=dev).expand(batch, recent).contiguous()
+        p2s, s2p, st = tabs[1]
+        before = [t.clone() for t in kept]
+        cand = lru_candidates(
+            s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=count, backend="triton",
+            keep=CandKeep(*kept, p2s.view(-1), trow * P),
+        )  # fmt: skip
+        want = lru_candidates_ref(s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=count)
+        if not torch.equal(cand, want):
+            print(f"candidates differ at step {step}", file=sys.stderr)
+            return 1.0
+        planes = trow[: max(1, batch - 1)].flatten().tolist()  # (the padding row's aside)
+        for pl in planes:
+            same = all(torch.equal(x[pl], y[pl]) for x, y in zip(before, kept))
+            reused += same
+            made += not same
+        for q, force in ((newest, True), (pos, False)):
+            outs = []
+            for (p2s_, s2p_, st_), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
+                kw: dict = {"backend": "triton", "cand": cand} if fn is lru_place else {}
+                outs.append(fn(
+                    p2s_.view(-1), s2p_.view(-1), st_.view(-1), now, q, trow * P, trow * (n + 1),
+                    1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=force,
+                    minus1=minus1, **kw,
+                ))  # fmt: skip
+            a, b = outs
+            same = all(torch.equal(x[..., :-1], y[..., :-1]) for x, y in zip(*tabs)) and torch.equal(*accs)
+            same = same and all(
+                torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy", "overflow")
+            )
+            if not same:
+                print(f"placements differ at step {step}", file=sys.stderr)
+                return 1.0
+    print(
+        f"kept lists reused {reused}, made {made}; hits {int(accs[0][0])} misses {int(accs[0][1])}",
+        file=sys.stderr,
+    )
+    return 0.0 if reused and made else 1.0
+
+
 def case_hisparse_step_rows(batch: int, layers: int) -> float:
     """kernels/hisparse_step.py's step_rows (a decode step's table offsets, newest positions and the
     clock tick, padding rows included): 0.0 if equal to its torch reference."""
@@ -686,6 +773,8 @@ CASES = {
     "place_cand_13k_b8": (case_place, (13_107, 8, 3, True, True), 0.0),
     "place_cand_105k_b1": (case_place, (104_857, 1, 2, False, True), 0.0),
     "place_allhit_13k_b8": (case_place, (13_107, 8, 1, True), 0.0),
+    "keep_cand_13k_b1": (case_place_keep, (13_107, 1, 3), 0.0),
+    "keep_cand_13k_b4": (case_place_keep, (13_107, 4, 2), 0.0),
     "place_hisparse_step_rows": (case_hisparse_step_rows, (8, 6), 0.0),
     "place_hisparse_resolve_tail_b1": (case_hisparse_resolve_tail, (1,), 0.0),
     "place_hisparse_resolve_tail_b8": (case_hisparse_resolve_tail, (8,), 0.0),

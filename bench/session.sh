@@ -32,8 +32,8 @@
 #   the checks), RULER_PROFILES=0 (no lane A profiles of the trained model's 128K decode), VS=0 (no
 #   vs_transformers / indexer kernels in the checks), EVAL=0 (train only), CHECKS=0 (no lane B checks
 #   and profiles at all: on one GPU, training starts at once), LANE_B=train and TRAIN_ARGS_B (above),
-#   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A), FORK=0 (no second
-#   capped run with LONGCTX_HISPARSE_FORK=0), PARITY=0 (no
+#   HISPARSE=0 (no long_context / RULER profiles / place_bench / hit_rate in lane A), FORK=0 / KEEP_AB=0 (no
+#   second capped run with LONGCTX_HISPARSE_FORK=0 / LONGCTX_CAND_KEEP=0), PARITY=0 (no
 #   bench.long_parity at 1M in lane A) and PARITY_SECONDS (its bound, 480), MID_LENGTHS, TOPK_1M,
 #   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
@@ -76,6 +76,14 @@ hisparse_measures() {
     touch "$S/place.serial"
   fi
   [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0 LONGCTX_PLACE_CANDIDATES=0
+  # the kept victim candidates (new in the twenty-fourth session) against the reference over decode-like
+  # sequences; if they fail, the session selects every step (LONGCTX_CAND_KEEP=0)
+  "$PY" -m bench.gpu_kernel_check --only keep_cand --out "$S/checks/keep"
+  if ! checks_pass "$S/checks/keep/gpu-kernel-check.json"; then
+    echo "kept candidates check failed: LONGCTX_CAND_KEEP=0"
+    touch "$S/keep.off"
+  fi
+  [ -f "$S/keep.off" ] && export LONGCTX_CAND_KEEP=0
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
   # where the capped step's extra time goes with a trained model (issue 5: 1.39x at 0.75 hits in the
   # eleventh session, 0.27 ms of it the one-program placement): the 128K decode on RULER prompts profiled
@@ -104,6 +112,15 @@ hisparse_measures() {
       --out "$S/long_context_nofork"
     LONGCTX_HISPARSE_FORK=0 "$PY" -m bench.step_profile --model "$MODEL" --phase decode --tokens 131072 \
       --prompt ruler --hisparse-device-tokens 13106 --out "$S/profiles_nofork"
+  fi
+  # the A/B of the kept victim candidates (twenty-fourth session; untimed before): the capped 128K RULER
+  # decode again selecting every step (LONGCTX_CAND_KEEP=0), tokens, step and kernels (KEEP_AB=0: skip;
+  # nothing to compare where the check turned them off)
+  if [ "${KEEP_AB:-1}" = 1 ] && [ ! -f "$S/keep.off" ]; then
+    LONGCTX_CAND_KEEP=0 "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler \
+      --out "$S/long_context_nokeep"
+    LONGCTX_CAND_KEEP=0 "$PY" -m bench.step_profile --model "$MODEL" --phase decode --tokens 131072 \
+      --prompt ruler --hisparse-device-tokens 13106 --out "$S/profiles_nokeep"
   fi
 }
 
@@ -384,6 +401,7 @@ lane_b_capped() {
   fi
   wait_marker "$marker" || return 0
   [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0  # (lane A's placement check failed)
+  [ -f "$S/keep.off" ] && export LONGCTX_CAND_KEEP=0  # (lane A's kept-candidates check failed)
   # 5 a task: lane A's uncapped 1M lane gets through ~5 samples in a session, and both wrote prose alike
   # on all 5 in the fifteenth
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 5 --concurrency 1 \

@@ -66,6 +66,20 @@ whenever C >= their distinct positions together (at most recent + top-k): each p
 candidates already touched and takes the first R of the rest, in order, exactly what the select
 would have found. The per-layer placements then make no pass over the N slots at all, and the
 passes that remain run for all layers at once, side by side, instead of six times in a row.
+
+Kept candidates (`lru_candidates(..., keep=CandKeep)`, not with the parallel passes): the select is
+a latency-bound loop over the N slots (~48 us a step at 13,106 slots on the H200) whose answer
+changes little from one step to the next, so each (block, layer) keeps the KC = 4 x C smallest
+(key, slot) it found with their keys, the `newest_from` it was made at and its last entry (the
+bound). A later step reuses it when it is still exact: the entries whose stamp still equals the kept
+key (untouched since: every placement stamps what it touches with the clock, which only grows) are
+then the smallest evictable slots in the same order, because every other evictable slot either was
+past the bound when the list was made and is untouched, or was touched since (key >= that step's
+clock > the bound), or became evictable since by `newest_from` moving on (checked: the slots of the
+positions in [kept newest_from, newest_from), at most NF_WINDOW of them, must come after the bound).
+It is reused while at least C entries are left and none of that fails; else that (block, layer)
+selects again. A list that held every evictable slot (fewer than KC) has no bound: anything newly
+evictable makes it select again. The caller invalidates a block's lists when it resets the block.
 """
 
 from __future__ import annotations
@@ -101,6 +115,10 @@ CAND_PAR_MIN_BLOCKS = PAR_MIN_BLOCKS
 # parallel passes failed bench.gpu_kernel_check)
 PARALLEL_DEFAULT = os.environ.get("LONGCTX_PLACE_PARALLEL", "1").strip() != "0"
 DIGIT_BITS = 11  # the parallel select's two radix digits: keys within 2^22 steps of now (else serial)
+# kept candidates (module doc): a kept list holds KEEP_FACTOR x the candidates a step asks for, and is
+# reused while `newest_from` moved on by at most NF_WINDOW positions since it was made
+KEEP_FACTOR = 4
+NF_WINDOW = 256
 
 
 def _select_warps(block_n: int) -> int:
@@ -232,6 +250,30 @@ def lru_place_ref(
     return Placement(u, src, dst, copy, need & ~placed, None, None, None)
 
 
+class CandKeep(NamedTuple):
+    """Kept victim candidates of every (block, layer) plane of the tables (`cand_keep`; module doc)."""
+
+    slots: torch.Tensor  # int64 [planes, KC] the kept (key, slot)-ordered slots (-1 past the end)
+    keys: torch.Tensor  # int64 [planes, KC] their keys when kept
+    meta: torch.Tensor  # int64 [planes, 3] newest_from when kept (-1: nothing kept), bound key, bound slot
+    p2s: torch.Tensor  # the flat pos2slot table (the newly evictable positions' slots)
+    p_at: torch.Tensor  # int64 [B, L] each (row, layer)'s offset in it
+
+
+def cand_keep_width(count: int) -> int:
+    """KC, the kept candidates of a (block, layer) whose steps ask for `count`."""
+    return min(MAX_M, KEEP_FACTOR * next_pow2(count))
+
+
+def cand_keep_buffers(planes: int, count: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """Kept-candidate buffers (slots, keys, meta with nothing kept) for `planes` (block, layer) planes
+    of a cache whose steps ask for `count` candidates (`cand_keep_width`)."""
+    kc = cand_keep_width(count)
+    slots = torch.full((planes, kc), -1, dtype=torch.int64, device=device)
+    meta = torch.full((planes, 3), -1, dtype=torch.int64, device=device)
+    return slots, torch.zeros_like(slots), meta
+
+
 def lru_candidates_ref(
     s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, s_at: torch.Tensor, newest_from: torch.Tensor,
     *, n_slots: int, count: int,
@@ -261,13 +303,16 @@ def lru_candidates(
     block_n: int = BLOCK_N,
     parallel: bool | None = None,
     digit_bits: int = DIGIT_BITS,
+    keep: CandKeep | None = None,
 ) -> torch.Tensor:
     """The victim candidates of a decode step's placements (module doc; `lru_candidates_ref`):
     int64 [B, L, count], one launch for all B x L (row, layer)s (parallel: the select's passes over
     the slots as `lru_place`'s parallel passes, three launches more; None: from CAND_PAR_MIN_BLOCKS
     slot blocks, unless LONGCTX_PLACE_PARALLEL=0). Call it after the step's clock tick and before the step's placements of those
     (row, layer)s, which take them through `lru_place(..., cand=...)`. No host sync, no
-    data-dependent shape (CUDA-graph safe)."""
+    data-dependent shape (CUDA-graph safe). keep: each (block, layer)'s kept candidates (module doc),
+    reused where still exact and made again elsewhere (not with the parallel passes; ignored by the
+    reference, which gives the same result)."""
     check(s2p.dim() == 1 and stamp.dim() == 1 and s2p.dtype == stamp.dtype == torch.int64, "s2p / stamp")
     check(now.dim() == 0 and now.dtype == torch.int64, "now must be a 0-d int64 tensor")
     check(s_at.dim() == 2 and s_at.dtype == torch.int64, "s_at must be int64 [B, L]")
@@ -279,11 +324,25 @@ def lru_candidates(
     dev = s_at.device
     nf = newest_from.contiguous()
     out = torch.empty((B, L, count), dtype=torch.int64, device=dev)
-    block_c = max(16, next_pow2(count))
-    scratch = torch.empty((B * L, 3, block_c), dtype=torch.int64, device=dev)
     n_blk = triton.cdiv(n_slots, block_n)
     if parallel is None:
         parallel = PARALLEL_DEFAULT and n_blk >= CAND_PAR_MIN_BLOCKS
+    kept = keep is not None and not parallel
+    kc = 1
+    if keep is not None:
+        kc = keep.slots.shape[1]
+        check(
+            keep.slots.shape == keep.keys.shape and keep.meta.shape == (keep.slots.shape[0], 3)
+            and keep.slots.dtype == keep.keys.dtype == keep.meta.dtype == torch.int64
+            and keep.slots.is_contiguous() and keep.keys.is_contiguous() and keep.meta.is_contiguous()
+            and count <= kc <= MAX_M,
+            "keep: int64 slots / keys [planes, KC >= count], meta [planes, 3]",
+        )  # fmt: skip
+        check(keep.p_at.shape == (B, L) and keep.p_at.dtype == torch.int64, "keep.p_at: int64 [B, L]")
+        check(keep.p2s.dim() == 1 and keep.p2s.dtype == torch.int32, "keep.p2s must be flat int32")
+    k = keep if kept else CandKeep(out, out, out, s2p, s_at)  # (unused pointers without keeping)
+    block_c = max(16, next_pow2(max(count, kc if kept else 1)))
+    scratch = torch.empty((B * L, 3, block_c), dtype=torch.int64, device=dev)
     ws, ws_n = _par_workspace(B * L, digit_bits, parallel, out)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if parallel:  # no requested positions (FIXED): their pointers are placeholders
@@ -294,8 +353,9 @@ def lru_candidates(
             )  # fmt: skip
         _lru_candidates_kernel[(B, L)](
             s2p, stamp, now, s_at, s_at.stride(0), s_at.stride(1), nf, n_slots, L, count, out, scratch, ws,
+            k.slots, k.keys, k.meta, k.p2s, k.p_at, k.p_at.stride(0), k.p_at.stride(1), kc,
             IB=max(1, (n_slots - 1).bit_length()), BLOCK_C=block_c, BLOCK_N=block_n, NB=256, PAR=parallel,
-            WS=ws_n, num_warps=_select_warps(block_n),
+            WS=ws_n, KEEP=kept, NFW=NF_WINDOW, num_warps=_select_warps(block_n),
         )  # fmt: skip
     return out
 
@@ -732,12 +792,15 @@ def _lru_place_kernel(
 @jit
 def _lru_candidates_kernel(
     s2p_ptr, st_ptr, now_ptr, sat_ptr, stride_ab, stride_al, nf_ptr, N, L, C, out_ptr, scr_ptr, ws_ptr,
+    ks_ptr, kk_ptr, km_ptr, p2s_ptr, pat_ptr, stride_pb, stride_pl, KC,
     IB: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PAR: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, KEEP: tl.constexpr, NFW: tl.constexpr,
 ):  # fmt: skip
     # grid (B, L): the C smallest (key, slot) evictable slots of one (row, layer), in that order: the
     # select for C victims (slot order; PAR: the parallel passes' list, unless a key was too old for
-    # their digits), then sorted by (key, slot)
+    # their digits), then sorted by (key, slot). KEEP: from the (block, layer)'s kept list where it is
+    # still exact, else the select for KC, kept (module doc)
+    BIG: tl.constexpr = 1 << 62
     b = tl.program_id(0)
     l = tl.program_id(1)
     pl = (b * L + l).to(tl.int64)
@@ -746,17 +809,54 @@ def _lru_candidates_kernel(
     nf = tl.load(nf_ptr + b)
     lk = scr_ptr + pl * (3 * BLOCK_C) + BLOCK_C  # (the parallel passes' layout)
     li = lk + BLOCK_C
-    if PAR:
-        w = ws_ptr + pl * WS
-        if tl.load(w + 2) == 0:
-            R = tl.minimum(C + 0 * N, tl.load(w))
+    j = tl.arange(0, BLOCK_C)
+    if KEEP:
+        plane = bs // (N + 1)
+        ks = ks_ptr + plane * KC
+        kk = kk_ptr + plane * KC
+        km = km_ptr + plane * 3
+        nf_at = tl.load(km)
+        bk = tl.load(km + 1)
+        bsl = tl.load(km + 2)
+        cs = tl.load(ks + j, mask=j < KC, other=-1)
+        ck = tl.load(kk + j, mask=j < KC, other=0)
+        cst = tl.load(st_ptr + bs + tl.maximum(cs, 0), mask=cs >= 0, other=0)
+        ok = (cs >= 0) & (cst == ck)  # untouched since kept
+        oi = ok.to(tl.int32)
+        reuse = (nf_at >= 0) & (nf >= nf_at) & (nf - nf_at <= NFW) & (tl.sum(oi, 0) >= C)
+        # the positions newly evictable since (newest_from moved on) must come after the bound
+        bp = tl.load(pat_ptr + b * stride_pb + l * stride_pl)
+        pp = nf_at + tl.arange(0, NFW)
+        pm = pp < tl.where(reuse, nf, nf_at)  # (none unless reuse)
+        sl = tl.load(p2s_ptr + bp + tl.maximum(pp, 0), mask=pm, other=-1).to(tl.int64)
+        sk = tl.load(st_ptr + bs + tl.maximum(sl, 0), mask=pm & (sl >= 0), other=BIG)
+        early = pm & (sl >= 0) & ((sk < bk) | ((sk == bk) & (sl < bsl)))
+        reuse = reuse & (tl.sum(early.to(tl.int32), 0) == 0)
+        if reuse:
+            at = tl.cumsum(oi, 0) - oi
+            tl.store(out_ptr + pl * C + at, cs, mask=ok & (at < C))
+        else:
+            R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, KC + 0 * N, lk, li, BLOCK_N, NB)
+            tl.debug_barrier()
+            srt = tl.where(j < R, _by_key_slot(lk, li, j, R, IB), -1)
+            key = tl.load(st_ptr + bs + tl.maximum(srt, 0), mask=srt >= 0, other=0)  # (evictable: the stamp)
+            tl.store(ks + j, srt, mask=j < KC)
+            tl.store(kk + j, key, mask=j < KC)
+            tl.store(km, nf)
+            tl.store(km + 1, tl.where(R == KC, tl.sum(tl.where(j == R - 1, key, 0), 0), BIG))
+            tl.store(km + 2, tl.sum(tl.where(j == R - 1, srt, 0), 0))
+            tl.store(out_ptr + pl * C + j, srt, mask=j < C)
+    else:
+        if PAR:
+            w = ws_ptr + pl * WS
+            if tl.load(w + 2) == 0:
+                R = tl.minimum(C + 0 * N, tl.load(w))
+            else:
+                R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
         else:
             R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
-    else:
-        R = _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, C + 0 * N, lk, li, BLOCK_N, NB)
-    tl.debug_barrier()
-    j = tl.arange(0, BLOCK_C)
-    tl.store(out_ptr + pl * C + j, tl.where(j < R, _by_key_slot(lk, li, j, R, IB), -1), mask=j < C)
+        tl.debug_barrier()
+        tl.store(out_ptr + pl * C + j, tl.where(j < R, _by_key_slot(lk, li, j, R, IB), -1), mask=j < C)
 
 
 @jit

@@ -290,6 +290,9 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
         and "--documents" in gpu0[4]
         and "gpu_kernel_check --only place" in gpu0[5]
     )
+    # then the kept victim candidates (their own check: a failure turns only them off)
+    assert "gpu_kernel_check --only keep_cand" in gpu0[6]
+    del gpu0[6]
     assert "long_context" in gpu0[6]
     # the trained model's 128K decode profiled capped, then uncapped, on RULER prompts
     assert all("step_profile" in x and "--prompt ruler" in x for x in gpu0[7:9])
@@ -299,6 +302,10 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert "long_context" in gpu0[10] and str(tmp_path / "s" / "long_context_nofork") in gpu0[10]
     assert "step_profile" in gpu0[11] and "--hisparse-device-tokens 13106" in gpu0[11]
     assert str(tmp_path / "s" / "profiles_nofork") in gpu0[11]
+    del gpu0[10:12]
+    # and selecting the victim candidates every step (LONGCTX_CAND_KEEP=0, the kept lists' A/B)
+    assert "long_context" in gpu0[10] and str(tmp_path / "s" / "long_context_nokeep") in gpu0[10]
+    assert "step_profile" in gpu0[11] and str(tmp_path / "s" / "profiles_nokeep") in gpu0[11]
     del gpu0[10:12]
     assert "--lengths 128k " in gpu0[10]
     assert "bench.hit_rate" in gpu0[11] and "--tokens 131072" in gpu0[11] and "--device cuda" in gpu0[11]
@@ -389,7 +396,9 @@ def test_session_one_gpu_scores_the_shipped_model_after_the_training_and_timed_f
     timed = [
         i for i, x in enumerate(lines) if "longctx.train" in x or "long_context" in x or "step_profile" in x
     ]
-    assert len(timed) == 6 and max(timed) < min(shipped)  # (two of them with LONGCTX_HISPARSE_FORK=0)
+    assert len(timed) == 8 and max(timed) < min(
+        shipped
+    )  # (two with LONGCTX_HISPARSE_FORK=0, two CAND_KEEP=0)
     trained = [x for x in lines if f"--model {s}/train/ckpt --lengths 1m" in x and "--cap-fraction" in x]
     assert len(trained) == 1 and lines.index(trained[0]) > max(shipped)
 
@@ -673,13 +682,13 @@ def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_mod
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "CHECKS": "0"}
     subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
     deadline = time.time() + 60
-    while time.time() < deadline and not (calls.exists() and "profiles_nofork" in calls.read_text()):
+    while time.time() < deadline and not (calls.exists() and "profiles_nokeep" in calls.read_text()):
         time.sleep(0.3)
     lines = calls.read_text().splitlines()
     subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
     assert (s / "eval.stop").exists() and not any("retrieval_eval" in x for x in lines)
     measured = [x for x in lines if "long_context" in x or "step_profile" in x]
-    assert len(measured) == 5 and all("--model models-shipped/retrieval-wip" in x for x in measured)
+    assert len(measured) == 7 and all("--model models-shipped/retrieval-wip" in x for x in measured)
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--select torch" in train and "--select auto" not in train
     assert any("gpu_kernel_check --only place" in x for x in lines) and any("place_bench" in x for x in lines)

@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from longctx.kernels.common import HAS_TRITON, triton_interpret
-from longctx.kernels.lru_place import lru_candidates, lru_candidates_ref, lru_place, lru_place_ref
+from longctx.kernels.lru_place import (
+    CandKeep,
+    cand_keep_buffers,
+    lru_candidates,
+    lru_candidates_ref,
+    lru_place,
+    lru_place_ref,
+)
 
 from . import conftest_kernels  # noqa: F401  (TRITON_INTERPRET=1 before triton is imported)
 
@@ -115,6 +122,24 @@ def test_place_from_candidates_matches_reference(B, L, N, M, steps, seed, chunk,
 
 
 @pytest.mark.parametrize(
+    "B,L,N,M,steps,seed,extra",
+    [
+        (2, 2, 700, 16, 16, 30, 4),  # full kept lists (KC 128 < N): reused while >= C stay untouched
+        (1, 2, 500, 24, 16, 31, -3),  # with the newest positions placed first from the same candidates
+        (3, 1, 60, 16, 12, 32, 0),  # KC > N: the lists hold every evictable slot (no bound)
+        (2, 3, 300, 8, 20, 33, -2),
+    ],
+)
+def test_kept_candidates_match_reference(B, L, N, M, steps, seed, extra):
+    """`lru_candidates(..., keep=...)` over a sequence of steps (clock jumps, newest_from moving both
+    ways, overflow): every step's candidates equal the reference's select on the tables as they are,
+    the placements from them the reference's, and the kept lists were both reused and made again."""
+    _check_sequence(
+        B, L, N, M, steps, seed, None, {"cand_count": M + abs(extra), "newest": max(0, -extra), "keep": True}
+    )
+
+
+@pytest.mark.parametrize(
     "B,L,N,count,seed,par",
     [
         (1, 1, 50, 16, 0, None),
@@ -148,6 +173,7 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     kw = dict(kw)
     cand_count = kw.pop("cand_count", None)
     newest = kw.pop("newest", 0)
+    keep = kw.pop("keep", False)
     g = torch.Generator().manual_seed(seed)
     n_l, P = L + 1, 4 * N + 1  # layers of the tables (the placement covers [1, 1 + L)), row length
     ref = _Tables(B + 1, n_l, N, P)
@@ -161,6 +187,8 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     styles = ["topk", "newest", "dups", "shuffled"]
     # row B - 1 is a padding row (block 0, nothing requested) when B > 1
     blk = torch.tensor([b + 1 for b in range(B - 1)] + [0 if B > 1 else 1])
+    kept = cand_keep_buffers((B + 2) * n_l, cand_count, "cpu") if keep else None
+    reused = made = 0
     for step in range(steps):
         # clocks skip (other stages' steps); big jumps make the radix select take several digits
         now += (1, 2, 300, 1, 70_000, 1)[step % 6]
@@ -185,10 +213,25 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
             pos_t = pos_t.to(torch.int32)
         extra = {}
         if cand_count is not None:  # the candidates of the tables as they are now
+            k_arg = None
+            if kept is not None:
+                before = [t.clone() for t in kept]
+                k_arg = CandKeep(*kept, tri.p2s.view(-1), trow * P)
             extra["cand"] = lru_candidates(
                 tri.s2p.view(-1), tri.stamp.view(-1), now, trow * (N + 1), newest_from, n_slots=N,
-                count=cand_count, backend="triton",
+                count=cand_count, backend="triton", keep=k_arg,
             )  # fmt: skip
+            if kept is not None:
+                want = lru_candidates_ref(
+                    tri.s2p.view(-1), tri.stamp.view(-1), now, trow * (N + 1), newest_from, n_slots=N,
+                    count=cand_count,
+                )  # fmt: skip
+                assert torch.equal(extra["cand"], want), step
+                planes = (trow.flatten()).tolist()  # (the padding row's block-0 planes aside)
+                for pl in planes[: (B - 1) * L] if B > 1 else planes:
+                    same = all(torch.equal(a[pl], b[pl]) for a, b in zip(before, kept))
+                    reused += same and int(before[2][pl, 0]) >= 0
+                    made += not same
         if newest:  # the step's newest positions first (forced), from the same candidates
             npos = torch.arange(hi - newest, hi)[None].expand(B, newest).contiguous()
             for t, acc in ((ref, acc_r), (tri, acc_t)):
@@ -251,6 +294,7 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
                 )
     assert acc_r[1] > 0 and acc_r[0] > 0 and acc_r[2] > 0
     assert hits > 0 or chunk is None
+    assert not keep or (reused > 0 and made > 0), (reused, made)
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
@@ -372,3 +416,63 @@ def test_full_buffer_few_misses(n_new):
         assert ref.same(tri) and torch.equal(*accs)
         assert torch.equal(a.dst, b.dst) and torch.equal(a.copy, b.copy)
     assert int(accs[0][1]) == L * (24 + n_new) and bool(a.copy.all())
+
+
+def test_cache_kept_candidates_match_torch_path():
+    """HiSparseKVCache with kept victim candidates (interpreted) against the torch path over a long
+    decode (old positions selected again and again, so the kept lists are reused, run short and are
+    made again) and a finished request whose block a new one reuses (its lists dropped): the same
+    tables, resolved rows and stats."""
+    from .test_hisparse_lru import _cache, _ctx
+
+    N = 64  # top-4 and recent 2 ask for 6 candidates a step: 32 kept, a bound below N
+    caches = [_cache(N, use_triton=False), _cache(N, use_triton=True, place_candidates=True)]
+    kv_t = caches[1]
+    assert kv_t._keep_on and kv_t._keep[0].shape[1] == 32
+    pages = [2, 0, 3]
+    g = torch.Generator().manual_seed(9)
+    plan = [("r0", 0, 100)] + [("r0", 100 + i, 1) for i in range(24)] + [("r1", 0, 90)]
+    plan += [("r1", 90 + i, 1) for i in range(6)]
+    reused = made = 0
+    for rid, start, n_q in plan:
+        if rid == "r1" and "r0" in caches[0]._states:
+            for kv in caches:
+                kv.release(["r0"])
+        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+        for t in range(n_q):
+            k = min(4, start + t + 1)
+            hi = start + t + 1 if n_q > 1 or start % 3 else max(k, (start + t + 1) // 4)  # old positions
+            topk[t, :k] = torch.randperm(hi, generator=g)[:k].sort().values
+        before = [t.clone() for t in kv_t._keep]
+        got = []
+        for kv in caches:
+            ctx = _ctx(kv, pages, start, n_q)
+            ctx.extras["rids"] = (rid,)
+            rows = []
+            for layer in range(3):
+                host = kv.mla_pool(layer)
+                host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
+                    -1, host.shape[1]
+                )
+                kv.after_write(layer, ctx)
+                r = kv.resolve(layer, topk, ctx)
+                rows.append((r, kv.attend_pool(layer)[r.clamp(min=0)][:, :, 0]))
+            got.append(rows)
+        for (ra, pa), (rb, pb) in zip(*got):
+            assert torch.equal(ra, rb) and torch.equal(pa, pb)
+        a, b = caches
+        assert torch.equal(a._p2s[..., :-1], b._p2s[..., :-1])
+        assert torch.equal(a._s2p[..., :-1], b._s2p[..., :-1])
+        assert torch.equal(a._stamp[..., :-1], b._stamp[..., :-1])
+        if n_q == 1:
+            meta = before[2]
+            for pl in range(meta.shape[0]):
+                same = all(torch.equal(x[pl], y[pl]) for x, y in zip(before, kv_t._keep))
+                reused += same and int(meta[pl, 0]) >= 0
+                made += not same
+    sa, sb = (kv.stats()["hisparse"] for kv in caches)
+    sa.pop("swap_seconds"), sb.pop("swap_seconds")
+    assert sa == sb and sa["misses"] > 0
+    assert reused > 0 and made > 0, (reused, made)
+    for kv in caches:
+        kv.close()

@@ -88,7 +88,16 @@ from longctx.errors import ConfigError
 from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
 from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
-from longctx.kernels.lru_place import lru_candidates, lru_place
+from longctx.kernels.lru_place import (
+    BLOCK_N,
+    CAND_PAR_MIN_BLOCKS,
+    PARALLEL_DEFAULT,
+    CandKeep,
+    cand_keep_buffers,
+    cand_keep_width,
+    lru_candidates,
+    lru_place,
+)
 from longctx.kernels.swap import swap_in_gather
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
 from longctx.model.context import ForwardContext
@@ -107,6 +116,11 @@ TAIL_QUERIES = 128
 # victims from them instead of walking the N slots themselves (kernels/lru_place.py: the same
 # victims). LONGCTX_PLACE_CANDIDATES=0 keeps each placement's own select (A/B benches).
 PLACE_CANDIDATES = os.environ.get("LONGCTX_PLACE_CANDIDATES", "1").strip() != "0"
+# The candidates' select is a ~48 us latency-bound loop over the N slots (13,106 at a 128K RULER decode's
+# 10% cap) whose answer moves little between steps: each (block, layer) keeps 4x the candidates a step
+# asks for and reuses them while they are provably still the smallest (kernels/lru_place.py, "Kept
+# candidates"), selecting again only when they run short. LONGCTX_CAND_KEEP=0 selects every step (A/B).
+CAND_KEEP = os.environ.get("LONGCTX_CAND_KEEP", "1").strip() != "0"
 # In a captured decode step the candidates and the newest-token placement (~80 us at a 128K RULER
 # decode's 10% cap, one latency-bound program per (row, layer)) depend only on the LRU state after
 # the clock's tick, and nothing reads what they write before the first layer's top-k placement: they
@@ -252,6 +266,13 @@ class HiSparseKVCache:
         self._backend = "triton" if use_triton else "torch"
         self._hit_chunk = hit_chunk
         self._place_kw = {} if place_block is None else {"block_n": place_block}
+        # kept candidates (CAND_KEEP): not where the candidates take the parallel passes, nor where a
+        # kept list would hold half the slots or more (it would run short or lack a bound every step)
+        block_n = place_block if place_block is not None else BLOCK_N
+        par = PARALLEL_DEFAULT and -(-device_tokens // block_n) >= CAND_PAR_MIN_BLOCKS
+        small = 2 * cand_keep_width(self._cand_n) > device_tokens
+        self._keep_on = CAND_KEEP and self._use_cand and use_triton and not par and not small
+        self._keep: tuple[torch.Tensor, ...] = ()  # slots, keys, meta per (block, layer) plane (`_grow`)
         L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         template = alloc_mla_pool(1, L, R, kind, dtype, "cpu")
         self._row_dtype, self._row_width = template.dtype, template.shape[1]
@@ -512,6 +533,8 @@ class HiSparseKVCache:
             return g
 
         self._p2s, self._s2p, self._stamp = grown(self._p2s), grown(self._s2p), grown(self._stamp)
+        if self._keep_on:  # (kept lists of the old tables are dropped: they select again)
+            self._keep = cand_keep_buffers((1 + n) * self._s2p.shape[1], self._cand_n, self.device)
         for i, buf in self._slots.items():
             g = self._new_slot_buffer(n)
             g[: buf.shape[0]] = buf
@@ -541,6 +564,9 @@ class HiSparseKVCache:
         self._s2p[block].fill_(-1)
         self._stamp[block].fill_(-1)
         self._block_hi[block] = 0
+        if self._keep:  # its kept candidates no longer hold (free slots again)
+            n_l = self._s2p.shape[1]
+            self._keep[2][block * n_l : (block + 1) * n_l, 0] = -1
 
     def _begin(self, ctx: ForwardContext) -> None:
         """First call of a forward pass: the step's rows on the device, the clock, the newest tokens.
@@ -598,9 +624,10 @@ class HiSparseKVCache:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side) if fork else contextlib.nullcontext():
             if self._fuse and self._use_cand:
+                keep = CandKeep(*self._keep, self._p2s.view(-1), rows.p_at) if self._keep else None
                 self._cand = lru_candidates(
                     self._s2p.view(-1), self._stamp.view(-1), self._now_t, rows.s_at, rows.newest_from,
-                    n_slots=self.N, count=self._cand_n, backend=self._backend, **self._place_kw,
+                    n_slots=self.N, count=self._cand_n, backend=self._backend, keep=keep, **self._place_kw,
                 )  # fmt: skip
             self._newest = self._place(self._every, rows, st.newest, self._acc["main"], force=True)
         self._forked = fork
