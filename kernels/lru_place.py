@@ -340,7 +340,7 @@ def lru_candidates(
         )  # fmt: skip
         check(keep.p_at.shape == (B, L) and keep.p_at.dtype == torch.int64, "keep.p_at: int64 [B, L]")
         check(keep.p2s.dim() == 1 and keep.p2s.dtype == torch.int32, "keep.p2s must be flat int32")
-    k = keep if kept else CandKeep(out, out, out, s2p, s_at)  # (unused pointers without keeping)
+    k = keep if keep is not None and kept else CandKeep(out, out, out, s2p, s_at)  # (unused without keeping)
     block_c = max(16, next_pow2(max(count, kc if kept else 1)))
     scratch = torch.empty((B * L, 3, block_c), dtype=torch.int64, device=dev)
     ws, ws_n = _par_workspace(B * L, digit_bits, parallel, out)
