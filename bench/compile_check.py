@@ -26,13 +26,14 @@ _PTR = {
     "nf_ptr": "*i64", "table_ptr": "*i32", "acc_ptr": "*i64", "u_ptr": "*i64", "src_ptr": "*i64",
     "dst_ptr": "*i64", "copy_ptr": "*i1", "ovf_ptr": "*i1", "csrc_ptr": "*i64", "cdst_ptr": "*i64",
     "cnt_ptr": "*i64", "scr_ptr": "*i64", "slow_ptr": "*i32", "ws_ptr": "*i32", "pc_ptr": "*i32",
-    "cum_ptr": "*i32", "hscr_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*i64",
+    "cum_ptr": "*i32", "hscr_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*i64", "ks_ptr": "*i64",
+    "kk_ptr": "*i64", "km_ptr": "*i64",
 }  # fmt: skip
 # the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
 _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
-    "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False,
+    "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False, "KEEP": False, "NFW": 256,
 }  # fmt: skip
 
 
@@ -52,7 +53,7 @@ def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no
             cons[name] = over.get(name, _CONST[name])
         else:
             sig[name] = "i64" if name.startswith("stride") else "i32"
-    if kernel.fn.__name__ == "_lru_place_kernel":
+    if kernel.fn.__name__ in ("_lru_place_kernel", "_lru_candidates_kernel"):
         cons["NB"] = 256  # the one-program select's own 8-bit digits
     src = ASTSource(fn=kernel, signature=sig, constexprs=cons)
     return int(
@@ -80,6 +81,8 @@ def variants() -> list[tuple[str, dict]]:
     )
     # the candidates (320 of them): one program's select, or the parallel passes without positions
     out += [("_lru_candidates_kernel", {"BLOCK_C": 512, "PAR": par}) for par in (False, True)]
+    # kept from step to step (4 x 512 of them), as the decode step launches it below the parallel passes
+    out.append(("_lru_candidates_kernel", {"BLOCK_C": 2048, "PAR": False, "KEEP": True}))
     # wider slot steps (place_bench --block-n), with the warps the wrappers launch them with
     out += [
         (
