@@ -18,8 +18,8 @@
 #   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks
 #   and profiles run first (undisturbed; CHECKS=0 leaves them out), then lane A, with the capped 1M
 #   samples beside lane A's evaluation once its timed part (long_context and the profiles at 128K) is done.
-# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 24 without its
-#   UUID copy rows, COPY_HEX=0) on GPU 1 and scores it
+# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 25 without its
+#   far PoSE skips, POSE_FAR=0) on GPU 1 and scores it
 #   as lane A does, under $SESSION/b (its model in $OUT/b); no checks, no capped 1M lane, and neither lane
 #   takes issue 5's HiSparse figures unless HISPARSE=1: an A/B of two recipes in one session.
 # The lanes run from a copy of the tree in $SESSION/src (installed there), so a later call's carry
@@ -41,8 +41,9 @@
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
 #   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
 #   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains;
-#   on one GPU once lane A's timed figures are done), TRAIN_LR, NEEDLE_FORM, NEEDLE_WEIGHT and COPY_HEX
-#   (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, and UUID copy rows, 0.5),
+#   on one GPU once lane A's timed figures are done), TRAIN_LR, NEEDLE_FORM, NEEDLE_WEIGHT, COPY_HEX
+#   and POSE_FAR (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID copy rows,
+#   0, and far PoSE skips, 0.5),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
 # LANE_A=score1m: no training; SCORE_1M (20) niah_single_1 samples at 1M of EVAL_MODEL uncapped and capped,
 #   after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples on GPU 1).
@@ -125,28 +126,30 @@ hisparse_measures() {
 }
 
 default_train_args() {
-  # run 24: run 23's recipe (shipped: run 21's with the needle loss per byte over every causal key,
+  # run 25: run 23's recipe (shipped: run 21's with the needle loss per byte over every causal key,
   # --needle-form bytes; niah_single_3 20 / 0 / 0 -> 30 / 30 / 5, the 128K average 45.4 -> 53.9, the number
-  # tasks held) from run 23's weights with fresh rows (--seed 24) and half the copy rows pooling UUIDs
-  # (--copy-hex-fraction 0.5). With the needle forced into every full layer's selection run 23 gets 14 of 20
-  # niah_single_3 samples at 4K right (6 as it selects, 13 with layer 3's alone: bench.needle_recall
-  # --force-layers); the 6 still wrong each slip one hex byte where the byte before it recurs in the UUID
-  # (826d009d for 826a009d), a copy that needs more than the byte before it, which UUID copy rows train.
+  # tasks held) from run 23's weights with fresh rows (--seed 25) and half the PoSE skips drawn uniformly
+  # over the range (--pose-far 0.5) instead of log-uniformly. Run 23 is right on niah_single_1 at 4K-128K
+  # (20 / 20 each) but on 13 of 20 at 1M (twenty-fourth session), 5 of the 7 misses the needle's number with
+  # a digit or two wrong: a copy across ~1M positions, a distance log-uniform skips draw for ~6% of their
+  # rows (the top octave of 1..1M); --pose-far 0.5 makes it ~30%. Run 24's UUID copy rows
+  # (--copy-hex-fraction 0.5) are not in it: they did not help (niah_single_3 25 / 15 / 10 against 30 / 30 / 5).
   # Every full layer keeps each query's newest 64 positions in its selection (--index-local-window 64, also
   # in the checkpoint), each full layer's indexer KL aims at its IndexShare group's mean attention
   # (--kl-share), the fused selection where the probe times it faster. TRAIN_LR / NEEDLE_FORM /
-  # NEEDLE_WEIGHT / COPY_HEX: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy rows (0.5)
+  # NEEDLE_WEIGHT / COPY_HEX / POSE_FAR: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy
+  # rows (0), far PoSE skips (0.5)
   echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
---needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 --chat-fraction 0.25 \
---document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0.5} \
+--needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
+--pose-far ${POSE_FAR:-0.5} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} \
---replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 24 --index-local-window 64 --kl-share"
+--replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 25 --index-local-window 64 --kl-share"
 }
 
 default_train_args_b() {
-  # LANE_B=train's default: run 24 without the UUID copy rows (run 24b, --copy-hex-fraction 0: run 23's
-  # recipe again from run 23): the A/B of the copy rows
-  COPY_HEX=0 default_train_args
+  # LANE_B=train's default: run 25 without the far skips (run 25b, --pose-far 0: run 23's recipe again from
+  # run 23 with run 25's seed): the A/B of the far skips
+  POSE_FAR=0 default_train_args
 }
 
 lane_a() {

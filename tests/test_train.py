@@ -1125,6 +1125,31 @@ def test_pose_positions_skip_inside_the_window(chunks: int) -> None:
         DataConfig(pose_chunks=1)
 
 
+def test_pose_far_draws_far_skips_uniformly() -> None:
+    """--pose-far F: that share of the skipped rows draws its total skip uniformly over the range (the
+    top octave as often as its share of the range), the rest log-uniformly; the same rows are skipped
+    and cut at the same points; 0 is the log-uniform draw bit for bit; outside [0, 1] is refused."""
+    S, pose_max, B, steps = 128, 1 << 20, 16, 80
+    base = DataConfig(seed=3, pose_max=pose_max, pose_prob=0.75)
+    far = dataclasses.replace(base, pose_far=1.0)
+    a = torch.cat([pose_positions(base, step, B, S) for step in range(steps)])
+    b = torch.cat([pose_positions(far, step, B, S) for step in range(steps)])
+    skipped = a[:, -1] > S - 1
+    assert torch.equal(skipped, b[:, -1] > S - 1)  # the same rows skipped
+    assert torch.equal((a.diff(dim=1) > 1), (b.diff(dim=1) > 1))  # cut at the same points
+    budget = pose_max - S
+    top_log = float((a[skipped, -1] - (S - 1) > budget // 2).float().mean())
+    top_far = float((b[skipped, -1] - (S - 1) > budget // 2).float().mean())
+    assert top_log < 0.15 and abs(top_far - 0.5) < 0.08, (top_log, top_far)
+    assert int(b.max()) <= pose_max - 1 and (b.diff(dim=1) >= 1).all()
+    half = torch.cat([pose_positions(dataclasses.replace(base, pose_far=0.5), s, B, S) for s in range(steps)])
+    top_half = float((half[skipped, -1] - (S - 1) > budget // 2).float().mean())
+    assert top_log < top_half < top_far
+    assert torch.equal(pose_positions(dataclasses.replace(base, pose_far=0.0), 5, B, S), a[5 * B : 6 * B])
+    with pytest.raises(DataError):
+        DataConfig(pose_far=1.5)
+
+
 def test_forward_train_positions_are_the_rotary_positions() -> None:
     """positions = 0..S-1 is the old path bit for bit; shifting every position by a constant leaves
     the logits unchanged (rotary attention sees only differences: main attention and indexer, so the

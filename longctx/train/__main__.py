@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"PoSE: pieces a skipped row is cut into (default {d.pose_chunks}, or the resumed run's)",
     )
     p.add_argument(
+        "--pose-far",
+        type=float,
+        default=None,
+        help="PoSE: the share of skipped rows whose skip is drawn uniformly over the range instead of "
+        f"log-uniformly (far distances as often as near ones; default {d.pose_far}, or the resumed run's)",
+    )
+    p.add_argument(
         "--chat-fraction",
         type=float,
         default=None,
@@ -240,6 +247,7 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
         "pose_max",
         "pose_prob",
         "pose_chunks",
+        "pose_far",
         "chat_fraction",
         "document_fraction",
         "replay_fraction",

@@ -90,6 +90,10 @@ class DataConfig:
     pose_max: int = 0
     pose_prob: float = 0.75
     pose_chunks: int = 2
+    # a share of the skipped rows whose total skip is drawn uniformly instead of log-uniformly, so far
+    # distances (the top octave of pose_max, where a 1M request's needle sits) come up as often as near
+    # ones; 0 draws nothing, so the rows stay bit for bit those of a run without it
+    pose_far: float = 0.0
     # retrieval rows rendered as a one-message chat (`chat_prompt`: the checkpoint's chat template, the
     # form of the server's /v1/chat/completions and `longctx ruler --chat`); 0 draws nothing, so the
     # raw-prompt rows stay bit for bit those of a run without it
@@ -113,6 +117,8 @@ class DataConfig:
             raise DataError("sequence lengths must be at least 64")
         if self.pose_max < 0 or not 0.0 <= self.pose_prob <= 1.0 or self.pose_chunks < 2:
             raise DataError("PoSE needs pose_max >= 0, 0 <= pose_prob <= 1 and pose_chunks >= 2")
+        if not 0.0 <= self.pose_far <= 1.0:
+            raise DataError("pose_far must be in [0, 1]")
         if not 0.0 <= self.chat_fraction <= 1.0:
             raise DataError("chat_fraction must be in [0, 1]")
         if not 0.0 <= self.document_fraction <= 1.0:
@@ -328,7 +334,8 @@ def pose_positions(cfg: DataConfig, step: int, B: int, S: int) -> torch.Tensor:
     points are drawn uniformly without replacement from 1..S-1, splitting the row into contiguous
     pieces that keep consecutive positions; a total skip K is drawn log-uniformly over 1..pose_max-S,
     K = min(pose_max - S, floor((pose_max - S + 1) ** u)) with u ~ U[0, 1) (so P(K >= k) ~ 1 -
-    ln k / ln(pose_max - S + 1): near and far distances alike), and split over the gaps between
+    ln k / ln(pose_max - S + 1): near and far distances alike; with probability `pose_far` instead
+    uniformly over 1..pose_max-S, so far ones are the rule), and split over the gaps between
     pieces at uniform cut points of 0..K (with more than two pieces a gap may be 0). Positions then
     increase strictly, start at 0 (rotary attention sees only differences, so an offset would change
     nothing) and end at S - 1 + K <= pose_max - 1. Other rows, and every row when S >= pose_max,
@@ -346,7 +353,10 @@ def pose_positions(cfg: DataConfig, step: int, B: int, S: int) -> torch.Tensor:
         if rng.random() >= cfg.pose_prob:
             continue
         cuts = sorted(rng.sample(range(1, S), min(cfg.pose_chunks, S) - 1))
-        total = min(budget, math.floor((budget + 1) ** rng.random()))
+        if cfg.pose_far > 0 and rng.random() < cfg.pose_far:
+            total = rng.randint(1, budget)
+        else:
+            total = min(budget, math.floor((budget + 1) ** rng.random()))
         split = sorted(rng.randint(0, total) for _ in range(len(cuts) - 1))
         gaps = [hi - lo for lo, hi in zip([0, *split], [*split, total])]
         for at, gap in zip(cuts, gaps):
