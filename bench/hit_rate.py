@@ -57,6 +57,7 @@ def replay(
     recent: int,
     warmup: int,
     ahead: Sequence[Sequence[int]] | None = None,
+    neighbours: int = 0,
 ) -> dict[str, float]:
     """Hit rates of one (request, layer)'s decode selections under three caches of `cap` device slots.
 
@@ -70,7 +71,12 @@ def replay(
     `ahead[t]` (optional): the positions the indexer ranked just below the top-k at step t. Then
     "lru_ahead" is LRU that also fetches those after each step (in recency between older entries and
     the step's own selection), with "ahead_fetches" the extra rows it copied per counted step
-    against "lru_misses" per counted step."""
+    against "lru_misses" per counted step.
+
+    `neighbours` R > 0: also "lru_nb", LRU that on each miss at p also fetches the positions within R of
+    p (not selected this step, not pinned; in recency between older entries and the step's own
+    selection), with "nb_fetches" the extra rows it copied per counted step: whether what a step
+    misses sits next to what an earlier step missed (a page-wise swap-in's bet)."""
     room = cap - recent
     assert room > 0 and all(len(set(s)) <= room + recent for s in steps)
     uses: dict[int, list[int]] = {}
@@ -79,10 +85,13 @@ def replay(
             uses.setdefault(p, []).append(t)
     lru: OrderedDict[int, None] = OrderedDict()
     pre: OrderedDict[int, None] = OrderedDict()  # LRU + fetch-ahead
-    fetched = 0
+    nbc: OrderedDict[int, None] = OrderedDict()  # LRU + the misses' neighbours
+    fetched = nb_fetched = 0
     opt: set[int] = set()
     seen: set[int] = set()
     hits = {"lru": 0, "belady": 0, "unbounded": 0} | ({"lru_ahead": 0} if ahead is not None else {})
+    if neighbours:
+        hits["lru_nb"] = 0
     total, overlap, n_overlap = 0, 0.0, 0
     prev: set[int] = set()
     for t, sel in enumerate(steps):
@@ -98,6 +107,21 @@ def replay(
             hits["unbounded"] += len(pinned) + len(old & seen)
             if ahead is not None:
                 hits["lru_ahead"] += len(pinned) + sum(1 for p in old if p in pre)
+            if neighbours:
+                hits["lru_nb"] += len(pinned) + sum(1 for p in old if p in nbc)
+        if neighbours:
+            lo, hi = 0, first_ctx + t - recent
+            extra_nb = {
+                q
+                for p in old
+                if p not in nbc
+                for q in range(max(lo, p - neighbours), min(hi, p + neighbours + 1))
+                if q not in cur and q not in nbc
+            }
+            if t >= warmup:
+                nb_fetched += len(extra_nb)
+            _use(nbc, sorted(extra_nb))
+            _use(nbc, sorted(old), room)
         _use(lru, sorted(old), room)
         if ahead is not None:
             extra = [p for p in ahead[t] if p not in pre and p < first_ctx + t - recent]
@@ -121,6 +145,8 @@ def replay(
         n_counted = max(1, len(steps) - warmup)
         out["ahead_fetches"] = fetched / n_counted
         out["lru_misses"] = (total - hits["lru"]) / n_counted  # pinned positions are always hits
+    if neighbours:
+        out["nb_fetches"] = nb_fetched / max(1, len(steps) - warmup)
     out["counted_selections"] = float(total)
     return out
 
@@ -274,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --policies: also replay LRU fetching the next N ranked (CPU)",
     )
     ap.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --policies: also replay LRU fetching each miss's neighbours within R positions",
+    )
+    ap.add_argument(
         "--tail",
         type=int,
         default=0,
@@ -342,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(rec, SelectionRecorder) and rec.steps:
         r = rec.recent
         per = {
-            layer: replay(st, len(ids) + 1, cap, r, args.warmup, rec.below[layer] if args.ahead else None)
+            layer: replay(
+                st, len(ids) + 1, cap, r, args.warmup, rec.below[layer] if args.ahead else None, args.neighbours
+            )
             for layer, st in sorted(rec.steps.items())
         }
         if args.tail:
@@ -366,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_steps": args.warmup,
             "recent": r,
             "ahead": args.ahead,
+            "neighbours": args.neighbours,
             "tail": args.tail,
             "mean": mean,
             "per_layer": per,
@@ -378,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"; LRU fetching the next {args.ahead} ranked: {mean['lru_ahead']:.3f} "
                 f"({mean['ahead_fetches']:.0f} extra rows a step against {mean['lru_misses']:.0f} misses)"
                 if args.ahead
+                else ""
+            )
+            + (
+                f"; LRU fetching each miss's neighbours within {args.neighbours}: {mean['lru_nb']:.3f} "
+                f"({mean['nb_fetches']:.0f} extra rows a step)"
+                if args.neighbours
                 else ""
             )
             + (

@@ -935,6 +935,10 @@ def test_cache_policy_replay_against_hand_counts() -> None:
     r = replay(steps, 100, cap=4, recent=1, warmup=1, ahead=[[2], [4], [5], []])
     assert r["lru"] == 0.0 and r["lru_ahead"] == 3 / 6
     assert r["ahead_fetches"] == 2 / 3 and r["lru_misses"] == 2.0  # per counted step (t0's fetch uncounted)
+    # fetching each miss's neighbours (R = 1): step 0 misses 10 and fetches 9, 11; step 1 selects 11 (a hit)
+    # and misses 20 (fetching 19, 21); step 2 selects 21 (hit) and 9 (hit), missing nothing
+    r = replay([[10], [11, 20], [21, 9]], 100, cap=8, recent=1, warmup=1, neighbours=1)
+    assert r["lru"] == 0.0 and r["lru_nb"] == 3 / 4 and r["nb_fetches"] == (2 + 0) / 2  # (counted steps)
     rng = random.Random(0)
     for _ in range(20):
         seq = [rng.sample(range(60), 8) for _ in range(30)]
