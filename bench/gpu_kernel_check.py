@@ -494,17 +494,10 @@ def case_ln_rope_index(interleaved: bool) -> float:
     )
 
 
-def case_place(n: int, batch: int, layers: int, repeat: bool = False, cand: bool = False) -> float:
-    """A sequence of decode placements (M = 2048 top-k rows, ascending then -1 padded; a buffer
-    filling up, then full with hits and evictions; a padding row) on copies of the same tables:
-    0.0 if the kernel's tables, outputs and counters equal the torch reference's every step.
-    repeat: every other step asks for the last step's positions again (all hits: the hit pass
-    alone), every fourth one of those as a forced placement (its compacted copies).
-    cand: the kernel takes its victims from `lru_candidates` made before each step's placement."""
-    from longctx.kernels.lru_place import lru_candidates, lru_place, lru_place_ref
-
-    dev, M, P = "cuda", 2048, 131_073
-    g = torch.Generator(device=dev).manual_seed(n + batch)
+def _place_tables(n: int, batch: int, layers: int, P: int, dev: str) -> tuple:
+    """Two copies of empty HiSparse tables (p2s, s2p, stamp) for `batch` rows x `layers` of n slots, their
+    counters, the clock, the -1 sink value, the rows' blocks (the last row pads a captured batch: block
+    0, nothing requested), their (block, layer) table rows and a page table."""
     tabs = [
         (torch.full((batch + 1, layers, P), -1, dtype=torch.int32, device=dev),
          torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev),
@@ -512,14 +505,49 @@ def case_place(n: int, batch: int, layers: int, repeat: bool = False, cand: bool
         for _ in range(2)
     ]  # fmt: skip
     accs = [torch.zeros(5, dtype=torch.int64, device=dev) for _ in range(2)]
-    now, minus1 = (
-        torch.zeros((), dtype=torch.int64, device=dev),
-        torch.full((), -1, dtype=torch.int32, device=dev),
-    )
+    now = torch.zeros((), dtype=torch.int64, device=dev)
+    minus1 = torch.full((), -1, dtype=torch.int32, device=dev)
     blk = torch.arange(1, batch + 1, device=dev)
-    blk[-1] = 0 if batch > 1 else 1  # the last row pads a captured batch (block 0, nothing requested)
+    blk[-1] = 0 if batch > 1 else 1
     trow = blk[:, None] * layers + torch.arange(layers, device=dev)
     table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
+    return tabs, accs, now, minus1, blk, trow, table
+
+
+def _place_both(tabs: list, accs: list, pos: torch.Tensor, force: bool, state: tuple, kw: dict) -> tuple:
+    """One placement of `pos` into both copies of `_place_tables`' tables, by the torch reference and
+    by the kernel (with `kw`); (reference, kernel) placements when the tables, counters and outputs
+    agree, else (None, None). state: (now, minus1, blk, trow, table, newest_from, n, P)."""
+    from longctx.kernels.lru_place import lru_place, lru_place_ref
+
+    now, minus1, blk, trow, table, nf, n, P = state
+    outs = []
+    for (p2s, s2p, st), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
+        extra = {"backend": "triton", **kw} if fn is lru_place else {}
+        outs.append(fn(
+            p2s.view(-1), s2p.view(-1), st.view(-1), now, pos, trow * P, trow * (n + 1), 1 + (blk - 1) * n,
+            nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=force, minus1=minus1, **extra,
+        ))  # fmt: skip
+    a, b = outs
+    same = all(torch.equal(x[..., :-1], y[..., :-1]) for x, y in zip(*tabs)) and torch.equal(*accs)
+    same = same and all(
+        torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy", "overflow")
+    )
+    return (a, b) if same else (None, None)
+
+
+def case_place(n: int, batch: int, layers: int, repeat: bool = False, cand: bool = False) -> float:
+    """A sequence of decode placements (M = 2048 top-k rows, ascending then -1 padded; a buffer
+    filling up, then full with hits and evictions; a padding row) on copies of the same tables:
+    0.0 if the kernel's tables, outputs and counters equal the torch reference's every step.
+    repeat: every other step asks for the last step's positions again (all hits: the hit pass
+    alone), every fourth one of those as a forced placement (its compacted copies).
+    cand: the kernel takes its victims from `lru_candidates` made before each step's placement."""
+    from longctx.kernels.lru_place import lru_candidates
+
+    dev, M, P = "cuda", 2048, 131_073
+    g = torch.Generator(device=dev).manual_seed(n + batch)
+    tabs, accs, now, minus1, blk, trow, table = _place_tables(n, batch, layers, P, dev)
     steps = 3 * (n // M) + 6
     prev = None
     for step in range(steps):
@@ -535,24 +563,14 @@ def case_place(n: int, batch: int, layers: int, repeat: bool = False, cand: bool
             pos = prev
         prev = pos
         nf = torch.full((batch,), ctx - 64, dtype=torch.int64, device=dev)
-        outs = []
-        for (p2s, s2p, st), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
-            kw: dict = {"backend": "triton"} if fn is lru_place else {}
-            if cand and fn is lru_place:
-                kw["cand"] = lru_candidates(
-                    s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=M, backend="triton"
-                )
-            outs.append(fn(
-                p2s.view(-1), s2p.view(-1), st.view(-1), now, pos.contiguous(), trow * P, trow * (n + 1),
-                1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=force,
-                minus1=minus1, **kw,
-            ))  # fmt: skip
-        a, b = outs
-        same = all(torch.equal(x[..., :-1], y[..., :-1]) for x, y in zip(*tabs)) and torch.equal(*accs)
-        same = same and all(
-            torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy", "overflow")
-        )
-        same = same and b.cnt is not None and torch.equal(b.cnt, a.copy.sum(-1))
+        kw: dict = {}
+        if cand:
+            s2p, st = tabs[1][1], tabs[1][2]
+            kw["cand"] = lru_candidates(
+                s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=M, backend="triton"
+            )
+        a, b = _place_both(tabs, accs, pos.contiguous(), force, (now, minus1, blk, trow, table, nf, n, P), kw)
+        same = a is not None and b.cnt is not None and torch.equal(b.cnt, a.copy.sum(-1))
         if not same:
             print(f"differs at step {step}", file=sys.stderr)
             return 1.0
@@ -566,34 +584,13 @@ def case_place_keep(n: int, batch: int, layers: int) -> float:
     on by one a step, a buffer filling up and then evicting; a padding row): 0.0 if every step's
     candidates equal `lru_candidates_ref` on the tables as they are and the placements from them equal
     the reference's, with the kept lists both reused and made again."""
-    from longctx.kernels.lru_place import (
-        CandKeep,
-        cand_keep_buffers,
-        lru_candidates,
-        lru_candidates_ref,
-        lru_place,
-        lru_place_ref,
-    )
+    from longctx.kernels import lru_place as lp
 
     dev, M, P, recent = "cuda", 256, 131_073, 64
     count = M + recent
     g = torch.Generator(device=dev).manual_seed(n + batch + 7)
-    tabs = [
-        (torch.full((batch + 1, layers, P), -1, dtype=torch.int32, device=dev),
-         torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev),
-         torch.full((batch + 1, layers, n + 1), -1, dtype=torch.int64, device=dev))
-        for _ in range(2)
-    ]  # fmt: skip
-    kept = cand_keep_buffers((batch + 1) * layers, count, dev)
-    accs = [torch.zeros(5, dtype=torch.int64, device=dev) for _ in range(2)]
-    now, minus1 = (
-        torch.zeros((), dtype=torch.int64, device=dev),
-        torch.full((), -1, dtype=torch.int32, device=dev),
-    )
-    blk = torch.arange(1, batch + 1, device=dev)
-    blk[-1] = 0 if batch > 1 else 1
-    trow = blk[:, None] * layers + torch.arange(layers, device=dev)
-    table = torch.arange(batch * (P // 64 + 1), dtype=torch.int32, device=dev).view(batch, -1)
+    tabs, accs, now, minus1, blk, trow, table = _place_tables(n, batch, layers, P, dev)
+    kept = lp.cand_keep_buffers((batch + 1) * layers, count, dev)
     hot = torch.randint(0, 100_000, (batch, 4 * M), generator=g, device=dev)
     reused = made = 0
     for step in range(n // (M // 4) + 40):
@@ -610,11 +607,13 @@ def case_place_keep(n: int, batch: int, layers: int) -> float:
         newest = torch.arange(ctx - recent, ctx, device=dev).expand(batch, recent).contiguous()
         p2s, s2p, st = tabs[1]
         before = [t.clone() for t in kept]
-        cand = lru_candidates(
+        cand = lp.lru_candidates(
             s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=count, backend="triton",
-            keep=CandKeep(*kept, p2s.view(-1), trow * P),
+            keep=lp.CandKeep(*kept, p2s.view(-1), trow * P),
         )  # fmt: skip
-        want = lru_candidates_ref(s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=count)
+        want = lp.lru_candidates_ref(
+            s2p.view(-1), st.view(-1), now, trow * (n + 1), nf, n_slots=n, count=count
+        )
         if not torch.equal(cand, want):
             print(f"candidates differ at step {step}", file=sys.stderr)
             return 1.0
@@ -624,20 +623,10 @@ def case_place_keep(n: int, batch: int, layers: int) -> float:
             reused += same
             made += not same
         for q, force in ((newest, True), (pos, False)):
-            outs = []
-            for (p2s_, s2p_, st_), acc, fn in zip(tabs, accs, (lru_place_ref, lru_place)):
-                kw: dict = {"backend": "triton", "cand": cand} if fn is lru_place else {}
-                outs.append(fn(
-                    p2s_.view(-1), s2p_.view(-1), st_.view(-1), now, q, trow * P, trow * (n + 1),
-                    1 + (blk - 1) * n, nf, table, acc, n_slots=n, pos_len=P, page_size=64, force=force,
-                    minus1=minus1, **kw,
-                ))  # fmt: skip
-            a, b = outs
-            same = all(torch.equal(x[..., :-1], y[..., :-1]) for x, y in zip(*tabs)) and torch.equal(*accs)
-            same = same and all(
-                torch.equal(getattr(a, f), getattr(b, f)) for f in ("u", "src", "dst", "copy", "overflow")
+            a, _ = _place_both(
+                tabs, accs, q, force, (now, minus1, blk, trow, table, nf, n, P), {"cand": cand}
             )
-            if not same:
+            if a is None:
                 print(f"placements differ at step {step}", file=sys.stderr)
                 return 1.0
     print(

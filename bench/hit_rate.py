@@ -376,7 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         r = rec.recent
         per = {
             layer: replay(
-                st, len(ids) + 1, cap, r, args.warmup, rec.below[layer] if args.ahead else None, args.neighbours
+                st,
+                len(ids) + 1,
+                cap,
+                r,
+                args.warmup,
+                rec.below[layer] if args.ahead else None,
+                args.neighbours,
             )
             for layer, st in sorted(rec.steps.items())
         }

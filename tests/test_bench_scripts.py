@@ -275,7 +275,8 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert (
         "--needle-weight 1.0 --needle-form bytes --pose-max 1048576 --pose-far 0.5 --chat-fraction 0.25 "
         "--document-fraction 0.25 --copy-hex-fraction 0 --curriculum 0:4096,1000:16384,3000:65536,6500:131072 "
-        "--replay-fraction 0.3 " in gpu0[0]
+        "--replay-fraction 0.3 "
+        in gpu0[0]
         and "--select auto --seed 25 --index-local-window 64 --kl-share" in gpu0[0]
     )  # one argv
     # the selection window: graphs against eager decode with it on this GPU, before any score

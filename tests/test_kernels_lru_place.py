@@ -298,6 +298,50 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     assert ovf > 0 or M < N  # a request wider than the buffer overflows
 
 
+def _next_topk(caches, g, rid, start, n_q, old=False):  # type: ignore[no-untyped-def]
+    """The top-4 selections of a step of request `rid` (r0 is released when r1 starts, so r1 reuses its
+    block): random earlier positions, ascending; `old`: every third decode step only from the first
+    quarter of the context (positions selected long ago again)."""
+    if rid == "r1" and "r0" in caches[0]._states:
+        for kv in caches:
+            kv.release(["r0"])
+    topk = torch.full((n_q, 4), -1, dtype=torch.int64)
+    for t in range(n_q):
+        k = min(4, start + t + 1)
+        hi = start + t + 1
+        if old and n_q == 1 and start % 3 == 0:
+            hi = max(k, hi // 4)
+        topk[t, :k] = torch.randperm(hi, generator=g)[:k].sort().values
+    return topk
+
+
+def _same_step(caches, pages, rid, start, n_q, topk) -> None:  # type: ignore[no-untyped-def]
+    """One forward step of request `rid` (queries start..start + n_q, selections `topk`) through each
+    cache of `caches` (three layers, every host row marked with its layer and slot): the same resolved
+    rows and bytes, and the same tables (sinks aside)."""
+    from .test_hisparse_lru import _ctx
+
+    got = []
+    for kv in caches:
+        ctx = _ctx(kv, pages, start, n_q)
+        ctx.extras["rids"] = (rid,)
+        rows = []
+        for layer in range(3):
+            host = kv.mla_pool(layer)
+            host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
+                -1, host.shape[1]
+            )
+            kv.after_write(layer, ctx)
+            r = kv.resolve(layer, topk, ctx)
+            rows.append((r, kv.attend_pool(layer)[r.clamp(min=0)][:, :, 0]))
+        got.append(rows)
+    for (ra, pa), (rb, pb) in zip(*got):
+        assert torch.equal(ra, rb) and torch.equal(pa, pb)
+    a, b = caches
+    for name in ("_p2s", "_s2p", "_stamp"):
+        assert torch.equal(getattr(a, name)[..., :-1], getattr(b, name)[..., :-1]), name
+
+
 @pytest.mark.parametrize(
     "hit_chunk,place_block,cand",
     [(None, None, True), (2, None, True), (None, None, False), (None, 2, False), (2, 2, True)],
@@ -311,7 +355,7 @@ def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, cand, monk
     lowered to 4); cand: decode placements take their victims from the step's candidates."""
     from longctx.kernels import lru_place as lru_place_mod
 
-    from .test_hisparse_lru import _cache, _ctx
+    from .test_hisparse_lru import _cache
 
     monkeypatch.setattr(lru_place_mod, "PAR_MIN_BLOCKS", 4)
 
@@ -333,37 +377,13 @@ def test_cache_triton_path_matches_torch_path(hit_chunk, place_block, cand, monk
         ("r1", 7, 1),
     ]
     for rid, start, n_q in plan:
-        if rid == "r1" and "r0" in caches[0]._states:
-            for kv in caches:
-                kv.release(["r0"])
-        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
-        for t in range(n_q):
-            k = min(4, start + t + 1)
-            topk[t, :k] = torch.randperm(start + t + 1, generator=g)[:k].sort().values
+        topk = _next_topk(caches, g, rid, start, n_q)
         if start in (21, 32):  # the last decode step's selection again: all hits
             topk = last.clone()
         last = topk
-        got = []
-        for kv in caches:
-            ctx = _ctx(kv, pages, start, n_q)
-            ctx.extras["rids"] = (rid,)
-            rows = []
-            for layer in range(3):
-                host = kv.mla_pool(layer)
-                host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
-                    -1, host.shape[1]
-                )
-                kv.after_write(layer, ctx)
-                r = kv.resolve(layer, topk, ctx)
-                rows.append((r, kv.attend_pool(layer)[r.clamp(min=0)][:, :, 0]))
-            got.append(rows)
-        for (ra, pa), (rb, pb) in zip(*got):
-            assert torch.equal(ra, rb) and torch.equal(pa, pb)
+        _same_step(caches, pages, rid, start, n_q, topk)
         a, b = caches
         assert (b._cand is not None) == (cand and n_q == 1)  # a decode step made its candidates
-        assert torch.equal(a._p2s[..., :-1], b._p2s[..., :-1])
-        assert torch.equal(a._s2p[..., :-1], b._s2p[..., :-1])
-        assert torch.equal(a._stamp[..., :-1], b._stamp[..., :-1])
     sa, sb = (kv.stats()["hisparse"] for kv in caches)
     sa.pop("swap_seconds"), sb.pop("swap_seconds")
     assert sa == sb and sa["misses"] > 0 and sa["overflow_rows_max"] > 0
@@ -423,7 +443,7 @@ def test_cache_kept_candidates_match_torch_path():
     decode (old positions selected again and again, so the kept lists are reused, run short and are
     made again) and a finished request whose block a new one reuses (its lists dropped): the same
     tables, resolved rows and stats."""
-    from .test_hisparse_lru import _cache, _ctx
+    from .test_hisparse_lru import _cache
 
     N = 64  # top-4 and recent 2 ask for 6 candidates a step: 32 kept, a bound below N
     caches = [_cache(N, use_triton=False), _cache(N, use_triton=True, place_candidates=True)]
@@ -435,35 +455,9 @@ def test_cache_kept_candidates_match_torch_path():
     plan += [("r1", 90 + i, 1) for i in range(6)]
     reused = made = 0
     for rid, start, n_q in plan:
-        if rid == "r1" and "r0" in caches[0]._states:
-            for kv in caches:
-                kv.release(["r0"])
-        topk = torch.full((n_q, 4), -1, dtype=torch.int64)
-        for t in range(n_q):
-            k = min(4, start + t + 1)
-            hi = start + t + 1 if n_q > 1 or start % 3 else max(k, (start + t + 1) // 4)  # old positions
-            topk[t, :k] = torch.randperm(hi, generator=g)[:k].sort().values
+        topk = _next_topk(caches, g, rid, start, n_q, old=True)
         before = [t.clone() for t in kv_t._keep]
-        got = []
-        for kv in caches:
-            ctx = _ctx(kv, pages, start, n_q)
-            ctx.extras["rids"] = (rid,)
-            rows = []
-            for layer in range(3):
-                host = kv.mla_pool(layer)
-                host[ctx.slot_mapping] = (layer * 1000 + ctx.slot_mapping.float())[:, None].expand(
-                    -1, host.shape[1]
-                )
-                kv.after_write(layer, ctx)
-                r = kv.resolve(layer, topk, ctx)
-                rows.append((r, kv.attend_pool(layer)[r.clamp(min=0)][:, :, 0]))
-            got.append(rows)
-        for (ra, pa), (rb, pb) in zip(*got):
-            assert torch.equal(ra, rb) and torch.equal(pa, pb)
-        a, b = caches
-        assert torch.equal(a._p2s[..., :-1], b._p2s[..., :-1])
-        assert torch.equal(a._s2p[..., :-1], b._s2p[..., :-1])
-        assert torch.equal(a._stamp[..., :-1], b._stamp[..., :-1])
+        _same_step(caches, pages, rid, start, n_q, topk)
         if n_q == 1:
             meta = before[2]
             for pl in range(meta.shape[0]):
