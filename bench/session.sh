@@ -67,23 +67,22 @@ checks_pass() {
   "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(not all(v["ok"] for v in r.values()))' "$1"
 }
 
+check_or_mark() {
+  # bench.gpu_kernel_check's cases named like $1 into $S/checks/$2; if one fails, touch the marker $S/$3
+  # (which the callers turn into a fallback for the rest of the session) and say so ($4: the fallback)
+  "$PY" -m bench.gpu_kernel_check --only "$1" --out "$S/checks/$2"
+  checks_pass "$S/checks/$2/gpu-kernel-check.json" || { echo "$1 check failed: $4"; touch "$S/$3"; }
+}
+
 hisparse_measures() {
   # issue 5's figures with the model in $MODEL:
   # the placement kernels against their reference on this GPU before the first capped run (the victim
   # candidates are new in the thirteenth session; 13,107 and 104,857 slots, batch 1 and 8)
-  "$PY" -m bench.gpu_kernel_check --only place_ --out "$S/checks/place"
-  if ! checks_pass "$S/checks/place/gpu-kernel-check.json"; then
-    echo "placement check failed: the rest of the session keeps the one-program select"
-    touch "$S/place.serial"
-  fi
+  check_or_mark place_ place place.serial "the rest of the session keeps the one-program select"
   [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0 LONGCTX_PLACE_CANDIDATES=0
   # the kept victim candidates (new in the twenty-fourth session) against the reference over decode-like
   # sequences; if they fail, the session selects every step (LONGCTX_CAND_KEEP=0)
-  "$PY" -m bench.gpu_kernel_check --only keep_cand --out "$S/checks/keep"
-  if ! checks_pass "$S/checks/keep/gpu-kernel-check.json"; then
-    echo "kept candidates check failed: LONGCTX_CAND_KEEP=0"
-    touch "$S/keep.off"
-  fi
+  check_or_mark keep_cand keep keep.off "LONGCTX_CAND_KEEP=0"
   [ -f "$S/keep.off" ] && export LONGCTX_CAND_KEEP=0
   "$PY" -m bench.long_context --model "$MODEL" --phases 128k --prompt ruler --out "$S/long_context"
   # where the capped step's extra time goes with a trained model (issue 5: 1.39x at 0.75 hits in the
@@ -292,9 +291,7 @@ lane_score_1m() {
   # the decode top-k's window (its write pass stores it since the twenty-third session) on this GPU first
   # (if it fails, the session composes the window after the top-k as before: LONGCTX_TOPK_WINDOW=0)
   if [ "$2" != capped ]; then
-    "$PY" -m bench.gpu_kernel_check --only topk_window --out "$S/checks/topk"
-    checks_pass "$S/checks/topk/gpu-kernel-check.json" \
-      || { echo "topk_window failed: LONGCTX_TOPK_WINDOW=0"; touch "$S/topk.compose"; }
+    check_or_mark topk_window topk topk.compose "LONGCTX_TOPK_WINDOW=0"
     touch "$S/topk.checked"
   else  # (two GPUs: the other lane's check decides for both; ~10 s)
     local t=0
@@ -443,7 +440,8 @@ run_lanes() {
 case "$cmd" in
 start)
   mkdir -p "$S/logs"
-  rm -f "$S/model.ready" "$S/eval.go" "$S/eval.stop" "$S/timed.done" "$S/topk.checked" "$S/topk.compose"
+  rm -f "$S/model.ready" "$S/eval.go" "$S/eval.stop" "$S/timed.done" "$S/topk.checked" "$S/topk.compose" \
+    "$S/keep.off"
   # The lanes run from a private copy of the tree, installed there: the device tool replaces a carried
   # folder on every call, and a lane whose working directory was replaced under it finds no `bench`
   # (that cost a whole evaluation once). Later calls' status/collect may run from any copy.
@@ -453,7 +451,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes checks_pass default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
+  setsid nohup bash -c "$(declare -f run_lanes checks_pass check_or_mark default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
     lane_b_eval lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"

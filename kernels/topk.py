@@ -35,7 +35,9 @@ step's selection costs no torch ops after the top-k (there were ~6 small launche
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -98,9 +100,25 @@ def _check_window(logits: torch.Tensor, window: int, positions: torch.Tensor | N
         )  # fmt: skip
 
 
-def _before_window(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """Each query's keys before its window: max(pos - W, 0) + 1 (`valid_len` None with a window)."""
-    return (positions - window).clamp(min=0) + 1
+def local_window_bound(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The last key position the index scores choose from, for queries at `positions` (clamped at 0:
+    a query that has fewer keys than the top-k keeps all of them, see `with_local_window`)."""
+    return (positions - window).clamp(min=0) if window else positions
+
+
+def _window_composed(
+    top: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor],
+    logits: torch.Tensor,
+    k: int,
+    valid_len: torch.Tensor | None,
+    window: int,
+    positions: torch.Tensor | None,
+) -> torch.Tensor:
+    """`with_local_window` of `top`'s (a top-k function of logits, k, valid_len) top k of each query's
+    keys before its window (valid_len None) or of valid_len's."""
+    assert positions is not None
+    lens = local_window_bound(positions, window) + 1 if valid_len is None else valid_len
+    return with_local_window(top(logits, k, lens), positions, k + window, window)
 
 
 def topk_indices_ref(
@@ -114,9 +132,7 @@ def topk_indices_ref(
     window, `with_local_window` of that (valid_len None: the keys before each window)."""
     _check_window(logits, window, positions)
     if window:
-        assert positions is not None
-        lens = _before_window(positions, window) if valid_len is None else valid_len
-        return with_local_window(_topk_ref(logits, k, lens), positions, k + window, window)
+        return _window_composed(_topk_ref, logits, k, valid_len, window, positions)
     check(valid_len is not None, "valid_len is required without a window")
     assert valid_len is not None
     return _topk_ref(logits, k, valid_len)
@@ -166,11 +182,8 @@ def topk_indices(
     if not use_triton(backend, logits.device) or (window and (tq == 0 or k == 0 or n == 0)):
         return topk_indices_ref(logits, k, valid_len, window, positions)
     if window and not WINDOW_IN_WRITE:
-        assert positions is not None
-        lens = _before_window(positions, window) if valid_len is None else valid_len
-        return with_local_window(
-            topk_indices(logits, k, lens, backend=backend), positions, k + window, window
-        )
+        top = functools.partial(topk_indices, backend=backend)
+        return _window_composed(top, logits, k, valid_len, window, positions)
     if tq == 0 or k == 0 or n == 0:
         return torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
     # No fill of `out`: the write pass stores the -1 padding (and the window) itself (one launch fewer).

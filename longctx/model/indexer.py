@@ -19,16 +19,13 @@ import torch
 from torch import nn
 
 from longctx.config import ModelConfig
-from longctx.kernels.topk import with_local_window  # (the window's composition; its kernel form is topk's)
+from longctx.kernels.topk import (  # (the window's bound and composition; their kernel form is topk's)
+    local_window_bound,
+    with_local_window,
+)
 from longctx.model.context import ForwardContext
 from longctx.model.linear import Linear
 from longctx.model.ops import op
-
-
-def local_window_bound(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """The last key position the index scores choose from, for queries at `positions` (clamped at 0:
-    a query that has fewer keys than the top-k keeps all of them, see `with_local_window`)."""
-    return (positions - window).clamp(min=0) if window else positions
 
 
 class Indexer(nn.Module):
