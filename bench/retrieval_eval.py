@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             "--samples", str(args.samples), "--concurrency", str(args.concurrency),
             "--max-new-tokens-scale", scale, "--seed", str(args.seed), "--out", str(out),
         ]  # fmt: skip
+        if args.indices:
+            argv += ["--indices", args.indices]
         if args.chat or args.documents:
             argv.append("--chat" if args.chat else "--documents")
         argv += engine_flags
@@ -315,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--lengths", default="4k,32k,128k")
     r.add_argument("--tasks", default=",".join(TASKS))
     r.add_argument("--samples", type=int, default=20)
+    r.add_argument(
+        "--indices", default=None, help="these sample indices (comma list) instead of 0..samples-1"
+    )
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--seed", type=int, default=42)
     r.add_argument(

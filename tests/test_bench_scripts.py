@@ -134,7 +134,8 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert main([*run, "--lengths", "3k", "--tasks", "niah_single_1", "--cap-fraction", "0.1",
                  "--out", str(tmp_path / "c")]) == 0  # fmt: skip
     assert json.loads((tmp_path / "c" / "run.json").read_text())["device_tokens"] == {"3072": 307}
-    # the same weights with each full layer selecting another top-k (`longctx ruler --index-topk`)
+    # the same weights with each full layer selecting another top-k (`longctx ruler --index-topk`), on the
+    # sample index 2 alone (`--indices`)
     t = tmp_path / "t"
     assert (
         main(
@@ -150,6 +151,8 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
                 "16",
                 "--kv-dtype",
                 "bf16",
+                "--indices",
+                "2",
                 "--out",
                 str(t),
             ]
@@ -159,7 +162,8 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert json.loads((t / "run.json").read_text())["index_topk"] == 64
     assert json.loads((t / "run.json").read_text())["index_local_window"] == 16
     assert json.loads((t / "run.json").read_text())["kv_dtype"] == "bf16"
-    assert len((t / "results.jsonl").read_text().splitlines()) == 1
+    rows = (t / "results.jsonl").read_text().splitlines()
+    assert [json.loads(r)["index"] for r in rows] == [2]  # (--indices)
     assert main([*run, "--lengths", "1k", "--index-topk", "0", "--out", str(tmp_path / "z")]) == 2
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
     res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())

@@ -279,6 +279,10 @@ def test_parse_lengths():
         ["--base-url", "http://x", "--out", "O", "--hisparse-device-tokens", "4096"],
         ["--kv-dtype", "fp4", "--dump-dir", "D"],
         ["--base-url", "http://x", "--out", "O", "--kv-dtype", "bf16"],  # (the server's own)
+        ["--indices", "0,x", "--dump-dir", "D"],
+        ["--indices", "-1", "--dump-dir", "D"],
+        ["--indices", "3,3", "--dump-dir", "D"],
+        ["--indices", "", "--dump-dir", "D"],
     ],
 )
 def test_cli_bad_args_exit_2_with_one_line(argv, capsys, tmp_path, monkeypatch):
@@ -367,6 +371,23 @@ def test_cli_dump_only(tmp_path):
         ("qa_1", 2),
     ]
     assert all(0.98 * 4096 <= r["prompt_tokens"] + r["max_new_tokens"] <= 4096 for r in rows)
+
+
+def test_cli_indices_run_those_samples(tmp_path):
+    """--indices picks the samples (any order, in place of 0..N-1), each the same sample as in a full run,
+    and a later run of more indices adds only the new ones."""
+    argv = ["ruler", "--tasks", "niah_single_1,vt", "--lengths", "4k", "--concurrency", "2"]
+    assert main([*argv, "--indices", "5,1,3", "--dump-dir", str(tmp_path / "a")]) == 0
+    rows = read_rows(tmp_path / "a" / "samples.jsonl")
+    assert [(r["task"], r["index"]) for r in rows] == [
+        ("niah_single_1", 5), ("niah_single_1", 1), ("vt", 5), ("vt", 1), ("niah_single_1", 3), ("vt", 3),
+    ]  # fmt: skip
+    assert main([*argv, "--samples", "6", "--dump-dir", str(tmp_path / "b")]) == 0
+    full = {(r["task"], r["index"]): r for r in read_rows(tmp_path / "b" / "samples.jsonl")}
+    assert all(full[(r["task"], r["index"])] == r for r in rows)
+    assert main([*argv, "--indices", "1,0", "--dump-dir", str(tmp_path / "a")]) == 0
+    more = read_rows(tmp_path / "a" / "samples.jsonl")
+    assert [(r["task"], r["index"]) for r in more[len(rows) :]] == [("niah_single_1", 0), ("vt", 0)]
 
 
 # ---- the real engine ---------------------------------------------------------------------------

@@ -45,6 +45,21 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(out))
 
 
+def parse_indices(text: str | None) -> tuple[int, ...] | None:
+    """'0,5,15' -> (0, 5, 15): sample indices, each >= 0, no repeats; None when not given."""
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        p = part.strip()
+        if not p.isdigit():
+            raise UsageError(f"--indices: bad sample index {p!r}; use e.g. 0,5,15")
+        if int(p) in out:
+            raise UsageError(f"--indices: index {int(p)} given twice")
+        out.append(int(p))
+    return tuple(out)
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "ruler",
@@ -69,6 +84,11 @@ def register(subparsers: Any) -> None:
         "--lengths", default=DEFAULT_LENGTHS, help=f"comma list of lengths (default {DEFAULT_LENGTHS})"
     )
     p.add_argument("--samples", default="50", metavar="N", help="samples per task and length (default 50)")
+    p.add_argument(
+        "--indices",
+        metavar="I,J,...",
+        help="run these sample indices (comma list, e.g. 0,5,15) instead of 0..N-1 of --samples",
+    )
     p.add_argument("--seed", default="42", metavar="N", help="generation seed (default 42)")
     p.add_argument(
         "--concurrency", default="4", metavar="N", help="requests in flight / engine batch (default 4)"
@@ -138,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = parse_tasks(args.tasks)
     lengths = parse_lengths(args.lengths)
     samples = int_arg("--samples", args.samples)
+    indices = parse_indices(args.indices)
     seed = int_arg("--seed", args.seed, lo=0)
     concurrency = int_arg("--concurrency", args.concurrency)
     try:
@@ -176,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.chat:
         render = lambda text, prefix: text  # noqa: E731  (the server applies its own template)
     gen = RulerGenerator(counter, seed=seed, render=render, max_new_tokens_scale=scale)
-    plan = rr.RunPlan(tuple(tasks), tuple(lengths), samples, concurrency)
+    plan = rr.RunPlan(tuple(tasks), tuple(lengths), samples, concurrency, indices)
     keys = rr.plan_keys(plan)
 
     if args.dump_dir:

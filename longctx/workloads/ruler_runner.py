@@ -31,6 +31,7 @@ class RunPlan:
     lengths: tuple[int, ...]
     samples: int
     concurrency: int = 1
+    indices: tuple[int, ...] | None = None  # these sample indices instead of 0..samples-1
 
 
 def plan_keys(plan: RunPlan) -> list[Key]:
@@ -38,14 +39,16 @@ def plan_keys(plan: RunPlan) -> list[Key]:
 
     Within a length the tasks take turns, a batch (`concurrency` samples of one task) at a time,
     so a run stopped part-way has scores for every task rather than all samples of the first few.
+    With `indices`, those sample indices (in their order) instead of 0..samples-1.
     """
     c = max(1, plan.concurrency)
+    idx = list(plan.indices) if plan.indices is not None else list(range(plan.samples))
     return [
         (t, L, i)
         for L in plan.lengths
-        for j in range(0, plan.samples, c)
+        for j in range(0, len(idx), c)
         for t in plan.tasks
-        for i in range(j, min(j + c, plan.samples))
+        for i in idx[j : j + c]
     ]
 
 
