@@ -18,8 +18,8 @@
 #   then, once the model exists, HiSparse-capped 1M samples until stopped. With one GPU the checks
 #   and profiles run first (undisturbed; CHECKS=0 leaves them out), then lane A, with the capped 1M
 #   samples beside lane A's evaluation once its timed part (long_context and the profiles at 128K) is done.
-# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 25 without its
-#   far PoSE skips, POSE_FAR=0) on GPU 1 and scores it
+# LANE_B=train (two GPUs): lane B instead trains a second recipe (TRAIN_ARGS_B; default run 26 without its
+#   256K rows, run 26b) on GPU 1 and scores it
 #   as lane A does, under $SESSION/b (its model in $OUT/b); no checks, no capped 1M lane, and neither lane
 #   takes issue 5's HiSparse figures unless HISPARSE=1: an A/B of two recipes in one session.
 # The lanes run from a copy of the tree in $SESSION/src (installed there), so a later call's carry
@@ -37,13 +37,14 @@
 #   bench.long_parity at 1M in lane A) and PARITY_SECONDS (its bound, 480), MID_LENGTHS, TOPK_1M,
 #   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
-#   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate),
+#   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate;
+#   EARLY_1M_INDICES=I,J,...: those sample indices instead),
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
 #   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
 #   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains;
-#   on one GPU once lane A's timed figures are done), TRAIN_LR, NEEDLE_FORM, NEEDLE_WEIGHT, COPY_HEX
-#   and POSE_FAR (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID copy rows,
-#   0, and far PoSE skips, 0.5),
+#   on one GPU once lane A's timed figures are done), TRAIN_LR, NEEDLE_FORM, NEEDLE_WEIGHT, COPY_HEX,
+#   POSE_FAR and CURRICULUM (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID
+#   copy rows, 0, far PoSE skips, 0, and curriculum, rows on to 256K),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
 # LANE_A=score1m: no training; SCORE_1M (20) niah_single_1 samples at 1M of EVAL_MODEL uncapped and capped,
 #   after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples on GPU 1).
@@ -125,30 +126,31 @@ hisparse_measures() {
 }
 
 default_train_args() {
-  # run 25: run 23's recipe (shipped: run 21's with the needle loss per byte over every causal key,
-  # --needle-form bytes; niah_single_3 20 / 0 / 0 -> 30 / 30 / 5, the 128K average 45.4 -> 53.9, the number
-  # tasks held) from run 23's weights with fresh rows (--seed 25) and half the PoSE skips drawn uniformly
-  # over the range (--pose-far 0.5) instead of log-uniformly. Run 23 is right on niah_single_1 at 4K-128K
-  # (20 / 20 each) but on 13 of 20 at 1M (twenty-fourth session), 5 of the 7 misses the needle's number with
-  # a digit or two wrong: a copy across ~1M positions, a distance log-uniform skips draw for ~6% of their
-  # rows (the top octave of 1..1M); --pose-far 0.5 makes it ~30%. Run 24's UUID copy rows
-  # (--copy-hex-fraction 0.5) are not in it: they did not help (niah_single_3 25 / 15 / 10 against 30 / 30 / 5).
+  # run 26: run 23's recipe (shipped: run 21's with the needle loss per byte over every causal key,
+  # --needle-form bytes) from run 23's weights with fresh rows (--seed 26) and real rows on to 256K (the
+  # curriculum's last quarter; every run before stopped at 128K and reached 1M only through PoSE skips).
+  # Run 23 at 1M (20 samples) misses every needle that sits within ~70K bytes of the question (samples 0,
+  # 5, 15, 16: 0 of 4) and 3 of the other 16 (`retrieval_eval depth`, docs/training.md "Run 25"), where at
+  # 128K it gets all 20: a needle read after ~1M real tokens, not a long copy distance, is what fails, and
+  # PoSE stretches positions, not the number of keys before the needle. Run 25's far skips (--pose-far 0.5)
+  # did not help (1M: 3 of samples 0-7 against run 23's 6), so they are off (POSE_FAR).
   # Every full layer keeps each query's newest 64 positions in its selection (--index-local-window 64, also
   # in the checkpoint), each full layer's indexer KL aims at its IndexShare group's mean attention
-  # (--kl-share), the fused selection where the probe times it faster. TRAIN_LR / NEEDLE_FORM /
-  # NEEDLE_WEIGHT / COPY_HEX / POSE_FAR: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy
-  # rows (0), far PoSE skips (0.5)
+  # (--kl-share), the fused selection where the probe times it faster; a length whose step does not fit
+  # in memory is dropped by the planner (its `dropped_lengths`). TRAIN_LR / NEEDLE_FORM / NEEDLE_WEIGHT /
+  # COPY_HEX / POSE_FAR / CURRICULUM: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy
+  # rows (0), far PoSE skips (0), curriculum
   echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
---pose-far ${POSE_FAR:-0.5} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
---curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,6500:131072} \
---replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 25 --index-local-window 64 --kl-share"
+--pose-far ${POSE_FAR:-0} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
+--curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,5500:131072,7500:262144} \
+--replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 26 --index-local-window 64 --kl-share"
 }
 
 default_train_args_b() {
-  # LANE_B=train's default: run 25 without the far skips (run 25b, --pose-far 0: run 23's recipe again from
-  # run 23 with run 25's seed): the A/B of the far skips
-  POSE_FAR=0 default_train_args
+  # LANE_B=train's default: run 26 without its 256K rows (run 26b: run 23's recipe again from run 23 with
+  # run 26's seed, rows to 128K): the A/B of the real long rows, and of the seed
+  CURRICULUM=0:4096,1000:16384,3000:65536,6500:131072 default_train_args
 }
 
 lane_a() {
@@ -215,9 +217,11 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   fi
   touch "$S/eval.go"
   # EARLY_1M=N: N niah_single_1 samples at 1M first (the figure the session is for; the last 1M run
-  # below goes on from them)
-  if [ "${EARLY_1M:-0}" != 0 ]; then
-    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "$EARLY_1M" --concurrency 1 \
+  # below goes on from them); EARLY_1M_INDICES=I,J,...: those sample indices instead of 0..N-1
+  if [ "${EARLY_1M:-0}" != 0 ] || [ -n "${EARLY_1M_INDICES:-}" ]; then
+    local pick=(--samples "${EARLY_1M:-1}")
+    [ -n "${EARLY_1M_INDICES:-}" ] && pick+=(--indices "$EARLY_1M_INDICES")
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m "${pick[@]}" --concurrency 1 \
       --tasks niah_single_1 "${win[@]}" --out "$S/eval/uncapped_1m"
   fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K

@@ -277,11 +277,11 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     gpu0 = gpu0[1:]
     assert "longctx.train" in gpu0[0] and "--init-from models-shipped/retrieval-wip" in gpu0[0]
     assert (
-        "--needle-weight 1.0 --needle-form bytes --pose-max 1048576 --pose-far 0.5 --chat-fraction 0.25 "
-        "--document-fraction 0.25 --copy-hex-fraction 0 --curriculum 0:4096,1000:16384,3000:65536,6500:131072 "
-        "--replay-fraction 0.3 "
+        "--needle-weight 1.0 --needle-form bytes --pose-max 1048576 --pose-far 0 --chat-fraction 0.25 "
+        "--document-fraction 0.25 --copy-hex-fraction 0 "
+        "--curriculum 0:4096,1000:16384,3000:65536,5500:131072,7500:262144 --replay-fraction 0.3 "
         in gpu0[0]
-        and "--select auto --seed 25 --index-local-window 64 --kl-share" in gpu0[0]
+        and "--select auto --seed 26 --index-local-window 64 --kl-share" in gpu0[0]
     )  # one argv
     # the selection window: graphs against eager decode with it on this GPU, before any score
     assert "bench.gpu_check --only window" in gpu0[1]
@@ -415,7 +415,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
     import subprocess
     import time
 
-    for code, expect in (("3", "--select auto --seed 25"), ("1", "--select torch --seed 25")):
+    for code, expect in (("3", "--select auto --seed 26"), ("1", "--select torch --seed 26")):
         case = tmp_path / code
         case.mkdir()
         fake, calls = _two_gpu_python(case)
@@ -472,12 +472,16 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     (train_a,) = [x for x in gpu0 if "longctx.train" in x]
     (train_b,) = [x for x in gpu1 if "longctx.train" in x]
     assert "--index-local-window 64" in train_a and "--lead-weight" not in train_a
-    assert "0:4096,1000:16384,3000:65536,6500:131072 " in train_a and f"--out {s}/b/train/ckpt" in train_b
-    # the same recipe otherwise (lane B's command is lane A's without the far PoSE skips, with its own
-    # paths, on its GPU): the A/B of the far skips
+    long, short = (
+        "0:4096,1000:16384,3000:65536,5500:131072,7500:262144 ",
+        "0:4096,1000:16384,3000:65536,6500:131072 ",
+    )
+    assert long in train_a and f"--out {s}/b/train/ckpt" in train_b
+    # the same recipe otherwise (lane B's command is lane A's with rows to 128K only, with its own paths, on
+    # its GPU): the A/B of the 256K rows
     assert "--kl-share" in train_a and "--needle-form bytes " in train_a and "--needle-form bytes " in train_b
-    assert "--lr 2e-4 " in train_a and "--pose-far 0.5 " in train_a
-    assert train_b.replace(f"{s}/b/", f"{s}/")[1:] == train_a[1:].replace("--pose-far 0.5 ", "--pose-far 0 ")
+    assert "--lr 2e-4 " in train_a and "--pose-far 0 " in train_a
+    assert train_b.replace(f"{s}/b/", f"{s}/")[1:] == train_a[1:].replace(long, short)
     for lane, model in ((gpu0, s / "train" / "ckpt"), (gpu1, s / "b" / "train" / "ckpt")):
         assert "gpu_kernel_check --only train_select" in lane[0]
         evals = [x for x in lane if "retrieval_eval run" in x]
@@ -511,7 +515,8 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
 
 def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
     """TRAIN=0 WINDOW=64 on one GPU: lane A trains nothing and scores the shipped model, every score,
-    the needle recall and the parity with --index-local-window 64, 1M first (EARLY_1M) and with another
+    the needle recall and the parity with --index-local-window 64, 1M first (EARLY_1M, on the sample indices
+    of EARLY_1M_INDICES) and with another
     window (ALT_WINDOW) before the last 1M run. LANE_B=eval on two GPUs: lane A trains, lane B scores the
     shipped model with WINDOW_B's window under $SESSION/b."""
     import os
@@ -525,7 +530,7 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
         env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(case / "out"), "CHECKS": "0",
                "HISPARSE": "0", "CAPPED": "0"}  # fmt: skip
         env.update(
-            {"TRAIN": "0", "WINDOW": "64", "EARLY_1M": "4", "ALT_WINDOW": "128"}
+            {"TRAIN": "0", "WINDOW": "64", "EARLY_1M": "4", "EARLY_1M_INDICES": "0,5", "ALT_WINDOW": "128"}
             if ngpu == 1
             else {"LANE_B": "eval", "WINDOW_B": "32"}
         )
@@ -553,7 +558,7 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
             assert lengths == ["4k", "1m", "32k", "4k", "128k", "256k,512k", "1m", "1m", "1m", "1m"]
             (alt,) = [x for x in evals if "window128_1m" in x]
             assert "--index-local-window 128" in alt and "--index-local-window 64" not in alt
-            assert lane.index(alt) == len(lane) - 2 and "--samples 4 " in evals[1]
+            assert lane.index(alt) == len(lane) - 2 and "--samples 4 --indices 0,5 " in evals[1]
             (parity,) = [x for x in evals if "long_parity" in x]
             assert "--answer-row" in parity and "--with-question" not in parity
         else:
