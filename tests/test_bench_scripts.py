@@ -1202,3 +1202,34 @@ def test_long_context_ruler_prompt_writes_its_own_keys(tmp_path: Path) -> None:
     assert "ceilings" not in data and "command" not in data and d["ceilings"] == {}
     md = (tmp_path / "long-context-quick.md").read_text()
     assert "decode_128k_ruler.hit_rate" in md and "decode_128k_ruler ms/token synced" in md
+
+
+def test_needle_context_shares(tmp_path: Path) -> None:
+    """bench.needle_context: a row's attention share on far keys over its selection and over every causal
+    key (uniform logits: the counts), then a run on the shipped model at 1K (late needles only)."""
+    import torch
+
+    from bench.needle_context import main, row_shares
+
+    scores = torch.zeros(2, 1, 8)
+    sel = torch.full((8, 4), -1)
+    sel[6, :3] = torch.tensor([0, 5, 6])
+    (r,) = row_shares(scores, [6], sel, local=2)  # far: keys 0..4; causal: 0..6
+    assert r == {"sel_far_keys": 1.0, "far_sel": pytest.approx(1 / 3), "far_dense": pytest.approx(5 / 7)}
+    (d,) = row_shares(scores, [6], None, local=2)  # dense layer: the selection is every causal key
+    assert d["far_sel"] == pytest.approx(5 / 7) and d["sel_far_keys"] == 5.0
+    out = tmp_path / "nc"
+    assert (
+        main(
+            ["--lengths", "1k", "--samples", "1", "--min-depth", "0.5", "--device", "cpu", "--out", str(out)]
+        )
+        == 0
+    )
+    res = json.loads((out / "needle-context.json").read_text())
+    (L,) = res["lengths"].values()
+    assert L["samples"][0]["depth"] >= 0.5 and L["samples"][0]["rows"] > 0
+    assert len(L["layers"]) == 6 and all(
+        0.0 <= v["far_sel"] <= 1.0 and 0.0 <= v["far_dense"] <= 1.0 for v in L["layers"]
+    )
+    assert all(v["sel_far_keys"] <= 256 for v in L["layers"])
+    assert main(["--lengths", "1k", "--samples", "0", "--out", str(out)]) == 2
