@@ -777,6 +777,49 @@ def test_probe_stops_timing_a_form_twice_as_slow(monkeypatch) -> None:
     assert len(calls) == 2
 
 
+def test_probe_times_the_fused_selection_alone_after_a_clear_win(monkeypatch) -> None:
+    """Once the fused selection's step beat the chunked one's by FUSED_ALONE_LEAD at a length, longer
+    lengths time the fused one alone (the H200's chunked 256K probe steps would cost ~1 minute of the
+    budget); where the fused one then fails, that length times both again and keeps the chunked one."""
+    import longctx.train.loop as loop
+    import longctx.train.model as model_mod
+
+    monkeypatch.setattr(loop, "_FUSED_FROM", 512)
+    third = loop.NOMINAL_STEPS // 3
+    data = DataConfig(tokens_per_step=1024, curriculum=((0, 512), (third, 640), (2 * third, 768)))
+    cfg = TrainConfig(device="cpu", kl_rows=16, dense_warmup_steps=0, warmup_steps=2, data=data)
+    model = _model(seed=4)
+    model.sparse_attention, model.select_form = "gather", "auto"
+    chunked: list[int] = []  # the row length of every step run with the chunked selection
+    real = loop.compute_loss
+
+    def slow_chunked(model, batch, *a, **k):  # type: ignore[no-untyped-def]
+        S = batch.ids.shape[1]
+        if model.measured_selects.get(S) != "fused":
+            chunked.append(S)
+            time.sleep(0.3)  # the chunked selection loses by far more than the lead
+        return real(model, batch, *a, **k)
+
+    monkeypatch.setattr(loop, "compute_loss", slow_chunked)
+    seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert seconds.keys() == {512, 640, 768}
+    assert model.measured_selects == {512: "fused", 640: "fused", 768: "fused"}
+    assert set(chunked) == {512}  # 640 and 768: the fused selection alone
+    fused = model_mod.TrainCausalLM._select_fused
+
+    def broken_at_768(self, qi, *a, **k):  # type: ignore[no-untyped-def]
+        if qi.shape[1] == 768:
+            raise RuntimeError("out of resources: shared memory (simulated)")
+        return fused(self, qi, *a, **k)
+
+    monkeypatch.setattr(model_mod.TrainCausalLM, "_select_fused", broken_at_768)
+    chunked.clear()
+    model.measured_selects = {}
+    seconds, _ = loop.probe_step_seconds(model, cfg, torch.device("cpu"), reps=1)
+    assert seconds.keys() == {512, 640, 768} and set(chunked) == {512, 768}
+    assert model.measured_selects == {512: "fused", 640: "fused", 768: "torch"}
+
+
 def test_probe_times_the_own_topk_under_long_topk() -> None:
     """With --long-topk the probe's steps select each indexer's own top-k, not step 0's draw."""
     import longctx.train.loop as loop

@@ -158,6 +158,10 @@ NOMINAL_STEPS = TrainConfig.steps  # with steps=0 the curriculum's step numbers 
 # rows of this many tokens on are timed once after the warm-up, not `reps` times: each timed step of a
 # 256K row is ~10-25 s of the training budget, and a median of three of them moves the fit little
 _PROBE_ONE_REP_FROM = 131072
+# once the fused selection's step beat the chunked one's by this factor at a length, longer lengths time
+# the fused one alone: both grow as S^2, the fused one's lead with S (H200, run 25's probe: 2.4x at 64K,
+# 3.5x at 128K), and the chunked step's two probe runs at 256K would be ~1 minute of the training budget
+FUSED_ALONE_LEAD = 1.5
 
 
 def probe_step_seconds(
@@ -173,7 +177,9 @@ def probe_step_seconds(
     "auto" times both forms at each length, shortest first, until the gathered one wins or the masked
     one runs out of memory; longer rows then take the gathered form untimed (the masked form's cost
     grows as S^2 per row, the gathered one's as S * top-k). A fixed form is timed alone. A length at
-    which no form fits a step in memory ends the probe: it and the longer lengths get no seconds."""
+    which no form fits a step in memory ends the probe: it and the longer lengths get no seconds.
+    Likewise once the fused selection won at a length by FUSED_ALONE_LEAD, longer lengths time it alone
+    (the chunked selection untimed: it would lose by more), unless it fails there."""
     from longctx.train.data import make_batch
 
     # the steps timed select each indexer's own top-k: not a --long-topk draw, which made the seventeenth
@@ -207,41 +213,64 @@ def probe_step_seconds(
     step = max(cfg.dense_warmup_steps, 0)
     auto = model.sparse_attention == "auto"
     mask_lost = False  # the gathered form already won at a shorter length (or the mask did not fit)
+    fused_lead = False  # the fused selection won by FUSED_ALONE_LEAD at a shorter length
     # the phase's own length: with replay the step a phase begins at may draw a shorter one (the
     # thirteenth session's H200 probe timed a 16K row for the 64K phase: 0.35 s against ~3 s)
     own = dataclasses.replace(cfg.data, replay_fraction=0.0)
+
+    def time_forms(batch: Any, S: int, timed: dict[str, float], suffix: str) -> None:
+        # each attention form's step at S (with the selection measured_selects[S] names), into
+        # timed[form + suffix]; a form that does not fit in memory gets no entry
+        for form in ("gather",) if mask_lost or not auto else ("gather", "mask"):
+            if auto:
+                model.measured_forms[S] = form
+            try:
+                timed[form + suffix] = median_seconds(batch, rival=min(timed.values(), default=None))
+            except torch.OutOfMemoryError:  # this form does not fit a step at S
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def fused_failed(S: int, e: Exception) -> None:  # the fused kernel's first GPU runs may fail
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps({"probe": {"seq_len": S, "fused_failed": f"{type(e).__name__}: {e}"[:300]}}))
+
     for first, S in sorted(cfg.data.curriculum, key=lambda p: p[1]):
         if S in seconds:
             continue
         batch = make_batch(own, first)
         assert batch.ids.shape[1] == S
         timed: dict[str, float] = {}
-        for form in ("gather",) if mask_lost or not auto else ("gather", "mask"):
-            if auto:
-                model.measured_forms[S] = form
+        fusing = model.select_form == "auto" and S >= _FUSED_FROM
+        if fusing and fused_lead:  # the fused selection alone
+            model.measured_selects[S] = "fused"
             try:
-                timed[form] = median_seconds(batch, rival=min(timed.values(), default=None))
-            except torch.OutOfMemoryError:  # this form does not fit a step at S
-                model.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                time_forms(batch, S, timed, "+fused")
+            except Exception as e:  # then both selections are timed, as below
+                fused_failed(S, e)
+                timed.clear()
+            if not timed:
+                model.measured_selects.pop(S)
+        alone = bool(timed)
+        if not alone:
+            time_forms(batch, S, timed, "")
         if not timed:  # no form fits: S and every longer length are left out of the seconds
             model.measured_forms.pop(S, None)
             break
-        best = min(timed, key=timed.__getitem__)  # the attention form
+        best = min(timed, key=timed.__getitem__).removesuffix("+fused")  # the attention form
         if auto:
             model.measured_forms[S] = best
-        if model.select_form == "auto" and S >= _FUSED_FROM:
+        if fusing and not alone:
             model.measured_selects[S] = "fused"
             try:
                 timed[best + "+fused"] = median_seconds(batch, rival=timed[best])
-            except Exception as e:  # the fused kernel's first GPU runs: any failure leaves S to torch
-                model.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                print(json.dumps({"probe": {"seq_len": S, "fused_failed": f"{type(e).__name__}: {e}"[:300]}}))
+            except Exception as e:  # any failure leaves S to torch
+                fused_failed(S, e)
             fastest = min(timed, key=timed.__getitem__)  # (a tie keeps the chunked selection)
             model.measured_selects[S] = "fused" if fastest == best + "+fused" else "torch"
+            fused_lead = fastest == best + "+fused" and timed[best] >= FUSED_ALONE_LEAD * timed[fastest]
         print(json.dumps({"probe": {"seq_len": S, "seconds": timed}}), flush=True)
         seconds[S] = min(timed.values())
         if auto:
