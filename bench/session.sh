@@ -128,7 +128,7 @@ hisparse_measures() {
 default_train_args() {
   # run 26: run 23's recipe (shipped: run 21's with the needle loss per byte over every causal key,
   # --needle-form bytes) from run 23's weights with fresh rows (--seed 26) and real rows on to 256K (the
-  # curriculum's last quarter; every run before stopped at 128K and reached 1M only through PoSE skips).
+  # curriculum's second half; every run before stopped at 128K and reached 1M only through PoSE skips).
   # Run 23 at 1M (20 samples) misses every needle that sits within ~70K bytes of the question (samples 0,
   # 5, 15, 16: 0 of 4) and 3 of the other 16 (`retrieval_eval depth`, docs/training.md "Run 25"), where at
   # 128K it gets all 20: a needle read after ~1M real tokens, not a long copy distance, is what fails, and
@@ -143,7 +143,7 @@ default_train_args() {
   echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
 --pose-far ${POSE_FAR:-0} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
---curriculum ${CURRICULUM:-0:4096,1000:16384,3000:65536,5500:131072,7500:262144} \
+--curriculum ${CURRICULUM:-0:4096,1000:16384,2500:65536,4000:131072,5000:262144} \
 --replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 26 --index-local-window 64 --kl-share"
 }
 

@@ -279,7 +279,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     assert (
         "--needle-weight 1.0 --needle-form bytes --pose-max 1048576 --pose-far 0 --chat-fraction 0.25 "
         "--document-fraction 0.25 --copy-hex-fraction 0 "
-        "--curriculum 0:4096,1000:16384,3000:65536,5500:131072,7500:262144 --replay-fraction 0.3 "
+        "--curriculum 0:4096,1000:16384,2500:65536,4000:131072,5000:262144 --replay-fraction 0.3 "
         in gpu0[0]
         and "--select auto --seed 26 --index-local-window 64 --kl-share" in gpu0[0]
     )  # one argv
@@ -473,7 +473,7 @@ def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     (train_b,) = [x for x in gpu1 if "longctx.train" in x]
     assert "--index-local-window 64" in train_a and "--lead-weight" not in train_a
     long, short = (
-        "0:4096,1000:16384,3000:65536,5500:131072,7500:262144 ",
+        "0:4096,1000:16384,2500:65536,4000:131072,5000:262144 ",
         "0:4096,1000:16384,3000:65536,6500:131072 ",
     )
     assert long in train_a and f"--out {s}/b/train/ckpt" in train_b
