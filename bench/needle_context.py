@@ -18,7 +18,10 @@ and samples:
 If `far_sel` grows with the length, a needle read after much more haystack than training showed is
 diluted; if it stays flat, the near-needle misses at 1M have another cause.
 
-    python -m bench.needle_context --model DIR --lengths 4k,16k,32k --samples 2 [--device cpu] --out R
+    python -m bench.needle_context --model DIR --lengths 4k,16k,32k --samples 2 [--min-depth D] [--device cpu] --out R
+
+On CUDA the forward runs under bf16 autocast with the fused selection, as training does (a CPU: fp32 and
+the chunked selection).
 
 Writes R/needle-context.json and R/needle-context.md.
 """
@@ -91,7 +94,12 @@ def probe_sample(model: Any, ids: list[int], rows: list[int], local: int, device
         layers.append({k: sum(r[k] for r in per) / len(per) for k in per[0]})
 
     model.attention_probe = probe
-    with torch.no_grad():
+    amp = (  # bf16 autocast on CUDA, as the model trained (bench.long_parity's training form does the same)
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
+    with torch.no_grad(), amp:
         model.forward_train(torch.tensor([ids], device=device), sparse=True)
     model.attention_probe = None
     return layers

@@ -38,7 +38,8 @@
 #   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
 #   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate;
-#   EARLY_1M_INDICES=I,J,...: those sample indices instead),
+#   EARLY_1M_INDICES=I,J,...: those sample indices instead; DIAG_1M=P: below P of 100 on them,
+#   bench.needle_context at 128K and 1M on the shipped and the trained model before the other scores),
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
 #   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
 #   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains;
@@ -223,6 +224,17 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     [ -n "${EARLY_1M_INDICES:-}" ] && pick+=(--indices "$EARLY_1M_INDICES")
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m "${pick[@]}" --concurrency 1 \
       --tasks niah_single_1 "${win[@]}" --out "$S/eval/uncapped_1m"
+  fi
+  # DIAG_1M=P: when those 1M samples score below P (0-100) the model ships nothing, so before the other
+  # scores: how a late needle's own rows attend at 128K and 1M (bench.needle_context: their share on far
+  # haystack keys, the first two samples with the needle's value at depth >= 0.9), the shipped model's and
+  # this one's
+  if [ -n "${DIAG_1M:-}" ] && ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped_1m" --length 1m \
+    --min "$DIAG_1M"; then
+    for m in shipped:models-shipped/retrieval-wip "trained:$MODEL"; do
+      "$PY" -m bench.needle_context --model "${m#*:}" --lengths 128k,1m --samples 2 --min-depth 0.9 \
+        --device cuda --out "$S/needle_context/${m%%:*}"
+    done
   fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
   # scores (140 long prefills: the longest part)

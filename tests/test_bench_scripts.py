@@ -1233,3 +1233,57 @@ def test_needle_context_shares(tmp_path: Path) -> None:
     )
     assert all(v["sel_far_keys"] <= 256 for v in L["layers"])
     assert main(["--lengths", "1k", "--samples", "0", "--out", str(out)]) == 2
+
+
+def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:
+    """DIAG_1M=P on one GPU: when the early 1M samples (EARLY_1M_INDICES) score below P, bench.needle_context
+    runs at 128K and 1M on the shipped and the scored model before the 32K scores; when they reach P, not."""
+    import os
+    import subprocess
+    import time
+
+    for passes in (False, True):
+        (tmp_path / str(passes)).mkdir()
+        fake, calls, s = _gpu_case(tmp_path / str(passes), 1)
+        if not passes:  # the 1M gate says "stop"
+            fake.write_text(
+                fake.read_text().replace(
+                    'if [ "$1" = "-c" ]',
+                    'if [[ "$*" == *"gate"*"--length 1m"* ]]; then exit 1; fi\nif [ "$1" = "-c" ]',
+                )
+            )
+        env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"), "CHECKS": "0",
+               "HISPARSE": "0", "CAPPED": "0", "TRAIN": "0", "EARLY_1M_INDICES": "0,5", "DIAG_1M": "62.5"}  # fmt: skip
+        subprocess.run(
+            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline and (not calls.exists() or "--lengths 128k " not in calls.read_text()):
+            time.sleep(0.5)
+        subprocess.run(
+            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
+        )
+        lane = [x for x in calls.read_text().splitlines() if " -m " in x]
+        runs = [
+            x.split(" -m ")[1].split()[0] + " " + x.split("--lengths ")[1].split()[0]
+            for x in lane
+            if "--lengths" in x
+        ]
+        assert (
+            runs[:2] == ["bench.retrieval_eval 4k", "bench.retrieval_eval 1m"]
+            and sum("--lengths 1m --samples 1 --indices 0,5 " in x for x in lane) == 1
+        )
+        diag = [x for x in lane if "needle_context" in x]
+        if passes:
+            assert not diag and runs[2] == "bench.retrieval_eval 32k"
+        else:
+            assert runs[2:5] == [
+                "bench.needle_context 128k,1m",
+                "bench.needle_context 128k,1m",
+                "bench.retrieval_eval 32k",
+            ]
+            assert (
+                "--model models-shipped/retrieval-wip " in diag[0]
+                and f"{s}/needle_context/shipped" in diag[0]
+            )
+            assert f"{s}/needle_context/trained" in diag[1] and "--min-depth 0.9 --device cuda" in diag[1]
