@@ -246,6 +246,20 @@ def _gpu_case(tmp_path: Path, ngpu: int) -> tuple[Path, Path, Path]:
     return fake, calls, case / "s"
 
 
+def _session_until(env: dict[str, str], calls: Path, seen: str) -> list[str]:
+    """`bench/session.sh start` with `env`, wait (60 s at most) until `seen` is in the stand-in python's
+    calls log, then `stop`: the log's lines."""
+    import subprocess
+    import time
+
+    subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not calls.exists() or seen not in calls.read_text()):
+        time.sleep(0.5)
+    subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
+    return calls.read_text().splitlines()
+
+
 def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     """bench/session.sh with a stand-in python that logs its arguments: with two GPUs lane A trains
     then evaluates on GPU 0 and lane B checks on GPU 1 then waits for the model; `collect` packs."""
@@ -412,8 +426,6 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
     """Lane A's fused-selection check: if only the tf32x3 cases fail (the `_ieee` ones pass), training
     keeps the fused selection with --select-dot ieee; if those fail too, the chunked torch form."""
     import os
-    import subprocess
-    import time
 
     for code, expect in (("3", "--select auto --seed 26"), ("1", "--select torch --seed 26")):
         case = tmp_path / code
@@ -425,16 +437,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
         fake.write_text("\n".join(text) + "\n")
         env = {**os.environ, "PYTHON": str(fake), "SESSION": str(case / "s"), "OUT": str(case / "out"),
                "CHECKS": "0", "EVAL": "0"}  # fmt: skip
-        subprocess.run(
-            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
-        )
-        deadline = time.time() + 60
-        while time.time() < deadline and (not calls.exists() or "longctx.train" not in calls.read_text()):
-            time.sleep(0.5)
-        subprocess.run(
-            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
-        )
-        (train,) = [x for x in calls.read_text().splitlines() if "longctx.train" in x]
+        (train,) = [x for x in _session_until(env, calls, "longctx.train") if "longctx.train" in x]
         assert expect in train and (("--select-dot ieee" in train) == (code == "3")), train
 
 
@@ -1239,8 +1242,6 @@ def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:
     """DIAG_1M=P on one GPU: when the early 1M samples (EARLY_1M_INDICES) score below P, bench.needle_context
     runs at 128K and 1M on the shipped and the scored model before the 32K scores; when they reach P, not."""
     import os
-    import subprocess
-    import time
 
     for passes in (False, True):
         (tmp_path / str(passes)).mkdir()
@@ -1254,16 +1255,7 @@ def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:
             )
         env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"), "CHECKS": "0",
                "HISPARSE": "0", "CAPPED": "0", "TRAIN": "0", "EARLY_1M_INDICES": "0,5", "DIAG_1M": "62.5"}  # fmt: skip
-        subprocess.run(
-            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
-        )
-        deadline = time.time() + 60
-        while time.time() < deadline and (not calls.exists() or "--lengths 128k " not in calls.read_text()):
-            time.sleep(0.5)
-        subprocess.run(
-            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
-        )
-        lane = [x for x in calls.read_text().splitlines() if " -m " in x]
+        lane = [x for x in _session_until(env, calls, "--lengths 128k ") if " -m " in x]
         runs = [
             x.split(" -m ")[1].split()[0] + " " + x.split("--lengths ")[1].split()[0]
             for x in lane
