@@ -39,7 +39,8 @@
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
 #   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate;
 #   EARLY_1M_INDICES=I,J,...: those sample indices instead; DIAG_1M=P: below P of 100 on them,
-#   bench.needle_context at 128K and 1M on the shipped and the trained model before the other scores),
+#   bench.needle_context at 128K and 1M on the shipped and the trained model and the shipped model's near
+#   1M needles with the top DIAG_TOPK (128) before the other scores),
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
 #   weights; default the scored model), CAPPED_FIRST=N (two GPUs, the default lane B: N niah_single_1
 #   samples at 1M of the shipped model, CAPPED_FIRST_MODEL, under a 10% HiSparse cap while lane A trains;
@@ -235,6 +236,14 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
       "$PY" -m bench.needle_context --model "${m#*:}" --lengths 128k,1m --samples 2 --min-depth 0.9 \
         --device cuda --out "$S/needle_context/${m%%:*}"
     done
+    # and whether fewer far keys bring them back: the shipped model's four near needles at 1M (samples 0,
+    # 5, 15, 16: 0 of 4 with its top 256) selecting the top DIAG_TOPK (default 128: the window's 64 and 64
+    # far keys; empty: skip)
+    if [ -n "${DIAG_TOPK-128}" ]; then
+      "$PY" -m bench.retrieval_eval run --model models-shipped/retrieval-wip --lengths 1m --samples 1 \
+        --indices 0,5,15,16 --concurrency 1 --tasks niah_single_1 --index-topk "${DIAG_TOPK-128}" \
+        --out "$S/eval/topk${DIAG_TOPK-128}_1m_shipped"
+    fi
   fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
   # scores (140 long prefills: the longest part)

@@ -1240,7 +1240,8 @@ def test_needle_context_shares(tmp_path: Path) -> None:
 
 def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:
     """DIAG_1M=P on one GPU: when the early 1M samples (EARLY_1M_INDICES) score below P, bench.needle_context
-    runs at 128K and 1M on the shipped and the scored model before the 32K scores; when they reach P, not."""
+    runs at 128K and 1M on the shipped and the scored model, then the shipped model's near 1M needles with
+    the top 128, before the 32K scores; when they reach P, none of that."""
     import os
 
     for passes in (False, True):
@@ -1269,11 +1270,14 @@ def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:
         if passes:
             assert not diag and runs[2] == "bench.retrieval_eval 32k"
         else:
-            assert runs[2:5] == [
+            assert runs[2:6] == [
                 "bench.needle_context 128k,1m",
                 "bench.needle_context 128k,1m",
+                "bench.retrieval_eval 1m",  # the shipped model's near needles with the top 128
                 "bench.retrieval_eval 32k",
             ]
+            (k128,) = [x for x in lane if "--index-topk 128" in x]
+            assert "--indices 0,5,15,16 " in k128 and "--model models-shipped/retrieval-wip " in k128
             assert (
                 "--model models-shipped/retrieval-wip " in diag[0]
                 and f"{s}/needle_context/shipped" in diag[0]
