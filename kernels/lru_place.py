@@ -274,6 +274,12 @@ def cand_keep_buffers(planes: int, count: int, device: torch.device | str) -> tu
     return slots, torch.zeros_like(slots), meta
 
 
+def candidates_parallel(n_slots: int, block_n: int = BLOCK_N) -> bool:
+    """Whether `lru_candidates` (parallel=None) selects over `n_slots` slots by the parallel passes
+    (from CAND_PAR_MIN_BLOCKS slot blocks on, unless LONGCTX_PLACE_PARALLEL=0), where it keeps nothing."""
+    return PARALLEL_DEFAULT and triton.cdiv(n_slots, block_n) >= CAND_PAR_MIN_BLOCKS
+
+
 def lru_candidates_ref(
     s2p: torch.Tensor, stamp: torch.Tensor, now: torch.Tensor, s_at: torch.Tensor, newest_from: torch.Tensor,
     *, n_slots: int, count: int,
@@ -326,7 +332,7 @@ def lru_candidates(
     out = torch.empty((B, L, count), dtype=torch.int64, device=dev)
     n_blk = triton.cdiv(n_slots, block_n)
     if parallel is None:
-        parallel = PARALLEL_DEFAULT and n_blk >= CAND_PAR_MIN_BLOCKS
+        parallel = candidates_parallel(n_slots, block_n)
     kept = keep is not None and not parallel
     kc = 1
     if keep is not None:

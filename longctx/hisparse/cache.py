@@ -89,12 +89,10 @@ from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
 from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
 from longctx.kernels.lru_place import (
-    BLOCK_N,
-    CAND_PAR_MIN_BLOCKS,
-    PARALLEL_DEFAULT,
     CandKeep,
     cand_keep_buffers,
     cand_keep_width,
+    candidates_parallel,
     lru_candidates,
     lru_place,
 )
@@ -268,8 +266,7 @@ class HiSparseKVCache:
         self._place_kw = {} if place_block is None else {"block_n": place_block}
         # kept candidates (CAND_KEEP): not where the candidates take the parallel passes, nor where a
         # kept list would hold half the slots or more (it would run short or lack a bound every step)
-        block_n = place_block if place_block is not None else BLOCK_N
-        par = PARALLEL_DEFAULT and -(-device_tokens // block_n) >= CAND_PAR_MIN_BLOCKS
+        par = candidates_parallel(device_tokens, **self._place_kw)
         small = 2 * cand_keep_width(self._cand_n) > device_tokens
         self._keep_on = CAND_KEEP and self._use_cand and use_triton and not par and not small
         self._keep: tuple[torch.Tensor, ...] = ()  # slots, keys, meta per (block, layer) plane (`_grow`)
