@@ -141,6 +141,29 @@ def question_row(
     return out
 
 
+def train_model(model_dir: str, device: torch.device, window: int | None = None) -> Any:
+    """The checkpoint's `TrainCausalLM` as these benches run its training forward: gathered sparse
+    attention, the fused selection on CUDA (the chunked one on a CPU), eval mode, on `device`; `window`:
+    its index_local_window instead of the config's."""
+    from longctx.config import ModelConfig
+    from longctx.train.checkpoint import load_model_weights
+    from longctx.train.model import TrainCausalLM
+
+    cfg = ModelConfig.from_json(model_dir)
+    m = TrainCausalLM(cfg if window is None else dataclasses.replace(cfg, index_local_window=window))
+    load_model_weights(m, model_dir, torch.device("cpu"))
+    m.sparse_attention = "gather"
+    m.select_form = "fused" if device.type == "cuda" else "torch"
+    return m.to(device).eval()
+
+
+def train_autocast(device: torch.device) -> Any:
+    """bf16 autocast on CUDA, as the model trained; nothing on a CPU (fp32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
 def train_last_logits(
     model_dir: str,
     ids: list[int],
@@ -156,16 +179,7 @@ def train_last_logits(
     `topk`: the selection's size (None: each indexer's own); `question` = (W, keep): every full layer's
     last-row selection made by `question_row` (the question's last W positions forced in or kept out);
     `window`: the model's index_local_window instead of its config's."""
-    from longctx.config import ModelConfig
-    from longctx.train.checkpoint import load_model_weights
-    from longctx.train.model import TrainCausalLM
-
-    cfg = ModelConfig.from_json(model_dir)
-    m = TrainCausalLM(cfg if window is None else dataclasses.replace(cfg, index_local_window=window))
-    load_model_weights(m, model_dir, torch.device("cpu"))
-    m.sparse_attention = "gather"
-    m.select_form = "fused" if device.type == "cuda" else "torch"
-    m.to(device).eval()
+    m = train_model(model_dir, device, window)
     names = [str(i) for i in m.layer_range]
     masses: dict[str, dict[str, float]] = {}
 
@@ -177,11 +191,6 @@ def train_last_logits(
         masses[names[len(masses)]] = attention_mass(sc, chosen, needle or [])
 
     x = torch.tensor([ids], device=device)
-    amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
     last = torch.tensor([[len(ids) - 1]], device=device)
     if needle:
         m.attention_probe = read_row
@@ -194,7 +203,7 @@ def train_last_logits(
             return sel
 
         m._selection = last_row_question  # type: ignore[method-assign]
-    with torch.no_grad(), amp:
+    with torch.no_grad(), train_autocast(device):
         h, _ = m.forward_train(x, sparse=True, topk=topk)
         out = m.logits(h[:, -tail:])[0].float().cpu()
     del m, h

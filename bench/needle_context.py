@@ -85,6 +85,8 @@ def row_shares(
 
 def probe_sample(model: Any, ids: list[int], rows: list[int], local: int, device: torch.device) -> list[dict]:
     """Per layer (in order), the mean of `row_shares` over `rows`, from one sparse training forward."""
+    from bench.long_parity import train_autocast
+
     layers: list[dict[str, float]] = []
     idx = torch.tensor([rows], device=device)
 
@@ -94,12 +96,7 @@ def probe_sample(model: Any, ids: list[int], rows: list[int], local: int, device
         layers.append({k: sum(r[k] for r in per) / len(per) for k in per[0]})
 
     model.attention_probe = probe
-    amp = (  # bf16 autocast on CUDA, as the model trained (bench.long_parity's training form does the same)
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
-    with torch.no_grad(), amp:
+    with torch.no_grad(), train_autocast(device):  # (bf16 on CUDA, as the model trained)
         model.forward_train(torch.tensor([ids], device=device), sparse=True)
     model.attention_probe = None
     return layers
@@ -134,12 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
+    from bench.long_parity import train_model
     from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, check_trained_model, needle_positions
-    from longctx.config import ModelConfig
     from longctx.errors import LongctxError
-    from longctx.train.checkpoint import load_model_weights
     from longctx.train.loop import resolve_device
-    from longctx.train.model import TrainCausalLM
     from longctx.workloads.ruler_cli import parse_lengths
     from longctx.workloads.ruler_tasks import RulerGenerator
     from longctx.workloads.tokens import load_counter
@@ -155,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     counter = load_counter(args.model)
     gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
-    model = TrainCausalLM(ModelConfig.from_json(args.model))
-    load_model_weights(model, args.model, torch.device("cpu"))
-    model.sparse_attention = "gather"
-    model.select_form = "fused" if device.type == "cuda" else "torch"
-    model.to(device).eval()
+    model = train_model(args.model, device)
     res: dict[str, Any] = {
         "model": args.model,
         "local": args.local,
