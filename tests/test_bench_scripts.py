@@ -246,15 +246,15 @@ def _gpu_case(tmp_path: Path, ngpu: int) -> tuple[Path, Path, Path]:
     return fake, calls, case / "s"
 
 
-def _session_until(env: dict[str, str], calls: Path, seen: str) -> list[str]:
+def _session_until(env: dict[str, str], calls: Path, seen: str, times: int = 1) -> list[str]:
     """`bench/session.sh start` with `env`, wait (60 s at most) until `seen` is in the stand-in python's
-    calls log, then `stop`: the log's lines."""
+    calls log `times` times, then `stop`: the log's lines."""
     import subprocess
     import time
 
     subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
     deadline = time.time() + 60
-    while time.time() < deadline and (not calls.exists() or seen not in calls.read_text()):
+    while time.time() < deadline and (not calls.exists() or calls.read_text().count(seen) < times):
         time.sleep(0.5)
     subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
     return calls.read_text().splitlines()
@@ -523,8 +523,6 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
     window (ALT_WINDOW) before the last 1M run. LANE_B=eval on two GPUs: lane A trains, lane B scores the
     shipped model with WINDOW_B's window under $SESSION/b."""
     import os
-    import subprocess
-    import time
 
     shipped = "--model models-shipped/retrieval-wip"
     for ngpu in (1, 2):
@@ -537,19 +535,7 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
             if ngpu == 1
             else {"LANE_B": "eval", "WINDOW_B": "32"}
         )
-        subprocess.run(
-            ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
-        )
-        want = 1 if ngpu == 1 else 2
-        deadline = time.time() + 60
-        while time.time() < deadline and (
-            not calls.exists() or calls.read_text().count("--lengths 1m --samples 10") < want
-        ):
-            time.sleep(0.5)
-        subprocess.run(
-            ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
-        )
-        lines = calls.read_text().splitlines()
+        lines = _session_until(env, calls, "--lengths 1m --samples 10", times=1 if ngpu == 1 else 2)
         lane = [x for x in lines if x.startswith(f"{ngpu - 1} ") and " -m " in x]
         assert not any("longctx.train" in x or "gpu_kernel_check" in x for x in lane)
         assert "bench.gpu_check --only window" in lane[0]  # the window checked before any score
