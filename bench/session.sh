@@ -37,7 +37,9 @@
 #   bench.long_parity at 1M in lane A) and PARITY_SECONDS (its bound, 480), MID_LENGTHS, TOPK_1M,
 #   CAPPED=0 (one GPU: no capped 1M lane beside lane A's evaluation), TRAIN=0 (lane A scores EVAL_MODEL,
 #   default the shipped model, without training), WINDOW=W (every score, needle recall and parity with
-#   `--index-local-window W`), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate;
+#   `--index-local-window W`), TOPK=K (the same with `--index-topk K`, the capped 1M lane's too),
+#   CAPPED_SAMPLES / CAPPED_TASKS (the capped 1M lane's samples a task, 5, and tasks, niah_single_1 and
+#   niah_multikey_1), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate;
 #   EARLY_1M_INDICES=I,J,...: those sample indices instead; DIAG_1M=P: below P of 100 on them,
 #   bench.needle_context at 128K and 1M on the shipped and the trained model and the shipped model's near
 #   1M needles with the top DIAG_TOPK (128) before the other scores),
@@ -161,12 +163,13 @@ lane_a() {
   # the parity with `--index-local-window W`, the same weights keeping each query's newest W positions)
   local gpu=${1:-0}
   local args=${TRAIN_ARGS:-$(default_train_args)}
-  local win=()
-  [ -n "${WINDOW:-}" ] && win=(--index-local-window "$WINDOW")
+  local sel=()  # how the scored weights select: WINDOW / TOPK
+  [ -n "${WINDOW:-}" ] && sel=(--index-local-window "$WINDOW")
+  [ -n "${TOPK:-}" ] && sel+=(--index-topk "$TOPK")
   if [ "${TRAIN:-1}" = 0 ]; then
     MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}
     args=""
-    echo "TRAIN=0: scoring $MODEL ${win[*]}"
+    echo "TRAIN=0: scoring $MODEL ${sel[*]}"
   fi
   if [[ "$args" == *"--select auto"* || "$args" == *"--select fused"* ]]; then
     # the fused selection against the chunked one on this GPU first (~1 minute): the probe falls back
@@ -208,11 +211,11 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   fi
   # a selection window (WINDOW, or run 21's --index-local-window): decode through CUDA graphs, capped or
   # not, against eager decode with it on this GPU first (~1 minute; never run on a GPU before)
-  if [ ${#win[@]} -gt 0 ] || [[ "$args" == *"--index-local-window"* ]]; then
+  if [ -n "${WINDOW:-}" ] || [[ "$args" == *"--index-local-window"* ]]; then
     "$PY" -m bench.gpu_check --only window --out "$S/checks/window"
   fi
   # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 "${sel[@]}" --out "$S/eval/uncapped"
   if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then
     touch "$S/eval.stop"
     return 0
@@ -224,7 +227,7 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     local pick=(--samples "${EARLY_1M:-1}")
     [ -n "${EARLY_1M_INDICES:-}" ] && pick+=(--indices "$EARLY_1M_INDICES")
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m "${pick[@]}" --concurrency 1 \
-      --tasks niah_single_1 "${win[@]}" --out "$S/eval/uncapped_1m"
+      --tasks niah_single_1 "${sel[@]}" --out "$S/eval/uncapped_1m"
   fi
   # DIAG_1M=P: when those 1M samples score below P (0-100) the model ships nothing, so before the other
   # scores: how a late needle's own rows attend at 128K and 1M (bench.needle_context: their share on far
@@ -247,14 +250,14 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
   # scores (140 long prefills: the longest part)
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 "${sel[@]}" --out "$S/eval/uncapped"
   # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
-    --tasks niah_single_1,niah_single_2,niah_multikey_1 "${win[@]}" --out "$S/eval/documents"
+    --tasks niah_single_1,niah_single_2,niah_multikey_1 "${sel[@]}" --out "$S/eval/documents"
   # HISPARSE=0 (the default with LANE_B=train): issue 5's figures left out, for the scores' time
   [ "${HISPARSE:-1}" = 1 ] && hisparse_measures
   touch "$S/timed.done"  # one GPU: the capped 1M lane starts now, after the only timed figures
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 "${win[@]}" --out "$S/eval/uncapped"
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 128k --samples 20 "${sel[@]}" --out "$S/eval/uncapped"
   # issue 5's hit rate by layer at 128K (on the CPU layer 0 kept 0.42 of its selection resident at 32K,
   # layers 3-5 0.955): eager decode, so the recorder sees every step's selection (graphs replay unseen)
   [ "${HISPARSE:-1}" = 1 ] && LONGCTX_CUDA_GRAPHS=0 LONGCTX_OVERLAP=0 timeout 300 "$PY" -m bench.hit_rate \
@@ -264,17 +267,17 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # niah_single_1 at 256K and 512K (MID_LENGTHS; empty: skip; MID_SAMPLES a length), ~1 minute
   if [ -n "${MID_LENGTHS-256k,512k}" ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "${MID_LENGTHS-256k,512k}" --samples "${MID_SAMPLES:-4}" \
-      --concurrency 1 --tasks niah_single_1 "${win[@]}" --out "$S/eval/mid"
+      --concurrency 1 --tasks niah_single_1 "${sel[@]}" --out "$S/eval/mid"
   fi
   # at 1M the shipped model writes haystack prose although its full layers select the needle; the bench's
   # `local` column: how much of the prompt's last 64 positions (the question) the last prompt row
   # selects (on the CPU, run 17's layers 1 / 3 take 0.62 / 0.94 of them at 4K, 0.31 / 0.41 at 32K)
-  "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda "${win[@]}" --out "$S/needle"
+  "$PY" -m bench.needle_recall --model "$MODEL" --lengths 1m --samples 1 --device cuda "${sel[@]}" --out "$S/needle"
   # the same weights selecting the top TOPK_1M (e.g. 2048, the share of 1M that 256 is of 128K; default
   # 0: skip) at 1M
   if [ "${TOPK_1M:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
-      --tasks niah_single_1,niah_single_2 --index-topk "$TOPK_1M" "${win[@]}" --out "$S/eval/topk_1m"
+      --tasks niah_single_1,niah_single_2 "${sel[@]}" --index-topk "$TOPK_1M" --out "$S/eval/topk_1m"
   fi
   # the engine's last prompt row and the answer's space row (`--answer-row`: the first value byte, also by
   # the engine's decode step) at 1M against the training forward of the same weights (PARITY=0: skip;
@@ -284,7 +287,7 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # wrong: the model's or the decode path's?
   if [ "${PARITY:-1}" = 1 ]; then
     timeout "${PARITY_SECONDS:-480}" "$PY" -m bench.long_parity --model "${PARITY_MODEL:-$MODEL}" \
-      --lengths 1m --forms "${PARITY_FORMS:-engine,engine_bf16kv,train}" --answer-row "${win[@]}" --device cuda \
+      --lengths 1m --forms "${PARITY_FORMS:-engine,engine_bf16kv,train}" --answer-row "${sel[@]}" --device cuda \
       --out "$S/parity"
   fi
   # ALT_WINDOW=W: 4 niah_single_1 samples at 1M with another window (e.g. 128) before the long 1M run
@@ -293,7 +296,7 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
       --tasks niah_single_1 --index-local-window "$ALT_WINDOW" --out "$S/eval/window${ALT_WINDOW}_1m"
   fi
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 10 --concurrency 1 \
-    --tasks niah_single_1,niah_multikey_1 "${win[@]}" --out "$S/eval/uncapped_1m"
+    --tasks niah_single_1,niah_multikey_1 "${sel[@]}" --out "$S/eval/uncapped_1m"
 }
 
 lane_score_1m() {
@@ -427,10 +430,11 @@ lane_b_capped() {
   wait_marker "$marker" || return 0
   [ -f "$S/place.serial" ] && export LONGCTX_PLACE_PARALLEL=0  # (lane A's placement check failed)
   [ -f "$S/keep.off" ] && export LONGCTX_CAND_KEEP=0  # (lane A's kept-candidates check failed)
-  # 5 a task: lane A's uncapped 1M lane gets through ~5 samples in a session, and both wrote prose alike
-  # on all 5 in the fifteenth
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 5 --concurrency 1 \
-    --tasks niah_single_1,niah_multikey_1 --cap-fraction 0.1 ${WINDOW:+--index-local-window "$WINDOW"} \
+  # 5 a task (CAPPED_SAMPLES; CAPPED_TASKS: the tasks): lane A's uncapped 1M lane gets through ~5 samples in
+  # a session, and both wrote prose alike on all 5 in the fifteenth
+  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "${CAPPED_SAMPLES:-5}" --concurrency 1 \
+    --tasks "${CAPPED_TASKS:-niah_single_1,niah_multikey_1}" --cap-fraction 0.1 \
+    ${WINDOW:+--index-local-window "$WINDOW"} ${TOPK:+--index-topk "$TOPK"} \
     --out "$S/eval/capped_1m"
 }
 

@@ -557,6 +557,26 @@ def test_session_scores_an_existing_model_with_a_window(tmp_path: Path) -> None:
             assert "--index-local-window 64" in train
 
 
+def test_session_scores_an_existing_model_with_another_top_k(tmp_path: Path) -> None:
+    """TRAIN=0 TOPK=128 on one GPU: every score of the shipped model (and the capped 1M lane's, with
+    CAPPED_SAMPLES / CAPPED_TASKS) selects the top 128, once, and no window check runs (no WINDOW)."""
+    import os
+
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"), "CHECKS": "0",
+           "HISPARSE": "0", "PARITY": "0", "TRAIN": "0", "TOPK": "128", "EARLY_1M": "20",
+           "CAPPED_SAMPLES": "20", "CAPPED_TASKS": "niah_single_1"}  # fmt: skip
+    lines = _session_until(env, calls, "--cap-fraction")  # (the capped lane polls every 10 s)
+    lane = [x for x in lines if x.startswith("0 ") and " -m " in x]
+    assert not any("gpu_check" in x or "longctx.train" in x for x in lane)
+    evals = [x for x in lane if "retrieval_eval run" in x or "needle_recall" in x]
+    assert evals and all(x.count("--index-topk 128") == 1 for x in evals), evals
+    assert all("--index-local-window" not in x for x in evals)
+    (capped,) = [x for x in evals if "--cap-fraction" in x]
+    assert "--samples 20 --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1" in capped
+    assert "--lengths 1m --samples 20" in evals[1]  # EARLY_1M, right after the 4K gate
+
+
 def test_session_score_1m_lane(tmp_path: Path) -> None:
     """LANE_A=score1m: no training, no 4K-128K scores; issue 5's capped 128K RULER decode (with and without
     the fork, no place_bench) on the shipped model, then SCORE_1M niah_single_1 samples at 1M uncapped and
