@@ -3,9 +3,10 @@
 transformers' GlmMoeDsaForCausalLM vs longctx on a tiny random checkpoint, on CUDA: fp32 with the
 torch references and with the Triton kernels (logits rel <= 1e-3, identical greedy tokens), and bf16
 with fp8 KV through Triton against the torch path on a smooth model; decode through CUDA graphs against
-eager decode (plain, HiSparse-capped, and with `index_local_window`). Writes gpu-check.json.
+eager decode (plain, HiSparse-capped, with `index_local_window`, and with `index_topk_long` too). Writes
+gpu-check.json.
 
-    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window] [--out $OUT]
+    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window,topk_long] [--out $OUT]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from longctx.config import ModelConfig
 
 
-CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window"}
+CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default=None,
-        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window (default: all)",
+        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window, topk_long (default: all)",
     )
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         hisparse_graph_vs_eager(d2, long_prompts, res)
     if want("window"):
         window_graph_vs_eager(d2, long_prompts, res)
+    if want("topk_long"):
+        topk_long_graph_vs_eager(d2, long_prompts, res)
     write_results("gpu-check", res, "\n".join(f"{k}: {v}" for k, v in res.items()), args.out)
     return 0
 
@@ -176,26 +179,53 @@ def window_graph_vs_eager(d2: Path, long_prompts: list[list[int]], res: dict) ->
     """`index_local_window` 64 (top-k 512 of up to 1,400 keys): decode through CUDA graphs gives eager
     decode's tokens, uncapped and HiSparse-capped (700 slots, each against its own eager run as
     `hisparse_graph_vs_eager` compares), and the window changes them."""
+    _selection_graph_vs_eager(
+        d2, long_prompts, res, "window_graph_vs_eager", {"index_local_window": 64}, {"index_local_window": 0}
+    )
+
+
+def topk_long_graph_vs_eager(d2: Path, long_prompts: list[list[int]], res: dict) -> None:
+    """The same with queries from position 800 on selecting 256 instead of 512 (`index_topk_long`; the
+    900- and 1,300-token prompts' prefill takes both selections, and the decode batch's rows sit on both
+    sides), against the window alone."""
+    window = {"index_local_window": 64}
+    _selection_graph_vs_eager(
+        d2, long_prompts, res, "topk_long_graph_vs_eager",
+        {**window, "index_topk_long": 256, "index_topk_long_from": 800}, window,
+    )  # fmt: skip
+
+
+def _selection_graph_vs_eager(
+    d2: Path, long_prompts: list[list[int]], res: dict, name: str, sel: dict, base: dict
+) -> None:
+    """Engines selecting as `sel` says: graphs against eager decode, uncapped and capped at 700 slots;
+    `changes_tokens`: eager decode selecting as `base` says writes other tokens."""
     from longctx import Engine
 
     try:
         toks = {}
-        runs = ((64, None, True), (64, None, False), (64, 700, True), (64, 700, False), (0, None, False))
-        for window, cap, graphs in runs:
+        runs = (
+            (True, None, True),
+            (True, None, False),
+            (True, 700, True),
+            (True, 700, False),
+            (False, None, False),
+        )
+        for with_sel, cap, graphs in runs:
             with Engine(d2, device="cuda", dtype="bfloat16", kv_pages=256, cuda_graphs=graphs, overlap=graphs,
-                        hisparse_device_tokens=cap, index_local_window=window) as e:  # fmt: skip
+                        hisparse_device_tokens=cap, **(sel if with_sel else base)) as e:  # fmt: skip
                 outs = e.generate(long_prompts, max_new_tokens=24, ignore_eos=True)
-                toks[(window, cap, graphs)] = [o.token_ids for o in outs]
-        eager = toks[(64, None, False)]
+                toks[(with_sel, cap, graphs)] = [o.token_ids for o in outs]
+        eager = toks[(True, None, False)]
         r = {
-            "graphs_match": toks[(64, None, True)] == eager,
-            "capped_graphs_match": toks[(64, 700, True)] == toks[(64, 700, False)],
-            "window_changes_tokens": toks[(0, None, False)] != eager,
+            "graphs_match": toks[(True, None, True)] == eager,
+            "capped_graphs_match": toks[(True, 700, True)] == toks[(True, 700, False)],
+            "changes_tokens": toks[(False, None, False)] != eager,
         }
-        res["window_graph_vs_eager"] = {**r, "ok": all(r.values())}
+        res[name] = {**r, "ok": all(r.values())}
     except Exception as e:  # noqa: BLE001 - report it with the other checks' results
-        res["window_graph_vs_eager"] = {"error": repr(e)[:500], "ok": False}
-    print(res["window_graph_vs_eager"])
+        res[name] = {"error": repr(e)[:500], "ok": False}
+    print(res[name])
 
 
 if __name__ == "__main__":

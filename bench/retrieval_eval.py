@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     engine_flags: list[str] = []
     for flag, name in (
         ("--index-topk", "index_topk"), ("--index-local-window", "index_local_window"), ("--kv-dtype", "kv_dtype"),
+        ("--index-topk-long", "index_topk_long"), ("--index-topk-long-from", "index_topk_long_from"),
     ):  # fmt: skip
         value = getattr(args, name)
         if value is not None:
@@ -346,6 +347,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="score the same weights with each query's newest W positions kept in every full layer's "
         "selection (`longctx ruler --index-local-window`)",
+    )
+    r.add_argument(
+        "--index-topk-long",
+        type=int,
+        default=None,
+        help="score the same weights with queries from --index-topk-long-from on selecting this top-k "
+        "(`longctx ruler --index-topk-long`)",
+    )
+    r.add_argument(
+        "--index-topk-long-from",
+        type=int,
+        default=None,
+        help="the position from which --index-topk-long applies (`longctx ruler --index-topk-long-from`)",
     )
     r.add_argument(
         "--kv-dtype",

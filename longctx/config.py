@@ -45,6 +45,12 @@ class ModelConfig:
     # selection keeps the query's newest `index_local_window` positions (itself and the tokens just
     # before it) and takes the top (index_topk - window) of the earlier keys by index score
     index_local_window: int = 0
+    # longctx's own too (0: off): a query at position >= `index_topk_long_from` selects
+    # `index_topk_long` (< index_topk, its window included) instead of index_topk. At 1M tokens a late
+    # needle's own rows share their attention with the far keys they select; the retrieval model trained
+    # to 128K read its near needles back at 1M only with fewer of them (docs/training.md, run 26)
+    index_topk_long: int = 0
+    index_topk_long_from: int = 0
     indexer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
     first_k_dense_replace: int = 3
@@ -177,6 +183,7 @@ class ModelConfig:
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ConfigError("index_head_dim must be at least qk_rope_head_dim")
         check_local_window(self.index_local_window, self.index_topk)
+        check_topk_long(self)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers reads (and longctx reads back identically)."""
@@ -184,6 +191,9 @@ class ModelConfig:
         d.pop("quant_block")
         if not self.index_local_window:  # (a GLM-5 / DeepSeek-V3.2 config.json stays as theirs)
             d.pop("index_local_window")
+        if not self.index_topk_long:
+            d.pop("index_topk_long")
+            d.pop("index_topk_long_from")
         d["indexer_types"] = list(self.indexer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["architectures"] = [ARCHITECTURES[self.model_type]]
@@ -206,6 +216,24 @@ def check_local_window(window: object, topk: int) -> None:
     """`index_local_window` must be an int in [0, index_topk): the window takes part of the top-k's budget."""
     if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < topk:
         raise ConfigError(f"index_local_window must be an int in [0, index_topk = {topk}), got {window!r}")
+
+
+def check_topk_long(cfg: ModelConfig) -> None:
+    """`index_topk_long` / `index_topk_long_from`: both 0 (off), or a top-k in (index_local_window,
+    index_topk) from a position >= index_topk (a query there always has more keys than either top-k)."""
+    k, start = cfg.index_topk_long, cfg.index_topk_long_from
+    for name, v in (("index_topk_long", k), ("index_topk_long_from", start)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
+    if not k and not start:
+        return
+    if not cfg.index_local_window < k < cfg.index_topk:
+        raise ConfigError(
+            f"index_topk_long must be in (index_local_window = {cfg.index_local_window}, index_topk = "
+            f"{cfg.index_topk}), got {k}"
+        )
+    if start < cfg.index_topk:
+        raise ConfigError(f"index_topk_long_from must be >= index_topk = {cfg.index_topk}, got {start}")
 
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"

@@ -151,6 +151,10 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
                 "16",
                 "--kv-dtype",
                 "bf16",
+                "--index-topk-long",
+                "32",
+                "--index-topk-long-from",
+                "512",
                 "--indices",
                 "2",
                 "--out",
@@ -162,6 +166,7 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert json.loads((t / "run.json").read_text())["index_topk"] == 64
     assert json.loads((t / "run.json").read_text())["index_local_window"] == 16
     assert json.loads((t / "run.json").read_text())["kv_dtype"] == "bf16"
+    assert json.loads((t / "run.json").read_text())["index_topk_long"] == 32  # (from 512 on: narrowed)
     rows = (t / "results.jsonl").read_text().splitlines()
     assert [json.loads(r)["index"] for r in rows] == [2]  # (--indices)
     assert main([*run, "--lengths", "1k", "--index-topk", "0", "--out", str(tmp_path / "z")]) == 2

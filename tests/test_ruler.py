@@ -275,6 +275,9 @@ def test_parse_lengths():
         ["--base-url", "http://x", "--out", "O", "--index-topk", "64"],  # a server selects its own
         ["--index-topk", "0", "--dump-dir", "D"],
         ["--index-local-window", "-1", "--dump-dir", "D"],
+        ["--index-topk-long", "-1", "--dump-dir", "D"],
+        ["--index-topk-long-from", "x", "--dump-dir", "D"],
+        ["--base-url", "http://x", "--out", "O", "--index-topk-long", "128"],  # (the server's own)
         ["--base-url", "http://x", "--out", "O", "--index-local-window", "8"],  # (the server's own)
         ["--base-url", "http://x", "--out", "O", "--hisparse-device-tokens", "4096"],
         ["--kv-dtype", "fp4", "--dump-dir", "D"],

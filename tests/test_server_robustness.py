@@ -220,6 +220,8 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
     [
         ["--index-topk", "0"],
         ["--index-local-window", "-1"],
+        ["--index-topk-long", "-1"],
+        ["--index-topk-long-from", "-5"],
         ["--hisparse-device-tokens", "-1"],
         ["--pp", "0"],
         ["--max-context", "0"],

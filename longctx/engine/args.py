@@ -21,6 +21,8 @@ ENGINE_FIELDS = (
     "backend",
     "index_topk",
     "index_local_window",
+    "index_topk_long",
+    "index_topk_long_from",
 )
 
 KV_DTYPE_CHOICES = ("auto", "model", "bf16", "fp8_e4m3")  # Engine's kv_dtype (`--kv-dtype`)
@@ -70,6 +72,19 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         default=None,
         help="each query's newest positions every full layer keeps in its selection, out of the top-k "
         "(default: the checkpoint's index_local_window, 0 for GLM-5 / DeepSeek-V3.2)",
+    )
+    p.add_argument(
+        "--index-topk-long",
+        type=int,
+        default=None,
+        help="tokens a full layer selects for queries from --index-topk-long-from on, fewer than "
+        "--index-topk (default: the checkpoint's index_topk_long, 0: off)",
+    )
+    p.add_argument(
+        "--index-topk-long-from",
+        type=int,
+        default=None,
+        help="the position from which queries select --index-topk-long (default: the checkpoint's)",
     )
 
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, check_local_window
+from longctx.config import ModelConfig, check_local_window, check_topk_long
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
@@ -142,6 +142,8 @@ class Engine:
         overlap: bool | None = None,
         index_topk: int | None = None,
         index_local_window: int | None = None,
+        index_topk_long: int | None = None,
+        index_topk_long_from: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
@@ -156,6 +158,13 @@ class Engine:
             # by index score); the checkpoint's `index_local_window` otherwise
             self.cfg = dataclasses.replace(self.cfg, index_local_window=index_local_window)
         check_local_window(self.cfg.index_local_window, self.cfg.index_topk)
+        if index_topk_long is not None or index_topk_long_from is not None:
+            # queries from position `index_topk_long_from` on select `index_topk_long` instead (0 / 0:
+            # off); the checkpoint's otherwise
+            long_k = self.cfg.index_topk_long if index_topk_long is None else index_topk_long
+            start = self.cfg.index_topk_long_from if index_topk_long_from is None else index_topk_long_from
+            self.cfg = dataclasses.replace(self.cfg, index_topk_long=long_k, index_topk_long_from=start)
+        check_topk_long(self.cfg)
         self.device = _resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"

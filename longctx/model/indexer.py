@@ -11,6 +11,11 @@ topk keys keeps them all, as without it. At 1M tokens the retrieval model's top 
 the question it was answering (its first byte then came out as haystack prose; with the question's
 positions forced in, the answer's space, bench/results/long-parity-h200.md): a million haystack keys
 outrank the few dozen tokens every answer has to read.
+
+`index_topk_long` K' > 0 (longctx's own too): a query at pos >= `index_topk_long_from` selects K' (its
+window included) instead of index_topk, its row -1 padded to index_topk columns. Rows on both sides of
+that position in one pass take both selections and keep theirs per row (a decode step always does when
+its bound reaches the position: a CUDA graph's host lengths are its bucket's, not the rows').
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Indexer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
         self.window = cfg.index_local_window
+        self.topk_long, self.topk_long_from = cfg.index_topk_long, cfg.index_topk_long_from
         self.interleaved = cfg.model_type == "glm_moe_dsa"
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = Linear(cfg.hidden_size, self.head_dim)
@@ -70,37 +76,64 @@ class Indexer(nn.Module):
             self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind,
         )  # fmt: skip
         w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
-        k_top = self.topk - self.window  # (the rest of the budget is the local window)
         if ctx.use_triton and not ctx.is_decode:
             # prefill chunk: fused logits + top-k, so the [T, context] logits are never materialised
-            top = op("indexer_topk", "indexer_topk_paged", ctx.use_triton)(
+            fused = op("indexer_topk", "indexer_topk_paged", ctx.use_triton)
+
+            def select(topk: int) -> torch.Tensor:
+                top = fused(
+                    q,
+                    w.float() * w_scale,
+                    kv.index_pool(self.layer),
+                    ctx.page_table,
+                    ctx.seq_lens,
+                    ctx.q_seq,
+                    local_window_bound(ctx.positions, self.window),
+                    kv.index_kind,
+                    topk - self.window,  # (the rest of the budget is the local window)
+                    max_len=max(ctx.seq_lens_cpu),
+                )
+                return with_local_window(top, ctx.positions, topk, self.window)
+
+        else:
+            logits = op("indexer", "indexer_logits_paged", ctx.use_triton)(
                 q,
-                w.float() * w_scale,
+                w,
                 kv.index_pool(self.layer),
                 ctx.page_table,
                 ctx.seq_lens,
                 ctx.q_seq,
-                local_window_bound(ctx.positions, self.window),
+                ctx.positions,
                 kv.index_kind,
-                k_top,
-                max_len=max(ctx.seq_lens_cpu),
-            )
-            return with_local_window(top, ctx.positions, self.topk, self.window)
-        logits = op("indexer", "indexer_logits_paged", ctx.use_triton)(
-            q,
-            w,
-            kv.index_pool(self.layer),
-            ctx.page_table,
-            ctx.seq_lens,
-            ctx.q_seq,
-            ctx.positions,
-            kv.index_kind,
-            max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
-            w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
-        )  # [T, max_len] fp32, -inf where not causal
-        topk = op("topk", "topk_indices", ctx.use_triton)
-        if self.window:  # the top (k - W) and the window in one: the kernels read the positions alone
-            return topk(logits, k_top, None, self.window, ctx.positions)
-        if ctx.key_lens is None:
-            ctx.key_lens = ctx.positions + 1
-        return topk(logits, k_top, ctx.key_lens)
+                max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
+                w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
+            )  # [T, max_len] fp32, -inf where not causal
+            topk_op = op("topk", "topk_indices", ctx.use_triton)
+
+            def select(topk: int) -> torch.Tensor:
+                if self.window:  # the top (k - W) and the window in one: the kernels read the positions alone
+                    return topk_op(logits, topk - self.window, None, self.window, ctx.positions)
+                if ctx.key_lens is None:
+                    ctx.key_lens = ctx.positions + 1
+                return topk_op(logits, topk, ctx.key_lens)
+
+        which = self._narrowing(ctx)
+        if which == "base":
+            return select(self.topk)
+        pad = torch.full((T, self.topk - self.topk_long), -1, dtype=torch.int32, device=q.device)
+        narrow = torch.cat([select(self.topk_long), pad], 1)
+        if which == "long":
+            return narrow
+        return torch.where((ctx.positions >= self.topk_long_from)[:, None], narrow, select(self.topk))
+
+    def _narrowing(self, ctx: ForwardContext) -> str:
+        """Which selection this pass's rows take: "base" (all below `index_topk_long_from`, or no
+        narrowing), "long" (all at or past it) or "both" (per row; a decode pass whenever its bound
+        reaches it)."""
+        if not self.topk_long or max(ctx.seq_lens_cpu) <= self.topk_long_from:
+            return "base"  # (the last position any row can have is below it)
+        if ctx.is_decode:
+            return "both"
+        # a prefill pass's rows are each request's newest tokens, and its host lengths are exact
+        first = min(n - (ctx.q_start[b + 1] - ctx.q_start[b]) for b, n in enumerate(ctx.seq_lens_cpu))
+        return "long" if first >= self.topk_long_from else "both"

@@ -78,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:  # (the last two are optional)
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.index_local_window is not None and args.index_local_window < 0:
-        raise CLIError("--index-local-window must be >= 0")
+    for name in ("index_local_window", "index_topk_long", "index_topk_long_from"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 0")
     spec = EngineSpec(model_dir=args.model, **engine_kwargs(args), fake=fake)
     name = args.served_model_name or (Path(args.model).resolve().name or "longctx")
     settings = ServerSettings(

@@ -41,6 +41,8 @@ class EngineSpec:
     backend: str = "auto"
     index_topk: int | None = None
     index_local_window: int | None = None
+    index_topk_long: int | None = None
+    index_topk_long_from: int | None = None
     fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
 
 

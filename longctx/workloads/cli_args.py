@@ -40,6 +40,17 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
         "default the model's)",
     )
     p.add_argument(
+        "--index-topk-long",
+        metavar="N",
+        help="tokens each full layer selects for queries from --index-topk-long-from on (embedded Engine; "
+        "default the model's, 0: off)",
+    )
+    p.add_argument(
+        "--index-topk-long-from",
+        metavar="P",
+        help="the position from which --index-topk-long applies (embedded Engine; default the model's)",
+    )
+    p.add_argument(
         "--kv-dtype",
         metavar="DTYPE",
         help="the embedded Engine's KV cache: auto (fp8 on CUDA), model, bf16 or fp8_e4m3",
@@ -62,6 +73,8 @@ def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         ("--hisparse-device-tokens", "hisparse_device_tokens", partial(int_arg, lo=1)),
         ("--index-topk", "index_topk", partial(int_arg, lo=1)),
         ("--index-local-window", "index_local_window", partial(int_arg, lo=0)),
+        ("--index-topk-long", "index_topk_long", partial(int_arg, lo=0)),
+        ("--index-topk-long-from", "index_topk_long_from", partial(int_arg, lo=0)),
         ("--kv-dtype", "kv_dtype", kv_dtype_arg),
     ):
         text = getattr(args, name)

@@ -1,0 +1,153 @@
+"""`index_topk_long` / `index_topk_long_from`: queries from a position on select fewer keys (their window
+included), the same through every engine path: one prefill chunk holding rows on both sides, chunks on one
+side, decode (rows on both sides of a batch), pipeline stages, the Triton kernels and a HiSparse cap."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.config import ModelConfig
+from longctx.errors import ConfigError
+from longctx.model.indexer import Indexer
+from tests.conftest import make_checkpoint, rand_ids, rel, tiny_config
+
+K, W, KL, F = 16, 4, 8, 40  # tiny.json's index_topk 16; a window of 4; from position 40 on the top 8
+
+
+def narrowed(**kw) -> ModelConfig:
+    return tiny_config(index_local_window=W, index_topk_long=KL, index_topk_long_from=F, **kw)
+
+
+def test_config_checks_and_round_trip(tmp_path) -> None:
+    cfg = narrowed()
+    d = cfg.to_hf_dict()
+    assert (d["index_topk_long"], d["index_topk_long_from"]) == (KL, F) and ModelConfig.from_dict(d) == cfg
+    assert "index_topk_long" not in tiny_config().to_hf_dict()  # GLM-5's config.json stays theirs
+    for bad in (
+        {"index_topk_long": K},  # not fewer than index_topk
+        {"index_topk_long": W},  # no room past the window
+        {"index_topk_long_from": K - 1},  # a query there may have fewer keys than the top-k
+        {"index_topk_long": -1},
+        {"index_topk_long": True},
+        {"index_topk_long_from": 2.5},
+        {"index_topk_long": 0},  # a position with no top-k
+    ):
+        with pytest.raises(ConfigError, match="index_topk_long"):
+            ModelConfig.from_dict({**d, **bad})
+    a = make_checkpoint(tmp_path / "a", tiny_config(index_local_window=W), seed=1)
+    with pytest.raises(ConfigError, match="index_topk_long_from"):  # the override without its position
+        Engine(a, device="cpu", index_topk_long=KL)
+    b = make_checkpoint(tmp_path / "b", cfg, seed=1)
+    with pytest.raises(ConfigError, match="index_topk_long"):  # a top-k override below it
+        Engine(b, device="cpu", index_topk=KL)
+    with Engine(b, device="cpu", index_topk_long=0, index_topk_long_from=0) as e:  # turned off
+        assert e.config.index_topk_long == 0
+
+
+def _recorded(monkeypatch) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Every full layer's (layer, positions, selection) from here on."""
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    forward = Indexer.forward
+
+    def record(self, x, q_resid, ctx, x_proj=None):
+        out = forward(self, x, q_resid, ctx, x_proj)
+        seen.append((self.layer, ctx.positions.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(Indexer, "forward", record)
+    return seen
+
+
+def test_rows_from_the_position_select_fewer(tmp_path, monkeypatch) -> None:
+    """Each row from position F on holds KL keys, its newest W among them; the rows before it K (or all
+    of theirs); and layer 0's narrowed selection (its scores do not depend on earlier layers) is part of
+    the same row's full one."""
+    plain = make_checkpoint(tmp_path / "p", tiny_config(index_local_window=W), seed=2)
+    ids = rand_ids(90, 3)
+    base: dict[int, set[int]] = {}
+    seen = _recorded(monkeypatch)
+    with Engine(plain, device="cpu", chunk_size=32) as e:
+        e.score(ids)
+    for layer, pos, sel in seen:
+        if layer == 0:
+            base.update({int(p): {int(t) for t in row if t >= 0} for p, row in zip(pos, sel)})
+    seen.clear()
+    # chunks of 32: [0, 32) all below F, [32, 64) on both sides, [64, 90) all past it
+    with Engine(plain, device="cpu", chunk_size=32, index_topk_long=KL, index_topk_long_from=F) as e:
+        e.score(ids)
+    rows = 0
+    for layer, pos, sel in seen:
+        assert sel.shape[1] == K
+        for p, row in zip(pos.tolist(), sel.tolist()):
+            keys = [t for t in row if t >= 0]
+            assert row[: len(keys)] == keys == sorted(keys)  # ascending, then -1
+            want = KL if p >= F else min(K, p + 1)
+            assert len(keys) == want, (layer, p, keys)
+            assert set(range(max(p - W + 1, 0), p + 1)) <= set(keys)
+            if layer == 0 and p >= F:
+                assert set(keys) <= base[p]
+                rows += 1
+    assert rows == len(ids) - F
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_every_path_selects_the_same(tmp_path, pp: int) -> None:
+    """A narrowing checkpoint scores the same in one chunk (both selections, kept per row) as in chunks
+    that lie on one side, as the same weights given the narrowing by the engine, and with pipeline stages;
+    the rows before F as without it, the rows from it not; greedy decode across F and a decode batch
+    with rows on both sides agree with scoring."""
+    own = tiny_config(index_local_window=W)
+    plain = make_checkpoint(tmp_path / "p", own, seed=4)
+    nar = make_checkpoint(
+        tmp_path / "n", dataclasses.replace(own, index_topk_long=KL, index_topk_long_from=F), seed=4
+    )
+    ids = rand_ids(90, 5)
+    with Engine(nar, device="cpu", pp=pp, chunk_size=1024) as e:
+        want = e.score(ids)
+        outs = e.generate([ids[:34], ids[:60]], max_new_tokens=10, ignore_eos=True)
+    with Engine(nar, device="cpu", chunk_size=20) as e:
+        assert rel(e.score(ids), want) <= 1e-6
+        for prompt, out in zip((ids[:34], ids[:60]), outs):
+            full = e.score(prompt + out.token_ids[:-1])
+            assert full[len(prompt) - 1 :].argmax(-1).tolist() == out.token_ids
+    with Engine(plain, device="cpu", index_topk_long=KL, index_topk_long_from=F) as e:
+        assert rel(e.score(ids), want) <= 1e-6
+    with Engine(plain, device="cpu") as e:
+        without = e.score(ids)
+    assert rel(without[:F], want[:F]) <= 1e-6 and rel(without[F:], want[F:]) > 1e-3
+
+
+def test_triton_backend_narrows_the_same(tmp_path) -> None:
+    """The Triton kernels (interpreter): prefill chunks through the fused indexer + top-k on both sides
+    of F, decode rows on both sides in one batch, against the torch backend."""
+    pytest.importorskip("triton")
+    d = make_checkpoint(tmp_path / "n", narrowed(), seed=6)
+    ids = rand_ids(80, 7)
+    with (
+        Engine(d, device="cpu", backend="torch", chunk_size=30) as t,
+        Engine(d, device="cpu", backend="triton", chunk_size=30) as k,
+    ):
+        assert rel(k.score(ids), t.score(ids)) <= 1e-3
+        prompts = [ids[:36], ids[:50]]
+        a = [o.token_ids for o in t.generate(prompts, max_new_tokens=6, ignore_eos=True)]
+        b = [o.token_ids for o in k.generate(prompts, max_new_tokens=6, ignore_eos=True)]
+    assert a == b
+
+
+def test_hisparse_cap_narrows_the_same(tmp_path) -> None:
+    """A HiSparse cap (misses swapped in) gives the uncapped logits and tokens with the narrowing."""
+    d = make_checkpoint(tmp_path / "h", narrowed(), seed=8)
+    ids = rand_ids(120, 9)
+    kw = {"device": "cpu", "kv_pages": 24, "prefill_form": "absorbed"}  # (as tests/test_local_window.py)
+    with Engine(d, **kw) as e:
+        want = e.score(ids)
+        want_tok = e.generate([ids[:100]], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    with Engine(d, **kw, hisparse_device_tokens=24) as e:
+        got = e.score(ids)
+        tok = e.generate([ids[:100]], max_new_tokens=8, ignore_eos=True)[0].token_ids
+        hs = e.stats()["hisparse"]
+    assert rel(got, want) <= 1e-6 and tok == want_tok and hs["misses"] > 0
