@@ -129,6 +129,14 @@ hisparse_measures() {
   fi
 }
 
+selection_flags() {
+  # how the scored weights select, as retrieval_eval / needle_recall / long_parity flags: WINDOW=W
+  # (--index-local-window), TOPK=K (--index-topk), TOPK_LONG=K with TOPK_LONG_FROM=P (--index-topk-long
+  # K --index-topk-long-from P: queries from position P on select K)
+  echo ${WINDOW:+--index-local-window "$WINDOW"} ${TOPK:+--index-topk "$TOPK"} \
+    ${TOPK_LONG:+--index-topk-long "$TOPK_LONG" --index-topk-long-from "${TOPK_LONG_FROM:-262144}"}
+}
+
 default_train_args() {
   # run 26: run 23's recipe (shipped: run 21's with the needle loss per byte over every causal key,
   # --needle-form bytes) from run 23's weights with fresh rows (--seed 26) and real rows on to 256K (the
@@ -163,9 +171,8 @@ lane_a() {
   # the parity with `--index-local-window W`, the same weights keeping each query's newest W positions)
   local gpu=${1:-0}
   local args=${TRAIN_ARGS:-$(default_train_args)}
-  local sel=()  # how the scored weights select: WINDOW / TOPK
-  [ -n "${WINDOW:-}" ] && sel=(--index-local-window "$WINDOW")
-  [ -n "${TOPK:-}" ] && sel+=(--index-topk "$TOPK")
+  local sel=()  # how the scored weights select: WINDOW / TOPK / TOPK_LONG (selection_flags)
+  read -r -a sel <<<"$(selection_flags)"
   if [ "${TRAIN:-1}" = 0 ]; then
     MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}
     args=""
@@ -214,6 +221,8 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   if [ -n "${WINDOW:-}" ] || [[ "$args" == *"--index-local-window"* ]]; then
     "$PY" -m bench.gpu_check --only window --out "$S/checks/window"
   fi
+  # TOPK_LONG: the narrowing's graphs against eager decode likewise (new in the twenty-sixth session)
+  [ -n "${TOPK_LONG:-}" ] && "$PY" -m bench.gpu_check --only topk_long --out "$S/checks/topk_long"
   # the gate: a quick 4K score first; the long lengths (minutes each) only for a model that retrieves
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 "${sel[@]}" --out "$S/eval/uncapped"
   if ! "$PY" -m bench.retrieval_eval gate "$S/eval/uncapped" --length 4k --min "${EVAL_GATE:-20}"; then
@@ -305,17 +314,23 @@ lane_score_1m() {
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
   # SEED_1M_CAPPED: results.jsonl files, default run 23's of the twenty-second session; the runner skips
   # the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
-  # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles).
+  # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
+  # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
+  # seeded (those rows are the model's own selection's), and TOPK_LONG's graphs are checked first;
+  # SCORE_MID (e.g. 256k,512k): 4 niah_single_1 samples at those lengths before the 1M ones.
   # $1: the GPU; $2: uncapped (the measures, then the uncapped samples), capped, or both (one GPU: the
   # measures, the uncapped samples, then the capped ones)
   export CUDA_VISIBLE_DEVICES=$1
   MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}
-  local n=${SCORE_1M:-20} runs=()
+  local n=${SCORE_1M:-20} runs=() sel=()
+  read -r -a sel <<<"$(selection_flags)"
   mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
-  [ -f "$S/eval/uncapped_1m/results.jsonl" ] || cp \
-    "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
-  [ -f "$S/eval/capped_1m/results.jsonl" ] || cp \
-    "${SEED_1M_CAPPED:-bench/results/training/eval-run23-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
+  if [ ${#sel[@]} -eq 0 ]; then
+    [ -f "$S/eval/uncapped_1m/results.jsonl" ] || cp \
+      "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
+    [ -f "$S/eval/capped_1m/results.jsonl" ] || cp \
+      "${SEED_1M_CAPPED:-bench/results/training/eval-run23-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
+  fi
   # the decode top-k's window (its write pass stores it since the twenty-third session) on this GPU first
   # (if it fails, the session composes the window after the top-k as before: LONGCTX_TOPK_WINDOW=0)
   if [ "$2" != capped ]; then
@@ -326,14 +341,24 @@ lane_score_1m() {
     while [ ! -f "$S/topk.checked" ] && [ "$t" -lt 180 ]; do sleep 1; t=$((t + 1)); done
   fi
   [ -f "$S/topk.compose" ] && export LONGCTX_TOPK_WINDOW=0
-  [ "$2" != capped ] && { PLACE_BENCH=0 hisparse_measures; runs+=(uncapped_1m); }
+  if [ "$2" != capped ] && [ -n "${TOPK_LONG:-}" ]; then
+    "$PY" -m bench.gpu_check --only topk_long --out "$S/checks/topk_long"
+  fi
+  if [ "$2" != capped ]; then
+    [ "${HISPARSE:-1}" = 1 ] && PLACE_BENCH=0 hisparse_measures
+    if [ -n "${SCORE_MID:-}" ]; then
+      "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "$SCORE_MID" --samples 4 --concurrency 1 \
+        --tasks niah_single_1 "${sel[@]}" --out "$S/eval/mid"
+    fi
+    runs+=(uncapped_1m)
+  fi
   [ "$2" != uncapped ] && runs+=(capped_1m)
   local r
   for r in "${runs[@]}"; do
     local cap=()
     [ "$r" = capped_1m ] && cap=(--cap-fraction 0.1)
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "$n" --concurrency 1 \
-      --tasks niah_single_1 "${cap[@]}" --out "$S/eval/$r"
+      --tasks niah_single_1 "${cap[@]}" "${sel[@]}" --out "$S/eval/$r"
   done
 }
 
@@ -432,10 +457,10 @@ lane_b_capped() {
   [ -f "$S/keep.off" ] && export LONGCTX_CAND_KEEP=0  # (lane A's kept-candidates check failed)
   # 5 a task (CAPPED_SAMPLES; CAPPED_TASKS: the tasks): lane A's uncapped 1M lane gets through ~5 samples in
   # a session, and both wrote prose alike on all 5 in the fifteenth
+  local sel=()
+  read -r -a sel <<<"$(selection_flags)"
   "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "${CAPPED_SAMPLES:-5}" --concurrency 1 \
-    --tasks "${CAPPED_TASKS:-niah_single_1,niah_multikey_1}" --cap-fraction 0.1 \
-    ${WINDOW:+--index-local-window "$WINDOW"} ${TOPK:+--index-topk "$TOPK"} \
-    --out "$S/eval/capped_1m"
+    --tasks "${CAPPED_TASKS:-niah_single_1,niah_multikey_1}" --cap-fraction 0.1 "${sel[@]}" --out "$S/eval/capped_1m"
 }
 
 run_lanes() {
@@ -480,7 +505,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes checks_pass check_or_mark default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
+  setsid nohup bash -c "$(declare -f run_lanes checks_pass check_or_mark selection_flags default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
     lane_b_eval lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"

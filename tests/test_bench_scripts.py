@@ -636,6 +636,31 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
             ).read_text()
 
 
+def test_session_score_1m_lane_with_a_narrowing(tmp_path: Path) -> None:
+    """LANE_A=score1m with TOPK_LONG / TOPK_LONG_FROM on one GPU, HISPARSE=0, SCORE_MID: the narrowing's
+    graphs checked first, no HiSparse figures, the mid lengths then the 1M samples uncapped and capped all
+    selecting so, and nothing seeded from run 23's rows (its own selection's)."""
+    import os
+
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"),
+           "LANE_A": "score1m", "SCORE_1M": "20", "HISPARSE": "0", "TOPK_LONG": "128",
+           "TOPK_LONG_FROM": "262144", "SCORE_MID": "256k,512k"}  # fmt: skip
+    lines = _session_until(env, calls, "--cap-fraction")
+    lines = [x for x in lines if " -m " in x and "pip" not in x]
+    modules = [x.split(" -m ")[1].split()[0] for x in lines]
+    assert "bench.long_context" not in modules and "bench.step_profile" not in modules
+    check = [i for i, x in enumerate(lines) if "gpu_check --only topk_long" in x]
+    runs = [i for i, x in enumerate(lines) if "retrieval_eval run" in x]
+    assert len(check) == 1 and len(runs) == 3 and check[0] < runs[0]
+    mid, unc, cap = (lines[i] for i in runs)
+    assert "--lengths 256k,512k --samples 4" in mid and "--lengths 1m --samples 20" in unc
+    assert "--cap-fraction 0.1" in cap and "--cap-fraction" not in unc
+    flags = "--index-topk-long 128 --index-topk-long-from 262144"
+    assert all(flags in lines[i] for i in runs)
+    assert not (s / "eval" / "uncapped_1m" / "results.jsonl").exists()
+
+
 @pytest.mark.parametrize("checks", ["1", "0"])
 def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
     tmp_path: Path, checks: str
