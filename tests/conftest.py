@@ -70,6 +70,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def assert_cap_keeps_the_output(d, ids: list[int], cap: int = 24) -> None:
+    """Checkpoint `d` under a HiSparse cap of `cap` device tokens (misses swapped in) gives the uncapped
+    logits of `ids` and greedy tokens after `ids[:-20]`, with misses."""
+    from longctx import Engine
+
+    kw = {"device": "cpu", "kv_pages": 24, "prefill_form": "absorbed"}  # (as tests/test_hisparse.py)
+    with Engine(d, **kw) as e:
+        want = e.score(ids)
+        want_tok = e.generate([ids[:-20]], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    with Engine(d, **kw, hisparse_device_tokens=cap) as e:
+        got = e.score(ids)
+        tok = e.generate([ids[:-20]], max_new_tokens=8, ignore_eos=True)[0].token_ids
+        hs = e.stats()["hisparse"]
+    assert rel(got, want) <= 1e-6 and tok == want_tok and hs["misses"] > 0
+
+
 def rand_ids(n: int, seed: int) -> list[int]:
     """n token ids in [0, 256) from a seeded generator."""
     g = torch.Generator().manual_seed(seed)

@@ -15,7 +15,7 @@ from longctx import Engine
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.model.indexer import local_window_bound, with_local_window
-from tests.conftest import make_checkpoint, rand_ids, rel, tiny_config
+from tests.conftest import assert_cap_keeps_the_output, make_checkpoint, rand_ids, rel, tiny_config
 
 W = 4  # tiny.json: index_topk 16
 
@@ -119,17 +119,9 @@ def test_triton_backend_keeps_the_window(tmp_path) -> None:
 
 def test_hisparse_cap_keeps_the_window(tmp_path) -> None:
     """A HiSparse cap (misses swapped in) gives the uncapped logits with a window."""
-    d = make_checkpoint(tmp_path / "h", tiny_config(index_local_window=W), seed=5)
-    ids = rand_ids(120, 7)
-    kw = {"device": "cpu", "kv_pages": 24, "prefill_form": "absorbed"}  # (as tests/test_hisparse.py)
-    with Engine(d, **kw) as e:
-        want = e.score(ids)
-        want_tok = e.generate([ids[:100]], max_new_tokens=8, ignore_eos=True)[0].token_ids
-    with Engine(d, **kw, hisparse_device_tokens=24) as e:
-        got = e.score(ids)
-        tok = e.generate([ids[:100]], max_new_tokens=8, ignore_eos=True)[0].token_ids
-        hs = e.stats()["hisparse"]
-    assert rel(got, want) <= 1e-6 and tok == want_tok and hs["misses"] > 0
+    assert_cap_keeps_the_output(
+        make_checkpoint(tmp_path / "h", tiny_config(index_local_window=W), seed=5), rand_ids(120, 7)
+    )
 
 
 def test_training_takes_the_window_and_saves_it(tmp_path, capsys) -> None:

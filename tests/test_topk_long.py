@@ -13,7 +13,7 @@ from longctx import Engine
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.model.indexer import Indexer
-from tests.conftest import make_checkpoint, rand_ids, rel, tiny_config
+from tests.conftest import assert_cap_keeps_the_output, make_checkpoint, rand_ids, rel, tiny_config
 
 K, W, KL, F = 16, 4, 8, 40  # tiny.json's index_topk 16; a window of 4; from position 40 on the top 8
 
@@ -140,14 +140,4 @@ def test_triton_backend_narrows_the_same(tmp_path) -> None:
 
 def test_hisparse_cap_narrows_the_same(tmp_path) -> None:
     """A HiSparse cap (misses swapped in) gives the uncapped logits and tokens with the narrowing."""
-    d = make_checkpoint(tmp_path / "h", narrowed(), seed=8)
-    ids = rand_ids(120, 9)
-    kw = {"device": "cpu", "kv_pages": 24, "prefill_form": "absorbed"}  # (as tests/test_local_window.py)
-    with Engine(d, **kw) as e:
-        want = e.score(ids)
-        want_tok = e.generate([ids[:100]], max_new_tokens=8, ignore_eos=True)[0].token_ids
-    with Engine(d, **kw, hisparse_device_tokens=24) as e:
-        got = e.score(ids)
-        tok = e.generate([ids[:100]], max_new_tokens=8, ignore_eos=True)[0].token_ids
-        hs = e.stats()["hisparse"]
-    assert rel(got, want) <= 1e-6 and tok == want_tok and hs["misses"] > 0
+    assert_cap_keeps_the_output(make_checkpoint(tmp_path / "h", narrowed(), seed=8), rand_ids(120, 9))
