@@ -17,7 +17,9 @@ Keys of the JSON: `<task>.<len>` (0-100; at 1m the HiSparse-capped run, elsewher
 `<task>.1m_uncapped` / `<task>.<len>_capped` for the other kind, `avg_niah.<len>` (the mean over the
 tasks when every task has a score at that length), `samples.<task>.<len>`, and
 `capped_minus_uncapped.1m` (over the samples scored both ways, same seed and index: per task the mean
-difference, then the mean over tasks; `capped_minus_uncapped_pairs.1m` counts them).
+difference, then the mean over tasks; `capped_minus_uncapped_pairs.1m` counts them), and `selection.<task>.<len>`
+(the engine flags, e.g. index_topk_long, a score was taken with where not the checkpoint's own: `merge`
+refuses runs that select differently at one length).
 """
 
 from __future__ import annotations
@@ -107,8 +109,13 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
+# run.json's keys that change how the same weights select or store (retrieval_eval run's engine flags)
+SELECTION_KEYS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from", "kv_dtype")
+
+
 def collect(run_dirs: list[Path]) -> dict:
-    """Per (task, length, capped): the scores of every finished sample, from each run's results.jsonl."""
+    """Per (task, length, capped): the scores of every finished sample, from each run's results.jsonl;
+    `selection`: per such key the engine flags (SELECTION_KEYS) of the runs that scored it."""
     from longctx.workloads.ruler_cli import prompt_form
     from longctx.workloads.ruler_runner import read_rows
 
@@ -117,19 +124,28 @@ def collect(run_dirs: list[Path]) -> dict:
     # (task, length, capped) -> {(seed, index): score}: the same sample scored capped and uncapped pairs up
     by_sample: dict[tuple[str, int, bool], dict[tuple[int, int], float]] = {}
     forms: set[str] = set()  # the prompt forms of the runs (raw, chat, documents)
+    selection: dict[tuple[str, int, bool], set[tuple]] = {}
     for d in run_dirs:
         meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
         capped = bool(meta.get("cap_fraction"))
+        sel = tuple((k, meta[k]) for k in SELECTION_KEYS if meta.get(k) is not None)
         if meta:  # (a directory without run.json does not say; one from before "form" has "chat")
             forms.add(meta.get("form") or prompt_form(bool(meta.get("chat")), False))
         for r in read_rows(d / "results.jsonl"):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))
+            selection.setdefault(k, set()).add(sel)
             if "index" in r:
                 by_sample.setdefault(k, {})[(int(r.get("seed", 42)), int(r["index"]))] = float(r["score"])
             if r.get("latency_s") is not None:
                 latency.setdefault(k, []).append(float(r["latency_s"]))
-    return {"scores": scores, "latency": latency, "forms": forms, "by_sample": by_sample}
+    return {
+        "scores": scores,
+        "latency": latency,
+        "forms": forms,
+        "by_sample": by_sample,
+        "selection": selection,
+    }
 
 
 def capped_minus_uncapped(by_sample: dict, length: int) -> tuple[float, int] | None:
@@ -178,6 +194,15 @@ def merge(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    mixed = sorted(k for k, sels in got["selection"].items() if len(sels) > 1)
+    if mixed:
+        task, L, capped = mixed[0]
+        print(
+            f"merge: {task} at {length_name(L)}{' capped' if capped else ''} comes from runs that select "
+            "differently (--index-topk / --index-local-window / --index-topk-long / --kv-dtype); merge them apart",
+            file=sys.stderr,
+        )
+        return 2
     (form,) = got["forms"] or {"raw"}
     res: dict = {
         "tasks": list(TASKS),
@@ -191,6 +216,9 @@ def merge(args: argparse.Namespace) -> int:
         key = f"{task}.{result_key(L, capped)}"
         res[key] = round(100 * sum(v) / len(v), 1)
         res["samples"][key] = len(v)
+        (sel,) = got["selection"][(task, L, capped)]
+        if sel:  # the engine flags it was scored with, where not the checkpoint's own
+            res.setdefault("selection", {})[key] = dict(sel)
         lat = got["latency"].get((task, L, capped))
         if lat:
             res["mean_latency_s"][key] = round(sum(lat) / len(lat), 2)

@@ -173,6 +173,13 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
     res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())
     assert {"niah_single_1.1k", "niah_multikey_1.1k", "niah_single_1.3k_capped"} <= set(res)
+    assert "selection" not in res  # (the checkpoint's own)
+    # a sample scored with other engine flags does not merge with the checkpoint's own at its length
+    assert main(["merge", str(tmp_path / "u"), str(t), "--out", str(tmp_path / "m2")]) == 2
+    assert main(["merge", str(t), "--out", str(tmp_path / "m3")]) == 0
+    sel = json.loads((tmp_path / "m3" / "retrieval-h200.json").read_text())["selection"]["niah_single_1.1k"]
+    assert sel == {"index_topk": 64, "index_local_window": 16, "index_topk_long": 32,
+                   "index_topk_long_from": 512, "kv_dtype": "bf16"}  # fmt: skip
     assert res["samples"]["niah_single_1.1k"] == 1 and 0 <= res["niah_single_1.1k"] <= 100
     assert (tmp_path / "m" / "retrieval-h200.png").stat().st_size > 0 and res["chat"] is False
     # the chat form: ruler's --chat prompts, recorded; it is never merged with raw-prompt runs
