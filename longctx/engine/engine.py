@@ -164,7 +164,13 @@ class Engine:
             long_k = self.cfg.index_topk_long if index_topk_long is None else index_topk_long
             start = self.cfg.index_topk_long_from if index_topk_long_from is None else index_topk_long_from
             self.cfg = dataclasses.replace(self.cfg, index_topk_long=long_k, index_topk_long_from=start)
-        check_topk_long(self.cfg)
+        try:
+            check_topk_long(self.cfg)
+        except ConfigError as e:
+            # (a top-k override under the checkpoint's narrowing)
+            if index_topk is not None and index_topk_long is None:
+                raise ConfigError(f"{e} (index_topk_long=0 turns the checkpoint's narrowing off)") from None
+            raise
         self.device = _resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
