@@ -86,6 +86,23 @@ def assert_cap_keeps_the_output(d, ids: list[int], cap: int = 24) -> None:
     assert rel(got, want) <= 1e-6 and tok == want_tok and hs["misses"] > 0
 
 
+def assert_training_forward_scores(d, ids: list[int], want: torch.Tensor) -> None:
+    """The training forward of checkpoint `d` (sparse, both selection forms: fused on a CPU is the
+    kernel's reference) gives the engine's logits `want` of `ids`."""
+    from longctx.config import ModelConfig
+    from longctx.train.checkpoint import load_model_weights
+    from longctx.train.model import TrainCausalLM
+
+    m = TrainCausalLM(ModelConfig.from_json(d))
+    load_model_weights(m, d, torch.device("cpu"))
+    m.eval()
+    for form in ("torch", "fused"):
+        m.select_form = form
+        with torch.no_grad():
+            h, _ = m.forward_train(torch.tensor([ids]), sparse=True)
+            assert rel(m.logits(h)[0], want) <= 1e-4, form
+
+
 def rand_ids(n: int, seed: int) -> list[int]:
     """n token ids in [0, 256) from a seeded generator."""
     g = torch.Generator().manual_seed(seed)

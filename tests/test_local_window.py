@@ -15,7 +15,14 @@ from longctx import Engine
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.model.indexer import local_window_bound, with_local_window
-from tests.conftest import assert_cap_keeps_the_output, make_checkpoint, rand_ids, rel, tiny_config
+from tests.conftest import (
+    assert_cap_keeps_the_output,
+    assert_training_forward_scores,
+    make_checkpoint,
+    rand_ids,
+    rel,
+    tiny_config,
+)
 
 W = 4  # tiny.json: index_topk 16
 
@@ -69,9 +76,6 @@ def test_config_checks_and_round_trip(tmp_path) -> None:
 def test_engine_window_is_the_training_forward(tmp_path, pp: int) -> None:
     """A checkpoint with a window scores as the training forward of the same weights (both selection
     forms), as the same weights with the window given to the engine, and not as without it."""
-    from longctx.train.checkpoint import load_model_weights
-    from longctx.train.model import TrainCausalLM
-
     own = tiny_config()
     a = make_checkpoint(tmp_path / "a", own, seed=3)
     b = make_checkpoint(tmp_path / "b", dataclasses.replace(own, index_local_window=W), seed=3)
@@ -87,14 +91,7 @@ def test_engine_window_is_the_training_forward(tmp_path, pp: int) -> None:
         plain = e.score(ids)
     assert rel(plain, want) > 1e-3  # the window changes what is selected at this length
 
-    m = TrainCausalLM(ModelConfig.from_json(b))
-    load_model_weights(m, b, torch.device("cpu"))
-    m.eval()
-    for form in ("torch", "fused"):  # (fused on a CPU: the kernel's reference)
-        m.select_form = form
-        with torch.no_grad():
-            h, _ = m.forward_train(torch.tensor([ids]), sparse=True)
-            assert rel(m.logits(h)[0], want) <= 1e-4, form
+    assert_training_forward_scores(b, ids, want)
     # greedy decode (the decode form of the indexer) agrees with scoring the prompt and its continuation
     with Engine(b, device="cpu") as e:
         full = e.score(ids[:70] + out[:-1])

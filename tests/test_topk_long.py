@@ -13,7 +13,14 @@ from longctx import Engine
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.model.indexer import Indexer
-from tests.conftest import assert_cap_keeps_the_output, make_checkpoint, rand_ids, rel, tiny_config
+from tests.conftest import (
+    assert_cap_keeps_the_output,
+    assert_training_forward_scores,
+    make_checkpoint,
+    rand_ids,
+    rel,
+    tiny_config,
+)
 
 K, W, KL, F = 16, 4, 8, 40  # tiny.json's index_topk 16; a window of 4; from position 40 on the top 8
 
@@ -121,6 +128,15 @@ def test_every_path_selects_the_same(tmp_path, pp: int) -> None:
     with Engine(plain, device="cpu") as e:
         without = e.score(ids)
     assert rel(without[:F], want[:F]) <= 1e-6 and rel(without[F:], want[F:]) > 1e-3
+
+
+def test_training_forward_narrows_as_the_engine(tmp_path) -> None:
+    """The training forward of a narrowing checkpoint (the 1M benches' reference) scores as the engine,
+    with both selection forms."""
+    d = make_checkpoint(tmp_path / "n", narrowed(), seed=10)
+    ids = rand_ids(90, 11)
+    with Engine(d, device="cpu") as e:
+        assert_training_forward_scores(d, ids, e.score(ids))
 
 
 def test_triton_backend_narrows_the_same(tmp_path) -> None:

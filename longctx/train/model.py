@@ -343,6 +343,19 @@ class TrainCausalLM(CausalLM):
         return self.sparse_attention == "gather"
 
     def _selection(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
+        """`_select_k`; with the config's `index_topk_long` K' (and `topk` the config's own, not a
+        --long-topk draw), the rows from `index_topk_long_from` on select K' instead, -1 padded, as the
+        engine's indexer does (rows never reach it in training: the 1M benches' training forward)."""
+        sel = self._select_k(qi, ki, wi, topk)
+        k_long, start = self.cfg.index_topk_long, self.cfg.index_topk_long_from
+        B, S = qi.shape[:2]
+        if not k_long or topk != self.cfg.index_topk or start >= S:
+            return sel
+        pad = torch.full((B, S, topk - k_long), -1, dtype=sel.dtype, device=sel.device)
+        narrow = torch.cat([self._select_k(qi, ki, wi, k_long), pad], 2)
+        return torch.where((torch.arange(S, device=sel.device) >= start)[None, :, None], narrow, sel)
+
+    def _select_k(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
         """The sparse stage's top-k of rows of qi.shape[1] tokens, by the form `select_form` takes there;
         with the config's `index_local_window` W, each query's newest W positions and the top (topk - W)
         of the keys before them, as the engine's indexer selects (`model.indexer.with_local_window`)."""
