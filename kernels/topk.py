@@ -90,6 +90,24 @@ def with_local_window(top: torch.Tensor, positions: torch.Tensor, topk: int, win
     return torch.where(pos >= topk, row, torch.where(ar <= pos, ar, -1))
 
 
+def narrow_selection(sel: torch.Tensor, logits: torch.Tensor, k: int, window: int) -> torch.Tensor:
+    """The selection with k in place of K from `sel` [T, K] (this module's selection of `logits` [T, N]
+    with a window W: the top K - W of each row's keys before its window, then the window; W = 0: the top
+    K), [T, k] int32: the top k - W of each row's selected keys by the same order (value, then the lower
+    index), ascending, then its window. Exact for rows with more than K keys before their window: the
+    first k - W of a total order lie within its first K - W. Other rows come out undefined (callers keep
+    their full selection). A gather and a top-k over K entries, not another pass over the N logits."""
+    T, K = sel.shape
+    assert logits.shape[0] == T and window < k <= K, (tuple(sel.shape), tuple(logits.shape), k, window)
+    far = sel[:, : K - window].long()
+    shift = max(logits.shape[1], 1).bit_length()
+    vals = logits.gather(1, far.clamp(min=0))
+    comp = (_order_key_ref(vals).long() << shift) | ((1 << shift) - 1 - far)
+    comp = comp.masked_fill(far < 0, torch.iinfo(torch.int64).min)
+    top = far.gather(1, comp.topk(k - window, dim=1, sorted=False).indices).sort(dim=1).values
+    return torch.cat([top.to(sel.dtype), sel[:, K - window :]], 1)
+
+
 def _check_window(logits: torch.Tensor, window: int, positions: torch.Tensor | None) -> None:
     check(isinstance(window, int) and window >= 0, f"window must be a non-negative int, got {window!r}")
     if window:

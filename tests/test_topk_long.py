@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from longctx.kernels.topk import narrow_selection, topk_indices_ref
 
 from longctx import Engine
 from longctx.config import ModelConfig
@@ -55,6 +56,23 @@ def test_config_checks_and_round_trip(tmp_path) -> None:
         assert (e.config.index_topk, e.config.index_topk_long) == (KL, 0)
     with Engine(b, device="cpu", index_topk_long=0, index_topk_long_from=0) as e:  # turned off
         assert e.config.index_topk_long == 0
+
+
+@pytest.mark.parametrize("window,k,wide", [(0, 8, 16), (4, 8, 16), (4, 5, 16), (64, 128, 256)])
+def test_narrow_selection_is_the_narrow_top_k(window: int, k: int, wide: int) -> None:
+    """`narrow_selection` of a row's wide selection is the selection with k for every row with more than
+    `wide` keys before its window, ties (few distinct values) going to the lower index as the top-k's do."""
+    g = torch.Generator().manual_seed(window * 7 + k)
+    n = 3 * wide + 50
+    positions = torch.randint(wide + window, n, (40,), generator=g)
+    logits = torch.randint(-4, 5, (40, n), generator=g).float()
+    logits[torch.arange(n)[None] > positions[:, None]] = float("-inf")  # (not causal)
+    if window:
+        sel = topk_indices_ref(logits, wide - window, None, window, positions)
+        want = topk_indices_ref(logits, k - window, None, window, positions)
+    else:
+        sel, want = topk_indices_ref(logits, wide, positions + 1), topk_indices_ref(logits, k, positions + 1)
+    assert torch.equal(narrow_selection(sel, logits, k, window), want)
 
 
 def _recorded(monkeypatch) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

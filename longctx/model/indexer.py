@@ -15,7 +15,9 @@ outrank the few dozen tokens every answer has to read.
 `index_topk_long` K' > 0 (longctx's own too): a query at pos >= `index_topk_long_from` selects K' (its
 window included) instead of index_topk, its row -1 padded to index_topk columns. Rows on both sides of
 that position in one pass take both selections and keep theirs per row (a decode step always does when
-its bound reaches the position: a CUDA graph's host lengths are its bucket's, not the rows').
+its bound reaches the position: a CUDA graph's host lengths are its bucket's, not the rows'); where the
+logits are materialised the narrow one is the wide one's top (`kernels.topk.narrow_selection`: a gather
+and a top-k over index_topk entries), in a fused prefill chunk the fused top-k runs at both widths.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from longctx.config import ModelConfig
 from longctx.kernels.topk import (  # (the window's bound and composition; their kernel form is topk's)
     local_window_bound,
+    narrow_selection,
     with_local_window,
 )
 from longctx.model.context import ForwardContext
@@ -76,6 +79,7 @@ class Indexer(nn.Module):
             self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind,
         )  # fmt: skip
         w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
+        logits: torch.Tensor | None = None
         if ctx.use_triton and not ctx.is_decode:
             # prefill chunk: fused logits + top-k, so the [T, context] logits are never materialised
             fused = op("indexer_topk", "indexer_topk_paged", ctx.use_triton)
@@ -96,7 +100,7 @@ class Indexer(nn.Module):
                 return with_local_window(top, ctx.positions, topk, self.window)
 
         else:
-            logits = op("indexer", "indexer_logits_paged", ctx.use_triton)(
+            scores = op("indexer", "indexer_logits_paged", ctx.use_triton)(
                 q,
                 w,
                 kv.index_pool(self.layer),
@@ -108,23 +112,29 @@ class Indexer(nn.Module):
                 max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
                 w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
             )  # [T, max_len] fp32, -inf where not causal
+            logits = scores
             topk_op = op("topk", "topk_indices", ctx.use_triton)
 
             def select(topk: int) -> torch.Tensor:
                 if self.window:  # the top (k - W) and the window in one: the kernels read the positions alone
-                    return topk_op(logits, topk - self.window, None, self.window, ctx.positions)
+                    return topk_op(scores, topk - self.window, None, self.window, ctx.positions)
                 if ctx.key_lens is None:
                     ctx.key_lens = ctx.positions + 1
-                return topk_op(logits, topk, ctx.key_lens)
+                return topk_op(scores, topk, ctx.key_lens)
 
         which = self._narrowing(ctx)
         if which == "base":
             return select(self.topk)
         pad = torch.full((T, self.topk - self.topk_long), -1, dtype=torch.int32, device=q.device)
-        narrow = torch.cat([select(self.topk_long), pad], 1)
         if which == "long":
-            return narrow
-        return torch.where((ctx.positions >= self.topk_long_from)[:, None], narrow, select(self.topk))
+            return torch.cat([select(self.topk_long), pad], 1)
+        wide = select(self.topk)
+        if logits is None:  # (a fused prefill chunk across the position: the selection at both widths)
+            narrow = select(self.topk_long)
+        else:  # the narrow rows' top from the wide selection's logits (every decode step past the position)
+            narrow = narrow_selection(wide, logits, self.topk_long, self.window)
+        narrow = torch.cat([narrow, pad], 1)
+        return torch.where((ctx.positions >= self.topk_long_from)[:, None], narrow, wide)
 
     def _narrowing(self, ctx: ForwardContext) -> str:
         """Which selection this pass's rows take: "base" (all below `index_topk_long_from`, or no
