@@ -26,7 +26,8 @@ forward's logprobs of the same bytes), and the attention table describes that ro
 with the space and then goes wrong is either the model's (all three agree) or the decode path's.
 
     python -m bench.long_parity --model DIR --lengths 128k,1m [--task niah_single_1] [--index 0]
-        [--index-topk K] [--index-local-window W] [--answer-row] [--device cuda] --out R
+        [--index-topk K] [--index-local-window W] [--index-topk-long K --index-topk-long-from P]
+        [--answer-row] [--device cuda] --out R
 
 With a needle to find it also reports, for the training forward's last prompt row (the answer's space row
 under `--answer-row`), every layer's main attention share on the needle's value and on the question (the
@@ -54,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the prompt's last positions counted as the question: needle_recall's `local` column's
+from bench.common import add_selection_args  # noqa: E402
 from bench.needle_recall import LOCAL, SPACE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,16 +143,19 @@ def question_row(
     return out
 
 
-def train_model(model_dir: str, device: torch.device, window: int | None = None) -> Any:
+def train_model(model_dir: str, device: torch.device, overrides: dict[str, Any] | None = None) -> Any:
     """The checkpoint's `TrainCausalLM` as these benches run its training forward: gathered sparse
-    attention, the fused selection on CUDA (the chunked one on a CPU), eval mode, on `device`; `window`:
-    its index_local_window instead of the config's."""
+    attention, the fused selection on CUDA (the chunked one on a CPU), eval mode, on `device`; `overrides`:
+    config fields (the selection's: index_local_window, index_topk_long...) instead of the config's, None
+    values left as they are."""
     from longctx.config import ModelConfig
     from longctx.train.checkpoint import load_model_weights
     from longctx.train.model import TrainCausalLM
 
     cfg = ModelConfig.from_json(model_dir)
-    m = TrainCausalLM(cfg if window is None else dataclasses.replace(cfg, index_local_window=window))
+    m = TrainCausalLM(
+        dataclasses.replace(cfg, **{k: v for k, v in (overrides or {}).items() if v is not None})
+    )
     load_model_weights(m, model_dir, torch.device("cpu"))
     m.sparse_attention = "gather"
     m.select_form = "fused" if device.type == "cuda" else "torch"
@@ -171,15 +176,15 @@ def train_last_logits(
     needle: list[int] | None = None,
     topk: int | None = None,
     question: tuple[int, bool] | None = None,
-    window: int | None = None,
+    overrides: dict[str, Any] | None = None,
     tail: int = 1,
 ) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
     """The training forward's logits at the last `tail` of `ids` (fp32 [tail, V]) and, per layer (full or
     IndexShare), `attention_mass` of its last row given the needle's positions (none without them);
     `topk`: the selection's size (None: each indexer's own); `question` = (W, keep): every full layer's
     last-row selection made by `question_row` (the question's last W positions forced in or kept out);
-    `window`: the model's index_local_window instead of its config's."""
-    m = train_model(model_dir, device, window)
+    `overrides`: `train_model`'s."""
+    m = train_model(model_dir, device, overrides)
     names = [str(i) for i in m.layer_range]
     masses: dict[str, dict[str, float]] = {}
 
@@ -293,19 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="128k,1m")
     ap.add_argument("--task", default="niah_single_1")
     ap.add_argument("--index", type=int, default=0)
-    ap.add_argument(
-        "--index-topk",
-        type=int,
-        default=None,
-        help="every form selects this top-k (default: the model's own)",
-    )
-    ap.add_argument(
-        "--index-local-window",
-        type=int,
-        default=None,
-        metavar="W",
-        help="every form keeps each query's newest W positions in its selection (default: the model's)",
-    )
+    add_selection_args(ap)  # (every form: the engine's and the training forward's)
     ap.add_argument(
         "--with-question",
         type=int,
@@ -336,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from bench.common import write_json_md
+    from bench.common import selection_kwargs, write_json_md
     from bench.needle_recall import (
         MAX_NEW_TOKENS_SCALE,
         SEED,
@@ -384,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows: list[dict[str, Any]] = []
     tail = 2 if args.answer_row else 1  # the last prompt row (and the answer's space's)
+    # the training forward selects as the engine forms: the window and the narrowing in its config
+    train_overrides = {k: v for k, v in selection_kwargs(args).items() if k != "index_topk"}
     for L in lengths:
         s = gen.sample(args.task, L, args.index)
         got: dict[str, torch.Tensor] = {}
@@ -401,8 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=str(device),
                 max_context=L,
                 cuda_graphs=False,
-                index_topk=args.index_topk,
-                index_local_window=args.index_local_window,
+                **selection_kwargs(args),
                 **kw,
             ) as eng:
                 ids = eng.encode(s.input + s.answer_prefix)
@@ -421,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         ref_rows, masses = train_last_logits(
             args.model, full, device, needle_positions(full, value_ids), topk=args.index_topk,
-            window=args.index_local_window, tail=tail,
+            overrides=train_overrides, tail=tail,
         )  # fmt: skip
         ref = ref_rows[0]
         secs["train"] = time.perf_counter() - t
@@ -437,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 got_q, _ = train_last_logits(
                     args.model, ids, device, topk=args.index_topk, question=(w, keep),
-                    window=args.index_local_window,
+                    overrides=train_overrides,
                 )  # fmt: skip
                 out_forms[name] = {
                     **describe(got_q[-1], SPACE, decode, ref), "question_window": w,
@@ -459,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         "index": args.index,
         "index_topk": args.index_topk,
         "index_local_window": args.index_local_window,
+        "index_topk_long": args.index_topk_long,
+        "index_topk_long_from": args.index_topk_long_from,
         "device": str(device),
         "command": "python -m bench.long_parity " + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": rows,

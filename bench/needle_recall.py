@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_selection_args, selection_kwargs  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = "niah_single_1,niah_single_2"
 SEED = 42  # bench.retrieval_eval's (longctx ruler's default)
@@ -317,13 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=TASKS)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--index-topk", type=int, default=None, help="tokens each full layer selects (Engine's)")
-    ap.add_argument(
-        "--index-local-window",
-        type=int,
-        default=None,
-        help="newest positions each selection keeps (Engine's)",
-    )
+    add_selection_args(ap)
     ap.add_argument(
         "--force-layers",
         default="",
@@ -364,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     counter = load_counter(args.model)
     gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
     engine_kw = dict(
-        device=args.device, max_context=max(lengths), cuda_graphs=False, index_topk=args.index_topk,
-        index_local_window=args.index_local_window,
+        device=args.device, max_context=max(lengths), cuda_graphs=False, **selection_kwargs(args),
     )  # fmt: skip
     try:
         with Engine(args.model, **engine_kw) as eng:

@@ -1191,6 +1191,11 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
         )
     assert max(a["needle_sel"] for a in att.values()) > 0.01
     assert "| 1K | 0 |" in (tmp_path / "long-parity.md").read_text()
+    # the narrowing from position 512 on (--index-topk-long): the engine and the training forward alike
+    narrow = ["--index-topk-long", "128", "--index-topk-long-from", "512"]
+    assert main(["--lengths", "1k", "--device", "cpu", *narrow, "--out", str(tmp_path / "n")]) == 0
+    res = json.loads((tmp_path / "n" / "long-parity.json").read_text())
+    assert res["index_topk_long"] == 128 and res["rows"][0]["forms"]["engine"]["rel_diff"] <= 1e-4
     for bad in (
         ["--task", "vt"],
         ["--index", "-1"],

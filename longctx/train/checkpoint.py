@@ -136,10 +136,13 @@ def save_training(
 def load_model_weights(model: TrainCausalLM, model_dir: str | Path, device: torch.device) -> None:
     """Load a checkpoint's weights into `model` through the engine's own loader, as fp32 trainables."""
     cfg = ModelConfig.from_json(model_dir)
-    # (the dtype and the selection's local window are not the weights': --index-local-window may change it)
+    # (the dtype and how the indexers select are not the weights': --index-local-window may change the
+    # window, the benches the window and the narrowing)
+    m = model.cfg
     same = dataclasses.replace(
-        cfg, torch_dtype=model.cfg.torch_dtype, index_local_window=model.cfg.index_local_window
-    )
+        cfg, torch_dtype=m.torch_dtype, index_local_window=m.index_local_window,
+        index_topk_long=m.index_topk_long, index_topk_long_from=m.index_topk_long_from,
+    )  # fmt: skip
     if same != model.cfg:
         raise CheckpointError(f"{model_dir} holds a different architecture than the training config")
     model.load_weights(iter_weights(model_dir, cfg, dtype=torch.float32), device, torch.float32)
