@@ -201,29 +201,3 @@ def sweep_device(spec: str, script: str) -> tuple[torch.device, int | None]:
         print("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
         return dev, 2
     return dev, None
-
-
-SELECTION_FLAGS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from")
-
-
-def add_selection_args(ap: Any) -> None:
-    """The engine's selection flags of the benches that load a model (default each: the checkpoint's):
-    --index-topk, --index-local-window, --index-topk-long, --index-topk-long-from."""
-    ap.add_argument("--index-topk", type=int, default=None, help="tokens each full layer selects (Engine's)")
-    ap.add_argument(
-        "--index-local-window", type=int, default=None, metavar="W",
-        help="each query's newest W positions kept in its selection (Engine's)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--index-topk-long", type=int, default=None, metavar="K",
-        help="tokens a full layer selects for queries from --index-topk-long-from on (Engine's)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--index-topk-long-from", type=int, default=None, metavar="P",
-        help="the position --index-topk-long applies from (Engine's)",
-    )  # fmt: skip
-
-
-def selection_kwargs(args: Any) -> dict[str, Any]:
-    """`add_selection_args`' flags as Engine keywords (None: the checkpoint's)."""
-    return {name: getattr(args, name) for name in SELECTION_FLAGS}

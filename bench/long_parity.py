@@ -55,8 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the prompt's last positions counted as the question: needle_recall's `local` column's
-from bench.common import add_selection_args  # noqa: E402
 from bench.needle_recall import LOCAL, SPACE  # noqa: E402
+from longctx.engine.args import add_selection_args, selection_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = 5
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from bench.common import selection_kwargs, write_json_md
+    from bench.common import write_json_md
     from bench.needle_recall import (
         MAX_NEW_TOKENS_SCALE,
         SEED,

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_selection_args, selection_kwargs  # noqa: E402
+from longctx.engine.args import add_selection_args, selection_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = "niah_single_1,niah_single_2"

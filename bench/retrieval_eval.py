@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from longctx.engine.args import SELECTION_FIELDS  # noqa: E402
+
 TASKS = (
     "niah_single_1",
     "niah_single_2",
@@ -44,6 +46,9 @@ TASKS = (
 ONE_M = 1 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 RUN_META = "run.json"
+# run.json's keys that change how the same weights select or store: `run`'s engine flags, passed on to
+# `longctx ruler` as --index-topk ... --kv-dtype
+SELECTION_KEYS = (*SELECTION_FIELDS, "kv_dtype")
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
 MAX_NEW_TOKENS_SCALE = "0.5"
 # --documents sends no answer prefix: the model writes RULER's answer sentence (~80 bytes) before the
@@ -73,14 +78,11 @@ def run(args: argparse.Namespace) -> int:
     # the same weights with each full layer selecting another top-k, each query's newest positions kept,
     # another KV cache dtype (CUDA's default: fp8): recorded, and passed on to `longctx ruler`
     engine_flags: list[str] = []
-    for flag, name in (
-        ("--index-topk", "index_topk"), ("--index-local-window", "index_local_window"), ("--kv-dtype", "kv_dtype"),
-        ("--index-topk-long", "index_topk_long"), ("--index-topk-long-from", "index_topk_long_from"),
-    ):  # fmt: skip
+    for name in SELECTION_KEYS:
         value = getattr(args, name)
         if value is not None:
             meta[name] = value
-            engine_flags += [flag, str(value)]
+            engine_flags += ["--" + name.replace("_", "-"), str(value)]
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
@@ -107,10 +109,6 @@ def run(args: argparse.Namespace) -> int:
         rc = cli(argv) or rc
         print(f"retrieval_eval: {length_name(L)} done in {time.perf_counter() - t:.0f}s", flush=True)
     return rc
-
-
-# run.json's keys that change how the same weights select or store (retrieval_eval run's engine flags)
-SELECTION_KEYS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from", "kv_dtype")
 
 
 def collect(run_dirs: list[Path]) -> dict:
@@ -337,7 +335,7 @@ def plot(by_len: dict[tuple[int, bool], dict[str, float]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from longctx.engine.args import KV_DTYPE_CHOICES
+    from longctx.engine.args import KV_DTYPE_CHOICES, add_selection_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -363,32 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="niah tasks as long-document QA, the prompt /v1/documents + /ask build (`longctx ruler --documents`)",
     )
-    r.add_argument(
-        "--index-topk",
-        type=int,
-        default=None,
-        help="score the same weights with each full layer selecting this top-k (`longctx ruler --index-topk`)",
-    )
-    r.add_argument(
-        "--index-local-window",
-        type=int,
-        default=None,
-        help="score the same weights with each query's newest W positions kept in every full layer's "
-        "selection (`longctx ruler --index-local-window`)",
-    )
-    r.add_argument(
-        "--index-topk-long",
-        type=int,
-        default=None,
-        help="score the same weights with queries from --index-topk-long-from on selecting this top-k "
-        "(`longctx ruler --index-topk-long`)",
-    )
-    r.add_argument(
-        "--index-topk-long-from",
-        type=int,
-        default=None,
-        help="the position from which --index-topk-long applies (`longctx ruler --index-topk-long-from`)",
-    )
+    add_selection_args(r)  # (the same weights selecting otherwise: passed on to `longctx ruler`)
     r.add_argument(
         "--kv-dtype",
         choices=KV_DTYPE_CHOICES,

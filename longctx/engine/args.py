@@ -2,12 +2,16 @@
 
 `add_engine_args(parser)` declares them; `engine_kwargs(obj)` reads them back (off an argparse
 namespace or a `server.engine_proc.EngineSpec`) as `Engine(model_dir, **engine_kwargs(obj))`.
+`add_selection_args` / `selection_kwargs`: the selection's four of them alone (the benches' too).
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+# the Engine keywords that change how the same weights select (`add_selection_args`)
+SELECTION_FIELDS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from")
 
 # Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
 ENGINE_FIELDS = (
@@ -19,10 +23,7 @@ ENGINE_FIELDS = (
     "hisparse_device_tokens",
     "max_context",
     "backend",
-    "index_topk",
-    "index_local_window",
-    "index_topk_long",
-    "index_topk_long_from",
+    *SELECTION_FIELDS,
 )
 
 KV_DTYPE_CHOICES = ("auto", "model", "bf16", "fp8_e4m3")  # Engine's kv_dtype (`--kv-dtype`)
@@ -60,6 +61,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         help="device KV slots per request and layer (HiSparse); default: all on device",
     )
     p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
+    add_selection_args(p)
+
+
+def add_selection_args(p: argparse.ArgumentParser) -> None:
+    """The flags that change how the same weights select (SELECTION_FIELDS; default each: the checkpoint's),
+    for the CLI's engine commands and the benches that load a model."""
     p.add_argument(
         "--index-topk",
         type=int,
@@ -86,6 +93,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         default=None,
         help="the position from which queries select --index-topk-long (default: the checkpoint's)",
     )
+
+
+def selection_kwargs(obj: Any) -> dict[str, Any]:
+    """{field: obj.field} for SELECTION_FIELDS (None: the checkpoint's)."""
+    return {name: getattr(obj, name) for name in SELECTION_FIELDS}
 
 
 def engine_kwargs(obj: Any) -> dict[str, Any]:
