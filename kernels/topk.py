@@ -108,6 +108,20 @@ def narrow_selection(sel: torch.Tensor, logits: torch.Tensor, k: int, window: in
     return torch.cat([top.to(sel.dtype), sel[:, K - window :]], 1)
 
 
+def pad_selection(sel: torch.Tensor, width: int) -> torch.Tensor:
+    """A selection [..., k] -1 padded to [..., width] (a narrow row in a wider selection's layout)."""
+    return torch.cat([sel, sel.new_full((*sel.shape[:-1], width - sel.shape[-1]), -1)], -1)
+
+
+def with_narrow_rows(
+    wide: torch.Tensor, narrow: torch.Tensor, positions: torch.Tensor, start: int
+) -> torch.Tensor:
+    """`wide` [..., K] with every row whose position (`positions`, broadcast over the rows) is at least
+    `start` taken from `narrow` [..., k] instead, -1 padded (`index_topk_long` from
+    `index_topk_long_from`: the engine's indexer and the training forward lay rows out alike)."""
+    return torch.where((positions >= start)[..., None], pad_selection(narrow, wide.shape[-1]), wide)
+
+
 def _check_window(logits: torch.Tensor, window: int, positions: torch.Tensor | None) -> None:
     check(isinstance(window, int) and window >= 0, f"window must be a non-negative int, got {window!r}")
     if window:

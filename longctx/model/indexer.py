@@ -29,7 +29,9 @@ from longctx.config import ModelConfig
 from longctx.kernels.topk import (  # (the window's bound and composition; their kernel form is topk's)
     local_window_bound,
     narrow_selection,
+    pad_selection,
     with_local_window,
+    with_narrow_rows,
 )
 from longctx.model.context import ForwardContext
 from longctx.model.linear import Linear
@@ -125,16 +127,14 @@ class Indexer(nn.Module):
         which = self._narrowing(ctx)
         if which == "base":
             return select(self.topk)
-        pad = torch.full((T, self.topk - self.topk_long), -1, dtype=torch.int32, device=q.device)
         if which == "long":
-            return torch.cat([select(self.topk_long), pad], 1)
+            return pad_selection(select(self.topk_long), self.topk)
         wide = select(self.topk)
         if logits is None:  # (a fused prefill chunk across the position: the selection at both widths)
             narrow = select(self.topk_long)
         else:  # the narrow rows' top from the wide selection's logits (every decode step past the position)
             narrow = narrow_selection(wide, logits, self.topk_long, self.window)
-        narrow = torch.cat([narrow, pad], 1)
-        return torch.where((ctx.positions >= self.topk_long_from)[:, None], narrow, wide)
+        return with_narrow_rows(wide, narrow, ctx.positions, self.topk_long_from)
 
     def _narrowing(self, ctx: ForwardContext) -> str:
         """Which selection this pass's rows take: "base" (all below `index_topk_long_from`, or no

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longctx.config import ModelConfig, check_local_window
+from longctx.kernels.topk import with_narrow_rows
 from longctx.model.indexer import Indexer, local_window_bound, with_local_window
 from longctx.model.mla import MLAttention
 from longctx.model.model import CausalLM
@@ -348,12 +349,11 @@ class TrainCausalLM(CausalLM):
         engine's indexer does (rows never reach it in training: the 1M benches' training forward)."""
         sel = self._select_k(qi, ki, wi, topk)
         k_long, start = self.cfg.index_topk_long, self.cfg.index_topk_long_from
-        B, S = qi.shape[:2]
+        S = qi.shape[1]
         if not k_long or topk != self.cfg.index_topk or start >= S:
             return sel
-        pad = torch.full((B, S, topk - k_long), -1, dtype=sel.dtype, device=sel.device)
-        narrow = torch.cat([self._select_k(qi, ki, wi, k_long), pad], 2)
-        return torch.where((torch.arange(S, device=sel.device) >= start)[None, :, None], narrow, sel)
+        rows = torch.arange(S, device=sel.device)[None]  # [1, S]: each row's position
+        return with_narrow_rows(sel, self._select_k(qi, ki, wi, k_long), rows, start)
 
     def _select_k(self, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, topk: int) -> torch.Tensor:
         """The sparse stage's top-k of rows of qi.shape[1] tokens, by the form `select_form` takes there;
