@@ -132,8 +132,11 @@ hisparse_measures() {
 selection_flags() {
   # how the scored weights select, as retrieval_eval / needle_recall / long_parity flags: WINDOW=W
   # (--index-local-window), TOPK=K (--index-topk), TOPK_LONG=K with TOPK_LONG_FROM=P (--index-topk-long
-  # K --index-topk-long-from P: queries from position P on select K)
-  echo ${WINDOW:+--index-local-window "$WINDOW"} ${TOPK:+--index-topk "$TOPK"} \
+  # K --index-topk-long-from P: queries from position P on select K). TOPK alone turns the checkpoint's
+  # narrowing off (the shipped model's: 128 from 262,144), so every query selects K
+  local off=""
+  [ -n "${TOPK:-}" ] && [ -z "${TOPK_LONG:-}" ] && off="--index-topk-long 0"
+  echo ${WINDOW:+--index-local-window "$WINDOW"} ${TOPK:+--index-topk "$TOPK"} $off \
     ${TOPK_LONG:+--index-topk-long "$TOPK_LONG" --index-topk-long-from "${TOPK_LONG_FROM:-262144}"}
 }
 
@@ -254,7 +257,7 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     if [ -n "${DIAG_TOPK-128}" ]; then
       "$PY" -m bench.retrieval_eval run --model models-shipped/retrieval-wip --lengths 1m --samples 1 \
         --indices 0,5,15,16 --concurrency 1 --tasks niah_single_1 --index-topk "${DIAG_TOPK-128}" \
-        --out "$S/eval/topk${DIAG_TOPK-128}_1m_shipped"
+        --index-topk-long 0 --out "$S/eval/topk${DIAG_TOPK-128}_1m_shipped"
     fi
   fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
@@ -286,7 +289,8 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   # 0: skip) at 1M
   if [ "${TOPK_1M:-0}" != 0 ]; then
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples 1 --concurrency 1 \
-      --tasks niah_single_1,niah_single_2 "${sel[@]}" --index-topk "$TOPK_1M" --out "$S/eval/topk_1m"
+      --tasks niah_single_1,niah_single_2 "${sel[@]}" --index-topk "$TOPK_1M" --index-topk-long 0 \
+      --out "$S/eval/topk_1m"
   fi
   # the engine's last prompt row and the answer's space row (`--answer-row`: the first value byte, also by
   # the engine's decode step) at 1M against the training forward of the same weights (PARITY=0: skip;
@@ -312,8 +316,8 @@ lane_score_1m() {
   # LANE_A=score1m: no training and no 4K-128K scores, for issue 10's 1M figure with 20 samples: SCORE_1M
   # (default 20) niah_single_1 samples at 1M of EVAL_MODEL (default the shipped model), uncapped and under a
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
-  # SEED_1M_CAPPED: results.jsonl files, default run 23's of the twenty-second session; the runner skips
-  # the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
+  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's of the twenty-seventh session, run 23
+  # with its config's narrowing; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
   # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
   # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
   # seeded (those rows are the model's own selection's), and TOPK_LONG's graphs are checked first;
@@ -327,9 +331,9 @@ lane_score_1m() {
   mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
   if [ ${#sel[@]} -eq 0 ]; then
     [ -f "$S/eval/uncapped_1m/results.jsonl" ] || cp \
-      "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
+      "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-long128-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
     [ -f "$S/eval/capped_1m/results.jsonl" ] || cp \
-      "${SEED_1M_CAPPED:-bench/results/training/eval-run23-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
+      "${SEED_1M_CAPPED:-bench/results/training/eval-run23-long128-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
   fi
   # the decode top-k's window (its write pass stores it since the twenty-third session) on this GPU first
   # (if it fails, the session composes the window after the top-k as before: LONGCTX_TOPK_WINDOW=0)

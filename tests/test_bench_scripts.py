@@ -583,6 +583,8 @@ def test_session_scores_an_existing_model_with_another_top_k(tmp_path: Path) -> 
     assert not any("gpu_check" in x or "longctx.train" in x for x in lane)
     evals = [x for x in lane if "retrieval_eval run" in x or "needle_recall" in x]
     assert evals and all(x.count("--index-topk 128") == 1 for x in evals), evals
+    # (and the shipped config's narrowing off: every query selects the top 128)
+    assert all(x.count("--index-topk-long 0") == 1 for x in evals), evals
     assert all("--index-local-window" not in x for x in evals)
     (capped,) = [x for x in evals if "--cap-fraction" in x]
     assert "--samples 20 --concurrency 1 --tasks niah_single_1 --cap-fraction 0.1" in capped
@@ -633,10 +635,11 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         assert cap[0] == ("1" if ngpu == 2 else "0")
         if ngpu == 1:
             assert lines.index(cap) > lines.index(unc)
-        # the committed samples of run 23 seed both runs (the runner skips what a file holds)
+        # the committed samples of the shipped model (run 23 with its config's narrowing) seed both runs
+        # (the runner skips what a file holds)
         for d, src in (
-            ("uncapped_1m", "eval-run23-1m-h200.jsonl"),
-            ("capped_1m", "eval-run23-capped-1m-h200.jsonl"),
+            ("uncapped_1m", "eval-run23-long128-1m-h200.jsonl"),
+            ("capped_1m", "eval-run23-long128-capped-1m-h200.jsonl"),
         ):
             assert (s / "eval" / d / "results.jsonl").read_text() == (
                 ROOT / "bench" / "results" / "training" / src

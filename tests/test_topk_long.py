@@ -56,6 +56,8 @@ def test_config_checks_and_round_trip(tmp_path) -> None:
         assert (e.config.index_topk, e.config.index_topk_long) == (KL, 0)
     with Engine(b, device="cpu", index_topk_long=0, index_topk_long_from=0) as e:  # turned off
         assert e.config.index_topk_long == 0
+    with Engine(b, device="cpu", index_topk=KL, index_topk_long=0) as e:  # as the hint says: 0 alone
+        assert (e.config.index_topk, e.config.index_topk_long, e.config.index_topk_long_from) == (KL, 0, 0)
 
 
 @pytest.mark.parametrize("window,k,wide", [(0, 8, 16), (4, 8, 16), (4, 5, 16), (64, 128, 256)])
@@ -177,3 +179,19 @@ def test_triton_backend_narrows_the_same(tmp_path) -> None:
 def test_hisparse_cap_narrows_the_same(tmp_path) -> None:
     """A HiSparse cap (misses swapped in) gives the uncapped logits and tokens with the narrowing."""
     assert_cap_keeps_the_output(make_checkpoint(tmp_path / "h", narrowed(), seed=8), rand_ids(120, 9))
+
+
+def test_training_from_a_narrowed_checkpoint_keeps_it(tmp_path) -> None:
+    """Trained from weights whose config narrows (the shipped model), the saved model narrows the same,
+    as it keeps their window: it is then scored past the position as they were."""
+    from longctx.train.__main__ import main
+
+    src = make_checkpoint(tmp_path / "src", narrowed(), seed=2)
+    args = [
+        "--config", "configs/tiny.json", "--out", str(tmp_path / "out"), "--steps", "1", "--device", "cpu",
+        "--init-from", str(src), "--tokens-per-step", "1024", "--curriculum", "0:512",
+        "--dense-warmup-steps", "0", "--warmup-steps", "1", "--kl-rows", "8", "--save-dtype", "float32",
+    ]  # fmt: skip
+    assert main(args) == 0
+    got = ModelConfig.from_json(tmp_path / "out")
+    assert (got.index_local_window, got.index_topk_long, got.index_topk_long_from) == (W, KL, F)

@@ -163,6 +163,8 @@ class Engine:
             # off); the checkpoint's otherwise
             long_k = self.cfg.index_topk_long if index_topk_long is None else index_topk_long
             start = self.cfg.index_topk_long_from if index_topk_long_from is None else index_topk_long_from
+            if long_k == 0 and index_topk_long_from is None:  # index_topk_long=0 alone turns it off
+                start = 0
             self.cfg = dataclasses.replace(self.cfg, index_topk_long=long_k, index_topk_long_from=start)
         try:
             check_topk_long(self.cfg)
