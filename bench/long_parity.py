@@ -42,7 +42,6 @@ Writes R/long-parity.json and R/long-parity.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -146,16 +145,13 @@ def question_row(
 def train_model(model_dir: str, device: torch.device, overrides: dict[str, Any] | None = None) -> Any:
     """The checkpoint's `TrainCausalLM` as these benches run its training forward: gathered sparse
     attention, the fused selection on CUDA (the chunked one on a CPU), eval mode, on `device`; `overrides`:
-    config fields (the selection's: index_local_window, index_topk_long...) instead of the config's, None
-    values left as they are."""
-    from longctx.config import ModelConfig
+    the selection's fields (SELECTION_FIELDS) instead of the config's, as the engine takes them
+    (`longctx.config.with_selection`; None: the config's)."""
+    from longctx.config import ModelConfig, with_selection
     from longctx.train.checkpoint import load_model_weights
     from longctx.train.model import TrainCausalLM
 
-    cfg = ModelConfig.from_json(model_dir)
-    m = TrainCausalLM(
-        dataclasses.replace(cfg, **{k: v for k, v in (overrides or {}).items() if v is not None})
-    )
+    m = TrainCausalLM(with_selection(ModelConfig.from_json(model_dir), **(overrides or {})))
     load_model_weights(m, model_dir, torch.device("cpu"))
     m.sparse_attention = "gather"
     m.select_form = "fused" if device.type == "cuda" else "torch"
@@ -354,13 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             raise LongctxError(f"--task {args.task}: a niah task (its answer starts with a space)")
         if args.index < 0:
             raise LongctxError("--index must be >= 0")
-        if args.index_topk is not None and args.index_topk < 1:
-            raise LongctxError("--index-topk must be >= 1")
         if args.with_question < 0 or args.without_question < 0:
             raise LongctxError("--with-question / --without-question must be >= 0")
         if args.answer_row and (args.with_question or args.without_question):
             raise LongctxError("--answer-row: without --with-question / --without-question (last-row forms)")
-        check_trained_model(args.model)
+        check_trained_model(args.model, args)
         device = resolve_device(args.device)
     except LongctxError as e:
         print(f"long_parity: {e}", file=sys.stderr)
@@ -378,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     tail = 2 if args.answer_row else 1  # the last prompt row (and the answer's space's)
     # the training forward selects as the engine forms: the window and the narrowing in its config
-    train_overrides = {k: v for k, v in selection_kwargs(args).items() if k != "index_topk"}
+    train_overrides = selection_kwargs(args)
     for L in lengths:
         s = gen.sample(args.task, L, args.index)
         got: dict[str, torch.Tensor] = {}

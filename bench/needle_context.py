@@ -6,7 +6,8 @@ explanation: a needle's rows (the bytes of its value) attend over the top-k of e
 their local window included, so after ~1M of haystack they share their attention with the highest-scored
 of many more haystack keys than any trained row held (at most 128K). This measures that share where a CPU
 can: for niah_single_1 samples whose needle sits late in the prompt (depth >= `--min-depth`), at several
-lengths, the training forward (`TrainCausalLM.forward_train`, sparse, the checkpoint's selection) of the
+lengths, the training forward (`TrainCausalLM.forward_train`, sparse, the checkpoint's selection or the
+one `--index-topk` / `--index-local-window` / `--index-topk-long` ask for, as the engine takes them) of the
 raw prompt, and at every layer the main attention of the needle value's rows, averaged over heads, rows
 and samples:
 
@@ -19,6 +20,7 @@ If `far_sel` grows with the length, a needle read after much more haystack than 
 diluted; if it stays flat, the near-needle misses at 1M have another cause.
 
     python -m bench.needle_context --model DIR --lengths 4k,16k,32k --samples 2 [--min-depth D] [--device cpu] --out R
+    python -m bench.needle_context ... --index-topk-long 0   # the shipped model without its narrowing
 
 On CUDA the forward runs under bf16 autocast with the fused selection, as training does (a CPU: fp32 and
 the chunked selection).
@@ -37,6 +39,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from longctx.engine.args import add_selection_args, selection_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCAN = 200  # sample indices looked at per length for late needles
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local", type=int, default=64, help="a row's last positions that are not 'far'")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", type=Path, required=True)
+    add_selection_args(ap)  # (the training forward selecting otherwise: the top-k, window, narrowing)
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from longctx.workloads.tokens import load_counter
 
     try:
-        check_trained_model(args.model)
+        check_trained_model(args.model, args)
         lengths = parse_lengths(args.lengths)
         if args.samples < 1 or not 0.0 <= args.min_depth < 1.0 or args.local < 1:
             raise LongctxError("--samples must be >= 1, --min-depth in [0, 1) and --local >= 1")
@@ -150,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     counter = load_counter(args.model)
     gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
-    model = train_model(args.model, device)
+    model = train_model(args.model, device, selection_kwargs(args))
     res: dict[str, Any] = {
         "model": args.model,
         "local": args.local,
         "min_depth": args.min_depth,
+        "selection": {k: v for k, v in selection_kwargs(args).items() if v is not None},
         "lengths": {},
     }
     res["command"] = "python -m bench.needle_context " + " ".join(argv if argv is not None else sys.argv[1:])

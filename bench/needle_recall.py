@@ -150,12 +150,16 @@ def forced_needle(layers: set[int], needle: Sequence[int], start: int) -> Iterat
         ix.op, ix.Indexer.forward = op, forward  # type: ignore[method-assign]
 
 
-def check_trained_model(model: str) -> None:
-    """LongctxError unless `model` has a tokenizer (the RULER prompts need the trained byte-level model)."""
+def check_trained_model(model: str, args: Any = None) -> None:
+    """LongctxError unless `model` has a tokenizer (the RULER prompts need the trained byte-level model)
+    and, given the parsed flags `args`, their selection (add_selection_args) is one its config can take."""
+    from longctx.config import ModelConfig, with_selection
     from longctx.errors import LongctxError
 
     if not (Path(model) / "tokenizer.json").exists():
         raise LongctxError(f"--model {model}: no tokenizer.json (a trained byte-level model is needed)")
+    if args is not None:
+        with_selection(ModelConfig.from_json(model), **selection_kwargs(args))
 
 
 LOCAL = 64  # the prompt's last positions whose selection `recall_by_layer` reports
@@ -341,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = parse_tasks(args.tasks)
         if args.samples < 1:
             raise LongctxError("--samples must be >= 1")
-        if args.index_topk is not None and args.index_topk < 1:
-            raise LongctxError("--index-topk must be >= 1")
-        check_trained_model(args.model)
+        check_trained_model(args.model, args)
         force = _force_layers(args.force_layers, args.model, args.device)
     except LongctxError as e:
         print(f"needle_recall: {e}", file=sys.stderr)

@@ -50,8 +50,9 @@
 #   POSE_FAR and CURRICULUM (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID
 #   copy rows, 0, far PoSE skips, 0, and curriculum, rows on to 256K),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
-# LANE_A=score1m: no training; SCORE_1M (20) niah_single_1 samples at 1M of EVAL_MODEL uncapped and capped,
-#   after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples on GPU 1).
+# LANE_A=score1m: no training; SCORE_1M (20) samples of SCORE_TASKS (niah_single_1) at 1M of EVAL_MODEL
+#   uncapped and capped, after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples
+#   on GPU 1).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
@@ -321,7 +322,8 @@ lane_score_1m() {
   # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
   # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
   # seeded (those rows are the model's own selection's), and TOPK_LONG's graphs are checked first;
-  # SCORE_MID (e.g. 256k,512k): 4 niah_single_1 samples at those lengths before the 1M ones.
+  # SCORE_MID (e.g. 256k,512k): 4 samples a task at those lengths before the 1M ones. SCORE_TASKS: the
+  # tasks scored (default niah_single_1; the seeded rows are niah_single_1's, so others start afresh).
   # $1: the GPU; $2: uncapped (the measures, then the uncapped samples), capped, or both (one GPU: the
   # measures, the uncapped samples, then the capped ones)
   export CUDA_VISIBLE_DEVICES=$1
@@ -352,7 +354,7 @@ lane_score_1m() {
     [ "${HISPARSE:-1}" = 1 ] && PLACE_BENCH=0 hisparse_measures
     if [ -n "${SCORE_MID:-}" ]; then
       "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths "$SCORE_MID" --samples 4 --concurrency 1 \
-        --tasks niah_single_1 "${sel[@]}" --out "$S/eval/mid"
+        --tasks "${SCORE_TASKS:-niah_single_1}" "${sel[@]}" --out "$S/eval/mid"
     fi
     runs+=(uncapped_1m)
   fi
@@ -362,7 +364,7 @@ lane_score_1m() {
     local cap=()
     [ "$r" = capped_1m ] && cap=(--cap-fraction 0.1)
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "$n" --concurrency 1 \
-      --tasks niah_single_1 "${cap[@]}" "${sel[@]}" --out "$S/eval/$r"
+      --tasks "${SCORE_TASKS:-niah_single_1}" "${cap[@]}" "${sel[@]}" --out "$S/eval/$r"
   done
 }
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,43 @@ def check_topk_long(cfg: ModelConfig) -> None:
         )
     if start < cfg.index_topk:
         raise ConfigError(f"index_topk_long_from must be >= index_topk = {cfg.index_topk}, got {start}")
+
+
+# the config fields (and Engine keywords) that change how the same weights select: `with_selection`
+SELECTION_FIELDS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from")
+
+
+def with_selection(
+    cfg: ModelConfig,
+    index_topk: int | None = None,
+    index_local_window: int | None = None,
+    index_topk_long: int | None = None,
+    index_topk_long_from: int | None = None,
+) -> ModelConfig:
+    """`cfg` selecting otherwise (the same weights): each given field instead of the checkpoint's, None
+    keeping it; `index_topk_long=0` alone turns the checkpoint's narrowing off. Checked as a whole."""
+    if index_topk is not None:
+        # every full layer selects this many tokens (a trade of attention work for what a long context
+        # keeps in view)
+        if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+            raise ConfigError(f"index_topk must be a positive int, got {index_topk!r}")
+        cfg = replace(cfg, index_topk=index_topk)
+    if index_local_window is not None:
+        cfg = replace(cfg, index_local_window=index_local_window)
+    check_local_window(cfg.index_local_window, cfg.index_topk)
+    if index_topk_long is not None or index_topk_long_from is not None:
+        long_k = cfg.index_topk_long if index_topk_long is None else index_topk_long
+        start = cfg.index_topk_long_from if index_topk_long_from is None else index_topk_long_from
+        if long_k == 0 and index_topk_long_from is None:
+            start = 0
+        cfg = replace(cfg, index_topk_long=long_k, index_topk_long_from=start)
+    try:
+        check_topk_long(cfg)
+    except ConfigError as e:
+        if index_topk is not None and index_topk_long is None:  # a top-k override under a narrowing
+            raise ConfigError(f"{e} (index_topk_long=0 turns the checkpoint's narrowing off)") from None
+        raise
+    return cfg
 
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"

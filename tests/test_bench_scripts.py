@@ -668,7 +668,24 @@ def test_session_score_1m_lane_with_a_narrowing(tmp_path: Path) -> None:
     assert "--cap-fraction 0.1" in cap and "--cap-fraction" not in unc
     flags = "--index-topk-long 128 --index-topk-long-from 262144"
     assert all(flags in lines[i] for i in runs)
+    assert all("--tasks niah_single_1 " in lines[i] for i in runs)  # (SCORE_TASKS' default)
     assert not (s / "eval" / "uncapped_1m" / "results.jsonl").exists()
+
+
+def test_session_score_1m_lane_takes_other_tasks(tmp_path: Path) -> None:
+    """LANE_A=score1m SCORE_TASKS=niah_single_2,niah_single_3: every score (mid lengths, 1M uncapped and
+    capped) runs those tasks; the shipped model's own selection seeds the 1M runs (niah_single_1 rows the
+    runner leaves alone)."""
+    import os
+
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"),
+           "LANE_A": "score1m", "SCORE_1M": "20", "HISPARSE": "0", "SCORE_MID": "256k,512k",
+           "SCORE_TASKS": "niah_single_2,niah_single_3"}  # fmt: skip
+    lines = [x for x in _session_until(env, calls, "--cap-fraction") if "retrieval_eval run" in x]
+    assert len(lines) == 3 and all("--tasks niah_single_2,niah_single_3 " in x for x in lines)
+    assert not any("--index-topk" in x for x in lines)  # (the config's selection)
+    assert (s / "eval" / "uncapped_1m" / "results.jsonl").exists()
 
 
 @pytest.mark.parametrize("checks", ["1", "0"])
@@ -1146,8 +1163,10 @@ def test_needle_recall_forces_the_needle_into_chosen_layers(tmp_path: Path, caps
     a shared layer, a non-number or a GPU device is one error line (exit 2)."""
     from bench.needle_recall import main
 
-    base = ["--lengths", "1k", "--samples", "1", "--tasks", "niah_single_3", "--device", "cpu"]
-    base += ["--index-topk", "112"]  # (48 positions beside the window of 64: room for a UUID's 36 bytes)
+    head = ["--lengths", "1k", "--samples", "1", "--tasks", "niah_single_3"]
+    # 48 positions beside the window of 64: room for a UUID's 36 bytes (the shipped narrowing off)
+    topk = ["--index-topk-long", "0", "--index-topk", "112"]
+    base = [*head, "--device", "cpu", *topk]
     assert main([*base, "--out", str(tmp_path / "a")]) == 0
     assert main([*base, "--force-layers", "0,3", "--out", str(tmp_path / "f")]) == 0
     (plain,) = [json.loads(x) for x in (tmp_path / "a" / "needle-recall.jsonl").read_text().splitlines()]
@@ -1159,7 +1178,7 @@ def test_needle_recall_forces_the_needle_into_chosen_layers(tmp_path: Path, caps
     capsys.readouterr()
     for bad in ("2", "0,x", "99"):
         assert main([*base, "--force-layers", bad, "--out", str(tmp_path / "x")]) == 2
-    assert main([*base[:-4], "--device", "auto", "--force-layers", "0", "--out", str(tmp_path / "x")]) == 2
+    assert main([*head, *topk, "--device", "auto", "--force-layers", "0", "--out", str(tmp_path / "x")]) == 2
     # a top-k whose room beside the window cannot take the needle: one line, not a traceback
     assert main([*base[:-1], "72", "--force-layers", "0", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -1199,7 +1218,13 @@ def test_long_parity_engine_equals_the_training_forward_on_cpu(tmp_path: Path) -
     assert main(["--lengths", "1k", "--device", "cpu", *narrow, "--out", str(tmp_path / "n")]) == 0
     res = json.loads((tmp_path / "n" / "long-parity.json").read_text())
     assert res["index_topk_long"] == 128 and res["rows"][0]["forms"]["engine"]["rel_diff"] <= 1e-4
+    # a top-k override (the shipped narrowing off): the training forward selects the top 128 too
+    wide = ["--index-topk", "128", "--index-topk-long", "0"]
+    assert main(["--lengths", "1k", "--device", "cpu", *wide, "--out", str(tmp_path / "w")]) == 0
+    res = json.loads((tmp_path / "w" / "long-parity.json").read_text())
+    assert res["rows"][0]["forms"]["engine"]["rel_diff"] <= 1e-4
     for bad in (
+        ["--index-topk", "128"],  # under the shipped narrowing of 128
         ["--task", "vt"],
         ["--index", "-1"],
         ["--lengths", "12q"],
@@ -1287,6 +1312,14 @@ def test_needle_context_shares(tmp_path: Path) -> None:
     )
     assert all(v["sel_far_keys"] <= 256 for v in L["layers"])
     assert main(["--lengths", "1k", "--samples", "0", "--out", str(out)]) == 2
+    # the same weights selecting otherwise, as the engine takes it: the top 128 (the shipped narrowing off)
+    base = ["--lengths", "1k", "--samples", "1", "--min-depth", "0.5", "--device", "cpu", "--out", str(out)]
+    assert main([*base, "--index-topk", "128", "--index-topk-long", "0"]) == 0
+    res = json.loads((out / "needle-context.json").read_text())
+    assert res["selection"] == {"index_topk": 128, "index_topk_long": 0}
+    (L,) = res["lengths"].values()
+    assert all(v["sel_far_keys"] <= 128 - 64 for v in L["layers"][:2])  # (full layers: the window's 64)
+    assert main([*base, "--index-topk", "128"]) == 2  # under the shipped narrowing of 128: says how
 
 
 def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:

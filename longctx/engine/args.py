@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-# the Engine keywords that change how the same weights select (`add_selection_args`)
-SELECTION_FIELDS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from")
+from longctx.config import SELECTION_FIELDS
 
 # Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
 ENGINE_FIELDS = (

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, check_local_window, check_topk_long
+from longctx.config import ModelConfig, with_selection
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
@@ -147,32 +147,10 @@ class Engine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
-        if index_topk is not None:
-            # every full layer selects this many tokens instead of the checkpoint's `index_topk` (the
-            # same weights: a trade of attention work for what a long context keeps in view)
-            if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
-                raise ConfigError(f"index_topk must be a positive int, got {index_topk!r}")
-            self.cfg = dataclasses.replace(self.cfg, index_topk=index_topk)
-        if index_local_window is not None:
-            # every full layer keeps each query's newest positions in its selection (the rest of the top-k
-            # by index score); the checkpoint's `index_local_window` otherwise
-            self.cfg = dataclasses.replace(self.cfg, index_local_window=index_local_window)
-        check_local_window(self.cfg.index_local_window, self.cfg.index_topk)
-        if index_topk_long is not None or index_topk_long_from is not None:
-            # queries from position `index_topk_long_from` on select `index_topk_long` instead (0 / 0:
-            # off); the checkpoint's otherwise
-            long_k = self.cfg.index_topk_long if index_topk_long is None else index_topk_long
-            start = self.cfg.index_topk_long_from if index_topk_long_from is None else index_topk_long_from
-            if long_k == 0 and index_topk_long_from is None:  # index_topk_long=0 alone turns it off
-                start = 0
-            self.cfg = dataclasses.replace(self.cfg, index_topk_long=long_k, index_topk_long_from=start)
-        try:
-            check_topk_long(self.cfg)
-        except ConfigError as e:
-            # (a top-k override under the checkpoint's narrowing)
-            if index_topk is not None and index_topk_long is None:
-                raise ConfigError(f"{e} (index_topk_long=0 turns the checkpoint's narrowing off)") from None
-            raise
+        # (the same weights selecting otherwise: a wider or narrower top-k, another window, a narrowing)
+        self.cfg = with_selection(
+            self.cfg, index_topk, index_local_window, index_topk_long, index_topk_long_from
+        )
         self.device = _resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"

@@ -29,7 +29,7 @@ import torch
 from longctx.checkpoint.layout import expected_weights, keeps_fp32
 from longctx.checkpoint.loader import iter_weights
 from longctx.checkpoint.tokenizer import save_tokenizer
-from longctx.config import ModelConfig
+from longctx.config import SELECTION_FIELDS, ModelConfig
 from longctx.errors import CheckpointError
 from longctx.train.model import TrainCausalLM
 
@@ -137,12 +137,11 @@ def load_model_weights(model: TrainCausalLM, model_dir: str | Path, device: torc
     """Load a checkpoint's weights into `model` through the engine's own loader, as fp32 trainables."""
     cfg = ModelConfig.from_json(model_dir)
     # (the dtype and how the indexers select are not the weights': --index-local-window may change the
-    # window, the benches the window and the narrowing)
+    # window, the benches any of the selection's fields)
     m = model.cfg
     same = dataclasses.replace(
-        cfg, torch_dtype=m.torch_dtype, index_local_window=m.index_local_window,
-        index_topk_long=m.index_topk_long, index_topk_long_from=m.index_topk_long_from,
-    )  # fmt: skip
+        cfg, torch_dtype=m.torch_dtype, **{name: getattr(m, name) for name in SELECTION_FIELDS}
+    )
     if same != model.cfg:
         raise CheckpointError(f"{model_dir} holds a different architecture than the training config")
     model.load_weights(iter_weights(model_dir, cfg, dtype=torch.float32), device, torch.float32)
