@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from longctx.engine.args import add_selection_args, selection_kwargs  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -189,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/small-1m.json", help="config of the random checkpoint")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script")
     ap.add_argument("--out", type=Path, default=None)
+    add_selection_args(
+        ap
+    )  # (e.g. the narrowing's cost: --index-topk-long K --index-topk-long-from P < --tokens)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -236,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "bfloat16" if cuda else "float32"
     res["hisparse_device_tokens"] = args.hisparse_device_tokens
     res["stable_topk"] = args.stable_topk
+    res["selection"] = {k: v for k, v in selection_kwargs(args).items() if v is not None}
     with Engine(
         model_dir,
         device=args.device,
         dtype=dtype,
         prefill_form=args.prefill_form,
         hisparse_device_tokens=args.hisparse_device_tokens,
+        **selection_kwargs(args),
     ) as eng:
 
         def prefill(n: int, tag: str) -> float:
@@ -386,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         cap = f"-cap{args.hisparse_device_tokens}" if args.hisparse_device_tokens else ""
         cap += "-stable" if args.stable_topk else ""
         cap += "-ruler" if args.prompt == "ruler" else ""
+        cap += f"-long{args.index_topk_long}" if args.index_topk_long else ""
         name = f"step-profile-{args.phase}-{args.tokens}-b{args.batch}-{args.prefill_form}{cap}.json"
         (args.out / name).write_text(json.dumps(res, indent=2) + "\n")
     return 0

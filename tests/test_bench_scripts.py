@@ -24,6 +24,11 @@ def test_step_profile_prefill_and_decode_on_cpu(tmp_path: Path) -> None:
     assert d["seconds"] > 0 and d["busy_s"] > 0 and len(d["top"]) == 5
     assert d["launches"] >= sum(r["calls"] for r in d["top"])
     assert abs(sum(g["share"] for g in d["groups"].values()) - 1) < 1e-2
+    # the narrowing's decode steps (tiny.json: top 16; from position 100 on the top 8): named and recorded
+    narrow = ["--index-topk-long", "8", "--index-topk-long-from", "100"]
+    assert main(["--phase", "decode", "--tokens", "200", "--steps", "4", *narrow, *common]) == 0
+    d = json.loads((tmp_path / "step-profile-decode-200-b1-auto-long8.json").read_text())
+    assert d["selection"] == {"index_topk_long": 8, "index_topk_long_from": 100} and d["seconds"] > 0
 
 
 def test_step_profile_capped_stable_topk_hits_on_cpu(tmp_path: Path) -> None:
