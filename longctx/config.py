@@ -268,7 +268,9 @@ def with_selection(
         check_topk_long(cfg)
     except ConfigError as e:
         if index_topk is not None and index_topk_long is None:  # a top-k override under a narrowing
-            raise ConfigError(f"{e} (index_topk_long=0 turns the checkpoint's narrowing off)") from None
+            raise ConfigError(
+                f"{e} (index_topk_long=0, --index-topk-long 0, turns the checkpoint's narrowing off)"
+            ) from None
         raise
     return cfg
 
