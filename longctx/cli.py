@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         mod.register(sub)
         done.add(module)
+    for p in (parser, *sub.choices.values()):
+        # a flag is named in full: `generate --prompt TEXT` would otherwise read as --prompt-file TEXT
+        p.allow_abbrev = False
     return parser
 
 

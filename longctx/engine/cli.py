@@ -77,11 +77,12 @@ def run_score(args: argparse.Namespace) -> int:
     lp = torch.log_softmax(logits, dim=-1)
     # log-probability of each next token given its prefix
     tok_lp = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    nll = float(-tok_lp.mean()) if len(ids) > 1 else float("nan")
+    # (one token: nothing is predicted, so no NLL; null in the JSON, which has no NaN)
+    nll = float(-tok_lp.mean()) if len(ids) > 1 else None
     result: dict[str, object] = {
         "tokens": len(ids),
         "mean_nll": nll,
-        "perplexity": float(torch.exp(torch.tensor(nll))),
+        "perplexity": None if nll is None else float(torch.exp(torch.tensor(nll))),
     }
     if args.out:
         torch.save(logits, args.out)

@@ -1,0 +1,80 @@
+"""`longctx generate` and `longctx score` on the CPU: text, token ids, batches, JSON output, the selection
+flags, and bad input as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.cli import main
+
+WIP = str(Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip")
+CPU = ["--model", WIP, "--device", "cpu"]
+
+
+def test_generate_text_batch_and_json(capsys) -> None:
+    prompt = (
+        "The special magic number for apple is: 4721. What is the special magic number for apple? Answer:"
+    )
+    assert main(["generate", *CPU, "--max-new-tokens", "6", "--json", prompt, "hello"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and all(len(r["token_ids"]) <= 6 and r["finish_reason"] for r in rows)
+    with Engine(WIP, device="cpu") as eng:  # the CLI's greedy text is the engine's
+        (want,) = eng.generate([prompt], max_new_tokens=6)
+    assert rows[0]["text"] == want.text and rows[0]["token_ids"] == want.token_ids
+    # token ids in, plain text out; a selection flag passes through to the engine
+    ids = ",".join(str(b) for b in prompt.encode())
+    assert (
+        main(["generate", *CPU, "--max-new-tokens", "6", "--token-ids", ids, "--index-local-window", "32"])
+        == 0
+    )
+    assert capsys.readouterr().out.strip()
+
+
+def test_score_matches_the_engine(tmp_path, capsys) -> None:
+    text = "a b c d e f g a b c d e f g"
+    out = tmp_path / "logits.pt"
+    assert main(["score", *CPU, "--per-token", "--out", str(out), text]) == 0
+    res = json.loads(capsys.readouterr().out)
+    logits = torch.load(out)
+    with Engine(WIP, device="cpu") as eng:
+        ids = eng.encode(text)
+        want = eng.score(ids)
+    assert res["tokens"] == len(ids) and torch.allclose(logits, want)
+    lp = torch.log_softmax(want, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert math.isclose(res["mean_nll"], float(-lp.mean()), rel_tol=1e-5)
+    assert res["token_logprobs"][0] is None and len(res["token_logprobs"]) == len(ids)
+    # one token predicts nothing: null, and the output stays JSON
+    assert main(["score", *CPU, "--token-ids", "5"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"tokens": 1, "mean_nll": None, "perplexity": None}
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["generate", "--model", "/nonexistent/model", "hi"], "model directory not found"),
+        (["generate", *CPU, "--token-ids", "1,x"], "--token-ids must be integers"),
+        (["generate", *CPU, "--token-ids", "99999"], "outside the vocabulary"),
+        (["generate", *CPU, ""], "the prompt is empty"),
+        (["generate", *CPU, "--max-new-tokens", "-1", "hi"], "--max-new-tokens must be >= 0"),
+        (["generate", *CPU, "--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
+        (["generate", *CPU, "--index-topk", "128", "hi"], "--index-topk-long 0, turns"),
+        (["score", *CPU, ""], "the prompt is empty"),
+    ],
+)
+def test_bad_input_is_one_line(argv: list[str], says: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and err[0].startswith(f"longctx {argv[0]}: error:")
+
+
+def test_flags_are_named_in_full(capsys) -> None:
+    """`--prompt TEXT` is not read as `--prompt-file TEXT` (argparse's prefix matching is off)."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *CPU, "--prompt", "hi"])
+    assert e.value.code == 2 and "unrecognized arguments: --prompt" in capsys.readouterr().err
