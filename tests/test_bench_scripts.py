@@ -1372,3 +1372,36 @@ def test_session_diagnoses_a_model_that_misses_at_1m(tmp_path: Path) -> None:
                 and f"{s}/needle_context/shipped" in diag[0]
             )
             assert f"{s}/needle_context/trained" in diag[1] and "--min-depth 0.9 --device cuda" in diag[1]
+
+
+def test_key_binding_parses_needles_and_reports(tmp_path: Path) -> None:
+    """bench.key_binding: the needle sentences of a multikey sample (four, the asked key's value among
+    them), the answer kinds, `ahead`; then a run on the shipped model at 1K (shares in [0, 1], one
+    `index_ahead` per full layer, answers that add up); bad arguments exit 2."""
+    from bench.key_binding import ahead, answer_kind, main, needles
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import load_counter
+
+    s = RulerGenerator(load_counter(str(WIP)), seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE).sample(
+        "niah_multikey_1", 1024, 0
+    )
+    found = needles(s.input)
+    assert len(found) == 4 and len({k for k, _ in found}) == 4
+    assert [v for _, v in found].count(s.outputs[0]) == 1
+    (asked_key,) = [k for k, v in found if v == s.outputs[0]]
+    assert asked_key in s.answer_prefix
+    assert answer_kind(" 123.", ["123"], ["456"]) == "asked"
+    assert answer_kind(" 456.", ["123"], ["456"]) == "other" and answer_kind(" 7", ["123"], ["456"]) == "none"
+    assert ahead([0.5, 0.1, 0.2], {0}) and not ahead([0.1, 0.5], {0}) and not ahead([0.3], {0})
+    out = tmp_path / "kb"
+    assert main(["--lengths", "1k", "--samples", "2", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads((out / "key-binding.json").read_text())
+    (r,) = res["results"].values()
+    assert r["full_layers"] == [0, 1, 3] and len(r["rows"]) == 2
+    summ = r["summary"]
+    assert len(summ["layers"]) == 6 and len(summ["index_ahead"]) == 3 and sum(summ["answers"].values()) == 2
+    assert all(0.0 <= v[k] <= 1.0 for v in summ["layers"] for k in v)
+    assert "| niah_multikey_1 1K | 3 |" in (out / "key-binding.md").read_text()
+    for bad in (["--tasks", "vt"], ["--samples", "0"], ["--index-topk", "128"]):
+        assert main([*bad, "--device", "cpu", "--out", str(out)]) == 2
