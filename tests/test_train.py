@@ -1122,6 +1122,29 @@ def test_hex_copy_rows_pool_uuids_and_leave_other_rows_alone() -> None:
             DataConfig(copy_hex_fraction=bad)
 
 
+def test_task_weights_pick_the_retrieval_rows(capsys) -> None:
+    """--task-weights: the named tasks' weights over the default mix; a task at 0 is never drawn, the mix
+    of one task gives only its rows; bad specs are DataError (the CLI: exit 2, one line)."""
+    from longctx.train.__main__ import main
+    from longctx.train.data import DEFAULT_TASKS, parse_task_weights
+
+    w = dict(parse_task_weights("niah_multikey_1=3, vt=0"))
+    assert w["niah_multikey_1"] == 3.0 and w["vt"] == 0.0 and len(w) == len(DEFAULT_TASKS)
+    only = ",".join(f"{t}=0" for t, _ in DEFAULT_TASKS if t != "niah_multikey_1")
+    cfg = DataConfig(tokens_per_step=8192, curriculum=((0, 1024),), text_fraction=0.0, copy_fraction=0.0,
+                     tasks=parse_task_weights(only))  # fmt: skip
+    assert set(make_batch(cfg, 0).tasks) == {"niah_multikey_1"}
+    for bad in ("niah_multikey_1", "vt=-1", "vt=x", "=2", ",".join(f"{t}=0" for t, _ in DEFAULT_TASKS)):
+        with pytest.raises(DataError):
+            DataConfig(tasks=parse_task_weights(bad))
+    with pytest.raises(DataError, match="unknown task"):
+        DataConfig(tasks=parse_task_weights("nope=1"))
+    capsys.readouterr()
+    assert main(["--out", "/nonexistent/x", "--task-weights", "vt=x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task weights" in err[0]
+
+
 def test_shipped_wip_checkpoint_loads_and_retrieves_at_1024() -> None:
     """The part-trained retrieval model (models-shipped/retrieval-wip) through the real engine on the CPU:
     it must keep finding the needle in niah_single_1/2 prompts of 1,024 tokens, through the top-256
@@ -1374,7 +1397,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
     assert (
         main(
             [*args, "--chat-fraction", "0.25", "--document-fraction", "0.5", "--replay-fraction", "0.2",
-             "--copy-hex-fraction", "0.5"]
+             "--copy-hex-fraction", "0.5", "--task-weights", "niah_multikey_1=3,vt=0"]
         )
         == 0
     )  # fmt: skip
@@ -1383,6 +1406,8 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
     assert data["copy_hex_fraction"] == 0.5
+    weights = {t: w for t, w in data["tasks"]}
+    assert weights["niah_multikey_1"] == 3.0 and weights["vt"] == 0.0 and weights["niah_single_1"] == 1.0
     b = tmp_path / "b"
     assert main([*args[:3], str(b), "--steps", "2", *args[6:], "--resume", str(a)]) == 0
     data = read_training(b)["recipe"]["data"]
@@ -1390,6 +1415,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
     assert data["copy_hex_fraction"] == 0.5
+    assert {t: w for t, w in data["tasks"]} == weights  # (the resumed run's mix goes on)
 
 
 def test_sparse_attention_train_is_the_masked_attention(monkeypatch) -> None:

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--copy-fraction", type=float, default=d.copy_fraction, help="rows of recurring random strings"
     )
     p.add_argument(
+        "--task-weights",
+        default=None,
+        metavar="TASK=W,...",
+        help="how often each retrieval task is drawn, relative (e.g. niah_multikey_1=3,vt=0; the others "
+        "1.0; default all 1.0, or the resumed run's)",
+    )
+    p.add_argument(
         "--copy-hex-fraction",
         type=float,
         default=None,
@@ -234,15 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction and --copy-hex-fraction
-    flags as given; one left out keeps the resumed run's saved value (else the default), so a resumed
+    """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction, --copy-hex-fraction and
+    --task-weights flags as given; one left out keeps the resumed run's saved value (else the default), so a resumed
     run goes on with the rows it was training on."""
     from longctx.train.checkpoint import read_recipe
-    from longctx.train.data import DataConfig
+    from longctx.train.data import DataConfig, parse_task_weights
 
     saved = read_recipe(args.resume).get("data", {}) if args.resume else {}
     d = DataConfig()
     out: dict[str, Any] = {}
+    if args.task_weights is not None:
+        out["tasks"] = parse_task_weights(args.task_weights)
+    else:  # (the recipe's JSON holds [name, weight] lists)
+        out["tasks"] = tuple((str(t), float(w)) for t, w in saved.get("tasks", d.tasks))
     for k in (
         "pose_max",
         "pose_prob",

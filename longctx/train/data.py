@@ -113,6 +113,8 @@ class DataConfig:
         bad = [t for t, _ in self.tasks if t not in TASKS]
         if bad:
             raise DataError(f"unknown task {bad[0]!r}")
+        if any(not w >= 0.0 for _, w in self.tasks) or not sum(w for _, w in self.tasks) > 0.0:
+            raise DataError("task weights must be >= 0 with at least one above 0")
         if any(s < 64 for _, s in self.curriculum):
             raise DataError("sequence lengths must be at least 64")
         if self.pose_max < 0 or not 0.0 <= self.pose_prob <= 1.0 or self.pose_chunks < 2:
@@ -150,6 +152,24 @@ class DataConfig:
 
     def batch_size(self, step: int) -> int:
         return max(1, self.tokens_per_step // self.seq_len(step))
+
+
+def parse_task_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """'niah_multikey_1=3,vt=0' -> DEFAULT_TASKS with those weights (the others keep 1.0); a task not in
+    DEFAULT_TASKS joins the mix."""
+    weights = dict(DEFAULT_TASKS)
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, w = part.partition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if not sep or not name.strip() or not weight >= 0.0:
+            raise DataError(f"task weights {text!r}: expected TASK=WEIGHT,... with weights >= 0")
+        weights[name.strip()] = weight
+    return tuple(weights.items())
 
 
 def parse_curriculum(text: str) -> tuple[tuple[int, int], ...]:
