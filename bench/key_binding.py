@@ -34,11 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.engine.args import add_selection_args, selection_kwargs  # noqa: E402
+from longctx.engine.args import selection_kwargs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 # longctx.workloads.ruler_tasks.NEEDLE: "One of the special magic {vtype} for {key} is: {value}."
-NEEDLE_RE = re.compile(r"One of the special magic \S+ for (\S+) is: (\S+?)\.")  # (may run into the next sentence)
+NEEDLE_RE = re.compile(
+    r"One of the special magic \S+ for (\S+) is: (\S+?)\."
+)  # (may run into the next sentence)
 
 
 def needles(text: str) -> list[tuple[str, str]]:
@@ -151,36 +152,28 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.needle_recall import add_sample_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "models-shipped" / "retrieval-wip"))
-    ap.add_argument("--tasks", default="niah_multikey_1")
-    ap.add_argument("--lengths", default="4k")
-    ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--device", default="auto")
+    add_sample_args(ap, lengths="4k", tasks="niah_multikey_1", samples=20)
     ap.add_argument("--out", type=Path, required=True)
-    add_selection_args(ap)
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
     from bench.long_parity import train_model
-    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, check_trained_model, needle_positions
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, needle_positions, read_sample_args
     from longctx import Engine
     from longctx.config import ModelConfig
     from longctx.errors import LongctxError
     from longctx.train.loop import resolve_device
-    from longctx.workloads.ruler_cli import parse_lengths
     from longctx.workloads.ruler_runner import format_length
-    from longctx.workloads.ruler_tasks import RulerGenerator, parse_tasks
+    from longctx.workloads.ruler_tasks import RulerGenerator
     from longctx.workloads.tokens import load_counter
 
     try:
-        lengths = parse_lengths(args.lengths)
-        tasks = parse_tasks(args.tasks)
-        if args.samples < 1:
-            raise LongctxError("--samples must be >= 1")
+        lengths, tasks = read_sample_args(args)
         if not all(t.startswith("niah_") for t in tasks):
             raise LongctxError(f"--tasks {args.tasks}: niah tasks only (their needles have keys)")
-        check_trained_model(args.model, args)
         device = resolve_device(args.device)
     except LongctxError as e:
         print(f"key_binding: {e}", file=sys.stderr)

@@ -150,6 +150,31 @@ def forced_needle(layers: set[int], needle: Sequence[int], start: int) -> Iterat
         ix.op, ix.Indexer.forward = op, forward  # type: ignore[method-assign]
 
 
+def add_sample_args(ap: argparse.ArgumentParser, lengths: str, tasks: str, samples: int) -> None:
+    """The flags of the benches that run RULER niah samples of a trained model one by one (this one,
+    bench.key_binding): --model, --lengths, --tasks, --samples, --device and the selection's."""
+    ap.add_argument("--model", default=str(ROOT / "models-shipped" / "retrieval-wip"))
+    ap.add_argument("--lengths", default=lengths)
+    ap.add_argument("--tasks", default=tasks)
+    ap.add_argument("--samples", type=int, default=samples)
+    ap.add_argument("--device", default="auto")
+    add_selection_args(ap)
+
+
+def read_sample_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """`add_sample_args`' lengths and tasks, checked (LongctxError: one line for the caller to print)."""
+    from longctx.errors import LongctxError
+    from longctx.workloads.ruler_cli import parse_lengths
+    from longctx.workloads.ruler_tasks import parse_tasks
+
+    lengths = parse_lengths(args.lengths)
+    tasks = parse_tasks(args.tasks)
+    if args.samples < 1:
+        raise LongctxError("--samples must be >= 1")
+    check_trained_model(args.model, args)
+    return lengths, tasks
+
+
 def check_trained_model(model: str, args: Any = None) -> None:
     """LongctxError unless `model` has a tokenizer (the RULER prompts need the trained byte-level model)
     and, given the parsed flags `args`, their selection (add_selection_args) is one its config can take."""
@@ -318,12 +343,7 @@ def _force_layers(spec: str, model: str, device: str) -> set[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "models-shipped" / "retrieval-wip"))
-    ap.add_argument("--lengths", default="32k,128k")
-    ap.add_argument("--tasks", default=TASKS)
-    ap.add_argument("--samples", type=int, default=10)
-    ap.add_argument("--device", default="auto")
-    add_selection_args(ap)
+    add_sample_args(ap, lengths="32k,128k", tasks=TASKS, samples=10)
     ap.add_argument(
         "--force-layers",
         default="",
@@ -334,18 +354,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from longctx import Engine
     from longctx.errors import LongctxError
-    from longctx.workloads.ruler_cli import parse_lengths
     from longctx.workloads.ruler_runner import format_length
-    from longctx.workloads.ruler_tasks import RulerGenerator, parse_tasks
+    from longctx.workloads.ruler_tasks import RulerGenerator
     from longctx.workloads.scoring import sample_match_all
     from longctx.workloads.tokens import load_counter
 
     try:
-        lengths = parse_lengths(args.lengths)
-        tasks = parse_tasks(args.tasks)
-        if args.samples < 1:
-            raise LongctxError("--samples must be >= 1")
-        check_trained_model(args.model, args)
+        lengths, tasks = read_sample_args(args)
         force = _force_layers(args.force_layers, args.model, args.device)
     except LongctxError as e:
         print(f"needle_recall: {e}", file=sys.stderr)
