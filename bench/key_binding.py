@@ -36,10 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from longctx.engine.args import selection_kwargs  # noqa: E402
 
-# longctx.workloads.ruler_tasks.NEEDLE: "One of the special magic {vtype} for {key} is: {value}."
-NEEDLE_RE = re.compile(
-    r"One of the special magic \S+ for (\S+) is: (\S+?)\."
-)  # (may run into the next sentence)
+# longctx.workloads.ruler_tasks.NEEDLE: "One of the special magic {vtype} for {key} is: {value}." (the
+# haystack's next sentence may follow the period without a space)
+NEEDLE_RE = re.compile(r"One of the special magic \S+ for (\S+) is: (\S+?)\.")
 
 
 def needles(text: str) -> list[tuple[str, str]]:
