@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows: list[dict[str, Any]] = []
     tail = 2 if args.answer_row else 1  # the last prompt row (and the answer's space's)
-    # the training forward selects as the engine forms: the window and the narrowing in its config
+    # the training forward selects as the engine forms: their top-k, window and narrowing
     train_overrides = selection_kwargs(args)
     for L in lengths:
         s = gen.sample(args.task, L, args.index)

@@ -191,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/small-1m.json", help="config of the random checkpoint")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the script")
     ap.add_argument("--out", type=Path, default=None)
-    add_selection_args(
-        ap
-    )  # (e.g. the narrowing's cost: --index-topk-long K --index-topk-long-from P < --tokens)
+    # (e.g. the narrowing's cost: --index-topk-long K --index-topk-long-from P below --tokens)
+    add_selection_args(ap)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -208,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from longctx import Engine
     from longctx.checkpoint.init_random import init_random_checkpoint
-    from longctx.config import ModelConfig
+    from longctx.config import ModelConfig, with_selection
     from longctx.engine.request import Request, SamplingParams
+    from longctx.errors import LongctxError
 
     if args.sparse_mla_heads_min is not None:
         sm.HEADS_MIN_QUERIES = args.sparse_mla_heads_min
@@ -217,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         model_dir = Path(tempfile.mkdtemp()) / "model"
         init_random_checkpoint(ModelConfig.from_json(ROOT / args.config), model_dir, seed=0)
+    try:  # (the selection flags against the checkpoint's config: one line, not a traceback)
+        with_selection(ModelConfig.from_json(model_dir), **selection_kwargs(args))
+    except LongctxError as e:
+        print(f"step_profile: {e}", file=sys.stderr)
+        return 2
     if args.stable_topk:
         zero_indexer_queries(model_dir)
     gen = torch.Generator().manual_seed(0)

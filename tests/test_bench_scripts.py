@@ -29,6 +29,7 @@ def test_step_profile_prefill_and_decode_on_cpu(tmp_path: Path) -> None:
     assert main(["--phase", "decode", "--tokens", "200", "--steps", "4", *narrow, *common]) == 0
     d = json.loads((tmp_path / "step-profile-decode-200-b1-auto-long8.json").read_text())
     assert d["selection"] == {"index_topk_long": 8, "index_topk_long_from": 100} and d["seconds"] > 0
+    assert main(["--phase", "decode", "--tokens", "200", "--index-topk-long", "16", *common]) == 2  # one line
 
 
 def test_step_profile_capped_stable_topk_hits_on_cpu(tmp_path: Path) -> None:
