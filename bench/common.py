@@ -16,6 +16,16 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def check_selection(config: str | Path, args: Any) -> None:
+    """ConfigError (one line for the bench to print) unless the selection flags `args` carries
+    (`longctx.engine.args.add_selection_args`) are ones the model config.json at `config` (a file or a
+    model directory) can take, as the engine would take them."""
+    from longctx.config import ModelConfig, with_selection
+    from longctx.engine.args import selection_kwargs
+
+    with_selection(ModelConfig.from_json(config), **selection_kwargs(args))
+
+
 def time_fn(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     """Median seconds per call (triton's do_bench, which flushes L2 between calls; CUDA events
     via `time_cuda` if triton is missing)."""

@@ -175,16 +175,15 @@ def read_sample_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     return lengths, tasks
 
 
-def check_trained_model(model: str, args: Any = None) -> None:
+def check_trained_model(model: str, args: Any) -> None:
     """LongctxError unless `model` has a tokenizer (the RULER prompts need the trained byte-level model)
-    and, given the parsed flags `args`, their selection (add_selection_args) is one its config can take."""
-    from longctx.config import ModelConfig, with_selection
+    and the parsed flags `args` select as its config can (`bench.common.check_selection`)."""
+    from bench.common import check_selection
     from longctx.errors import LongctxError
 
     if not (Path(model) / "tokenizer.json").exists():
         raise LongctxError(f"--model {model}: no tokenizer.json (a trained byte-level model is needed)")
-    if args is not None:
-        with_selection(ModelConfig.from_json(model), **selection_kwargs(args))
+    check_selection(model, args)
 
 
 LOCAL = 64  # the prompt's last positions whose selection `recall_by_layer` reports

@@ -205,23 +205,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from longctx.kernels import sparse_mla as sm
 
+    from bench.common import check_selection
     from longctx import Engine
     from longctx.checkpoint.init_random import init_random_checkpoint
-    from longctx.config import ModelConfig, with_selection
+    from longctx.config import ModelConfig
     from longctx.engine.request import Request, SamplingParams
     from longctx.errors import LongctxError
 
     if args.sparse_mla_heads_min is not None:
         sm.HEADS_MIN_QUERIES = args.sparse_mla_heads_min
+    try:  # (the selection flags against the config, before a random checkpoint is written: one line)
+        check_selection(args.model or ROOT / args.config, args)
+    except LongctxError as e:
+        print(f"step_profile: {e}", file=sys.stderr)
+        return 2
     model_dir = args.model
     if model_dir is None:
         model_dir = Path(tempfile.mkdtemp()) / "model"
         init_random_checkpoint(ModelConfig.from_json(ROOT / args.config), model_dir, seed=0)
-    try:  # (the selection flags against the checkpoint's config: one line, not a traceback)
-        with_selection(ModelConfig.from_json(model_dir), **selection_kwargs(args))
-    except LongctxError as e:
-        print(f"step_profile: {e}", file=sys.stderr)
-        return 2
     if args.stable_topk:
         zero_indexer_queries(model_dir)
     gen = torch.Generator().manual_seed(0)
