@@ -50,6 +50,8 @@
 #   POSE_FAR and CURRICULUM (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID
 #   copy rows, 0, far PoSE skips, 0, and curriculum, rows on to 256K),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
+#   TRAIN_SEED / TASK_WEIGHTS (default_train_args' rows seed, 26, and `--task-weights`), KEY_BINDING=1
+#   (bench.key_binding at 4K on the scored and the shipped model after the 4K gate).
 # LANE_A=score1m: no training; SCORE_1M (20) samples of SCORE_TASKS (niah_single_1) at 1M of EVAL_MODEL
 #   uncapped and capped, after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples
 #   on GPU 1).
@@ -155,12 +157,14 @@ default_train_args() {
   # (--kl-share), the fused selection where the probe times it faster; a length whose step does not fit
   # in memory is dropped by the planner (its `dropped_lengths`). TRAIN_LR / NEEDLE_FORM / NEEDLE_WEIGHT /
   # COPY_HEX / POSE_FAR / CURRICULUM: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy
-  # rows (0), far PoSE skips (0), curriculum
+  # rows (0), far PoSE skips (0), curriculum; TRAIN_SEED / TASK_WEIGHTS: its rows' seed (26) and the
+  # retrieval tasks' mix (`--task-weights TASK=W,...`; default each alike)
   echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
 --pose-far ${POSE_FAR:-0} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,2500:65536,4000:131072,5000:262144} \
---replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed 26 --index-local-window 64 --kl-share"
+--replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed ${TRAIN_SEED:-26} --index-local-window 64 \
+--kl-share${TASK_WEIGHTS:+ --task-weights $TASK_WEIGHTS}"
 }
 
 default_train_args_b() {
@@ -234,6 +238,14 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     return 0
   fi
   touch "$S/eval.go"
+  # KEY_BINDING=1: whether the scored model matches a multi-key question's key to its needle
+  # (bench.key_binding at 4K, 20 samples; seconds on a GPU), then the shipped model's beside it
+  if [ "${KEY_BINDING:-0}" = 1 ]; then
+    "$PY" -m bench.key_binding --model "$MODEL" --lengths 4k --samples 20 --device cuda "${sel[@]}" \
+      --out "$S/key_binding/scored"
+    [ "$MODEL" != models-shipped/retrieval-wip ] && "$PY" -m bench.key_binding \
+      --model models-shipped/retrieval-wip --lengths 4k --samples 20 --device cuda --out "$S/key_binding/shipped"
+  fi
   # EARLY_1M=N: N niah_single_1 samples at 1M first (the figure the session is for; the last 1M run
   # below goes on from them); EARLY_1M_INDICES=I,J,...: those sample indices instead of 0..N-1
   if [ "${EARLY_1M:-0}" != 0 ] || [ -n "${EARLY_1M_INDICES:-}" ]; then
