@@ -50,7 +50,8 @@
 #   POSE_FAR and CURRICULUM (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID
 #   copy rows, 0, far PoSE skips, 0, and curriculum, rows on to 256K),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
-#   TRAIN_SEED / TASK_WEIGHTS (default_train_args' rows seed, 26, and `--task-weights`), KEY_BINDING=1
+#   TRAIN_SEED / TASK_WEIGHTS / INIT_FROM (default_train_args' rows seed, 26, `--task-weights`, and the
+#   weights it starts from, the shipped model's), KEY_BINDING=1
 #   (bench.key_binding at 4K on the scored and the shipped model after the 4K gate).
 # LANE_A=score1m: no training; SCORE_1M (20) samples of SCORE_TASKS (niah_single_1) at 1M of EVAL_MODEL
 #   uncapped and capped, after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples
@@ -158,8 +159,9 @@ default_train_args() {
   # in memory is dropped by the planner (its `dropped_lengths`). TRAIN_LR / NEEDLE_FORM / NEEDLE_WEIGHT /
   # COPY_HEX / POSE_FAR / CURRICULUM: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy
   # rows (0), far PoSE skips (0), curriculum; TRAIN_SEED / TASK_WEIGHTS: its rows' seed (26) and the
-  # retrieval tasks' mix (`--task-weights TASK=W,...`; default each alike)
-  echo "--init-from models-shipped/retrieval-wip --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
+  # retrieval tasks' mix (`--task-weights TASK=W,...`; default each alike); INIT_FROM: the weights it
+  # starts from (default the shipped model's; e.g. models-candidates/run28)
+  echo "--init-from ${INIT_FROM:-models-shipped/retrieval-wip} --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
 --pose-far ${POSE_FAR:-0} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,2500:65536,4000:131072,5000:262144} \
@@ -518,7 +520,9 @@ start)
   # folder on every call, and a lane whose working directory was replaced under it finds no `bench`
   # (that cost a whole evaluation once). Later calls' status/collect may run from any copy.
   rm -rf "$S/src" && mkdir -p "$S/src"
-  tar -cf - bench configs kernels longctx models-shipped pyproject.toml README.md | tar -xf - -C "$S/src"
+  trees=(bench configs kernels longctx models-shipped pyproject.toml README.md)
+  [ -d models-candidates ] && trees+=(models-candidates)  # weights a run may start from (INIT_FROM)
+  tar -cf - "${trees[@]}" | tar -xf - -C "$S/src"
   cd "$S/src" || exit 1
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
