@@ -470,11 +470,13 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
            "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run28"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
-    assert "--seed 28 " in train and train.endswith("--task-weights niah_multikey_1=3,niah_multikey_2=2"), train
+    assert "--seed 28 " in train, train
+    assert train.endswith("--task-weights niah_multikey_1=3,niah_multikey_2=2"), train
     assert "--init-from models-candidates/run28 " in train
     kb = [i for i, x in enumerate(lines) if "bench.key_binding" in x]
     assert len(kb) == 2, lines
-    assert f"--model {s}/train/ckpt " in lines[kb[0]] and "--model models-shipped/retrieval-wip " in lines[kb[1]]
+    assert f"--model {s}/train/ckpt " in lines[kb[0]]
+    assert "--model models-shipped/retrieval-wip " in lines[kb[1]]
     gate = next(i for i, x in enumerate(lines) if "retrieval_eval gate" in x)
     at_32k = next(i for i, x in enumerate(lines) if "--lengths 32k" in x)
     assert gate < kb[0] < kb[1] < at_32k

@@ -93,6 +93,26 @@ def test_task_table_matches_ruler():
         parse_tasks("niah_single_9")
 
 
+def test_scaled_budget_still_holds_the_answer():
+    """A scaled-down budget (the retrieval model's 0.5) never cuts below the answer the task asks for: vt's
+    30 bytes of names stay 30, not 15; niah's scaled budget already holds its values; at scale 1 every
+    budget is RULER's."""
+    from longctx.train.data import answer_text
+
+    for scale in (0.25, 0.5, 1.0):
+        gen = RulerGenerator(ByteCounter(), seed=3, max_new_tokens_scale=scale)
+        for task in ("vt", "niah_single_3", "niah_multivalue", "niah_multiquery", "niah_multikey_3"):
+            for i in range(4):
+                s = gen.sample(task, 4096, i)
+                assert s.max_new_tokens >= len(answer_text(task, s.outputs).encode()), (scale, task, i)
+                assert 0.98 * 4096 <= s.prompt_tokens + s.max_new_tokens <= 4096
+        if scale == 1.0:
+            assert all(gen.max_new_tokens(t) == spec.max_new_tokens for t, spec in TASKS.items())
+    gen = RulerGenerator(ByteCounter(), max_new_tokens_scale=0.5)
+    assert gen.max_new_tokens("vt") == 30 and gen.max_new_tokens("niah_single_1") == 64
+    assert gen.max_new_tokens("cwe") == 60  # no floor where the answer is not bounded so
+
+
 @pytest.mark.parametrize("counter_name", ["bytes", "byte-level", "bpe"])
 def test_lengths_within_two_percent(counter_name):
     counter = {"bytes": ByteCounter, "byte-level": byte_level_counter, "bpe": small_bpe}[counter_name]()

@@ -108,6 +108,11 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
+# the longest needle value of each kind (longctx.workloads.words: 7 digits; 8-4-4-4-12 hex), for the answer
+# floor of `RulerGenerator.max_new_tokens`
+_LONGEST_VALUE = {"numbers": "9999999", "uuids": "ffffffff-ffff-ffff-ffff-ffffffffffff"}
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generated RULER sample. The prompt sent is `render(input, answer_prefix)`."""
@@ -183,7 +188,22 @@ class RulerGenerator:
 
     # ---- public ------------------------------------------------------------------------
     def max_new_tokens(self, task: str) -> int:
-        return max(1, math.ceil(TASKS[task].max_new_tokens * self.scale))
+        """RULER's output budget times the scale, but never fewer tokens than the task's answer takes:
+        RULER's budgets are BPE tokens, and scaled down for a byte tokenizer vt's 30 would cut its
+        30-byte answer (five names) to two names."""
+        spec = TASKS[task]
+        return max(1, math.ceil(spec.max_new_tokens * self.scale), self._answer_tokens(spec))
+
+    def _answer_tokens(self, spec: TaskSpec) -> int:
+        """The tokens of the longest answer `spec` asks for, written as the answer prefix leads the
+        model to (vt: the names after a space; niah: the values, comma-separated, and a full stop);
+        0 for the families whose answers are not so bounded."""
+        if spec.family == "vt":
+            return self.counter.count(" " + " ".join(["VARXX"] * (spec.num_hops + 1)))
+        if spec.family == "niah" and spec.value in _LONGEST_VALUE:
+            values = [_LONGEST_VALUE[spec.value]] * (spec.num_v * spec.num_q)
+            return self.counter.count(" " + ", ".join(values) + ".")
+        return 0
 
     def sample(self, task: str, length: int, index: int) -> Sample:
         """Sample `index` of `task` at `length` tokens (prompt + output budget)."""
