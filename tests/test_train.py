@@ -1499,3 +1499,24 @@ def test_shipped_wip_readme_names_the_weights_it_describes() -> None:
     wip = ROOT / "models-shipped" / "retrieval-wip"
     quoted = re.findall(r"sha256 of model\.safetensors: ([0-9a-f]{64})", (wip / "README.md").read_text())
     assert quoted == [hashlib.sha256((wip / "model.safetensors").read_bytes()).hexdigest()]
+
+
+def test_every_committed_checkpoint_has_its_weights() -> None:
+    """Each checkpoint directory under models-shipped/ and models-candidates/ holds its model.safetensors
+    (a fresh clone fails here if .gitignore keeps the weights out), and models-candidates/README.md
+    quotes each candidate's sha256."""
+    import hashlib
+    import re
+
+    dirs = [
+        p.parent
+        for top in ("models-shipped", "models-candidates")
+        for p in (ROOT / top).glob("*/config.json")
+    ]
+    assert any(d.parent.name == "models-shipped" for d in dirs)
+    for d in dirs:
+        assert (d / "model.safetensors").is_file(), f"{d} has a config.json but no model.safetensors"
+    readme = (ROOT / "models-candidates" / "README.md").read_text()
+    for d in (x for x in dirs if x.parent.name == "models-candidates"):
+        quoted = re.findall(rf"sha256 of {d.name}/model\.safetensors: ([0-9a-f]{{64}})", readme)
+        assert quoted == [hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()], d.name
