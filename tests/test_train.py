@@ -1145,6 +1145,56 @@ def test_task_weights_pick_the_retrieval_rows(capsys) -> None:
     assert len(err) == 1 and "task weights" in err[0]
 
 
+def test_vt_hops_draw_shorter_chains(capsys) -> None:
+    """--vt-hops: each vt row's chain has one of the given hop counts (its answer that many names plus
+    one, all in the prompt); without it the rows are RULER's four-hop chains, and the generator's
+    variant of a task is drawn apart from the task's own; bad counts are DataError (the CLI: exit 2)."""
+    import dataclasses
+
+    from longctx.errors import LongctxError
+    from longctx.train.__main__ import main
+    from longctx.train.data import ANSWER, DEFAULT_TASKS, parse_task_weights, parse_vt_hops
+    from longctx.workloads.ruler_tasks import TASKS, RulerGenerator
+    from longctx.workloads.tokens import ByteCounter
+
+    only_vt = parse_task_weights(",".join(f"{t}=0" for t, _ in DEFAULT_TASKS if t != "vt"))
+    base = dict(tokens_per_step=16384, curriculum=((0, 2048),), text_fraction=0.0, copy_fraction=0.0,
+                tasks=only_vt, chat_fraction=0.0, document_fraction=0.0)  # fmt: skip
+
+    def answers(cfg: DataConfig) -> list[list[str]]:
+        b = make_batch(cfg, 3)
+        assert set(b.tasks) == {"vt"}
+        out = []
+        for ids, targets, kind in zip(b.ids.tolist(), b.targets.tolist(), b.kind.tolist()):
+            text = bytes(t for t, k in zip(targets, kind) if k == ANSWER and t < 256).decode()
+            prompt = bytes(t for t in ids if t < 256).decode()
+            names = text.split()
+            assert names and all(prompt.count(f"VAR {n} =") == 1 for n in names), (text, prompt[-200:])
+            out.append(names)
+        return out
+
+    assert {len(a) for a in answers(DataConfig(**base))} == {5}
+    assert {len(a) for a in answers(DataConfig(**base, vt_hops=(1,)))} == {2}
+    assert {len(a) for a in answers(DataConfig(**base, vt_hops=(1, 2, 3)))} <= {2, 3, 4}
+    gen = RulerGenerator(ByteCounter(), seed=5, max_new_tokens_scale=0.5)
+    own = gen.sample("vt", 2048, 1)
+    assert gen.sample("vt", 2048, 1, TASKS["vt"]) == own  # the task's own spec: its own samples
+    two = gen.sample("vt", 2048, 1, dataclasses.replace(TASKS["vt"], num_hops=2))
+    assert len(two.outputs) == 3 and two.input != own.input
+    assert 0.98 * 2048 <= two.prompt_tokens + two.max_new_tokens <= 2048
+    with pytest.raises(LongctxError):
+        gen.sample("vt", 2048, 0, TASKS["niah_single_1"])  # another task's spec
+    for bad in ("0", "1,x", "17", ""):
+        with pytest.raises(DataError):
+            parse_vt_hops(bad)
+    with pytest.raises(DataError):
+        DataConfig(vt_hops=(0,))
+    capsys.readouterr()
+    assert main(["--out", "/nonexistent/x", "--vt-hops", "1,x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--vt-hops" in err[0]
+
+
 def test_shipped_wip_checkpoint_loads_and_retrieves_at_1024() -> None:
     """The part-trained retrieval model (models-shipped/retrieval-wip) through the real engine on the CPU:
     it must keep finding the needle in niah_single_1/2 prompts of 1,024 tokens, through the top-256
@@ -1397,7 +1447,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
     assert (
         main(
             [*args, "--chat-fraction", "0.25", "--document-fraction", "0.5", "--replay-fraction", "0.2",
-             "--copy-hex-fraction", "0.5", "--task-weights", "niah_multikey_1=3,vt=0"]
+             "--copy-hex-fraction", "0.5", "--task-weights", "niah_multikey_1=3,vt=0", "--vt-hops", "1,2"]
         )
         == 0
     )  # fmt: skip
@@ -1405,7 +1455,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
     assert (
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
-    assert data["copy_hex_fraction"] == 0.5
+    assert data["copy_hex_fraction"] == 0.5 and list(data["vt_hops"]) == [1, 2]
     weights = {t: w for t, w in data["tasks"]}
     assert weights["niah_multikey_1"] == 3.0 and weights["vt"] == 0.0 and weights["niah_single_1"] == 1.0
     b = tmp_path / "b"
@@ -1414,7 +1464,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
     assert (
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
-    assert data["copy_hex_fraction"] == 0.5
+    assert data["copy_hex_fraction"] == 0.5 and list(data["vt_hops"]) == [1, 2]
     assert {t: w for t, w in data["tasks"]} == weights  # (the resumed run's mix goes on)
 
 

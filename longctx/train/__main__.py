@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {d.copy_hex_fraction}, or the resumed run's)",
     )
     p.add_argument(
+        "--vt-hops",
+        default=None,
+        metavar="H,...",
+        help="vt rows' chain lengths, one drawn per row (e.g. 1,2,3,4; default RULER's 4, or the resumed run's)",
+    )
+    p.add_argument(
         "--pose-max",
         type=int,
         default=None,
@@ -241,11 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction, --copy-hex-fraction and
-    --task-weights flags as given; one left out keeps the resumed run's saved value (else the default), so a resumed
-    run goes on with the rows it was training on."""
+    """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction, --copy-hex-fraction,
+    --task-weights and --vt-hops flags as given; one left out keeps the resumed run's saved value (else the
+    default), so a resumed run goes on with the rows it was training on."""
     from longctx.train.checkpoint import read_recipe
-    from longctx.train.data import DataConfig, parse_task_weights
+    from longctx.train.data import DataConfig, parse_task_weights, parse_vt_hops
 
     saved = read_recipe(args.resume).get("data", {}) if args.resume else {}
     d = DataConfig()
@@ -254,6 +260,8 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["tasks"] = parse_task_weights(args.task_weights)
     else:  # (the recipe's JSON holds [name, weight] lists)
         out["tasks"] = tuple((str(t), float(w)) for t, w in saved.get("tasks", d.tasks))
+    given_hops = args.vt_hops
+    out["vt_hops"] = parse_vt_hops(given_hops) if given_hops is not None else tuple(saved.get("vt_hops", ()))
     for k in (
         "pose_max",
         "pose_prob",

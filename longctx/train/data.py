@@ -54,6 +54,9 @@ DEFAULT_TASKS: tuple[tuple[str, float], ...] = (
 )
 
 
+MAX_VT_HOPS = 16  # the longest vt chain a row may ask for (RULER's is 4)
+
+
 class DataError(LongctxError):
     """A data configuration that cannot produce batches."""
 
@@ -104,6 +107,9 @@ class DataConfig:
     # steps that go back to a shorter length of the curriculum (one of those begun before, drawn
     # per step) so the short rows stay in the mix as the rows lengthen; 0 follows the curriculum
     replay_fraction: float = 0.0
+    # vt rows' chain lengths, one drawn per row (e.g. (1, 2, 3, 4): chains shorter than RULER's four hops
+    # first steps toward them); empty keeps RULER's four, and the rows bit for bit those of a run without it
+    vt_hops: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.curriculum or self.curriculum[0][0] != 0:
@@ -129,6 +135,8 @@ class DataConfig:
             raise DataError("replay_fraction must be in [0, 1)")
         if not 0.0 <= self.copy_hex_fraction <= 1.0:
             raise DataError("copy_hex_fraction must be in [0, 1]")
+        if any(not 1 <= h <= MAX_VT_HOPS for h in self.vt_hops):
+            raise DataError(f"vt_hops must each be in [1, {MAX_VT_HOPS}]")
 
     def seq_len(self, step: int) -> int:
         """The curriculum's length at `step`, or (a `replay_fraction` share of the steps, chosen by
@@ -152,6 +160,17 @@ class DataConfig:
 
     def batch_size(self, step: int) -> int:
         return max(1, self.tokens_per_step // self.seq_len(step))
+
+
+def parse_vt_hops(text: str) -> tuple[int, ...]:
+    """'1,2,3,4' -> (1, 2, 3, 4): vt chain lengths (DataError for anything else)."""
+    try:
+        hops = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise DataError(f"--vt-hops wants hop counts like 1,2,3,4, got {text!r}") from None
+    if any(not 1 <= h <= MAX_VT_HOPS for h in hops):
+        raise DataError(f"--vt-hops: each hop count must be in [1, {MAX_VT_HOPS}], got {text!r}")
+    return hops
 
 
 def parse_task_weights(text: str) -> tuple[tuple[str, float], ...]:
@@ -298,10 +317,13 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
     length = rng.randint(max(64, int(cfg.min_length_fraction * S)), S)
     # half RULER's output budget: every answer here (+ EOS) fits in 64 tokens, the prompt gets the rest
     gen = RulerGenerator(ByteCounter(), seed=rng.getrandbits(32), max_new_tokens_scale=0.5)
+    spec = None  # (vt_hops: this row's chain length)
+    if cfg.vt_hops and TASKS[task].family == "vt":
+        spec = dataclasses.replace(TASKS[task], num_hops=rng.choice(cfg.vt_hops))
     sample = None
     for t, L in ((task, length), (task, S), ("niah_single_1", S)):
         try:
-            sample = gen.sample(t, L, 0)
+            sample = gen.sample(t, L, 0, spec if t == task else None)
             task = t
             break
         except LongctxError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.errors import LongctxError
@@ -191,7 +191,9 @@ class RulerGenerator:
         """RULER's output budget times the scale, but never fewer tokens than the task's answer takes:
         RULER's budgets are BPE tokens, and scaled down for a byte tokenizer vt's 30 would cut its
         30-byte answer (five names) to two names."""
-        spec = TASKS[task]
+        return self._budget(TASKS[task])
+
+    def _budget(self, spec: TaskSpec) -> int:
         return max(1, math.ceil(spec.max_new_tokens * self.scale), self._answer_tokens(spec))
 
     def _answer_tokens(self, spec: TaskSpec) -> int:
@@ -205,13 +207,24 @@ class RulerGenerator:
             return self.counter.count(" " + ", ".join(values) + ".")
         return 0
 
-    def sample(self, task: str, length: int, index: int) -> Sample:
-        """Sample `index` of `task` at `length` tokens (prompt + output budget)."""
+    def sample(self, task: str, length: int, index: int, spec: TaskSpec | None = None) -> Sample:
+        """Sample `index` of `task` at `length` tokens (prompt + output budget). `spec`: the task with
+        other family parameters (e.g. a vt chain of fewer hops, for training); its samples are drawn
+        apart from the task's own, and None or the task's own spec gives exactly those."""
         if task not in TASKS:
             raise LongctxError(f"unknown RULER task {task!r}")
-        spec = TASKS[task]
-        key = f"{self.seed}:{task}:{length}:{index}"
-        out_budget = self.max_new_tokens(task)
+        base = TASKS[task]
+        spec = base if spec is None else spec
+        if spec.name != task or spec.family != base.family:
+            raise LongctxError(f"a spec for {task!r} must keep its name and family")
+        # a variant's own name for its random draws and size hints: the parameters it changes
+        variant = task + "".join(
+            f",{f.name}={getattr(spec, f.name)}"
+            for f in fields(spec)
+            if getattr(spec, f.name) != getattr(base, f.name)
+        )
+        key = f"{self.seed}:{variant}:{length}:{index}"
+        out_budget = self._budget(spec)
         budget = length - out_budget
         lower = math.ceil(length * (1 - self.tolerance)) - out_budget
         build, estimate, min_n, max_n = getattr(self, f"_{spec.family}")(spec, key, budget)
@@ -223,21 +236,21 @@ class RulerGenerator:
                 built[n] = (text, prefix, outputs, self.counter.count(self.render(text, prefix)))
             return built[n][3]
 
-        hint = self._hint(task, length) if index else None
-        n = fit_size(measure, estimate, budget, lower, min_n, max_n, hint=hint, what=f"{task} at {length}")
+        hint = self._hint(variant, spec, length) if index else None
+        n = fit_size(measure, estimate, budget, lower, min_n, max_n, hint=hint, what=f"{variant} at {length}")
         measure(n)
         text, prefix, outputs, tokens = built[n]
         if index == 0:
-            self._hints[(task, length)] = n
+            self._hints[(variant, length)] = n
         return Sample(task, length, index, self.seed, text, prefix, outputs, out_budget, tokens)
 
     # ---- shared haystacks --------------------------------------------------------------
-    def _hint(self, task: str, length: int) -> int:
+    def _hint(self, variant: str, spec: TaskSpec, length: int) -> int:
         # Start every sample's search from sample 0's size: a good guess that does not depend on
         # which other samples this process happened to generate (so output stays deterministic).
-        if (task, length) not in self._hints:
-            self.sample(task, length, 0)
-        return self._hints[(task, length)]
+        if (variant, length) not in self._hints:
+            self.sample(spec.name, length, 0, spec)
+        return self._hints[(variant, length)]
 
     def _stream(self, kind: str) -> PieceStream:
         if kind not in self._streams:
