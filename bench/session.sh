@@ -52,7 +52,8 @@
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
 #   TRAIN_SEED / TASK_WEIGHTS / INIT_FROM (default_train_args' rows seed, 26, `--task-weights`, and the
 #   weights it starts from, the shipped model's), VT_HOPS (`--vt-hops`), KEY_BINDING=1
-#   (bench.key_binding at 4K on the scored and the shipped model after the 4K gate).
+#   (bench.key_binding at 4K on the scored and the shipped model after the 4K gate); CURRICULUM_B /
+#   INIT_FROM_B (LANE_B=train's own curriculum and starting weights).
 # LANE_A=score1m: no training; SCORE_1M (20) samples of SCORE_TASKS (niah_single_1) at 1M of EVAL_MODEL
 #   uncapped and capped, after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples
 #   on GPU 1).
@@ -172,8 +173,11 @@ default_train_args() {
 
 default_train_args_b() {
   # LANE_B=train's default: run 26 without its 256K rows (run 26b: run 23's recipe again from run 23 with
-  # run 26's seed, rows to 128K): the A/B of the real long rows, and of the seed
-  CURRICULUM=0:4096,1000:16384,3000:65536,6500:131072 default_train_args
+  # run 26's seed, rows to 128K): the A/B of the real long rows, and of the seed. CURRICULUM_B / INIT_FROM_B:
+  # lane B's own curriculum and starting weights (INIT_FROM_B set empty: the shipped model's, whatever
+  # lane A's INIT_FROM), the rest of lane A's knobs alike
+  INIT_FROM=${INIT_FROM_B-${INIT_FROM:-}} CURRICULUM=${CURRICULUM_B:-0:4096,1000:16384,3000:65536,6500:131072} \
+    default_train_args
 }
 
 lane_a() {

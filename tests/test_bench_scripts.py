@@ -492,6 +492,26 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     assert not any("bench.key_binding" in x for x in lines)
 
 
+def test_session_lane_b_starts_from_its_own_weights_and_curriculum(tmp_path: Path) -> None:
+    """LANE_B=train with INIT_FROM_B set empty and CURRICULUM_B: lane B trains from the shipped weights on
+    its own curriculum while lane A starts from INIT_FROM; the task mix reaches both."""
+    import os
+
+    fake, calls, s = _gpu_case(tmp_path, 2)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "LANE_B": "train",
+           "INIT_FROM": "models-candidates/run28", "INIT_FROM_B": "", "CURRICULUM_B": "0:2048,5000:131072",
+           "TASK_WEIGHTS": "niah_multikey_1=3", "EVAL": "0"}  # fmt: skip
+    lines = _session_until(env, calls, "longctx.train", times=2)
+    (train_a,) = [x for x in lines if "longctx.train" in x and x.startswith("0 ")]
+    (train_b,) = [x for x in lines if "longctx.train" in x and x.startswith("1 ")]
+    assert "--init-from models-candidates/run28 " in train_a and "--curriculum 0:4096,1000:16384," in train_a
+    assert (
+        "--init-from models-shipped/retrieval-wip " in train_b
+        and "--curriculum 0:2048,5000:131072 " in train_b
+    )
+    assert all("--task-weights niah_multikey_1=3" in x for x in (train_a, train_b))
+
+
 def test_session_lane_b_trains_a_second_recipe(tmp_path: Path) -> None:
     """LANE_B=train on two GPUs: lane B trains TRAIN_ARGS_B (default: lane A's without its UUID copy rows) on GPU 1
     under $SESSION/b and scores it as lane A does; no checks, no HiSparse figures (HISPARSE=0 by
