@@ -260,8 +260,9 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["tasks"] = parse_task_weights(args.task_weights)
     else:  # (the recipe's JSON holds [name, weight] lists)
         out["tasks"] = tuple((str(t), float(w)) for t, w in saved.get("tasks", d.tasks))
-    given_hops = args.vt_hops
-    out["vt_hops"] = parse_vt_hops(given_hops) if given_hops is not None else tuple(saved.get("vt_hops", ()))
+    out["vt_hops"] = (
+        parse_vt_hops(args.vt_hops) if args.vt_hops is not None else tuple(saved.get("vt_hops", ()))
+    )
     for k in (
         "pose_max",
         "pose_prob",

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from longctx.config import ModelConfig, check_local_window, check_topk_long
+from longctx.config import ModelConfig, with_selection
 from longctx.errors import ConfigError
 from longctx.train.checkpoint import (
     load_model_weights,
@@ -583,16 +583,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     src = ModelConfig.from_json(source) if source else None
     if window is None and src:  # the weights' own window goes on with them
         window = src.index_local_window
-    if window is not None:
-        check_local_window(window, mcfg.index_topk)
-        mcfg = dataclasses.replace(mcfg, index_local_window=window)
+    long_k = long_from = None
     if src and src.index_topk_long and not mcfg.index_topk_long:
         # and so does their narrowing (the shipped model's; training rows stay short of it, but the saved
         # model then scores past it as the weights it came from do)
-        mcfg = dataclasses.replace(
-            mcfg, index_topk_long=src.index_topk_long, index_topk_long_from=src.index_topk_long_from
-        )
-        check_topk_long(mcfg)
+        long_k, long_from = src.index_topk_long, src.index_topk_long_from
+    mcfg = with_selection(
+        mcfg, index_local_window=window, index_topk_long=long_k, index_topk_long_from=long_from
+    )
     save_dtype = getattr(torch, cfg.save_dtype)
 
     if cfg.sparse_attention not in SPARSE_ATTENTION_FORMS:
