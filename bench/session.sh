@@ -161,7 +161,7 @@ default_train_args() {
   # COPY_HEX / POSE_FAR / CURRICULUM: its rate (2e-4), needle form (bytes), needle weight (1.0), UUID copy
   # rows (0), far PoSE skips (0), curriculum; TRAIN_SEED / TASK_WEIGHTS: its rows' seed (26) and the
   # retrieval tasks' mix (`--task-weights TASK=W,...`; default each alike); INIT_FROM: the weights it
-  # starts from (default the shipped model's; e.g. models-candidates/run28); VT_HOPS: vt rows' chain
+  # starts from (default the shipped model's; e.g. models-candidates/run29); VT_HOPS: vt rows' chain
   # lengths (`--vt-hops`, e.g. 1,2,3,4; default RULER's 4)
   echo "--init-from ${INIT_FROM:-models-shipped/retrieval-wip} --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
@@ -337,7 +337,7 @@ lane_score_1m() {
   # (default 20) niah_single_1 samples at 1M of EVAL_MODEL (default the shipped model), uncapped and under a
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
   # SEED_1M_CAPPED: results.jsonl files, default the shipped model's of the twenty-seventh session, run 23
-  # with its config's narrowing; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
+  # with its config's narrowing, and none for another EVAL_MODEL; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
   # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
   # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
   # seeded (those rows are the model's own selection's), and TOPK_LONG's graphs are checked first;
@@ -351,10 +351,19 @@ lane_score_1m() {
   read -r -a sel <<<"$(selection_flags)"
   mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
   if [ ${#sel[@]} -eq 0 ]; then
-    [ -f "$S/eval/uncapped_1m/results.jsonl" ] || cp \
-      "${SEED_1M_UNCAPPED:-bench/results/training/eval-run23-long128-1m-h200.jsonl}" "$S/eval/uncapped_1m/results.jsonl"
-    [ -f "$S/eval/capped_1m/results.jsonl" ] || cp \
-      "${SEED_1M_CAPPED:-bench/results/training/eval-run23-long128-capped-1m-h200.jsonl}" "$S/eval/capped_1m/results.jsonl"
+    # (the default seeds are the shipped model's rows: another EVAL_MODEL starts afresh unless given its own)
+    local seed_u="" seed_c=""
+    if [ "$MODEL" = models-shipped/retrieval-wip ]; then
+      seed_u=bench/results/training/eval-run23-long128-1m-h200.jsonl
+      seed_c=bench/results/training/eval-run23-long128-capped-1m-h200.jsonl
+    fi
+    seed_u=${SEED_1M_UNCAPPED:-$seed_u} seed_c=${SEED_1M_CAPPED:-$seed_c}
+    if [ -n "$seed_u" ] && [ ! -f "$S/eval/uncapped_1m/results.jsonl" ]; then
+      cp "$seed_u" "$S/eval/uncapped_1m/results.jsonl"
+    fi
+    if [ -n "$seed_c" ] && [ ! -f "$S/eval/capped_1m/results.jsonl" ]; then
+      cp "$seed_c" "$S/eval/capped_1m/results.jsonl"
+    fi
   fi
   # the decode top-k's window (its write pass stores it since the twenty-third session) on this GPU first
   # (if it fails, the session composes the window after the top-k as before: LONGCTX_TOPK_WINDOW=0)

@@ -467,12 +467,12 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     fake, calls, s = _gpu_case(tmp_path, 1)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
            "CAPPED": "0", "TRAIN_SEED": "28", "TASK_WEIGHTS": "niah_multikey_1=3,niah_multikey_2=2",
-           "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run28", "VT_HOPS": "1,2"}  # fmt: skip
+           "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run29", "VT_HOPS": "1,2"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 28 " in train, train
     assert train.endswith("--task-weights niah_multikey_1=3,niah_multikey_2=2 --vt-hops 1,2"), train
-    assert "--init-from models-candidates/run28 " in train
+    assert "--init-from models-candidates/run29 " in train
     kb = [i for i, x in enumerate(lines) if "bench.key_binding" in x]
     assert len(kb) == 2, lines
     assert f"--model {s}/train/ckpt " in lines[kb[0]]
@@ -499,12 +499,12 @@ def test_session_lane_b_starts_from_its_own_weights_and_curriculum(tmp_path: Pat
 
     fake, calls, s = _gpu_case(tmp_path, 2)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "LANE_B": "train",
-           "INIT_FROM": "models-candidates/run28", "INIT_FROM_B": "", "CURRICULUM_B": "0:2048,5000:131072",
+           "INIT_FROM": "models-candidates/run29", "INIT_FROM_B": "", "CURRICULUM_B": "0:2048,5000:131072",
            "TASK_WEIGHTS": "niah_multikey_1=3", "EVAL": "0"}  # fmt: skip
     lines = _session_until(env, calls, "longctx.train", times=2)
     (train_a,) = [x for x in lines if "longctx.train" in x and x.startswith("0 ")]
     (train_b,) = [x for x in lines if "longctx.train" in x and x.startswith("1 ")]
-    assert "--init-from models-candidates/run28 " in train_a and "--curriculum 0:4096,1000:16384," in train_a
+    assert "--init-from models-candidates/run29 " in train_a and "--curriculum 0:4096,1000:16384," in train_a
     assert (
         "--init-from models-shipped/retrieval-wip " in train_b
         and "--curriculum 0:2048,5000:131072 " in train_b
@@ -745,6 +745,25 @@ def test_session_score_1m_lane_takes_other_tasks(tmp_path: Path) -> None:
     assert len(lines) == 3 and all("--tasks niah_single_2,niah_single_3 " in x for x in lines)
     assert not any("--index-topk" in x for x in lines)  # (the config's selection)
     assert (s / "eval" / "uncapped_1m" / "results.jsonl").exists()
+
+
+def test_session_score_1m_lane_scores_a_candidate_with_its_own_seeds(tmp_path: Path) -> None:
+    """LANE_A=score1m EVAL_MODEL=<a candidate>: both 1M runs score that model, and the shipped model's
+    committed rows never seed them (the runner would skip those samples as done); SEED_1M_UNCAPPED gives the
+    candidate's own early samples, and the capped run without a seed starts afresh."""
+    import os
+
+    candidate = next(p for p in (ROOT / "models-candidates").iterdir() if p.is_dir())
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"task": "niah_single_1", "length": 1048576, "index": 0, "score": 1.0}\n')
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"),
+           "LANE_A": "score1m", "SCORE_1M": "20", "HISPARSE": "0",
+           "EVAL_MODEL": f"models-candidates/{candidate.name}", "SEED_1M_UNCAPPED": str(own)}  # fmt: skip
+    lines = [x for x in _session_until(env, calls, "--cap-fraction") if "retrieval_eval run" in x]
+    assert len(lines) == 2 and all(f"--model models-candidates/{candidate.name} " in x for x in lines)
+    assert (s / "eval" / "uncapped_1m" / "results.jsonl").read_text() == own.read_text()
+    assert not (s / "eval" / "capped_1m" / "results.jsonl").exists()
 
 
 @pytest.mark.parametrize("checks", ["1", "0"])
