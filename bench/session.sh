@@ -59,6 +59,8 @@
 #   on GPU 1).
 # LANE_B=eval (two GPUs): lane B scores EVAL_MODEL with WINDOW_B (default 64; ALT_WINDOW_B) under $S/b
 #   beside lane A's training.
+# Triton's cache: `collect` writes $OUT/triton-cache.tgz; copy it to .cache/triton-cache.tgz and name that
+#   path in the next session's device calls' carry, and `start` unpacks it (TRITON_CACHE_TGZ).
 # Budget (30 device minutes): ~1.5 min machine start + TRAIN_MINUTES (16) + ~8 min of evaluation;
 # end every call with `collect`, since the machine (and /tmp) goes back 30 s after the last call.
 set -uo pipefail
@@ -68,6 +70,9 @@ TRAIN_WORK=$S/train
 export TRAIN_WORK PYTHONUNBUFFERED=1
 MODEL=$TRAIN_WORK/ckpt
 [ "${TRAIN:-1}" = 0 ] && MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}  # (TRAIN=0: lane A's model)
+# Triton's compiled kernels live at one path every session (its cache entries name their files by
+# absolute path), so a cache carried from an earlier session (below) is found again
+export TRITON_CACHE_DIR=$S/triton-cache
 export S PY MODEL
 cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
@@ -533,6 +538,14 @@ start)
   # The lanes run from a private copy of the tree, installed there: the device tool replaces a carried
   # folder on every call, and a lane whose working directory was replaced under it finds no `bench`
   # (that cost a whole evaluation once). Later calls' status/collect may run from any copy.
+  # A fresh machine compiles every Triton kernel again in the first process that runs it (~2 minutes of
+  # the first evaluation and of key_binding). `collect` packs the cache into $OUT/triton-cache.tgz; carried
+  # back as TRITON_CACHE_TGZ (default .cache/triton-cache.tgz, git-ignored) it is unpacked here. Triton
+  # keys each entry on the kernel's source, its own version and the GPU: a stale or foreign entry is a miss.
+  tc=${TRITON_CACHE_TGZ:-.cache/triton-cache.tgz}
+  if [ -f "$tc" ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+    tar -xzf "$tc" -C "$S" triton-cache || echo "could not unpack $tc: Triton compiles afresh"
+  fi
   rm -rf "$S/src" && mkdir -p "$S/src"
   trees=(bench configs kernels longctx models-shipped pyproject.toml README.md)
   [ -d models-candidates ] && trees+=(models-candidates)  # weights a run may start from (INIT_FROM)
@@ -572,8 +585,17 @@ collect)
     fi
   done
   (cd "$S" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.log' \
-    -o -name '*.png' \) -not -path './train/*' -not -path './b/train/*' -print0 \
+    -o -name '*.png' \) -not -path './train/*' -not -path './b/train/*' -not -path './triton-cache/*' -print0 \
     | tar --null -czf "$OUT/results.tgz" -T -)
+  # the compiled kernels, for the next session's carry (TRITON_CACHE_TGZ), unless they would crowd the
+  # device tool's 64 MiB tree (TRITON_CACHE_MAX_MB, 12)
+  if [ -d "$TRITON_CACHE_DIR" ]; then
+    tar -czf "$OUT/triton-cache.tgz" -C "$S" triton-cache
+    if [ "$(du -m "$OUT/triton-cache.tgz" | cut -f1)" -gt "${TRITON_CACHE_MAX_MB:-12}" ]; then
+      echo "triton-cache.tgz is over ${TRITON_CACHE_MAX_MB:-12} MB: not kept"
+      rm -f "$OUT/triton-cache.tgz"
+    fi
+  fi
   ls -lR "$OUT"
   ;;
 stop)

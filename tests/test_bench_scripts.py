@@ -766,6 +766,45 @@ def test_session_score_1m_lane_scores_a_candidate_with_its_own_seeds(tmp_path: P
     assert not (s / "eval" / "capped_1m" / "results.jsonl").exists()
 
 
+def test_session_carries_tritons_cache_between_sessions(tmp_path: Path) -> None:
+    """`start` unpacks a carried Triton cache (TRITON_CACHE_TGZ) into the session's fixed cache directory,
+    which every lane's process gets as TRITON_CACHE_DIR; `collect` packs that directory into
+    $OUT/triton-cache.tgz (not into results.tgz), and one over TRITON_CACHE_MAX_MB is not kept."""
+    import os
+    import subprocess
+    import tarfile
+
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    fake.write_text(
+        fake.read_text().replace("$CUDA_VISIBLE_DEVICES $*", "$CUDA_VISIBLE_DEVICES TC=$TRITON_CACHE_DIR $*")
+    )
+    src = tmp_path / "carried"
+    (src / "triton-cache" / "k1").mkdir(parents=True)
+    (src / "triton-cache" / "k1" / "kernel.json").write_text("{}")
+    carried = tmp_path / "triton-cache.tgz"
+    with tarfile.open(carried, "w:gz") as t:
+        t.add(src / "triton-cache", arcname="triton-cache")
+    out = s.parent / "out"
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(out), "CHECKS": "0",
+           "TRITON_CACHE_TGZ": str(carried)}  # fmt: skip
+    lines = [x for x in _session_until(env, calls, "longctx.train") if " -m " in x]
+    assert lines and all(f" TC={s}/triton-cache " in x for x in lines)
+    assert (s / "triton-cache" / "k1" / "kernel.json").read_text() == "{}"
+    (s / "triton-cache" / "k2").mkdir()  # (what this session compiled)
+    (s / "triton-cache" / "k2" / "kernel.cubin").write_bytes(b"x")
+    run = lambda **e: subprocess.run(["bash", "bench/session.sh", "collect"], cwd=ROOT, env={**env, **e},  # noqa: E731
+                                     check=True, capture_output=True, text=True)  # fmt: skip
+    run()
+    with tarfile.open(out / "triton-cache.tgz") as t:
+        assert {"triton-cache/k1/kernel.json", "triton-cache/k2/kernel.cubin"} <= set(t.getnames())
+    with tarfile.open(out / "results.tgz") as t:
+        assert not any("triton-cache" in n for n in t.getnames())
+    (s / "triton-cache" / "k3").mkdir()
+    (s / "triton-cache" / "k3" / "big.cubin").write_bytes(os.urandom(2 << 20))
+    assert "not kept" in run(TRITON_CACHE_MAX_MB="1").stdout
+    assert not (out / "triton-cache.tgz").exists()
+
+
 @pytest.mark.parametrize("checks", ["1", "0"])
 def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
     tmp_path: Path, checks: str
