@@ -110,7 +110,13 @@ def test_scaled_budget_still_holds_the_answer():
             assert all(gen.max_new_tokens(t) == spec.max_new_tokens for t, spec in TASKS.items())
     gen = RulerGenerator(ByteCounter(), max_new_tokens_scale=0.5)
     assert gen.max_new_tokens("vt") == 30 and gen.max_new_tokens("niah_single_1") == 64
-    assert gen.max_new_tokens("cwe") == 60  # no floor where the answer is not bounded so
+    # cwe's ten words (the numbered list its example answers with) are not cut either
+    for i in range(4):
+        s = gen.sample("cwe", 8192, i)
+        listing = " " + " ".join(f"{j + 1}. {w}" for j, w in enumerate(s.outputs))
+        assert s.max_new_tokens >= len(listing.encode()) and len(s.outputs) == 10
+    assert gen.max_new_tokens("cwe") > 60
+    assert gen.max_new_tokens("qa_1") == 16  # no floor where the answer is not bounded
 
 
 @pytest.mark.parametrize("counter_name", ["bytes", "byte-level", "bpe"])

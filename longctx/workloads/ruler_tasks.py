@@ -24,7 +24,7 @@ from longctx.workloads.haystack import PieceStream, insert_at_boundaries
 from longctx.workloads.prose import essay_sentences
 from longctx.workloads.qa_world import QAWorld
 from longctx.workloads.tokens import PieceCache, TokenCounter
-from longctx.workloads.words import random_letters, random_needle, real_words, vocabulary
+from longctx.workloads.words import longest_word, random_letters, random_needle, real_words, vocabulary
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {vtype} for {key} is: {value}."
@@ -188,9 +188,9 @@ class RulerGenerator:
 
     # ---- public ------------------------------------------------------------------------
     def max_new_tokens(self, task: str) -> int:
-        """RULER's output budget times the scale, but never fewer tokens than the task's answer takes:
-        RULER's budgets are BPE tokens, and scaled down for a byte tokenizer vt's 30 would cut its
-        30-byte answer (five names) to two names."""
+        """RULER's output budget times the scale, but a scale below 1 never cuts below the task's
+        answer: RULER's budgets are BPE tokens, and scaled down for a byte tokenizer vt's 30 would cut
+        its 30-byte answer (five names) to two names, and cwe's 120 its ten words to about five."""
         return self._budget(TASKS[task])
 
     def _budget(self, spec: TaskSpec) -> int:
@@ -198,13 +198,18 @@ class RulerGenerator:
 
     def _answer_tokens(self, spec: TaskSpec) -> int:
         """The tokens of the longest answer `spec` asks for, written as the answer prefix leads the
-        model to (vt: the names after a space; niah: the values, comma-separated, and a full stop);
-        0 for the families whose answers are not so bounded."""
+        model to (vt: the names after a space; niah: the values, comma-separated, and a full stop; cwe:
+        the numbered list of its words, as its example answers, but no more than RULER's own budget,
+        which ten of the longest invented words would pass); 0 for the families whose answers are not
+        so bounded."""
         if spec.family == "vt":
             return self.counter.count(" " + " ".join(["VARXX"] * (spec.num_hops + 1)))
         if spec.family == "niah" and spec.value in _LONGEST_VALUE:
             values = [_LONGEST_VALUE[spec.value]] * (spec.num_v * spec.num_q)
             return self.counter.count(" " + ", ".join(values) + ".")
+        if spec.family == "cwe":
+            words = " ".join(f"{i + 1}. {'w' * longest_word()}" for i in range(spec.num_cw))
+            return min(self.counter.count(" " + words), spec.max_new_tokens)
         return 0
 
     def sample(self, task: str, length: int, index: int, spec: TaskSpec | None = None) -> Sample:

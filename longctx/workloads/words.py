@@ -149,6 +149,13 @@ def pseudo_words(count: int, seed: int, exclude: frozenset[str] = frozenset()) -
     return out
 
 
+def longest_word() -> int:
+    """The most letters any word of `vocabulary` can have: a real word's, or three of the longest
+    syllables an invented word is made of."""
+    syllable = max(map(len, _ONSETS)) + max(map(len, _VOWELS)) + max(map(len, _CODAS))
+    return max(max(map(len, real_words())), 3 * syllable)
+
+
 def vocabulary(count: int, seed: int) -> list[str]:
     """`count` distinct words: the real words first (shuffled per seed), then invented ones."""
     words = list(real_words())
