@@ -64,6 +64,8 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--max-new-tokens", "-1", "hi"], "--max-new-tokens must be >= 0"),
         (["generate", *CPU, "--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
         (["generate", *CPU, "--index-topk", "128", "hi"], "--index-topk-long 0, turns"),
+        (["generate", *CPU, "--repetition-penalty", "0", "hi"], "repetition_penalty must be in (0, 100]"),
+        (["generate", *CPU, "--presence-penalty", "3", "hi"], "presence_penalty must be between -2 and 2"),
         (["score", *CPU, ""], "the prompt is empty"),
     ],
 )

@@ -132,3 +132,21 @@ def test_document_cached_and_progress_real_engine(server):
     progress = [line for line in lines if line.startswith(": prefill ")]
     assert progress and progress[0] == ": prefill 512/600", lines[:5]
     assert lines[-1] == "data: [DONE]"
+
+
+def test_penalties_reach_the_real_engine(client, tiny_dir):
+    """presence / frequency penalties and vLLM's repetition_penalty change the greedy tokens exactly as
+    the engine's own `generate` with them does."""
+    from longctx import Engine
+
+    prompt, pen = "The capital of France is", dict(presence_penalty=1.5, frequency_penalty=2.0)
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, **pen,
+        extra_body={"repetition_penalty": 4.0, "ignore_eos": True},
+    )  # fmt: skip
+    plain = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    with Engine(str(tiny_dir), device="cpu") as e:
+        want = e.generate([prompt], max_new_tokens=8, ignore_eos=True, repetition_penalty=4.0, **pen)[0]
+    assert r.choices[0].text == want.text != plain.choices[0].text

@@ -64,6 +64,8 @@ SAMPLING = [
     "logprobs",
     "ignore_eos",
     "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
     "max_completion_tokens",
     "top_logprobs",
     "echo",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from longctx.engine.args import add_engine_args, engine_kwargs
+from longctx.engine.request import SamplingParams
 from longctx.errors import LongctxError
 
 
@@ -48,6 +49,14 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
 def run_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise LongctxError("--max-new-tokens must be >= 0")
+    SamplingParams(  # the sampling flags checked before the model loads
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+    ).validate()
     prompts = _read_prompt(args)
     with _engine(args) as eng:
         outs = eng.generate(
@@ -58,6 +67,9 @@ def run_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             stop=args.stop or None,
             seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
         )
     for o in outs:
         if args.json:
@@ -104,6 +116,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="over the prompt's and the generated tokens (1: off)",
+    )
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per completion")
     g.set_defaults(func=run_generate)

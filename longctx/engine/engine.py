@@ -106,10 +106,8 @@ class LocalRunner:
         return out
 
     def release(self, rids: list[str]) -> None:
-        """Requests finished or aborted: KV caches with per-request device state free it."""
-        release = getattr(self.worker.kv, "release", None)
-        if release is not None:
-            release(rids)
+        """Requests finished or aborted: the worker frees their penalty and per-request KV state."""
+        self.worker.release(rids)
 
     def close(self) -> None:
         close = getattr(self.worker.kv, "close", None)
@@ -355,7 +353,7 @@ class Engine:
         return outs
 
     def _release(self, rids: list[str]) -> None:
-        # per-request device state outside the page pool (HiSparse slots); runners without it skip
+        # per-request state outside the page pool (penalties' tokens, HiSparse slots); runners without it skip
         release = getattr(self.runner, "release", None)
         if rids and release is not None:
             release(rids)
@@ -413,8 +411,12 @@ class Engine:
         stop: list[str] | list[int] | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> list[Completion]:
-        """Generate for a batch of prompts (token-id lists or strings); one Completion each."""
+        """Generate for a batch of prompts (token-id lists or strings); one Completion each. The
+        penalties are `SamplingParams`' (OpenAI's presence / frequency, and the repetition penalty)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts must be a list of prompts (token-id lists or strings)")
         stop_ids = tuple(s for s in (stop or []) if isinstance(s, int))
@@ -431,6 +433,9 @@ class Engine:
                 stop_token_ids=stop_ids,
                 stop=stop_str,
                 ignore_eos=ignore_eos,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
             )
             reqs.append(Request(f"gen-{next(self._ids)}", ids, params))
         self._run_to_completion(reqs, desc="generate")

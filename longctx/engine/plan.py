@@ -24,6 +24,12 @@ class RowPlan:
     seed: int = 0
     step: int = 0  # index of the token being sampled (seeds the per-token generator)
     logprobs: int | None = None
+    # penalties (SamplingParams'); `penalty_prompt`: the prompt's distinct token ids, sent with a
+    # repetition-penalised request's first sampling row only (the last stage keeps them until release)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    penalty_prompt: tuple[int, ...] = ()
     # pages only grow at their end within one epoch (`RequestPages.epoch`): consumers that cache a
     # row's page table (the decode graphs) copy just the new entries; 0 = unknown, always refresh
     pages_epoch: int = 0
@@ -31,6 +37,10 @@ class RowPlan:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def pages_extend(self, epoch: int, n: int) -> bool:
         """Whether a copy of this request's first `n` pages taken at `epoch` is still a prefix of

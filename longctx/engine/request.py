@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from longctx.errors import RequestError
 
+MAX_REPETITION_PENALTY = 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
     ignore_eos: bool = False
     logprobs: int | None = None  # return the top-N logprobs per generated token (0 = only the chosen one)
+    # OpenAI's penalties over the tokens generated so far: logit -= frequency * count + presence * (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # over the prompt's and the generated tokens (CTRL / transformers / vLLM): a positive logit divided
+    # by it, a negative one multiplied; 1 = off
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -38,6 +50,13 @@ class SamplingParams:
             raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise RequestError(f"{name} must be between -2 and 2, got {v!r}")
+        rp = self.repetition_penalty
+        if not (isinstance(rp, (int, float)) and math.isfinite(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
+            raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
 
 
 class FinishReason(str, enum.Enum):

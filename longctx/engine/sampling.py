@@ -1,10 +1,18 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded per request and per token.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, seeded per request and per token.
 
 The generator for token n of a request is seeded from (request seed, n), so a request samples the
 same tokens whatever it is batched with and whichever process samples it.
+
+Penalties (`Penalties`) change the logits a token is drawn from, greedy ones included; logprobs stay
+the model's own distribution. The last stage keeps, per penalised request, the tokens it sampled by
+index on the device (a token sampled again for the same index replaces the first), so counting them
+needs no host round trip, and the prompt's token set for a repetition penalty.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -15,15 +23,103 @@ def _token_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * _MIX) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def sample_rows_device(logits: torch.Tensor, rows: list) -> torch.Tensor:
-    """logits [R, vocab] -> one token per row (rows carry temperature/top_p/top_k/seed/step), as an
-    int64 tensor on logits' device. Nothing is read back here: the caller reads the whole batch with
-    one transfer, the step's only host synchronisation (`StageWorker.resolve`)."""
+def sample_rows_device(logits: torch.Tensor, rows: list, penalties: Penalties | None = None) -> torch.Tensor:
+    """logits [R, vocab] -> one token per row (rows carry temperature/top_p/top_k/seed/step and the
+    penalties), as an int64 tensor on logits' device. Nothing is read back here: the caller reads the
+    whole batch with one transfer, the step's only host synchronisation (`StageWorker.resolve`).
+    Penalised rows need `penalties`, which records the tokens drawn for them."""
+    penalised = [i for i, r in enumerate(rows) if r.penalised]
+    if penalised:
+        if penalties is None:
+            raise ValueError("penalised rows need the last stage's Penalties")
+        logits = penalties.apply(logits, rows, penalised)
     toks = torch.argmax(logits, dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0.0:
             toks[i] = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step)
+    if penalised:
+        assert penalties is not None
+        penalties.record(toks, rows, penalised)
     return toks
+
+
+def penalise_ref(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+) -> torch.Tensor:
+    """Reference for one row's logits [vocab]: the repetition penalty over every token of the prompt
+    and the output (a positive logit divided by it, a negative one multiplied), then
+    logit -= frequency_penalty * count + presence_penalty * (count > 0) over the output's counts."""
+    x = logits.float().clone()
+    seen = sorted(set(prompt_ids) | set(output_ids))
+    if repetition_penalty != 1.0 and seen:
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / repetition_penalty, v * repetition_penalty)
+    for t in set(output_ids):
+        x[t] -= frequency_penalty * list(output_ids).count(t) + presence_penalty
+    return x
+
+
+class Penalties:
+    """Per-request device state of the penalties (the last stage's): the tokens sampled so far, by
+    index, and the prompt's token set. Freed by `release`."""
+
+    def __init__(self) -> None:
+        self._out: dict[str, torch.Tensor] = {}  # rid -> int64 [capacity] tokens by step index
+        self._prompt: dict[str, torch.Tensor] = {}  # rid -> bool [vocab]
+
+    def __len__(self) -> int:
+        return len(self._out.keys() | self._prompt.keys())
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> torch.Tensor:
+        """A float32 copy of logits [R, vocab] with rows `which` penalised (their tokens 0..step-1)."""
+        x = logits.float().clone()
+        vocab = x.shape[1]
+        for i in which:
+            r = rows[i]
+            if r.penalty_prompt:
+                mask = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+                mask[torch.tensor(r.penalty_prompt, dtype=torch.int64).to(x.device)] = True
+                self._prompt[r.rid] = mask
+            out = self._out.get(r.rid)
+            have = 0 if out is None else min(r.step, out.numel())
+            if have < r.step:
+                raise ValueError(f"request {r.rid}: sampling token {r.step} but only {have} were recorded")
+            counts = torch.bincount(out[: r.step], minlength=vocab) if out is not None and r.step else None
+            row = x[i]
+            if r.repetition_penalty != 1.0:
+                seen = self._prompt.get(r.rid)
+                if seen is None:
+                    raise ValueError(f"request {r.rid}: a repetition penalty without the prompt's tokens")
+                if counts is not None:
+                    seen = seen | (counts > 0)
+                hit = torch.where(row > 0, row / r.repetition_penalty, row * r.repetition_penalty)
+                row = torch.where(seen, hit, row)
+            if counts is not None:
+                row = row - r.frequency_penalty * counts - r.presence_penalty * (counts > 0).float()
+            x[i] = row
+        return x
+
+    def record(self, toks: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> None:
+        """Keep row i's sampled token toks[i] as its request's token `step` (device to device)."""
+        for i in which:
+            r = rows[i]
+            out = self._out.get(r.rid)
+            if out is None or out.numel() <= r.step:
+                grown = torch.zeros(max(16, 2 * (r.step + 1)), dtype=torch.int64, device=toks.device)
+                if out is not None:
+                    grown[: out.numel()] = out
+                self._out[r.rid] = out = grown
+            out[r.step : r.step + 1] = toks[i : i + 1]
+
+    def release(self, rids: Iterable[str]) -> None:
+        for rid in rids:
+            self._out.pop(rid, None)
+            self._prompt.pop(rid, None)
 
 
 def _sample(

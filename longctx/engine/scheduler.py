@@ -195,7 +195,19 @@ class Scheduler:
             seed=req.seed,
             step=len(req.output_ids),
             logprobs=p.logprobs,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            penalty_prompt=self._penalty_prompt(req) if mode == "last" and not req.output_ids else (),
         )
+
+    @staticmethod
+    def _penalty_prompt(req: Request) -> tuple[int, ...]:
+        """The prompt's distinct token ids, for a repetition penalty (once per request: its first
+        sampling row; the last stage keeps them)."""
+        if req.params.repetition_penalty == 1.0:
+            return ()
+        return tuple(sorted(set(req.prompt_ids)))
 
     # ---- overlapped decode ---------------------------------------------------------------------
     def plan_continuation(self, plan: BatchPlan) -> BatchPlan | None:
@@ -236,6 +248,7 @@ class Scheduler:
                     pages=rp.as_tuple(),
                     pages_epoch=rp.epoch,
                     step=len(req.output_ids) + 1,
+                    penalty_prompt=(),  # (sent with the request's first sampling row only)
                 )
             )
         self._step += 1

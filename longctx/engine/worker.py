@@ -18,7 +18,7 @@ from tqdm import tqdm
 from longctx.checkpoint.loader import iter_weights
 from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan, RowPlan, RowResult
-from longctx.engine.sampling import logprobs_row, sample_rows_device
+from longctx.engine.sampling import Penalties, logprobs_row, sample_rows_device
 from longctx.model.context import ForwardContext, KVCache
 from longctx.model.model import CausalLM
 
@@ -91,7 +91,16 @@ class StageWorker:
         self.last_topk: torch.Tensor | None = None
         self._page_rows = PageRows()
         self.token_wait_s = 0.0  # host seconds waiting for sampled tokens (`resolve`)
+        self.penalties = Penalties()  # (the last stage's: penalised requests' sampled tokens)
         model.set_backend(use_triton)
+
+    def release(self, rids: list[str]) -> None:
+        """Requests finished or aborted: their penalty state, and the KV cache's per-request device
+        state where it has any."""
+        self.penalties.release(rids)
+        release = getattr(self.kv, "release", None)
+        if release is not None:
+            release(rids)
 
     def context(self, plan: BatchPlan) -> ForwardContext:
         dev = self.device
@@ -192,7 +201,7 @@ class StageWorker:
                 last_logits = self.model.logits(take_rows(h, ends))  # one lm_head GEMM for every sampling row
             else:
                 last_logits = take_rows(last_logits, last)
-            toks = sample_rows_device(last_logits, [plan.rows[i] for i in last])
+            toks = sample_rows_device(last_logits, [plan.rows[i] for i in last], self.penalties)
         pending = PendingRows(plan, out, last, toks, last_logits)
         if toks is not None and toks.is_cuda:
             # Start the tokens' way to the host now, behind this step's work only: a continuation

@@ -120,6 +120,9 @@ class EngineLoop:
                     stop=tuple(p.stop),
                     ignore_eos=p.ignore_eos,
                     logprobs=p.logprobs,
+                    presence_penalty=p.presence_penalty,
+                    frequency_penalty=p.frequency_penalty,
+                    repetition_penalty=p.repetition_penalty,
                 )
                 req = Request(
                     msg.rid, list(msg.prompt_ids), params, arrival=time.time(), pin_prefix=msg.pin_prefix

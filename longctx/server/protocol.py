@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from longctx.engine.request import MAX_REPETITION_PENALTY
+
 I64 = 2**63 - 1
 MAX_STOPS = 16
 
@@ -80,8 +82,10 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
-    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)  # accepted for compatibility, unused
-    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)  # accepted for compatibility, unused
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    # (vLLM's extension; over the prompt's and the generated tokens, 1 = off)
+    repetition_penalty: Float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     user: str | None = None
 

@@ -63,6 +63,9 @@ def sampling(
         stop=tuple(req.stop_list()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
     )
 
 

@@ -213,6 +213,7 @@ class StageProcess:
             elif isinstance(msg, RunPlan):
                 self.step(msg)
             elif isinstance(msg, Release):
+                self.worker.penalties.release(msg.rids)
                 release = getattr(self.kv.inner, "release", None)
                 if release is not None:
                     release(list(msg.rids))
