@@ -118,6 +118,41 @@ def test_stop_strings_and_logprobs(client):
     assert len(content) == 2 and len(content[0].top_logprobs) == 3
 
 
+def test_n_choices(client, server):
+    """n > 1: n choices indexed 0..n-1, each a request of its own (seeded: choice i draws with seed + i,
+    so they differ and repeat), usage counting the prompt once; streamed, every choice's chunks
+    carry its index and end with its own finish; chat and documents too."""
+    kw = dict(model="fake", prompt="abc", max_tokens=8, temperature=1.0, seed=7)
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    assert r.choices[2].text == client.completions.create(**{**kw, "seed": 9}).choices[0].text
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 24 and r.usage.total_tokens == 27
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    }
+    assert [texts[i] for i in range(3)] == [c.text for c in r.choices]
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2] and chunks[-1].usage.completion_tokens == 24
+    msgs = [{"role": "user", "content": "hi"}]
+    c = client.chat.completions.create(model="fake", messages=msgs, max_tokens=4, temperature=0, n=2)
+    assert len(c.choices) == 2 and c.choices[0].message.content == c.choices[1].message.content  # greedy
+    s = list(
+        client.chat.completions.create(
+            model="fake", messages=msgs, max_tokens=4, temperature=0, n=2, stream=True
+        )
+    )
+    roles = [x.choices[0].index for x in s if x.choices and x.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    doc = httpx.post(server.url + "/v1/documents", json={"text": "some document text"}).json()
+    a = httpx.post(
+        server.url + f"/v1/documents/{doc['id']}/ask", json={"question": "?", "max_tokens": 3, "n": 2}
+    )
+    assert a.status_code == 200 and [x["index"] for x in a.json()["choices"]] == [0, 1]
+    httpx.delete(server.url + f"/v1/documents/{doc['id']}")
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(
         model="fake", prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 5}
@@ -172,10 +207,22 @@ def test_disconnect_aborts_and_frees_pages(server):
     )
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_disconnect_aborts_every_choice(server):
+    check_disconnect_frees_pages(
+        server,
+        {"prompt": "abc", "max_tokens": 3000, "stream": True, "n": 3},
+        after_events=4,
+        http_timeout=30,
+        free_within=3.0,
+    )
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_non_streaming_disconnect_aborts(server, n):
     base = stats(server)["pages_used"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3000}, timeout=0.5)
+        body = {"prompt": "abc", "max_tokens": 3000, "n": n}
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
     assert wait_for(lambda: stats(server)["pages_used"] == base and stats(server)["num_running"] == 0, 3.0)
 
 
@@ -265,7 +312,8 @@ BAD = [
     ("POST", C, {"prompt": "x", "frequency_penalty": "high"}, 400),
     ("POST", C, {"prompt": "x", "repetition_penalty": 0}, 400),
     ("POST", CH, {"messages": [U], "repetition_penalty": -1.0}, 400),
-    ("POST", C, {"prompt": "x", "n": 2}, 400),
+    ("POST", C, {"prompt": "x", "n": 17}, 400),
+    ("POST", C, {"prompt": "x", "n": 0}, 400),
     ("POST", C, {"prompt": "x", "logprobs": 50}, 400),
     ("POST", C, {"prompt": "x", "stop": [""]}, 400),
     ("POST", C, {"prompt": "x", "stop": 5}, 400),
@@ -285,7 +333,7 @@ BAD = [
     ("POST", CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, 400),
     ("POST", CH, {"messages": [U], "top_logprobs": 2}, 400),
     ("POST", CH, {"messages": [U], "max_tokens": -3}, 400),
-    ("POST", CH, {"messages": [U], "n": 3}, 400),
+    ("POST", CH, {"messages": [U], "n": 99}, 400),
     ("POST", CH, {"messages": [U], "model": "nope"}, 404),
     ("POST", CH, {"messages": [{"role": "user", "content": "y" * (MAX_CONTEXT + 10)}]}, 400),
     ("POST", D, {"text": ""}, 400),

@@ -150,3 +150,17 @@ def test_penalties_reach_the_real_engine(client, tiny_dir):
     with Engine(str(tiny_dir), device="cpu") as e:
         want = e.generate([prompt], max_new_tokens=8, ignore_eos=True, repetition_penalty=4.0, **pen)[0]
     assert r.choices[0].text == want.text != plain.choices[0].text
+
+
+def test_n_choices_real_engine(client):
+    """n = 2 on the real engine: seeded choice i is the single request seeded seed + i."""
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    r = client.completions.create(n=2, seed=11, **kw)
+    singles = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 12)]
+    assert [c.text for c in r.choices] == singles and r.usage.completion_tokens == 10

@@ -71,20 +71,24 @@ def chat_logprobs(codec: TextCodec, lps: list[m.WireLogprob], top_n: int) -> dic
     }
 
 
-def completion(
-    rid: str, model: str, text: str, finish: str | None, usage: dict | None, logprobs: Any
-) -> dict:
+Choice = tuple[str, "str | None", Any]  # (text, finish reason, logprobs) of one of a request's n choices
+
+
+def completion(rid: str, model: str, choices: list[Choice], usage: dict | None) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [
+            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            for i, (text, finish, lp) in enumerate(choices)
+        ],
         "usage": usage,
     }
 
 
-def chat_completion(rid: str, model: str, text: str, finish: str, usage: dict, logprobs: Any) -> dict:
+def chat_completion(rid: str, model: str, choices: list[Choice], usage: dict) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -92,11 +96,12 @@ def chat_completion(rid: str, model: str, text: str, finish: str, usage: dict, l
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
+                "logprobs": lp,
                 "finish_reason": finish,
             }
+            for i, (text, finish, lp) in enumerate(choices)
         ],
         "usage": usage,
     }
@@ -124,8 +129,9 @@ def chat_chunk(
     logprobs: Any = None,
     usage: dict | None = None,
     empty: bool = False,
+    index: int = 0,
 ) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     return _chunk(rid, model, "chat.completion.chunk", choice, usage, empty)
 
 
@@ -137,6 +143,7 @@ def completion_chunk(
     logprobs: Any = None,
     usage: dict | None = None,
     empty: bool = False,
+    index: int = 0,
 ) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return _chunk(rid, model, "text_completion", choice, usage, empty)

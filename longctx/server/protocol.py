@@ -16,6 +16,7 @@ from longctx.engine.request import MAX_REPETITION_PENALTY
 
 I64 = 2**63 - 1
 MAX_STOPS = 16
+MAX_N = 16
 
 
 class ApiError(Exception):
@@ -81,7 +82,9 @@ class _SamplingFields(_Strict):
     stop: StopT = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(
+        1, ge=1, le=MAX_N
+    )  # choices: n engine requests of one prompt (its pages shared once cached)
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     # (vLLM's extension; over the prompt's and the generated tokens, 1 = off)

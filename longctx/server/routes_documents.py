@@ -15,9 +15,9 @@ from fastapi.responses import Response
 from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.server import messages as m
 from longctx.server.engine_client import RpcError
-from longctx.server.generation import Generation, new_rid
+from longctx.server.generation import new_rid
 from longctx.server.protocol import ApiError, AskRequest, DocumentCreate
-from longctx.server.routes_generate import Shape, sampling, serve
+from longctx.server.routes_generate import Shape, generations, sampling, serve
 from longctx.server.state import Document, ServerState, get_state, read_json
 
 router = APIRouter()
@@ -131,7 +131,7 @@ async def ask_document(doc_id: str, request: Request) -> Response:
     ids = doc.ids + await st.encode(DOCUMENT_QUESTION_SEPARATOR + req.question + tail)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.max_tokens, logprobs)
-    st.check_admission()
-    gen = Generation(st.client, st.codec, st.metrics, new_rid("chatcmpl"), ids, params, req.stop_list())
+    rid = new_rid("chatcmpl")
+    gens = generations(st, rid, ids, params, req.stop_list(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, gen, Shape(True, logprobs, include_usage), req.stream)
+    return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage), req.stream)

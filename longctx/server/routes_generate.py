@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,75 +77,180 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def serve(request: Request, st: ServerState, gen: Generation, shape: Shape, stream: bool) -> Response:
-    """Run `gen` and answer as JSON, or as SSE with prefill-progress comments before the first token."""
+def generations(
+    st: ServerState, rid: str, ids: list[int], params: m.WireSamplingParams, stop: list[str], n: int
+) -> list[Generation]:
+    """A request's `n` choices as engine requests (`rid`-i when n > 1; a seeded request's choice i
+    draws with seed + i, so the choices differ and each is reproducible), after the admission check."""
+    st.check_admission(n)
+    if n == 1:
+        return [Generation(st.client, st.codec, st.metrics, rid, ids, params, stop)]
+    return [
+        Generation(
+            st.client,
+            st.codec,
+            st.metrics,
+            f"{rid}-{i}",
+            ids,
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
+            stop,
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
+async def serve(
+    request: Request, st: ServerState, rid: str, gens: list[Generation], shape: Shape, stream: bool
+) -> Response:
+    """Run the request's generations (its n choices) and answer as JSON, or as SSE with
+    prefill-progress comments before the first token."""
     model = st.settings.served_model_name
-    rid = gen.rid
     try:
         if not stream:
-            task = asyncio.create_task(gen.collect())
+            task = asyncio.create_task(_collect(gens))
             disc = asyncio.create_task(_wait_disconnect(request))
             await asyncio.wait({task, disc}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client hung up: cancelling aborts the engine request
+            if not task.done():  # the client hung up: cancelling aborts the engine requests
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 st.metrics.requests.labels(_endpoint(shape), "499").inc()
                 return Response(status_code=499)
             disc.cancel()
-            done = task.result()
+            dones = task.result()
             st.metrics.requests.labels(_endpoint(shape), "200").inc()
-            return JSONResponse(_final(st, rid, model, done, shape))
-        events = gen.events(keepalive=True)
+            return JSONResponse(_final(st, rid, model, dones, shape))
+        events = _events(gens)
         try:
             first = await events.__anext__()  # errors the engine reports at once become real statuses
         except BaseException:
             await events.aclose()
             raise
-        return fmt.SSEResponse(_stream(st, rid, model, shape, first, events))
+        return fmt.SSEResponse(_stream(st, rid, model, shape, first, events, len(gens)))
     except ApiError as e:
         st.metrics.requests.labels(_endpoint(shape), str(e.status)).inc()
         raise
+
+
+async def _collect(gens: list[Generation]) -> list[Done]:
+    """Every choice run to completion; one failing (or this being cancelled) cancels the others,
+    which aborts their engine requests."""
+    if len(gens) == 1:
+        return [await gens[0].collect()]
+    tasks = [asyncio.create_task(g.collect()) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_END = object()
+
+
+async def _events(gens: list[Generation]) -> AsyncGenerator[tuple[int, Any], None]:
+    """(choice index, event) of every generation as they come; closing this closes them all (which
+    aborts the unfinished engine requests). An error in any one ends the whole stream with it."""
+    if len(gens) == 1:
+        one = gens[0].events(keepalive=True)
+        try:
+            async for ev in one:
+                yield 0, ev
+        finally:
+            await one.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    streams = [g.events(keepalive=True) for g in gens]
+
+    async def pump(i: int, s: AsyncGenerator[Any, None]) -> None:
+        try:
+            async for ev in s:
+                queue.put_nowait((i, ev))
+            queue.put_nowait((i, _END))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # (an ApiError of this choice: the stream ends with it)
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    live = len(gens)
+    try:
+        while live:
+            i, ev = await queue.get()
+            if ev is _END:
+                live -= 1
+            elif isinstance(ev, BaseException):
+                raise ev
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
 
 
 def _endpoint(shape: Shape) -> str:
     return "chat" if shape.chat else "completions"
 
 
-def _final(st: ServerState, rid: str, model: str, done: Done, shape: Shape) -> dict[str, Any]:
+def _usage(dones: list[Done]) -> dict[str, Any]:
+    """The prompt once, every choice's completion tokens."""
+    u = dones[0].usage()
+    done_tokens = sum(d.completion_tokens for d in dones)
+    return {**u, "completion_tokens": done_tokens, "total_tokens": u["prompt_tokens"] + done_tokens}
+
+
+def _final(st: ServerState, rid: str, model: str, dones: list[Done], shape: Shape) -> dict[str, Any]:
     if shape.chat:
-        lp = (
-            fmt.chat_logprobs(st.codec, done.logprobs, shape.logprobs or 0)
-            if shape.logprobs is not None
-            else None
+        top = shape.logprobs or 0
+        lp = [
+            fmt.chat_logprobs(st.codec, d.logprobs, top) if shape.logprobs is not None else None
+            for d in dones
+        ]
+        return fmt.chat_completion(
+            rid, model, [(d.text, d.finish_reason, x) for d, x in zip(dones, lp)], _usage(dones)
         )
-        return fmt.chat_completion(rid, model, done.text, done.finish_reason, done.usage(), lp)
-    lp = fmt.completion_logprobs(st.codec, done.logprobs) if shape.logprobs is not None else None
-    return fmt.completion(rid, model, done.text, done.finish_reason, done.usage(), lp)
+    lps = [
+        fmt.completion_logprobs(st.codec, d.logprobs) if shape.logprobs is not None else None for d in dones
+    ]
+    return fmt.completion(
+        rid, model, [(d.text, d.finish_reason, x) for d, x in zip(dones, lps)], _usage(dones)
+    )
 
 
 async def _stream(
-    st: ServerState, rid: str, model: str, shape: Shape, first: Any, events: AsyncGenerator[Any, None]
+    st: ServerState,
+    rid: str,
+    model: str,
+    shape: Shape,
+    first: tuple[int, Any],
+    events: AsyncGenerator[tuple[int, Any], None],
+    n: int,
 ) -> AsyncIterator[str]:
-    sent_role = False
+    sent_role = [False] * n
+    text_pos = [0] * n
+    dones: list[Done | None] = [None] * n
     status = "200"
-    text_pos = 0
 
-    async def all_events() -> AsyncIterator[Any]:
+    async def all_events() -> AsyncIterator[tuple[int, Any]]:
         yield first
         async for ev in events:
             yield ev
 
     try:
-        async for ev in all_events():
+        async for i, ev in all_events():
             if isinstance(ev, Progress):
-                yield fmt.sse_comment(f"prefill {ev.done}/{ev.total}")
+                if i == 0:  # (every choice prefills the same prompt)
+                    yield fmt.sse_comment(f"prefill {ev.done}/{ev.total}")
                 continue
             if isinstance(ev, Keepalive):
                 yield fmt.sse_comment("keepalive")
                 continue
-            if shape.chat and not sent_role:
-                sent_role = True
-                yield fmt.sse(fmt.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+            if shape.chat and not sent_role[i]:
+                sent_role[i] = True
+                yield fmt.sse(fmt.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=i))
             if isinstance(ev, Delta):
                 if not ev.text and shape.logprobs is None:
                     continue
@@ -154,26 +260,27 @@ async def _stream(
                         if shape.logprobs is not None
                         else None
                     )
-                    yield fmt.sse(fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp))
+                    yield fmt.sse(fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp, index=i))
                 else:
                     lp = (
-                        fmt.completion_logprobs(st.codec, ev.logprobs, text_pos)
+                        fmt.completion_logprobs(st.codec, ev.logprobs, text_pos[i])
                         if shape.logprobs is not None
                         else None
                     )
-                    yield fmt.sse(fmt.completion_chunk(rid, model, ev.text, None, lp))
-                text_pos += len(ev.text)
+                    yield fmt.sse(fmt.completion_chunk(rid, model, ev.text, None, lp, index=i))
+                text_pos[i] += len(ev.text)
             elif isinstance(ev, Done):
+                dones[i] = ev
                 if shape.chat:
-                    yield fmt.sse(fmt.chat_chunk(rid, model, {}, ev.finish_reason))
-                    if shape.include_usage:
-                        yield fmt.sse(fmt.chat_chunk(rid, model, {}, None, usage=ev.usage(), empty=True))
+                    yield fmt.sse(fmt.chat_chunk(rid, model, {}, ev.finish_reason, index=i))
                 else:
-                    yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason))
-                    if shape.include_usage:
-                        yield fmt.sse(
-                            fmt.completion_chunk(rid, model, "", None, usage=ev.usage(), empty=True)
-                        )
+                    yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason, index=i))
+        if shape.include_usage and all(d is not None for d in dones):
+            usage = _usage([d for d in dones if d is not None])
+            if shape.chat:
+                yield fmt.sse(fmt.chat_chunk(rid, model, {}, None, usage=usage, empty=True))
+            else:
+                yield fmt.sse(fmt.completion_chunk(rid, model, "", None, usage=usage, empty=True))
         yield fmt.SSE_DONE
     except ApiError as e:
         status = str(e.status)
@@ -183,7 +290,7 @@ async def _stream(
         status = "499"
         raise
     finally:
-        await events.aclose()  # aborts the engine request if it has not finished
+        await events.aclose()  # aborts the engine requests that have not finished
         st.metrics.requests.labels(_endpoint(shape), status).inc()
 
 
@@ -206,10 +313,10 @@ async def completions(request: Request) -> Response:
             )
         ids = list(prompt)
     params = sampling(st, req, len(ids), req.max_tokens, req.logprobs)
-    st.check_admission()
-    gen = Generation(st.client, st.codec, st.metrics, new_rid("cmpl"), ids, params, req.stop_list())
+    rid = new_rid("cmpl")
+    gens = generations(st, rid, ids, params, req.stop_list(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, gen, Shape(False, req.logprobs, include_usage), req.stream)
+    return await serve(request, st, rid, gens, Shape(False, req.logprobs, include_usage), req.stream)
 
 
 @router.post("/v1/chat/completions")
@@ -230,10 +337,10 @@ async def chat_completions(request: Request) -> Response:
     ids = await prompt_ids_with_documents(st, text)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.limit(), logprobs)
-    st.check_admission()
-    gen = Generation(st.client, st.codec, st.metrics, new_rid("chatcmpl"), ids, params, req.stop_list())
+    rid = new_rid("chatcmpl")
+    gens = generations(st, rid, ids, params, req.stop_list(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, gen, Shape(True, logprobs, include_usage), req.stream)
+    return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage), req.stream)
 
 
 async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:

@@ -87,14 +87,15 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_admission(self) -> None:
+    def check_admission(self, n: int = 1) -> None:
+        """Whether `n` more engine requests may queue (a request's n choices are n engine requests)."""
         if self.draining:
             raise ApiError(503, "server is shutting down", "server_error", code="shutting_down")
         if not self.client.healthy:
             raise ApiError(
                 503, f"engine unavailable: {self.client.dead_reason}", "server_error", code="engine_dead"
             )
-        if self.client.num_queued() >= self.settings.max_queue:
+        if self.client.num_queued() + n > self.settings.max_queue:
             raise ApiError(
                 429,
                 f"too many queued requests (limit {self.settings.max_queue}); retry later",
