@@ -94,7 +94,7 @@ def generations(
             ids,
             params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
             stop,
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
