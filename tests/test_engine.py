@@ -237,3 +237,29 @@ def test_blocking_calls_keep_step_api_outputs(eng):
     assert finished and got == want
     assert n == 150 and eng.stats()["prefix_cache"]["pinned_pages"] >= 2
     eng.unpin_document(doc)
+
+
+def test_a_prompt_is_shared_as_soon_as_it_is_prefilled(tiny_dir):
+    """A prompt's full pages enter the prefix cache when its prefill ends, not when the request does:
+    the same prompt arriving while the first request still decodes reuses them (a request's n
+    choices, a second question on an unpinned document), with the same tokens; an abort after the
+    prefill leaves them cached and evictable, nothing held."""
+    prompt = rand_ids(200, 40)
+    with Engine(tiny_dir, device="cpu", chunk_size=64) as e:
+        want = e.generate([prompt], max_new_tokens=5, ignore_eos=True)[0].token_ids
+        e.prefix_cache.evict(10**6)
+        assert e.stats()["pages_used"] == 0
+        e.add_request(Request("a", list(prompt), SamplingParams(max_new_tokens=40, ignore_eos=True)))
+        while not any(o.rid == "a" and o.new_token_ids for o in e.step()):
+            pass
+        e.add_request(Request("b", list(prompt), SamplingParams(max_new_tokens=5, ignore_eos=True)))
+        got: list[int] = []
+        cached = 0
+        while len(got) < 5:
+            for o in e.step():
+                if o.rid == "b":
+                    got += list(o.new_token_ids)
+                    cached = max(cached, o.cached_tokens)
+        assert cached == 192 and got == want
+        e.abort("a")
+        assert e.stats()["pages_used"] == e.prefix_cache.num_cached_pages == 3

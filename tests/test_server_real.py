@@ -152,7 +152,7 @@ def test_penalties_reach_the_real_engine(client, tiny_dir):
     assert r.choices[0].text == want.text != plain.choices[0].text
 
 
-def test_n_choices_real_engine(client):
+def test_n_choices_real_engine(client, server):
     """n = 2 on the real engine: seeded choice i is the single request seeded seed + i."""
     kw = dict(
         model="tiny",
@@ -164,3 +164,9 @@ def test_n_choices_real_engine(client):
     r = client.completions.create(n=2, seed=11, **kw)
     singles = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 12)]
     assert [c.text for c in r.choices] == singles and r.usage.completion_tokens == 10
+    # choice 1 starts once choice 0's prompt is prefilled: it takes the prompt's full pages from the cache
+    before = stats(server)["prefix_cache_hit_tokens"]
+    long = "".join(f"line {i} of a prompt nobody sent before\n" for i in range(12))  # > 256 bytes
+    r = client.completions.create(**{**kw, "prompt": long}, n=2)
+    assert len(r.choices) == 2
+    assert stats(server)["prefix_cache_hit_tokens"] - before >= len(long.encode()) // 64 * 64

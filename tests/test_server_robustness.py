@@ -159,7 +159,9 @@ def test_queue_limit_429(tmp_path):
         assert wait_for(lambda: httpx.get(s.url + "/health").json()["in_flight"] == 0)
         r = httpx.post(s.url + "/v1/completions", json={**body, "n": 3})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
-        assert httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 4, "n": 2}).status_code == 200
+        assert (
+            httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 4, "n": 2}).status_code == 200
+        )
 
 
 def test_engine_death_fails_fast_with_503(tmp_path):

@@ -280,6 +280,8 @@ class Scheduler:
                 continue  # aborted meanwhile
             res = by_rid.get(row.rid)
             req.num_computed = row.end
+            if row.start < len(req.prompt_ids) <= row.end and not req.return_logits:
+                self._cache_prompt(req)
             new: tuple[int, ...] = ()
             lps: tuple[TokenLogprob, ...] = ()
             if res is not None and res.logits is not None:
@@ -311,6 +313,18 @@ class Scheduler:
             return
         req.finish_reason = reason
         self._release(req, cache=True)
+
+    def _cache_prompt(self, req: Request) -> None:
+        """A prompt just prefilled: its full pages go into the prefix cache now, not at release, so a
+        request with the same prompt that arrives while this one decodes (a request's n choices, a
+        second question on an unpinned document) shares them. The cache takes its own reference;
+        these pages are complete, and the request only writes past them."""
+        rp = self.pages.get(req.rid)
+        if self.cache is None or rp is None:
+            return
+        n_full = len(req.prompt_ids) // self.page_size
+        if n_full:
+            self.cache.insert(req.prompt_ids[: n_full * self.page_size], rp.pages[:n_full])
 
     def _release(self, req: Request, cache: bool) -> None:
         rp = self.pages.pop(req.rid, None)

@@ -7,6 +7,7 @@ latency metrics, and guarantees the engine request is aborted if the consumer go
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -83,6 +84,8 @@ class Generation:
         self.client, self.codec, self.metrics = client, codec, metrics
         self.rid, self.prompt_ids, self.params, self.stop = rid, prompt_ids, params, stop
         self.t0 = time.monotonic()
+        self.prefilled = asyncio.Event()  # set once the prompt is prefilled (or this ended)
+        self.after: asyncio.Event | None = None  # submit only once this is set (another's `prefilled`)
 
     async def events(self, keepalive: bool = False) -> AsyncGenerator[Event, None]:
         detok = IncrementalDetokenizer(self.codec)
@@ -95,6 +98,8 @@ class Generation:
         last_tok_t: float | None = None
         finished = False
         try:
+            if self.after is not None:  # (the prompt's pages are in the prefix cache by then)
+                await self.after.wait()
             handle = await self.client.submit(self.rid, self.prompt_ids, self.params)
             self.metrics.prompt_tokens.inc(len(self.prompt_ids))
             while True:
@@ -113,6 +118,7 @@ class Generation:
                 if not out.new_token_ids and not out.finished:
                     yield Progress(out.prompt_done, out.prompt_total)
                     continue
+                self.prefilled.set()
                 now = time.monotonic()
                 n = len(out.new_token_ids)
                 if n:
@@ -151,6 +157,7 @@ class Generation:
             finished = True
             raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from e
         finally:
+            self.prefilled.set()
             if not finished:
                 await self.client.abort(self.rid)  # client went away or was cancelled
 

@@ -81,11 +81,13 @@ def generations(
     st: ServerState, rid: str, ids: list[int], params: m.WireSamplingParams, stop: list[str], n: int
 ) -> list[Generation]:
     """A request's `n` choices as engine requests (`rid`-i when n > 1; a seeded request's choice i
-    draws with seed + i, so the choices differ and each is reproducible), after the admission check."""
+    draws with seed + i, so the choices differ and each is reproducible), after the admission check.
+    Choices 1..n-1 start once choice 0's prompt is prefilled, so they take its pages from the prefix
+    cache instead of prefilling the prompt n times."""
     st.check_admission(n)
     if n == 1:
         return [Generation(st.client, st.codec, st.metrics, rid, ids, params, stop)]
-    return [
+    gens = [
         Generation(
             st.client,
             st.codec,
@@ -97,6 +99,9 @@ def generations(
         )
         for i in range(n)
     ]
+    for g in gens[1:]:
+        g.after = gens[0].prefilled
+    return gens
 
 
 async def serve(
