@@ -239,13 +239,14 @@ def test_blocking_calls_keep_step_api_outputs(eng):
     eng.unpin_document(doc)
 
 
-def test_a_prompt_is_shared_as_soon_as_it_is_prefilled(tiny_dir):
+@pytest.mark.parametrize("hisparse", [None, 64])
+def test_a_prompt_is_shared_as_soon_as_it_is_prefilled(tiny_dir, hisparse):
     """A prompt's full pages enter the prefix cache when its prefill ends, not when the request does:
     the same prompt arriving while the first request still decodes reuses them (a request's n
     choices, a second question on an unpinned document), with the same tokens; an abort after the
     prefill leaves them cached and evictable, nothing held."""
     prompt = rand_ids(200, 40)
-    with Engine(tiny_dir, device="cpu", chunk_size=64) as e:
+    with Engine(tiny_dir, device="cpu", chunk_size=64, hisparse_device_tokens=hisparse) as e:
         want = e.generate([prompt], max_new_tokens=5, ignore_eos=True)[0].token_ids
         e.prefix_cache.evict(10**6)
         assert e.stats()["pages_used"] == 0
