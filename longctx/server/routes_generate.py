@@ -84,6 +84,10 @@ def generations(
     draws with seed + i, so the choices differ and each is reproducible), after the admission check.
     Choices 1..n-1 start once choice 0's prompt is prefilled, so they take its pages from the prefix
     cache instead of prefilling the prompt n times."""
+    if n > st.settings.max_queue:  # (it would never fit: not a 429 to retry)
+        raise ApiError(
+            400, f"n={n} is more than this server's queue limit ({st.settings.max_queue})", param="n"
+        )
     st.check_admission(n)
     if n == 1:
         return [Generation(st.client, st.codec, st.metrics, rid, ids, params, stop)]
