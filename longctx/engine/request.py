@@ -35,10 +35,6 @@ class SamplingParams:
     # by it, a negative one multiplied; 1 = off
     repetition_penalty: float = 1.0
 
-    @property
-    def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")

@@ -212,21 +212,18 @@ def _usage(dones: list[Done]) -> dict[str, Any]:
 
 
 def _final(st: ServerState, rid: str, model: str, dones: list[Done], shape: Shape) -> dict[str, Any]:
+    choices: list[fmt.Choice] = [(d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)) for d in dones]
+    return (fmt.chat_completion if shape.chat else fmt.completion)(rid, model, choices, _usage(dones))
+
+
+def _logprobs(st: ServerState, shape: Shape, lps: list[m.WireLogprob], text_pos: int = 0) -> Any:
+    """A choice's logprobs in its endpoint's shape (completions: offsets from `text_pos`), or None
+    when the request asked for none."""
+    if shape.logprobs is None:
+        return None
     if shape.chat:
-        top = shape.logprobs or 0
-        lp = [
-            fmt.chat_logprobs(st.codec, d.logprobs, top) if shape.logprobs is not None else None
-            for d in dones
-        ]
-        return fmt.chat_completion(
-            rid, model, [(d.text, d.finish_reason, x) for d, x in zip(dones, lp)], _usage(dones)
-        )
-    lps = [
-        fmt.completion_logprobs(st.codec, d.logprobs) if shape.logprobs is not None else None for d in dones
-    ]
-    return fmt.completion(
-        rid, model, [(d.text, d.finish_reason, x) for d, x in zip(dones, lps)], _usage(dones)
-    )
+        return fmt.chat_logprobs(st.codec, lps, shape.logprobs)
+    return fmt.completion_logprobs(st.codec, lps, text_pos)
 
 
 async def _stream(
@@ -263,19 +260,10 @@ async def _stream(
             if isinstance(ev, Delta):
                 if not ev.text and shape.logprobs is None:
                     continue
+                lp = _logprobs(st, shape, ev.logprobs, text_pos[i])
                 if shape.chat:
-                    lp = (
-                        fmt.chat_logprobs(st.codec, ev.logprobs, shape.logprobs or 0)
-                        if shape.logprobs is not None
-                        else None
-                    )
                     yield fmt.sse(fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp, index=i))
                 else:
-                    lp = (
-                        fmt.completion_logprobs(st.codec, ev.logprobs, text_pos[i])
-                        if shape.logprobs is not None
-                        else None
-                    )
                     yield fmt.sse(fmt.completion_chunk(rid, model, ev.text, None, lp, index=i))
                 text_pos[i] += len(ev.text)
             elif isinstance(ev, Done):

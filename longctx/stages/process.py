@@ -213,10 +213,7 @@ class StageProcess:
             elif isinstance(msg, RunPlan):
                 self.step(msg)
             elif isinstance(msg, Release):
-                self.worker.penalties.release(msg.rids)
-                release = getattr(self.kv.inner, "release", None)
-                if release is not None:
-                    release(list(msg.rids))
+                self.worker.release(list(msg.rids))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 

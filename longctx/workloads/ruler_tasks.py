@@ -113,6 +113,11 @@ TASKS: dict[str, TaskSpec] = {
 _LONGEST_VALUE = {"numbers": "9999999", "uuids": "ffffffff-ffff-ffff-ffff-ffffffffffff"}
 
 
+def cwe_listing(words: list[str]) -> str:
+    """cwe's numbered word list ("1. a 2. b ..."), as its contexts and answers are written."""
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+
+
 @dataclass(frozen=True)
 class Sample:
     """One generated RULER sample. The prompt sent is `render(input, answer_prefix)`."""
@@ -208,7 +213,7 @@ class RulerGenerator:
             values = [_LONGEST_VALUE[spec.value]] * (spec.num_v * spec.num_q)
             return self.counter.count(" " + ", ".join(values) + ".")
         if spec.family == "cwe":
-            words = " ".join(f"{i + 1}. {'w' * longest_word()}" for i in range(spec.num_cw))
+            words = cwe_listing(["w" * longest_word()] * spec.num_cw)
             return min(self.counter.count(" " + words), spec.max_new_tokens)
         return 0
 
@@ -385,9 +390,6 @@ class RulerGenerator:
         num_cw = spec.num_cw
         prefix = CWE_PREFIX.format(num_cw=num_cw)
 
-        def listing(words: list[str]) -> str:
-            return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-
         def make(long: bool) -> Build:
             # RULER: 30/3 repeats for common/uncommon words with a 40-word example, and 6/1 with
             # a 20-word example when the context is short. It switches at 4096 tokens; here the
@@ -399,10 +401,10 @@ class RulerGenerator:
             ex_entries = ex_words[:num_cw] * ex_fc + ex_words[num_cw:] * ex_fu
             r.shuffle(ex_entries)
             example = (
-                CWE_TEMPLATE.format(context=listing(ex_entries), num_cw=num_cw)
+                CWE_TEMPLATE.format(context=cwe_listing(ex_entries), num_cw=num_cw)
                 + prefix
                 + " "
-                + listing(ex_words[:num_cw])
+                + cwe_listing(ex_words[:num_cw])
                 + "\n"
             )
             taken = set(ex_words)
@@ -413,7 +415,7 @@ class RulerGenerator:
                 words = wr.sample(pool[: max(n, len(real_words()) - ex_n)], n)
                 entries = words[:num_cw] * fc + words[num_cw:] * fu
                 wr.shuffle(entries)
-                text = example + CWE_TEMPLATE.format(context=listing(entries), num_cw=num_cw)
+                text = example + CWE_TEMPLATE.format(context=cwe_listing(entries), num_cw=num_cw)
                 return text, prefix, tuple(words[:num_cw])
 
             return build

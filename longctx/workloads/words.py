@@ -149,6 +149,7 @@ def pseudo_words(count: int, seed: int, exclude: frozenset[str] = frozenset()) -
     return out
 
 
+@cache
 def longest_word() -> int:
     """The most letters any word of `vocabulary` can have: a real word's, or three of the longest
     syllables an invented word is made of."""
