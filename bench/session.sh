@@ -341,7 +341,7 @@ lane_score_1m() {
   # LANE_A=score1m: no training and no 4K-128K scores, for issue 10's 1M figure with 20 samples: SCORE_1M
   # (default 20) niah_single_1 samples at 1M of EVAL_MODEL (default the shipped model), uncapped and under a
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
-  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's of the twenty-seventh session, run 23
+  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's of the thirtieth session, run 29
   # with its config's narrowing, and none for another EVAL_MODEL; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
   # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
   # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
@@ -359,8 +359,8 @@ lane_score_1m() {
     # (the default seeds are the shipped model's rows: another EVAL_MODEL starts afresh unless given its own)
     local seed_u="" seed_c=""
     if [ "$MODEL" = models-shipped/retrieval-wip ]; then
-      seed_u=bench/results/training/eval-run23-long128-1m-h200.jsonl
-      seed_c=bench/results/training/eval-run23-long128-capped-1m-h200.jsonl
+      seed_u=bench/results/training/eval-run29-uncapped-1m-h200.jsonl
+      seed_c=bench/results/training/eval-run29-capped-1m-h200.jsonl
     fi
     seed_u=${SEED_1M_UNCAPPED:-$seed_u} seed_c=${SEED_1M_CAPPED:-$seed_c}
     if [ -n "$seed_u" ] && [ ! -f "$S/eval/uncapped_1m/results.jsonl" ]; then

@@ -694,11 +694,11 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         assert cap[0] == ("1" if ngpu == 2 else "0")
         if ngpu == 1:
             assert lines.index(cap) > lines.index(unc)
-        # the committed samples of the shipped model (run 23 with its config's narrowing) seed both runs
+        # the committed samples of the shipped model (run 29, with its config's narrowing) seed both runs
         # (the runner skips what a file holds)
         for d, src in (
-            ("uncapped_1m", "eval-run23-long128-1m-h200.jsonl"),
-            ("capped_1m", "eval-run23-long128-capped-1m-h200.jsonl"),
+            ("uncapped_1m", "eval-run29-uncapped-1m-h200.jsonl"),
+            ("capped_1m", "eval-run29-capped-1m-h200.jsonl"),
         ):
             assert (s / "eval" / d / "results.jsonl").read_text() == (
                 ROOT / "bench" / "results" / "training" / src
@@ -708,7 +708,7 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
 def test_session_score_1m_lane_with_a_narrowing(tmp_path: Path) -> None:
     """LANE_A=score1m with TOPK_LONG / TOPK_LONG_FROM on one GPU, HISPARSE=0, SCORE_MID: the narrowing's
     graphs checked first, no HiSparse figures, the mid lengths then the 1M samples uncapped and capped all
-    selecting so, and nothing seeded from run 23's rows (its own selection's)."""
+    selecting so, and nothing seeded from the shipped model's rows (its own selection's)."""
     import os
 
     fake, calls, s = _gpu_case(tmp_path, 1)
@@ -753,7 +753,7 @@ def test_session_score_1m_lane_scores_a_candidate_with_its_own_seeds(tmp_path: P
     candidate's own early samples, and the capped run without a seed starts afresh."""
     import os
 
-    candidate = next(p for p in (ROOT / "models-candidates").iterdir() if p.is_dir())
+    candidate = Path("models-candidates/example")  # (the script only passes the path on)
     own = tmp_path / "own.jsonl"
     own.write_text('{"task": "niah_single_1", "length": 1048576, "index": 0, "score": 1.0}\n')
     fake, calls, s = _gpu_case(tmp_path, 1)
