@@ -769,7 +769,8 @@ def test_session_score_1m_lane_scores_a_candidate_with_its_own_seeds(tmp_path: P
 def test_session_carries_tritons_cache_between_sessions(tmp_path: Path) -> None:
     """`start` unpacks a carried Triton cache (TRITON_CACHE_TGZ) into the session's fixed cache directory,
     which every lane's process gets as TRITON_CACHE_DIR; `collect` packs that directory into
-    $OUT/triton-cache.tgz (not into results.tgz), and one over TRITON_CACHE_MAX_MB is not kept."""
+    $OUT/triton-cache.tgz (not into results.tgz) without the intermediate IRs, and one over TRITON_CACHE_MAX_MB
+    is not kept."""
     import os
     import subprocess
     import tarfile
@@ -792,17 +793,59 @@ def test_session_carries_tritons_cache_between_sessions(tmp_path: Path) -> None:
     assert (s / "triton-cache" / "k1" / "kernel.json").read_text() == "{}"
     (s / "triton-cache" / "k2").mkdir()  # (what this session compiled)
     (s / "triton-cache" / "k2" / "kernel.cubin").write_bytes(b"x")
+    for ir in ("ttir", "ttgir", "llir", "ptx", "source"):  # (a cache hit reads none of them)
+        (s / "triton-cache" / "k2" / f"kernel.{ir}").write_text("ir")
     run = lambda **e: subprocess.run(["bash", "bench/session.sh", "collect"], cwd=ROOT, env={**env, **e},  # noqa: E731
                                      check=True, capture_output=True, text=True)  # fmt: skip
     run()
     with tarfile.open(out / "triton-cache.tgz") as t:
-        assert {"triton-cache/k1/kernel.json", "triton-cache/k2/kernel.cubin"} <= set(t.getnames())
+        names = set(t.getnames())
+        assert {"triton-cache/k1/kernel.json", "triton-cache/k2/kernel.cubin"} <= names
+        assert not any(n.endswith((".ttir", ".ttgir", ".llir", ".ptx", ".source")) for n in names)
     with tarfile.open(out / "results.tgz") as t:
         assert not any("triton-cache" in n for n in t.getnames())
     (s / "triton-cache" / "k3").mkdir()
     (s / "triton-cache" / "k3" / "big.cubin").write_bytes(os.urandom(2 << 20))
     assert "not kept" in run(TRITON_CACHE_MAX_MB="1").stdout
     assert not (out / "triton-cache.tgz").exists()
+
+
+def test_triton_cache_pack_leaves_out_the_ir_and_triton_still_hits(tmp_path: Path, monkeypatch) -> None:
+    """bench.triton_cache packs a cache without its intermediate IR and rewrites each group file to match,
+    so Triton's own cache manager finds the kernel (a group listing a missing file is a miss); the files
+    a hit loads (metadata, cubin) come back byte for byte."""
+    import os
+    import shutil
+    import tarfile
+
+    from bench.triton_cache import main as pack_main
+    from triton.runtime.cache import FileCacheManager
+
+    cache = tmp_path / "triton-cache"
+    key = "ABC123"
+    d = cache / key
+    d.mkdir(parents=True)
+    files = {"k.json": b'{"name": "k"}', "k.cubin": os.urandom(64)}
+    files |= {f"k.{ir}": b"ir text" for ir in ("ttir", "ttgir", "llir", "ptx", "source")}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    (d / "__grp__k.json").write_text(json.dumps({"child_paths": {n: str(d / n) for n in files}}))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert FileCacheManager(key).get_group("k.json") is not None
+    out = tmp_path / "tc.tgz"
+    assert pack_main(["pack", str(cache), str(out)]) == 0
+    for ir in ("ttir", "ttgir", "llir", "ptx", "source"):
+        (d / f"k.{ir}").unlink()
+    assert FileCacheManager(key).get_group("k.json") is None  # (what a plain copy without the IR gives)
+    shutil.rmtree(cache)
+    with tarfile.open(out) as t:
+        names = set(t.getnames())
+        t.extractall(tmp_path, filter="data")
+    assert names == {f"triton-cache/{key}/{n}" for n in ("k.json", "k.cubin", "__grp__k.json")}
+    grp = FileCacheManager(key).get_group("k.json")
+    assert grp is not None and set(grp) == {"k.json", "k.cubin"}
+    assert all((d / n).read_bytes() == files[n] for n in grp)
+    assert pack_main(["pack", str(tmp_path / "none"), str(tmp_path / "x.tgz")]) == 2
 
 
 @pytest.mark.parametrize("checks", ["1", "0"])
