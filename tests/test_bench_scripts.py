@@ -818,8 +818,9 @@ def test_triton_cache_pack_leaves_out_the_ir_and_triton_still_hits(tmp_path: Pat
     import shutil
     import tarfile
 
-    from bench.triton_cache import main as pack_main
     from triton.runtime.cache import FileCacheManager
+
+    from bench.triton_cache import main as pack_main
 
     cache = tmp_path / "triton-cache"
     key = "ABC123"
