@@ -34,6 +34,11 @@ def test_generate_text_batch_and_json(capsys) -> None:
         == 0
     )
     assert capsys.readouterr().out.strip()
+    # the sampling controls: a bias forces a token, min_tokens holds back the EOS it would end with
+    argv = ["generate", *CPU, "--json", "--token-ids", ids, "--max-new-tokens", "5", "--min-p", "0.2"]
+    assert main([*argv, "--logit-bias", "88:100, 257:50", "--min-tokens", "3"]) == 0
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["token_ids"] == [88, 88, 88, 88, 88] and row["finish_reason"] == "length"
 
 
 def test_score_matches_the_engine(tmp_path, capsys) -> None:
@@ -66,6 +71,13 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--index-topk", "128", "hi"], "--index-topk-long 0, turns"),
         (["generate", *CPU, "--repetition-penalty", "0", "hi"], "repetition_penalty must be in (0, 100]"),
         (["generate", *CPU, "--presence-penalty", "3", "hi"], "presence_penalty must be between -2 and 2"),
+        (["generate", *CPU, "--logit-bias", "5", "hi"], "--logit-bias: expected ID:BIAS pairs"),
+        (["generate", *CPU, "--logit-bias", "5:x", "hi"], "--logit-bias: expected ID:BIAS pairs"),
+        (["generate", *CPU, "--logit-bias", "5:1,5:2", "hi"], "each ID once"),
+        (["generate", *CPU, "--logit-bias", "5:200", "hi"], "bias must be in [-100, 100]"),
+        (["generate", *CPU, "--logit-bias", "5000:1", "hi"], "logit_bias: token id 5000 is outside"),
+        (["generate", *CPU, "--min-p", "2", "hi"], "min_p must be in [0, 1]"),
+        (["generate", *CPU, "--min-tokens", "9", "--max-new-tokens", "4", "hi"], "min_tokens must be"),
         (["score", *CPU, ""], "the prompt is empty"),
     ],
 )

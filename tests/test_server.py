@@ -118,6 +118,25 @@ def test_stop_strings_and_logprobs(client):
     assert len(content) == 2 and len(content[0].top_logprobs) == 3
 
 
+def test_min_tokens_holds_back_stop_strings_over_http(client):
+    """No stop string ends within the first min_tokens tokens' text, streamed or not (the fake engine echoes
+    the prompt greedily); stop_token_ids and min_p pass through."""
+    kw = dict(model="fake", prompt="abcabcabc", max_tokens=9, temperature=0, stop=["b"])
+    assert client.completions.create(**kw).choices[0].text == "a"
+    r = client.completions.create(**kw, extra_body={"min_tokens": 3})
+    assert r.choices[0].text == "abca" and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"min_tokens": 5}))
+    assert "".join(c.choices[0].text for c in chunks) == "abcabca"
+    r = client.completions.create(
+        **{**kw, "stop": ["ab"]}, extra_body={"min_tokens": 1}
+    )  # ends after: counts
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        **kw, extra_body={"min_tokens": 2, "min_p": 0.5, "stop_token_ids": [7], "logit_bias": {"7": -5}}
+    )
+    assert r.choices[0].text == "abca"
+
+
 def test_n_choices(client, server):
     """n > 1: n choices indexed 0..n-1, each a request of its own (seeded: choice i draws with seed + i,
     so they differ and repeat), usage counting the prompt once; streamed, every choice's chunks
@@ -313,6 +332,19 @@ BAD = [
     ("POST", C, {"prompt": "x", "repetition_penalty": 0}, 400),
     ("POST", CH, {"messages": [U], "repetition_penalty": -1.0}, 400),
     ("POST", C, {"prompt": "x", "n": 17}, 400),
+    ("POST", C, {"prompt": "x", "min_tokens": -1}, 400),
+    ("POST", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400),
+    ("POST", C, {"prompt": "x", "min_p": 1.5}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": {"5": 101}}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": {"5": "1"}}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": {"100000": 1}}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": {"9" * 30: 1}}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": [5, 1]}, 400),
+    ("POST", CH, {"messages": [U], "logit_bias": {str(i): 1 for i in range(1025)}}, 400),
+    ("POST", C, {"prompt": "x", "stop_token_ids": [-1]}, 400),
+    ("POST", C, {"prompt": "x", "stop_token_ids": [100000]}, 400),
+    ("POST", C, {"prompt": "x", "stop_token_ids": "7"}, 400),
     ("POST", C, {"prompt": "x", "n": 0}, 400),
     ("POST", C, {"prompt": "x", "logprobs": 50}, 400),
     ("POST", C, {"prompt": "x", "stop": [""]}, 400),

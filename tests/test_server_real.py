@@ -152,6 +152,27 @@ def test_penalties_reach_the_real_engine(client, tiny_dir):
     assert r.choices[0].text == want.text != plain.choices[0].text
 
 
+def test_sampling_controls_reach_the_real_engine(client, tiny_dir):
+    """logit_bias, min_tokens, min_p and stop_token_ids over HTTP give the tokens `Engine.generate` gives
+    with them: EOS pushed to the top is held back for min_tokens, then ends the request."""
+    from longctx import Engine
+
+    prompt = "The capital of France is"
+    with Engine(str(tiny_dir), device="cpu") as e:
+        eos = e.cfg.eos_ids()[0]
+        want = e.generate(
+            [prompt], max_new_tokens=8, temperature=0.8, seed=3, min_tokens=4, min_p=0.1,
+            logit_bias={eos: 100.0, 65: 3.0}, stop=[66],
+        )[0]  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0.8, seed=3, logit_bias={str(eos): 100, "65": 3},
+        extra_body={"min_tokens": 4, "min_p": 0.1, "stop_token_ids": [66]},
+    )  # fmt: skip
+    assert len(want.token_ids) == 5 and want.token_ids[-1] == eos and want.finish_reason == "stop"
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 5
+
+
 def test_n_choices_real_engine(client, server):
     """n = 2 on the real engine: seeded choice i is the single request seeded seed + i."""
     kw = dict(

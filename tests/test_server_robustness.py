@@ -66,6 +66,10 @@ SAMPLING = [
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_tokens",
+    "min_p",
+    "logit_bias",
+    "stop_token_ids",
     "max_completion_tokens",
     "top_logprobs",
     "echo",
@@ -79,6 +83,12 @@ field_values = {
     "logprobs": st.integers(-1, 25) | st.booleans() | json_values,
     "stop": st.lists(st.text(max_size=3), max_size=3) | json_values,
     "model": st.sampled_from(["fake", "x"]) | json_values,
+    "min_tokens": small_ints | json_values,
+    "logit_bias": st.dictionaries(
+        st.sampled_from(["5", "-1", "400", "x", " 7"]), st.floats(-150, 150), max_size=3
+    )
+    | json_values,
+    "stop_token_ids": st.lists(st.integers(-2, 400), max_size=3) | json_values,
 }
 
 

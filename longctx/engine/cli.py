@@ -46,16 +46,40 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
     raise LongctxError("give a prompt: PROMPT, --prompt-file, --token-ids or stdin")
 
 
+def _parse_logit_bias(spec: str | None) -> dict[int, float]:
+    """'ID:BIAS,ID:BIAS' -> {id: bias}."""
+    out: dict[int, float] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        tok, sep, bias = part.partition(":")
+        try:
+            t, b = int(tok), float(bias)
+        except ValueError:
+            raise LongctxError(f"--logit-bias: expected ID:BIAS pairs, got {part.strip()!r}") from None
+        if not sep or t in out:
+            raise LongctxError(
+                f"--logit-bias: expected ID:BIAS pairs with each ID once, got {part.strip()!r}"
+            )
+        out[t] = b
+    return out
+
+
 def run_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise LongctxError("--max-new-tokens must be >= 0")
+    bias = _parse_logit_bias(args.logit_bias)
     SamplingParams(  # the sampling flags checked before the model loads
+        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
+        min_p=args.min_p,
+        logit_bias=tuple(sorted(bias.items())),
     ).validate()
     prompts = _read_prompt(args)
     with _engine(args) as eng:
@@ -70,6 +94,9 @@ def run_generate(args: argparse.Namespace) -> int:
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
+            min_tokens=args.min_tokens,
+            min_p=args.min_p,
+            logit_bias=bias,
         )
     for o in outs:
         if args.json:
@@ -124,6 +151,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="over the prompt's and the generated tokens (1: off)",
     )
+    g.add_argument(
+        "--min-tokens", type=int, default=0, help="no EOS, stop token or stop string before this many"
+    )
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens under min_p x the likeliest one's probability"
+    )
+    g.add_argument("--logit-bias", help="biases added to the logits: 'ID:BIAS,ID:BIAS' (BIAS in [-100, 100])")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per completion")
     g.set_defaults(func=run_generate)

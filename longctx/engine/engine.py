@@ -25,7 +25,14 @@ from longctx.checkpoint.tokenizer import load_tokenizer
 from longctx.config import ModelConfig, with_selection
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
-from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput
+from longctx.engine.request import (
+    FinishReason,
+    Request,
+    SamplingParams,
+    StepOutput,
+    check_token_ids,
+    find_stop,
+)
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
 from longctx.errors import ConfigError, RequestError
@@ -269,9 +276,7 @@ class Engine:
     # ---- step-level API (the server's engine process drives these) ----------------------------
     def add_request(self, req: Request) -> None:
         self._check_open()
-        for t in req.prompt_ids:
-            if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size:
-                raise RequestError(f"token id {t!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        check_token_ids(req, self.cfg.vocab_size)
         if req.params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer (tokenizer.json)")
         self.scheduler.add(req)
@@ -365,13 +370,21 @@ class Engine:
         if out.finished:
             self._requests.pop(out.rid, None)
             return out
-        if req.params.stop and out.new_token_ids and self.tokenizer is not None:
+        p = req.params
+        if p.stop and out.new_token_ids and self.tokenizer is not None and len(req.output_ids) > p.min_tokens:
             # A new match must end in the new tokens, so only a tail can hold it: a stop string of
             # n characters spans at most 4n tokens (one UTF-8 byte per token at worst), plus one
-            # token whose partial character may decode as U+FFFD.
-            window = 4 * max(len(s) for s in req.params.stop) + len(out.new_token_ids) + 1
-            text = self.tokenizer.decode(req.output_ids[-window:])
-            if any(s in text for s in req.params.stop):
+            # token whose partial character may decode as U+FFFD. None may end within the first
+            # min_tokens tokens' text.
+            window = 4 * max(len(s) for s in p.stop) + len(out.new_token_ids) + 1
+            start = max(0, len(req.output_ids) - window)
+            text = self.tokenizer.decode(req.output_ids[start:])
+            floor = (
+                len(self.tokenizer.decode(req.output_ids[start : p.min_tokens]))
+                if p.min_tokens > start
+                else 0
+            )
+            if find_stop(text, p.stop, floor=floor) is not None:
                 self.scheduler.finish(req, FinishReason.STOP)
                 self._requests.pop(out.rid, None)
                 return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP)
@@ -414,9 +427,12 @@ class Engine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        min_p: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
     ) -> list[Completion]:
         """Generate for a batch of prompts (token-id lists or strings); one Completion each. The
-        penalties are `SamplingParams`' (OpenAI's presence / frequency, and the repetition penalty)."""
+        penalties, min_tokens, min_p and logit_bias (token id -> bias) are `SamplingParams`'."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts must be a list of prompts (token-id lists or strings)")
         stop_ids = tuple(s for s in (stop or []) if isinstance(s, int))
@@ -436,6 +452,9 @@ class Engine:
                 presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty,
                 repetition_penalty=repetition_penalty,
+                min_tokens=min_tokens,
+                min_p=min_p,
+                logit_bias=tuple(sorted((logit_bias or {}).items())),
             )
             reqs.append(Request(f"gen-{next(self._ids)}", ids, params))
         self._run_to_completion(reqs, desc="generate")
@@ -448,10 +467,11 @@ class Engine:
 
     def _completion(self, req: Request) -> Completion:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
-        if text is not None:
-            for s in req.params.stop:
-                if s in text:
-                    text = text[: text.index(s)]
+        if text is not None and req.params.stop and self.tokenizer is not None:
+            floor = len(self.tokenizer.decode(req.output_ids[: req.params.min_tokens]))
+            cut = find_stop(text, req.params.stop, floor=floor)
+            if cut is not None:
+                text = text[:cut]
         reason = req.finish_reason.value if req.finish_reason else FinishReason.LENGTH.value
         return Completion(list(req.output_ids), text, reason, len(req.prompt_ids), req.num_cached)
 

@@ -30,6 +30,11 @@ class RowPlan:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     penalty_prompt: tuple[int, ...] = ()
+    # logits shaping before the penalties: `logit_bias` (token, bias) pairs added, `suppress` tokens never
+    # drawn (a request's EOS and stop tokens while it has fewer than min_tokens); `min_p` (after temperature)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    suppress: tuple[int, ...] = ()
+    min_p: float = 0.0
     # pages only grow at their end within one epoch (`RequestPages.epoch`): consumers that cache a
     # row's page table (the decode graphs) copy just the new entries; 0 = unknown, always refresh
     pages_epoch: int = 0
@@ -41,6 +46,10 @@ class RowPlan:
     @property
     def penalised(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def shaped(self) -> bool:
+        return bool(self.logit_bias or self.suppress)
 
     def pages_extend(self, epoch: int, n: int) -> bool:
         """Whether a copy of this request's first `n` pages taken at `epoch` is still a prefix of

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from longctx.errors import RequestError
 
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias (OpenAI's values are in [-100, 100])
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class SamplingParams:
     # over the prompt's and the generated tokens (CTRL / transformers / vLLM): a positive logit divided
     # by it, a negative one multiplied; 1 = off
     repetition_penalty: float = 1.0
+    # the first min_tokens tokens are never an EOS (unless ignore_eos) or a stop token, and no stop string
+    # ends within their text (vLLM's min_tokens)
+    min_tokens: int = 0
+    # a sampled token's probability must be at least min_p times the likeliest one's (after temperature)
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the logits before anything else, greedy rows included (OpenAI's)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -53,6 +62,46 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not (isinstance(rp, (int, float)) and math.isfinite(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
             raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError(
+                f"min_tokens must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_tokens!r}"
+            )
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+        for tok, bias in self.logit_bias:
+            if not isinstance(tok, int) or tok < 0:
+                raise RequestError(f"logit_bias: token ids must be non-negative integers, got {tok!r}")
+            if not (isinstance(bias, (int, float)) and -100.0 <= bias <= 100.0):
+                raise RequestError(f"logit_bias: token {tok}'s bias must be in [-100, 100], got {bias!r}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise RequestError("logit_bias: a token appears twice")
+
+
+def check_token_ids(req: Request, vocab_size: int) -> None:
+    """Every token id a request names (prompt, stop tokens, logit_bias) inside [0, vocab_size)."""
+    p = req.params
+    for what, ids in (
+        ("token id", req.prompt_ids),
+        ("stop_token_ids: token id", p.stop_token_ids),
+        ("logit_bias: token id", [t for t, _ in p.logit_bias]),
+    ):
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise RequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0, floor: int = 0) -> int | None:
+    """Earliest index at or after `start` where a stop string begins and ends after `floor` (the length of
+    the text no stop string may end within: that of a request's first min_tokens tokens). None: no match."""
+    best: int | None = None
+    for s in stops:
+        i = text.find(s, max(0, start, floor - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
 
 
 class FinishReason(str, enum.Enum):

@@ -1,4 +1,5 @@
-"""Token sampling: penalties, greedy, temperature, top-k, top-p, seeded per request and per token.
+"""Token sampling: logit bias and min_tokens, penalties, greedy, temperature, min-p, top-k, top-p, seeded
+per request and per token.
 
 The generator for token n of a request is seeded from (request seed, n), so a request samples the
 same tokens whatever it is batched with and whichever process samples it.
@@ -28,6 +29,9 @@ def sample_rows_device(logits: torch.Tensor, rows: list, penalties: Penalties | 
     penalties), as an int64 tensor on logits' device. Nothing is read back here: the caller reads the
     whole batch with one transfer, the step's only host synchronisation (`StageWorker.resolve`).
     Penalised rows need `penalties`, which records the tokens drawn for them."""
+    shaped = [i for i, r in enumerate(rows) if r.shaped]
+    if shaped:
+        logits = shape_logits(logits, rows, shaped)
     penalised = [i for i, r in enumerate(rows) if r.penalised]
     if penalised:
         if penalties is None:
@@ -36,11 +40,43 @@ def sample_rows_device(logits: torch.Tensor, rows: list, penalties: Penalties | 
     toks = torch.argmax(logits, dim=-1)
     for i, r in enumerate(rows):
         if r.temperature > 0.0:
-            toks[i] = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step)
+            toks[i] = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
     if penalised:
         assert penalties is not None
         penalties.record(toks, rows, penalised)
     return toks
+
+
+def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> torch.Tensor:
+    """A float32 copy of logits [R, vocab] with rows `which` shaped: each row's logit_bias added and its
+    `suppress` tokens set to -inf (before the penalties, as vLLM orders its logits processors)."""
+    x = logits.float().clone()
+    for i in which:
+        r = rows[i]
+        if r.logit_bias:
+            ids = _on(x.device, [t for t, _ in r.logit_bias], torch.int64)
+            x[i].index_add_(0, ids, _on(x.device, [b for _, b in r.logit_bias], torch.float32))
+        if r.suppress:
+            x[i].index_fill_(0, _on(x.device, r.suppress, torch.int64), float("-inf"))
+    return x
+
+
+def _on(device: torch.device, values: Sequence[Any], dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied from pinned memory so the step does not wait for it."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
+def shape_ref(
+    logits: torch.Tensor, logit_bias: Sequence[tuple[int, float]] = (), suppress: Sequence[int] = ()
+) -> torch.Tensor:
+    """Reference for one row's logits [vocab], token by token."""
+    x = logits.float().clone()
+    for t, b in logit_bias:
+        x[t] += b
+    for t in suppress:
+        x[t] = float("-inf")
+    return x
 
 
 def penalise_ref(
@@ -123,12 +159,22 @@ class Penalties:
 
 
 def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, step: int
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    step: int,
+    min_p: float = 0.0,
 ) -> torch.Tensor:
-    """A 0-d tensor on logits' device: argmax when temperature is 0, else a seeded draw."""
+    """A 0-d tensor on logits' device: argmax when temperature is 0, else a seeded draw (min_p, then top-k,
+    then top-p, as vLLM applies them)."""
     if temperature <= 0.0:
         return torch.argmax(logits)
     x = logits.float() / temperature
+    if min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k and top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -199,7 +199,18 @@ class Scheduler:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             penalty_prompt=self._penalty_prompt(req) if mode == "last" and not req.output_ids else (),
+            logit_bias=p.logit_bias,
+            suppress=self._suppress(req, len(req.output_ids)) if mode == "last" else (),
+            min_p=p.min_p,
         )
+
+    def _suppress(self, req: Request, step: int) -> tuple[int, ...]:
+        """The tokens token `step` of `req` may not be: its EOS (unless ignore_eos) and stop tokens while
+        it has fewer than min_tokens."""
+        p = req.params
+        if step >= p.min_tokens:
+            return ()
+        return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))))
 
     @staticmethod
     def _penalty_prompt(req: Request) -> tuple[int, ...]:
@@ -249,6 +260,7 @@ class Scheduler:
                     pages_epoch=rp.epoch,
                     step=len(req.output_ids) + 1,
                     penalty_prompt=(),  # (sent with the request's first sampling row only)
+                    suppress=self._suppress(req, len(req.output_ids) + 1),
                 )
             )
         self._step += 1
@@ -300,7 +312,10 @@ class Scheduler:
     def _check_finish(self, req: Request, new: tuple[int, ...]) -> None:
         p = req.params
         tok = new[-1] if new else None
-        if tok is not None and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
+        stoppable = (
+            tok is not None and len(req.output_ids) > p.min_tokens
+        )  # (sampling suppresses them before)
+        if stoppable and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
             req.finish_reason = FinishReason.STOP
         elif req.pending > 1 or (req.pending == 1 and not req.output_ids):
             return  # still prefilling

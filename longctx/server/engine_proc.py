@@ -123,6 +123,9 @@ class EngineLoop:
                     presence_penalty=p.presence_penalty,
                     frequency_penalty=p.frequency_penalty,
                     repetition_penalty=p.repetition_penalty,
+                    min_tokens=p.min_tokens,
+                    min_p=p.min_p,
+                    logit_bias=tuple((int(t), float(b)) for t, b in p.logit_bias),
                 )
                 req = Request(
                     msg.rid, list(msg.prompt_ids), params, arrival=time.time(), pin_prefix=msg.pin_prefix

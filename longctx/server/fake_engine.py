@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob
+from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob, check_token_ids
 from longctx.errors import RequestError
 
 PAGE = 64
@@ -73,8 +73,8 @@ class FakeEngine:
             raise RequestError(
                 f"prompt has {len(req.prompt_ids)} tokens, more than max_context {self.max_context}"
             )
-        if any(not (0 <= t < self.opts.vocab_size) for t in req.prompt_ids):
-            raise RequestError(f"token id out of range [0, {self.opts.vocab_size})")
+        req.params.validate()
+        check_token_ids(req, self.opts.vocab_size)
         seed = req.params.seed if req.params.seed is not None else hash(req.rid)
         need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // PAGE)
         if need > self.opts.total_pages:

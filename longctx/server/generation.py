@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from longctx.engine.request import find_stop
 from longctx.errors import EngineDeadError
 from longctx.server import messages as m
 from longctx.server.engine_client import EngineClient
@@ -91,6 +92,8 @@ class Generation:
         detok = IncrementalDetokenizer(self.codec)
         holdback = max((len(s) for s in self.stop), default=1) - 1
         text = ""  # everything decoded so far (stop strings are searched in it)
+        # no stop string may end within the first min_tokens tokens' text (its length, once they are in)
+        floor: int | None = 0 if self.params.min_tokens == 0 else None
         emitted = 0  # chars of `text` already yielded
         ids: list[int] = []
         lps: list[m.WireLogprob] = []
@@ -132,13 +135,15 @@ class Generation:
                 ids.extend(out.new_token_ids)
                 lps.extend(out.logprobs)
                 text += detok.add(out.new_token_ids)
+                if floor is None and len(ids) >= self.params.min_tokens:
+                    floor = len(text)
                 reason = out.finish_reason if out.finished else None
                 if out.finished:
                     finished = True
                     text += detok.flush()
                     if reason == "abort":
                         raise ApiError(503, "request aborted by the server", "server_error")
-                cut = _find_stop(text, self.stop, emitted - holdback)
+                cut = None if floor is None else find_stop(text, self.stop, emitted - holdback, floor)
                 if cut is not None:
                     text = text[:cut]
                     reason = "stop"
@@ -167,13 +172,3 @@ class Generation:
             if isinstance(ev, Done):
                 return ev
         raise ApiError(500, "generation ended without a result", "server_error")
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Earliest index where a stop string begins at or after `start` (clamped at 0)."""
-    best: int | None = None
-    for s in stops:
-        i = text.find(s, max(0, start))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best

@@ -89,6 +89,9 @@ class WireSamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @message("add")

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from longctx.engine.request import MAX_REPETITION_PENALTY
+from longctx.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 
 I64 = 2**63 - 1
 MAX_STOPS = 16
@@ -91,6 +91,15 @@ class _SamplingFields(_Strict):
     repetition_penalty: Float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's extensions: no EOS / stop token / stop string before min_tokens; stop_token_ids end the
+    # generation like EOS; min_p drops tokens under min_p x the likeliest one's probability
+    min_tokens: int = Field(0, ge=0, le=I64)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=I64)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # OpenAI's: token id (as a string) -> bias in [-100, 100], added to the logits
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
@@ -98,7 +107,19 @@ class _SamplingFields(_Strict):
             raise ValueError(f"stop: at most {MAX_STOPS} stop strings")
         if isinstance(self.stop, str) and not self.stop:
             raise ValueError("stop: must not be empty")
+        self.bias_pairs()  # (keys checked here, so a bad one is a 400 naming the field)
         return self
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as sorted (token id, bias) pairs; a key that is not a token id is a ValueError."""
+        out: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.strip().isdigit() or int(k) > I64:
+                raise ValueError(f"logit_bias: keys are token ids, got {k!r}")
+            if int(k) in out:
+                raise ValueError(f"logit_bias: token {int(k)} appears twice")
+            out[int(k)] = float(v)
+        return tuple(sorted(out.items()))
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

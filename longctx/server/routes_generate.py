@@ -55,6 +55,12 @@ def sampling(
         )
     room = max_ctx - prompt_len
     max_new = room if limit is None else min(limit, room)
+    if req.min_tokens > max_new:
+        raise ApiError(
+            400,
+            f"min_tokens ({req.min_tokens}) is more than the tokens this request may generate ({max_new})",
+            param="min_tokens",
+        )
     return m.WireSamplingParams(
         max_new_tokens=max_new,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -67,6 +73,10 @@ def sampling(
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        min_tokens=req.min_tokens,
+        min_p=float(req.min_p or 0.0),
+        logit_bias=req.bias_pairs(),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
     )
 
 

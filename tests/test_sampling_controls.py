@@ -1,0 +1,210 @@
+"""logit_bias, min_tokens, min_p and stop_token_ids: the shaping against its reference, min_p's draws, the
+scheduler's suppression rows, and the engine end to end (eager, overlapped with graphs, pp=2) and over HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.engine.plan import RowPlan
+from longctx.engine.request import MAX_LOGIT_BIAS, SamplingParams, find_stop
+from longctx.engine.sampling import _sample, sample_rows_device, shape_logits, shape_ref
+from longctx.errors import RequestError
+from tests.conftest import rand_ids
+
+VOCAB = 64
+
+
+def _row(rid: str, **kw) -> RowPlan:
+    return RowPlan(rid=rid, token_ids=(0,), start=0, pages=(), **kw)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shaping_matches_the_reference(seed):
+    """Rows with their own biases and suppressed tokens (some rows neither) equal `shape_ref` row by row;
+    greedy picks the shaped argmax and never a suppressed token."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(6):
+        bias = tuple((t, rng.uniform(-100, 100)) for t in rng.sample(range(VOCAB), rng.randrange(0, 8)))
+        sup = tuple(sorted(rng.sample(range(VOCAB), rng.randrange(0, 5))))
+        rows.append(_row(f"r{i}", logit_bias=bias, suppress=sup))
+    logits = torch.randn(len(rows), VOCAB, generator=g) * 4
+    which = [i for i, r in enumerate(rows) if r.shaped]
+    got = shape_logits(logits, rows, which)
+    for i, r in enumerate(rows):
+        want = shape_ref(logits[i], r.logit_bias, r.suppress) if r.shaped else logits[i]
+        assert torch.equal(got[i], want.float()), i
+    toks = sample_rows_device(logits, rows)
+    for i, r in enumerate(rows):
+        assert int(toks[i]) == int(got[i].argmax()) and int(toks[i]) not in r.suppress
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest():
+    """Seeded draws with min_p never pick a token under min_p x the top probability (after temperature);
+    min_p 1 is greedy; min_p 0 draws what the sampler drew before it existed."""
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        logits = torch.randn(VOCAB, generator=g) * 2
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        for step in range(30):
+            t = int(_sample(logits, 0.8, 1.0, 0, trial, step, 0.3))
+            assert probs[t] >= 0.3 * probs.max()
+        assert int(_sample(logits, 0.8, 1.0, 0, trial, 0, 1.0)) == int(logits.argmax())
+    x = torch.randn(VOCAB, generator=g)
+    assert [int(_sample(x, 1.3, 0.9, 10, 3, s)) for s in range(20)] == [
+        int(_sample(x, 1.3, 0.9, 10, 3, s, 0.0)) for s in range(20)
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(min_tokens=17), "min_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(logit_bias=((3, 101.0),)), r"bias must be in \[-100, 100\]"),
+        (dict(logit_bias=((3, float("nan")),)), "bias must be"),
+        (dict(logit_bias=((-2, 1.0),)), "non-negative"),
+        (dict(logit_bias=((3, 1.0), (3, 2.0))), "twice"),
+        (dict(logit_bias=tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))), "at most"),
+    ],
+)
+def test_bad_controls_are_rejected(kw, msg):
+    with pytest.raises(RequestError, match=msg):
+        dataclasses.replace(SamplingParams(max_new_tokens=16), **kw).validate()
+
+
+def test_find_stop_ignores_matches_ending_within_the_floor():
+    assert find_stop("ab.cd.ef", [".", "cd"]) == 2
+    assert find_stop("ab.cd.ef", [".", "cd"], floor=3) == 3  # "." at 2 ends at 3: inside; "cd" ends after
+    assert find_stop("ab.cd.ef", ["."], floor=3) == 5
+    assert find_stop("ab.cd.ef", ["b.c"], floor=3) == 1  # begins inside, ends after: a match
+    assert find_stop("ab.cd.ef", ["."], start=6) is None
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as e:
+        yield e
+
+
+def test_logit_bias_steers_greedy_and_sampled_tokens(eng):
+    p = rand_ids(30, 1)
+    greedy = eng.generate([p], max_new_tokens=6, ignore_eos=True)[0].token_ids
+    forced = eng.generate([p], max_new_tokens=6, ignore_eos=True, logit_bias={77: 100.0})[0].token_ids
+    assert forced == [77] * 6
+    banned = {t: -100.0 for t in set(greedy)}
+    other = eng.generate([p], max_new_tokens=6, ignore_eos=True, logit_bias=banned)[0].token_ids
+    assert not set(other) & set(greedy)
+    sampled = eng.generate([p], max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True, logit_bias=banned)
+    assert not set(sampled[0].token_ids) & set(greedy)
+    # a biased request beside an unbiased one leaves the other's tokens alone
+    both = eng.generate([p, p], max_new_tokens=6, ignore_eos=True, logit_bias={77: 100.0})
+    assert [c.token_ids for c in both] == [forced, forced]
+
+
+def _run(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], str]]:
+    """Requests with their own params through the step API (as the server drives the engine)."""
+    from longctx.engine.request import Request
+
+    reqs = [Request(f"sc-{i}-{random.random()}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work():
+        eng.step()
+    return [(list(r.output_ids), r.finish_reason.value if r.finish_reason else "") for r in reqs]
+
+
+def test_per_request_bias_is_batch_independent(eng):
+    p, q = rand_ids(25, 2), rand_ids(41, 3)
+    alone = _run(eng, [q], [SamplingParams(max_new_tokens=8, ignore_eos=True)])
+    got = _run(
+        eng,
+        [p, q],
+        [
+            SamplingParams(max_new_tokens=8, ignore_eos=True, logit_bias=((5, 100.0),)),
+            SamplingParams(max_new_tokens=8, ignore_eos=True),
+        ],
+    )
+    assert got[0][0] == [5] * 8 and got[1] == alone[0]
+
+
+def _eos_first(eos: int, **kw) -> dict:
+    """EOS pushed to the top of every step: without min_tokens the request stops at once."""
+    return dict(max_new_tokens=10, logit_bias={eos: 100.0}, **kw)
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(eng):
+    eos = eng.cfg.eos_ids()[0]
+    p = rand_ids(20, 4)
+    (c,) = eng.generate([p], **_eos_first(eos))
+    assert c.token_ids == [eos] and c.finish_reason == "stop"
+    (c,) = eng.generate([p], **_eos_first(eos, min_tokens=4))
+    assert len(c.token_ids) == 5 and eos not in c.token_ids[:4] and c.token_ids[4] == eos
+    assert c.finish_reason == "stop"
+    (c,) = eng.generate([p], **_eos_first(eos, min_tokens=10))  # min_tokens == max_new_tokens
+    assert len(c.token_ids) == 10 and eos not in c.token_ids and c.finish_reason == "length"
+    # a stop token id likewise (EOS ignored)
+    (c,) = eng.generate(
+        [p], max_new_tokens=10, ignore_eos=True, stop=[99], logit_bias={99: 100.0}, min_tokens=3
+    )
+    assert c.token_ids[:3] != [99] * 3 and 99 not in c.token_ids[:3] and c.token_ids[3:] == [99]
+    # ignore_eos: EOS is not held back (it ends nothing), only the stop tokens are
+    (c,) = eng.generate([p], **_eos_first(eos, min_tokens=3, ignore_eos=True))
+    assert c.token_ids == [eos] * 10
+
+
+def test_min_tokens_holds_back_stop_strings(eng):
+    """A stop string may not end within the first min_tokens tokens' text; the completion is cut at the
+    first one that ends after it."""
+    p = rand_ids(20, 5)
+    a = ord("a")
+    kw = dict(max_new_tokens=8, ignore_eos=True, logit_bias={a: 100.0})
+    (c,) = eng.generate([p], stop=["a"], **kw)
+    assert c.token_ids == [a] and c.text == "" and c.finish_reason == "stop"
+    (c,) = eng.generate([p], stop=["a"], min_tokens=3, **kw)
+    assert c.token_ids == [a] * 4 and c.text == "aaa" and c.finish_reason == "stop"
+    (c,) = eng.generate([p], stop=["aa"], min_tokens=3, **kw)  # "aa" may begin inside and end after
+    assert c.token_ids == [a] * 4 and c.text == "aa" and c.finish_reason == "stop"
+
+
+def test_engine_rejects_out_of_vocabulary_controls(eng):
+    with pytest.raises(RequestError, match="logit_bias: token id 5000 is outside"):
+        eng.generate([rand_ids(10, 6)], max_new_tokens=2, logit_bias={5000: 1.0})
+    with pytest.raises(RequestError, match="stop_token_ids: token id 999 is outside"):
+        eng.generate([rand_ids(10, 6)], max_new_tokens=2, stop=[999])
+    assert eng.generate([rand_ids(10, 6)], max_new_tokens=2)[0].token_ids  # (the engine goes on)
+
+
+def test_min_p_one_is_greedy_through_the_engine(eng):
+    p = rand_ids(33, 7)
+    greedy = eng.generate([p], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    got = eng.generate([p], max_new_tokens=8, ignore_eos=True, temperature=1.5, seed=1, min_p=1.0)[
+        0
+    ].token_ids
+    assert got == greedy
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_controls_with_overlapped_decode_graphs_and_stages(tiny_dir, eng, graphs):
+    """Continuation rows (planned before step n's token is known) carry step n+1's suppression; the
+    same tokens come out eager, overlapped with and without decode graphs, and over two stages."""
+    eos = eng.cfg.eos_ids()[0]
+    prompts = [rand_ids(n, 10 + n) for n in (7, 70, 5)]
+    kw = _eos_first(eos, min_tokens=5, temperature=0.9, seed=4, min_p=0.05)
+    want = [(c.token_ids, c.finish_reason) for c in eng.generate(prompts, **kw)]
+    assert all(len(t) == 6 and t[-1] == eos for t, _ in want)
+    with Engine(tiny_dir, device="cpu", overlap=True, cuda_graphs=graphs) as ov:
+        got = [(c.token_ids, c.finish_reason) for c in ov.generate(prompts, **kw)]
+        assert ov.stats()["overlapped_steps"] > 0
+    assert got == want
+    if graphs:
+        with Engine(tiny_dir, device="cpu", kv_pages=16, chunk_size=29, pp=2) as e:
+            assert [(c.token_ids, c.finish_reason) for c in e.generate(prompts, **kw)] == want
