@@ -172,6 +172,43 @@ def test_n_choices(client, server):
     httpx.delete(server.url + f"/v1/documents/{doc['id']}")
 
 
+def test_several_prompts_in_one_completions_request(client, server):
+    """A list of prompts (strings or token-id lists) is a batch: prompt p's choice j at index p * n + j,
+    each as its single request; usage counts every prompt once; streamed, every index ends with its own
+    finish and each prompt's prefill is reported; too many prompts x n for the queue is a 400."""
+    kw = dict(model="fake", max_tokens=6, temperature=0)
+    r = client.completions.create(prompt=["abc", "wxyz"], **kw)
+    singles = [client.completions.create(prompt=p, **kw) for p in ("abc", "wxyz")]
+    assert [c.text for c in r.choices] == [x.choices[0].text for x in singles] == ["abcabc", "wxyzwx"]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == sum(x.usage.prompt_tokens for x in singles)
+    assert r.usage.completion_tokens == 12
+    seeded = dict(model="fake", max_tokens=5, temperature=1.0, seed=3)
+    r = client.completions.create(prompt=[[97, 98], [120, 121, 122]], n=2, **seeded)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    one = client.completions.create(prompt=[120, 121, 122], n=2, **seeded)
+    assert [c.text for c in r.choices[2:]] == [c.text for c in one.choices]  # (seed + j per prompt)
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 20
+    chunks = list(
+        client.completions.create(
+            prompt=["ab", "xyz"], n=2, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    texts = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(4)
+    }
+    assert texts == {0: "ababab", 1: "ababab", 2: "xyzxyz", 3: "xyzxyz"}
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2, 3] and chunks[-1].usage.prompt_tokens == 5
+    body = {"prompt": ["p" * 1500, "q" * 1400], "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as s:
+        lines = [x for x in s.iter_lines() if x.startswith(": prefill ")]
+    assert any(x.endswith("/1500 (prompt 0)") for x in lines) and any(
+        x.endswith("/1400 (prompt 1)") for x in lines
+    )
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(
         model="fake", prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 5}
@@ -351,7 +388,9 @@ BAD = [
     ("POST", C, {"prompt": "x", "stop": 5}, 400),
     ("POST", C, {"prompt": "x", "seed": "s"}, 400),
     ("POST", C, {"prompt": "x", "stream": "yes"}, 400),
-    ("POST", C, {"prompt": ["a", "b"]}, 400),
+    ("POST", C, {"prompt": ["a"] * 65}, 400),
+    ("POST", C, {"prompt": ["a", [1, 2]]}, 400),
+    ("POST", C, {"prompt": ["a", ""]}, 400),
     ("POST", C, {"prompt": ""}, 400),
     ("POST", C, {"prompt": [10**6]}, 400),
     ("POST", C, {"prompt": "x" * (MAX_CONTEXT + 1)}, 400),

@@ -191,3 +191,12 @@ def test_n_choices_real_engine(client, server):
     r = client.completions.create(**{**kw, "prompt": long}, n=2)
     assert len(r.choices) == 2
     assert stats(server)["prefix_cache_hit_tokens"] - before >= len(long.encode()) // 64 * 64
+    # several prompts in one request: each prompt's choices are its single request's
+    prompts = ["Once upon a time", "The capital of France is"]
+    r = client.completions.create(**{**kw, "prompt": prompts}, n=2, seed=11)
+    want = [
+        c.text
+        for p in prompts
+        for c in client.completions.create(**{**kw, "prompt": p}, n=2, seed=11).choices
+    ]
+    assert [c.text for c in r.choices] == want and [c.index for c in r.choices] == [0, 1, 2, 3]

@@ -172,6 +172,12 @@ def test_queue_limit_429(tmp_path):
         assert (
             httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 4, "n": 2}).status_code == 200
         )
+        # so are several prompts' choices: 2 prompts x n=2 never fit either
+        r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": ["a", "b"], "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "2 prompts x n=2" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": ["a", "b"], "max_tokens": 4})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_engine_death_fails_fast_with_503(tmp_path):

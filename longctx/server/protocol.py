@@ -17,6 +17,7 @@ from longctx.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 I64 = 2**63 - 1
 MAX_STOPS = 16
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each its own n choices)
 
 
 class ApiError(Exception):
@@ -137,19 +138,21 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
-            raise ValueError("prompt: only one prompt per request is supported")
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
         if self.echo:
             raise ValueError("echo: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
 
-    def single_prompt(self) -> str | list[int]:
+    def prompt_list(self) -> list[str | list[int]]:
+        """The request's prompts: a list of strings or of token-id lists is several (a batch), a string
+        or one token-id list one."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class TextPart(_Strict):

@@ -33,6 +33,7 @@ class Shape:
     chat: bool
     logprobs: int | None  # None: no logprobs; N: top-N alternatives
     include_usage: bool
+    n: int = 1  # choices per prompt (generation i is prompt i // n's choice i % n)
 
 
 def sampling(
@@ -88,33 +89,35 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def generations(
-    st: ServerState, rid: str, ids: list[int], params: m.WireSamplingParams, stop: list[str], n: int
+    st: ServerState,
+    rid: str,
+    prompts: list[tuple[list[int], m.WireSamplingParams]],
+    stop: list[str],
+    n: int,
 ) -> list[Generation]:
-    """A request's `n` choices as engine requests (`rid`-i when n > 1; a seeded request's choice i
-    draws with seed + i, so the choices differ and each is reproducible), after the admission check.
-    Choices 1..n-1 start once choice 0's prompt is prefilled, so they take its pages from the prefix
-    cache instead of prefilling the prompt n times."""
-    if n > st.settings.max_queue:  # (it would never fit: not a 429 to retry)
+    """A request's prompts' `n` choices each as engine requests, prompt p's choice j at index p * n + j
+    (`rid`-index when there are several; a seeded request's choice j draws with seed + j, so the choices
+    differ and each is reproducible), after the admission check. Choices 1..n-1 of a prompt start once
+    its choice 0 is prefilled, so they take its pages from the prefix cache instead of prefilling it n
+    times."""
+    total = len(prompts) * n
+    if total > st.settings.max_queue:  # (it would never fit: not a 429 to retry)
+        what = f"n={n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={n}"
         raise ApiError(
-            400, f"n={n} is more than this server's queue limit ({st.settings.max_queue})", param="n"
+            400,
+            f"{what} is more than this server's queue limit ({st.settings.max_queue})",
+            param="n" if len(prompts) == 1 else "prompt",
         )
-    st.check_admission(n)
-    if n == 1:
-        return [Generation(st.client, st.codec, st.metrics, rid, ids, params, stop)]
-    gens = [
-        Generation(
-            st.client,
-            st.codec,
-            st.metrics,
-            f"{rid}-{i}",
-            ids,
-            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
-            stop,
-        )
-        for i in range(n)
-    ]
-    for g in gens[1:]:
-        g.after = gens[0].prefilled
+    st.check_admission(total)
+    gens: list[Generation] = []
+    for ids, params in prompts:
+        first = len(gens)
+        for j in range(n):
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+            name = rid if total == 1 else f"{rid}-{len(gens)}"
+            gens.append(Generation(st.client, st.codec, st.metrics, name, ids, seeded, stop))
+            if j:
+                gens[-1].after = gens[first].prefilled
     return gens
 
 
@@ -214,16 +217,24 @@ def _endpoint(shape: Shape) -> str:
     return "chat" if shape.chat else "completions"
 
 
-def _usage(dones: list[Done]) -> dict[str, Any]:
-    """The prompt once, every choice's completion tokens."""
-    u = dones[0].usage()
+def _usage(dones: list[Done], n: int) -> dict[str, Any]:
+    """Each prompt once (its first choice's prompt and cached tokens), every choice's completion tokens."""
+    firsts = dones[::n]
+    prompt = sum(d.prompt_tokens for d in firsts)
     done_tokens = sum(d.completion_tokens for d in dones)
-    return {**u, "completion_tokens": done_tokens, "total_tokens": u["prompt_tokens"] + done_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done_tokens,
+        "total_tokens": prompt + done_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
+    }
 
 
 def _final(st: ServerState, rid: str, model: str, dones: list[Done], shape: Shape) -> dict[str, Any]:
     choices: list[fmt.Choice] = [(d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)) for d in dones]
-    return (fmt.chat_completion if shape.chat else fmt.completion)(rid, model, choices, _usage(dones))
+    return (fmt.chat_completion if shape.chat else fmt.completion)(
+        rid, model, choices, _usage(dones, shape.n)
+    )
 
 
 def _logprobs(st: ServerState, shape: Shape, lps: list[m.WireLogprob], text_pos: int = 0) -> Any:
@@ -258,8 +269,9 @@ async def _stream(
     try:
         async for i, ev in all_events():
             if isinstance(ev, Progress):
-                if i == 0:  # (every choice prefills the same prompt)
-                    yield fmt.sse_comment(f"prefill {ev.done}/{ev.total}")
+                if i % shape.n == 0:  # (a prompt's choices prefill it once)
+                    which = f" (prompt {i // shape.n})" if n > shape.n else ""
+                    yield fmt.sse_comment(f"prefill {ev.done}/{ev.total}{which}")
                 continue
             if isinstance(ev, Keepalive):
                 yield fmt.sse_comment("keepalive")
@@ -283,7 +295,7 @@ async def _stream(
                 else:
                     yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason, index=i))
         if shape.include_usage and all(d is not None for d in dones):
-            usage = _usage([d for d in dones if d is not None])
+            usage = _usage([d for d in dones if d is not None], shape.n)
             if shape.chat:
                 yield fmt.sse(fmt.chat_chunk(rid, model, {}, None, usage=usage, empty=True))
             else:
@@ -309,21 +321,23 @@ async def completions(request: Request) -> Response:
     st = get_state(request)
     req = await read_json(request, CompletionRequest)
     st.check_model(req.model)
-    prompt = req.single_prompt()
-    if isinstance(prompt, str):
-        ids = await st.encode(prompt, add_special_tokens=True)
-    else:
-        vocab = st.ready.vocab_size
-        if vocab and any(not (0 <= t < vocab) for t in prompt):
-            raise ApiError(
-                400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
-            )
-        ids = list(prompt)
-    params = sampling(st, req, len(ids), req.max_tokens, req.logprobs)
+    prompts = []
+    for prompt in req.prompt_list():
+        if isinstance(prompt, str):
+            ids = await st.encode(prompt, add_special_tokens=True)
+        else:
+            vocab = st.ready.vocab_size
+            if vocab and any(not (0 <= t < vocab) for t in prompt):
+                raise ApiError(
+                    400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
+                )
+            ids = list(prompt)
+        prompts.append((ids, sampling(st, req, len(ids), req.max_tokens, req.logprobs)))
     rid = new_rid("cmpl")
-    gens = generations(st, rid, ids, params, req.stop_list(), req.n)
+    gens = generations(st, rid, prompts, req.stop_list(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, rid, gens, Shape(False, req.logprobs, include_usage), req.stream)
+    shape = Shape(False, req.logprobs, include_usage, req.n)
+    return await serve(request, st, rid, gens, shape, req.stream)
 
 
 @router.post("/v1/chat/completions")
@@ -345,9 +359,9 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.limit(), logprobs)
     rid = new_rid("chatcmpl")
-    gens = generations(st, rid, ids, params, req.stop_list(), req.n)
+    gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage), req.stream)
+    return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage, req.n), req.stream)
 
 
 async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:
