@@ -208,3 +208,77 @@ def test_controls_with_overlapped_decode_graphs_and_stages(tiny_dir, eng, graphs
     if graphs:
         with Engine(tiny_dir, device="cpu", kv_pages=16, chunk_size=29, pp=2) as e:
             assert [(c.token_ids, c.finish_reason) for c in e.generate(prompts, **kw)] == want
+
+
+# ---- prompt logprobs (completions' echo) ----------------------------------------------------------
+
+
+def _prompt_lps(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list]:
+    """Every request's prompt logprobs as the step outputs report them, in order."""
+    from longctx.engine.request import Request
+
+    reqs = [Request(f"plp-{i}-{random.random()}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    got: dict[str, list] = {r.rid: [] for r in reqs}
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work():
+        for o in eng.step():
+            if o.rid in got:
+                got[o.rid].extend(o.prompt_logprobs)
+    return [got[r.rid] for r in reqs]
+
+
+def _check_against_score(eng: Engine, prompt: list[int], lps: list, n: int) -> None:
+    ref = torch.log_softmax(eng.score(prompt), dim=-1)
+    assert [x.token_id for x in lps] == prompt[1:]
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(torch.tensor([x.logprob for x in lps]), want, atol=1e-4)
+    for i, x in enumerate(lps):
+        assert len(x.top) == n
+        v, ids = torch.topk(ref[i], n)
+        assert [t for t, _ in x.top] == ids.tolist() and torch.allclose(
+            torch.tensor([p for _, p in x.top]), v, atol=1e-4
+        )
+
+
+def test_prompt_logprobs_match_score_across_chunks_and_the_prefix_cache(eng):
+    """Prompt logprobs (longer than a prefill chunk) equal `Engine.score`'s, with the top-n; a prompt whose
+    pages are in the prefix cache is computed again (a cached position has no logits); max_new_tokens 0."""
+    p = rand_ids(150, 20)  # (chunks of 29; 2 full pages cached by the first request)
+    _run(eng, [p], [SamplingParams(max_new_tokens=2)])
+    before = eng.stats()["prefix_cache"]["hit_tokens"]
+    (lps,) = _prompt_lps(eng, [p], [SamplingParams(max_new_tokens=3, prompt_logprobs=2)])
+    assert eng.stats()["prefix_cache"]["hit_tokens"] == before  # (computed again, not matched)
+    _check_against_score(eng, p, lps, 2)
+    _run(eng, [p], [SamplingParams(max_new_tokens=2)])
+    assert eng.stats()["prefix_cache"]["hit_tokens"] > before  # (the pages were cached: a plain request hits)
+    (lps0,) = _prompt_lps(eng, [p[:40]], [SamplingParams(max_new_tokens=0, prompt_logprobs=0)])
+    _check_against_score(eng, p[:40], lps0, 0)
+    (one,) = _prompt_lps(eng, [p[:1]], [SamplingParams(max_new_tokens=1, prompt_logprobs=1)])
+    assert one == []
+
+
+def test_prompt_logprobs_once_each_under_preemption_and_across_stages(tiny_dir, eng):
+    prompts = [rand_ids(120, 30 + i) for i in range(4)]
+    params = [
+        SamplingParams(max_new_tokens=40, ignore_eos=True, prompt_logprobs=1 if i % 2 == 0 else None)
+        for i in range(4)
+    ]
+    want = _prompt_lps(eng, prompts, params)
+    with Engine(tiny_dir, device="cpu", kv_pages=10) as small:
+        got = _prompt_lps(small, prompts, params)
+        assert small.scheduler.num_preempted > 0
+    with Engine(tiny_dir, device="cpu", kv_pages=16, chunk_size=29, pp=2) as e:
+        staged = _prompt_lps(e, prompts, params)
+    for w, g, s in zip(want, got, staged):
+        assert [x.token_id for x in g] == [x.token_id for x in w] == [x.token_id for x in s]
+        for a, b in ((g, w), (s, w)):
+            assert torch.allclose(
+                torch.tensor([x.logprob for x in a]), torch.tensor([x.logprob for x in b]), atol=1e-4
+            )
+    assert [len(w) for w in want] == [119, 0, 119, 0]
+
+
+def test_bad_prompt_logprobs_are_rejected():
+    with pytest.raises(RequestError, match="prompt_logprobs must be between 0 and 20"):
+        SamplingParams(prompt_logprobs=21).validate()

@@ -209,6 +209,35 @@ def test_several_prompts_in_one_completions_request(client, server):
     )
 
 
+def test_echo_repeats_the_prompt_with_its_logprobs(client, server):
+    """echo: each choice's text starts with its prompt; with logprobs, the prompt's tokens come first (the
+    first with null), then the completion's, offsets running on; max_tokens 0 scores the prompt alone
+    (lm-eval's loglikelihood request); streamed, each choice's first chunk is its prompt."""
+    r = client.completions.create(model="fake", prompt="abc", max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text == "abcab" and r.choices[0].logprobs is None
+    r = client.completions.create(
+        model="fake", prompt="abc", max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "abcab" and lp.tokens == ["a", "b", "c", "a", "b"]
+    assert lp.token_logprobs == [None, -0.25, -0.25, -0.25, -0.25] and lp.top_logprobs[0] is None
+    assert lp.text_offset == [0, 1, 2, 3, 4] and len(lp.top_logprobs[1]) == 1
+    body = {"prompt": ["xyz", "ab"], "max_tokens": 0, "echo": True, "logprobs": 0}
+    j = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert [c["text"] for c in j["choices"]] == ["xyz", "ab"] and j["usage"]["completion_tokens"] == 0
+    assert [c["logprobs"]["token_logprobs"] for c in j["choices"]] == [[None, -0.25, -0.25], [None, -0.25]]
+    chunks = list(
+        client.completions.create(
+            model="fake", prompt="abc", max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True, n=2
+        )
+    )
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].text == "abc" and mine[0].logprobs.token_logprobs == [None, -0.25, -0.25]
+        assert "".join(c.text for c in mine) == "abcabc"
+        assert [o for c in mine if c.logprobs for o in c.logprobs.text_offset] == [0, 1, 2, 3, 4, 5]
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(
         model="fake", prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 5}

@@ -11,6 +11,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from longctx.server.testing import ServerProcess
 
@@ -171,6 +172,25 @@ def test_sampling_controls_reach_the_real_engine(client, tiny_dir):
     assert len(want.token_ids) == 5 and want.token_ids[-1] == eos and want.finish_reason == "stop"
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 5
+
+
+def test_echo_logprobs_score_the_prompt_like_engine_score(client, server, tiny_dir):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) on the real engine: the prompt's token
+    logprobs are `Engine.score`'s, even for a prompt whose pages the prefix cache holds."""
+    from longctx import Engine
+
+    text = "".join(f"row {i} of a context to score\n" for i in range(8))  # > 2 pages
+    client.completions.create(model="tiny", prompt=text, max_tokens=1)  # (its pages now cached)
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and lp.token_logprobs[0] is None and r.usage.completion_tokens == 0
+    with Engine(str(tiny_dir), device="cpu") as e:
+        ids = e.encode(text)
+        ref = torch.log_softmax(e.score(ids), dim=-1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert len(lp.token_logprobs) == len(ids)
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])  # (a dict by text: two ids may decode alike)
 
 
 def test_n_choices_real_engine(client, server):

@@ -35,6 +35,10 @@ class RowPlan:
     logit_bias: tuple[tuple[int, float], ...] = ()
     suppress: tuple[int, ...] = ()
     min_p: float = 0.0
+    # prompt logprobs: the prompt tokens this row's positions predict (position start + i predicts
+    # prompt_lp_targets[i]), each reported with its top-`prompt_logprobs` alternatives
+    prompt_lp_targets: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
     # pages only grow at their end within one epoch (`RequestPages.epoch`): consumers that cache a
     # row's page table (the decode graphs) copy just the new entries; 0 = unknown, always refresh
     pages_epoch: int = 0
@@ -76,6 +80,8 @@ class RowResult:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     logits: object | None = None  # [n, vocab] fp32 tensor (logits == "all")
+    # (token, logprob, top alternatives) of each of the row's `prompt_lp_targets`
+    prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclass

@@ -30,6 +30,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text (needs a tokenizer)
     ignore_eos: bool = False
     logprobs: int | None = None  # return the top-N logprobs per generated token (0 = only the chosen one)
+    # the same for every prompt token after the first (vLLM's prompt_logprobs; the request skips the prefix
+    # cache until they are all out, since a cached position computes no logits)
+    prompt_logprobs: int | None = None
     # OpenAI's penalties over the tokens generated so far: logit -= frequency * count + presence * (count > 0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -53,8 +56,10 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and 0 <= v <= 20):
+                raise RequestError(f"{name} must be between 0 and 20, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and -2.0 <= v <= 2.0):
@@ -130,6 +135,12 @@ class Request:
     return_logits: bool = False  # score(): keep fp32 logits of every prompt position, no prefix reuse
     seed: int = 0  # the sampling seed actually used (params.seed, or one drawn at admission)
     logits: list = field(default_factory=list)  # score(): [n, vocab] chunks in order
+    prompt_lp_upto: int = 0  # prompt tokens 1..prompt_lp_upto have had their logprobs reported
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all reported yet (so every prompt position is computed)."""
+        return self.params.prompt_logprobs is not None and self.prompt_lp_upto < len(self.prompt_ids) - 1
 
     @property
     def pending(self) -> int:
@@ -182,9 +193,16 @@ class StepOutput:
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the next prompt tokens' (from token 1 on), in order
 
     @classmethod
-    def of(cls, req: Request, new: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StepOutput:
+    def of(
+        cls,
+        req: Request,
+        new: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> StepOutput:
         """req's state after a step that produced `new` tokens (with their `logprobs`)."""
         return cls(
             rid=req.rid,
@@ -195,4 +213,5 @@ class StepOutput:
             prompt_total=len(req.prompt_ids),
             cached_tokens=req.num_cached,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -198,3 +198,26 @@ def logprobs_row(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple
         v, i = torch.topk(lp, n)
         top = tuple((int(a), float(b)) for a, b in zip(i.tolist(), v.tolist()))
     return float(lp[token].item()), top
+
+
+def prompt_logprobs_device(
+    logits: torch.Tensor, targets: Sequence[int], n: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of `targets` (position i's next token) under logits [len(targets), vocab], with the top-n
+    alternatives, left on logits' device: (targets, chosen [m], top values [m, n], top ids [m, n])."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, _on(lp.device, targets, torch.int64)[:, None])[:, 0]
+    top = torch.topk(lp, n, dim=-1) if n else None
+    empty = lp.new_empty(len(targets), 0)
+    return list(targets), chosen, top.values if top else empty, top.indices if top else empty.long()
+
+
+def prompt_logprobs_host(
+    targets: list[int], chosen: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor
+) -> tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...]:
+    """`prompt_logprobs_device`'s result as (token, logprob, ((alternative, logprob), ...)) per target."""
+    vals, ids = top_v.tolist(), top_i.tolist()
+    return tuple(
+        (t, float(c), tuple((int(a), float(b)) for a, b in zip(ii, vv)))
+        for t, c, vv, ii in zip(targets, chosen.tolist(), vals, ids)
+    )

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any
 
-from longctx.engine.plan import BatchPlan, BatchResult, RowPlan
+from longctx.engine.plan import BatchPlan, BatchResult, RowPlan, RowResult
 from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob
 from longctx.errors import RequestError
 from longctx.kvstore.allocator import OutOfPages, PageAllocator
@@ -125,7 +125,7 @@ class Scheduler:
             req = self.waiting[0]
             pages: list[int] = []
             cached = 0
-            if self.cache is not None and not req.return_logits:
+            if self.cache is not None and not req.return_logits and not req.needs_prompt_logprobs:
                 pages, cached = self.cache.match(req.all_ids)
             rp = RequestPages(self.page_size, pages, cached)
             n = min(req.num_tokens - cached, budget, self.chunk_size)
@@ -182,6 +182,10 @@ class Scheduler:
             mode = "none"
         p = req.params
         rp = self.pages[req.rid]
+        targets: tuple[int, ...] = ()
+        if req.needs_prompt_logprobs:  # positions start.. predict prompt tokens start + 1..
+            count = max(0, min(start + n, len(req.prompt_ids) - 1) - start)
+            targets = tuple(req.prompt_ids[start + 1 : start + 1 + count])
         return RowPlan(
             rid=req.rid,
             token_ids=ids,
@@ -202,6 +206,8 @@ class Scheduler:
             logit_bias=p.logit_bias,
             suppress=self._suppress(req, len(req.output_ids)) if mode == "last" else (),
             min_p=p.min_p,
+            prompt_lp_targets=targets,
+            prompt_logprobs=p.prompt_logprobs or 0,
         )
 
     def _suppress(self, req: Request, step: int) -> tuple[int, ...]:
@@ -303,11 +309,26 @@ class Scheduler:
                 new = (res.token_id,)
                 if res.logprob is not None:
                     lps = (TokenLogprob(res.token_id, res.logprob, res.top_logprobs),)
+            prompt_lps = self._prompt_logprobs(req, row, res)
             self._check_finish(req, new)
-            outs.append(StepOutput.of(req, new, lps))
+            outs.append(StepOutput.of(req, new, lps, prompt_lps))
             if req.finished:
                 self._release(req, cache=not req.return_logits)
         return outs
+
+    @staticmethod
+    def _prompt_logprobs(req: Request, row: RowPlan, res: RowResult | None) -> tuple[TokenLogprob, ...]:
+        """The row's prompt logprobs not reported before (a recomputed prefill, after a preemption,
+        computes them again)."""
+        if res is None or not res.prompt_logprobs:
+            return ()
+        out = []
+        for i, (tok, lp, top) in enumerate(res.prompt_logprobs):
+            idx = row.start + 1 + i  # the prompt token this entry is for
+            if idx > req.prompt_lp_upto:
+                out.append(TokenLogprob(tok, lp, top))
+                req.prompt_lp_upto = idx
+        return tuple(out)
 
     def _check_finish(self, req: Request, new: tuple[int, ...]) -> None:
         p = req.params

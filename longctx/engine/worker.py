@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +18,13 @@ from tqdm import tqdm
 from longctx.checkpoint.loader import iter_weights
 from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan, RowPlan, RowResult
-from longctx.engine.sampling import Penalties, logprobs_row, sample_rows_device
+from longctx.engine.sampling import (
+    Penalties,
+    logprobs_row,
+    prompt_logprobs_device,
+    prompt_logprobs_host,
+    sample_rows_device,
+)
 from longctx.model.context import ForwardContext, KVCache
 from longctx.model.model import CausalLM
 
@@ -184,6 +190,7 @@ class StageWorker:
         out: list[RowResult] = [RowResult(r.rid) for r in plan.rows]
         last: list[int] = []  # rows that sample
         ends: list[int] = []  # their last token's index in h
+        prompt_lps: dict[int, tuple] = {}  # row -> its prompt logprobs, still on the device
         off = 0
         for i, r in enumerate(plan.rows):
             n = len(r.token_ids)
@@ -193,6 +200,13 @@ class StageWorker:
             elif r.logits == "last":
                 last.append(i)
                 ends.append(off + n - 1)
+            if r.prompt_lp_targets:
+                assert h is not None
+                prompt_lps[i] = prompt_logprobs_device(
+                    self.model.logits(h[off : off + len(r.prompt_lp_targets)]),
+                    r.prompt_lp_targets,
+                    r.prompt_logprobs,
+                )
             off += n
         toks = None
         if last:
@@ -202,7 +216,7 @@ class StageWorker:
             else:
                 last_logits = take_rows(last_logits, last)
             toks = sample_rows_device(last_logits, [plan.rows[i] for i in last], self.penalties)
-        pending = PendingRows(plan, out, last, toks, last_logits)
+        pending = PendingRows(plan, out, last, toks, last_logits, prompt_lps=prompt_lps)
         if toks is not None and toks.is_cuda:
             # Start the tokens' way to the host now, behind this step's work only: a continuation
             # launched before `resolve` queues its graph behind this copy, and `resolve` waits for
@@ -218,6 +232,8 @@ class StageWorker:
     def resolve(self, p: PendingRows) -> list[RowResult]:
         """Read the sampled tokens back (the step's one host synchronisation) and fill the results.
         A replayed graph's logits buffer is overwritten by the next replay: resolve before it."""
+        for i, lps in p.prompt_lps.items():
+            p.out[i].prompt_logprobs = prompt_logprobs_host(*lps)
         if p.toks is None:
             return p.out
         assert p.last_logits is not None
@@ -290,3 +306,4 @@ class PendingRows:
     last_logits: torch.Tensor | None  # [len(last), vocab]
     toks_host: torch.Tensor | None = None  # pinned host copy of `toks`, valid once `ready` has fired
     ready: torch.cuda.Event | None = None  # recorded after that copy (None on the CPU)
+    prompt_lps: dict[int, tuple] = field(default_factory=dict)  # row -> prompt_logprobs_device(...)

@@ -64,12 +64,16 @@ def _eos_ids(cfg: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def _wire_logprobs(lps: Any) -> tuple[m.WireLogprob, ...]:
+    return tuple(
+        m.WireLogprob(int(lp.token_id), float(lp.logprob), tuple((int(t), float(p)) for t, p in lp.top))
+        for lp in lps
+    )
+
+
 def _wire_output(o: Any) -> m.TokenOutput:
     reason = o.finish_reason.value if o.finish_reason is not None else None
-    lps = tuple(
-        m.WireLogprob(int(lp.token_id), float(lp.logprob), tuple((int(t), float(p)) for t, p in lp.top))
-        for lp in o.logprobs
-    )
+    lps = _wire_logprobs(o.logprobs)
     return m.TokenOutput(
         rid=o.rid,
         new_token_ids=tuple(int(t) for t in o.new_token_ids),
@@ -81,6 +85,7 @@ def _wire_output(o: Any) -> m.TokenOutput:
         logprobs=lps,
         error=o.error,
         error_kind="engine" if o.error else None,
+        prompt_logprobs=_wire_logprobs(o.prompt_logprobs),
     )
 
 
@@ -126,6 +131,7 @@ class EngineLoop:
                     min_tokens=p.min_tokens,
                     min_p=p.min_p,
                     logit_bias=tuple((int(t), float(b)) for t, b in p.logit_bias),
+                    prompt_logprobs=p.prompt_logprobs,
                 )
                 req = Request(
                     msg.rid, list(msg.prompt_ids), params, arrival=time.time(), pin_prefix=msg.pin_prefix

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,7 @@ class FakeEngine:
         for live in list(self._running):
             req = live.req
             new: list[int] = []
+            prompt_lps: tuple[TokenLogprob, ...] = ()
             if req.num_computed < len(req.prompt_ids):
                 if budget <= 0:
                     continue
@@ -146,8 +148,9 @@ class FakeEngine:
                 budget -= n
                 prefilled += n
                 req.num_computed += n
+                prompt_lps = self._prompt_logprobs(req)
                 if req.num_computed < len(req.prompt_ids):
-                    outs.append(self._out(req, ()))
+                    outs.append(self._out(req, (), prompt_lps))
                     continue
             if req.params.max_new_tokens > 0:
                 tok = self._next_token(live)
@@ -159,22 +162,33 @@ class FakeEngine:
             eos = self.opts.eos_token_id
             if new and eos is not None and new[-1] == eos and not req.params.ignore_eos:
                 req.finish_reason = FinishReason.STOP
-            outs.append(self._out(req, tuple(new)))
+            outs.append(self._out(req, tuple(new), prompt_lps))
             if req.finished:
                 self._running.remove(live)
                 self._pages_used -= live.pages
         time.sleep(self.opts.step_delay_s + prefilled * self.opts.prefill_s_per_token)
         return outs
 
-    def _out(self, req: Request, new: tuple[int, ...]) -> StepOutput:
-        lps: tuple[TokenLogprob, ...] = ()
+    def _out(
+        self, req: Request, new: tuple[int, ...], prompt_lps: tuple[TokenLogprob, ...] = ()
+    ) -> StepOutput:
         n = req.params.logprobs
-        if n is not None and new:
-            v = self.opts.vocab_size
-            lps = tuple(
-                TokenLogprob(t, -0.25, tuple(((t + i) % v, -0.25 - i) for i in range(n))) for t in new
-            )
-        return StepOutput.of(req, new, lps)
+        lps = self._logprobs(new, n) if n is not None else ()
+        return StepOutput.of(req, new, lps, prompt_lps)
+
+    def _logprobs(self, toks: Sequence[int], n: int) -> tuple[TokenLogprob, ...]:
+        v = self.opts.vocab_size
+        return tuple(TokenLogprob(t, -0.25, tuple(((t + i) % v, -0.25 - i) for i in range(n))) for t in toks)
+
+    def _prompt_logprobs(self, req: Request) -> tuple[TokenLogprob, ...]:
+        """Prompt tokens 1..num_computed - 1 not reported yet (params.prompt_logprobs)."""
+        n = req.params.prompt_logprobs
+        if n is None:
+            return ()
+        upto = min(req.num_computed, len(req.prompt_ids)) - 1
+        new = req.prompt_ids[req.prompt_lp_upto + 1 : upto + 1]
+        req.prompt_lp_upto = max(req.prompt_lp_upto, upto)
+        return self._logprobs(new, n)
 
     # ---- documents --------------------------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:

@@ -87,6 +87,8 @@ class Generation:
         self.t0 = time.monotonic()
         self.prefilled = asyncio.Event()  # set once the prompt is prefilled (or this ended)
         self.after: asyncio.Event | None = None  # submit only once this is set (another's `prefilled`)
+        self.prompt_logprobs: list[m.WireLogprob] = []  # prompt tokens 1.. (params.prompt_logprobs)
+        self.echo_text = ""  # the prompt as a completions `echo` repeats it
 
     async def events(self, keepalive: bool = False) -> AsyncGenerator[Event, None]:
         detok = IncrementalDetokenizer(self.codec)
@@ -118,6 +120,7 @@ class Generation:
                         raise ApiError(400, out.error)
                     raise ApiError(500, out.error, "server_error")
                 cached = max(cached, out.cached_tokens)
+                self.prompt_logprobs.extend(out.prompt_logprobs)
                 if not out.new_token_ids and not out.finished:
                     yield Progress(out.prompt_done, out.prompt_total)
                     continue

@@ -92,6 +92,7 @@ class WireSamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
 
 @message("add")
@@ -178,6 +179,7 @@ class TokenOutput:
     logprobs: tuple[WireLogprob, ...] = ()
     error: str | None = None
     error_kind: str | None = None  # "request" (the client's fault -> 4xx) or "engine" (-> 5xx)
+    prompt_logprobs: tuple[WireLogprob, ...] = ()  # the next prompt tokens' (from token 1 on)
 
 
 @message("batch")

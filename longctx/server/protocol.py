@@ -140,8 +140,6 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) > MAX_PROMPTS:
             raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
-        if self.echo:
-            raise ValueError("echo: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self

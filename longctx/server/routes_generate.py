@@ -34,6 +34,7 @@ class Shape:
     logprobs: int | None  # None: no logprobs; N: top-N alternatives
     include_usage: bool
     n: int = 1  # choices per prompt (generation i is prompt i // n's choice i % n)
+    echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, when asked)
 
 
 def sampling(
@@ -140,14 +141,14 @@ async def serve(
             disc.cancel()
             dones = task.result()
             st.metrics.requests.labels(_endpoint(shape), "200").inc()
-            return JSONResponse(_final(st, rid, model, dones, shape))
+            return JSONResponse(_final(st, rid, model, gens, dones, shape))
         events = _events(gens)
         try:
             first = await events.__anext__()  # errors the engine reports at once become real statuses
         except BaseException:
             await events.aclose()
             raise
-        return fmt.SSEResponse(_stream(st, rid, model, shape, first, events, len(gens)))
+        return fmt.SSEResponse(_stream(st, rid, model, shape, first, events, gens))
     except ApiError as e:
         st.metrics.requests.labels(_endpoint(shape), str(e.status)).inc()
         raise
@@ -230,11 +231,27 @@ def _usage(dones: list[Done], n: int) -> dict[str, Any]:
     }
 
 
-def _final(st: ServerState, rid: str, model: str, dones: list[Done], shape: Shape) -> dict[str, Any]:
-    choices: list[fmt.Choice] = [(d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)) for d in dones]
+def _final(
+    st: ServerState, rid: str, model: str, gens: list[Generation], dones: list[Done], shape: Shape
+) -> dict[str, Any]:
+    choices: list[fmt.Choice] = []
+    for g, d in zip(gens, dones):
+        if shape.echo:
+            lp = None if shape.logprobs is None else _echo_logprobs(st, g, d.logprobs)
+            choices.append((g.echo_text + d.text, d.finish_reason, lp))
+        else:
+            choices.append((d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)))
     return (fmt.chat_completion if shape.chat else fmt.completion)(
         rid, model, choices, _usage(dones, shape.n)
     )
+
+
+def _echo_logprobs(st: ServerState, g: Generation, lps: list[m.WireLogprob]) -> dict[str, Any]:
+    """Completions logprobs of the prompt (its first token has none: null) followed by `lps`."""
+    first = m.WireLogprob(g.prompt_ids[0], 0.0)
+    out = fmt.completion_logprobs(st.codec, [first, *g.prompt_logprobs, *lps])
+    out["token_logprobs"][0] = out["top_logprobs"][0] = None
+    return out
 
 
 def _logprobs(st: ServerState, shape: Shape, lps: list[m.WireLogprob], text_pos: int = 0) -> Any:
@@ -254,9 +271,11 @@ async def _stream(
     shape: Shape,
     first: tuple[int, Any],
     events: AsyncGenerator[tuple[int, Any], None],
-    n: int,
+    gens: list[Generation],
 ) -> AsyncIterator[str]:
+    n = len(gens)
     sent_role = [False] * n
+    echoed = [not shape.echo] * n
     text_pos = [0] * n
     dones: list[Done | None] = [None] * n
     status = "200"
@@ -279,6 +298,12 @@ async def _stream(
             if shape.chat and not sent_role[i]:
                 sent_role[i] = True
                 yield fmt.sse(fmt.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=i))
+            if not echoed[i]:  # (the prompt's logprobs are all in by its first token, or its end)
+                echoed[i] = True
+                g = gens[i]
+                lp = None if shape.logprobs is None else _echo_logprobs(st, g, [])
+                yield fmt.sse(fmt.completion_chunk(rid, model, g.echo_text, None, lp, index=i))
+                text_pos[i] = len(g.echo_text)
             if isinstance(ev, Delta):
                 if not ev.text and shape.logprobs is None:
                     continue
@@ -321,7 +346,7 @@ async def completions(request: Request) -> Response:
     st = get_state(request)
     req = await read_json(request, CompletionRequest)
     st.check_model(req.model)
-    prompts = []
+    prompts, texts = [], []
     for prompt in req.prompt_list():
         if isinstance(prompt, str):
             ids = await st.encode(prompt, add_special_tokens=True)
@@ -332,11 +357,17 @@ async def completions(request: Request) -> Response:
                     400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
                 )
             ids = list(prompt)
-        prompts.append((ids, sampling(st, req, len(ids), req.max_tokens, req.logprobs)))
+        params = sampling(st, req, len(ids), req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # (the prompt's own logprobs, with the same top-N)
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        prompts.append((ids, params))
+        texts.append(prompt if isinstance(prompt, str) else st.codec.decode(ids))
     rid = new_rid("cmpl")
     gens = generations(st, rid, prompts, req.stop_list(), req.n)
+    for i, g in enumerate(gens):
+        g.echo_text = texts[i // req.n] if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    shape = Shape(False, req.logprobs, include_usage, req.n)
+    shape = Shape(False, req.logprobs, include_usage, req.n, req.echo)
     return await serve(request, st, rid, gens, shape, req.stream)
 
 
