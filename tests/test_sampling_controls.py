@@ -282,3 +282,17 @@ def test_prompt_logprobs_once_each_under_preemption_and_across_stages(tiny_dir, 
 def test_bad_prompt_logprobs_are_rejected():
     with pytest.raises(RequestError, match="prompt_logprobs must be between 0 and 20"):
         SamplingParams(prompt_logprobs=21).validate()
+
+
+def test_generate_returns_logprobs_and_prompt_logprobs(eng):
+    """Engine.generate(logprobs=N, prompt_logprobs=N): one entry per generated token (the model's own
+    distribution at that step, Engine.score's) and per prompt token after the first."""
+    p = rand_ids(45, 40)
+    (c,) = eng.generate([p], max_new_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    assert [x.token_id for x in c.logprobs] == c.token_ids and all(len(x.top) == 2 for x in c.logprobs)
+    ref = torch.log_softmax(eng.score(p + c.token_ids), dim=-1)
+    want = ref[torch.arange(len(p) - 1, len(p) + 4), torch.tensor(c.token_ids)]
+    assert torch.allclose(torch.tensor([x.logprob for x in c.logprobs]), want, atol=1e-4)
+    _check_against_score(eng, p, c.prompt_logprobs, 1)
+    (plain,) = eng.generate([p], max_new_tokens=5, ignore_eos=True)
+    assert plain.token_ids == c.token_ids and plain.logprobs == plain.prompt_logprobs == []

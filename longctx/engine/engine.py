@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from longctx.engine.request import (
     Request,
     SamplingParams,
     StepOutput,
+    TokenLogprob,
     check_token_ids,
     find_stop,
 )
@@ -52,6 +53,8 @@ class Completion:
     finish_reason: str
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (logprobs=N)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs=N)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -430,9 +433,12 @@ class Engine:
         min_tokens: int = 0,
         min_p: float = 0.0,
         logit_bias: dict[int, float] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> list[Completion]:
         """Generate for a batch of prompts (token-id lists or strings); one Completion each. The
-        penalties, min_tokens, min_p and logit_bias (token id -> bias) are `SamplingParams`'."""
+        penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
+        top-N alternatives of each generated / prompt token) are `SamplingParams`'."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts must be a list of prompts (token-id lists or strings)")
         stop_ids = tuple(s for s in (stop or []) if isinstance(s, int))
@@ -455,17 +461,21 @@ class Engine:
                 min_tokens=min_tokens,
                 min_p=min_p,
                 logit_bias=tuple(sorted((logit_bias or {}).items())),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
             reqs.append(Request(f"gen-{next(self._ids)}", ids, params))
-        self._run_to_completion(reqs, desc="generate")
-        return [self._completion(r) for r in reqs]
+        lps = self._run_to_completion(reqs, desc="generate")
+        return [self._completion(r, *lps[r.rid]) for r in reqs]
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("string prompts need the model's tokenizer (tokenizer.json)")
         return self.tokenizer.encode(text).ids
 
-    def _completion(self, req: Request) -> Completion:
+    def _completion(
+        self, req: Request, logprobs: list[TokenLogprob], prompt_logprobs: list[TokenLogprob]
+    ) -> Completion:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
         if text is not None and req.params.stop and self.tokenizer is not None:
             floor = len(self.tokenizer.decode(req.output_ids[: req.params.min_tokens]))
@@ -473,12 +483,18 @@ class Engine:
             if cut is not None:
                 text = text[:cut]
         reason = req.finish_reason.value if req.finish_reason else FinishReason.LENGTH.value
-        return Completion(list(req.output_ids), text, reason, len(req.prompt_ids), req.num_cached)
+        return Completion(
+            list(req.output_ids), text, reason, len(req.prompt_ids), req.num_cached, logprobs, prompt_logprobs
+        )
 
-    def _run_to_completion(self, reqs: list[Request], desc: str) -> None:
+    def _run_to_completion(
+        self, reqs: list[Request], desc: str
+    ) -> dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]]:
+        """Step until `reqs` finish; each one's (logprobs, prompt logprobs) as the steps reported them."""
         for r in reqs:
             self.add_request(r)
         pending = {r.rid for r in reqs}
+        lps: dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]] = {r.rid: ([], []) for r in reqs}
         total = sum(len(r.prompt_ids) for r in reqs)
         show = sys.stderr.isatty() and total >= 8 * self.chunk_size
         done: dict[str, int] = {}
@@ -494,10 +510,13 @@ class Engine:
                     else:
                         bar.update(o.prompt_done - done.get(o.rid, 0))
                         done[o.rid] = o.prompt_done
+                        lps[o.rid][0].extend(o.logprobs)
+                        lps[o.rid][1].extend(o.prompt_logprobs)
                         if o.finished:
                             pending.discard(o.rid)
                             if o.error:
                                 raise RequestError(o.error)
+        return lps
 
     # ---- introspection / lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -51,13 +51,20 @@ def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]
     """A float32 copy of logits [R, vocab] with rows `which` shaped: each row's logit_bias added and its
     `suppress` tokens set to -inf (before the penalties, as vLLM orders its logits processors)."""
     x = logits.float().clone()
+    vocab = x.shape[1]
+    bias_at: list[int] = []  # flat indices into x (row * vocab + token): one copy and one launch a step
+    bias: list[float] = []
+    off: list[int] = []
     for i in which:
         r = rows[i]
-        if r.logit_bias:
-            ids = _on(x.device, [t for t, _ in r.logit_bias], torch.int64)
-            x[i].index_add_(0, ids, _on(x.device, [b for _, b in r.logit_bias], torch.float32))
-        if r.suppress:
-            x[i].index_fill_(0, _on(x.device, r.suppress, torch.int64), float("-inf"))
+        bias_at += [i * vocab + t for t, _ in r.logit_bias]
+        bias += [b for _, b in r.logit_bias]
+        off += [i * vocab + t for t in r.suppress]
+    flat = x.view(-1)
+    if bias_at:
+        flat.index_add_(0, _on(x.device, bias_at, torch.int64), _on(x.device, bias, torch.float32))
+    if off:
+        flat.index_fill_(0, _on(x.device, off, torch.int64), float("-inf"))
     return x
 
 
