@@ -46,6 +46,15 @@ def tiny_dir(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config())
 
 
+@pytest.fixture(scope="module")
+def eng(tiny_dir):
+    """An engine on the tiny model (CPU, prefill chunks of 29), one per test module."""
+    from longctx import Engine
+
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as e:
+        yield e
+
+
 def hf_model(model_dir, dtype=torch.float32):
     """transformers' reference model for a checkpoint directory (eager attention)."""
     import transformers

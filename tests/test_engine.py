@@ -13,12 +13,6 @@ from longctx.errors import RequestError
 from tests.conftest import hf_greedy, hf_model, make_checkpoint, rand_ids, rel, tiny_config
 
 
-@pytest.fixture(scope="module")
-def eng(tiny_dir):
-    with Engine(tiny_dir, device="cpu", chunk_size=29) as e:
-        yield e
-
-
 def test_prefill_then_decode_equals_score(eng):
     prompt = rand_ids(50, 0)
     out = eng.generate([prompt], max_new_tokens=12, ignore_eos=True)[0]

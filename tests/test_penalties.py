@@ -79,12 +79,6 @@ def _reference_greedy(eng: Engine, prompt: list[int], n: int, **kw) -> list[int]
     return out
 
 
-@pytest.fixture(scope="module")
-def eng(tiny_dir):
-    with Engine(tiny_dir, device="cpu", chunk_size=29) as e:
-        yield e
-
-
 @pytest.mark.parametrize(
     "kw",
     [

@@ -89,12 +89,6 @@ def test_find_stop_ignores_matches_ending_within_the_floor():
     assert find_stop("ab.cd.ef", ["."], start=6) is None
 
 
-@pytest.fixture(scope="module")
-def eng(tiny_dir):
-    with Engine(tiny_dir, device="cpu", chunk_size=29) as e:
-        yield e
-
-
 def test_logit_bias_steers_greedy_and_sampled_tokens(eng):
     p = rand_ids(30, 1)
     greedy = eng.generate([p], max_new_tokens=6, ignore_eos=True)[0].token_ids
