@@ -238,6 +238,31 @@ def test_echo_repeats_the_prompt_with_its_logprobs(client, server):
         assert [o for c in mine if c.logprobs for o in c.logprobs.text_offset] == [0, 1, 2, 3, 4, 5]
 
 
+def test_tokenize_and_detokenize(client, server):
+    """/tokenize gives the ids a completions or chat request sends the engine (their count is its usage's
+    prompt_tokens) and the context limit; /detokenize turns ids back into text; bad bodies are 400s."""
+    url = server.url
+    t = httpx.post(url + "/tokenize", json={"prompt": "hello there"}).json()
+    r = client.completions.create(model="fake", prompt="hello there", max_tokens=1)
+    assert t["count"] == len(t["tokens"]) == r.usage.prompt_tokens and t["max_model_len"] == MAX_CONTEXT
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    t = httpx.post(url + "/tokenize", json={"messages": msgs}).json()
+    c = client.chat.completions.create(model="fake", messages=msgs, max_tokens=1)
+    assert t["count"] == c.usage.prompt_tokens
+    d = httpx.post(url + "/detokenize", json={"tokens": [104, 105, 33]}).json()
+    assert d == {"prompt": "hi!"}
+    for path, body in (
+        ("/tokenize", {}),
+        ("/tokenize", {"prompt": "x", "messages": msgs}),
+        ("/tokenize", {"prompt": 5}),
+        ("/tokenize", {"prompt": "x", "model": "other"}),
+        ("/detokenize", {"tokens": [10**6]}),
+        ("/detokenize", {"tokens": "abc"}),
+    ):
+        got = httpx.post(url + path, json=body)
+        assert got.status_code in (400, 404) and got.json()["error"]["message"], (path, body)
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(
         model="fake", prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 5}

@@ -40,6 +40,8 @@ def test_api_key(keyed):
     r = httpx.post(keyed.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    assert httpx.post(keyed.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(keyed.url + "/tokenize", json={"prompt": "hi"}, headers=AUTH).json()["count"] == 2
     assert httpx.post(keyed.url + "/v1/completions", json=body, headers=AUTH).status_code == 200
     assert httpx.get(keyed.url + "/health").status_code == 200  # probes need no key
 

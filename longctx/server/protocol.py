@@ -189,6 +189,27 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize body: a `prompt` (completions' tokens) or `messages` (a chat's)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=-(2**63), le=I64)]]
+
+
 class DocumentCreate(_Strict):
     text: str = Field(min_length=1)
     name: str | None = None

@@ -17,7 +17,10 @@ from longctx.server.generation import Delta, Done, Generation, Keepalive, Progre
 from longctx.server.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     _SamplingFields,
     error_body,
 )
@@ -376,23 +379,53 @@ async def chat_completions(request: Request) -> Response:
     st = get_state(request)
     req = await read_json(request, ChatCompletionRequest)
     st.check_model(req.model)
-    # OpenAI's "developer" role is its newer name for "system"
-    msgs = [
-        {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
-        | ({"name": msg.name} if msg.name else {})
-        for msg in req.messages
-    ]
-    try:
-        text = st.codec.render_chat(msgs, add_generation_prompt=req.add_generation_prompt)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages") from None
-    ids = await prompt_ids_with_documents(st, text)
+    ids = await prompt_ids_with_documents(st, chat_text(st, req.messages, req.add_generation_prompt))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.limit(), logprobs)
     rid = new_rid("chatcmpl")
     gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage, req.n), req.stream)
+
+
+def chat_text(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    """The chat template's text for `messages` (OpenAI's "developer" role is its newer name for "system")."""
+    msgs = [
+        {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
+        | ({"name": msg.name} if msg.name else {})
+        for msg in messages
+    ]
+    try:
+        return st.codec.render_chat(msgs, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's /tokenize: a prompt's or a chat's token ids as a request would send them to the engine, with
+    their count and the context limit, so a client can tell whether a long document fits first."""
+    st = get_state(request)
+    req = await read_json(request, TokenizeRequest)
+    st.check_model(req.model)
+    if req.messages is not None:
+        ids = await prompt_ids_with_documents(st, chat_text(st, req.messages, req.add_generation_prompt))
+    else:
+        assert req.prompt is not None
+        ids = await st.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": st.max_context, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    """vLLM's /detokenize: token ids -> text."""
+    st = get_state(request)
+    req = await read_json(request, DetokenizeRequest)
+    st.check_model(req.model)
+    vocab = st.ready.vocab_size
+    if vocab and any(not (0 <= t < vocab) for t in req.tokens):
+        raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens", code="invalid_value")
+    return {"prompt": st.codec.decode(req.tokens)}
 
 
 async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:
