@@ -290,3 +290,15 @@ def test_generate_returns_logprobs_and_prompt_logprobs(eng):
     _check_against_score(eng, p, c.prompt_logprobs, 1)
     (plain,) = eng.generate([p], max_new_tokens=5, ignore_eos=True)
     assert plain.token_ids == c.token_ids and plain.logprobs == plain.prompt_logprobs == []
+
+
+def test_prompt_logprobs_in_slices_of_positions(eng, monkeypatch):
+    """A chunk's positions are scored a few at a time (PROMPT_LP_ROWS bounds the full-vocabulary logits
+    held at once); the result is the same."""
+    import longctx.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "PROMPT_LP_ROWS", 7)
+    p = rand_ids(64, 50)
+    for n in (0, 3):
+        (lps,) = _prompt_lps(eng, [p], [SamplingParams(max_new_tokens=1, prompt_logprobs=n)])
+        _check_against_score(eng, p, lps, n)

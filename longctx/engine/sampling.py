@@ -12,7 +12,7 @@ needs no host round trip, and the prompt's token set for a repetition penalty.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -207,16 +207,28 @@ def logprobs_row(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple
     return float(lp[token].item()), top
 
 
+PROMPT_LP_ROWS = (
+    256  # positions whose full-vocabulary logits exist at once (a GLM vocab's 2K would be 1.2 GB)
+)
+
+
 def prompt_logprobs_device(
-    logits: torch.Tensor, targets: Sequence[int], n: int
+    logits_of: Callable[[int, int], torch.Tensor], targets: Sequence[int], n: int
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs of `targets` (position i's next token) under logits [len(targets), vocab], with the top-n
-    alternatives, left on logits' device: (targets, chosen [m], top values [m, n], top ids [m, n])."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, _on(lp.device, targets, torch.int64)[:, None])[:, 0]
-    top = torch.topk(lp, n, dim=-1) if n else None
-    empty = lp.new_empty(len(targets), 0)
-    return list(targets), chosen, top.values if top else empty, top.indices if top else empty.long()
+    """Logprobs of `targets` (position i's next token) with their top-n alternatives, left on the device:
+    (targets, chosen [m], top values [m, n], top ids [m, n]). `logits_of(a, b)`: positions a..b-1's
+    logits [b - a, vocab], taken PROMPT_LP_ROWS positions at a time."""
+    parts = []
+    for a in range(0, len(targets), PROMPT_LP_ROWS):
+        b = min(a + PROMPT_LP_ROWS, len(targets))
+        lp = torch.log_softmax(logits_of(a, b).float(), dim=-1)
+        chosen = lp.gather(1, _on(lp.device, targets[a:b], torch.int64)[:, None])[:, 0]
+        if n:
+            top = torch.topk(lp, n, dim=-1)
+            parts.append((chosen, top.values, top.indices))
+        else:
+            parts.append((chosen, lp.new_empty(b - a, 0), lp.new_empty(b - a, 0, dtype=torch.int64)))
+    return list(targets), *(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]
 
 
 def prompt_logprobs_host(

@@ -333,9 +333,8 @@ class Scheduler:
     def _check_finish(self, req: Request, new: tuple[int, ...]) -> None:
         p = req.params
         tok = new[-1] if new else None
-        stoppable = (
-            tok is not None and len(req.output_ids) > p.min_tokens
-        )  # (sampling suppresses them before)
+        # (sampling holds EOS and the stop tokens back while the request has fewer than min_tokens)
+        stoppable = tok is not None and len(req.output_ids) > p.min_tokens
         if stoppable and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
             req.finish_reason = FinishReason.STOP
         elif req.pending > 1 or (req.pending == 1 and not req.output_ids):
