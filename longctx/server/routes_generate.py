@@ -118,10 +118,13 @@ def generations(
         first = len(gens)
         for j in range(n):
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+            if j:  # (choice 0 computes the prompt's logprobs for all of them)
+                seeded = dataclasses.replace(seeded, prompt_logprobs=None)
             name = rid if total == 1 else f"{rid}-{len(gens)}"
             gens.append(Generation(st.client, st.codec, st.metrics, name, ids, seeded, stop))
             if j:
                 gens[-1].after = gens[first].prefilled
+                gens[-1].prompt_logprobs = gens[first].prompt_logprobs  # (the same list, filled by choice 0)
     return gens
 
 
