@@ -191,6 +191,14 @@ def test_echo_logprobs_score_the_prompt_like_engine_score(client, server, tiny_d
     assert len(lp.token_logprobs) == len(ids)
     assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4)
     assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])  # (a dict by text: two ids may decode alike)
+    # n = 2: choice 0 computes the prompt's logprobs for both; choice 1 takes the prompt from the cache
+    before = stats(server)["prefix_cache_hit_tokens"]
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=2, echo=True, logprobs=1, n=2)
+    for c in r.choices:
+        assert c.text.startswith(text) and torch.allclose(
+            torch.tensor(c.logprobs.token_logprobs[1 : len(ids)]), want, atol=1e-4
+        )
+    assert stats(server)["prefix_cache_hit_tokens"] > before
 
 
 def test_n_choices_real_engine(client, server):
