@@ -135,3 +135,39 @@ def test_duplicate_insert_and_collision_check():
 def test_salt_separates_caches():
     a = PageAllocator(16, PS)
     assert PrefixCache(a, b"fp8").page_keys([1] * 4) != PrefixCache(a, b"bf16").page_keys([1] * 4)
+
+
+def test_extend_registers_a_prefill_chunk_by_chunk_like_insert():
+    """`extend` from the last chunk's state gives the cache `insert` of the whole prompt gives (keys, pages,
+    references, children), hashing each page once; a state whose last page was evicted starts over."""
+    import random
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(1000) for _ in range(PS * 9 + 2)]
+    a1, a2 = PageAllocator(32, PS), PageAllocator(32, PS)
+    whole, chunked = PrefixCache(a1), PrefixCache(a2)
+    r1, r2 = RequestPages(PS, [], 0), RequestPages(PS, [], 0)
+    r1.append(len(tokens), a1)
+    r2.append(len(tokens), a2)
+    whole.insert(tokens, r1.pages)
+    state: tuple[int, bytes | None] = (0, None)
+    for end in (3, 9, 17, 20, 30, len(tokens)):  # chunk ends, in tokens
+        n = end // PS
+        state = chunked.extend(tokens[: n * PS], r2.pages[:n], *state)
+        assert state[0] == n
+    assert whole.page_keys(tokens) == chunked.page_keys(tokens) and state[1] == chunked.page_keys(tokens)[-1]
+    for c, a, r in ((whole, a1, r1), (chunked, a2, r2)):
+        assert c.num_cached_pages == 9 and all(a.refcount(p) == 2 for p in r.pages[:9])
+    assert sorted(n.children for n in whole._nodes.values()) == sorted(
+        n.children for n in chunked._nodes.values()
+    )
+    pages, hit = chunked.match(tokens)
+    assert hit == 9 * PS and pages == r2.pages[:9]
+    a2.free(pages)
+    # the request goes (its pages stay cached), everything is evicted, and a stale state starts over
+    r2.release(a2)
+    assert chunked.evict(9) == 9 and chunked.num_cached_pages == 0
+    r3 = RequestPages(PS, [], 0)
+    r3.append(len(tokens), a2)
+    assert chunked.extend(tokens[: 9 * PS], r3.pages[:9], *state) == state  # (the same keys again)
+    assert chunked.num_cached_pages == 9

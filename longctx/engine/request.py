@@ -136,6 +136,7 @@ class Request:
     seed: int = 0  # the sampling seed actually used (params.seed, or one drawn at admission)
     logits: list = field(default_factory=list)  # score(): [n, vocab] chunks in order
     prompt_lp_upto: int = 0  # prompt tokens 1..prompt_lp_upto have had their logprobs reported
+    shared_pages: dict = field(default_factory=dict)  # running request's rid -> full prompt pages in common
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -57,6 +57,12 @@ class Scheduler:
         self.pages: dict[str, RequestPages] = {}
         self._step = 0
         self.num_preempted = 0
+        self.num_prefix_waits = (
+            0  # admissions put off for a running prefill's shared pages (steps x requests)
+        )
+        self._chains: dict[
+            str, tuple[int, bytes | None]
+        ] = {}  # rid -> its prefill's PrefixCache.extend state
         self.num_overlapped = 0  # steps planned while the previous one ran (plan_continuation)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -120,9 +126,15 @@ class Scheduler:
                 continue
             rows.append(self._row(req, n))
             budget -= n
-        # 3. admission
+        # 3. admission (a request that shares uncached prompt pages with one still prefilling them waits
+        # for them, keeping its place in the queue, and the requests behind it go on)
+        held: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if self._waits_for_prefill(req):
+                held.append(self.waiting.popleft())
+                self.num_prefix_waits += 1
+                continue
             pages: list[int] = []
             cached = 0
             if self.cache is not None and not req.return_logits and not req.needs_prompt_logprobs:
@@ -140,10 +152,30 @@ class Scheduler:
             rp.grow(n, self.alloc)
             rows.append(self._row(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         if not rows:
             return None
         self._step += 1
         return BatchPlan(self._step, tuple(rows))
+
+    def _waits_for_prefill(self, req: Request) -> bool:
+        """Whether `req` should wait for a running request whose prefill has not yet computed the full
+        prompt pages the two share: they enter the prefix cache as that prefill computes them
+        (`_cache_prefill`), so `req` then takes them instead of computing them a second time. Two
+        clients sending one long document at once prefill it once."""
+        if self.cache is None or req.return_logits or req.needs_prompt_logprobs:
+            return False
+        ps = self.page_size
+        usable = (len(req.prompt_ids) - 1) // ps  # (a match leaves one token to compute)
+        for lead in self.running:
+            if lead.return_logits or lead.num_computed >= len(lead.prompt_ids):
+                continue
+            shared = req.shared_pages.get(lead.rid)
+            if shared is None:
+                shared = req.shared_pages[lead.rid] = common_full_pages(req.prompt_ids, lead.prompt_ids, ps)
+            if lead.num_computed // ps < min(shared, usable):
+                return True
+        return False
 
     def _make_room(self, n_pages: int) -> bool:
         if n_pages <= self.alloc.num_free:
@@ -298,8 +330,8 @@ class Scheduler:
                 continue  # aborted meanwhile
             res = by_rid.get(row.rid)
             req.num_computed = row.end
-            if row.start < len(req.prompt_ids) <= row.end and not req.return_logits:
-                self._cache_prompt(req)
+            if row.start < len(req.prompt_ids) and not req.return_logits:
+                self._cache_prefill(req)
             new: tuple[int, ...] = ()
             lps: tuple[TokenLogprob, ...] = ()
             if res is not None and res.logits is not None:
@@ -349,19 +381,23 @@ class Scheduler:
         req.finish_reason = reason
         self._release(req, cache=True)
 
-    def _cache_prompt(self, req: Request) -> None:
-        """A prompt just prefilled: its full pages go into the prefix cache now, not at release, so a
-        request with the same prompt that arrives while this one decodes (a request's n choices, a
-        second question on an unpinned document) shares them. The cache takes its own reference;
-        these pages are complete, and the request only writes past them."""
+    def _cache_prefill(self, req: Request) -> None:
+        """The full prompt pages a prefill has computed so far go into the prefix cache after each of its
+        chunks, not when it ends or at release: a request with the same prompt prefix that arrives
+        meanwhile (another client's question on the same long document, a request's n choices) shares
+        them. The cache takes its own reference; these pages are complete, and the request only writes
+        past them. Each page is hashed once (`PrefixCache.extend` goes on from the last chunk's)."""
         rp = self.pages.get(req.rid)
         if self.cache is None or rp is None:
             return
-        n_full = len(req.prompt_ids) // self.page_size
-        if n_full:
-            self.cache.insert(req.prompt_ids[: n_full * self.page_size], rp.pages[:n_full])
+        n_full = min(req.num_computed, len(req.prompt_ids)) // self.page_size
+        start, prev = self._chains.get(req.rid, (0, None))
+        if n_full > start:
+            tokens = req.prompt_ids[: n_full * self.page_size]
+            self._chains[req.rid] = self.cache.extend(tokens, rp.pages[:n_full], start, prev)
 
     def _release(self, req: Request, cache: bool) -> None:
+        self._chains.pop(req.rid, None)
         rp = self.pages.pop(req.rid, None)
         if req in self.running:
             self.running.remove(req)
@@ -382,6 +418,7 @@ class Scheduler:
             "pages_total": self.alloc.num_pages,
             "pages_used": self.alloc.num_used,
             "preempted": self.num_preempted,
+            "prefix_waits": self.num_prefix_waits,
             "overlapped_steps": self.num_overlapped,
         }
         if self.cache is not None:
@@ -389,4 +426,13 @@ class Scheduler:
         return s
 
 
-__all__ = ["OutOfPages", "QueueFull", "Scheduler"]
+def common_full_pages(a: list[int], b: list[int], page_size: int) -> int:
+    """How many full pages `a` and `b` share from their start."""
+    n = min(len(a), len(b)) // page_size
+    i = 0
+    while i < n and a[i * page_size : (i + 1) * page_size] == b[i * page_size : (i + 1) * page_size]:
+        i += 1
+    return i
+
+
+__all__ = ["OutOfPages", "QueueFull", "Scheduler", "common_full_pages"]

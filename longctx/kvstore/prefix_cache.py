@@ -111,27 +111,53 @@ class PrefixCache:
         reference to each page it registers. A page whose prefix is already cached under
         another physical page is skipped (the request keeps its duplicate to itself).
         """
+        return self._insert(tokens, pages, 0, None)[0]
+
+    def extend(
+        self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int], start: int, prev: bytes | None
+    ) -> tuple[int, bytes | None]:
+        """`insert` of a prefill in progress, from full page `start` on, whose page start - 1 was registered
+        under chain key `prev` by the call before (start 0, prev None: the first call), so each page is
+        hashed once however many chunks the prefill takes. Returns (pages registered in all, the last one's
+        key) for the next call; (start, prev) again when a hash collision ended the chain. If `prev` is no
+        longer cached, the whole prefix is registered again (the keys are the same)."""
+        if start and (prev is None or prev not in self._nodes):
+            start, prev = 0, None
+        _, done, last = self._insert(tokens, pages, start, prev)
+        return done, last
+
+    def _insert(
+        self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int], start: int, prev_key: bytes | None
+    ) -> tuple[int, int, bytes | None]:
+        """(pages added, full pages registered from 0, the last registered key). Touches only the pages
+        it walks: a resumed chain's older pages stay behind in LRU order (the request holds them;
+        `evict` takes several passes when a descendant is older than its ancestor)."""
         n_pages = len(tokens) // self.page_size
         if len(pages) < n_pages:
             raise PrefixCacheError(f"{n_pages} full pages of tokens but only {len(pages)} pages given")
+        parent = self._nodes[prev_key] if prev_key is not None else None
         chain: list[_Node] = []
-        prev, added = self._salt, 0
-        for i, chunk in enumerate(self._chunks(tokens, n_pages)):
+        prev, added, done = prev_key or self._salt, 0, start
+        ps = self.page_size
+        arr = np.asarray(tokens[start * ps : n_pages * ps], dtype=np.int64)
+        for j in range(n_pages - start):
+            i, chunk = start + j, arr[j * ps : (j + 1) * ps].tobytes()
             key = self._key(prev, chunk)
             node = self._nodes.get(key)
+            up = chain[-1] if chain else parent
             if node is None:
                 self.allocator.incref(pages[i])
-                node = _Node(key=key, parent=chain[-1].key if chain else None, tokens=chunk, page=pages[i])
+                node = _Node(key=key, parent=up.key if up else None, tokens=chunk, page=pages[i])
                 self._nodes[key] = node
-                if chain:
-                    chain[-1].children += 1
+                if up:
+                    up.children += 1
                 added += 1
             elif node.tokens != chunk:
                 break  # hash collision: leave the rest of this prompt uncached
             chain.append(node)
-            prev = key
+            prev, done = key, i + 1
         self._touch(chain)
-        return added
+        return added, done, (chain[-1].key if chain else prev_key)
 
     # ---- pinning -------------------------------------------------------------------------
     def pin(self, key: bytes) -> None:
