@@ -153,7 +153,7 @@ def test_extend_registers_a_prefill_chunk_by_chunk_like_insert():
     state: tuple[int, bytes | None] = (0, None)
     for end in (3, 9, 17, 20, 30, len(tokens)):  # chunk ends, in tokens
         n = end // PS
-        state = chunked.extend(tokens[: n * PS], r2.pages[:n], *state)
+        state = chunked.extend(tokens, r2.pages, *state, n_pages=n)  # (as the scheduler calls it)
         assert state[0] == n
     assert whole.page_keys(tokens) == chunked.page_keys(tokens) and state[1] == chunked.page_keys(tokens)[-1]
     for c, a, r in ((whole, a1, r1), (chunked, a2, r2)):

@@ -393,8 +393,7 @@ class Scheduler:
         n_full = min(req.num_computed, len(req.prompt_ids)) // self.page_size
         start, prev = self._chains.get(req.rid, (0, None))
         if n_full > start:
-            tokens = req.prompt_ids[: n_full * self.page_size]
-            self._chains[req.rid] = self.cache.extend(tokens, rp.pages[:n_full], start, prev)
+            self._chains[req.rid] = self.cache.extend(req.prompt_ids, rp.pages, start, prev, n_pages=n_full)
 
     def _release(self, req: Request, cache: bool) -> None:
         self._chains.pop(req.rid, None)

@@ -114,25 +114,37 @@ class PrefixCache:
         return self._insert(tokens, pages, 0, None)[0]
 
     def extend(
-        self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int], start: int, prev: bytes | None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pages: Sequence[int],
+        start: int,
+        prev: bytes | None,
+        n_pages: int | None = None,
     ) -> tuple[int, bytes | None]:
         """`insert` of a prefill in progress, from full page `start` on, whose page start - 1 was registered
         under chain key `prev` by the call before (start 0, prev None: the first call), so each page is
         hashed once however many chunks the prefill takes. Returns (pages registered in all, the last one's
         key) for the next call; (start, prev) again when a hash collision ended the chain. If `prev` is no
-        longer cached, the whole prefix is registered again (the keys are the same)."""
+        longer cached, the whole prefix is registered again (the keys are the same). `n_pages`: only the
+        first n_pages full pages of `tokens` (a 1M prompt is not sliced at every chunk)."""
         if start and (prev is None or prev not in self._nodes):
             start, prev = 0, None
-        _, done, last = self._insert(tokens, pages, start, prev)
+        _, done, last = self._insert(tokens, pages, start, prev, n_pages)
         return done, last
 
     def _insert(
-        self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int], start: int, prev_key: bytes | None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pages: Sequence[int],
+        start: int,
+        prev_key: bytes | None,
+        n_pages: int | None = None,
     ) -> tuple[int, int, bytes | None]:
         """(pages added, full pages registered from 0, the last registered key). Touches only the pages
         it walks: a resumed chain's older pages stay behind in LRU order (the request holds them;
         `evict` takes several passes when a descendant is older than its ancestor)."""
-        n_pages = len(tokens) // self.page_size
+        full = len(tokens) // self.page_size
+        n_pages = full if n_pages is None else min(n_pages, full)
         if len(pages) < n_pages:
             raise PrefixCacheError(f"{n_pages} full pages of tokens but only {len(pages)} pages given")
         parent = self._nodes[prev_key] if prev_key is not None else None
