@@ -178,6 +178,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the last message (an answer the client began) left open for the model to go on from
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -197,6 +199,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

@@ -382,7 +382,8 @@ async def chat_completions(request: Request) -> Response:
     st = get_state(request)
     req = await read_json(request, ChatCompletionRequest)
     st.check_model(req.model)
-    ids = await prompt_ids_with_documents(st, chat_text(st, req.messages, req.add_generation_prompt))
+    text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message)
+    ids = await prompt_ids_with_documents(st, text)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.limit(), logprobs)
     rid = new_rid("chatcmpl")
@@ -391,7 +392,12 @@ async def chat_completions(request: Request) -> Response:
     return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage, req.n), req.stream)
 
 
-def chat_text(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+def chat_text(
+    st: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+) -> str:
     """The chat template's text for `messages` (OpenAI's "developer" role is its newer name for "system")."""
     msgs = [
         {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
@@ -399,7 +405,9 @@ def chat_text(st: ServerState, messages: list[ChatMessage], add_generation_promp
         for msg in messages
     ]
     try:
-        return st.codec.render_chat(msgs, add_generation_prompt=add_generation_prompt)
+        return st.codec.render_chat(
+            msgs, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+        )
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
 
@@ -412,7 +420,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
     req = await read_json(request, TokenizeRequest)
     st.check_model(req.model)
     if req.messages is not None:
-        ids = await prompt_ids_with_documents(st, chat_text(st, req.messages, req.add_generation_prompt))
+        text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message)
+        ids = await prompt_ids_with_documents(st, text)
     else:
         assert req.prompt is not None
         ids = await st.encode(req.prompt, add_special_tokens=req.add_special_tokens)

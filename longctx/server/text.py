@@ -41,12 +41,34 @@ class TextCodec:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     # ---- chat -------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (raises ValueError on a template error)."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The chat template's text for `messages` (raises ValueError on a template error).
+
+        continue_final_message (vLLM's): the text ends with the last message's content, open, without the
+        end of its turn, so the model goes on from it (an assistant's answer begun by the client)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            return apply_chat_template(messages, add_generation_prompt, template=self.chat_template)
+            text = apply_chat_template(messages, add_generation_prompt, template=self.chat_template)
         except LongctxError as e:
             raise ValueError(str(e)) from None
+        if not continue_final_message:
+            return text
+        last = str(messages[-1].get("content") or "")
+        core = last.strip()
+        at = text.rfind(core) if core else -1
+        if at < 0:
+            raise ValueError(
+                "continue_final_message: the chat template does not keep the last message's text"
+            )
+        end = at + len(core)
+        tail = last[len(last.rstrip()) :]  # (the message's own trailing space, where the template kept it)
+        return text[: end + len(tail)] if text.startswith(tail, end) else text[:end]
 
     def document_frame(self) -> tuple[str, str]:
         """(text before, text after) the user turn's content in a one-message chat.
