@@ -39,6 +39,18 @@ def test_generate_text_batch_and_json(capsys) -> None:
     assert main([*argv, "--logit-bias", "88:100, 257:50", "--min-tokens", "3"]) == 0
     (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert row["token_ids"] == [88, 88, 88, 88, 88] and row["finish_reason"] == "length"
+    # logprobs of the generated and the prompt tokens, as Engine.generate gives them
+    assert main(["generate", *CPU, "--json", "--token-ids", ids, "--max-new-tokens", "3", "--logprobs", "2",
+                 "--prompt-logprobs", "1"]) == 0  # fmt: skip
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    with Engine(WIP, device="cpu") as eng:
+        (c,) = eng.generate([list(prompt.encode())], max_new_tokens=3, logprobs=2, prompt_logprobs=1)
+    assert [x["token_id"] for x in row["logprobs"]] == row["token_ids"] == c.token_ids
+    assert all(len(x["top"]) == 2 for x in row["logprobs"])
+    assert row["prompt_logprobs"][0] is None and len(row["prompt_logprobs"]) == len(prompt.encode())
+    assert [x["logprob"] for x in row["prompt_logprobs"][1:]] == [
+        round(x.logprob, 6) for x in c.prompt_logprobs
+    ]
 
 
 def test_score_matches_the_engine(tmp_path, capsys) -> None:
@@ -77,6 +89,8 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--logit-bias", "5:200", "hi"], "bias must be in [-100, 100]"),
         (["generate", *CPU, "--logit-bias", "5000:1", "hi"], "logit_bias: token id 5000 is outside"),
         (["generate", *CPU, "--min-p", "2", "hi"], "min_p must be in [0, 1]"),
+        (["generate", *CPU, "--logprobs", "30", "--json", "hi"], "logprobs must be between 0 and 20"),
+        (["generate", *CPU, "--logprobs", "2", "hi"], "--logprobs / --prompt-logprobs need --json"),
         (["generate", *CPU, "--min-tokens", "9", "--max-new-tokens", "4", "hi"], "min_tokens must be"),
         (["score", *CPU, ""], "the prompt is empty"),
     ],

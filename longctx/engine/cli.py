@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from longctx.engine.args import add_engine_args, engine_kwargs
-from longctx.engine.request import SamplingParams
+from longctx.engine.request import SamplingParams, TokenLogprob
 from longctx.errors import LongctxError
 
 
@@ -65,6 +65,14 @@ def _parse_logit_bias(spec: str | None) -> dict[int, float]:
     return out
 
 
+def _lp_json(x: TokenLogprob) -> dict:
+    return {
+        "token_id": x.token_id,
+        "logprob": round(x.logprob, 6),
+        "top": [[t, round(p, 6)] for t, p in x.top],
+    }
+
+
 def run_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise LongctxError("--max-new-tokens must be >= 0")
@@ -80,7 +88,11 @@ def run_generate(args: argparse.Namespace) -> int:
         min_tokens=args.min_tokens,
         min_p=args.min_p,
         logit_bias=tuple(sorted(bias.items())),
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     ).validate()
+    if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
+        raise LongctxError("--logprobs / --prompt-logprobs need --json")
     prompts = _read_prompt(args)
     with _engine(args) as eng:
         outs = eng.generate(
@@ -97,10 +109,17 @@ def run_generate(args: argparse.Namespace) -> int:
             min_tokens=args.min_tokens,
             min_p=args.min_p,
             logit_bias=bias,
+            logprobs=args.logprobs,
+            prompt_logprobs=args.prompt_logprobs,
         )
     for o in outs:
         if args.json:
-            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}))
+            row: dict = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+            if args.logprobs is not None:
+                row["logprobs"] = [_lp_json(x) for x in o.logprobs]
+            if args.prompt_logprobs is not None:  # (the first prompt token has none)
+                row["prompt_logprobs"] = [None, *(_lp_json(x) for x in o.prompt_logprobs)]
+            print(json.dumps(row))
         else:
             print(o.text if o.text is not None else " ".join(map(str, o.token_ids)))
     return 0
@@ -158,6 +177,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--min-p", type=float, default=0.0, help="drop tokens under min_p x the likeliest one's probability"
     )
     g.add_argument("--logit-bias", help="biases added to the logits: 'ID:BIAS,ID:BIAS' (BIAS in [-100, 100])")
+    g.add_argument(
+        "--logprobs", type=int, default=None, metavar="N", help="with --json: each token's logprob, top N"
+    )
+    g.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each prompt token's, top N",
+    )
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per completion")
     g.set_defaults(func=run_generate)
