@@ -263,6 +263,29 @@ def test_tokenize_and_detokenize(client, server):
         assert got.status_code in (400, 404) and got.json()["error"]["message"], (path, body)
 
 
+def test_continuous_usage_stats(client):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries its choice's usage so far; without
+    it only the last chunk has usage."""
+    so = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model="fake", prompt="abcd", max_tokens=5, temperature=0, stream=True, n=2)
+    chunks = list(client.completions.create(stream_options=so, **kw))
+    for i in (0, 1):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        counts = [c.usage.completion_tokens for c in mine]
+        assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage.prompt_tokens == 4 for c in mine)
+        assert all(c.usage.total_tokens == 4 + c.usage.completion_tokens for c in mine)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 10
+    plain = list(client.completions.create(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 10
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = list(
+        client.chat.completions.create(
+            model="fake", messages=msgs, max_tokens=3, stream=True, stream_options=so
+        )
+    )
+    assert all(c.usage is not None for c in chat) and chat[-2].usage.completion_tokens == 3
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(
         model="fake", prompt="abc", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 5}

@@ -70,6 +70,7 @@ StopT = str | list[Annotated[str, Field(min_length=1)]] | None
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's) with include_usage: usage in every chunk too
 
 
 class _SamplingFields(_Strict):

@@ -133,5 +133,4 @@ async def ask_document(doc_id: str, request: Request) -> Response:
     params = sampling(st, req, len(ids), req.max_tokens, logprobs)
     rid = new_rid("chatcmpl")
     gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage, req.n), req.stream)
+    return await serve(request, st, rid, gens, Shape.of(req, True, logprobs), req.stream)

@@ -38,6 +38,13 @@ class Shape:
     include_usage: bool
     n: int = 1  # choices per prompt (generation i is prompt i // n's choice i % n)
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, when asked)
+    continuous_usage: bool = False  # vLLM's: every streamed chunk carries its choice's usage so far
+
+    @classmethod
+    def of(cls, req: _SamplingFields, chat: bool, logprobs: int | None, echo: bool = False) -> Shape:
+        so = req.stream_options
+        usage = bool(so and so.include_usage)
+        return cls(chat, logprobs, usage, req.n, echo, usage and bool(so and so.continuous_usage_stats))
 
 
 def sampling(
@@ -237,6 +244,15 @@ def _usage(dones: list[Done], n: int) -> dict[str, Any]:
     }
 
 
+def _usage_so_far(g: Generation, completion_tokens: int) -> dict[str, int]:
+    prompt = len(g.prompt_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
 def _final(
     st: ServerState, rid: str, model: str, gens: list[Generation], dones: list[Done], shape: Shape
 ) -> dict[str, Any]:
@@ -282,6 +298,7 @@ async def _stream(
     n = len(gens)
     sent_role = [False] * n
     echoed = [not shape.echo] * n
+    ntok = [0] * n  # each choice's tokens so far (continuous usage)
     text_pos = [0] * n
     dones: list[Done | None] = [None] * n
     status = "200"
@@ -301,30 +318,36 @@ async def _stream(
             if isinstance(ev, Keepalive):
                 yield fmt.sse_comment("keepalive")
                 continue
+            if isinstance(ev, Delta):
+                ntok[i] += len(ev.token_ids)
+            u = _usage_so_far(gens[i], ntok[i]) if shape.continuous_usage else None
             if shape.chat and not sent_role[i]:
                 sent_role[i] = True
-                yield fmt.sse(fmt.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=i))
+                role = {"role": "assistant", "content": ""}
+                yield fmt.sse(fmt.chat_chunk(rid, model, role, None, usage=u, index=i))
             if not echoed[i]:  # (the prompt's logprobs are all in by its first token, or its end)
                 echoed[i] = True
                 g = gens[i]
                 lp = None if shape.logprobs is None else _echo_logprobs(st, g, [])
-                yield fmt.sse(fmt.completion_chunk(rid, model, g.echo_text, None, lp, index=i))
+                yield fmt.sse(fmt.completion_chunk(rid, model, g.echo_text, None, lp, usage=u, index=i))
                 text_pos[i] = len(g.echo_text)
             if isinstance(ev, Delta):
                 if not ev.text and shape.logprobs is None:
                     continue
                 lp = _logprobs(st, shape, ev.logprobs, text_pos[i])
                 if shape.chat:
-                    yield fmt.sse(fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp, index=i))
+                    yield fmt.sse(
+                        fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp, usage=u, index=i)
+                    )
                 else:
-                    yield fmt.sse(fmt.completion_chunk(rid, model, ev.text, None, lp, index=i))
+                    yield fmt.sse(fmt.completion_chunk(rid, model, ev.text, None, lp, usage=u, index=i))
                 text_pos[i] += len(ev.text)
             elif isinstance(ev, Done):
                 dones[i] = ev
                 if shape.chat:
-                    yield fmt.sse(fmt.chat_chunk(rid, model, {}, ev.finish_reason, index=i))
+                    yield fmt.sse(fmt.chat_chunk(rid, model, {}, ev.finish_reason, usage=u, index=i))
                 else:
-                    yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason, index=i))
+                    yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason, usage=u, index=i))
         if shape.include_usage and all(d is not None for d in dones):
             usage = _usage([d for d in dones if d is not None], shape.n)
             if shape.chat:
@@ -372,8 +395,7 @@ async def completions(request: Request) -> Response:
     gens = generations(st, rid, prompts, req.stop_list(), req.n)
     for i, g in enumerate(gens):
         g.echo_text = texts[i // req.n] if req.echo else ""
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    shape = Shape(False, req.logprobs, include_usage, req.n, req.echo)
+    shape = Shape.of(req, False, req.logprobs, req.echo)
     return await serve(request, st, rid, gens, shape, req.stream)
 
 
@@ -388,8 +410,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling(st, req, len(ids), req.limit(), logprobs)
     rid = new_rid("chatcmpl")
     gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await serve(request, st, rid, gens, Shape(True, logprobs, include_usage, req.n), req.stream)
+    return await serve(request, st, rid, gens, Shape.of(req, True, logprobs), req.stream)
 
 
 def chat_text(
