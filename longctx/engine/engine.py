@@ -377,17 +377,9 @@ class Engine:
         if p.stop and out.new_token_ids and self.tokenizer is not None and len(req.output_ids) > p.min_tokens:
             # A new match must end in the new tokens, so only a tail can hold it: a stop string of
             # n characters spans at most 4n tokens (one UTF-8 byte per token at worst), plus one
-            # token whose partial character may decode as U+FFFD. None may end within the first
-            # min_tokens tokens' text.
+            # token whose partial character may decode as U+FFFD.
             window = 4 * max(len(s) for s in p.stop) + len(out.new_token_ids) + 1
-            start = max(0, len(req.output_ids) - window)
-            text = self.tokenizer.decode(req.output_ids[start:])
-            floor = (
-                len(self.tokenizer.decode(req.output_ids[start : p.min_tokens]))
-                if p.min_tokens > start
-                else 0
-            )
-            if find_stop(text, p.stop, floor=floor) is not None:
+            if self._stop_in(req, max(0, len(req.output_ids) - window))[1] is not None:
                 self.scheduler.finish(req, FinishReason.STOP)
                 self._requests.pop(out.rid, None)
                 return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP)
@@ -476,16 +468,26 @@ class Engine:
     def _completion(
         self, req: Request, logprobs: list[TokenLogprob], prompt_logprobs: list[TokenLogprob]
     ) -> Completion:
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
-        if text is not None and req.params.stop and self.tokenizer is not None:
-            floor = len(self.tokenizer.decode(req.output_ids[: req.params.min_tokens]))
-            cut = find_stop(text, req.params.stop, floor=floor)
+        text = None
+        if self.tokenizer is not None:
+            text, cut = self._stop_in(req, 0)
             if cut is not None:
                 text = text[:cut]
         reason = req.finish_reason.value if req.finish_reason else FinishReason.LENGTH.value
         return Completion(
             list(req.output_ids), text, reason, len(req.prompt_ids), req.num_cached, logprobs, prompt_logprobs
         )
+
+    def _stop_in(self, req: Request, start: int) -> tuple[str, int | None]:
+        """The text of req's tokens from `start` on, and where its first stop string begins in it (None:
+        nowhere). No stop string may end within the first min_tokens tokens' text."""
+        assert self.tokenizer is not None
+        ids, n_min = req.output_ids, req.params.min_tokens
+        text = self.tokenizer.decode(ids[start:])
+        if not req.params.stop:
+            return text, None
+        floor = len(self.tokenizer.decode(ids[start:n_min])) if n_min > start else 0
+        return text, find_stop(text, req.params.stop, floor=floor)
 
     def _run_to_completion(
         self, reqs: list[Request], desc: str

@@ -136,7 +136,8 @@ class Request:
     seed: int = 0  # the sampling seed actually used (params.seed, or one drawn at admission)
     logits: list = field(default_factory=list)  # score(): [n, vocab] chunks in order
     prompt_lp_upto: int = 0  # prompt tokens 1..prompt_lp_upto have had their logprobs reported
-    shared_pages: dict = field(default_factory=dict)  # running request's rid -> full prompt pages in common
+    # a running request's rid -> the full prompt pages the two have in common (Scheduler._waits_for_prefill)
+    shared_pages: dict[str, int] = field(default_factory=dict)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -207,21 +207,20 @@ def logprobs_row(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple
     return float(lp[token].item()), top
 
 
-PROMPT_LP_ROWS = (
-    256  # positions whose full-vocabulary logits exist at once (a GLM vocab's 2K would be 1.2 GB)
-)
+# positions whose full-vocabulary logits exist at once (a 2K chunk of a GLM vocabulary would be 1.2 GB)
+PROMPT_LP_ROWS = 256
 
 
 def prompt_logprobs_device(
-    logits_of: Callable[[int, int], torch.Tensor], targets: Sequence[int], n: int
+    to_logits: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: Sequence[int], n: int
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprobs of `targets` (position i's next token) with their top-n alternatives, left on the device:
-    (targets, chosen [m], top values [m, n], top ids [m, n]). `logits_of(a, b)`: positions a..b-1's
-    logits [b - a, vocab], taken PROMPT_LP_ROWS positions at a time."""
+    """Logprobs of `targets` (the next token of position i, whose hidden row is h[i]) with their top-n
+    alternatives, left on the device: (targets, chosen [m], top values [m, n], top ids [m, n]).
+    `to_logits` (the lm head) runs PROMPT_LP_ROWS positions at a time."""
     parts = []
     for a in range(0, len(targets), PROMPT_LP_ROWS):
         b = min(a + PROMPT_LP_ROWS, len(targets))
-        lp = torch.log_softmax(logits_of(a, b).float(), dim=-1)
+        lp = torch.log_softmax(to_logits(h[a:b]).float(), dim=-1)
         chosen = lp.gather(1, _on(lp.device, targets[a:b], torch.int64)[:, None])[:, 0]
         if n:
             top = torch.topk(lp, n, dim=-1)

@@ -57,12 +57,10 @@ class Scheduler:
         self.pages: dict[str, RequestPages] = {}
         self._step = 0
         self.num_preempted = 0
-        self.num_prefix_waits = (
-            0  # admissions put off for a running prefill's shared pages (steps x requests)
-        )
-        self._chains: dict[
-            str, tuple[int, bytes | None]
-        ] = {}  # rid -> its prefill's PrefixCache.extend state
+        # admissions put off for a running prefill's shared pages (steps x requests)
+        self.num_prefix_waits = 0
+        # rid -> its prefill's PrefixCache.extend state (full pages registered, the last one's key)
+        self._chains: dict[str, tuple[int, bytes | None]] = {}
         self.num_overlapped = 0  # steps planned while the previous one ran (plan_continuation)
 
     # ---- requests ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ sending them to the next).
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -205,7 +204,7 @@ class StageWorker:
                 assert h is not None
                 rows_h = h[off : off + len(r.prompt_lp_targets)]
                 prompt_lps[i] = prompt_logprobs_device(
-                    functools.partial(self._logits_between, rows_h), r.prompt_lp_targets, r.prompt_logprobs
+                    self.model.logits, rows_h, r.prompt_lp_targets, r.prompt_logprobs
                 )
             off += n
         toks = None
@@ -227,9 +226,6 @@ class StageWorker:
             pending.ready = torch.cuda.Event()
             pending.ready.record()
         return pending
-
-    def _logits_between(self, h: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        return self.model.logits(h[a:b])
 
     @torch.inference_mode()
     def resolve(self, p: PendingRows) -> list[RowResult]:

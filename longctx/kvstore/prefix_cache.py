@@ -53,10 +53,11 @@ class PrefixCache:
         self.evicted_pages = 0
 
     # ---- keys ----------------------------------------------------------------------------
-    def _chunks(self, tokens: Sequence[int] | np.ndarray, n_pages: int) -> list[bytes]:
-        arr = np.asarray(tokens, dtype=np.int64)
+    def _chunks(self, tokens: Sequence[int] | np.ndarray, n_pages: int, start: int = 0) -> list[bytes]:
+        """int64 bytes of full pages start..n_pages-1 of `tokens` (only those are converted)."""
         ps = self.page_size
-        return [arr[i * ps : (i + 1) * ps].tobytes() for i in range(n_pages)]
+        arr = np.asarray(tokens[start * ps : n_pages * ps], dtype=np.int64)
+        return [arr[i * ps : (i + 1) * ps].tobytes() for i in range(n_pages - start)]
 
     def _key(self, prev: bytes, chunk: bytes) -> bytes:
         h = hashlib.blake2b(digest_size=16)
@@ -150,10 +151,7 @@ class PrefixCache:
         parent = self._nodes[prev_key] if prev_key is not None else None
         chain: list[_Node] = []
         prev, added, done = prev_key or self._salt, 0, start
-        ps = self.page_size
-        arr = np.asarray(tokens[start * ps : n_pages * ps], dtype=np.int64)
-        for j in range(n_pages - start):
-            i, chunk = start + j, arr[j * ps : (j + 1) * ps].tobytes()
+        for i, chunk in enumerate(self._chunks(tokens, n_pages, start), start):
             key = self._key(prev, chunk)
             node = self._nodes.get(key)
             up = chain[-1] if chain else parent

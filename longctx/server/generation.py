@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
 
 from longctx.engine.request import find_stop
 from longctx.errors import EngineDeadError
@@ -52,14 +51,6 @@ class Done:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[m.WireLogprob] = field(default_factory=list)
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
 
 
 Event = Progress | Keepalive | Delta | Done

@@ -234,23 +234,12 @@ def _endpoint(shape: Shape) -> str:
 def _usage(dones: list[Done], n: int) -> dict[str, Any]:
     """Each prompt once (its first choice's prompt and cached tokens), every choice's completion tokens."""
     firsts = dones[::n]
-    prompt = sum(d.prompt_tokens for d in firsts)
-    done_tokens = sum(d.completion_tokens for d in dones)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": done_tokens,
-        "total_tokens": prompt + done_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
-    }
+    u = _usage_counts(sum(d.prompt_tokens for d in firsts), sum(d.completion_tokens for d in dones))
+    return {**u, "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)}}
 
 
-def _usage_so_far(g: Generation, completion_tokens: int) -> dict[str, int]:
-    prompt = len(g.prompt_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt + completion_tokens,
-    }
+def _usage_counts(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _final(
@@ -320,7 +309,7 @@ async def _stream(
                 continue
             if isinstance(ev, Delta):
                 ntok[i] += len(ev.token_ids)
-            u = _usage_so_far(gens[i], ntok[i]) if shape.continuous_usage else None
+            u = _usage_counts(len(gens[i].prompt_ids), ntok[i]) if shape.continuous_usage else None
             if shape.chat and not sent_role[i]:
                 sent_role[i] = True
                 role = {"role": "assistant", "content": ""}
@@ -380,12 +369,7 @@ async def completions(request: Request) -> Response:
         if isinstance(prompt, str):
             ids = await st.encode(prompt, add_special_tokens=True)
         else:
-            vocab = st.ready.vocab_size
-            if vocab and any(not (0 <= t < vocab) for t in prompt):
-                raise ApiError(
-                    400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
-                )
-            ids = list(prompt)
+            ids = _in_vocab(st, prompt, "prompt", "prompt token ids")
         params = sampling(st, req, len(ids), req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # (the prompt's own logprobs, with the same top-N)
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
@@ -455,10 +439,15 @@ async def detokenize(request: Request) -> dict[str, Any]:
     st = get_state(request)
     req = await read_json(request, DetokenizeRequest)
     st.check_model(req.model)
+    return {"prompt": st.codec.decode(_in_vocab(st, req.tokens, "tokens", "token ids"))}
+
+
+def _in_vocab(st: ServerState, ids: list[int], param: str, what: str) -> list[int]:
+    """`ids` when every one is a token id of the served model's vocabulary, else a 400 naming `param`."""
     vocab = st.ready.vocab_size
-    if vocab and any(not (0 <= t < vocab) for t in req.tokens):
-        raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens", code="invalid_value")
-    return {"prompt": st.codec.decode(req.tokens)}
+    if vocab and any(not (0 <= t < vocab) for t in ids):
+        raise ApiError(400, f"{what} must be in [0, {vocab})", param=param, code="invalid_value")
+    return list(ids)
 
 
 async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:
