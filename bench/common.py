@@ -153,13 +153,33 @@ def environment() -> dict[str, Any]:
     }
 
 
+NOTES_MARK = "<!-- notes below are kept when the bench rewrites the table above -->"
+
+
+def kept_notes(old: str) -> str:
+    """What a results table's rewrite keeps of the file it replaces: the text after NOTES_MARK, or else
+    everything after the file's leading table rows (a file that does not start with a table is kept
+    whole), so the commentary written beside earlier runs' figures is never lost."""
+    if NOTES_MARK in old:
+        return old.split(NOTES_MARK, 1)[1].strip("\n")
+    lines = old.splitlines()
+    i = 0
+    while i < len(lines) and lines[i].startswith("|"):
+        i += 1
+    return "\n".join(lines[i:]).strip("\n")
+
+
 def write_results(name: str, data: dict[str, Any], table: str, out_dir: Path | None = None) -> list[Path]:
-    """bench/results/<name>.json and .md (and the same under out_dir, e.g. $OUT)."""
+    """bench/results/<name>.json and .md (and the same under out_dir, e.g. $OUT). The .md is the new
+    table followed by the notes the committed one had below its table (`kept_notes`)."""
+    old = RESULTS / f"{name}.md"
+    notes = kept_notes(old.read_text()) if old.exists() else ""
+    md = table.rstrip("\n") + "\n" + (f"\n{NOTES_MARK}\n\n{notes}\n" if notes else "")
     paths = []
     for d in {RESULTS, *([out_dir] if out_dir else [])}:
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{name}.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
-        (d / f"{name}.md").write_text(table + "\n")
+        (d / f"{name}.md").write_text(md)
         paths += [d / f"{name}.json", d / f"{name}.md"]
     return paths
 

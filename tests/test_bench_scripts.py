@@ -1561,3 +1561,28 @@ def test_key_binding_parses_needles_and_reports(tmp_path: Path) -> None:
     assert "| niah_multikey_1 1K | 3 |" in (out / "key-binding.md").read_text()
     for bad in (["--tasks", "vt"], ["--samples", "0"], ["--index-topk", "128"]):
         assert main([*bad, "--device", "cpu", "--out", str(out)]) == 2
+
+
+def test_write_results_keeps_the_notes_below_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import common
+
+    res, out = tmp_path / "results", tmp_path / "out"
+    res.mkdir()
+    monkeypatch.setattr(common, "RESULTS", res)
+    # a table with hand-written notes below it: the rewrite replaces the table, keeps the notes
+    (res / "x.md").write_text("| a | b |\n|---|---|\n| 1 | 2 |\n\nRun 1: why 2.\n\nRun 0: older.\n")
+    common.write_results("x", {"a": 3}, "| a | b |\n|---|---|\n| 3 | 4 |", out)
+    md = (res / "x.md").read_text()
+    assert md.startswith("| a | b |\n|---|---|\n| 3 | 4 |\n")
+    assert "| 1 | 2 |" not in md and md.endswith("Run 1: why 2.\n\nRun 0: older.\n")
+    assert (out / "x.md").read_text() == md and json.loads((out / "x.json").read_text()) == {"a": 3}
+    # the second rewrite finds the mark and keeps exactly the same notes
+    common.write_results("x", {"a": 5}, "| a | b |\n|---|---|\n| 5 | 6 |")
+    md2 = (res / "x.md").read_text()
+    assert md2.count(common.NOTES_MARK) == 1 and md2.split(common.NOTES_MARK)[1] == md.split(common.NOTES_MARK)[1]
+    # a file that does not start with a table is kept whole below the new one; a new file gets no mark
+    (res / "y.md").write_text("# Title\n\nprose\n")
+    common.write_results("y", {}, "| t |")
+    assert (res / "y.md").read_text().endswith("# Title\n\nprose\n")
+    common.write_results("z", {}, "| t |")
+    assert (res / "z.md").read_text() == "| t |\n"
