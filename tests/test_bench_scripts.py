@@ -1563,7 +1563,9 @@ def test_key_binding_parses_needles_and_reports(tmp_path: Path) -> None:
         assert main([*bad, "--device", "cpu", "--out", str(out)]) == 2
 
 
-def test_write_results_keeps_the_notes_below_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_results_keeps_the_notes_below_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from bench import common
 
     res, out = tmp_path / "results", tmp_path / "out"
@@ -1579,7 +1581,10 @@ def test_write_results_keeps_the_notes_below_the_table(tmp_path: Path, monkeypat
     # the second rewrite finds the mark and keeps exactly the same notes
     common.write_results("x", {"a": 5}, "| a | b |\n|---|---|\n| 5 | 6 |")
     md2 = (res / "x.md").read_text()
-    assert md2.count(common.NOTES_MARK) == 1 and md2.split(common.NOTES_MARK)[1] == md.split(common.NOTES_MARK)[1]
+    assert (
+        md2.count(common.NOTES_MARK) == 1
+        and md2.split(common.NOTES_MARK)[1] == md.split(common.NOTES_MARK)[1]
+    )
     # a file that does not start with a table is kept whole below the new one; a new file gets no mark
     (res / "y.md").write_text("# Title\n\nprose\n")
     common.write_results("y", {}, "| t |")
