@@ -54,6 +54,8 @@
 #   weights it starts from, the shipped model's), VT_HOPS (`--vt-hops`), KEY_BINDING=1
 #   (bench.key_binding at 4K on the scored and the shipped model after the 4K gate); CURRICULUM_B /
 #   INIT_FROM_B (LANE_B=train's own curriculum and starting weights).
+#   PRE_MINUTES=N PRE_ARGS="flags": lane A first trains N minutes with PRE_ARGS after its flags, then
+#   trains TRAIN_MINUTES from those weights (e.g. PRE_ARGS="--task-weights vt=1,... --curriculum 0:2048").
 # LANE_A=score1m: no training; SCORE_1M (20) samples of SCORE_TASKS (niah_single_1) at 1M of EVAL_MODEL
 #   uncapped and capped, after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples
 #   on GPU 1).
@@ -218,6 +220,19 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
       echo "fused selection check failed: training selects with the chunked torch form"
       args=${args/--select auto/--select torch}
       args=${args/--select fused/--select torch}
+    fi
+  fi
+  if [ -n "$args" ] && [ "${PRE_MINUTES:-0}" != 0 ]; then
+    # PRE_MINUTES=N PRE_ARGS="flags": a first training of N minutes, lane A's flags with PRE_ARGS after
+    # them (later flags win: e.g. a task mix of vt rows alone at 2K), under $S/pre; the training below
+    # then starts from its weights (its log in logs/pre_train_stdout.log)
+    TRAIN_WORK=$S/pre/train TRAIN_GPU=$gpu TRAIN_MINUTES=$PRE_MINUTES TRAIN_ARGS="$args ${PRE_ARGS:-}" \
+      bash bench/train_bg.sh start
+    TRAIN_WORK=$S/pre/train bash bench/train_bg.sh wait
+    if [ -f "$S/pre/train/ckpt/model.safetensors" ]; then
+      args="$args --init-from $S/pre/train/ckpt"
+    else
+      echo "the first training saved nothing: the training starts from its own weights"
     fi
   fi
   if [ -n "$args" ]; then
@@ -562,6 +577,7 @@ start)
   echo started
   ;;
 status)
+  [ -d "$S/pre/train" ] && { echo "== the first training (PRE_MINUTES)"; TRAIN_WORK=$S/pre/train bash bench/train_bg.sh status 2; }
   bash bench/train_bg.sh status 2
   [ -d "$S/b/train" ] && { echo "== lane B's training"; TRAIN_WORK=$S/b/train bash bench/train_bg.sh status 2; }
   for f in "$S"/logs/*.log; do
@@ -574,6 +590,11 @@ status)
 collect)
   OUT=${OUT:-.out/session}
   mkdir -p "$OUT"
+  if [ -d "$S/pre/train" ]; then  # PRE_MINUTES' first training: its logs (its weights are the next one's)
+    mkdir -p "$S/logs"
+    cp "$S/pre/train/stdout.log" "$S/logs/pre_train_stdout.log" 2>/dev/null
+    cp "$S/pre/train/ckpt/train_log.jsonl" "$S/logs/pre_train_log.jsonl" 2>/dev/null
+  fi
   for d in "$S" "$S/b"; do  # lane A's run, and lane B's with LANE_B=train (its model in $OUT/b)
     [ -d "$d/train" ] || continue
     mkdir -p "$d/logs"
@@ -604,6 +625,7 @@ stop)
   # only this session's process groups: never other users' or tests' processes with similar names
   while read -r pid; do kill -- -"$pid" 2>/dev/null; done <"$S/pids" 2>/dev/null
   bash bench/train_bg.sh stop >/dev/null
+  [ -d "$S/pre/train" ] && TRAIN_WORK=$S/pre/train bash bench/train_bg.sh stop >/dev/null
   [ -d "$S/b/train" ] && TRAIN_WORK=$S/b/train bash bench/train_bg.sh stop >/dev/null
   echo stopped
   ;;

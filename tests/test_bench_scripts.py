@@ -1591,3 +1591,26 @@ def test_write_results_keeps_the_notes_below_the_table(
     assert (res / "y.md").read_text().endswith("# Title\n\nprose\n")
     common.write_results("z", {}, "| t |")
     assert (res / "z.md").read_text() == "| t |\n"
+
+
+def test_session_trains_first_with_pre_args_then_from_those_weights(tmp_path: Path) -> None:
+    """PRE_MINUTES / PRE_ARGS: a first training under $S/pre with PRE_ARGS after lane A's flags, then the
+    training (TRAIN_MINUTES) from its checkpoint, then the scores; `collect` brings the first one's log."""
+    import os
+    import subprocess
+
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
+           "CAPPED": "0", "PRE_MINUTES": "2", "PRE_ARGS": "--task-weights vt=1 --curriculum 0:2048"}  # fmt: skip
+    lines = _session_until(env, calls, "--lengths 4k")
+    pre, train = [x for x in lines if "longctx.train" in x]
+    assert f"--out {s}/pre/train/ckpt --steps 0 --max-minutes 2 " in pre
+    assert pre.endswith("--kl-share --task-weights vt=1 --curriculum 0:2048"), pre
+    assert f"--out {s}/train/ckpt " in train and train.endswith(f"--kl-share --init-from {s}/pre/train/ckpt")
+    assert lines.index(pre) < lines.index(train) < next(i for i, x in enumerate(lines) if "--lengths 4k" in x)
+    (s / "pre" / "train" / "stdout.log").write_text("pre\n")
+    subprocess.run(
+        ["bash", "bench/session.sh", "collect"], cwd=ROOT, env=env, check=True, capture_output=True
+    )
+    assert (s / "logs" / "pre_train_stdout.log").read_text() == "pre\n"
+    assert (s / "logs" / "pre_train_log.jsonl").exists()
