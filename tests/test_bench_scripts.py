@@ -460,18 +460,21 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
 
 
 def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None:
-    """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
+    """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS / COPY_UPPER reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
     trained model, then on the shipped one, after the 4K gate and before the 32K scores."""
     import os
 
     fake, calls, s = _gpu_case(tmp_path, 1)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
            "CAPPED": "0", "TRAIN_SEED": "28", "TASK_WEIGHTS": "niah_multikey_1=3,niah_multikey_2=2",
-           "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run29", "VT_HOPS": "1,2"}  # fmt: skip
+           "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run29", "VT_HOPS": "1,2",
+           "COPY_UPPER": "0.5"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 28 " in train, train
-    assert train.endswith("--task-weights niah_multikey_1=3,niah_multikey_2=2 --vt-hops 1,2"), train
+    assert train.endswith(
+        "--task-weights niah_multikey_1=3,niah_multikey_2=2 --vt-hops 1,2 --copy-upper-fraction 0.5"
+    ), train
     assert "--init-from models-candidates/run29 " in train
     kb = [i for i, x in enumerate(lines) if "bench.key_binding" in x]
     assert len(kb) == 2, lines
@@ -483,11 +486,12 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     # without the knobs: the default seed and mix, no key_binding
     fake, calls, s = _gpu_case(tmp_path, 2)
     env = {**env, "PYTHON": str(fake), "SESSION": str(s)}
-    for k in ("TRAIN_SEED", "TASK_WEIGHTS", "KEY_BINDING", "INIT_FROM", "VT_HOPS"):
+    for k in ("TRAIN_SEED", "TASK_WEIGHTS", "KEY_BINDING", "INIT_FROM", "VT_HOPS", "COPY_UPPER"):
         env.pop(k)
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 26 " in train and "--task-weights" not in train and "--vt-hops" not in train
+    assert "--copy-upper" not in train
     assert "--init-from models-shipped/retrieval-wip " in train
     assert not any("bench.key_binding" in x for x in lines)
 

@@ -1124,6 +1124,24 @@ def test_hex_copy_rows_pool_uuids_and_leave_other_rows_alone() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(DataError):
             DataConfig(copy_hex_fraction=bad)
+        with pytest.raises(DataError):
+            DataConfig(copy_upper_fraction=bad)
+    # capital-letter pools (vt's names are capitals): recurring words of 5-16 capitals, about the share
+    # asked of the rows not drawn for UUIDs; at 0 no draw, so the rows are the old ones
+    cfg = DataConfig(
+        tokens_per_step=4096, curriculum=((0, 1024),), copy_fraction=1.0, copy_upper_fraction=1.0
+    )
+    for row in make_batch(cfg, 0).ids.tolist():
+        words = bytes(row).decode().split()[:-1]
+        assert words and all(re.fullmatch(r"[A-Z]{5,16}", w) for w in words) and len(set(words)) < len(words)
+    upper = re.compile(r"[A-Z]{5,16} ")
+    half = [_copy_row(random.Random(i), 300, 0.0, 0.5) for i in range(40)]
+    assert 8 < sum(bool(upper.match(bytes(r).decode())) for r in half) < 32
+    assert all(
+        _copy_row(random.Random(i), 300, 0.5, 0.0) == _copy_row(random.Random(i), 300, 0.5) for i in range(8)
+    )
+    both = [bytes(_copy_row(random.Random(i), 300, 0.5, 1.0)).decode() for i in range(40)]
+    assert all(uuid.match(r) or upper.match(r) for r in both)  # (a row not drawn for UUIDs is capitals)
 
 
 def test_task_weights_pick_the_retrieval_rows(capsys) -> None:
@@ -1451,7 +1469,8 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
     assert (
         main(
             [*args, "--chat-fraction", "0.25", "--document-fraction", "0.5", "--replay-fraction", "0.2",
-             "--copy-hex-fraction", "0.5", "--task-weights", "niah_multikey_1=3,vt=0", "--vt-hops", "1,2"]
+             "--copy-hex-fraction", "0.5", "--copy-upper-fraction", "0.25", "--task-weights",
+             "niah_multikey_1=3,vt=0", "--vt-hops", "1,2"]
         )
         == 0
     )  # fmt: skip
@@ -1460,6 +1479,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
     assert data["copy_hex_fraction"] == 0.5 and list(data["vt_hops"]) == [1, 2]
+    assert data["copy_upper_fraction"] == 0.25
     weights = {t: w for t, w in data["tasks"]}
     assert weights["niah_multikey_1"] == 3.0 and weights["vt"] == 0.0 and weights["niah_single_1"] == 1.0
     b = tmp_path / "b"
@@ -1469,6 +1489,7 @@ def test_row_fractions_from_the_cli_are_recorded_and_resume_keeps_them(tmp_path:
         data["chat_fraction"] == 0.25 and data["document_fraction"] == 0.5 and data["replay_fraction"] == 0.2
     )
     assert data["copy_hex_fraction"] == 0.5 and list(data["vt_hops"]) == [1, 2]
+    assert data["copy_upper_fraction"] == 0.25
     assert {t: w for t, w in data["tasks"]} == weights  # (the resumed run's mix goes on)
 
 

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {d.copy_hex_fraction}, or the resumed run's)",
     )
     p.add_argument(
+        "--copy-upper-fraction",
+        type=float,
+        default=None,
+        help="copy rows (of those not UUIDs) whose recurring strings are capital letters, as vt's names "
+        f"(default {d.copy_upper_fraction}, or the resumed run's)",
+    )
+    p.add_argument(
         "--vt-hops",
         default=None,
         metavar="H,...",
@@ -248,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction, --copy-hex-fraction,
-    --task-weights and --vt-hops flags as given; one left out keeps the resumed run's saved value (else the
-    default), so a resumed run goes on with the rows it was training on."""
+    --copy-upper-fraction, --task-weights and --vt-hops flags as given; one left out keeps the resumed
+    run's saved value (else the default), so a resumed run goes on with the rows it was training on."""
     from longctx.train.checkpoint import read_recipe
     from longctx.train.data import DataConfig, parse_task_weights, parse_vt_hops
 
@@ -272,6 +279,7 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
         "document_fraction",
         "replay_fraction",
         "copy_hex_fraction",
+        "copy_upper_fraction",
     ):
         given = getattr(args, k)
         default = getattr(d, k)

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import random
 import re
+import string
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +86,12 @@ class DataConfig:
     # slips, `826d009d` for 826a009d); 0 draws nothing, so the rows stay bit for bit those of a run
     # without it
     copy_hex_fraction: float = 0.0
+    # copy rows (of those not drawn for UUIDs) whose strings are capital letters (5-16 of them): the
+    # other copy rows pool lowercase letters and digits, so no row but vt's ever asked the model to copy
+    # capitals, and a byte-level model's copying does not carry over to bytes it never copied (run 29
+    # given a vt name's first letters in the haystack does not go on with it); 0 draws nothing, so the
+    # rows stay bit for bit those of a run without it
+    copy_upper_fraction: float = 0.0
     min_length_fraction: float = 0.5  # a retrieval sample fills [fraction * S, S] tokens
     tasks: tuple[tuple[str, float], ...] = field(default=DEFAULT_TASKS)
     # PoSE positional skips (`pose_positions`): 0 keeps positions 0..S-1 (no `Batch.positions`);
@@ -135,6 +142,8 @@ class DataConfig:
             raise DataError("replay_fraction must be in [0, 1)")
         if not 0.0 <= self.copy_hex_fraction <= 1.0:
             raise DataError("copy_hex_fraction must be in [0, 1]")
+        if not 0.0 <= self.copy_upper_fraction <= 1.0:
+            raise DataError("copy_upper_fraction must be in [0, 1]")
         if any(not 1 <= h <= MAX_VT_HOPS for h in self.vt_hops):
             raise DataError(f"vt_hops must each be in [1, {MAX_VT_HOPS}]")
 
@@ -253,13 +262,18 @@ def _uuid(rng: random.Random) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def _copy_row(rng: random.Random, n: int, hex_fraction: float = 0.0) -> list[int]:
+def _copy_row(
+    rng: random.Random, n: int, hex_fraction: float = 0.0, upper_fraction: float = 0.0
+) -> list[int]:
     """Random strings (8-48 letters/digits) drawn with replacement from a small pool: every repeat is
     predictable only by finding its earlier occurrence (the induction pattern retrieval is built on).
-    A `hex_fraction` share of the rows pools UUIDs instead (no draw when it is 0)."""
+    A `hex_fraction` share of the rows pools UUIDs instead, and an `upper_fraction` share of the others
+    strings of 5-16 capital letters (no draw when either is 0)."""
     size_pool = rng.randint(4, 24)
     if hex_fraction > 0.0 and rng.random() < hex_fraction:
         pool = [_uuid(rng) for _ in range(size_pool)]
+    elif upper_fraction > 0.0 and rng.random() < upper_fraction:
+        pool = ["".join(rng.choices(string.ascii_uppercase, k=rng.randint(5, 16))) for _ in range(size_pool)]
     else:
         alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
         pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(size_pool)]
@@ -352,7 +366,12 @@ def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], l
     rng = random.Random(f"{cfg.seed}:{step}:{row}")
     u = rng.random()
     if u < cfg.copy_fraction:
-        return _copy_row(rng, S + 1, cfg.copy_hex_fraction), [LM] * (S + 1), "copy", []
+        return (
+            _copy_row(rng, S + 1, cfg.copy_hex_fraction, cfg.copy_upper_fraction),
+            [LM] * (S + 1),
+            "copy",
+            [],
+        )
     needle: list[int] = []
     if u - cfg.copy_fraction < cfg.text_fraction:
         ids: list[int] = []
