@@ -1618,3 +1618,21 @@ def test_session_trains_first_with_pre_args_then_from_those_weights(tmp_path: Pa
     )
     assert (s / "logs" / "pre_train_stdout.log").read_text() == "pre\n"
     assert (s / "logs" / "pre_train_log.jsonl").exists()
+
+
+def test_copy_probe_scores_copies_by_alphabet_and_vt_by_chain(tmp_path: Path) -> None:
+    """bench.copy_probe: the copied bytes are those after a repeated string's first byte; on the shipped
+    model every alphabet and chain length gets its figures, and bad flags exit 2 with one line."""
+    from bench.copy_probe import copied_bytes, main
+
+    assert copied_bytes("ab cd ab x cd") == [7, 12]  # ("ab" again at 6: its "b"; "cd" again at 11: its "d")
+    assert copied_bytes("abc abc abc") == [5, 6, 9, 10]
+    out = tmp_path / "p"
+    args = ["--model", str(WIP), "--device", "cpu", "--rows", "1", "--copy-length", "300"]
+    assert main([*args, "--vt-length", "1100", "--hops", "1", "--samples", "1", "--out", str(out)]) == 0
+    d = json.loads((out / "copy-probe.json").read_text())
+    assert set(d["copy"]) == {"lower_digits", "capitals", "uuid"}
+    assert all(v["bytes"] > 0 and v["loss"] > 0 and v["chance"] > 2 for v in d["copy"].values())
+    assert d["vt"]["1"]["samples"] == 1 and d["vt"]["1"]["names"] == 2
+    assert "| capitals |" in (out / "copy-probe.md").read_text()
+    assert main([*args, "--hops", "0"]) == 2
