@@ -140,3 +140,27 @@ def test_loop_survives_a_failing_step(loop):
     loop.send(m.AddRequest("b", (3,), m.WireSamplingParams(max_new_tokens=1)))
     outs, _ = loop.run(3)
     assert any(o.rid == "b" and o.finished and o.new_token_ids for o in outs)
+
+
+def test_wire_sampling_params_reach_the_engine_field_for_field() -> None:
+    """WireSamplingParams and the engine's SamplingParams keep the same fields (a new sampling field is
+    added to both or a request loses it on the way), and one sent over the wire arrives as the engine's
+    own params, tuples and all."""
+    import dataclasses
+
+    from longctx.engine.request import SamplingParams
+    from longctx.server.engine_proc import sampling_params
+
+    wire = {f.name: f.type for f in dataclasses.fields(m.WireSamplingParams)}
+    engine = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
+    assert wire == engine
+    sent = m.WireSamplingParams(
+        max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop_token_ids=(1, 2), stop=("x",),
+        ignore_eos=True, logprobs=2, presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.1,
+        min_tokens=1, min_p=0.05, logit_bias=((4, -1.5), (9, 2.0)), prompt_logprobs=1,
+    )  # fmt: skip
+    got = m.decode(m.encode(m.AddRequest("r", (1,), sent))).params
+    params = sampling_params(got)
+    assert params == SamplingParams(**dataclasses.asdict(sent))
+    assert isinstance(params.stop_token_ids, tuple) and isinstance(params.logit_bias[0], tuple)
+    params.validate()

@@ -9,6 +9,7 @@ request becomes an error output for that rid only; the loop itself never raises.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from longctx.engine.request import Request, SamplingParams
 from longctx.errors import LongctxError
 from longctx.server import messages as m
 
@@ -94,6 +96,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
 
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def sampling_params(p: m.WireSamplingParams) -> SamplingParams:
+    """The engine's sampling params of a request off the wire: field for field (the two dataclasses keep
+    the same fields, tests/test_server_messages.py), any list (a message built in process) as a tuple."""
+    return SamplingParams(**{f.name: _tuples(getattr(p, f.name)) for f in dataclasses.fields(p)})
+
+
 class EngineLoop:
     """The message/step loop around one engine; separate from `main` so tests can drive it."""
 
@@ -109,30 +121,12 @@ class EngineLoop:
         self._last_stats = 0.0
 
     def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
-        from longctx.engine.request import Request, SamplingParams
         from longctx.errors import LongctxError
 
         if isinstance(msg, m.AddRequest):
             p = msg.params
             try:
-                params = SamplingParams(
-                    max_new_tokens=p.max_new_tokens,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    seed=p.seed,
-                    stop_token_ids=tuple(p.stop_token_ids),
-                    stop=tuple(p.stop),
-                    ignore_eos=p.ignore_eos,
-                    logprobs=p.logprobs,
-                    presence_penalty=p.presence_penalty,
-                    frequency_penalty=p.frequency_penalty,
-                    repetition_penalty=p.repetition_penalty,
-                    min_tokens=p.min_tokens,
-                    min_p=p.min_p,
-                    logit_bias=tuple((int(t), float(b)) for t, b in p.logit_bias),
-                    prompt_logprobs=p.prompt_logprobs,
-                )
+                params = sampling_params(p)
                 req = Request(
                     msg.rid, list(msg.prompt_ids), params, arrival=time.time(), pin_prefix=msg.pin_prefix
                 )
@@ -199,7 +193,6 @@ class EngineLoop:
         return cache is not None and hasattr(cache, "pin_prefix") and hasattr(cache, "unpin_keys")
 
     def _start_pin(self, msg: m.PinDocument) -> None:
-        from longctx.engine.request import Request, SamplingParams
         from longctx.errors import LongctxError
 
         rid = f"pin-{msg.call_id}"
