@@ -1595,3 +1595,37 @@ def test_every_committed_checkpoint_has_its_weights() -> None:
     for d in (x for x in dirs if x.parent.name == "models-candidates"):
         quoted = re.findall(rf"sha256 of {d.name}/model\.safetensors: ([0-9a-f]{{64}})", readme)
         assert quoted == [hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()], d.name
+
+
+def test_capitals_start_from_the_lowercase_letters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--capitals-from-lowercase: after --init-from, the embedding and lm_head rows of A-Z are those of a-z
+    and every other row is the checkpoint's; without --init-from it is an error, not a silent no-op."""
+    from longctx.train.loop import capitals_from_lowercase
+
+    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    m.init_weights(0)
+    emb, head = m.model.embed_tokens.weight.detach().clone(), m.lm_head.weight.detach().clone()
+    capitals_from_lowercase(m)
+    up, low = list(range(65, 91)), list(range(97, 123))
+    for before, after in ((emb, m.model.embed_tokens.weight), (head, m.lm_head.weight)):
+        assert torch.equal(after[up], before[low]) and not torch.equal(before[up], before[low])
+        rest = [i for i in range(before.shape[0]) if i not in up]
+        assert torch.equal(after[rest], before[rest])
+    a = tmp_path / "a"
+    args = ["--config", str(TINY), "--steps", "1", "--device", "cpu", "--tokens-per-step", "1024",
+            "--curriculum", "0:512", "--dense-warmup-steps", "2", "--warmup-steps", "1", "--kl-rows", "16",
+            "--save-dtype", "float32", "--eval-samples", "0"]  # fmt: skip
+    assert main([*args, "--out", str(a)]) == 0
+    b = tmp_path / "b"
+    assert (
+        main([*args, "--out", str(b), "--init-from", str(a), "--capitals-from-lowercase", "--lr", "1e-12"])
+        == 0
+    )
+    from safetensors.torch import load_file
+
+    w = load_file(str(b / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.allclose(w[up], w[low], atol=1e-6)  # (one step at lr 1e-12 moves nothing visible)
+    assert main([*args, "--out", str(tmp_path / "c"), "--capitals-from-lowercase"]) != 0
+    assert "capitals_from_lowercase needs init_from" in capsys.readouterr().err

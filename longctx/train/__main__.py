@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         "timed them; mask up to 16K without a probe); the same function",
     )
     p.add_argument(
+        "--capitals-from-lowercase",
+        action="store_true",
+        help="with --init-from: the capitals' embedding and lm_head rows start as the lowercase letters' "
+        "(capitals then copy as lowercase letters do; bench.copy_probe)",
+    )
+    p.add_argument(
         "--train-only",
         choices=("all", "indexer"),
         default=t.train_only,
@@ -336,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_weight=args.kl_weight,
             kl_rows=args.kl_rows,
             train_only=args.train_only,
+            capitals_from_lowercase=args.capitals_from_lowercase,
             needle_weight=args.needle_weight,
             needle_form=args.needle_form,
             lead_weight=args.lead_weight,

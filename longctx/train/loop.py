@@ -49,6 +49,15 @@ from longctx.train.model import (
 _monotonic = time.monotonic
 
 
+def capitals_from_lowercase(model: TrainCausalLM) -> None:
+    """Set the embedding and lm_head rows of the byte tokens A-Z to those of a-z (in place)."""
+    upper = torch.arange(ord("A"), ord("Z") + 1)
+    assert model.model.embed_tokens is not None and model.lm_head is not None  # (a whole model)
+    with torch.no_grad():
+        for w in (model.model.embed_tokens.weight, model.lm_head.weight):
+            w[upper] = w[upper + (ord("a") - ord("A"))]
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The recipe. Every field is a CLI flag (`python -m longctx.train --help`)."""
@@ -76,6 +85,11 @@ class TrainConfig:
     # found run 7's weights retrieving 24 of 24 niah_single prompts at 768 tokens with dense attention
     # but 8 of 24 through the top-256 selection: the indexer, not the model, was the gap there.
     train_only: str = "all"
+    # with init_from: the byte embeddings and lm_head rows of the capitals A-Z start as those of a-z. A model
+    # trained on copy rows of lowercase strings only copies no capitals (bench.copy_probe; vt's names are
+    # capitals); with their rows a copy of their lowercase ones, capitals inherit what lowercase letters
+    # carry (their copying too), and training has only the case to tell apart
+    capitals_from_lowercase: bool = False
     # weight of the indexer's needle loss on answer rows (TrainCausalLM._indexer_kl): -log of the index
     # softmax's mass on the answer value's bytes in the prompt; 0 (the DSA recipe) skips it
     needle_weight: float = 0.0
@@ -630,6 +644,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         load_model_weights(model, cfg.resume, torch.device("cpu"))
     elif cfg.init_from:  # the loader marks the weights trainable, as on resume
         load_model_weights(model, cfg.init_from, torch.device("cpu"))
+        if cfg.capitals_from_lowercase:
+            capitals_from_lowercase(model)
+    elif cfg.capitals_from_lowercase:
+        raise ConfigError("capitals_from_lowercase needs init_from (trained lowercase rows to copy)")
     else:
         model.init_weights(cfg.seed)
     if cfg.train_only not in ("all", "indexer"):
