@@ -121,8 +121,6 @@ class EngineLoop:
         self._last_stats = 0.0
 
     def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
-        from longctx.errors import LongctxError
-
         if isinstance(msg, m.AddRequest):
             p = msg.params
             try:
@@ -193,8 +191,6 @@ class EngineLoop:
         return cache is not None and hasattr(cache, "pin_prefix") and hasattr(cache, "unpin_keys")
 
     def _start_pin(self, msg: m.PinDocument) -> None:
-        from longctx.errors import LongctxError
-
         rid = f"pin-{msg.call_id}"
         ids = list(msg.token_ids)
         try:
