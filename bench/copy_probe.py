@@ -62,9 +62,11 @@ def copy_loss(eng: Any, rows: int, length: int, seed: int) -> dict[str, dict[str
         total, n = 0.0, 0
         for r in range(rows):
             ids = _copy_row(random.Random(f"{seed}:{name}:{r}"), length, hexf, upper)
-            at = [i for i in copied_bytes(bytes(ids).decode()) if i < len(ids)]
+            at = torch.tensor(
+                [i for i in copied_bytes(bytes(ids).decode()) if i < len(ids)], dtype=torch.long
+            )
             logp = torch.log_softmax(eng.score(ids), dim=-1)  # row i predicts token i + 1
-            total -= sum(logp[i - 1, ids[i]].item() for i in at)
+            total -= logp[at - 1, torch.tensor(ids)[at]].sum().item()
             n += len(at)
         loss = total / max(n, 1)
         out[name] = {"loss": round(loss, 4), "chance": round(math.log(size), 4), "bytes": n,
