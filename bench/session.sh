@@ -596,6 +596,11 @@ collect)
     mkdir -p "$S/logs"
     cp "$S/pre/train/stdout.log" "$S/logs/pre_train_stdout.log" 2>/dev/null
     cp "$S/pre/train/ckpt/train_log.jsonl" "$S/logs/pre_train_log.jsonl" 2>/dev/null
+    # and its weights while the training after it has saved none (to $OUT/pre): a machine lost between
+    # calls then costs only the minutes since, not the first training too (INIT_FROM=<them> next time)
+    if [ -f "$S/pre/train/ckpt/model.safetensors" ] && [ ! -f "$S/train/ckpt/model.safetensors" ]; then
+      TRAIN_WORK=$S/pre/train OUT=$OUT/pre bash bench/train_bg.sh collect >/dev/null
+    fi
   fi
   for d in "$S" "$S/b"; do  # lane A's run, and lane B's with LANE_B=train (its model in $OUT/b)
     [ -d "$d/train" ] || continue

@@ -11,7 +11,8 @@
 #                                                              # `full` adds the trainer state (resume)
 #
 # The schedule is fitted to TRAIN_MINUTES (`--steps 0`: a short probe times a step at every
-# curriculum length first). TRAIN_ARGS appends flags to python -m longctx.train (later flags win).
+# curriculum length first). TRAIN_ARGS appends flags to python -m longctx.train (later flags win);
+# TRAIN_SAVE_EVERY: steps between checkpoints (100: what `collect` brings back if the machine is lost).
 # Run from the repo root on the device machine; see docs/training.md.
 set -uo pipefail
 WORK=${TRAIN_WORK:-/tmp/longctx-train}
@@ -27,9 +28,9 @@ start)
   read -r -a EXTRA <<<"${TRAIN_ARGS:-}"
   CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0} PYTHONUNBUFFERED=1 setsid nohup bash -c '
     "$0" -m longctx.train --config configs/retrieval.json --out "$1" --steps 0 --max-minutes "$2" \
-      --print-every 100 --save-every 500 --num-workers 8 "${@:4}" >"$3" 2>&1
+      --print-every 100 --save-every "$4" --num-workers 8 "${@:5}" >"$3" 2>&1
     echo $? >"$(dirname "$1")/done"' \
-    "$PY" "$CKPT" "${TRAIN_MINUTES:-14}" "$LOG" "${EXTRA[@]}" </dev/null >/dev/null 2>&1 &
+    "$PY" "$CKPT" "${TRAIN_MINUTES:-14}" "$LOG" "${TRAIN_SAVE_EVERY:-100}" "${EXTRA[@]}" </dev/null >/dev/null 2>&1 &
   echo $! >"$WORK/pid"  # setsid made it a process group leader: `stop` kills that group only
   sleep 1
   echo "training started on GPU ${TRAIN_GPU:-0} for ${TRAIN_MINUTES:-14} min; log $LOG"

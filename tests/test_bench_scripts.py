@@ -1599,7 +1599,8 @@ def test_write_results_keeps_the_notes_below_the_table(
 
 def test_session_trains_first_with_pre_args_then_from_those_weights(tmp_path: Path) -> None:
     """PRE_MINUTES / PRE_ARGS: a first training under $S/pre with PRE_ARGS after lane A's flags, then the
-    training (TRAIN_MINUTES) from its checkpoint, then the scores; `collect` brings the first one's log."""
+    training (TRAIN_MINUTES) from its checkpoint, then the scores; `collect` brings the first one's log,
+    and its weights while the training after it has none."""
     import os
     import subprocess
 
@@ -1618,6 +1619,15 @@ def test_session_trains_first_with_pre_args_then_from_those_weights(tmp_path: Pa
     )
     assert (s / "logs" / "pre_train_stdout.log").read_text() == "pre\n"
     assert (s / "logs" / "pre_train_log.jsonl").exists()
+    # the first training's weights come back only while the one after it has saved none
+    assert not (tmp_path / "out" / "pre").exists()
+    (s / "train" / "ckpt" / "model.safetensors").unlink()
+    subprocess.run(
+        ["bash", "bench/session.sh", "collect"], cwd=ROOT, env=env, check=True, capture_output=True
+    )
+    assert (tmp_path / "out" / "pre" / "model.tar.00").exists()
+    # checkpoints every TRAIN_SAVE_EVERY (100) steps, so that collect has recent weights to bring
+    assert "--save-every 100 " in pre and "--save-every 100 " in train
 
 
 def test_copy_probe_scores_copies_by_alphabet_and_vt_by_chain(tmp_path: Path) -> None:
