@@ -4,9 +4,12 @@ vt (variable tracking) has scored 0 for every trained run. This probe splits the
 model needs, each scored apart on the CPU or the GPU through `longctx.Engine`:
 
 - copy: rows of recurring random strings (`longctx.train.data._copy_row`) in three alphabets: lowercase
-  letters and digits (the training's copy rows), capitals (vt's names), UUIDs. The loss is taken only on
-  the bytes a copy predicts (inside a string that occurred earlier in the row, after its first byte),
-  against chance, ln(alphabet): near 0 where the model copies, near chance where it does not.
+  letters and digits (the training's copy rows), capitals (vt's names), UUIDs; and pair rows of the first
+  two (each string twice among random chunks, so that the row's byte statistics do not predict a repeat).
+  The loss is taken only on the bytes a copy predicts (inside a string that occurred earlier in the row,
+  after its first byte), against chance, ln(alphabet): near 0 where the model copies, near chance where it
+  does not; the `by_offset` figures split it by the byte's place in the string (1: its second byte; 8:
+  the eighth on), flat where the model does not copy.
 - vt: RULER vt samples with chains of `--hops` hops: how many answers have the first name right, and the
   share of the chain's names anywhere in the answer.
 - vt_continue: the same samples with the answer's first two letters given: whether greedy decoding writes
@@ -32,45 +35,64 @@ from typing import Any
 
 import torch
 
-ALPHABETS = {  # name -> (copy_row's hex / upper fractions, the alphabet's size)
-    "lower_digits": ((0.0, 0.0), len(string.ascii_lowercase + string.digits)),
-    "capitals": ((0.0, 1.0), len(string.ascii_uppercase)),
-    "uuid": ((1.0, 0.0), 16),
+ALPHABETS = {  # name -> (copy_row's hex / upper / pairs fractions, the alphabet's size)
+    "lower_digits": ((0.0, 0.0, 0.0), len(string.ascii_lowercase + string.digits)),
+    "capitals": ((0.0, 1.0, 0.0), len(string.ascii_uppercase)),
+    "uuid": ((1.0, 0.0, 0.0), 16),
+    # each string twice among random chunks: only finding the earlier occurrence predicts the repeat
+    "pairs_lower_digits": ((0.0, 0.0, 1.0), len(string.ascii_lowercase + string.digits)),
+    "pairs_capitals": ((0.0, 1.0, 1.0), len(string.ascii_uppercase)),
 }
 
 
-def copied_bytes(text: str) -> list[int]:
-    """Indices of the bytes of `text` (space-separated strings) that a copy predicts: those after the
-    first byte of a string that occurred earlier in the row."""
+def copied_offsets(text: str) -> list[tuple[int, int]]:
+    """(index, place) of the bytes of `text` (space-separated strings) that a copy predicts: those after
+    the first byte of a string that occurred earlier in the row; place 1 is a string's second byte."""
     seen: set[str] = set()
-    out: list[int] = []
+    out: list[tuple[int, int]] = []
     at = 0
     for w in text.split(" "):
         if w in seen:
-            out += range(at + 1, at + len(w))
+            out += [(at + k, k) for k in range(1, len(w))]
         seen.add(w)
         at += len(w) + 1
     return out
+
+
+def copied_bytes(text: str) -> list[int]:
+    """Indices of the bytes of `text` that a copy predicts (`copied_offsets`)."""
+    return [i for i, _ in copied_offsets(text)]
+
+
+OFFSETS = (
+    1,
+    2,
+    4,
+    8,
+)  # by_offset's buckets by their first place: 1, 2-3, 4-7, 8 on (a string's 2nd byte is place 1)
 
 
 def copy_loss(eng: Any, rows: int, length: int, seed: int) -> dict[str, dict[str, float]]:
     """Per alphabet: the mean loss on the copied bytes of `rows` fresh copy rows, chance, and their ratio."""
     from longctx.train.data import _copy_row
 
-    out = {}
-    for name, ((hexf, upper), size) in ALPHABETS.items():
-        total, n = 0.0, 0
+    out: dict[str, dict[str, Any]] = {}
+    for name, ((hexf, upper, pairs), size) in ALPHABETS.items():
+        nll, places = [], []
         for r in range(rows):
-            ids = _copy_row(random.Random(f"{seed}:{name}:{r}"), length, hexf, upper)
-            at = torch.tensor(
-                [i for i in copied_bytes(bytes(ids).decode()) if i < len(ids)], dtype=torch.long
-            )
-            logp = torch.log_softmax(eng.score(ids), dim=-1)  # row i predicts token i + 1
-            total -= logp[at - 1, torch.tensor(ids)[at]].sum().item()
-            n += len(at)
-        loss = total / max(n, 1)
-        out[name] = {"loss": round(loss, 4), "chance": round(math.log(size), 4), "bytes": n,
-                     "of_chance": round(loss / math.log(size), 3)}  # fmt: skip
+            ids = _copy_row(random.Random(f"{seed}:{name}:{r}"), length, hexf, upper, pairs)
+            got = [(i, k) for i, k in copied_offsets(bytes(ids).decode()) if i < len(ids)]
+            at = torch.tensor([i for i, _ in got], dtype=torch.long)
+            logp = torch.log_softmax(eng.score(ids).float(), dim=-1)  # row i predicts token i + 1
+            nll.append(-logp[at - 1, torch.tensor(ids)[at]])
+            places.append(torch.tensor([k for _, k in got], dtype=torch.long))
+        x, k = torch.cat(nll), torch.cat(places)
+        loss = x.sum().item() / max(len(x), 1)
+        # each byte under the largest OFFSETS entry not over its place
+        bucket = torch.tensor(OFFSETS)[torch.bucketize(k, torch.tensor(OFFSETS), right=True) - 1]
+        by_offset = {str(o): round(x[bucket == o].mean().item(), 3) for o in OFFSETS if (bucket == o).any()}
+        out[name] = {"loss": round(loss, 4), "chance": round(math.log(size), 4), "bytes": len(x),
+                     "of_chance": round(loss / math.log(size), 3), "by_offset": by_offset}  # fmt: skip
     return out
 
 
@@ -109,9 +131,11 @@ def vt_scores(eng: Any, length: int, hops: list[int], samples: int, seed: int) -
 
 
 def table(d: dict[str, Any]) -> str:
-    lines = [f"`{d['model']}` on {d['device']}", "", "| copy rows | loss on copied bytes | chance | of chance |",
-             "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {k} | {v['loss']} | {v['chance']} | {v['of_chance']} |" for k, v in d["copy"].items()]
+    lines = [f"`{d['model']}` on {d['device']}", "", "| copy rows | loss on copied bytes | chance | of chance | by byte of the string: 2nd / 3rd-4th / 5th-8th / 9th on |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {v['loss']} | {v['chance']} | {v['of_chance']} | "
+              + " / ".join(str(v["by_offset"].get(str(o), "-")) for o in OFFSETS) + " |"
+              for k, v in d["copy"].items()]  # fmt: skip
     lines += ["", f"| vt hops ({d['vt_length']} tokens) | first name | names found | next 3 letters given 2 |",
               "|---|---|---|---|"]  # fmt: skip
     for h, v in d["vt"].items():

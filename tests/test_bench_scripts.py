@@ -460,7 +460,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
 
 
 def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None:
-    """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS / COPY_UPPER reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
+    """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS / COPY_UPPER / COPY_PAIRS reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
     trained model, then on the shipped one, after the 4K gate and before the 32K scores."""
     import os
 
@@ -468,12 +468,13 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
            "CAPPED": "0", "TRAIN_SEED": "28", "TASK_WEIGHTS": "niah_multikey_1=3,niah_multikey_2=2",
            "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run29", "VT_HOPS": "1,2",
-           "COPY_UPPER": "0.5"}  # fmt: skip
+           "COPY_UPPER": "0.5", "COPY_PAIRS": "0.8"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 28 " in train, train
     assert train.endswith(
-        "--task-weights niah_multikey_1=3,niah_multikey_2=2 --vt-hops 1,2 --copy-upper-fraction 0.5"
+        "--task-weights niah_multikey_1=3,niah_multikey_2=2 --vt-hops 1,2 --copy-upper-fraction 0.5 "
+        "--copy-pairs-fraction 0.8"
     ), train
     assert "--init-from models-candidates/run29 " in train
     kb = [i for i, x in enumerate(lines) if "bench.key_binding" in x]
@@ -486,12 +487,20 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     # without the knobs: the default seed and mix, no key_binding
     fake, calls, s = _gpu_case(tmp_path, 2)
     env = {**env, "PYTHON": str(fake), "SESSION": str(s)}
-    for k in ("TRAIN_SEED", "TASK_WEIGHTS", "KEY_BINDING", "INIT_FROM", "VT_HOPS", "COPY_UPPER"):
+    for k in (
+        "TRAIN_SEED",
+        "TASK_WEIGHTS",
+        "KEY_BINDING",
+        "INIT_FROM",
+        "VT_HOPS",
+        "COPY_UPPER",
+        "COPY_PAIRS",
+    ):
         env.pop(k)
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 26 " in train and "--task-weights" not in train and "--vt-hops" not in train
-    assert "--copy-upper" not in train
+    assert "--copy-upper" not in train and "--copy-pairs" not in train
     assert "--init-from models-shipped/retrieval-wip " in train
     assert not any("bench.key_binding" in x for x in lines)
 
@@ -1633,16 +1642,21 @@ def test_session_trains_first_with_pre_args_then_from_those_weights(tmp_path: Pa
 def test_copy_probe_scores_copies_by_alphabet_and_vt_by_chain(tmp_path: Path) -> None:
     """bench.copy_probe: the copied bytes are those after a repeated string's first byte; on the shipped
     model every alphabet and chain length gets its figures, and bad flags exit 2 with one line."""
-    from bench.copy_probe import copied_bytes, main
+    from bench.copy_probe import copied_bytes, copied_offsets, main
 
     assert copied_bytes("ab cd ab x cd") == [7, 12]  # ("ab" again at 6: its "b"; "cd" again at 11: its "d")
     assert copied_bytes("abc abc abc") == [5, 6, 9, 10]
+    assert copied_offsets("abc x abc") == [(7, 1), (8, 2)]
     out = tmp_path / "p"
     args = ["--model", str(WIP), "--device", "cpu", "--rows", "1", "--copy-length", "300"]
     assert main([*args, "--vt-length", "1100", "--hops", "1", "--samples", "1", "--out", str(out)]) == 0
     d = json.loads((out / "copy-probe.json").read_text())
-    assert set(d["copy"]) == {"lower_digits", "capitals", "uuid"}
+    assert set(d["copy"]) == {"lower_digits", "capitals", "uuid", "pairs_lower_digits", "pairs_capitals"}
     assert all(v["bytes"] > 0 and v["loss"] > 0 and v["chance"] > 2 for v in d["copy"].values())
+    # the loss by the byte's place in the string: the mean of the places weighs each byte once
+    for v in d["copy"].values():
+        assert set(v["by_offset"]) <= {"1", "2", "4", "8"} and "1" in v["by_offset"]
+        assert min(v["by_offset"].values()) - 1e-3 <= v["loss"] <= max(v["by_offset"].values()) + 1e-3
     assert d["vt"]["1"]["samples"] == 1 and d["vt"]["1"]["names"] == 2
     assert "| capitals |" in (out / "copy-probe.md").read_text()
     assert main([*args, "--hops", "0"]) == 2

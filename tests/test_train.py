@@ -1144,6 +1144,43 @@ def test_hex_copy_rows_pool_uuids_and_leave_other_rows_alone() -> None:
     assert all(uuid.match(r) or upper.match(r) for r in both)  # (a row not drawn for UUIDs is capitals)
 
 
+def test_pair_copy_rows_write_each_string_twice_among_random_chunks() -> None:
+    """--copy-pairs-fraction: that share of the copy rows, in the alphabet the other fractions drew, writes
+    each string at most twice with a random chunk of that alphabet before every string; at 0 the rows
+    are the pooled ones bit for bit (no draw); the CLI takes the flag and refuses one out of [0, 1]."""
+    import random
+    import re
+    from collections import Counter
+
+    from longctx.train.__main__ import main
+    from longctx.train.data import _copy_row
+
+    for alphabet, hexf, upper in (("[a-z0-9]", 0.0, 0.0), ("[A-Z]", 0.0, 1.0), ("[0-9a-f-]", 1.0, 0.0)):
+        for seed in range(6):
+            ids = _copy_row(random.Random(seed), 1500, hexf, upper, 1.0)
+            assert len(ids) == 1500
+            words = bytes(ids).decode().split(" ")[:-1]
+            assert all(re.fullmatch(alphabet + "+", w) for w in words), words
+            chunks, strings = words[0::2], words[1::2]  # a chunk, then a string, alternately
+            assert all(1 <= len(c) <= 24 for c in chunks)
+            counts = Counter(strings)
+            assert max(counts.values()) <= 2 < len(strings) and sum(v == 2 for v in counts.values()) >= 3
+            if upper:
+                assert all(5 <= len(w) <= 16 for w in strings)
+    for seed in range(5):  # 0: the pooled rows, bit for bit
+        r = random.Random(seed)
+        assert _copy_row(random.Random(seed), 700, 0.3, 0.5, 0.0) == _copy_row(r, 700, 0.3, 0.5)
+    some = [bytes(_copy_row(random.Random(i), 1500, 0.0, 0.0, 0.5)).decode() for i in range(40)]
+    pooled = sum(len(set(x.split())) <= 25 for x in some)  # (a pool holds at most 24 strings)
+    assert 8 < pooled < 32  # about half the rows pooled, the others pairs
+    with pytest.raises(DataError):
+        DataConfig(copy_pairs_fraction=1.5)
+    assert (
+        main(["--copy-pairs-fraction", "2", "--steps", "1", "--device", "cpu", "--out", "/nonexistent/x"])
+        == 2
+    )
+
+
 def test_task_weights_pick_the_retrieval_rows(capsys) -> None:
     """--task-weights: the named tasks' weights over the default mix; a task at 0 is never drawn, the mix
     of one task gives only its rows; bad specs are DataError (the CLI: exit 2, one line)."""

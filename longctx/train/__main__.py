@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {d.copy_upper_fraction}, or the resumed run's)",
     )
     p.add_argument(
+        "--copy-pairs-fraction",
+        type=float,
+        default=None,
+        help="copy rows laid out as pairs: each string twice, random chunks of its alphabet between, so "
+        f"only copying predicts a repeat (default {d.copy_pairs_fraction}, or the resumed run's)",
+    )
+    p.add_argument(
         "--vt-hops",
         default=None,
         metavar="H,...",
@@ -286,6 +293,7 @@ def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
         "replay_fraction",
         "copy_hex_fraction",
         "copy_upper_fraction",
+        "copy_pairs_fraction",
     ):
         given = getattr(args, k)
         default = getattr(d, k)
