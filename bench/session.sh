@@ -56,6 +56,8 @@
 #   INIT_FROM_B (LANE_B=train's own curriculum and starting weights).
 #   PRE_MINUTES=N PRE_ARGS="flags": lane A first trains N minutes with PRE_ARGS after its flags, then
 #   trains TRAIN_MINUTES from those weights (e.g. PRE_ARGS="--task-weights vt=1,... --curriculum 0:2048").
+#   COPY_PROBE=1: bench.copy_probe on the first training's weights and on the trained ones as each is
+#   saved (into copy_probe/pre and copy_probe/main, ~1 minute each on the GPU).
 # LANE_A=score1m: no training; SCORE_1M (20) samples of SCORE_TASKS (niah_single_1) at 1M of EVAL_MODEL
 #   uncapped and capped, after issue 5's HiSparse figures on it (lane_score_1m; two GPUs: the capped samples
 #   on GPU 1).
@@ -190,6 +192,14 @@ default_train_args_b() {
     default_train_args
 }
 
+copy_probe() {
+  # COPY_PROBE=1: bench.copy_probe on weights $1 (GPU $3) into $S/copy_probe/$2 (~1 minute): copying by
+  # alphabet and by the byte's place in the string, and vt's parts, as soon as the weights exist
+  [ "${COPY_PROBE:-0}" = 1 ] || return 0
+  CUDA_VISIBLE_DEVICES=$3 "$PY" -m bench.copy_probe --model "$1" --device cuda --out "$S/copy_probe/$2" \
+    >"$S/logs/copy_probe_$2.log" 2>&1 || echo "copy_probe on $1 failed (logs/copy_probe_$2.log)"
+}
+
 lane_a() {
   # $1: the GPU (default 0). Train TRAIN_ARGS (default_train_args), then score the model (TRAIN=0: score
   # EVAL_MODEL, default the shipped one, without training; WINDOW=W: every score, the needle recall and
@@ -234,6 +244,7 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     TRAIN_WORK=$S/pre/train bash bench/train_bg.sh wait
     if [ -f "$S/pre/train/ckpt/model.safetensors" ]; then
       args="$args --init-from $S/pre/train/ckpt"
+      copy_probe "$S/pre/train/ckpt" pre "$gpu"
     else
       echo "the first training saved nothing: the training starts from its own weights"
     fi
@@ -241,6 +252,7 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
   if [ -n "$args" ]; then
     TRAIN_GPU=$gpu TRAIN_MINUTES=${TRAIN_MINUTES:-16} TRAIN_ARGS="$args" bash bench/train_bg.sh start
     bash bench/train_bg.sh wait
+    [ -f "$MODEL/model.safetensors" ] && copy_probe "$MODEL" main "$gpu"
   fi
   touch "$S/model.ready"
   export CUDA_VISIBLE_DEVICES=$gpu
@@ -572,7 +584,7 @@ start)
   n=$(ngpu)
   echo "$n GPU(s); session dir $S"
   # one process group (setsid) holds every lane: `stop` kills that group and nothing else
-  setsid nohup bash -c "$(declare -f run_lanes checks_pass check_or_mark selection_flags default_train_args default_train_args_b lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
+  setsid nohup bash -c "$(declare -f run_lanes checks_pass check_or_mark selection_flags default_train_args default_train_args_b copy_probe lane_a hisparse_measures lane_score_1m lane_b_checks lane_b_train \
     lane_b_eval lane_b_capped); run_lanes $n" \
     >"$S/logs/session.log" 2>&1 </dev/null &
   echo $! >"$S/pids"

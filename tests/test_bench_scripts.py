@@ -1615,9 +1615,15 @@ def test_session_trains_first_with_pre_args_then_from_those_weights(tmp_path: Pa
 
     fake, calls, s = _gpu_case(tmp_path, 1)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
-           "CAPPED": "0", "PRE_MINUTES": "2", "PRE_ARGS": "--task-weights vt=1 --curriculum 0:2048"}  # fmt: skip
+           "CAPPED": "0", "PRE_MINUTES": "2", "PRE_ARGS": "--task-weights vt=1 --curriculum 0:2048",
+           "COPY_PROBE": "1"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 4k")
     pre, train = [x for x in lines if "longctx.train" in x]
+    # COPY_PROBE=1: the copy probe on each training's weights as soon as they exist
+    probe_pre, probe_main = [x for x in lines if "bench.copy_probe" in x]
+    assert f"--model {s}/pre/train/ckpt --device cuda --out {s}/copy_probe/pre" in probe_pre
+    assert f"--model {s}/train/ckpt --device cuda --out {s}/copy_probe/main" in probe_main
+    assert lines.index(pre) < lines.index(probe_pre) < lines.index(train) < lines.index(probe_main)
     assert f"--out {s}/pre/train/ckpt --steps 0 --max-minutes 2 " in pre
     assert pre.endswith("--kl-share --task-weights vt=1 --curriculum 0:2048"), pre
     assert f"--out {s}/train/ckpt " in train and train.endswith(f"--kl-share --init-from {s}/pre/train/ckpt")
