@@ -1666,3 +1666,6 @@ def test_capitals_start_from_the_lowercase_letters(
     assert torch.allclose(w[up], w[low], atol=1e-6)  # (one step at lr 1e-12 moves nothing visible)
     assert main([*args, "--out", str(tmp_path / "c"), "--capitals-from-lowercase"]) != 0
     assert "capitals_from_lowercase needs init_from" in capsys.readouterr().err
+    # a resumed run keeps its own capitals: the flag is refused there, not silently ignored
+    assert main([*args, "--out", str(tmp_path / "d"), "--resume", str(b), "--capitals-from-lowercase"]) != 0
+    assert "not to a resumed run" in capsys.readouterr().err

@@ -638,6 +638,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model.select_dot = cfg.select_dot
     start, log_rows = 0, []
     state = None
+    if cfg.resume and cfg.capitals_from_lowercase:
+        # (the resumed run's capitals are its own trained rows: copying a-z over them would undo them)
+        raise ConfigError("capitals_from_lowercase applies to init_from only, not to a resumed run")
     if cfg.resume:
         state = read_training(cfg.resume)
         start, log_rows = int(state["step"]), state["log"]
