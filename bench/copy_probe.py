@@ -64,12 +64,8 @@ def copied_bytes(text: str) -> list[int]:
     return [i for i, _ in copied_offsets(text)]
 
 
-OFFSETS = (
-    1,
-    2,
-    4,
-    8,
-)  # by_offset's buckets by their first place: 1, 2-3, 4-7, 8 on (a string's 2nd byte is place 1)
+# by_offset's buckets by their first place: 1, 2-3, 4-7, 8 on (a string's 2nd byte is place 1)
+OFFSETS = (1, 2, 4, 8)
 
 
 def copy_loss(eng: Any, rows: int, length: int, seed: int) -> dict[str, dict[str, float]]:

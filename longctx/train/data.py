@@ -26,6 +26,7 @@ import math
 import random
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -285,37 +286,46 @@ def _copy_row(
     its alphabet between any two strings: a repeat is predictable by its earlier occurrence and by
     nothing else in the row."""
     size_pool = rng.randint(4, 24)
+    fresh: Callable[[], str]  # a new string of the row's kind, for pairs
     if hex_fraction > 0.0 and rng.random() < hex_fraction:
         alphabet = "0123456789abcdef"
         pool = [_uuid(rng) for _ in range(size_pool)]
-    elif upper_fraction > 0.0 and rng.random() < upper_fraction:
-        alphabet = string.ascii_uppercase
-        pool = ["".join(rng.choices(alphabet, k=rng.randint(5, 16))) for _ in range(size_pool)]
+        fresh = lambda: _uuid(rng)  # noqa: E731
     else:
-        alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-        pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(size_pool)]
+        if upper_fraction > 0.0 and rng.random() < upper_fraction:
+            alphabet = string.ascii_uppercase
+            pool = ["".join(rng.choices(alphabet, k=rng.randint(5, 16))) for _ in range(size_pool)]
+        else:
+            alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+            pool = ["".join(rng.choices(alphabet, k=rng.randint(8, 48))) for _ in range(size_pool)]
+        lengths = [len(w) for w in pool]  # (pairs: the pool's draw sets the strings' lengths)
+        fresh = lambda: "".join(rng.choices(alphabet, k=rng.choice(lengths)))  # noqa: E731
+    if pairs_fraction > 0.0 and rng.random() < pairs_fraction:
+        return _pairs_row(rng, n, alphabet, fresh)
     out: list[str] = []
     size = 0
-    if pairs_fraction > 0.0 and rng.random() < pairs_fraction:
-        lengths = [len(w) for w in pool]  # (the pool's draw sets the alphabet and the strings' lengths)
-        waiting: list[str] = []  # strings written once
-        while size <= n:
-            if waiting and rng.random() < 0.5:
-                w = waiting.pop(rng.randrange(len(waiting)))
-            elif alphabet == "0123456789abcdef":
-                w = _uuid(rng)
-                waiting.append(w)
-            else:
-                w = "".join(rng.choices(alphabet, k=rng.choice(lengths)))
-                waiting.append(w)
-            chunk = "".join(rng.choices(alphabet, k=rng.randint(1, 24)))
-            out += [chunk, w]
-            size += len(chunk) + len(w) + 2
-        return list(" ".join(out).encode("ascii")[:n])
     while size <= n:  # the joined text is size - 1 bytes long
         w = rng.choice(pool)
         out.append(w)
         size += len(w) + 1
+    return list(" ".join(out).encode("ascii")[:n])
+
+
+def _pairs_row(rng: random.Random, n: int, alphabet: str, fresh: Callable[[], str]) -> list[int]:
+    """`_copy_row`'s pairs layout: a random chunk of 1-24 symbols of `alphabet`, then a string (a `fresh`
+    one, or with even odds one written once before), until n bytes; no string is written a third time."""
+    out: list[str] = []
+    size = 0
+    waiting: list[str] = []  # strings written once
+    while size <= n:
+        if waiting and rng.random() < 0.5:
+            w = waiting.pop(rng.randrange(len(waiting)))
+        else:
+            w = fresh()
+            waiting.append(w)
+        chunk = "".join(rng.choices(alphabet, k=rng.randint(1, 24)))
+        out += [chunk, w]
+        size += len(chunk) + len(w) + 2
     return list(" ".join(out).encode("ascii")[:n])
 
 
