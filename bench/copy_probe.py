@@ -16,7 +16,7 @@ model needs, each scored apart on the CPU or the GPU through `longctx.Engine`:
   the name's next three (plain induction once the name is found).
 
     python -m bench.copy_probe --model models-shipped/retrieval-wip --device cpu
-        [--rows 8] [--copy-length 1024] [--vt-length 2048] [--hops 1,2,4] [--samples 8] [--out DIR]
+        [--backend auto] [--rows 8] [--copy-length 1024] [--vt-length 2048] [--hops 1,2,4] [--samples 8] [--out DIR]
 
 Writes copy-probe.json and copy-probe.md under --out (default .out/copy-probe).
 """
@@ -146,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.copy_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models-shipped/retrieval-wip")
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "torch", "triton"),
+        help="the engine's kernels (torch: nothing to compile on a fresh GPU machine)",
+    )
     p.add_argument("--rows", type=int, default=8, help="copy rows per alphabet")
     p.add_argument("--copy-length", type=int, default=1024)
     p.add_argument("--vt-length", type=int, default=2048)
@@ -166,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         print("copy_probe: --rows / --samples >= 1, --copy-length >= 64, --hops like 1,2,4", file=sys.stderr)
         return 2
     try:
-        with Engine(a.model, device=a.device, max_context=max(a.copy_length, a.vt_length) + 128) as eng:
+        with Engine(
+            a.model, device=a.device, backend=a.backend, max_context=max(a.copy_length, a.vt_length) + 128
+        ) as eng:
             d = {"model": a.model, "device": str(eng.device), "vt_length": a.vt_length,
                  "copy": copy_loss(eng, a.rows, a.copy_length, a.seed),
                  "vt": vt_scores(eng, a.vt_length, hops, a.samples, a.seed)}  # fmt: skip

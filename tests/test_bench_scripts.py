@@ -4,6 +4,8 @@ find a broken script. Seconds each; nothing is written into bench/results."""
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -1666,3 +1668,68 @@ def test_copy_probe_scores_copies_by_alphabet_and_vt_by_chain(tmp_path: Path) ->
     assert d["vt"]["1"]["samples"] == 1 and d["vt"]["1"]["names"] == 2
     assert "| capitals |" in (out / "copy-probe.md").read_text()
     assert main([*args, "--hops", "0"]) == 2
+
+
+def test_gpt_control_learns_the_copy_rows_and_probes_them_on_cpu(tmp_path: Path) -> None:
+    """bench.gpt_control: a tiny plain GPT on pair rows leaves the byte vocabulary's chance (ln 320) for
+    the rows' alphabets within 150 steps, and its probes score every copy-probe alphabet by place."""
+    from bench.copy_probe import ALPHABETS
+    from bench.gpt_control import main
+
+    out = tmp_path / "gc"
+    args = ["--steps", "150", "--device", "cpu", "--seq", "128", "--batch", "8", "--layers", "2", "--hidden", "64",
+            "--heads", "4", "--ffn", "128", "--lr", "3e-3", "--warmup-steps", "10", "--probe-every", "1e9",
+            "--probe-rows", "1", "--probe-length", "128", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    d = json.loads((out / "gpt-control.json").read_text())
+    assert d["losses"][-1]["step"] == 150 and d["losses"][-1]["tokens"] == 150 * 8 * 128
+    assert d["losses"][-1]["loss"] < 4.5 < math.log(320)  # 37 lowercase letters, digits and a space: ~3.6
+    copy = d["probes"][-1]["copy"]
+    assert set(copy) == set(ALPHABETS)
+    for name in ("pairs_lower_digits", "pairs_capitals"):
+        assert copy[name]["by_offset"] and all(math.isfinite(v) for v in copy[name]["by_offset"].values())
+    assert "| 150 |" in (out / "gpt-control.md").read_text()
+    assert main(args[:-2] + ["--out", str(out), "--seq", "0"]) == 2  # bad input: one line, exit 2
+
+
+def test_induction_control_trains_every_variant_then_probes_and_collects(tmp_path: Path) -> None:
+    """bench/induction_control.sh with a stand-in python: the GPT control and four longctx.train variants on
+    pair rows alone (dense ones dense the whole run, *_pre from INIT_FROM), each from a copy of the tree;
+    `probe` scores a copy of each checkpoint with the torch kernels; `collect` packs the logs."""
+    import subprocess
+    import tarfile
+    import time
+
+    fake, calls = _two_gpu_python(tmp_path)
+    s = tmp_path / "ctl"
+    env = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "CONTROL_DIR": str(s),
+        "MINUTES": "2",
+        "OUT": str(tmp_path / "out"),
+    }
+    run = lambda *a: subprocess.run(["bash", "bench/induction_control.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
+                                    capture_output=True, text=True)  # fmt: skip
+    run("start")
+    deadline = time.time() + 60
+    while time.time() < deadline and (not calls.exists() or calls.read_text().count("longctx.train") < 4):
+        time.sleep(0.5)
+    lines = calls.read_text().splitlines()
+    train = {ln.split("--out ")[1].split()[0].split("/")[-2]: ln for ln in lines if "longctx.train" in ln}
+    assert set(train) == {"dense_fresh", "sparse_fresh", "dense_pre", "sparse_pre"}
+    assert any("bench.gpt_control --minutes 2 --device cuda" in ln for ln in lines)
+    for v, ln in train.items():
+        assert "--copy-pairs-fraction 1.0" in ln and "--pose-max 0" in ln and "--max-minutes 2" in ln
+        assert ("--dense-warmup-steps 1000000000" in ln) == v.startswith("dense")
+        assert ("--init-from models-candidates/run31pre" in ln) == v.endswith("_pre")
+    assert (s / "src" / "bench" / "gpt_control.py").exists()
+    probe = run("probe", "mid")
+    assert "sparse_pre: no checkpoint" not in probe.stdout
+    probes = [ln for ln in calls.read_text().splitlines() if "bench.copy_probe" in ln]
+    assert len(probes) == 4 and all("--backend torch" in ln and "/snap/" in ln for ln in probes)
+    assert (s / "snap" / "dense_pre-mid" / "model.safetensors").exists()
+    run("collect")
+    with tarfile.open(tmp_path / "out" / "results.tgz") as t:
+        assert "logs/dense_fresh-stdout.log" in t.getnames()
+    run("stop")
