@@ -6,6 +6,7 @@
 #   bash bench/session.sh start     # launch both lanes (setsid) and return
 #   bash bench/session.sh status    # what each lane is doing, last lines of its log
 #   bash bench/session.sh collect   # pack what is done so far into $OUT (safe to repeat)
+#   bash bench/session.sh until N   # wait while the lanes run (N seconds at most), then status, collect
 #   bash bench/session.sh stop      # kill both lanes
 #
 # Lane A (GPU 0): train the retrieval model for TRAIN_MINUTES (bench/train_bg.sh, TRAIN_ARGS as
@@ -641,6 +642,21 @@ collect)
   fi
   ls -lR "$OUT"
   ;;
+until)
+  # bash bench/session.sh until SECONDS: wait while this machine's session runs, SECONDS at most (less
+  # than the device call's limit_s, with a minute for the collect), then status and collect. It returns
+  # as soon as the lanes are done, and at once, exit 3, on a machine without the session: the device tool
+  # gave the last one back between calls (warm: false), and /tmp went with it.
+  secs=${2:-}
+  [[ "$secs" =~ ^[0-9]+$ ]] || { echo "usage: bench/session.sh until SECONDS (a whole number)"; exit 2; }
+  [ -f "$S/pids" ] || { echo "no session in $S on this machine: it was given back between calls"; exit 3; }
+  end=$((SECONDS + secs))
+  alive() { while read -r pid; do kill -0 "$pid" 2>/dev/null && return 0; done <"$S/pids"; return 1; }
+  while [ "$SECONDS" -lt "$end" ] && alive; do sleep 5; done
+  alive && echo "still running after ${secs}s" || echo "the session's lanes are done"
+  bash "$0" status "${3:-6}"
+  bash "$0" collect
+  ;;
 stop)
   # only this session's process groups: never other users' or tests' processes with similar names
   while read -r pid; do kill -- -"$pid" 2>/dev/null; done <"$S/pids" 2>/dev/null
@@ -650,6 +666,6 @@ stop)
   echo stopped
   ;;
 *)
-  echo "usage: bench/session.sh start|status|collect|stop"; exit 2
+  echo "usage: bench/session.sh start|status|until SECONDS|collect|stop"; exit 2
   ;;
 esac

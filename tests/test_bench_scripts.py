@@ -911,6 +911,39 @@ def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
         assert modules[0] == "bench.gpu_kernel_check" and "bench.step_profile" in modules
 
 
+def test_session_until_returns_when_the_lanes_are_done_and_collects(tmp_path: Path) -> None:
+    """`session.sh until N` ends a device call's wait as soon as the lanes are done (not after N
+    seconds), then reports and collects; on a machine without the session (given back between calls)
+    it says so at once, exit 3; N must be a whole number."""
+    import os
+    import subprocess
+    import time
+
+    fake = tmp_path / "py"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+        'if [ "$3" = "gate" ]; then exit 1; fi\n'
+        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
+        "mkdir -p $o; echo w > $o/model.safetensors; sleep 2; fi\n"  # (training takes a while)
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(tmp_path / "s"), "OUT": str(tmp_path / "out"),
+           "CHECKS": "0", "CAPPED": "0"}  # fmt: skip
+    run = lambda *a, **e: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env={**env, **e},  # noqa: E731
+                                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run("start").returncode == 0
+    t0 = time.time()
+    p = run("until", "300")
+    assert p.returncode == 0, p.stderr
+    assert 2 <= time.time() - t0 < 60 and "the session's lanes are done" in p.stdout
+    assert (tmp_path / "out" / "results.tgz").exists()
+    t0 = time.time()
+    p = run("until", "300", SESSION=str(tmp_path / "elsewhere"))
+    assert p.returncode == 3 and "given back between calls" in p.stdout and time.time() - t0 < 10
+    assert run("until", "9m").returncode == 2
+
+
 def test_session_without_a_checkpoint_still_measures_hisparse_on_the_shipped_model(tmp_path: Path) -> None:
     """Training that dies before its first save (a long row out of memory at step 1) leaves no
     checkpoint: lane A scores nothing but still runs issue 5's measurements, on the shipped model. A
