@@ -266,16 +266,38 @@ def _gpu_case(tmp_path: Path, ngpu: int) -> tuple[Path, Path, Path]:
     return fake, calls, case / "s"
 
 
+def _gate_failing_python(tmp_path: Path, calls: Path | None = None, train_seconds: int = 0) -> Path:
+    """A stand-in python for bench/session.sh on one GPU whose model fails the 4K gate: a `longctx.train`
+    run leaves a checkpoint in its --out after `train_seconds`; with `calls`, each call logs
+    "$CUDA_VISIBLE_DEVICES $PWD argv" there."""
+    fake = tmp_path / "py"
+    log = f'echo "$CUDA_VISIBLE_DEVICES $PWD $*" >> {calls}\n' if calls else ""
+    fake.write_text(
+        "#!/usr/bin/env bash\n" + log + 'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+        'if [ "$3" = "gate" ]; then exit 1; fi\n'
+        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
+        f"mkdir -p $o; echo w > $o/model.safetensors; sleep {train_seconds}; fi\n"
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def _wait_for_calls(calls: Path, seen: str, times: int = 1, seconds: float = 60) -> None:
+    """Wait (`seconds` at most) until `seen` is in a stand-in python's calls log `times` times."""
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and (not calls.exists() or calls.read_text().count(seen) < times):
+        time.sleep(0.5)
+
+
 def _session_until(env: dict[str, str], calls: Path, seen: str, times: int = 1) -> list[str]:
     """`bench/session.sh start` with `env`, wait (60 s at most) until `seen` is in the stand-in python's
     calls log `times` times, then `stop`: the log's lines."""
     import subprocess
-    import time
 
     subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and (not calls.exists() or calls.read_text().count(seen) < times):
-        time.sleep(0.5)
+    _wait_for_calls(calls, seen, times)
     subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
     return calls.read_text().splitlines()
 
@@ -293,9 +315,7 @@ def test_session_script_runs_both_lanes_in_order(tmp_path: Path) -> None:
     run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
     run("start")
-    deadline = time.time() + 60
-    while time.time() < deadline and (not calls.exists() or "--cap-fraction" not in calls.read_text()):
-        time.sleep(0.5)
+    _wait_for_calls(calls, "--cap-fraction")
     run("stop")
     # stop ends this session's processes only (it once matched every `longctx.cli` on the machine)
     time.sleep(0.5)
@@ -382,7 +402,6 @@ def _capped_first_session(tmp_path: Path, gpus: int) -> tuple[list[str], Path]:
     the session directory."""
     import os
     import subprocess
-    import time
 
     fake, calls = _two_gpu_python(tmp_path)
     fake.write_text(fake.read_text().replace("echo 2; exit 0", f"echo {gpus}; exit 0"))
@@ -392,9 +411,7 @@ def _capped_first_session(tmp_path: Path, gpus: int) -> tuple[list[str], Path]:
     run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
     run("start")
-    deadline = time.time() + 90
-    while time.time() < deadline and (not calls.exists() or calls.read_text().count("--cap-fraction") < 2):
-        time.sleep(0.5)
+    _wait_for_calls(calls, "--cap-fraction", 2, seconds=90)
     run("stop")
     return [x for x in calls.read_text().splitlines() if " -c " not in f" {x}"], s
 
@@ -683,9 +700,7 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         subprocess.run(
             ["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True
         )
-        deadline = time.time() + 60
-        while time.time() < deadline and (not calls.exists() or calls.read_text().count("--lengths 1m") < 2):
-            time.sleep(0.5)
+        _wait_for_calls(calls, "--lengths 1m", 2)
         time.sleep(0.5)
         subprocess.run(
             ["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True
@@ -875,17 +890,8 @@ def test_session_gate_skips_the_long_evaluations_and_lanes_run_from_a_copy(
     import subprocess
     import time
 
-    fake = tmp_path / "py"
     calls = tmp_path / "calls"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "$CUDA_VISIBLE_DEVICES $PWD $*" >> {calls}\n'
-        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
-        'if [ "$3" = "gate" ]; then exit 1; fi\n'
-        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
-        "mkdir -p $o; echo w > $o/model.safetensors; fi\n"
-    )
-    fake.chmod(0o755)
+    fake = _gate_failing_python(tmp_path, calls)
     s = tmp_path / "s"
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "VS": "0", "PROFILES": "--phase decode",
            "CHECKS": checks}  # fmt: skip
@@ -919,15 +925,7 @@ def test_session_until_returns_when_the_lanes_are_done_and_collects(tmp_path: Pa
     import subprocess
     import time
 
-    fake = tmp_path / "py"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        'if [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
-        'if [ "$3" = "gate" ]; then exit 1; fi\n'
-        'if [ "$2" = "longctx.train" ]; then o=$(echo "$@" | sed "s/.*--out \\([^ ]*\\).*/\\1/"); '
-        "mkdir -p $o; echo w > $o/model.safetensors; sleep 2; fi\n"  # (training takes a while)
-    )
-    fake.chmod(0o755)
+    fake = _gate_failing_python(tmp_path, train_seconds=2)  # (training takes a while)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(tmp_path / "s"), "OUT": str(tmp_path / "out"),
            "CHECKS": "0", "CAPPED": "0"}  # fmt: skip
     run = lambda *a, **e: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env={**env, **e},  # noqa: E731
@@ -1731,7 +1729,6 @@ def test_induction_control_trains_every_variant_then_probes_and_collects(tmp_pat
     `probe` scores a copy of each checkpoint with the torch kernels; `collect` packs the logs."""
     import subprocess
     import tarfile
-    import time
 
     fake, calls = _two_gpu_python(tmp_path)
     s = tmp_path / "ctl"
@@ -1745,9 +1742,7 @@ def test_induction_control_trains_every_variant_then_probes_and_collects(tmp_pat
     run = lambda *a: subprocess.run(["bash", "bench/induction_control.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
                                     capture_output=True, text=True)  # fmt: skip
     run("start")
-    deadline = time.time() + 60
-    while time.time() < deadline and (not calls.exists() or calls.read_text().count("longctx.train") < 4):
-        time.sleep(0.5)
+    _wait_for_calls(calls, "longctx.train", 4)
     lines = calls.read_text().splitlines()
     train = {ln.split("--out ")[1].split()[0].split("/")[-2]: ln for ln in lines if "longctx.train" in ln}
     assert set(train) == {"dense_fresh", "sparse_fresh", "dense_pre", "sparse_pre"}
