@@ -51,6 +51,7 @@
 #   POSE_FAR and CURRICULUM (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID
 #   copy rows, 0, far PoSE skips, 0, and curriculum, rows on to 256K),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
+#   TRAIN_EXTRA (flags after the rest of default_train_args'; later flags win).
 #   TRAIN_SEED / TASK_WEIGHTS / INIT_FROM (default_train_args' rows seed, 26, `--task-weights`, and the
 #   weights it starts from, the shipped model's), VT_HOPS (`--vt-hops`), COPY_UPPER (`--copy-upper-fraction`), COPY_PAIRS (`--copy-pairs-fraction`), KEY_BINDING=1
 #   (bench.key_binding at 4K on the scored and the shipped model after the 4K gate); CURRICULUM_B /
@@ -174,14 +175,16 @@ default_train_args() {
   # starts from (default the shipped model's; e.g. models-candidates/run29); VT_HOPS: vt rows' chain
   # lengths (`--vt-hops`, e.g. 1,2,3,4; default RULER's 4); COPY_UPPER: the share of copy rows whose strings
   # are capitals (`--copy-upper-fraction`, as vt's names; default none); COPY_PAIRS: the share of copy rows
-  # written as pairs (`--copy-pairs-fraction`: each string twice among random chunks; default none)
+  # written as pairs (`--copy-pairs-fraction`: each string twice among random chunks; default none);
+  # TRAIN_EXTRA: any further flags, last (later flags win: e.g. "--lead-weight 2 --warmup-steps 100")
   echo "--init-from ${INIT_FROM:-models-shipped/retrieval-wip} --lr ${TRAIN_LR:-2e-4} --warmup-steps 30 \
 --needle-weight ${NEEDLE_WEIGHT:-1.0} --needle-form ${NEEDLE_FORM:-bytes} --pose-max 1048576 \
 --pose-far ${POSE_FAR:-0} --chat-fraction 0.25 --document-fraction 0.25 --copy-hex-fraction ${COPY_HEX:-0} \
 --curriculum ${CURRICULUM:-0:4096,1000:16384,2500:65536,4000:131072,5000:262144} \
 --replay-fraction 0.3 --dense-warmup-steps 0 --select auto --seed ${TRAIN_SEED:-26} --index-local-window 64 \
 --kl-share${TASK_WEIGHTS:+ --task-weights $TASK_WEIGHTS}${VT_HOPS:+ --vt-hops $VT_HOPS}\
-${COPY_UPPER:+ --copy-upper-fraction $COPY_UPPER}${COPY_PAIRS:+ --copy-pairs-fraction $COPY_PAIRS}"
+${COPY_UPPER:+ --copy-upper-fraction $COPY_UPPER}${COPY_PAIRS:+ --copy-pairs-fraction $COPY_PAIRS}\
+${TRAIN_EXTRA:+ $TRAIN_EXTRA}"
 }
 
 default_train_args_b() {

@@ -479,7 +479,7 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
 
 
 def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None:
-    """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS / COPY_UPPER / COPY_PAIRS reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
+    """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS / COPY_UPPER / COPY_PAIRS / TRAIN_EXTRA (last) reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
     trained model, then on the shipped one, after the 4K gate and before the 32K scores."""
     import os
 
@@ -487,13 +487,13 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
            "CAPPED": "0", "TRAIN_SEED": "28", "TASK_WEIGHTS": "niah_multikey_1=3,niah_multikey_2=2",
            "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run29", "VT_HOPS": "1,2",
-           "COPY_UPPER": "0.5", "COPY_PAIRS": "0.8"}  # fmt: skip
+           "COPY_UPPER": "0.5", "COPY_PAIRS": "0.8", "TRAIN_EXTRA": "--lead-weight 2 --lr 3e-4"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 28 " in train, train
     assert train.endswith(
         "--task-weights niah_multikey_1=3,niah_multikey_2=2 --vt-hops 1,2 --copy-upper-fraction 0.5 "
-        "--copy-pairs-fraction 0.8"
+        "--copy-pairs-fraction 0.8 --lead-weight 2 --lr 3e-4"
     ), train
     assert "--init-from models-candidates/run29 " in train
     kb = [i for i, x in enumerate(lines) if "bench.key_binding" in x]
@@ -514,12 +514,13 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
         "VT_HOPS",
         "COPY_UPPER",
         "COPY_PAIRS",
+        "TRAIN_EXTRA",
     ):
         env.pop(k)
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 26 " in train and "--task-weights" not in train and "--vt-hops" not in train
-    assert "--copy-upper" not in train and "--copy-pairs" not in train
+    assert "--copy-upper" not in train and "--copy-pairs" not in train and "--lead-weight" not in train
     assert "--init-from models-shipped/retrieval-wip " in train
     assert not any("bench.key_binding" in x for x in lines)
 
