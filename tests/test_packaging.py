@@ -17,11 +17,18 @@ PROBE = (
 )
 
 
-def _probe(*args: str, env: dict[str, str] | None = None) -> list[str]:
+def _python(code: str, *flags: str, env: dict[str, str] | None = None, timeout: int = 120) -> list[str]:
+    """Run `code` in a fresh interpreter from the repository root (so the checkout leads sys.path): its
+    stdout lines; it must exit 0."""
     p = subprocess.run(
-        [sys.executable, *args, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, *flags, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout.splitlines()
 
 
@@ -31,8 +38,7 @@ def test_top_level_kernels_goes_to_the_installed_package(tmp_path: Path) -> None
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("from kernels.sub import MARK\n")
     (other / "sub.py").write_text(f"MARK = {mark!r}\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
-    top, ours, got = _probe(env=env)
+    top, ours, got = _python(PROBE, env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
     assert Path(top) == other / "__init__.py"
     assert Path(ours) == ROOT / "kernels" / "__init__.py"
     assert got == mark
@@ -41,26 +47,11 @@ def test_top_level_kernels_goes_to_the_installed_package(tmp_path: Path) -> None
 def test_top_level_kernels_without_another_stays_empty() -> None:
     # -S: no site-packages, so only the checkout (first, as the cwd) and the standard library are searched;
     # longctx itself is then found from the checkout too.
-    p = subprocess.run(
-        [sys.executable, "-S", "-c", "import kernels; print(kernels.__file__); print(sorted(vars(kernels)))"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr
-    file, names = p.stdout.splitlines()
+    file, names = _python("import kernels; print(kernels.__file__); print(sorted(vars(kernels)))", "-S")
     assert Path(file) == ROOT / "kernels" / "__init__.py"
     assert "__version__" not in names and "CUDAProperties" not in names
 
 
 def test_transformers_model_imports_from_the_checkout() -> None:
     # transformers >= 5.2x imports `kernels` while loading its model classes: the CI failure this guards.
-    p = subprocess.run(
-        [sys.executable, "-c", "from transformers import GlmMoeDsaForCausalLM; print('ok')"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+    assert _python("from transformers import GlmMoeDsaForCausalLM; print('ok')", timeout=300) == ["ok"]
