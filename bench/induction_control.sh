@@ -9,7 +9,7 @@
 #   dense_fresh   python -m longctx.train, configs/retrieval.json from a fresh initialisation, dense
 #                 attention the whole run
 #   sparse_fresh  the same with the indexer's top-k selection from step 0 (the inference model)
-#   dense_pre     from INIT_FROM (default models-candidates/run31pre), dense
+#   dense_pre     from INIT_FROM (default models-shipped/retrieval-wip: retrieves, no induction), dense
 #   sparse_pre    from INIT_FROM, sparse (what run 32's first stage did, there among other rows)
 #
 #   MINUTES=15 bash bench/induction_control.sh start   # detached (setsid): runs on across device calls
@@ -31,7 +31,7 @@ train_args() {
   # $1: a longctx.train variant -> its flags after bench/train_bg.sh's own
   local seq=${SEQ:-1024} init="" dense=0
   case "$1" in
-    *_pre) init="--init-from ${INIT_FROM:-models-candidates/run31pre}" ;;
+    *_pre) init="--init-from ${INIT_FROM:-models-shipped/retrieval-wip}" ;;
   esac
   case "$1" in
     dense_*) dense=1000000000 ;;  # past the nominal schedule: dense the whole run

@@ -1751,7 +1751,7 @@ def test_induction_control_trains_every_variant_then_probes_and_collects(tmp_pat
     for v, ln in train.items():
         assert "--copy-pairs-fraction 1.0" in ln and "--pose-max 0" in ln and "--max-minutes 2" in ln
         assert ("--dense-warmup-steps 1000000000" in ln) == v.startswith("dense")
-        assert ("--init-from models-candidates/run31pre" in ln) == v.endswith("_pre")
+        assert ("--init-from models-shipped/retrieval-wip" in ln) == v.endswith("_pre")
     assert (s / "src" / "bench" / "gpt_control.py").exists()
     probe = run("probe", "mid")
     assert "sparse_pre: no checkpoint" not in probe.stdout
