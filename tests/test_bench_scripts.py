@@ -1762,3 +1762,49 @@ def test_induction_control_trains_every_variant_then_probes_and_collects(tmp_pat
     with tarfile.open(tmp_path / "out" / "results.tgz") as t:
         assert "logs/dense_fresh-stdout.log" in t.getnames()
     run("stop")
+
+
+def test_slim_tree_hides_tracked_paths_from_the_device_copy_and_restores_them(tmp_path: Path) -> None:
+    """bench/slim_tree.sh: a hidden path leaves the index and is ignored (so the device tool's copy
+    skips it) while its files stay on disk; restore brings the index back to HEAD; bad input is one
+    line and exit 2, with staged work never touched."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "models" / "a").mkdir(parents=True)
+    (repo / "models" / "a" / "w.bin").write_bytes(os.urandom(4096))
+    (repo / "keep.txt").write_text("kept\n")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+    def slim(*args: str) -> subprocess.CompletedProcess[str]:
+        script = ROOT / "bench" / "slim_tree.sh"
+        return subprocess.run(["bash", str(script), *args], cwd=repo, capture_output=True, text=True)
+
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    before = int(slim("status").stdout.split("copies ")[1].split()[0])
+    r = slim("hide", "models/a/")
+    assert r.returncode == 0, r.stderr
+    assert "models/a/w.bin" not in git("ls-files")
+    assert git("status", "--porcelain", "--untracked-files=all").splitlines() == ["D  models/a/w.bin"]
+    assert (repo / "models" / "a" / "w.bin").stat().st_size == 4096  # still on disk
+    after = int(r.stdout.split("copies ")[1].split()[0])
+    assert before - after == 4096
+    assert "models/a" in slim("status").stdout
+    # refused: an untracked path, staged changes, no path, an unknown command (one line each, exit 2)
+    assert slim("hide", "nothing/here").returncode == 2
+    for args in (("hide",), ("frobnicate",)):
+        r = slim(*args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    r = slim("restore")
+    assert r.returncode == 0 and "models/a" in r.stdout
+    assert git("status", "--porcelain", "--untracked-files=all") == ""
+    assert slim("restore").returncode == 0 and git("status", "--porcelain") == ""  # twice is harmless
+    (repo / "keep.txt").write_text("changed\n")
+    git("add", "keep.txt")
+    r = slim("hide", "models/a")
+    assert r.returncode == 2 and "staged" in r.stderr
+    assert "models/a/w.bin" in git("ls-files") and git("status", "--porcelain") == "M  keep.txt\n"
