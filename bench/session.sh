@@ -41,7 +41,8 @@
 #   `--index-local-window W`), TOPK=K (the same with `--index-topk K`, the capped 1M lane's too),
 #   CAPPED_SAMPLES / CAPPED_TASKS (the capped 1M lane's samples a task, 5, and tasks, niah_single_1 and
 #   niah_multikey_1), EARLY_1M=N (N niah_single_1 samples at 1M right after the 4K gate;
-#   EARLY_1M_INDICES=I,J,...: those sample indices instead; DIAG_1M=P: below P of 100 on them,
+#   EARLY_1M_INDICES=I,J,...: those sample indices instead; SCORE_32K=0: no 32K or documents scores,
+#   e.g. a TRAIN=0 call on weights an earlier call trained and scored there; DIAG_1M=P: below P of 100 on them,
 #   bench.needle_context at 128K and 1M on the shipped and the trained model and the shipped model's near
 #   1M needles with the top DIAG_TOPK (128) before the other scores),
 #   ALT_WINDOW=W (4 of them with another window before the last 1M run), PARITY_MODEL (the 1M parity's
@@ -320,11 +321,14 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     fi
   fi
   # 32K, then HiSparse at 128K on a RULER prompt (issue 5's hit rate: a few minutes), then the 128K
-  # scores (140 long prefills: the longest part)
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 "${sel[@]}" --out "$S/eval/uncapped"
-  # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
-  "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
-    --tasks niah_single_1,niah_single_2,niah_multikey_1 "${sel[@]}" --out "$S/eval/documents"
+  # scores (140 long prefills: the longest part). SCORE_32K=0: no 32K or documents scores (an earlier
+  # call that trained these weights has them), straight on to the long ones
+  if [ "${SCORE_32K:-1}" = 1 ]; then
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 32k --samples 20 "${sel[@]}" --out "$S/eval/uncapped"
+    # the QA endpoint's prompt (document, then question, no instruction line or answer prefix) at 4K
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --documents \
+      --tasks niah_single_1,niah_single_2,niah_multikey_1 "${sel[@]}" --out "$S/eval/documents"
+  fi
   # HISPARSE=0 (the default with LANE_B=train): issue 5's figures left out, for the scores' time
   [ "${HISPARSE:-1}" = 1 ] && hisparse_measures
   touch "$S/timed.done"  # one GPU: the capped 1M lane starts now, after the only timed figures

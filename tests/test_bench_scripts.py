@@ -1808,3 +1808,20 @@ def test_slim_tree_hides_tracked_paths_from_the_device_copy_and_restores_them(tm
     r = slim("hide", "models/a")
     assert r.returncode == 2 and "staged" in r.stderr
     assert "models/a/w.bin" in git("ls-files") and git("status", "--porcelain") == "M  keep.txt\n"
+
+
+def test_session_score_32k_off_goes_from_the_gate_to_the_long_scores(tmp_path: Path) -> None:
+    """TRAIN=0 SCORE_32K=0 (a call scoring weights an earlier call trained and scored at 4K/32K): the 4K
+    gate, the early 1M samples, then 128K; no 32K and no documents scores."""
+    import os
+
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"), "CHECKS": "0",
+           "HISPARSE": "0", "PARITY": "0", "CAPPED": "0", "TRAIN": "0", "EARLY_1M": "4", "MID_LENGTHS": "",
+           "SCORE_32K": "0"}  # fmt: skip
+    lines = _session_until(env, calls, "--lengths 128k")
+    evals = [x for x in lines if x.startswith("0 ") and "retrieval_eval run" in x]
+    lengths = [x.split("--lengths ")[1].split()[0] for x in evals]
+    assert lengths[:3] == ["4k", "1m", "128k"] and "32k" not in lengths, lengths
+    assert not any("--documents" in x for x in evals)
+    assert all("--model models-shipped/retrieval-wip " in x for x in evals)
