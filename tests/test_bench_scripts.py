@@ -1825,3 +1825,40 @@ def test_session_score_32k_off_goes_from_the_gate_to_the_long_scores(tmp_path: P
     assert lengths[:3] == ["4k", "1m", "128k"] and "32k" not in lengths, lengths
     assert not any("--documents" in x for x in evals)
     assert all("--model models-shipped/retrieval-wip " in x for x in evals)
+
+
+def test_value_repeat_finds_the_first_repeat_and_probes_its_row_on_cpu(tmp_path: Path) -> None:
+    """bench.value_repeat: first_repeat finds the first number written twice; probe_repeat on an answer
+    that writes a needle's value twice gives every layer's shares at that row (the needle, the answer's
+    copy, the needles not written yet), and on a repeated value no needle holds, no shares; a run on the
+    shipped model at 1K writes its rows and table; a task other than niah_multivalue is one line, exit 2."""
+    import torch
+
+    from bench.long_parity import train_model
+    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED
+    from bench.value_repeat import first_repeat, main, probe_repeat
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import load_counter
+
+    assert first_repeat(" 1234567, 7654321, 1234567, 7654321.") == (19, "1234567")
+    assert first_repeat(" 1234567, 7654321.") is None and first_repeat("") is None
+    counter = load_counter(str(WIP))
+    s = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE).sample(
+        "niah_multivalue", 1024, 0
+    )
+    a, b = s.outputs[:2]
+    model = train_model(str(WIP), torch.device("cpu"), {})
+    got = probe_repeat(model, counter, s, f" {a}, {b}, {a}.", torch.device("cpu"))
+    assert got["repeat"] == a and got["needle"] and len(got["layers"]) == 6
+    assert all(0 <= v <= 1 for x in got["layers"] for v in x.values())
+    assert all(max(x[k] for x in got["layers"]) > 0 for k in ("needle", "answer", "unwritten"))
+    assert probe_repeat(model, counter, s, " 1111111, 1111111.", torch.device("cpu")) == {
+        "repeat": "1111111", "needle": False, "layers": None}  # fmt: skip
+    assert probe_repeat(model, counter, s, f" {a}.", torch.device("cpu")) == {"repeat": None}
+    assert main(["--model", str(WIP), "--lengths", "1k", "--samples", "2", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    rows = json.loads((tmp_path / "value-repeat.json").read_text())["results"]["1K"]["rows"]
+    assert [r["index"] for r in rows] == [0, 1] and all(len(r["outputs"]) == 4 for r in rows)
+    assert all((r["repeat"] is None) == (first_repeat(r["pred"]) is None) for r in rows)
+    assert "answers repeating a value" in (tmp_path / "value-repeat.md").read_text()
+    assert main(["--model", str(WIP), "--tasks", "niah_single_1", "--out", str(tmp_path)]) == 2
