@@ -175,6 +175,29 @@ def read_sample_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     return lengths, tasks
 
 
+def open_sample_bench(
+    args: argparse.Namespace, name: str, argv: list[str] | None, device: torch.device
+) -> tuple:
+    """What the benches that probe RULER samples of a trained model one by one (bench.key_binding,
+    bench.value_repeat) start from: the model's token counter, the samples' generator (bench.retrieval_eval's
+    seed and output budget), the model for the training forward with the flags' selection, and the results
+    dict with the model, the selection and the command line."""
+    from bench.long_parity import train_model
+    from longctx.workloads.ruler_tasks import RulerGenerator
+    from longctx.workloads.tokens import load_counter
+
+    counter = load_counter(args.model)
+    gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
+    model = train_model(args.model, device, selection_kwargs(args))
+    res: dict[str, Any] = {
+        "model": args.model,
+        "selection": {k: v for k, v in selection_kwargs(args).items() if v is not None},
+        "command": f"python -m bench.{name} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "results": {},
+    }
+    return counter, gen, model, res
+
+
 def check_trained_model(model: str, args: Any) -> None:
     """LongctxError unless `model` has a tokenizer (the RULER prompts need the trained byte-level model)
     and the parsed flags `args` select as its config can (`bench.common.check_selection`)."""

@@ -104,15 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.common import write_json_md
-    from bench.long_parity import train_model
-    from bench.needle_recall import MAX_NEW_TOKENS_SCALE, SEED, read_sample_args
+    from bench.needle_recall import open_sample_bench, read_sample_args
     from longctx import Engine
     from longctx.engine.args import selection_kwargs
     from longctx.errors import LongctxError
     from longctx.train.loop import resolve_device
     from longctx.workloads.ruler_runner import format_length
-    from longctx.workloads.ruler_tasks import RulerGenerator
-    from longctx.workloads.tokens import load_counter
 
     try:
         lengths, tasks = read_sample_args(args)
@@ -122,15 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except LongctxError as e:
         print(f"value_repeat: {e}", file=sys.stderr)
         return 2
-    counter = load_counter(args.model)
-    gen = RulerGenerator(counter, seed=SEED, max_new_tokens_scale=MAX_NEW_TOKENS_SCALE)
-    model = train_model(args.model, device, selection_kwargs(args))
-
-    res: dict[str, Any] = {
-        "model": args.model,
-        "command": "python -m bench.value_repeat " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "results": {},
-    }
+    counter, gen, model, res = open_sample_bench(args, "value_repeat", argv, device)
     with Engine(
         args.model, device=str(device), max_context=max(lengths), cuda_graphs=False, **selection_kwargs(args)
     ) as eng:
