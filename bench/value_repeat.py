@@ -41,10 +41,10 @@ def first_repeat(pred: str) -> tuple[int, str] | None:
     return None
 
 
-def probe_repeat(model: Any, counter: Any, s: Any, pred: str, device: Any) -> dict[str, Any]:
-    """For sample `s` (its prompt, then the answer `pred`): the first repeated value (`repeat`, None when
-    there is none), whether a needle holds it, and per layer the attention shares at the row that writes
-    it (None when no needle holds it: nothing to compare)."""
+def probe_repeat(model: Any, counter: Any, s: Any, ids: list[int], pred: str, device: Any) -> dict[str, Any]:
+    """For sample `s` (its prompt, `ids` in tokens, then the answer `pred`): the first repeated value
+    (`repeat`, None when there is none), whether a needle holds it, and per layer the attention shares at
+    the row that writes it (None when no needle holds it: nothing to compare)."""
     from bench.key_binding import NEEDLE_RE, probe_row
     from bench.needle_recall import needle_positions
 
@@ -57,7 +57,7 @@ def probe_repeat(model: Any, counter: Any, s: Any, pred: str, device: Any) -> di
     if rep is None:
         return {"repeat": None}
     at, value = rep
-    ids, head = encode(s.input + s.answer_prefix), encode(pred[:at])
+    head = encode(pred[:at])
     written = {m.group(0) for m in VALUE_RE.finditer(pred[:at])}
     spans = [
         needle_positions(ids, encode(value)),
@@ -130,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 ids = counter.encode(s.input + s.answer_prefix)
                 (out,) = eng.generate([ids], max_new_tokens=s.max_new_tokens)
                 pred = out.text or ""
-                row: dict[str, Any] = {"index": i, "pred": pred, "outputs": list(s.outputs), "repeat": None}
-                rows.append(row)
-                row.update(probe_repeat(model, counter, s, pred, device))
+                row = {"index": i, "pred": pred, "outputs": list(s.outputs)}
+                rows.append(row | probe_repeat(model, counter, s, ids, pred, device))
             key = format_length(L)
             res["results"][key] = {"rows": rows}
             print(f"value_repeat: {key} done in {time.time() - t0:.0f}s", file=sys.stderr)

@@ -1848,13 +1848,14 @@ def test_value_repeat_finds_the_first_repeat_and_probes_its_row_on_cpu(tmp_path:
     )
     a, b = s.outputs[:2]
     model = train_model(str(WIP), torch.device("cpu"), {})
-    got = probe_repeat(model, counter, s, f" {a}, {b}, {a}.", torch.device("cpu"))
+    ids = counter.encode(s.input + s.answer_prefix)
+    got = probe_repeat(model, counter, s, ids, f" {a}, {b}, {a}.", torch.device("cpu"))
     assert got["repeat"] == a and got["needle"] and len(got["layers"]) == 6
     assert all(0 <= v <= 1 for x in got["layers"] for v in x.values())
     assert all(max(x[k] for x in got["layers"]) > 0 for k in ("needle", "answer", "unwritten"))
-    assert probe_repeat(model, counter, s, " 1111111, 1111111.", torch.device("cpu")) == {
+    assert probe_repeat(model, counter, s, ids, " 1111111, 1111111.", torch.device("cpu")) == {
         "repeat": "1111111", "needle": False, "layers": None}  # fmt: skip
-    assert probe_repeat(model, counter, s, f" {a}.", torch.device("cpu")) == {"repeat": None}
+    assert probe_repeat(model, counter, s, ids, f" {a}.", torch.device("cpu")) == {"repeat": None}
     assert main(["--model", str(WIP), "--lengths", "1k", "--samples", "2", "--device", "cpu",
                  "--out", str(tmp_path)]) == 0  # fmt: skip
     rows = json.loads((tmp_path / "value-repeat.json").read_text())["results"]["1K"]["rows"]
