@@ -570,6 +570,19 @@ run_lanes() {
 
 case "$cmd" in
 start)
+  # A machine can still be warm from the last call (the device tool's warm: true), its lanes still
+  # scoring in the background: the thirty-sixth session's third call trained into the same
+  # $S/train/ckpt that the second call's lane was scoring, and found that lane's samples "already done".
+  # So an earlier session here is stopped and its files moved aside (Triton's cache stays: its entries
+  # name their files by absolute path).
+  if [ -f "$S/pids" ]; then
+    old=$S.earlier-$(date +%Y%m%d-%H%M%S)-$$
+    bash "$0" stop >/dev/null 2>&1
+    sleep 1
+    mkdir -p "$old"
+    find "$S" -mindepth 1 -maxdepth 1 ! -name triton-cache -exec mv -t "$old" {} +
+    echo "an earlier session was on this machine: its lanes stopped, its files moved to $old"
+  fi
   mkdir -p "$S/logs"
   rm -f "$S/model.ready" "$S/eval.go" "$S/eval.stop" "$S/timed.done" "$S/topk.checked" "$S/topk.compose" \
     "$S/keep.off"

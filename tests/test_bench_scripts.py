@@ -459,6 +459,46 @@ def test_session_one_gpu_scores_the_shipped_model_after_the_training_and_timed_f
     assert len(trained) == 1 and lines.index(trained[0]) > max(shipped)
 
 
+def test_session_start_on_a_warm_machine_stops_the_earlier_session_and_moves_its_files(
+    tmp_path: Path,
+) -> None:
+    """A second `start` while the first session's training still runs (a machine still warm from the last
+    device call): the first one's processes end, its files move to <session>.earlier-*, and the new session
+    starts with none of them (no samples "already done", no checkpoint it did not train)."""
+    import os
+    import subprocess
+    import time
+
+    calls = tmp_path / "calls"
+    fake = _gate_failing_python(tmp_path, calls, train_seconds=60)
+    s = tmp_path / "s"
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0"}
+    run = lambda *a: subprocess.run(["bash", "bench/session.sh", *a], cwd=ROOT, env=env, check=True,  # noqa: E731
+                                    capture_output=True, text=True)  # fmt: skip
+    run("start")
+    try:
+        _wait_for_calls(calls, "longctx.train")
+        (s / "eval").mkdir()
+        (s / "eval" / "results.jsonl").write_text("{}\n")
+        (s / "triton-cache").mkdir(exist_ok=True)
+        (s / "triton-cache" / "entry").write_text("k")
+        first = subprocess.run(
+            ["pgrep", "-f", str(s / "train")], capture_output=True, text=True
+        ).stdout.split()
+        assert first, "the first session's training is not running"
+        said = run("start").stdout
+        assert "an earlier session was on this machine" in said, said
+        (old,) = tmp_path.glob("s.earlier-*")
+        assert (old / "eval" / "results.jsonl").exists() and (old / "logs").is_dir()
+        assert not (s / "eval").exists() and (s / "triton-cache" / "entry").read_text() == "k"
+        time.sleep(0.5)
+        assert not any(os.path.exists(f"/proc/{p}") for p in first), first
+        _wait_for_calls(calls, "longctx.train", times=2)
+        assert calls.read_text().count("longctx.train") == 2
+    finally:
+        run("stop")
+
+
 def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> None:
     """Lane A's fused-selection check: if only the tf32x3 cases fail (the `_ieee` ones pass), training
     keeps the fused selection with --select-dot ieee; if those fail too, the chunked torch form."""
