@@ -115,7 +115,7 @@ def collect(run_dirs: list[Path]) -> dict:
     """Per (task, length, capped): the scores of every finished sample, from each run's results.jsonl;
     `selection`: per such key the engine flags (SELECTION_KEYS) of the runs that scored it."""
     from longctx.workloads.ruler_cli import prompt_form
-    from longctx.workloads.ruler_runner import read_rows
+    from longctx.workloads.ruler_runner import read_rows, unique_rows
 
     scores: dict[tuple[str, int, bool], list[float]] = {}
     latency: dict[tuple[str, int, bool], list[float]] = {}
@@ -129,7 +129,7 @@ def collect(run_dirs: list[Path]) -> dict:
         sel = tuple((k, meta[k]) for k in SELECTION_KEYS if meta.get(k) is not None)
         if meta:  # (a directory without run.json does not say; one from before "form" has "chat")
             forms.add(meta.get("form") or prompt_form(bool(meta.get("chat")), False))
-        for r in read_rows(d / "results.jsonl"):
+        for r in unique_rows(read_rows(d / "results.jsonl")):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))
             selection.setdefault(k, set()).add(sel)

@@ -107,7 +107,8 @@ def test_step_profile_groups_kernels_by_model_part() -> None:
 
 def test_retrieval_eval_merge_pairs_capped_and_uncapped_samples(tmp_path: Path) -> None:
     """`capped_minus_uncapped.1m` compares the samples scored both ways (same seed and index), not the two
-    runs' means over different samples: uncapped 0-4 (4 right), capped 0-7 (7 right, sample 2 wrong)."""
+    runs' means over different samples: uncapped 0-4 (4 right), capped 0-7 (7 right, sample 2 wrong). The
+    uncapped file holds sample 0's row twice (two runs' rows joined): it counts once."""
     from bench.retrieval_eval import main
 
     L = 1 << 20
@@ -119,10 +120,9 @@ def test_retrieval_eval_merge_pairs_capped_and_uncapped_samples(tmp_path: Path) 
         d = tmp_path / name
         d.mkdir()
         (d / "run.json").write_text(json.dumps({"cap_fraction": cap, "form": "raw"}))
-        (d / "results.jsonl").write_text("".join(
-            json.dumps({"task": task, "length": L, "index": i, "seed": 42, "score": s}) + "\n"
-            for (task, i), s in rows.items()
-        ))  # fmt: skip
+        lines = [json.dumps({"task": t, "length": L, "index": i, "seed": 42, "score": s}) + "\n"
+                 for (t, i), s in rows.items()]  # fmt: skip
+        (d / "results.jsonl").write_text("".join(lines + lines[:1] * (name == "u")))
     assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
     res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())
     # niah_single_1 over 0-4: capped 4 right of 5 (0 right, 2 wrong), uncapped 4: 0; multikey over 0-2:

@@ -256,6 +256,34 @@ def test_resume_skips_finished_samples(tmp_path):
         run_samples(RulerGenerator(ByteCounter(), seed=1), extra, more, tmp_path, make_request(gen))
 
 
+def test_one_run_at_a_time_writes_a_directory_and_a_sample_counts_once(tmp_path):
+    keys = plan_keys(RunPlan(("niah_single_1",), (2048,), 2))
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    answers = oracle_answers(0, keys)
+    refused = []
+
+    class Racing(OracleClient):
+        """While this run works, a second run into the same directory is refused, not run twice."""
+
+        def generate(self, reqs):
+            if not refused:
+                with pytest.raises(LongctxError, match="another run is writing"):
+                    run_samples(gen, OracleClient(answers), keys, tmp_path, make_request(gen))
+                refused.append(True)
+            return super().generate(reqs)
+
+    assert run_samples(gen, Racing(answers), keys, tmp_path, make_request(gen)) == 2 and refused
+    assert run_samples(gen, OracleClient(answers), keys, tmp_path, make_request(gen)) == 0  # lock let go
+    # the rows of two runs joined into one file (sample 0 wrong the second time): each sample once, its last row
+    rows = read_rows(tmp_path / "results.jsonl")
+    with (tmp_path / "results.jsonl").open("a") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "score": 0.0 if r["index"] == 0 else r["score"]}) + "\n")
+    summary = write_report(tmp_path, {"model": "m"})
+    assert summary["samples"]["niah_single_1"]["2048"] == 2
+    assert summary["scores"]["niah_single_1"]["2048"] == 50.0
+
+
 def test_report_files(tmp_path):
     keys = plan_keys(RunPlan(("niah_single_1", "qa_1"), (2048, 4096), 2))
     gen = RulerGenerator(ByteCounter(), seed=0)

@@ -3,11 +3,14 @@
 Results are appended to `OUT/results.jsonl` one row per finished sample, so an interrupted run
 resumes where it stopped: a rerun skips every (task, length, index) already there. At the end
 `OUT/results.json` (task x length scores, sample counts, mean latencies, effective lengths) and
-`OUT/ruler.png` (score vs length per task) are written from all rows in the file.
+`OUT/ruler.png` (score vs length per task) are written from all rows in the file, each sample once.
+One run at a time writes a directory: a second run into it while the first runs is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import sys
 from collections import defaultdict
@@ -85,6 +88,12 @@ def _key(row: dict) -> Key:
     return (row["task"], int(row["length"]), int(row["index"]))
 
 
+def unique_rows(rows: list[dict]) -> list[dict]:
+    """Each sample's last row: a sample found twice (the rows of two runs joined into one file)
+    counts once."""
+    return list({_key(r): r for r in rows}.values())
+
+
 def result_row(sample: Sample, res: GenResult) -> dict:
     refs = list(sample.outputs)
     score = METRICS[TASKS[sample.task].metric](res.text, refs)
@@ -123,6 +132,24 @@ def dump_samples(gen: RulerGenerator, keys: Iterable[Key], dump_dir: Path) -> in
     return len(todo)
 
 
+@contextlib.contextmanager
+def _sole_writer(out_dir: Path) -> Iterator[None]:
+    """Hold `out_dir`'s lock while a run appends to it: two runs into one directory would both run
+    every sample neither had found done, and write each twice (the kernel drops the lock when the
+    process ends, however it ends)."""
+    with (out_dir / ".ruler.lock").open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LongctxError(
+                f"another run is writing {out_dir}; wait for it or give another --out"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_samples(
     gen: RulerGenerator,
     client: Client,
@@ -133,6 +160,18 @@ def run_samples(
 ) -> int:
     """Run every key not yet in `out_dir/results.jsonl`; returns how many ran now."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    with _sole_writer(out_dir):
+        return _run_unlocked(gen, client, keys, out_dir, make_request, concurrency)
+
+
+def _run_unlocked(
+    gen: RulerGenerator,
+    client: Client,
+    keys: list[Key],
+    out_dir: Path,
+    make_request: RequestMaker,
+    concurrency: int,
+) -> int:
     path = out_dir / "results.jsonl"
     rows = read_rows(path)
     seeds = {r.get("seed") for r in rows}
@@ -203,9 +242,10 @@ def _run_parallel(gen, client, todo, make_request, concurrency, write) -> None:
 
 # ---- report ----------------------------------------------------------------------------------
 def summarize(rows: list[dict], meta: dict | None = None) -> dict:
-    """Aggregate result rows: per task and length the score (percent), sample count and latency."""
+    """Aggregate result rows (`unique_rows`): per task and length the score (percent), sample count
+    and latency."""
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for r in rows:
+    for r in unique_rows(rows):
         groups[(r["task"], int(r["length"]))].append(r)
     tasks = [t for t in TASKS if any(k[0] == t for k in groups)]
     lengths = sorted({k[1] for k in groups})
