@@ -52,6 +52,7 @@
 #   POSE_FAR and CURRICULUM (default_train_args' rate, 2e-4, needle form, bytes, needle weight, 1.0, UUID
 #   copy rows, 0, far PoSE skips, 0, and curriculum, rows on to 256K),
 #   BF16KV_FIRST=N (then N of them uncapped with a bf16 KV cache), PARITY_FORMS (bench.long_parity's forms).
+#   KV_AB=1 (after the 4K gate, the 4K scores again with `--kv-dtype bf16` into eval/bf16kv).
 #   TRAIN_EXTRA (flags after the rest of default_train_args'; later flags win).
 #   TRAIN_SEED / TASK_WEIGHTS / INIT_FROM (default_train_args' rows seed, 26, `--task-weights`, and the
 #   weights it starts from, the shipped model's), VT_HOPS (`--vt-hops`), COPY_UPPER (`--copy-upper-fraction`), COPY_PAIRS (`--copy-pairs-fraction`), KEY_BINDING=1
@@ -285,6 +286,12 @@ sys.exit(0 if r and all(v["ok"] for v in r.values()) else 3 if ieee and all(ieee
     return 0
   fi
   touch "$S/eval.go"
+  # KV_AB=1: the 4K scores again with a bf16 KV cache (eval/bf16kv, ~90 s): the default on CUDA is fp8,
+  # which cost run 34's multi-value / multi-query ~16 points at 4K on the CPU (docs/training.md, run 35)
+  if [ "${KV_AB:-0}" = 1 ]; then
+    "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 4k --samples 20 --kv-dtype bf16 "${sel[@]}" \
+      --out "$S/eval/bf16kv"
+  fi
   # KEY_BINDING=1: whether the scored model matches a multi-key question's key to its needle
   # (bench.key_binding at 4K, 20 samples; seconds on a GPU), then the shipped model's beside it
   if [ "${KEY_BINDING:-0}" = 1 ]; then

@@ -520,14 +520,16 @@ def test_session_takes_exact_products_when_only_tf32x3_fails(tmp_path: Path) -> 
 
 def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None:
     """TRAIN_SEED / TASK_WEIGHTS / INIT_FROM / VT_HOPS / COPY_UPPER / COPY_PAIRS / TRAIN_EXTRA (last) reach the trainer's flags; KEY_BINDING=1 runs bench.key_binding on the
-    trained model, then on the shipped one, after the 4K gate and before the 32K scores."""
+    trained model, then on the shipped one, after the 4K gate and before the 32K scores; KV_AB=1 scores 4K
+    again with a bf16 KV cache right after the gate."""
     import os
 
     fake, calls, s = _gpu_case(tmp_path, 1)
     env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(tmp_path / "out"), "CHECKS": "0",
            "CAPPED": "0", "TRAIN_SEED": "28", "TASK_WEIGHTS": "niah_multikey_1=3,niah_multikey_2=2",
            "KEY_BINDING": "1", "INIT_FROM": "models-candidates/run29", "VT_HOPS": "1,2",
-           "COPY_UPPER": "0.5", "COPY_PAIRS": "0.8", "TRAIN_EXTRA": "--lead-weight 2 --lr 3e-4"}  # fmt: skip
+           "COPY_UPPER": "0.5", "COPY_PAIRS": "0.8", "TRAIN_EXTRA": "--lead-weight 2 --lr 3e-4",
+           "KV_AB": "1"}  # fmt: skip
     lines = _session_until(env, calls, "--lengths 32k")
     (train,) = [x for x in lines if "longctx.train" in x]
     assert "--seed 28 " in train, train
@@ -543,6 +545,8 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     gate = next(i for i, x in enumerate(lines) if "retrieval_eval gate" in x)
     at_32k = next(i for i, x in enumerate(lines) if "--lengths 32k" in x)
     assert gate < kb[0] < kb[1] < at_32k
+    (kv,) = [i for i, x in enumerate(lines) if "--kv-dtype bf16" in x]
+    assert gate < kv < kb[0] and "--lengths 4k --samples 20" in lines[kv] and f"{s}/eval/bf16kv" in lines[kv]
     # without the knobs: the default seed and mix, no key_binding
     fake, calls, s = _gpu_case(tmp_path, 2)
     env = {**env, "PYTHON": str(fake), "SESSION": str(s)}
@@ -555,6 +559,7 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
         "COPY_UPPER",
         "COPY_PAIRS",
         "TRAIN_EXTRA",
+        "KV_AB",
     ):
         env.pop(k)
     lines = _session_until(env, calls, "--lengths 32k")
@@ -562,7 +567,7 @@ def test_session_trains_a_task_mix_and_reads_key_binding(tmp_path: Path) -> None
     assert "--seed 26 " in train and "--task-weights" not in train and "--vt-hops" not in train
     assert "--copy-upper" not in train and "--copy-pairs" not in train and "--lead-weight" not in train
     assert "--init-from models-shipped/retrieval-wip " in train
-    assert not any("bench.key_binding" in x for x in lines)
+    assert not any("bench.key_binding" in x or "--kv-dtype" in x for x in lines)
 
 
 def test_session_lane_b_starts_from_its_own_weights_and_curriculum(tmp_path: Path) -> None:
