@@ -540,6 +540,41 @@ def test_checkpoint_loads_in_engine_with_training_logits_and_resumes(tmp_path: P
     assert st["moments"] and all("exp_avg_sq" in v for v in st["moments"].values())
 
 
+def test_kv_fp8_training_sees_the_engines_fp8_cache(tmp_path: Path) -> None:
+    """--kv-fp8: the training forward's logits equal the engine's with an fp8 KV cache (fp32 compute,
+    a top-k that covers the prompt, so the fp8 index keys select nothing else), where without it they
+    differ by the quantisation; the gradient passes straight through the rounding."""
+    from longctx import Engine
+    from longctx.train.checkpoint import save_model
+
+    cfg = ModelConfig.from_json(TINY)
+    m = TrainCausalLM(cfg)
+    m.init_weights(int(torch.randint(0, 1000, ())))
+    save_model(m, tmp_path, torch.float32)
+    m.eval()
+    n = int(torch.randint(70, 130, ()))
+    ids = torch.randint(0, 256, (1, n))
+    with Engine(tmp_path, device="cpu", dtype="float32", kv_dtype="fp8_e4m3", index_topk=256) as eng:
+        want = eng.score(ids[0].tolist())
+    scale = want.abs().max()
+    with torch.no_grad():
+        plain = m.logits(m.forward_train(ids, sparse=False)[0])[0]
+        m.kv_fp8 = True
+        seen = m.logits(m.forward_train(ids, sparse=False)[0])[0]
+    assert float((seen - want).abs().max() / scale) <= 1e-4
+    assert float((plain - want).abs().max() / scale) > 1e-3
+    m.train()
+    m.zero_grad()
+    m.logits(m.forward_train(ids, sparse=False)[0]).float().pow(2).mean().backward()
+    grads = [p.grad for name, p in m.named_parameters() if name.endswith("kv_a_proj_with_mqa.weight")]
+    assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
+    # the CLI flag reaches the run's recipe
+    out = tmp_path / "run"
+    args = ["--config", str(TINY), "--out", str(out), "--steps", "1", "--device", "cpu", "--tokens-per-step",
+            "512", "--curriculum", "0:512", "--dense-warmup-steps", "0", "--kv-fp8"]  # fmt: skip
+    assert main(args) == 0 and read_training(out)["recipe"]["kv_fp8"] is True
+
+
 @pytest.mark.parametrize("length", [640])
 def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
     from longctx.train.checkpoint import save_model

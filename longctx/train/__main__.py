@@ -222,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         "exact ieee ones (fp32 FMAs); a GPU that cannot compile tf32x3 falls back to ieee by itself",
     )
     p.add_argument(
+        "--kv-fp8",
+        action="store_true",
+        help="every layer's attention reads its latent and rope as the engine's fp8 KV cache (its default "
+        "on CUDA) serves them, the gradient passing straight through the rounding",
+    )
+    p.add_argument(
         "--sparse-attention",
         choices=SPARSE_ATTENTION_FORMS,
         default=t.sparse_attention,
@@ -363,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             sparse_attention=args.sparse_attention,
             select=args.select,
             select_dot=args.select_dot,
+            kv_fp8=args.kv_fp8,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,

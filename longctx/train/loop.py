@@ -141,6 +141,8 @@ class TrainConfig:
     # the fused selection's fp32 products (TrainCausalLM.select_dot): "tf32x3" (three TF32 tensor-core
     # products, ~1e-6 relative) or "ieee" (exact, fp32 FMAs); see kernels.indexer_topk
     select_dot: str = "tf32x3"
+    # the attention reads the KV as the engine's fp8 cache serves it (TrainCausalLM.kv_fp8)
+    kv_fp8: bool = False
     # filled by the time fit with select auto: ((row length, "torch" | "fused"), ...)
     select_forms: tuple[tuple[int, str], ...] = ()
     # filled by the time fit with auto: ((row length, "gather" | "mask"), ...), the faster form per length
@@ -636,6 +638,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model.sparse_attention = cfg.sparse_attention
     model.select_form = cfg.select
     model.select_dot = cfg.select_dot
+    model.kv_fp8 = cfg.kv_fp8
     start, log_rows = 0, []
     state = None
     if cfg.resume and cfg.capitals_from_lowercase:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longctx.config import ModelConfig, check_local_window
+from longctx.kernels.kv_layout import mla_fp8_roundtrip
 from longctx.kernels.topk import with_narrow_rows
 from longctx.model.indexer import Indexer, local_window_bound, with_local_window
 from longctx.model.mla import MLAttention
@@ -147,6 +148,10 @@ class TrainCausalLM(CausalLM):
         # FMAs a thread per key tile, the tf32x3 one wgmma), or "ieee"; a Triton that cannot compile
         # tf32x3 falls back to ieee on the first call, once, with a line saying so
         self.select_dot = "tf32x3"
+        # True: every layer's attention reads its latent and rope as an fp8 MLA pool serves them (the
+        # engine's default KV on CUDA: the latent in e4m3 per group of 128, the rope in bf16), the
+        # gradient passing straight through the rounding
+        self.kv_fp8 = False
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -267,6 +272,9 @@ class TrainCausalLM(CausalLM):
         ckv = attn.kv_a_proj_with_mqa(x)
         c = attn.kv_a_layernorm(ckv[:, :L])
         r = apply_rope_interleaved(ckv[:, L:], cos, sin)
+        if self.kv_fp8:
+            c8, r8 = mla_fp8_roundtrip(c.detach(), r.detach())
+            c, r = c + (c8 - c.detach()), r + (r8 - r.detach())
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
             k = topk or attn.indexer.topk
