@@ -77,11 +77,13 @@ PY=${PYTHON:-python3}
 TRAIN_WORK=$S/train
 export TRAIN_WORK PYTHONUNBUFFERED=1
 MODEL=$TRAIN_WORK/ckpt
+# sha256 of the shipped weights that bench/results/training/eval-run36a-1m-h200.jsonl scored (lane_score_1m's seeds)
+SEED_1M_SHA=328887d846ff98164119d92a9d5c245509ff4918eb7de1106ce4a50885149877
 [ "${TRAIN:-1}" = 0 ] && MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}  # (TRAIN=0: lane A's model)
 # Triton's compiled kernels live at one path every session (its cache entries name their files by
 # absolute path), so a cache carried from an earlier session (below) is found again
 export TRITON_CACHE_DIR=$S/triton-cache
-export S PY MODEL
+export S PY MODEL SEED_1M_SHA
 cmd=${1:-status}
 ngpu() { "$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0; }
 
@@ -386,8 +388,9 @@ lane_score_1m() {
   # LANE_A=score1m: no training and no 4K-128K scores, for issue 10's 1M figure with 20 samples: SCORE_1M
   # (default 20) niah_single_1 samples at 1M of EVAL_MODEL (default the shipped model), uncapped and under a
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
-  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's of the thirtieth session, run 29
-  # with its config's narrowing, and none for another EVAL_MODEL; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
+  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's uncapped rows of the thirty-seventh
+  # session, run 36a with its config's narrowing, when the shipped weights are those (SEED_1M_SHA), no capped
+  # ones, and none for another EVAL_MODEL; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
   # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
   # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
   # seeded (those rows are the model's own selection's), and TOPK_LONG's graphs are checked first;
@@ -402,10 +405,14 @@ lane_score_1m() {
   mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
   if [ ${#sel[@]} -eq 0 ]; then
     # (the default seeds are the shipped model's rows: another EVAL_MODEL starts afresh unless given its own)
+    # (the committed rows are one set of weights': SEED_1M_SHA names them, and other shipped weights get none)
     local seed_u="" seed_c=""
     if [ "$MODEL" = models-shipped/retrieval-wip ]; then
-      seed_u=bench/results/training/eval-run29-uncapped-1m-h200.jsonl
-      seed_c=bench/results/training/eval-run29-capped-1m-h200.jsonl
+      if [ "$(sha256sum "$MODEL/model.safetensors" | cut -d' ' -f1)" = "$SEED_1M_SHA" ]; then
+        seed_u=bench/results/training/eval-run36a-1m-h200.jsonl
+      else
+        echo "score1m: $MODEL is not the weights the committed 1M rows scored: no seeds"
+      fi
     fi
     seed_u=${SEED_1M_UNCAPPED:-$seed_u} seed_c=${SEED_1M_CAPPED:-$seed_c}
     if [ -n "$seed_u" ] && [ ! -f "$S/eval/uncapped_1m/results.jsonl" ]; then

@@ -291,14 +291,16 @@ def _wait_for_calls(calls: Path, seen: str, times: int = 1, seconds: float = 60)
         time.sleep(0.5)
 
 
-def _session_until(env: dict[str, str], calls: Path, seen: str, times: int = 1) -> list[str]:
-    """`bench/session.sh start` with `env`, wait (60 s at most) until `seen` is in the stand-in python's
-    calls log `times` times, then `stop`: the log's lines."""
+def _session_until(
+    env: dict[str, str], calls: Path, seen: str, times: int = 1, cwd: Path = ROOT
+) -> list[str]:
+    """`bench/session.sh start` with `env` in the tree `cwd`, wait (60 s at most) until `seen` is in the
+    stand-in python's calls log `times` times, then `stop`: the log's lines."""
     import subprocess
 
-    subprocess.run(["bash", "bench/session.sh", "start"], cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(["bash", "bench/session.sh", "start"], cwd=cwd, env=env, check=True, capture_output=True)
     _wait_for_calls(calls, seen, times)
-    subprocess.run(["bash", "bench/session.sh", "stop"], cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(["bash", "bench/session.sh", "stop"], cwd=cwd, env=env, check=True, capture_output=True)
     return calls.read_text().splitlines()
 
 
@@ -770,15 +772,45 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         assert cap[0] == ("1" if ngpu == 2 else "0")
         if ngpu == 1:
             assert lines.index(cap) > lines.index(unc)
-        # the committed samples of the shipped model (run 29, with its config's narrowing) seed both runs
-        # (the runner skips what a file holds)
-        for d, src in (
-            ("uncapped_1m", "eval-run29-uncapped-1m-h200.jsonl"),
-            ("capped_1m", "eval-run29-capped-1m-h200.jsonl"),
-        ):
-            assert (s / "eval" / d / "results.jsonl").read_text() == (
-                ROOT / "bench" / "results" / "training" / src
-            ).read_text()
+        # the committed uncapped samples of the shipped model (run 36a, with its config's narrowing) seed the
+        # uncapped run (the runner skips what a file holds); it has no capped rows yet
+        assert (s / "eval" / "uncapped_1m" / "results.jsonl").read_text() == (
+            ROOT / "bench" / "results" / "training" / "eval-run36a-1m-h200.jsonl"
+        ).read_text()
+        assert not (s / "eval" / "capped_1m" / "results.jsonl").exists()
+
+
+def test_session_score_1m_seeds_name_the_shipped_weights() -> None:
+    """lane_score_1m seeds its 1M runs with committed rows only while the shipped weights are the ones those
+    rows scored: session.sh's SEED_1M_SHA is the sha256 of models-shipped/retrieval-wip/model.safetensors
+    (re-shipping without updating it fails here, instead of mixing one model's rows into another's score)."""
+    import hashlib
+    import re
+
+    (sha,) = re.findall(r"^SEED_1M_SHA=([0-9a-f]{64})$", (ROOT / "bench" / "session.sh").read_text(), re.M)
+    assert sha == hashlib.sha256((WIP / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_session_score_1m_gives_other_shipped_weights_no_seeds(tmp_path: Path) -> None:
+    """LANE_A=score1m on a tree whose shipped weights are not SEED_1M_SHA's: nothing is seeded, and lane
+    A's log says why."""
+    import os
+    import shutil
+
+    tree = tmp_path / "tree"
+    for part in ("bench", "configs", "kernels", "longctx", "pyproject.toml", "README.md"):
+        src = ROOT / part
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tree / part)
+    wip = tree / "models-shipped" / "retrieval-wip"
+    wip.mkdir(parents=True)
+    (wip / "model.safetensors").write_bytes(b"other weights")
+    fake, calls, s = _gpu_case(tmp_path, 1)
+    env = {**os.environ, "PYTHON": str(fake), "SESSION": str(s), "OUT": str(s.parent / "out"),
+           "LANE_A": "score1m", "SCORE_1M": "20", "HISPARSE": "0"}  # fmt: skip
+    lines = [x for x in _session_until(env, calls, "--cap-fraction", cwd=tree) if "retrieval_eval run" in x]
+    assert len(lines) == 2
+    assert not (s / "eval" / "uncapped_1m" / "results.jsonl").exists()
+    assert "no seeds" in (s / "logs" / "lane_a.log").read_text()
 
 
 def test_session_score_1m_lane_with_a_narrowing(tmp_path: Path) -> None:
