@@ -1453,13 +1453,17 @@ def test_needle_recall_forces_the_needle_into_chosen_layers(tmp_path: Path, caps
     topk = ["--index-topk-long", "0", "--index-topk", "112"]
     base = [*head, "--device", "cpu", *topk]
     assert main([*base, "--out", str(tmp_path / "a")]) == 0
-    assert main([*base, "--force-layers", "0,3", "--out", str(tmp_path / "f")]) == 0
     (plain,) = [json.loads(x) for x in (tmp_path / "a" / "needle-recall.jsonl").read_text().splitlines()]
+    assert "forced" not in plain and set(plain["recall"]) == {"0", "1", "3"}
+    # force the full layers whose own selection misses part of the needle (the shipped weights decide
+    # which: run 29's missed it in all three, run 36a's in layers 0 and 1)
+    low = sorted(int(k) for k, v in plain["recall"].items() if v["answer"] < 1)
+    assert low, plain["recall"]
+    forced = ",".join(map(str, low))
+    assert main([*base, "--force-layers", forced, "--out", str(tmp_path / "f")]) == 0
     (row,) = [json.loads(x) for x in (tmp_path / "f" / "needle-recall.jsonl").read_text().splitlines()]
-    assert "forced" not in plain and all(v["answer"] < 1 for v in plain["recall"].values())
-    assert row["forced"]["layers"] == [0, 3] and row["forced"]["rows"] > 0 and row["forced"]["replaced"] > 0
-    assert row["recall"]["0"]["answer"] == row["recall"]["3"]["answer"] == 1.0
-    assert row["recall"]["1"]["answer"] < 1
+    assert row["forced"]["layers"] == low and row["forced"]["rows"] > 0 and row["forced"]["replaced"] > 0
+    assert all(row["recall"][str(k)]["answer"] == 1.0 for k in low)
     capsys.readouterr()
     for bad in ("2", "0,x", "99"):
         assert main([*base, "--force-layers", bad, "--out", str(tmp_path / "x")]) == 2
