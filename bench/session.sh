@@ -404,8 +404,8 @@ lane_score_1m() {
   read -r -a sel <<<"$(selection_flags)"
   mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
   if [ ${#sel[@]} -eq 0 ]; then
-    # (the default seeds are the shipped model's rows: another EVAL_MODEL starts afresh unless given its own)
-    # (the committed rows are one set of weights': SEED_1M_SHA names them, and other shipped weights get none)
+    # (the default seeds are the shipped model's rows, and only while its weights are SEED_1M_SHA's, the ones
+    # those rows scored: another EVAL_MODEL or other shipped weights start afresh unless given their own)
     local seed_u="" seed_c=""
     if [ "$MODEL" = models-shipped/retrieval-wip ]; then
       if [ "$(sha256sum "$MODEL/model.safetensors" | cut -d' ' -f1)" = "$SEED_1M_SHA" ]; then

@@ -179,16 +179,16 @@ def _quantise_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 
 def mla_fp8_roundtrip(latent: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an fp8 MLA pool gives back for these rows: the latent [T, L] quantised per group as
-    `write_mla_kv` does and dequantised, the rope [T, R] through bf16; both in their own dtypes. For a
-    training forward that sees the KV the engine's fp8 cache serves (`longctx.train --kv-fp8`)."""
+    """What an fp8 MLA pool gives back for these rows: latent [T, L] and rope [T, R] written to a scratch
+    pool and read back (`write_mla_kv_ref`, `read_mla_kv_ref`: the latent quantised per group, the rope
+    through bf16), in the latent's dtype. For a training forward that sees the KV the engine's fp8 cache
+    serves (`longctx.train --kv-fp8`)."""
     check(latent.dim() == 2 and rope.dim() == 2, "latent and rope must be 2-D [T, L] / [T, R]")
-    check(latent.shape[0] == rope.shape[0], f"latent has {latent.shape[0]} rows, rope {rope.shape[0]}")
     t, lora = latent.shape
-    g = mla_group_size(lora)
-    q, scale = _quantise_groups(latent, g)
-    deq = q.view(torch.float8_e4m3fn).float().reshape(t, lora // g, g) * scale[..., None]
-    return deq.reshape(t, lora).to(latent.dtype), rope.to(torch.bfloat16).to(rope.dtype)
+    pool = alloc_mla_pool(t, lora, rope.shape[1], "fp8_e4m3", latent.dtype, latent.device)
+    slots = torch.arange(t, device=latent.device)
+    write_mla_kv_ref(pool, slots, latent, rope, "fp8_e4m3")
+    return read_mla_kv_ref(pool, slots, "fp8_e4m3", latent.dtype, lora)
 
 
 # -------------------------------------------------------------------------------------- MLA KV
