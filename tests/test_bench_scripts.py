@@ -1944,3 +1944,43 @@ def test_value_repeat_finds_the_first_repeat_and_probes_its_row_on_cpu(tmp_path:
     assert all((r["repeat"] is None) == (first_repeat(r["pred"]) is None) for r in rows)
     assert "answers repeating a value" in (tmp_path / "value-repeat.md").read_text()
     assert main(["--model", str(WIP), "--tasks", "niah_single_1", "--out", str(tmp_path)]) == 2
+
+
+def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """bench.kv_split: with index_topk above the prompt every key is selected whatever the index keys
+    hold, so fp8 MLA rows with model-dtype index keys score exactly as the all-fp8 cache, and model-dtype
+    rows with fp8 index keys exactly as the all-model-dtype cache; the pools hold the asked kinds."""
+    import torch
+
+    from bench.kv_split import split_pools
+    from longctx import Engine
+    from longctx.kvstore.pool import PagedKVPool
+    from tests.conftest import make_checkpoint, rand_ids, tiny_config
+
+    d = make_checkpoint(tmp_path / "m", tiny_config(index_topk=128), seed=3)
+    ids = rand_ids(100, 0)
+    with Engine(d, device="cpu", kv_dtype="fp8_e4m3") as e:
+        all_fp8 = e.score(ids)
+    with Engine(d, device="cpu") as e:
+        all_model = e.score(ids)
+    assert not torch.allclose(all_fp8, all_model, rtol=1e-3, atol=1e-3)  # (the halves' kinds matter)
+    built: list[PagedKVPool] = []
+    orig = PagedKVPool.__init__
+    kinds = {"fp8": "fp8", "model": "auto"}
+    for mla, index, want in (("fp8", "model", all_fp8), ("model", "fp8", all_model)):
+        monkeypatch.setattr(PagedKVPool, "__init__", orig)  # (monkeypatch restores it after the test)
+        split_pools(mla, index)
+        split = PagedKVPool.__init__
+
+        def keep(self, *a, _split=split, **k):  # type: ignore[no-untyped-def]
+            _split(self, *a, **k)
+            built.append(self)
+
+        monkeypatch.setattr(PagedKVPool, "__init__", keep)
+        with Engine(d, device="cpu") as e:
+            got = e.score(ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        pool = built[-1]
+        assert (pool.kind, pool.index_kind) == (kinds[mla], kinds[index])
+        assert next(iter(pool._mla.values())).dtype == (torch.uint8 if mla == "fp8" else torch.float32)
+        assert next(iter(pool._index.values())).dtype == (torch.uint8 if index == "fp8" else torch.float32)
