@@ -25,6 +25,7 @@ KINDS = {"fp8": "fp8", "model": "auto"}  # this script's names -> the pools' kin
 def split_pools(mla: str, index: str) -> None:
     """Make every PagedKVPool built from here on hold MLA rows of kind `mla` and index keys of `index`."""
     from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool
+
     from longctx.kvstore.pool import PagedKVPool
 
     init = PagedKVPool.__init__
@@ -33,7 +34,9 @@ def split_pools(mla: str, index: str) -> None:
         init(self, cfg, layers, num_pages, KINDS[mla], dtype, device, page_size)
         self.index_kind = KINDS[index]
         L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-        self._mla = {i: alloc_mla_pool(self.num_slots, L, R, self.kind, dtype, device).zero_() for i in layers}
+        self._mla = {
+            i: alloc_mla_pool(self.num_slots, L, R, self.kind, dtype, device).zero_() for i in layers
+        }
         self._index = {
             i: alloc_index_pool(self.num_slots, D, self.index_kind, dtype, device).zero_()
             for i in layers
@@ -47,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mla", choices=sorted(KINDS), required=True, help="the MLA rows' kind")
     p.add_argument("--index", choices=sorted(KINDS), required=True, help="the index keys' kind")
-    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then `bench.retrieval_eval run`'s arguments")
+    p.add_argument(
+        "run_args", nargs=argparse.REMAINDER, help="-- then `bench.retrieval_eval run`'s arguments"
+    )
     args = p.parse_args(argv)
     rest = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
     if "--kv-dtype" in rest or "--cap-fraction" in rest:
