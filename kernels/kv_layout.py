@@ -367,6 +367,19 @@ def read_index_k(pool: torch.Tensor, slots: torch.Tensor, kind: str, out_dtype: 
     return read_index_k_ref(pool, slots, kind, out_dtype)
 
 
+def index_fp8_roundtrip(k: torch.Tensor) -> torch.Tensor:
+    """What an fp8 index pool gives back for these keys: k [T, D] written to a scratch pool of whole pages
+    and read back (`write_index_k_ref`, `read_index_k_ref`: e4m3 with one fp32 scale per key), in k's
+    dtype. For a training forward whose indexers score the keys the engine's fp8 cache serves
+    (`longctx.train --index-fp8`)."""
+    check(k.dim() == 2, "k must be 2-D [T, D]")
+    t, d = k.shape
+    pool = alloc_index_pool(-(-max(t, 1) // PAGE_SIZE) * PAGE_SIZE, d, "fp8_e4m3", k.dtype, k.device)
+    slots = torch.arange(t, device=k.device)
+    write_index_k_ref(pool, slots, k, "fp8_e4m3")
+    return read_index_k_ref(pool, slots, "fp8_e4m3", k.dtype)
+
+
 # ----------------------------------------------------------------------------------- Triton
 
 

@@ -575,6 +575,50 @@ def test_kv_fp8_training_sees_the_engines_fp8_cache(tmp_path: Path) -> None:
     assert main(args) == 0 and read_training(out)["recipe"]["kv_fp8"] is True
 
 
+def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path: Path) -> None:
+    """--index-fp8 (with --kv-fp8): the indexers score the keys the engine's fp8 index cache holds, so
+    the sparse training forward's logits equal the engine's with an fp8 KV cache (fp32 compute) where the
+    top-k is smaller than the prompt; with the MLA rows alone rounded the selection differs; the indexer's
+    key projection still gets a gradient through the rounding."""
+    from longctx import Engine
+    from longctx.kernels.kv_layout import index_fp8_roundtrip
+    from longctx.train.checkpoint import save_model
+
+    cfg = ModelConfig.from_json(TINY)
+    m = TrainCausalLM(cfg)
+    m.init_weights(int(torch.randint(0, 1000, ())))
+    save_model(m, tmp_path, torch.float32)
+    m.eval()
+    n = int(torch.randint(70, 130, ()))
+    assert n > cfg.index_topk
+    ids = torch.randint(0, 256, (1, n))
+    with Engine(tmp_path, device="cpu", dtype="float32", kv_dtype="fp8_e4m3") as eng:
+        want = eng.score(ids[0].tolist())
+    scale = want.abs().max()
+    m.kv_fp8 = True
+    with torch.no_grad():
+        rows_only = m.logits(m.forward_train(ids, sparse=True)[0])[0]
+        m.index_fp8 = True
+        seen = m.logits(m.forward_train(ids, sparse=True)[0])[0]
+    assert float((seen - want).abs().max() / scale) <= 1e-4
+    assert float((rows_only - want).abs().max() / scale) > 1e-3
+    m.train()
+    m.zero_grad()
+    out, aux = m.forward_train(ids, sparse=True, kl_rows=torch.arange(n - 8, n)[None])
+    sum(aux.indexer_kl).backward()
+    grads = [p.grad for name, p in m.named_parameters() if name.endswith("indexer.wk.weight")]
+    assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
+    # the round trip: one scale per key, e4m3's 3 mantissa bits; a partial page is padded, not read
+    k = torch.randn(int(torch.randint(1, 100, ())), cfg.index_head_dim)
+    k8 = index_fp8_roundtrip(k)
+    assert k8.shape == k.shape and float(((k8 - k).abs() / k.abs().amax(-1, keepdim=True)).max()) <= 2**-4
+    # the CLI flag reaches the run's recipe
+    out_dir = tmp_path / "run"
+    args = ["--config", str(TINY), "--out", str(out_dir), "--steps", "1", "--device", "cpu", "--tokens-per-step",
+            "512", "--curriculum", "0:512", "--dense-warmup-steps", "0", "--kv-fp8", "--index-fp8"]  # fmt: skip
+    assert main(args) == 0 and read_training(out_dir)["recipe"]["index_fp8"] is True
+
+
 @pytest.mark.parametrize("length", [640])
 def test_niah_eval_runs_through_engine(tmp_path: Path, length: int) -> None:
     from longctx.train.checkpoint import save_model

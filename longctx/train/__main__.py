@@ -228,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         "on CUDA) serves them, the gradient passing straight through the rounding",
     )
     p.add_argument(
+        "--index-fp8",
+        action="store_true",
+        help="every full layer's indexer scores its keys as the engine's fp8 KV cache serves them (e4m3, "
+        "one scale per key), so training selects the tokens the engine selects; gradient straight through",
+    )
+    p.add_argument(
         "--sparse-attention",
         choices=SPARSE_ATTENTION_FORMS,
         default=t.sparse_attention,
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             select=args.select,
             select_dot=args.select_dot,
             kv_fp8=args.kv_fp8,
+            index_fp8=args.index_fp8,
             advance_exact=args.advance_exact,
             advance_window=args.advance_window,
             advance_min_steps=args.advance_min_steps,

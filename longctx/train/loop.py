@@ -143,6 +143,8 @@ class TrainConfig:
     select_dot: str = "tf32x3"
     # the attention reads the KV as the engine's fp8 cache serves it (TrainCausalLM.kv_fp8)
     kv_fp8: bool = False
+    # the indexers score the keys as the engine's fp8 index cache serves them (TrainCausalLM.index_fp8)
+    index_fp8: bool = False
     # filled by the time fit with select auto: ((row length, "torch" | "fused"), ...)
     select_forms: tuple[tuple[int, str], ...] = ()
     # filled by the time fit with auto: ((row length, "gather" | "mask"), ...), the faster form per length
@@ -639,6 +641,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model.select_form = cfg.select
     model.select_dot = cfg.select_dot
     model.kv_fp8 = cfg.kv_fp8
+    model.index_fp8 = cfg.index_fp8
     start, log_rows = 0, []
     state = None
     if cfg.resume and cfg.capitals_from_lowercase:

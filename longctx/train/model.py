@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longctx.config import ModelConfig, check_local_window
-from longctx.kernels.kv_layout import mla_fp8_roundtrip
+from longctx.kernels.kv_layout import index_fp8_roundtrip, mla_fp8_roundtrip
 from longctx.kernels.topk import with_narrow_rows
 from longctx.model.indexer import Indexer, local_window_bound, with_local_window
 from longctx.model.mla import MLAttention
@@ -152,6 +152,10 @@ class TrainCausalLM(CausalLM):
         # engine's default KV on CUDA: the latent in e4m3 per group of 128, the rope in bf16), the
         # gradient passing straight through the rounding
         self.kv_fp8 = False
+        # True: every full layer's indexer scores its keys as an fp8 index pool serves them (e4m3, one
+        # scale per key: the engine's index keys beside an fp8 MLA pool), so training selects what the
+        # engine's fp8 cache selects; the gradient passes straight through the rounding
+        self.index_fp8 = False
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -277,6 +281,9 @@ class TrainCausalLM(CausalLM):
             c, r = c + (c8 - c.detach()), r + (r8 - r.detach())
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
+            if self.index_fp8:  # the keys the engine's fp8 index cache serves, gradient straight through
+                k8 = index_fp8_roundtrip(ki.detach().reshape(B * S, -1)).view_as(ki)
+                ki = ki + (k8 - ki.detach())
             k = topk or attn.indexer.topk
             sel = self._selection(qi, ki, wi, k) if sparse and k < S else None
         if sel is not None and self._gathers(S):
