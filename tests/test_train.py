@@ -580,8 +580,9 @@ def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path:
     the sparse training forward's logits equal the engine's with an fp8 KV cache (fp32 compute) where the
     top-k is smaller than the prompt; with the MLA rows alone rounded the selection differs; the indexer's
     key projection still gets a gradient through the rounding."""
-    from longctx import Engine
     from longctx.kernels.kv_layout import index_fp8_roundtrip
+
+    from longctx import Engine
     from longctx.train.checkpoint import save_model
 
     cfg = ModelConfig.from_json(TINY)
