@@ -388,9 +388,9 @@ lane_score_1m() {
   # LANE_A=score1m: no training and no 4K-128K scores, for issue 10's 1M figure with 20 samples: SCORE_1M
   # (default 20) niah_single_1 samples at 1M of EVAL_MODEL (default the shipped model), uncapped and under a
   # 10% HiSparse cap, each going on from the samples already scored on that model (SEED_1M_UNCAPPED /
-  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's uncapped rows of the thirty-seventh
-  # session, run 36a with its config's narrowing, when the shipped weights are those (SEED_1M_SHA), no capped
-  # ones, and none for another EVAL_MODEL; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
+  # SEED_1M_CAPPED: results.jsonl files, default the shipped model's rows of the thirty-seventh and
+  # thirty-eighth sessions, run 36a with its config's narrowing, 20 uncapped and 19 capped, when the shipped
+  # weights are those (SEED_1M_SHA), and none for another EVAL_MODEL; the runner skips the samples a file has). First issue 5's figures on it (hisparse_measures without place_bench: the
   # capped 128K RULER decode forked and with LONGCTX_HISPARSE_FORK=0, its step profiles; HISPARSE=0: not).
   # With another selection (selection_flags: WINDOW / TOPK / TOPK_LONG) every run takes it, nothing is
   # seeded (those rows are the model's own selection's), and TOPK_LONG's graphs are checked first;
@@ -410,6 +410,7 @@ lane_score_1m() {
     if [ "$MODEL" = models-shipped/retrieval-wip ]; then
       if [ "$(sha256sum "$MODEL/model.safetensors" | cut -d' ' -f1)" = "$SEED_1M_SHA" ]; then
         seed_u=bench/results/training/eval-run36a-1m-h200.jsonl
+        seed_c=bench/results/training/eval-run36a-1m-capped-h200.jsonl
       else
         echo "score1m: $MODEL is not the weights the committed 1M rows scored: no seeds"
       fi

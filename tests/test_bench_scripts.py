@@ -772,12 +772,15 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         assert cap[0] == ("1" if ngpu == 2 else "0")
         if ngpu == 1:
             assert lines.index(cap) > lines.index(unc)
-        # the committed uncapped samples of the shipped model (run 36a, with its config's narrowing) seed the
-        # uncapped run (the runner skips what a file holds); it has no capped rows yet
-        assert (s / "eval" / "uncapped_1m" / "results.jsonl").read_text() == (
-            ROOT / "bench" / "results" / "training" / "eval-run36a-1m-h200.jsonl"
-        ).read_text()
-        assert not (s / "eval" / "capped_1m" / "results.jsonl").exists()
+        # the committed samples of the shipped model (run 36a, with its config's narrowing) seed the uncapped
+        # and the capped run (the runner skips what a file holds)
+        for run, rows in (
+            ("uncapped_1m", "eval-run36a-1m-h200.jsonl"),
+            ("capped_1m", "eval-run36a-1m-capped-h200.jsonl"),
+        ):
+            assert (s / "eval" / run / "results.jsonl").read_text() == (
+                ROOT / "bench" / "results" / "training" / rows
+            ).read_text()
 
 
 def test_session_score_1m_seeds_name_the_shipped_weights() -> None:
@@ -810,6 +813,7 @@ def test_session_score_1m_gives_other_shipped_weights_no_seeds(tmp_path: Path) -
     lines = [x for x in _session_until(env, calls, "--cap-fraction", cwd=tree) if "retrieval_eval run" in x]
     assert len(lines) == 2
     assert not (s / "eval" / "uncapped_1m" / "results.jsonl").exists()
+    assert not (s / "eval" / "capped_1m" / "results.jsonl").exists()
     assert "no seeds" in (s / "logs" / "lane_a.log").read_text()
 
 
