@@ -540,22 +540,35 @@ def test_checkpoint_loads_in_engine_with_training_logits_and_resumes(tmp_path: P
     assert st["moments"] and all("exp_avg_sq" in v for v in st["moments"].values())
 
 
+def _fp8_engine_case(tmp_path: Path, **engine_kw: int) -> tuple[TrainCausalLM, torch.Tensor, torch.Tensor]:
+    """A random tiny model saved to tmp_path (eval mode), a prompt of 70-130 tokens, and the engine's
+    logits of it with an fp8 KV cache (fp32 compute)."""
+    from longctx import Engine
+    from longctx.train.checkpoint import save_model
+
+    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    m.init_weights(int(torch.randint(0, 1000, ())))
+    save_model(m, tmp_path, torch.float32)
+    m.eval()
+    ids = torch.randint(0, 256, (1, int(torch.randint(70, 130, ()))))
+    with Engine(tmp_path, device="cpu", dtype="float32", kv_dtype="fp8_e4m3", **engine_kw) as eng:
+        want = eng.score(ids[0].tolist())
+    return m, ids, want
+
+
+def _recipe_records(tmp_path: Path, flag: str, key: str) -> None:
+    """A one-step CLI run with `flag` (and --kv-fp8) records `key` true in its recipe."""
+    out = tmp_path / "run"
+    args = ["--config", str(TINY), "--out", str(out), "--steps", "1", "--device", "cpu", "--tokens-per-step",
+            "512", "--curriculum", "0:512", "--dense-warmup-steps", "0", "--kv-fp8", flag]  # fmt: skip
+    assert main(args) == 0 and read_training(out)["recipe"][key] is True
+
+
 def test_kv_fp8_training_sees_the_engines_fp8_cache(tmp_path: Path) -> None:
     """--kv-fp8: the training forward's logits equal the engine's with an fp8 KV cache (fp32 compute,
     a top-k that covers the prompt, so the fp8 index keys select nothing else), where without it they
     differ by the quantisation; the gradient passes straight through the rounding."""
-    from longctx import Engine
-    from longctx.train.checkpoint import save_model
-
-    cfg = ModelConfig.from_json(TINY)
-    m = TrainCausalLM(cfg)
-    m.init_weights(int(torch.randint(0, 1000, ())))
-    save_model(m, tmp_path, torch.float32)
-    m.eval()
-    n = int(torch.randint(70, 130, ()))
-    ids = torch.randint(0, 256, (1, n))
-    with Engine(tmp_path, device="cpu", dtype="float32", kv_dtype="fp8_e4m3", index_topk=256) as eng:
-        want = eng.score(ids[0].tolist())
+    m, ids, want = _fp8_engine_case(tmp_path, index_topk=256)
     scale = want.abs().max()
     with torch.no_grad():
         plain = m.logits(m.forward_train(ids, sparse=False)[0])[0]
@@ -568,11 +581,7 @@ def test_kv_fp8_training_sees_the_engines_fp8_cache(tmp_path: Path) -> None:
     m.logits(m.forward_train(ids, sparse=False)[0]).float().pow(2).mean().backward()
     grads = [p.grad for name, p in m.named_parameters() if name.endswith("kv_a_proj_with_mqa.weight")]
     assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
-    # the CLI flag reaches the run's recipe
-    out = tmp_path / "run"
-    args = ["--config", str(TINY), "--out", str(out), "--steps", "1", "--device", "cpu", "--tokens-per-step",
-            "512", "--curriculum", "0:512", "--dense-warmup-steps", "0", "--kv-fp8"]  # fmt: skip
-    assert main(args) == 0 and read_training(out)["recipe"]["kv_fp8"] is True
+    _recipe_records(tmp_path, "--kv-fp8", "kv_fp8")  # the CLI flag reaches the run's recipe
 
 
 def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path: Path) -> None:
@@ -582,19 +591,9 @@ def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path:
     key projection still gets a gradient through the rounding."""
     from longctx.kernels.kv_layout import index_fp8_roundtrip
 
-    from longctx import Engine
-    from longctx.train.checkpoint import save_model
-
-    cfg = ModelConfig.from_json(TINY)
-    m = TrainCausalLM(cfg)
-    m.init_weights(int(torch.randint(0, 1000, ())))
-    save_model(m, tmp_path, torch.float32)
-    m.eval()
-    n = int(torch.randint(70, 130, ()))
-    assert n > cfg.index_topk
-    ids = torch.randint(0, 256, (1, n))
-    with Engine(tmp_path, device="cpu", dtype="float32", kv_dtype="fp8_e4m3") as eng:
-        want = eng.score(ids[0].tolist())
+    m, ids, want = _fp8_engine_case(tmp_path)
+    n = ids.shape[1]
+    assert n > m.cfg.index_topk
     scale = want.abs().max()
     m.kv_fp8 = True
     with torch.no_grad():
@@ -605,19 +604,15 @@ def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path:
     assert float((rows_only - want).abs().max() / scale) > 1e-3
     m.train()
     m.zero_grad()
-    out, aux = m.forward_train(ids, sparse=True, kl_rows=torch.arange(n - 8, n)[None])
+    _, aux = m.forward_train(ids, sparse=True, kl_rows=torch.arange(n - 8, n)[None])
     sum(aux.indexer_kl).backward()
     grads = [p.grad for name, p in m.named_parameters() if name.endswith("indexer.wk.weight")]
     assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
     # the round trip: one scale per key, e4m3's 3 mantissa bits; a partial page is padded, not read
-    k = torch.randn(int(torch.randint(1, 100, ())), cfg.index_head_dim)
+    k = torch.randn(int(torch.randint(1, 100, ())), m.cfg.index_head_dim)
     k8 = index_fp8_roundtrip(k)
     assert k8.shape == k.shape and float(((k8 - k).abs() / k.abs().amax(-1, keepdim=True)).max()) <= 2**-4
-    # the CLI flag reaches the run's recipe
-    out_dir = tmp_path / "run"
-    args = ["--config", str(TINY), "--out", str(out_dir), "--steps", "1", "--device", "cpu", "--tokens-per-step",
-            "512", "--curriculum", "0:512", "--dense-warmup-steps", "0", "--kv-fp8", "--index-fp8"]  # fmt: skip
-    assert main(args) == 0 and read_training(out_dir)["recipe"]["index_fp8"] is True
+    _recipe_records(tmp_path, "--index-fp8", "index_fp8")
 
 
 @pytest.mark.parametrize("length", [640])
