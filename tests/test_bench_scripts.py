@@ -1956,11 +1956,17 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
     rows with fp8 index keys exactly as the all-model-dtype cache; the pools hold the asked kinds."""
     import torch
 
+    from bench.kv_split import main as kv_split
     from bench.kv_split import split_pools
     from longctx import Engine
     from longctx.kvstore.pool import PagedKVPool
     from tests.conftest import make_checkpoint, rand_ids, tiny_config
 
+    # the split sets the kinds itself: a whole-cache dtype or a HiSparse cap is refused, in one line
+    for extra in (["--kv-dtype", "bf16"], ["--cap-fraction", "0.1"]):
+        with pytest.raises(SystemExit) as exc:
+            kv_split(["--mla", "fp8", "--index", "model", "--", "--model", "m", "--out", "o", *extra])
+        assert exc.value.code == 2
     d = make_checkpoint(tmp_path / "m", tiny_config(index_topk=128), seed=3)
     ids = rand_ids(100, 0)
     with Engine(d, device="cpu", kv_dtype="fp8_e4m3") as e:
