@@ -123,3 +123,18 @@ def test_preallocated_requests_never_exceed_what_the_pool_holds_at_max_context()
     assert preallocated_requests(64, 1000, 64, 300, 4000) == 16
     assert preallocated_requests(4, 10, 64, 300, 1 << 20) == 1
     assert preallocated_requests(64, 1000, 64, 300, None) == 1  # a request may take every page
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16"])
+def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype):
+    """The fp8 cache (CUDA's default: 656-byte-style rows, page-major fp8 index keys) and the bf16 one
+    swap the same bytes in as they wrote out: capped logits and tokens equal uncapped ones in that dtype."""
+    prompts = [_ids(110, 5), _ids(45, 6)]
+    score_ids = _ids(140, 7)
+    ref_logits, ref_tokens, _ = _run(model_dir, prompts, score_ids, kv_dtype=kv_dtype)
+    logits, tokens, stats = _run(model_dir, prompts, score_ids, kv_dtype=kv_dtype, hisparse_device_tokens=CAP)
+    assert _rel(logits, ref_logits) <= 1e-6
+    assert tokens == ref_tokens
+    hs = stats["hisparse"]
+    assert hs["misses"] > 0 and hs["swap_bytes"] > 0 and 0 < hs["device_tokens_max"] <= CAP
+    assert stats["kv_kind"] == ("fp8" if kv_dtype == "fp8_e4m3" else "bf16")
