@@ -125,14 +125,17 @@ def test_preallocated_requests_never_exceed_what_the_pool_holds_at_max_context()
     assert preallocated_requests(64, 1000, 64, 300, None) == 1  # a request may take every page
 
 
+@pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16"])
-def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype):
+def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype, pp):
     """The fp8 cache (CUDA's default: 656-byte-style rows, page-major fp8 index keys) and the bf16 one
-    swap the same bytes in as they wrote out: capped logits and tokens equal uncapped ones in that dtype."""
+    swap the same bytes in as they wrote out: capped logits and tokens equal uncapped ones in that dtype,
+    in one process and over two pipeline stages."""
     prompts = [_ids(110, 5), _ids(45, 6)]
     score_ids = _ids(140, 7)
-    ref_logits, ref_tokens, _ = _run(model_dir, prompts, score_ids, kv_dtype=kv_dtype)
-    logits, tokens, stats = _run(model_dir, prompts, score_ids, kv_dtype=kv_dtype, hisparse_device_tokens=CAP)
+    kw = {"kv_dtype": kv_dtype, "pp": pp, "max_context": 200}
+    ref_logits, ref_tokens, _ = _run(model_dir, prompts, score_ids, **kw)
+    logits, tokens, stats = _run(model_dir, prompts, score_ids, hisparse_device_tokens=CAP, **kw)
     assert _rel(logits, ref_logits) <= 1e-6
     assert tokens == ref_tokens
     hs = stats["hisparse"]
