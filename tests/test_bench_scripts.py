@@ -1994,3 +1994,19 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
         assert (pool.kind, pool.index_kind) == (kinds[mla], kinds[index])
         assert next(iter(pool._mla.values())).dtype == (torch.uint8 if mla == "fp8" else torch.float32)
         assert next(iter(pool._index.values())).dtype == (torch.uint8 if index == "fp8" else torch.float32)
+    # fp8 rows in chosen layers only (model-dtype pools, each write rounded as an fp8 pool stores it): all
+    # the layers is the fp8 rows' cache again; one layer is neither cache
+    n = tiny_config().num_hidden_layers
+    monkeypatch.setattr(PagedKVPool, "after_write", PagedKVPool.after_write)
+    for layers, want in ((frozenset(range(n)), all_fp8), (frozenset({1}), None)):
+        monkeypatch.setattr(PagedKVPool, "__init__", orig)
+        split_pools("fp8", "model", layers)
+        with Engine(d, device="cpu") as e:
+            got = e.score(ids)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert not torch.allclose(got, all_fp8, rtol=1e-4, atol=1e-4)
+            assert not torch.allclose(got, all_model, rtol=1e-4, atol=1e-4)
+    with pytest.raises(SystemExit):
+        kv_split(["--mla", "model", "--index", "model", "--layers", "1", "--", "--model", "m", "--out", "o"])
