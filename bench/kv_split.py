@@ -30,7 +30,7 @@ def split_pools(mla: str, index: str, fp8_layers: frozenset[int] | None = None) 
     `fp8_layers` (with mla "fp8"): only these layers' rows in fp8, the others' in the model dtype. Their
     pools hold the model dtype and each write is replaced at once by what an fp8 pool would give back
     (`mla_fp8_roundtrip`), which is every value an fp8 pool's reads return."""
-    from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_fp8_roundtrip
+    from longctx.kernels.kv_layout import alloc_index_pool, mla_fp8_roundtrip
 
     from longctx.kvstore.pool import PagedKVPool
 
@@ -38,12 +38,12 @@ def split_pools(mla: str, index: str, fp8_layers: frozenset[int] | None = None) 
     rows_kind = KINDS["model"] if fp8_layers is not None else KINDS[mla]
 
     def __init__(self, cfg, layers, num_pages, kind, dtype, device, page_size=64):  # type: ignore[no-untyped-def]
-        init(self, cfg, layers, num_pages, rows_kind, dtype, device, page_size)
-        self.index_kind = KINDS[index]
-        L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-        self._mla = {
-            i: alloc_mla_pool(self.num_slots, L, R, self.kind, dtype, device).zero_() for i in layers
-        }
+        init(
+            self, cfg, layers, num_pages, rows_kind, dtype, device, page_size
+        )  # (its MLA pools are as asked)
+        if self.index_kind == KINDS[index]:
+            return
+        self.index_kind, D = KINDS[index], cfg.index_head_dim
         self._index = {
             i: alloc_index_pool(self.num_slots, D, self.index_kind, dtype, device).zero_()
             for i in layers

@@ -1956,8 +1956,8 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
     rows with fp8 index keys exactly as the all-model-dtype cache; the pools hold the asked kinds."""
     import torch
 
+    from bench.kv_split import KINDS, split_pools
     from bench.kv_split import main as kv_split
-    from bench.kv_split import split_pools
     from longctx import Engine
     from longctx.kvstore.pool import PagedKVPool
     from tests.conftest import make_checkpoint, rand_ids, tiny_config
@@ -1976,7 +1976,6 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
     assert not torch.allclose(all_fp8, all_model, rtol=1e-3, atol=1e-3)  # (the halves' kinds matter)
     built: list[PagedKVPool] = []
     orig = PagedKVPool.__init__
-    kinds = {"fp8": "fp8", "model": "auto"}
     for mla, index, want in (("fp8", "model", all_fp8), ("model", "fp8", all_model)):
         monkeypatch.setattr(PagedKVPool, "__init__", orig)  # (monkeypatch restores it after the test)
         split_pools(mla, index)
@@ -1991,7 +1990,7 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
             got = e.score(ids)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         pool = built[-1]
-        assert (pool.kind, pool.index_kind) == (kinds[mla], kinds[index])
+        assert (pool.kind, pool.index_kind) == (KINDS[mla], KINDS[index])
         assert next(iter(pool._mla.values())).dtype == (torch.uint8 if mla == "fp8" else torch.float32)
         assert next(iter(pool._index.values())).dtype == (torch.uint8 if index == "fp8" else torch.float32)
     # fp8 rows in chosen layers only (model-dtype pools, each write rounded as an fp8 pool stores it): all
