@@ -4,7 +4,9 @@ The engine stores both halves of a token's KV in one kind (`kv_dtype`: fp8 MLA r
 keys, a model-dtype cache holds both in the model dtype). This runs `bench.retrieval_eval run` with the
 two halves split: `--mla fp8 --index model` (fp8 latent + rope rows, model-dtype index keys) or `--mla
 model --index fp8`, by building each stage's pools with the other half's kind. Diagnostic only (the
-engine has no such option); the torch references read either layout on any device.
+engine keeps a layer's index keys in the kind of its rows); the torch references read either layout on any
+device. `--layers L,..` keeps the other layers' rows in the model dtype, as the engine's `kv_fp8_skip_layers`
+does with the complement.
 
     python -m bench.kv_split --mla fp8 --index model -- --model DIR --lengths 4k --samples 20 \
         --tasks niah_multivalue,niah_multiquery --out R
@@ -15,52 +17,39 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from longctx.kvstore.pool import KVKinds, PagedKVPool  # noqa: E402
+
 KINDS = {"fp8": "fp8", "model": "auto"}  # this script's names -> the pools' kinds
+
+
+@dataclass(frozen=True)
+class SplitKinds(KVKinds):
+    """KVKinds whose index keys are all of `index_base`, whatever the rows beside them are."""
+
+    index_base: str = "auto"
+
+    def index(self, layer: int) -> str:
+        return self.index_base
 
 
 def split_pools(mla: str, index: str, fp8_layers: frozenset[int] | None = None) -> None:
     """Make every PagedKVPool built from here on hold MLA rows of kind `mla` and index keys of `index`.
 
-    `fp8_layers` (with mla "fp8"): only these layers' rows in fp8, the others' in the model dtype. Their
-    pools hold the model dtype and each write is replaced at once by what an fp8 pool would give back
-    (`mla_fp8_roundtrip`), which is every value an fp8 pool's reads return."""
-    from longctx.kernels.kv_layout import alloc_index_pool, mla_fp8_roundtrip
-
-    from longctx.kvstore.pool import PagedKVPool
-
+    `fp8_layers` (with mla "fp8"): only these layers' rows in fp8, the others' in the model dtype."""
     init = PagedKVPool.__init__
-    rows_kind = KINDS["model"] if fp8_layers is not None else KINDS[mla]
 
     def __init__(self, cfg, layers, num_pages, kind, dtype, device, page_size=64):  # type: ignore[no-untyped-def]
-        init(
-            self, cfg, layers, num_pages, rows_kind, dtype, device, page_size
-        )  # (its MLA pools are as asked)
-        if self.index_kind == KINDS[index]:
-            return
-        self.index_kind, D = KINDS[index], cfg.index_head_dim
-        self._index = {
-            i: alloc_index_pool(self.num_slots, D, self.index_kind, dtype, device).zero_()
-            for i in layers
-            if cfg.is_full_indexer(i)
-        }
+        everyone = frozenset(range(cfg.num_hidden_layers))
+        keep = everyone - fp8_layers if fp8_layers is not None else frozenset()
+        kinds = SplitKinds(KINDS[mla], keep, KINDS[index])
+        init(self, cfg, layers, num_pages, kinds, dtype, device, page_size)
 
     PagedKVPool.__init__ = __init__  # type: ignore[method-assign]
-    if fp8_layers is None:
-        return
-
-    def after_write(self, layer, ctx):  # type: ignore[no-untyped-def]
-        if layer in fp8_layers:
-            pool, slots, lora = self._mla[layer], ctx.slot_mapping.long(), self.cfg.kv_lora_rank
-            c, r = mla_fp8_roundtrip(pool[slots, :lora], pool[slots, lora:])
-            pool[slots] = torch.cat([c, r.to(c.dtype)], -1)
-
-    PagedKVPool.after_write = after_write  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     rest = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
-    if "--kv-dtype" in rest or "--cap-fraction" in rest:
+    if {"--kv-dtype", "--kv-fp8-skip-layers", "--cap-fraction"} & set(rest):
         p.error("the split sets the KV kinds itself and covers the uncapped pools only")
     layers = None
     if args.layers is not None:

@@ -47,8 +47,8 @@ ONE_M = 1 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 RUN_META = "run.json"
 # run.json's keys that change how the same weights select or store: `run`'s engine flags, passed on to
-# `longctx ruler` as --index-topk ... --kv-dtype
-SELECTION_KEYS = (*SELECTION_FIELDS, "kv_dtype")
+# `longctx ruler` as --index-topk ... --kv-dtype --kv-fp8-skip-layers
+SELECTION_KEYS = (*SELECTION_FIELDS, "kv_dtype", "kv_fp8_skip_layers")
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
 MAX_NEW_TOKENS_SCALE = "0.5"
 # --documents sends no answer prefix: the model writes RULER's answer sentence (~80 bytes) before the
@@ -197,7 +197,8 @@ def merge(args: argparse.Namespace) -> int:
         task, L, capped = mixed[0]
         print(
             f"merge: {task} at {length_name(L)}{' capped' if capped else ''} comes from runs that select "
-            "differently (--index-topk / --index-local-window / --index-topk-long / --kv-dtype); merge them apart",
+            "differently (--index-topk / --index-local-window / --index-topk-long / --kv-dtype / "
+            "--kv-fp8-skip-layers); merge them apart",
             file=sys.stderr,
         )
         return 2
@@ -367,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=KV_DTYPE_CHOICES,
         default=None,
         help="score the same weights with this KV cache dtype (`longctx ruler --kv-dtype`; CUDA's default fp8)",
+    )
+    r.add_argument(
+        "--kv-fp8-skip-layers",
+        default=None,
+        metavar="L,..",
+        help="layers an fp8 cache keeps in the model dtype, or 'none' (`longctx ruler --kv-fp8-skip-layers`; "
+        "default the model's)",
     )
     r.add_argument("--out", required=True)
     r.set_defaults(func=run)

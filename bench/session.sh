@@ -400,7 +400,7 @@ lane_score_1m() {
   # measures, the uncapped samples, then the capped ones)
   export CUDA_VISIBLE_DEVICES=$1
   MODEL=${EVAL_MODEL:-models-shipped/retrieval-wip}
-  local n=${SCORE_1M:-20} runs=() sel=()
+  local n=${SCORE_1M:-20} runs=() sel=() kvf=()
   read -r -a sel <<<"$(selection_flags)"
   mkdir -p "$S/eval/uncapped_1m" "$S/eval/capped_1m"
   if [ ${#sel[@]} -eq 0 ]; then
@@ -411,6 +411,12 @@ lane_score_1m() {
       if [ "$(sha256sum "$MODEL/model.safetensors" | cut -d' ' -f1)" = "$SEED_1M_SHA" ]; then
         seed_u=bench/results/training/eval-run36a-1m-h200.jsonl
         seed_c=bench/results/training/eval-run36a-1m-capped-h200.jsonl
+        # those rows scored an fp8 cache of every layer: where the config now keeps layers out of fp8
+        # (kv_fp8_skip_layers), the runs that go on from them store the KV as they did
+        if grep -q '"kv_fp8_skip_layers"' "$MODEL/config.json"; then
+          kvf=(--kv-fp8-skip-layers none)
+          echo "score1m: the seeded 1M runs keep every layer in fp8, as their committed rows did"
+        fi
       else
         echo "score1m: $MODEL is not the weights the committed 1M rows scored: no seeds"
       fi
@@ -450,7 +456,7 @@ lane_score_1m() {
     local cap=()
     [ "$r" = capped_1m ] && cap=(--cap-fraction 0.1)
     "$PY" -m bench.retrieval_eval run --model "$MODEL" --lengths 1m --samples "$n" --concurrency 1 \
-      --tasks "${SCORE_TASKS:-niah_single_1}" "${cap[@]}" "${sel[@]}" --out "$S/eval/$r"
+      --tasks "${SCORE_TASKS:-niah_single_1}" "${cap[@]}" "${sel[@]}" "${kvf[@]}" --out "$S/eval/$r"
   done
 }
 

@@ -51,6 +51,10 @@ class ModelConfig:
     # to 128K read its near needles back at 1M only with fewer of them (docs/training.md, run 26)
     index_topk_long: int = 0
     index_topk_long_from: int = 0
+    # longctx's own too: layers whose KV an fp8 cache keeps in the model dtype (latent + rope rows and,
+    # on full layers, index keys). A checkpoint names the layers e4m3 rounding costs it; `Engine(...,
+    # kv_fp8_skip_layers=)` overrides it
+    kv_fp8_skip_layers: tuple[int, ...] = ()
     indexer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
     first_k_dense_replace: int = 3
@@ -143,6 +147,8 @@ class ModelConfig:
             k = min(int(d.get("first_k_dense_replace", cls.first_k_dense_replace)), n)
             mlt = ["dense"] * k + ["sparse"] * (n - k)
         kw["mlp_layer_types"] = tuple(mlt)
+        if "kv_fp8_skip_layers" in d:
+            kw["kv_fp8_skip_layers"] = check_kv_fp8_skip_layers(d["kv_fp8_skip_layers"], n)
         q = d.get("quantization_config")
         if q:
             if q.get("quant_method") != "fp8":
@@ -184,6 +190,7 @@ class ModelConfig:
             raise ConfigError("index_head_dim must be at least qk_rope_head_dim")
         check_local_window(self.index_local_window, self.index_topk)
         check_topk_long(self)
+        check_kv_fp8_skip_layers(self.kv_fp8_skip_layers, n)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers reads (and longctx reads back identically)."""
@@ -194,6 +201,10 @@ class ModelConfig:
         if not self.index_topk_long:
             d.pop("index_topk_long")
             d.pop("index_topk_long_from")
+        if self.kv_fp8_skip_layers:
+            d["kv_fp8_skip_layers"] = list(self.kv_fp8_skip_layers)
+        else:
+            d.pop("kv_fp8_skip_layers")
         d["indexer_types"] = list(self.indexer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["architectures"] = [ARCHITECTURES[self.model_type]]
@@ -216,6 +227,20 @@ def check_local_window(window: object, topk: int) -> None:
     """`index_local_window` must be an int in [0, index_topk): the window takes part of the top-k's budget."""
     if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < topk:
         raise ConfigError(f"index_local_window must be an int in [0, index_topk = {topk}), got {window!r}")
+
+
+def check_kv_fp8_skip_layers(layers: object, num_layers: int) -> tuple[int, ...]:
+    """`kv_fp8_skip_layers`: distinct layer numbers in [0, num_layers), as a sorted tuple."""
+    items = list(layers) if isinstance(layers, list | tuple) else None
+    if (
+        items is None
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in items)
+        or len(set(items)) != len(items)
+    ):
+        raise ConfigError(
+            f"kv_fp8_skip_layers must be distinct layer numbers in [0, {num_layers}), got {layers!r}"
+        )
+    return tuple(sorted(items))
 
 
 def check_topk_long(cfg: ModelConfig) -> None:

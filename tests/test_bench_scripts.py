@@ -159,6 +159,8 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
                 "16",
                 "--kv-dtype",
                 "bf16",
+                "--kv-fp8-skip-layers",
+                "1",
                 "--index-topk-long",
                 "32",
                 "--index-topk-long-from",
@@ -187,7 +189,7 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     assert main(["merge", str(t), "--out", str(tmp_path / "m3")]) == 0
     sel = json.loads((tmp_path / "m3" / "retrieval-h200.json").read_text())["selection"]["niah_single_1.1k"]
     assert sel == {"index_topk": 64, "index_local_window": 16, "index_topk_long": 32,
-                   "index_topk_long_from": 512, "kv_dtype": "bf16"}  # fmt: skip
+                   "index_topk_long_from": 512, "kv_dtype": "bf16", "kv_fp8_skip_layers": "1"}  # fmt: skip
     assert res["samples"]["niah_single_1.1k"] == 1 and 0 <= res["niah_single_1.1k"] <= 100
     assert (tmp_path / "m" / "retrieval-h200.png").stat().st_size > 0 and res["chat"] is False
     # the chat form: ruler's --chat prompts, recorded; it is never merged with raw-prompt runs
@@ -762,6 +764,9 @@ def test_session_score_1m_lane(tmp_path: Path) -> None:
         runs = [x for x in lines if "retrieval_eval run" in x]
         assert len(runs) == 2 and all(shipped in x and "--lengths 1m --samples 12 " in x for x in runs)
         assert all("--tasks niah_single_1" in x for x in runs)
+        # the shipped config keeps layer 4 out of the fp8 cache; the seeded runs store every layer in fp8, as
+        # their committed rows did
+        assert all("--kv-fp8-skip-layers none" in x for x in runs)
         (unc,) = [x for x in runs if "--cap-fraction" not in x]
         (cap,) = [x for x in runs if "--cap-fraction 0.1" in x]
         assert f"--out {s}/eval/uncapped_1m" in unc and f"--out {s}/eval/capped_1m" in cap
@@ -1963,7 +1968,7 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
     from tests.conftest import make_checkpoint, rand_ids, tiny_config
 
     # the split sets the kinds itself: a whole-cache dtype or a HiSparse cap is refused, in one line
-    for extra in (["--kv-dtype", "bf16"], ["--cap-fraction", "0.1"]):
+    for extra in (["--kv-dtype", "bf16"], ["--kv-fp8-skip-layers", "1"], ["--cap-fraction", "0.1"]):
         with pytest.raises(SystemExit) as exc:
             kv_split(["--mla", "fp8", "--index", "model", "--", "--model", "m", "--out", "o", *extra])
         assert exc.value.code == 2
@@ -1990,13 +1995,17 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
             got = e.score(ids)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         pool = built[-1]
-        assert (pool.kind, pool.index_kind) == (KINDS[mla], KINDS[index])
+        assert {(pool.mla_kind(i), pool.index_kind(i)) for i in pool.layers} == {(KINDS[mla], KINDS[index])}
         assert next(iter(pool._mla.values())).dtype == (torch.uint8 if mla == "fp8" else torch.float32)
         assert next(iter(pool._index.values())).dtype == (torch.uint8 if index == "fp8" else torch.float32)
-    # fp8 rows in chosen layers only (model-dtype pools, each write rounded as an fp8 pool stores it): all
-    # the layers is the fp8 rows' cache again; one layer is neither cache
+    # fp8 rows in chosen layers only: all the layers is the fp8 rows' cache again; one layer is neither
+    # cache, and is the engine's fp8 cache that keeps the other layers out of fp8 (`kv_fp8_skip_layers`)
     n = tiny_config().num_hidden_layers
-    monkeypatch.setattr(PagedKVPool, "after_write", PagedKVPool.after_write)
+    monkeypatch.setattr(PagedKVPool, "__init__", orig)
+    with Engine(
+        d, device="cpu", kv_dtype="fp8_e4m3", kv_fp8_skip_layers=[i for i in range(n) if i != 1]
+    ) as e:
+        only_1 = e.score(ids)
     for layers, want in ((frozenset(range(n)), all_fp8), (frozenset({1}), None)):
         monkeypatch.setattr(PagedKVPool, "__init__", orig)
         split_pools("fp8", "model", layers)
@@ -2007,5 +2016,6 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
         else:
             assert not torch.allclose(got, all_fp8, rtol=1e-4, atol=1e-4)
             assert not torch.allclose(got, all_model, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, only_1, rtol=1e-5, atol=1e-5)  # (its index keys: model dtype)
     with pytest.raises(SystemExit):
         kv_split(["--mla", "model", "--index", "model", "--layers", "1", "--", "--model", "m", "--out", "o"])

@@ -126,14 +126,15 @@ def test_preallocated_requests_never_exceed_what_the_pool_holds_at_max_context()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16"])
-def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype, pp):
+@pytest.mark.parametrize(("kv_dtype", "skip"), [("fp8_e4m3", ()), ("bf16", ()), ("fp8_e4m3", (1, 4))])
+def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype, skip, pp):
     """The fp8 cache (CUDA's default: 656-byte-style rows, page-major fp8 index keys) and the bf16 one
     swap the same bytes in as they wrote out: capped logits and tokens equal uncapped ones in that dtype,
-    in one process and over two pipeline stages."""
+    in one process and over two pipeline stages; so does an fp8 cache that keeps layers 1 and 4 in the
+    model dtype (host rows and slot buffers of two sizes in each stage)."""
     prompts = [_ids(110, 5), _ids(45, 6)]
     score_ids = _ids(140, 7)
-    kw = {"kv_dtype": kv_dtype, "pp": pp, "max_context": 200}
+    kw = {"kv_dtype": kv_dtype, "pp": pp, "max_context": 200, "kv_fp8_skip_layers": skip}
     ref_logits, ref_tokens, _ = _run(model_dir, prompts, score_ids, **kw)
     logits, tokens, stats = _run(model_dir, prompts, score_ids, hisparse_device_tokens=CAP, **kw)
     assert _rel(logits, ref_logits) <= 1e-6
@@ -141,3 +142,4 @@ def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype, pp)
     hs = stats["hisparse"]
     assert hs["misses"] > 0 and hs["swap_bytes"] > 0 and 0 < hs["device_tokens_max"] <= CAP
     assert stats["kv_kind"] == ("fp8" if kv_dtype == "fp8_e4m3" else "bf16")
+    assert stats["kv_fp8_skip_layers"] == list(skip)

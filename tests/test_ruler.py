@@ -335,6 +335,8 @@ def test_parse_lengths():
         ["--base-url", "http://x", "--out", "O", "--index-local-window", "8"],  # (the server's own)
         ["--base-url", "http://x", "--out", "O", "--hisparse-device-tokens", "4096"],
         ["--kv-dtype", "fp4", "--dump-dir", "D"],
+        ["--kv-fp8-skip-layers", "x", "--dump-dir", "D"],
+        ["--base-url", "http://x", "--out", "O", "--kv-fp8-skip-layers", "4"],  # (the server's own)
         ["--base-url", "http://x", "--out", "O", "--kv-dtype", "bf16"],  # (the server's own)
         ["--indices", "0,x", "--dump-dir", "D"],
         ["--indices", "-1", "--dump-dir", "D"],

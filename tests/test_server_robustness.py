@@ -249,6 +249,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         ["--index-local-window", "-1"],
         ["--index-topk-long", "-1"],
         ["--index-topk-long-from", "-5"],
+        ["--kv-fp8-skip-layers", "4,four"],
         ["--hisparse-device-tokens", "-1"],
         ["--pp", "0"],
         ["--max-context", "0"],

@@ -112,11 +112,11 @@ def test_host_backup_copies_new_rows(tmp_path):
         kv=kv,
     )
     c, r = torch.randn(4, cfg.kv_lora_rank), torch.randn(4, cfg.qk_rope_head_dim)
-    write_mla_kv_ref(kv.mla_pool(3), slots, c, r, kv.kind)
+    write_mla_kv_ref(kv.mla_pool(3), slots, c, r, kv.mla_kind(3))
     kv.after_write(3, ctx)
     kv.end_step()
     host = layout.layer_view(3).view(torch.float32)
     assert torch.equal(host[slots], kv.mla_pool(3)[slots])
     assert host[slots].abs().sum() > 0 and layout.layer_view(2).count_nonzero() == 0
-    assert kv.stats()["host_backup_bytes"] == 4 * layout.spec.row_bytes
+    assert kv.stats()["host_backup_bytes"] == 4 * layout.spec.rows_of(3)
     kv.close()

@@ -540,13 +540,15 @@ def test_checkpoint_loads_in_engine_with_training_logits_and_resumes(tmp_path: P
     assert st["moments"] and all("exp_avg_sq" in v for v in st["moments"].values())
 
 
-def _fp8_engine_case(tmp_path: Path, **engine_kw: int) -> tuple[TrainCausalLM, torch.Tensor, torch.Tensor]:
-    """A random tiny model saved to tmp_path (eval mode), a prompt of 70-130 tokens, and the engine's
-    logits of it with an fp8 KV cache (fp32 compute)."""
+def _fp8_engine_case(
+    tmp_path: Path, skip: tuple[int, ...] = (), **engine_kw: int
+) -> tuple[TrainCausalLM, torch.Tensor, torch.Tensor]:
+    """A random tiny model saved to tmp_path (eval mode; its config's kv_fp8_skip_layers `skip`), a prompt
+    of 70-130 tokens, and the engine's logits of it with an fp8 KV cache (fp32 compute)."""
     from longctx import Engine
     from longctx.train.checkpoint import save_model
 
-    m = TrainCausalLM(ModelConfig.from_json(TINY))
+    m = TrainCausalLM(dataclasses.replace(ModelConfig.from_json(TINY), kv_fp8_skip_layers=skip))
     m.init_weights(int(torch.randint(0, 1000, ())))
     save_model(m, tmp_path, torch.float32)
     m.eval()
@@ -584,14 +586,16 @@ def test_kv_fp8_training_sees_the_engines_fp8_cache(tmp_path: Path) -> None:
     _recipe_records(tmp_path, "--kv-fp8", "kv_fp8")  # the CLI flag reaches the run's recipe
 
 
-def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path: Path) -> None:
+@pytest.mark.parametrize("skip", [(), (1, 2)])
+def test_index_fp8_training_selects_what_the_engines_fp8_cache_selects(tmp_path: Path, skip) -> None:  # type: ignore[no-untyped-def]
     """--index-fp8 (with --kv-fp8): the indexers score the keys the engine's fp8 index cache holds, so
     the sparse training forward's logits equal the engine's with an fp8 KV cache (fp32 compute) where the
     top-k is smaller than the prompt; with the MLA rows alone rounded the selection differs; the indexer's
-    key projection still gets a gradient through the rounding."""
+    key projection still gets a gradient through the rounding. A config that keeps layers out of fp8
+    (kv_fp8_skip_layers: layer 1 shared, layer 2 full) trains them exact, as the engine keeps them."""
     from longctx.kernels.kv_layout import index_fp8_roundtrip
 
-    m, ids, want = _fp8_engine_case(tmp_path)
+    m, ids, want = _fp8_engine_case(tmp_path, skip)
     n = ids.shape[1]
     assert n > m.cfg.index_topk
     scale = want.abs().max()

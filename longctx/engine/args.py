@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from longctx.config import SELECTION_FIELDS
+from longctx.errors import ConfigError
 
 # Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
 ENGINE_FIELDS = (
@@ -23,6 +24,7 @@ ENGINE_FIELDS = (
     "max_context",
     "backend",
     *SELECTION_FIELDS,
+    "kv_fp8_skip_layers",
 )
 
 KV_DTYPE_CHOICES = ("auto", "model", "bf16", "fp8_e4m3")  # Engine's kv_dtype (`--kv-dtype`)
@@ -50,6 +52,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
     p.add_argument("--device", default="auto", **pick("device"))
     p.add_argument("--dtype", default="auto", **pick("dtype"))
     p.add_argument("--kv-dtype", default="auto", **pick("kv_dtype"))
+    p.add_argument(
+        "--kv-fp8-skip-layers",
+        default=None,
+        metavar="L,..",
+        help="layers whose KV an fp8 cache keeps in the model dtype, or 'none' (default: the "
+        "checkpoint's kv_fp8_skip_layers)",
+    )
     p.add_argument("--backend", default="auto", **pick("backend"))
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
@@ -61,6 +70,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
     )
     p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
     add_selection_args(p)
+
+
+def skip_layers_arg(text: str) -> tuple[int, ...]:
+    """`--kv-fp8-skip-layers`: a comma list of layer numbers, or "none" (no layer kept out of fp8)."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--kv-fp8-skip-layers: a comma list of layer numbers (e.g. 4 or 1,4) or 'none', not {text!r}"
+        ) from None
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
@@ -100,5 +121,9 @@ def selection_kwargs(obj: Any) -> dict[str, Any]:
 
 
 def engine_kwargs(obj: Any) -> dict[str, Any]:
-    """{field: obj.field} for ENGINE_FIELDS: an argparse namespace or an EngineSpec -> Engine kwargs."""
-    return {name: getattr(obj, name) for name in ENGINE_FIELDS}
+    """{field: obj.field} for ENGINE_FIELDS: an argparse namespace or an EngineSpec -> Engine kwargs
+    (--kv-fp8-skip-layers' text read as layer numbers; a ConfigError says what is wrong with it)."""
+    kw = {name: getattr(obj, name) for name in ENGINE_FIELDS}
+    if isinstance(kw["kv_fp8_skip_layers"], str):
+        kw["kv_fp8_skip_layers"] = skip_layers_arg(kw["kv_fp8_skip_layers"])
+    return kw

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, with_selection
+from longctx.config import ModelConfig, check_kv_fp8_skip_layers, with_selection
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
@@ -39,7 +40,7 @@ from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
 from longctx.errors import ConfigError, RequestError
 from longctx.kernels.common import use_triton as _use_triton
 from longctx.kvstore.allocator import PageAllocator
-from longctx.kvstore.pool import PagedKVPool, resolve_kv_kind
+from longctx.kvstore.pool import PagedKVPool, resolve_kv_kinds
 from longctx.kvstore.prefix_cache import PrefixCache
 
 log = logging.getLogger("longctx.engine")
@@ -152,6 +153,7 @@ class Engine:
         index_local_window: int | None = None,
         index_topk_long: int | None = None,
         index_topk_long_from: int | None = None,
+        kv_fp8_skip_layers: Sequence[int] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
@@ -165,7 +167,13 @@ class Engine:
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
         self.dtype = DTYPES[dtype]
-        self.kv_kind = resolve_kv_kind(kv_dtype, self.device)
+        # an fp8 cache keeps these layers' KV in the model dtype (None: as the checkpoint says)
+        skip = self.cfg.kv_fp8_skip_layers if kv_fp8_skip_layers is None else kv_fp8_skip_layers
+        if isinstance(skip, Sequence) and not isinstance(skip, str):
+            skip = tuple(skip)
+        skip = check_kv_fp8_skip_layers(skip, self.cfg.num_hidden_layers)
+        self.kv_kinds = resolve_kv_kinds(kv_dtype, self.device, skip)
+        self.kv_kind = self.kv_kinds.base
         self.use_triton = _use_triton(backend, self.device)
         if max_context < 1:
             raise ConfigError("max_context must be positive")
@@ -189,7 +197,7 @@ class Engine:
                 tp=tp,
                 device=self.device,
                 dtype=self.dtype,
-                kv_kind=self.kv_kind,
+                kv_kind=self.kv_kinds,
                 num_pages=num_pages,
                 use_triton=self.use_triton,
                 prefill_form=prefill_form,
@@ -227,7 +235,7 @@ class Engine:
     def _default_pages(self, max_context: int) -> int:
         if self.device.type == "cuda":
             per_token = PagedKVPool.bytes_per_token(
-                self.cfg, range(self.cfg.num_hidden_layers), self.kv_kind, self.dtype
+                self.cfg, range(self.cfg.num_hidden_layers), self.kv_kinds, self.dtype
             )
             free, _ = torch.cuda.mem_get_info(self.device)
             # weights are not loaded yet: leave them and activations their share
@@ -252,7 +260,7 @@ class Engine:
                 cfg,
                 layers,
                 num_pages + 1,
-                self.kv_kind,
+                self.kv_kinds,
                 self.dtype,
                 self.device,
                 device_tokens=N,
@@ -262,7 +270,7 @@ class Engine:
                 max_context=self.max_context,
             )
         else:
-            kv = PagedKVPool(cfg, layers, num_pages + 1, self.kv_kind, self.dtype, self.device, PAGE_SIZE)
+            kv = PagedKVPool(cfg, layers, num_pages + 1, self.kv_kinds, self.dtype, self.device, PAGE_SIZE)
         worker = StageWorker(model, kv, self.device, self.use_triton, prefill_form, PAGE_SIZE)
         if cuda_graphs is None:  # on by default on CUDA; LONGCTX_CUDA_GRAPHS=0 turns them off
             cuda_graphs = self.device.type == "cuda" and os.environ.get("LONGCTX_CUDA_GRAPHS", "1") != "0"
@@ -526,6 +534,7 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_kind": self.kv_kind,
+            "kv_fp8_skip_layers": sorted(self.kv_kinds.model_layers),
             "backend": "triton" if self.use_triton else "torch",
             "page_size": PAGE_SIZE,
             "time": time.time(),

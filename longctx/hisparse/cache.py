@@ -98,6 +98,7 @@ from longctx.kernels.lru_place import (
 )
 from longctx.kernels.swap import swap_in_gather
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
+from longctx.kvstore.pool import KVKinds
 from longctx.model.context import ForwardContext
 
 log = logging.getLogger("longctx.hisparse")
@@ -188,6 +189,11 @@ def preallocated_requests(
     return max(1, min(max_running, pool // max(device_tokens, pool if max_context is None else max_context)))
 
 
+def _row_shape(template: torch.Tensor) -> tuple[torch.dtype, int]:
+    """(dtype, width) of the rows of an MLA pool like `template`."""
+    return template.dtype, template.shape[1]
+
+
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor over registered host memory `t` (UVA: the device address is the host one)."""
 
@@ -228,7 +234,7 @@ class HiSparseKVCache:
         cfg: ModelConfig,
         layers: range,
         num_pages: int,
-        kind: str,
+        kind: str | KVKinds,
         dtype: torch.dtype,
         device: torch.device,
         device_tokens: int,
@@ -248,8 +254,8 @@ class HiSparseKVCache:
             raise ConfigError(
                 f"hisparse_device_tokens ({device_tokens}) must be larger than index_topk ({K})"
             )
-        self.cfg, self.layers, self.kind = cfg, layers, kind
-        self.index_kind = "fp8" if kind == "fp8" else "auto"
+        self.kinds = KVKinds.of(kind)
+        self.cfg, self.layers, self.kind = cfg, layers, self.kinds.base
         self.dtype, self.device = dtype, torch.device(device)
         self.page_size, self.num_pages = page_size, num_pages
         self.num_slots = num_pages * page_size
@@ -271,15 +277,17 @@ class HiSparseKVCache:
         self._keep_on = CAND_KEEP and self._use_cand and use_triton and not par and not small
         self._keep: tuple[torch.Tensor, ...] = ()  # slots, keys, meta per (block, layer) plane (`_grow`)
         L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        template = alloc_mla_pool(1, L, R, kind, dtype, "cpu")
-        self._row_dtype, self._row_width = template.dtype, template.shape[1]
-        self.row_bytes = mla_row_bytes(L, R, kind, dtype)
+        # per layer: (dtype, width) of a slot-buffer row and its bytes (layers may differ in kind)
+        self._row = {i: _row_shape(alloc_mla_pool(1, L, R, self.kinds.mla(i), dtype, "cpu")) for i in layers}
+        self._row_bytes = {i: mla_row_bytes(L, R, self.kinds.mla(i), dtype) for i in layers}
+        # (stats: a swapped row's bytes, averaged over the stage's layers where their kinds differ)
+        self.row_bytes = sum(self._row_bytes.values()) / len(layers)
         self._index_of = {layer: i for i, layer in enumerate(layers)}
 
         # host pool: every token's full MLA row, indexed like the paged pool
         self._own_pool: HostPool | None = None
         if host_layout is None:
-            spec = HostKVSpec(layers.start, layers.stop, self.num_slots, self.row_bytes)
+            spec = HostKVSpec(layers.start, layers.stop, self.num_slots, tuple(self._row_bytes.values()))
             pool, _ = HostPool.create(spec.nbytes, tag=f"hisparse{layers.start}.{layers.stop}")
             pool.unlink()  # private to this process: nothing to attach, nothing to leak
             if self.device.type == "cuda":
@@ -287,16 +295,16 @@ class HiSparseKVCache:
             host_layout = HostKVLayout(pool, spec)
             self._own_pool = pool
         spec = host_layout.spec
-        if spec.row_bytes != self.row_bytes or spec.num_slots < self.num_slots:
-            raise ConfigError(
-                f"host KV layout {spec} does not fit {self.num_slots} rows of {self.row_bytes} B"
-            )
         if not (spec.layer_start <= layers.start and layers.stop <= spec.layer_end):
             raise ConfigError(
                 f"host KV layout covers layers [{spec.layer_start}, {spec.layer_end}), need {layers}"
             )
+        if spec.num_slots < self.num_slots or any(spec.rows_of(i) != b for i, b in self._row_bytes.items()):
+            raise ConfigError(
+                f"host KV layout {spec} does not fit {self.num_slots} rows of {self._row_bytes} B per layer"
+            )
         self.host_layout = host_layout
-        self._host = {i: host_layout.layer_view(i).view(self._row_dtype) for i in layers}  # [slots, W]
+        self._host = {i: host_layout.layer_view(i).view(self._row[i][0]) for i in layers}  # [slots, W]
         if self.device.type == "cuda":
             self._write_view = {i: _device_alias(t, self.device) for i, t in self._host.items()}
         else:
@@ -304,7 +312,7 @@ class HiSparseKVCache:
 
         D = cfg.index_head_dim
         self._index = {
-            i: alloc_index_pool(self.num_slots, D, self.index_kind, dtype, self.device).zero_()
+            i: alloc_index_pool(self.num_slots, D, self.kinds.index(i), dtype, self.device).zero_()
             for i in layers
             if cfg.is_full_indexer(i)
         }
@@ -327,7 +335,7 @@ class HiSparseKVCache:
         self._p2s = torch.full((1, n_l, self._P), -1, dtype=torch.int32, device=self.device)
         self._s2p = torch.full((1, n_l, self.N + 1), -1, dtype=torch.int64, device=self.device)
         self._stamp = torch.full((1, n_l, self.N + 1), -1, dtype=torch.int64, device=self.device)
-        self._slots = {i: self._new_slot_buffer(0) for i in layers}
+        self._slots = {i: self._new_slot_buffer(i, 0) for i in layers}
         self.layout_version = 0  # bumped whenever the buffers above are reallocated
         self._grow(max(1, max_requests))
         self._states: dict[Any, _Req] = {}
@@ -370,6 +378,12 @@ class HiSparseKVCache:
         self._timed_before = False  # the first timed swap is not timed: see _timed
 
     # ---- KVCache ---------------------------------------------------------------------------------
+    def mla_kind(self, layer: int) -> str:
+        return self.kinds.mla(layer)
+
+    def index_kind(self, layer: int) -> str:
+        return self.kinds.index(layer)
+
     def mla_pool(self, layer: int) -> torch.Tensor:
         return self._write_view[layer]
 
@@ -491,11 +505,11 @@ class HiSparseKVCache:
             "hisparse": {
                 "hits": main[0] + side[0],
                 "misses": misses,
-                "swap_bytes": misses * self.row_bytes,
+                "swap_bytes": round(misses * self.row_bytes),
                 "swap_seconds": self._swap_s,
                 "device_tokens_max": max(main[3], side[3]),
                 "device_tokens_cap": self.N,
-                "newest_copy_bytes": (main[2] + side[2]) * self.row_bytes,
+                "newest_copy_bytes": round((main[2] + side[2]) * self.row_bytes),
                 "overflow_rows_max": max(main[4], side[4]),
                 "requests": len(self._states),
                 "blocks": self._blocks,
@@ -514,8 +528,9 @@ class HiSparseKVCache:
         return self.device_kv_bytes() + idx + meta
 
     # ---- internals -------------------------------------------------------------------------------
-    def _new_slot_buffer(self, blocks: int) -> torch.Tensor:
-        return torch.zeros(1 + blocks * self.N, self._row_width, dtype=self._row_dtype, device=self.device)
+    def _new_slot_buffer(self, layer: int, blocks: int) -> torch.Tensor:
+        dtype, width = self._row[layer]
+        return torch.zeros(1 + blocks * self.N, width, dtype=dtype, device=self.device)
 
     def _grow(self, n: int) -> None:
         """Room for `n` blocks (ids 1..n; 0 is the padding block). Reallocates: captured graphs that
@@ -533,7 +548,7 @@ class HiSparseKVCache:
         if self._keep_on:  # (kept lists of the old tables are dropped: they select again)
             self._keep = cand_keep_buffers((1 + n) * self._s2p.shape[1], self._cand_n, self.device)
         for i, buf in self._slots.items():
-            g = self._new_slot_buffer(n)
+            g = self._new_slot_buffer(i, n)
             g[: buf.shape[0]] = buf
             self._slots[i] = g
         self._free_blocks = list(range(n, old, -1)) + self._free_blocks  # pop() hands out old + 1 first

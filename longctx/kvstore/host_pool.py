@@ -276,13 +276,14 @@ class HostPool:
 @dataclass(frozen=True)
 class HostKVSpec:
     """Byte layout of a stage's host KV: layers [layer_start, layer_end), each a region of
-    `num_slots` rows of `row_bytes` (the device pool's token rows, same slot index), starting
-    `offset` bytes into the pool, regions aligned to `align` bytes."""
+    `num_slots` rows (the device pool's token rows, same slot index) of `row_bytes` bytes (one
+    figure for every layer, or one per layer where layers store their KV in different kinds),
+    starting `offset` bytes into the pool, regions aligned to `align` bytes."""
 
     layer_start: int
     layer_end: int
     num_slots: int
-    row_bytes: int
+    row_bytes: int | tuple[int, ...]
     offset: int = 0
     align: int = 4096
 
@@ -290,41 +291,65 @@ class HostKVSpec:
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
+    def rows_of(self, layer: int) -> int:
+        """Bytes of one row of `layer`."""
+        if not (self.layer_start <= layer < self.layer_end):
+            raise HostPoolError(f"layer {layer} not in this stage's [{self.layer_start}, {self.layer_end})")
+        rb = self.row_bytes
+        return rb if isinstance(rb, int) else rb[layer - self.layer_start]
+
+    def _region(self, layer: int) -> int:
+        raw = self.num_slots * self.rows_of(layer)
+        return -(-raw // self.align) * self.align
+
+    @property
+    def uniform(self) -> bool:
+        rb = self.row_bytes
+        return isinstance(rb, int) or len(set(rb)) <= 1
+
     @property
     def layer_stride(self) -> int:
-        raw = self.num_slots * self.row_bytes
-        return -(-raw // self.align) * self.align
+        """Bytes from one layer's region to the next (every layer's rows the same size)."""
+        if not self.uniform:
+            raise HostPoolError(f"layers of {self} have rows of different sizes: no single stride")
+        return self._region(self.layer_start)
 
     @property
     def nbytes(self) -> int:
         """Pool bytes needed through the end of the last layer's region."""
-        return self.offset + self.num_layers * self.layer_stride
+        return self.offset + sum(self._region(i) for i in range(self.layer_start, self.layer_end))
 
     def layer_offset(self, layer: int) -> int:
-        if not (self.layer_start <= layer < self.layer_end):
-            raise HostPoolError(f"layer {layer} not in this stage's [{self.layer_start}, {self.layer_end})")
-        return self.offset + (layer - self.layer_start) * self.layer_stride
+        self.rows_of(layer)  # (in range)
+        return self.offset + sum(self._region(i) for i in range(self.layer_start, layer))
+
+    def check(self) -> None:
+        rb = self.row_bytes
+        rows = [rb] if isinstance(rb, int) else list(rb)
+        if isinstance(rb, tuple) and len(rb) != self.num_layers:
+            raise HostPoolError(f"host KV layout {self}: {len(rb)} row sizes for {self.num_layers} layers")
+        if self.num_layers <= 0 or self.num_slots <= 0 or min(rows, default=0) <= 0:
+            raise HostPoolError(f"empty host KV layout {self}")
 
 
 class HostKVLayout:
-    """`HostKVSpec` bound to a `HostPool`: per-layer [num_slots, row_bytes] uint8 views."""
+    """`HostKVSpec` bound to a `HostPool`: per-layer [num_slots, row bytes] uint8 views."""
 
     def __init__(self, pool: HostPool, spec: HostKVSpec) -> None:
-        if spec.num_layers <= 0 or spec.num_slots <= 0 or spec.row_bytes <= 0:
-            raise HostPoolError(f"empty host KV layout {spec}")
+        spec.check()
         if spec.nbytes > pool.nbytes:
             raise HostPoolError(f"host KV layout needs {spec.nbytes} bytes, pool has {pool.nbytes}")
         self.pool = pool
         self.spec = spec
 
     def layer_view(self, layer: int) -> torch.Tensor:
-        """uint8 [num_slots, row_bytes]: row s backs slot s of `layer` in the device pool."""
+        """uint8 [num_slots, row bytes]: row s backs slot s of `layer` in the device pool."""
         s = self.spec
-        return self.pool.as_tensor(torch.uint8, (s.num_slots, s.row_bytes), s.layer_offset(layer))
+        return self.pool.as_tensor(torch.uint8, (s.num_slots, s.rows_of(layer)), s.layer_offset(layer))
 
     def view(self) -> torch.Tensor:
-        """uint8 [num_layers, num_slots, row_bytes] over all layers (layer stride may pad)."""
+        """uint8 [num_layers, num_slots, row bytes] over all layers (layer stride may pad; rows of one
+        size only)."""
         s = self.spec
-        return self.pool.tensor.as_strided(
-            (s.num_layers, s.num_slots, s.row_bytes), (s.layer_stride, s.row_bytes, 1), s.offset
-        )
+        rb = s.rows_of(s.layer_start)
+        return self.pool.tensor.as_strided((s.num_layers, s.num_slots, rb), (s.layer_stride, rb, 1), s.offset)

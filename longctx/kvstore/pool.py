@@ -7,11 +7,17 @@ one index-key pool of the same number of rows. Row `page * page_size + offset` h
 - kind "bf16": latent + rope in bf16 (1152 B for GLM-5.3);
 - kind "auto": latent + rope in the model dtype (exact parity with the reference on CPU).
 Index keys: "fp8" (128 e4m3 + fp32 scale = 132 B) when the MLA kind is fp8, else the model dtype.
+A `KVKinds` gives each layer its kind: one kind for all, except the layers an fp8 cache keeps in the
+model dtype (`kv_fp8_skip_layers`: a checkpoint whose one layer loses to e4m3 rounding keeps that
+layer's rows and keys exact and the rest in fp8).
 The fp8 index pool is page-major (a page's 64 keys, then their 64 scales; `kv_layout`): its rows are
 pages' bytes, not tokens, so only the kernels' addressing (`kv_layout.index_k_offsets`) reads it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +45,43 @@ def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
     raise ConfigError(f"kv_dtype must be 'auto', 'model', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
 
 
+@dataclass(frozen=True)
+class KVKinds:
+    """The KV kind of every layer: `base`, except `model_layers`, held in the model dtype ("auto")."""
+
+    base: str
+    model_layers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.base not in KV_KINDS:
+            raise ValueError(f"unknown KV kind {self.base!r}")
+
+    @classmethod
+    def of(cls, kind: str | KVKinds) -> KVKinds:
+        return kind if isinstance(kind, KVKinds) else cls(kind)
+
+    def mla(self, layer: int) -> str:
+        """Layout of the layer's MLA rows (latent + rope)."""
+        return "auto" if layer in self.model_layers else self.base
+
+    def index(self, layer: int) -> str:
+        """Layout of the layer's index keys: fp8 beside fp8 rows, else the model dtype."""
+        return "fp8" if self.mla(layer) == "fp8" else "auto"
+
+    def describe(self, layers: Iterable[int]) -> str:
+        """The base kind, with the kept layers of `layers` named: "fp8 (layers 4 in the model dtype)"."""
+        kept = sorted(set(layers) & self.model_layers)
+        if not kept or self.base == "auto":
+            return self.base
+        return f"{self.base} (layers {','.join(map(str, kept))} in the model dtype)"
+
+
+def resolve_kv_kinds(kv_dtype: str, device: torch.device, fp8_skip_layers: Iterable[int] = ()) -> KVKinds:
+    """`resolve_kv_kind`, with `fp8_skip_layers` kept in the model dtype when the kind is fp8."""
+    base = resolve_kv_kind(kv_dtype, device)
+    return KVKinds(base, frozenset(fp8_skip_layers) if base == "fp8" else frozenset())
+
+
 ROWS_OF_TOPK = "rows_of_topk"  # ForwardContext.extras key: (top-k tensor, its pool rows) of this pass
 
 
@@ -52,36 +95,42 @@ class PagedKVPool:
         cfg: ModelConfig,
         layers: range,
         num_pages: int,
-        kind: str,
+        kind: str | KVKinds,
         dtype: torch.dtype,
         device: torch.device,
         page_size: int = 64,
     ) -> None:
-        if kind not in KV_KINDS:
-            raise ValueError(f"unknown KV kind {kind!r}")
-        self.cfg, self.layers, self.kind = cfg, layers, kind
-        self.index_kind = "fp8" if kind == "fp8" else "auto"
+        self.kinds = KVKinds.of(kind)
+        self.cfg, self.layers, self.kind = cfg, layers, self.kinds.base
         self.num_pages, self.page_size = num_pages, page_size
         self.num_slots = num_pages * page_size
         L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
         # zero-filled so never-written rows dequantise to finite values
-        self._mla = {i: alloc_mla_pool(self.num_slots, L, R, kind, dtype, device).zero_() for i in layers}
+        self._mla = {
+            i: alloc_mla_pool(self.num_slots, L, R, self.kinds.mla(i), dtype, device).zero_() for i in layers
+        }
         self._index = {
-            i: alloc_index_pool(self.num_slots, D, self.index_kind, dtype, device).zero_()
+            i: alloc_index_pool(self.num_slots, D, self.kinds.index(i), dtype, device).zero_()
             for i in layers
             if cfg.is_full_indexer(i)
         }
 
     @staticmethod
-    def bytes_per_token(cfg: ModelConfig, layers: range, kind: str, dtype: torch.dtype) -> int:
+    def bytes_per_token(cfg: ModelConfig, layers: range, kind: str | KVKinds, dtype: torch.dtype) -> int:
         """Device bytes one token costs across `layers` (MLA rows + index keys)."""
-        index_kind = "fp8" if kind == "fp8" else "auto"
-        mla = mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kind, dtype)
-        idx = index_row_bytes(cfg.index_head_dim, index_kind, dtype)
-        n_full = sum(1 for i in layers if cfg.is_full_indexer(i))
-        return len(layers) * mla + n_full * idx
+        kinds = KVKinds.of(kind)
+        L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+        mla = sum(mla_row_bytes(L, R, kinds.mla(i), dtype) for i in layers)
+        idx = sum(index_row_bytes(D, kinds.index(i), dtype) for i in layers if cfg.is_full_indexer(i))
+        return mla + idx
 
     # ---- KVCache ---------------------------------------------------------------------------
+    def mla_kind(self, layer: int) -> str:
+        return self.kinds.mla(layer)
+
+    def index_kind(self, layer: int) -> str:
+        return self.kinds.index(layer)
+
     def mla_pool(self, layer: int) -> torch.Tensor:
         return self._mla[layer]
 

@@ -18,17 +18,21 @@ from longctx.model.ops import op
 class KVCache(Protocol):
     """What an attention layer needs from the KV store of its stage.
 
-    `mla_pool(layer)`: [num_slots, row] tensor holding the MLA latent + rope rows (layout `kind`).
-    `index_pool(layer)`: [num_slots, row] tensor of indexer keys (full-indexer layers only).
+    `mla_pool(layer)`: [num_slots, row] tensor holding the MLA latent + rope rows (layout
+    `mla_kind(layer)`: "fp8" | "bf16" | "auto", see `longctx.kernels.kv_layout`).
+    `index_pool(layer)`: [num_slots, row] tensor of indexer keys (full-indexer layers only; layout
+    `index_kind(layer)`).
     `after_write(layer, ctx)`: new rows were written (HiSparse backs them up to the host pool).
     `resolve(layer, topk, ctx)`: map top-k logical positions [T, K] (-1 = none) to the rows of
     `attend_pool(layer)` to attend to. The paged pool maps through the page table; HiSparse maps
     to its device LRU slots, swapping misses in first.
     """
 
-    kind: str
-    index_kind: str
     dense_readable: bool  # every token's row is in mla_pool (False under HiSparse)
+
+    def mla_kind(self, layer: int) -> str: ...
+
+    def index_kind(self, layer: int) -> str: ...
 
     def mla_pool(self, layer: int) -> torch.Tensor: ...
 

@@ -78,7 +78,7 @@ class Indexer(nn.Module):
         # k_norm, rope and the write of the key [T, D]: one kernel
         op("kv_fused", "ln_rope_write_index_k", ctx.use_triton)(
             kv.index_pool(self.layer), ctx.slot_mapping, k_in, self.k_norm.weight, self.k_norm.bias,
-            self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind,
+            self.k_norm.eps, cos, sin, self.rope_dim, self.interleaved, kv.index_kind(self.layer),
         )  # fmt: skip
         w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
         logits: torch.Tensor | None = None
@@ -95,7 +95,7 @@ class Indexer(nn.Module):
                     ctx.seq_lens,
                     ctx.q_seq,
                     local_window_bound(ctx.positions, self.window),
-                    kv.index_kind,
+                    kv.index_kind(self.layer),
                     topk - self.window,  # (the rest of the budget is the local window)
                     max_len=max(ctx.seq_lens_cpu),
                 )
@@ -110,7 +110,7 @@ class Indexer(nn.Module):
                 ctx.seq_lens,
                 ctx.q_seq,
                 ctx.positions,
-                kv.index_kind,
+                kv.index_kind(self.layer),
                 max(ctx.seq_lens_cpu),  # the host knows the bound: no device sync
                 w_scale=w_scale,  # applied in the kernel: float(w) * w_scale, as `w.float() * w_scale`
             )  # [T, max_len] fp32, -inf where not causal

@@ -88,8 +88,9 @@ class MLAttention(nn.Module):
         # kv_a_layernorm of the latent, rope of the rest, and the write of both: one kernel
         norm = self.kv_a_layernorm
         op("kv_fused", "norm_rope_write_mla_kv", ctx.use_triton)(
-            kv.mla_pool(self.layer), ctx.slot_mapping, ckv, norm.weight, norm.eps, cos, sin, kv.kind
-        )
+            kv.mla_pool(self.layer), ctx.slot_mapping, ckv, norm.weight, norm.eps, cos, sin,
+            kv.mla_kind(self.layer),
+        )  # fmt: skip
         kv.after_write(self.layer, ctx)
 
         if self.indexer is not None:
@@ -124,7 +125,7 @@ class MLAttention(nn.Module):
         assert self.w_uk is not None and self.w_uv is not None
         q_lat = torch.einsum("thd,hdl->thl", q_nope, self.w_uk)  # [t, H, L]
         o_lat = op("sparse_mla", "sparse_mla", ctx.use_triton)(
-            q_lat, q_rope, ctx.kv.attend_pool(self.layer), rows, self.scale, ctx.kv.kind
+            q_lat, q_rope, ctx.kv.attend_pool(self.layer), rows, self.scale, ctx.kv.mla_kind(self.layer)
         )  # [t, H, L]
         return torch.einsum("thl,hvl->thv", o_lat.to(q_nope.dtype), self.w_uv)
 
@@ -136,7 +137,7 @@ class MLAttention(nn.Module):
         pos = torch.arange(n_k, device=q_nope.device)
         slots = ctx.page_table[b].long()[pos // ctx.page_size] * ctx.page_size + pos % ctx.page_size
         c, r = op("kv_layout", "read_mla_kv", False)(
-            ctx.kv.mla_pool(self.layer), slots, ctx.kv.kind, q_nope.dtype, self.kv_lora
+            ctx.kv.mla_pool(self.layer), slots, ctx.kv.mla_kind(self.layer), q_nope.dtype, self.kv_lora
         )
         kvb = self.kv_b_proj(c).view(n_k, self.n_heads, self.nope + self.v_dim)
         k_nope, v = kvb[..., : self.nope], kvb[..., self.nope :]

@@ -45,6 +45,7 @@ class EngineSpec:
     index_local_window: int | None = None
     index_topk_long: int | None = None
     index_topk_long_from: int | None = None
+    kv_fp8_skip_layers: tuple[int, ...] | None = None
     fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan
+from longctx.kvstore.pool import KVKinds
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class StageSpec:
     layers: tuple[int, int]  # [start, stop)
     device: str  # "cpu" | "cuda" (the rank picks its local GPU)
     dtype: str  # torch dtype name, e.g. "float32"
-    kv_kind: str
+    kv_kind: str | KVKinds  # the pools' kind per layer
     num_pages: int
     page_size: int
     use_triton: bool

@@ -41,6 +41,7 @@ from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.errors import ConfigError, EngineDeadError
 from longctx.kvstore.host_pool import NAME_PREFIX, cleanup_stale
+from longctx.kvstore.pool import KVKinds
 from longctx.stages.messages import (
     Failed,
     Ready,
@@ -164,7 +165,7 @@ class StageRuntime:
         tp: int = 1,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        kv_kind: str = "auto",
+        kv_kind: str | KVKinds = "auto",
         num_pages: int = 256,
         use_triton: bool = False,
         prefill_form: str = "auto",

@@ -150,11 +150,13 @@ class TrainCausalLM(CausalLM):
         self.select_dot = "tf32x3"
         # True: every layer's attention reads its latent and rope as an fp8 MLA pool serves them (the
         # engine's default KV on CUDA: the latent in e4m3 per group of 128, the rope in bf16), the
-        # gradient passing straight through the rounding
+        # gradient passing straight through the rounding; the config's kv_fp8_skip_layers read them
+        # exact, as the engine's fp8 cache keeps them
         self.kv_fp8 = False
         # True: every full layer's indexer scores its keys as an fp8 index pool serves them (e4m3, one
         # scale per key: the engine's index keys beside an fp8 MLA pool), so training selects what the
-        # engine's fp8 cache selects; the gradient passes straight through the rounding
+        # engine's fp8 cache selects; the gradient passes straight through the rounding (kv_fp8_skip_layers
+        # again exact)
         self.index_fp8 = False
 
     # ---- parameters ------------------------------------------------------------------------
@@ -276,12 +278,14 @@ class TrainCausalLM(CausalLM):
         ckv = attn.kv_a_proj_with_mqa(x)
         c = attn.kv_a_layernorm(ckv[:, :L])
         r = apply_rope_interleaved(ckv[:, L:], cos, sin)
-        if self.kv_fp8:
+        fp8 = attn.layer not in self.cfg.kv_fp8_skip_layers  # (the engine's fp8 cache keeps it exact)
+        if self.kv_fp8 and fp8:
             c8, r8 = mla_fp8_roundtrip(c.detach(), r.detach())
             c, r = c + (c8 - c.detach()), r + (r8 - r.detach())
         if attn.indexer is not None:
             qi, ki, wi = self._indexer_qkw(attn.indexer, x.detach(), q_resid.detach(), B, S, cos, sin)
-            if self.index_fp8:  # the keys the engine's fp8 index cache serves, gradient straight through
+            if self.index_fp8 and fp8:
+                # the keys the engine's fp8 index cache serves, the gradient straight through
                 k8 = index_fp8_roundtrip(ki.detach().reshape(B * S, -1)).view_as(ki)
                 ki = ki + (k8 - ki.detach())
             k = topk or attn.indexer.topk

@@ -6,8 +6,8 @@ import argparse
 from functools import partial
 from typing import Any
 
-from longctx.engine.args import KV_DTYPE_CHOICES
-from longctx.errors import LongctxError
+from longctx.engine.args import KV_DTYPE_CHOICES, skip_layers_arg
+from longctx.errors import ConfigError, LongctxError
 
 
 class UsageError(LongctxError):
@@ -55,6 +55,12 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="DTYPE",
         help="the embedded Engine's KV cache: auto (fp8 on CUDA), model, bf16 or fp8_e4m3",
     )
+    p.add_argument(
+        "--kv-fp8-skip-layers",
+        metavar="L,..",
+        help="layers the embedded Engine's fp8 cache keeps in the model dtype, or 'none' (default: the "
+        "model's kv_fp8_skip_layers)",
+    )
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
 
 
@@ -63,6 +69,14 @@ def kv_dtype_arg(name: str, text: str) -> str:
     if text not in KV_DTYPE_CHOICES:
         raise UsageError(f"{name} must be one of {', '.join(KV_DTYPE_CHOICES)}, not {text!r}")
     return text
+
+
+def skip_layers_flag(name: str, text: str) -> tuple[int, ...]:
+    """The `--kv-fp8-skip-layers` flag `name` given as `text`: layer numbers, or () for "none"."""
+    try:
+        return skip_layers_arg(text)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +90,7 @@ def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         ("--index-topk-long", "index_topk_long", partial(int_arg, lo=0)),
         ("--index-topk-long-from", "index_topk_long_from", partial(int_arg, lo=0)),
         ("--kv-dtype", "kv_dtype", kv_dtype_arg),
+        ("--kv-fp8-skip-layers", "kv_fp8_skip_layers", skip_layers_flag),
     ):
         text = getattr(args, name)
         if text:
