@@ -7,7 +7,10 @@ TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 CONFIG ?= configs/tiny.json
-MODEL ?= models/tiny
+# The default model: the trained retrieval model where its weights are in the tree (models-shipped/, see
+# the README), else the random tiny model of CONFIG, written to models/tiny if missing.
+SHIPPED := models-shipped/retrieval-wip
+MODEL ?= $(if $(wildcard $(SHIPPED)/model.safetensors),$(SHIPPED),models/tiny)
 PYTEST_ARGS ?=
 
 .PHONY: venv serve test lint typecheck model clean

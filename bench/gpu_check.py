@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from longctx.config import ModelConfig
 
 
-CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long"}
+CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long", "mixed_kv"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default=None,
-        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window, topk_long (default: all)",
+        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window, topk_long, mixed_kv "
+        "(default: all)",
     )
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         window_graph_vs_eager(d2, long_prompts, res)
     if want("topk_long"):
         topk_long_graph_vs_eager(d2, long_prompts, res)
+    if want("mixed_kv"):
+        mixed_kv(d2, ids, long_prompts, res)
     write_results("gpu-check", res, "\n".join(f"{k}: {v}" for k, v in res.items()), args.out)
     return 0
 
@@ -193,6 +196,30 @@ def topk_long_graph_vs_eager(d2: Path, long_prompts: list[list[int]], res: dict)
         d2, long_prompts, res, "topk_long_graph_vs_eager",
         {**window, "index_topk_long": 256, "index_topk_long_from": 800}, window,
     )  # fmt: skip
+
+
+def mixed_kv(d2: Path, ids: list[int], long_prompts: list[list[int]], res: dict) -> None:
+    """An fp8 cache that keeps layers 1 (shared) and 2 (full: its index keys too) in bf16
+    (`kv_fp8_skip_layers`): the Triton path's logits against the torch references', then decode through
+    CUDA graphs against eager decode, uncapped and capped at 700 slots (host rows and slot buffers of two
+    sizes), and the all-fp8 cache writes other tokens."""
+    from longctx import Engine
+
+    skip = {"kv_fp8_skip_layers": (1, 2)}
+    try:
+        outs = {}
+        for backend in ("torch", "triton"):
+            with Engine(d2, device="cuda", dtype="bfloat16", kv_dtype="fp8_e4m3", backend=backend, kv_pages=256,
+                        **skip) as e:  # fmt: skip
+                outs[backend] = e.score(ids)
+        rel = float((outs["triton"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
+        res["mixed_kv_triton_vs_torch"] = {"rel_err": rel, "ok": rel <= 0.05}
+    except Exception as e:  # noqa: BLE001 - report it with the other checks' results
+        res["mixed_kv_triton_vs_torch"] = {"error": repr(e)[:500], "ok": False}
+    print(res["mixed_kv_triton_vs_torch"])
+    _selection_graph_vs_eager(
+        d2, long_prompts, res, "mixed_kv_graph_vs_eager", skip, {"kv_fp8_skip_layers": ()}
+    )
 
 
 def _selection_graph_vs_eager(

@@ -190,18 +190,20 @@ def run_pair(
         print(f"[{tag}] {name}: {len(prompt):,} tokens, cap {hs}", file=sys.stderr, flush=True)
         with Engine(model_dir, hisparse_device_tokens=hs, **kw) as eng:
             res[name] = run_request(eng, prompt, n_decode, f"{tag}-{name}")
-            res[name]["row_bytes_all_layers"] = _row_bytes(eng) * eng.cfg.num_hidden_layers
+            res[name]["row_bytes_all_layers"] = _row_bytes_all_layers(eng)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     return res
 
 
-def _row_bytes(eng: Any) -> int:
+def _row_bytes_all_layers(eng: Any) -> int:
+    """A token's MLA row bytes summed over the layers, each in its kind (`Engine.kv_kinds`)."""
     from longctx.kernels.kv_layout import mla_row_bytes
 
-    cfg = eng.cfg
-    return mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, eng.kv_kind, eng.dtype)
+    cfg, kinds = eng.cfg, eng.kv_kinds
+    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    return sum(mla_row_bytes(L, R, kinds.mla(i), eng.dtype) for i in range(cfg.num_hidden_layers))
 
 
 def summarise_1m(pair: dict[str, Any], cfg: Any, ceilings: dict[str, float]) -> dict[str, Any]:

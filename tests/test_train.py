@@ -1159,6 +1159,9 @@ def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> No
     assert len(set(words)) < len(words)  # strings recur
     a = tmp_path / "a"
     _train_cli(a, steps=2)
+    # (the layers an fp8 cache keeps exact go on with the weights, as their window and narrowing do)
+    a_cfg = json.loads((a / "config.json").read_text())
+    (a / "config.json").write_text(json.dumps({**a_cfg, "kv_fp8_skip_layers": [1]}))
     b_dir = tmp_path / "b"
     args = [
         "--config", str(TINY), "--out", str(b_dir), "--steps", "2", "--device", "cpu", "--init-from", str(a),
@@ -1167,6 +1170,7 @@ def test_copy_rows_recur_and_init_from_starts_at_step_zero(tmp_path: Path) -> No
     ]  # fmt: skip
     assert main(args) == 0
     assert read_training(b_dir)["step"] == 2
+    assert ModelConfig.from_json(b_dir).kv_fp8_skip_layers == (1,)
 
 
 def test_hex_copy_rows_pool_uuids_and_leave_other_rows_alone() -> None:

@@ -609,6 +609,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     mcfg = with_selection(
         mcfg, index_local_window=window, index_topk_long=long_k, index_topk_long_from=long_from
     )
+    if src and src.kv_fp8_skip_layers and not mcfg.kv_fp8_skip_layers:
+        # the layers an fp8 cache keeps exact go on with the weights too (--kv-fp8 trains them so, and
+        # the saved model is served so)
+        mcfg = dataclasses.replace(mcfg, kv_fp8_skip_layers=src.kv_fp8_skip_layers)
     save_dtype = getattr(torch, cfg.save_dtype)
 
     if cfg.sparse_attention not in SPARSE_ATTENTION_FORMS:
