@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,20 @@ def test_cache_bytes(glm: ModelConfig) -> None:
     assert P.indexer_bytes_per_token(glm, "fp8_e4m3") == 132
     with pytest.raises(ConfigError):
         P.kv_bytes_per_token_per_layer(glm, "int4")
+
+
+def test_layers_kept_out_of_fp8_cost_bf16_bytes(glm: ModelConfig) -> None:
+    """A config's kv_fp8_skip_layers: those layers' rows (and a full layer's index keys) at bf16's bytes in
+    an fp8 cache, nothing else changes; a bf16 cache is bf16 throughout."""
+    full = next(i for i in range(glm.num_hidden_layers) if glm.is_full_indexer(i))
+    kept = replace(glm, kv_fp8_skip_layers=(full,))
+    n = glm.num_hidden_layers
+    assert P.kv_bytes_of_layers(kept, 0, n) == (n - 1) * 656 + 1152
+    assert P.indexer_bytes_of_layers(kept, 0, n) == P.indexer_bytes_of_layers(glm, 0, n) - 132 + 256
+    assert P.kv_bytes_of_layers(kept, 0, n, "bf16") == n * 1152
+    a, b = partition(glm, 8, M), partition(kept, 8, M)
+    assert sum(p.kv_bytes_host for p in b) - sum(p.kv_bytes_host for p in a) == (1152 - 656) * M
+    assert sum(p.indexer_bytes for p in b) - sum(p.indexer_bytes for p in a) == (256 - 132) * M
 
 
 def test_kv_at_1m_exact(glm: ModelConfig) -> None:

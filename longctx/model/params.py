@@ -269,6 +269,29 @@ def indexer_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "fp8_e4m3") -> int
     return cfg.index_head_dim + 4
 
 
+def layer_kv_dtype(cfg: ModelConfig, layer: int, kv_dtype: str) -> str:
+    """The KV dtype of `layer` in a cache of `kv_dtype`: an fp8 cache keeps the config's
+    `kv_fp8_skip_layers` in the model dtype (bf16 here, the dtype these estimates serve)."""
+    _check_kv_dtype(kv_dtype)
+    return "bf16" if kv_dtype == "fp8_e4m3" and layer in cfg.kv_fp8_skip_layers else kv_dtype
+
+
+def kv_bytes_of_layers(cfg: ModelConfig, start: int, stop: int, kv_dtype: str = "fp8_e4m3") -> int:
+    """MLA cache bytes per token over layers [start, stop), each in its dtype (`layer_kv_dtype`)."""
+    return sum(
+        kv_bytes_per_token_per_layer(cfg, layer_kv_dtype(cfg, i, kv_dtype)) for i in range(start, stop)
+    )
+
+
+def indexer_bytes_of_layers(cfg: ModelConfig, start: int, stop: int, kv_dtype: str = "fp8_e4m3") -> int:
+    """Indexer key bytes per token over the full-indexer layers of [start, stop), each in its dtype."""
+    return sum(
+        indexer_bytes_per_token(cfg, layer_kv_dtype(cfg, i, kv_dtype))
+        for i in range(start, stop)
+        if cfg.is_full_indexer(i)
+    )
+
+
 def n_full_indexer_layers(cfg: ModelConfig, start: int = 0, stop: int | None = None) -> int:
     stop = cfg.num_hidden_layers if stop is None else stop
     return sum(cfg.is_full_indexer(i) for i in range(start, stop))

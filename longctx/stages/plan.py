@@ -18,7 +18,9 @@ from longctx.config import ModelConfig, resolve_config
 from longctx.model.params import (
     KV_DTYPES,
     WEIGHT_DTYPES,
+    indexer_bytes_of_layers,
     indexer_bytes_per_token,
+    kv_bytes_of_layers,
     kv_bytes_per_token_per_layer,
     model_weight_bytes,
     n_full_indexer_layers,
@@ -72,8 +74,10 @@ def build_report(cfg: ModelConfig, plans: list[StagePlan], opts: dict[str, Any])
         "model_weight_bytes": model_weight_bytes(cfg, opts["weight_dtype"]),
         "kv_bytes_per_token_per_layer": kv_tok,
         "indexer_bytes_per_token_per_full_layer": idx_tok,
-        "kv_bytes_per_request": cfg.num_hidden_layers * tokens * kv_tok,
-        "indexer_bytes_per_request": n_full_indexer_layers(cfg) * tokens * idx_tok,
+        # (each layer in its dtype: an fp8 cache keeps the config's kv_fp8_skip_layers in bf16)
+        "kv_bytes_per_request": tokens * kv_bytes_of_layers(cfg, 0, cfg.num_hidden_layers, opts["kv_dtype"]),
+        "indexer_bytes_per_request": tokens
+        * indexer_bytes_of_layers(cfg, 0, cfg.num_hidden_layers, opts["kv_dtype"]),
         "weight_bytes_per_gpu_max": max(p.weight_bytes for p in plans),
         "weight_bytes_all_gpus": sum(p.weight_bytes for p in plans) * opts["tp"],
         "requests_fit_device": min(p.requests_fit_device for p in plans),
