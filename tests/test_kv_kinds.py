@@ -27,7 +27,6 @@ def test_kinds_per_layer_and_pool_layouts():
     kinds = resolve_kv_kinds("fp8_e4m3", torch.device("cpu"), SKIP)
     assert [kinds.mla(i) for i in range(6)] == ["fp8", "auto", "auto", "fp8", "fp8", "fp8"]
     assert [kinds.index(i) for i in range(6)] == ["fp8", "auto", "auto", "fp8", "fp8", "fp8"]
-    assert kinds.describe(range(6)) == "fp8 (layers 1,2 in the model dtype)" and kinds.describe([3]) == "fp8"
     # only an fp8 cache keeps layers out of it: the model-dtype and bf16 caches are one kind throughout
     for kv_dtype, base in (("auto", "auto"), ("bf16", "bf16"), ("model", "auto")):
         assert resolve_kv_kinds(kv_dtype, torch.device("cpu"), SKIP) == KVKinds(base)

@@ -68,13 +68,6 @@ class KVKinds:
         """Layout of the layer's index keys: fp8 beside fp8 rows, else the model dtype."""
         return "fp8" if self.mla(layer) == "fp8" else "auto"
 
-    def describe(self, layers: Iterable[int]) -> str:
-        """The base kind, with the kept layers of `layers` named: "fp8 (layers 4 in the model dtype)"."""
-        kept = sorted(set(layers) & self.model_layers)
-        if not kept or self.base == "auto":
-            return self.base
-        return f"{self.base} (layers {','.join(map(str, kept))} in the model dtype)"
-
 
 def resolve_kv_kinds(kv_dtype: str, device: torch.device, fp8_skip_layers: Iterable[int] = ()) -> KVKinds:
     """`resolve_kv_kind`, with `fp8_skip_layers` kept in the model dtype when the kind is fp8."""
