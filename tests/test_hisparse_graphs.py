@@ -65,16 +65,21 @@ def _drive(eng: Engine, max_running: int) -> tuple[dict[str, list[int]], dict[tu
     return tokens, logits
 
 
-def test_capped_graph_path_matches_eager(model_dir):
-    with Engine(model_dir, **KW, hisparse_device_tokens=CAP) as eng:
+@pytest.mark.parametrize("kinds", [{}, {"kv_dtype": "fp8_e4m3", "kv_fp8_skip_layers": (1, 4)}])
+def test_capped_graph_path_matches_eager(model_dir, kinds):
+    """(also with an fp8 cache that keeps layers 1 and 4 in the model dtype: slot buffers of two sizes; the
+    static path's fp32 differs from eager's in the last bits, ~1e-6 of the logits, and where that moves a
+    value across an e4m3 rounding step the fp8 rows written differ: up to ~4e-5 measured, the same tokens)"""
+    tol = 2e-4 if kinds else 1e-5
+    with Engine(model_dir, **KW, **kinds, hisparse_device_tokens=CAP) as eng:
         assert eng.runner.graphs is None
         want, want_logits = _drive(eng, 3)
-    with Engine(model_dir, **KW) as eng:
+    with Engine(model_dir, **KW, **kinds) as eng:
         uncapped, _ = _drive(eng, 3)
     assert want == uncapped
     # one block allocated at start: the second concurrent request grows the buffers mid-run, which
     # must drop the decode graphs made over the old ones
-    with Engine(model_dir, **KW, hisparse_device_tokens=CAP, cuda_graphs=True, max_running=1) as eng:
+    with Engine(model_dir, **KW, **kinds, hisparse_device_tokens=CAP, cuda_graphs=True, max_running=1) as eng:
         graphs = eng.runner.graphs
         assert isinstance(graphs, DecodeGraphs) and not graphs.capture
         kv = eng.runner.worker.kv
@@ -89,7 +94,7 @@ def test_capped_graph_path_matches_eager(model_dir):
     assert got == want
     assert got_logits.keys() == want_logits.keys()
     for k, v in want_logits.items():
-        assert torch.allclose(got_logits[k], v, rtol=1e-5, atol=1e-5), k
+        assert torch.allclose(got_logits[k], v, rtol=tol, atol=tol), k
 
 
 def test_capped_decode_step_is_graph_safe(model_dir):
