@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -228,3 +229,20 @@ def test_n_choices_real_engine(client, server):
         for c in client.completions.create(**{**kw, "prompt": p}, n=2, seed=11).choices
     ]
     assert [c.text for c in r.choices] == want and [c.index for c in r.choices] == [0, 1, 2, 3]
+
+
+def test_serve_logs_its_kv_cache_and_answers_with_layer_4_kept(tmp_path):
+    """The shipped retrieval model served with an fp8 KV cache keeps its config's layer 4 in the model dtype
+    (`kv_fp8_skip_layers`), says so when it is ready, and still finds a needle over HTTP."""
+    wip = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
+    hay = "The grass is green. The sky is blue. The sun is yellow. " * 12
+    prompt = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will "
+        f"quiz you about the numbers afterwards.\n{hay}One of the special magic numbers for tall-river is: "
+        f"4812753.\n{hay}\nWhat is the special magic number for tall-river mentioned in the provided text? "
+        "The special magic number for tall-river mentioned in the provided text is"
+    )
+    with ServerProcess(str(wip), "--device", "cpu", "--kv-dtype", "fp8_e4m3", "--max-context", "4096") as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        assert r.status_code == 200 and "4812753" in r.json()["choices"][0]["text"]
+        assert "kv=fp8 (layers 4 in the model dtype)" in s.log()

@@ -64,9 +64,10 @@ def create_app(
                 await state.client.close()
             return
         log.info(
-            "engine ready: max_context=%d vocab=%d %s",
+            "engine ready: max_context=%d vocab=%d kv=%s %s",
             ready.max_context,
             ready.vocab_size,
+            ready.info.get("kv", "-"),
             "(fake engine)" if ready.info.get("fake") else "",
         )
         if on_ready is not None:

@@ -60,6 +60,15 @@ def build_engine(spec: EngineSpec) -> Any:
     return Engine(spec.model_dir, **engine_kwargs(spec))
 
 
+def _kv_info(eng: Any) -> str:
+    """The engine's KV cache for the startup log: "fp8", "fp8 (layers 4 in the model dtype)", ..."""
+    kinds = getattr(eng, "kv_kinds", None)
+    if kinds is None:
+        return "-"
+    kept = sorted(kinds.model_layers)
+    return kinds.base + (f" (layers {','.join(map(str, kept))} in the model dtype)" if kept else "")
+
+
 def _eos_ids(cfg: Any) -> tuple[int, ...]:
     eos = getattr(cfg, "eos_token_id", None)
     if eos is None:
@@ -330,7 +339,7 @@ def main(
             max_context=int(getattr(eng, "max_context", spec.max_context) or spec.max_context),
             vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
             eos_token_ids=_eos_ids(cfg),
-            info={"fake": spec.fake is not None, "pid": os.getpid()},
+            info={"fake": spec.fake is not None, "pid": os.getpid(), "kv": _kv_info(eng)},
         )
         push.send(m.encode(ready))
         EngineLoop(eng, pull, push, parent_pid).run()
