@@ -3,6 +3,7 @@ random tiny model, written to models/tiny if missing (`make -n`: the commands, n
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,7 +16,17 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def _dry_run(cwd: Path, *args: str) -> list[str]:
-    p = subprocess.run(["make", "-n", "serve", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    # (under `make test` the environment says this is a sub-make: it would print its directory and
+    # inherit the outer make's variables)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MODEL")}
+    p = subprocess.run(
+        ["make", "--no-print-directory", "-n", "serve", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
 
