@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -230,8 +231,9 @@ def check_local_window(window: object, topk: int) -> None:
 
 
 def check_kv_fp8_skip_layers(layers: object, num_layers: int) -> tuple[int, ...]:
-    """`kv_fp8_skip_layers`: distinct layer numbers in [0, num_layers), as a sorted tuple."""
-    items = list(layers) if isinstance(layers, list | tuple) else None
+    """`kv_fp8_skip_layers`: distinct layer numbers in [0, num_layers) (a list, tuple or other sequence; not a
+    string), as a sorted tuple."""
+    items = list(layers) if isinstance(layers, Sequence) and not isinstance(layers, str) else None
     if (
         items is None
         or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in items)

@@ -15,9 +15,9 @@ from longctx.checkpoint.loader import iter_weights
 from longctx.config import ModelConfig
 from longctx.engine.worker import build_model
 from longctx.errors import ConfigError
-from longctx.kvstore.pool import PagedKVPool
+from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.model.context import ForwardContext
-from longctx.stages.host import HostBackedKV, host_kv_spec, open_stage_host_pool
+from longctx.stages.host import HostBackedKV, open_stage_host_pool
 from longctx.stages.tp import TPShard, check_tp
 from tests.conftest import make_checkpoint, tiny_config
 

@@ -169,8 +169,6 @@ class Engine:
         self.dtype = DTYPES[dtype]
         # an fp8 cache keeps these layers' KV in the model dtype (None: as the checkpoint says)
         skip = self.cfg.kv_fp8_skip_layers if kv_fp8_skip_layers is None else kv_fp8_skip_layers
-        if isinstance(skip, Sequence) and not isinstance(skip, str):
-            skip = tuple(skip)
         skip = check_kv_fp8_skip_layers(skip, self.cfg.num_hidden_layers)
         self.kv_kinds = resolve_kv_kinds(kv_dtype, self.device, skip)
         self.kv_kind = self.kv_kinds.base

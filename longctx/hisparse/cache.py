@@ -87,7 +87,7 @@ from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
 from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
-from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, mla_row_bytes
+from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool
 from longctx.kernels.lru_place import (
     CandKeep,
     cand_keep_buffers,
@@ -97,8 +97,8 @@ from longctx.kernels.lru_place import (
     lru_place,
 )
 from longctx.kernels.swap import swap_in_gather
-from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
-from longctx.kvstore.pool import KVKinds
+from longctx.kvstore.host_pool import HostKVLayout, HostPool
+from longctx.kvstore.pool import KVKinds, host_kv_spec
 from longctx.model.context import ForwardContext
 
 log = logging.getLogger("longctx.hisparse")
@@ -189,11 +189,6 @@ def preallocated_requests(
     return max(1, min(max_running, pool // max(device_tokens, pool if max_context is None else max_context)))
 
 
-def _row_shape(template: torch.Tensor) -> tuple[torch.dtype, int]:
-    """(dtype, width) of the rows of an MLA pool like `template`."""
-    return template.dtype, template.shape[1]
-
-
 def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor over registered host memory `t` (UVA: the device address is the host one)."""
 
@@ -277,17 +272,20 @@ class HiSparseKVCache:
         self._keep_on = CAND_KEEP and self._use_cand and use_triton and not par and not small
         self._keep: tuple[torch.Tensor, ...] = ()  # slots, keys, meta per (block, layer) plane (`_grow`)
         L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        # per layer: (dtype, width) of a slot-buffer row and its bytes (layers may differ in kind)
-        self._row = {i: _row_shape(alloc_mla_pool(1, L, R, self.kinds.mla(i), dtype, "cpu")) for i in layers}
-        self._row_bytes = {i: mla_row_bytes(L, R, self.kinds.mla(i), dtype) for i in layers}
+        # per layer: (dtype, width) of a slot-buffer row (layers may differ in kind)
+        self._row = {}
+        for i in layers:
+            t = alloc_mla_pool(1, L, R, self.kinds.mla(i), dtype, "cpu")
+            self._row[i] = (t.dtype, t.shape[1])
+        want = host_kv_spec(cfg, layers, self.num_slots, self.kinds, dtype)
         # (stats: a swapped row's bytes, averaged over the stage's layers where their kinds differ)
-        self.row_bytes = sum(self._row_bytes.values()) / len(layers)
+        self.row_bytes = sum(want.rows_of(i) for i in layers) / len(layers)
         self._index_of = {layer: i for i, layer in enumerate(layers)}
 
         # host pool: every token's full MLA row, indexed like the paged pool
         self._own_pool: HostPool | None = None
         if host_layout is None:
-            spec = HostKVSpec(layers.start, layers.stop, self.num_slots, tuple(self._row_bytes.values()))
+            spec = want
             pool, _ = HostPool.create(spec.nbytes, tag=f"hisparse{layers.start}.{layers.stop}")
             pool.unlink()  # private to this process: nothing to attach, nothing to leak
             if self.device.type == "cuda":
@@ -299,10 +297,8 @@ class HiSparseKVCache:
             raise ConfigError(
                 f"host KV layout covers layers [{spec.layer_start}, {spec.layer_end}), need {layers}"
             )
-        if spec.num_slots < self.num_slots or any(spec.rows_of(i) != b for i, b in self._row_bytes.items()):
-            raise ConfigError(
-                f"host KV layout {spec} does not fit {self.num_slots} rows of {self._row_bytes} B per layer"
-            )
+        if spec.num_slots < self.num_slots or any(spec.rows_of(i) != want.rows_of(i) for i in layers):
+            raise ConfigError(f"host KV layout {spec} does not fit {want}")
         self.host_layout = host_layout
         self._host = {i: host_layout.layer_view(i).view(self._row[i][0]) for i in layers}  # [slots, W]
         if self.device.type == "cuda":

@@ -24,6 +24,7 @@ import torch
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, index_row_bytes, mla_row_bytes
+from longctx.kvstore.host_pool import HostKVSpec
 from longctx.model.context import ForwardContext
 
 KV_KINDS = ("auto", "bf16", "fp8")
@@ -73,6 +74,16 @@ def resolve_kv_kinds(kv_dtype: str, device: torch.device, fp8_skip_layers: Itera
     """`resolve_kv_kind`, with `fp8_skip_layers` kept in the model dtype when the kind is fp8."""
     base = resolve_kv_kind(kv_dtype, device)
     return KVKinds(base, frozenset(fp8_skip_layers) if base == "fp8" else frozenset())
+
+
+def host_kv_spec(
+    cfg: ModelConfig, layers: range, num_slots: int, kind: str | KVKinds, dtype: torch.dtype
+) -> HostKVSpec:
+    """One region of [num_slots, MLA row bytes] per layer of the stage (same slot ids as the device), each
+    layer's rows in its kind."""
+    kinds = KVKinds.of(kind)
+    rows = tuple(mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kinds.mla(i), dtype) for i in layers)
+    return HostKVSpec(layers.start, layers.stop, num_slots, rows)
 
 
 ROWS_OF_TOPK = "rows_of_topk"  # ForwardContext.extras key: (top-k tensor, its pool rows) of this pass

@@ -18,21 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from longctx.config import ModelConfig
-from longctx.kernels.kv_layout import mla_row_bytes
 from longctx.kernels.swap import swap_out_scatter
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool
-from longctx.kvstore.pool import KVKinds
 from longctx.model.context import ForwardContext
-
-
-def host_kv_spec(
-    cfg: ModelConfig, layers: range, num_slots: int, kind: str | KVKinds, dtype: torch.dtype
-) -> HostKVSpec:
-    """One region of [num_slots, MLA row bytes] per layer of the stage (same slot ids as the device)."""
-    kinds = KVKinds.of(kind)
-    rows = tuple(mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kinds.mla(i), dtype) for i in layers)
-    return HostKVSpec(layers.start, layers.stop, num_slots, rows)
 
 
 def open_stage_host_pool(

@@ -372,6 +372,7 @@ def partition(
         if s == pp - 1:
             ws += head_weights(cfg)
         nfull = n_full_indexer_layers(cfg, a, b)
+        kv_tok = kv_bytes_of_layers(cfg, a, b, kv_dtype)  # (a token's MLA rows over the stage's layers)
         rows.append(
             StagePlan(
                 stage=s,
@@ -380,8 +381,8 @@ def partition(
                 node=s * tp // gpus_per_node,
                 cost_s=scost[s],
                 weight_bytes=weights_nbytes(ws, cfg, weight_dtype, tp),
-                kv_bytes_device=dev_tokens * kv_bytes_of_layers(cfg, a, b, kv_dtype),
-                kv_bytes_host=tokens * kv_bytes_of_layers(cfg, a, b, kv_dtype),
+                kv_bytes_device=dev_tokens * kv_tok,
+                kv_bytes_host=tokens * kv_tok,
                 indexer_bytes=tokens * indexer_bytes_of_layers(cfg, a, b, kv_dtype),
                 headroom_bytes=activation_headroom(cfg, (a, b), context, chunk, tp, has_head=s == pp - 1),
                 requests_fit_device=0,

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from longctx.engine.plan import BatchResult
 from longctx.engine.worker import DTYPES, StageWorker, build_model
 from longctx.errors import ConfigError
-from longctx.kvstore.pool import PagedKVPool
-from longctx.stages.host import HostBackedKV, host_kv_spec, open_stage_host_pool
+from longctx.kvstore.pool import PagedKVPool, host_kv_spec
+from longctx.stages.host import HostBackedKV, open_stage_host_pool
 from longctx.stages.messages import (
     Failed,
     Ready,
