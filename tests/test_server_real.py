@@ -243,6 +243,10 @@ def test_serve_logs_its_kv_cache_and_answers_with_layer_4_kept(tmp_path):
         "The special magic number for tall-river mentioned in the provided text is"
     )
     with ServerProcess(str(wip), "--device", "cpu", "--kv-dtype", "fp8_e4m3", "--max-context", "4096") as s:
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        r = httpx.post(
+            s.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 10, "temperature": 0},
+            timeout=120,
+        )
         assert r.status_code == 200 and "4812753" in r.json()["choices"][0]["text"]
         assert "kv=fp8 (layers 4 in the model dtype)" in s.log()

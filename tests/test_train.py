@@ -1093,6 +1093,48 @@ def test_a_step_out_of_memory_ends_the_run_with_its_weights_saved(tmp_path: Path
     load_model_weights(m, tmp_path / "o", CPU)  # the weights of step 3 load
 
 
+def test_a_masked_step_out_of_memory_retries_gathered_and_goes_on(tmp_path: Path, monkeypatch) -> None:
+    """A step whose rows took the masked form (the probe's choice) and ran out of memory is tried again in
+    the gathered form, which that length and the longer masked ones keep; the run goes on to its planned
+    steps and the recipe records the fallback. A gathered step that runs out of memory still ends the run."""
+    import longctx.train.loop as loop
+
+    real = loop.train_step
+    tried: list[tuple[int, int, bool]] = []
+
+    def mask_ooms(model, opt, batch, cfg, step, device):  # type: ignore[no-untyped-def]
+        S = batch.ids.shape[1]
+        tried.append((step, S, model._gathers(S)))
+        if S == 640 and not model._gathers(S):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, opt, batch, cfg, step, device)
+
+    monkeypatch.setattr(loop, "train_step", mask_ooms)
+    data = DataConfig(tokens_per_step=1280, curriculum=((0, 512), (2, 640), (4, 768)))
+    cfg = TrainConfig(
+        model_config=str(TINY), out=str(tmp_path / "o"), steps=6, device="cpu", data=data, warmup_steps=1,
+        dense_warmup_steps=0, log_every=1, kl_rows=16, save_dtype="float32", eval_samples=0,
+        sparse_forms=((512, "mask"), (640, "mask"), (768, "mask")),
+    )  # fmt: skip
+    summary = loop.train(cfg)
+    assert summary["stopped"] == "steps" and summary["step"] == 6
+    assert tried[:2] == [(0, 512, False), (1, 512, False)]
+    assert tried[2:4] == [(2, 640, False), (2, 640, True)]  # the same step again, gathered
+    assert [g for _, S, g in tried[4:]] == [True] * 3 and [S for _, S, _ in tried[4:]] == [640, 768, 768]
+    st = read_training(tmp_path / "o")
+    assert st["recipe"]["oom_fallbacks"] == [{"step": 2, "seq_len": 640, "gather_from_now": [640, 768]}]
+    assert len(st["log"]) == 6
+
+    def gathered_ooms(model, opt, batch, cfg, step, device):  # type: ignore[no-untyped-def]
+        if step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, opt, batch, cfg, step, device)
+
+    monkeypatch.setattr(loop, "train_step", gathered_ooms)
+    gathered = dataclasses.replace(cfg, out=str(tmp_path / "g"), sparse_forms=(), sparse_attention="gather")
+    assert loop.train(gathered)["stopped"] == "out of memory at step 1 (rows 2 x 512)"
+
+
 def test_gated_time_fitted_run_uses_its_time_at_the_final_lr(tmp_path: Path, monkeypatch) -> None:
     """A gated `--steps 0` run whose gate holds reaches its planned steps early; it then goes on at the
     schedule's final lr until the deadline instead of stopping (run 7 left 30% of its time unused)."""

@@ -463,6 +463,43 @@ def train_step(
     return metrics
 
 
+def step_or_none(
+    model: TrainCausalLM,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: TrainConfig,
+    step: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor] | None:
+    """`train_step`, or None when it ran out of device memory."""
+    try:
+        return train_step(model, opt, batch, cfg, step, device)
+    except torch.OutOfMemoryError:
+        return None
+
+
+def gather_instead(
+    model: TrainCausalLM, S: int, step: int, device: torch.device, recipe: dict[str, Any]
+) -> bool:
+    """After a step on rows of S tokens ran out of memory: when "auto" had given S the masked form (an
+    S x S mask per layer), give S and every longer measured length the gathered form (memory S x top-k)
+    and say so; True when the step is worth one more try. The probe times the masked form on a fresh
+    allocator before any optimizer state exists, so a form that fit there by a few GB may not fit
+    mid-run (the forty-second session's H100 run stopped at step 94 of 263 on its first 64K row)."""
+    if model.sparse_attention != "auto" or model._gathers(S):
+        return False
+    longer = sorted(n for n, f in model.measured_forms.items() if n >= S and f != "gather")
+    for n in longer or [S]:
+        model.measured_forms[n] = "gather"
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    note = {"step": step, "seq_len": S, "gather_from_now": longer or [S]}
+    recipe.setdefault("oom_fallbacks", []).append(note)
+    print(json.dumps({"oom_fallback": note}), flush=True)
+    return True
+
+
 def _auto_schedule(
     cfg: TrainConfig,
     model: TrainCausalLM,
@@ -724,9 +761,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 stopped = "deadline"
                 break
             lr = lr_at(cfg, step)
-            try:
-                metrics = train_step(model, opt, batch, cfg, step, device)
-            except torch.OutOfMemoryError:  # keep what the run learned: stop here and save (below)
+            metrics = step_or_none(model, opt, batch, cfg, step, device)
+            if metrics is None and gather_instead(model, batch.ids.shape[1], step, device, recipe):
+                metrics = step_or_none(model, opt, batch, cfg, step, device)  # the same batch, gathered
+            if metrics is None:  # keep what the run learned: stop here and save (below)
                 stopped = f"out of memory at step {step} (rows {batch.ids.shape[0]} x {batch.ids.shape[1]})"
                 break
             for k, v in metrics.items():
