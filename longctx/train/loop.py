@@ -463,21 +463,6 @@ def train_step(
     return metrics
 
 
-def step_or_none(
-    model: TrainCausalLM,
-    opt: torch.optim.Optimizer,
-    batch: Batch,
-    cfg: TrainConfig,
-    step: int,
-    device: torch.device,
-) -> dict[str, torch.Tensor] | None:
-    """`train_step`, or None when it ran out of device memory."""
-    try:
-        return train_step(model, opt, batch, cfg, step, device)
-    except torch.OutOfMemoryError:
-        return None
-
-
 def gather_instead(
     model: TrainCausalLM, S: int, step: int, device: torch.device, recipe: dict[str, Any]
 ) -> bool:
@@ -742,6 +727,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             persistent_workers=False,
         )
 
+    def step_or_none(batch: Batch, step: int) -> dict[str, torch.Tensor] | None:
+        """`train_step` (with the loop's current cfg), or None when it ran out of device memory."""
+        try:
+            return train_step(model, opt, batch, cfg, step, device)
+        except torch.OutOfMemoryError:
+            return None
+
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not sys.stderr.isatty())
     step = start
     tokens = 0
@@ -761,9 +753,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 stopped = "deadline"
                 break
             lr = lr_at(cfg, step)
-            metrics = step_or_none(model, opt, batch, cfg, step, device)
+            metrics = step_or_none(batch, step)
             if metrics is None and gather_instead(model, batch.ids.shape[1], step, device, recipe):
-                metrics = step_or_none(model, opt, batch, cfg, step, device)  # the same batch, gathered
+                metrics = step_or_none(batch, step)  # the same batch, gathered
             if metrics is None:  # keep what the run learned: stop here and save (below)
                 stopped = f"out of memory at step {step} (rows {batch.ids.shape[0]} x {batch.ids.shape[1]})"
                 break
