@@ -1123,7 +1123,15 @@ def test_a_masked_step_out_of_memory_retries_gathered_and_goes_on(tmp_path: Path
     assert [g for _, S, g in tried[4:]] == [True] * 3 and [S for _, S, _ in tried[4:]] == [640, 768, 768]
     st = read_training(tmp_path / "o")
     assert st["recipe"]["oom_fallbacks"] == [{"step": 2, "seq_len": 640, "gather_from_now": [640, 768]}]
+    assert dict(st["recipe"]["sparse_forms"]) == {512: "mask", 640: "gather", 768: "gather"}  # for a resume
     assert len(st["log"]) == 6
+    # a length the probe left unmeasured ("auto" masks it) is switched too, not only the measured longer ones
+    tried.clear()
+    unmeasured = dataclasses.replace(cfg, out=str(tmp_path / "u"), sparse_forms=((768, "mask"),))
+    assert loop.train(unmeasured)["stopped"] == "steps"
+    assert tried[2:4] == [(2, 640, False), (2, 640, True)]
+    fallbacks = read_training(tmp_path / "u")["recipe"]["oom_fallbacks"]
+    assert fallbacks == [{"step": 2, "seq_len": 640, "gather_from_now": [640, 768]}]
 
     def gathered_ooms(model, opt, batch, cfg, step, device):  # type: ignore[no-untyped-def]
         if step == 1:

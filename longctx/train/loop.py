@@ -182,6 +182,14 @@ _PROBE_ONE_REP_FROM = 131072
 FUSED_ALONE_LEAD = 1.5
 
 
+def free_after_oom(model: TrainCausalLM, device: torch.device) -> None:
+    """After a step ran out of device memory: drop its gradients and hand the allocator's cached blocks
+    back, so what comes next (another form, a retry, the save) starts from what the run really holds."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def probe_step_seconds(
     model: TrainCausalLM, cfg: TrainConfig, device: torch.device, reps: int = 3
 ) -> tuple[dict[int, float], dict[int, str]]:
@@ -245,14 +253,10 @@ def probe_step_seconds(
             try:
                 timed[form + suffix] = median_seconds(batch, rival=min(timed.values(), default=None))
             except torch.OutOfMemoryError:  # this form does not fit a step at S
-                model.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                free_after_oom(model, device)
 
     def fused_failed(S: int, e: Exception) -> None:  # the fused kernel's first GPU runs may fail
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_after_oom(model, device)
         print(json.dumps({"probe": {"seq_len": S, "fused_failed": f"{type(e).__name__}: {e}"[:300]}}))
 
     for first, S in sorted(cfg.data.curriculum, key=lambda p: p[1]):
@@ -473,14 +477,14 @@ def gather_instead(
     mid-run (the forty-second session's H100 run stopped at step 94 of 263 on its first 64K row)."""
     if model.sparse_attention != "auto" or model._gathers(S):
         return False
-    longer = sorted(n for n, f in model.measured_forms.items() if n >= S and f != "gather")
-    for n in longer or [S]:
+    # S itself even when the probe left it unmeasured (then "auto" masks rows up to _GATHER_FROM)
+    switched = sorted({S, *(n for n, f in model.measured_forms.items() if n > S and f != "gather")})
+    for n in switched:
         model.measured_forms[n] = "gather"
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    note = {"step": step, "seq_len": S, "gather_from_now": longer or [S]}
+    free_after_oom(model, device)
+    note = {"step": step, "seq_len": S, "gather_from_now": switched}
     recipe.setdefault("oom_fallbacks", []).append(note)
+    recipe["sparse_forms"] = sorted(model.measured_forms.items())  # what a resumed run takes
     print(json.dumps({"oom_fallback": note}), flush=True)
     return True
 
@@ -831,9 +835,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
     if stopped.startswith("out of memory"):  # (outside the except: its frames are gone by now)
         print(json.dumps({"oom": stopped}), flush=True)
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_after_oom(model, device)
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
     train_s = _monotonic() - t_start
     summary: dict[str, Any] = {
