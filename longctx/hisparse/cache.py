@@ -98,7 +98,7 @@ from longctx.kernels.lru_place import (
 )
 from longctx.kernels.swap import swap_in_gather
 from longctx.kvstore.host_pool import HostKVLayout, HostPool
-from longctx.kvstore.pool import KVKinds, host_kv_spec
+from longctx.kvstore.pool import HasKVKinds, KVKinds, host_kv_spec
 from longctx.model.context import ForwardContext
 
 log = logging.getLogger("longctx.hisparse")
@@ -206,7 +206,7 @@ def _device_alias(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return flat.view(t.dtype).view(t.shape)
 
 
-class HiSparseKVCache:
+class HiSparseKVCache(HasKVKinds):
     """Implements `longctx.model.context.KVCache` with host-backed MLA rows (see module doc).
 
     `device_tokens` (N) is the per (request, layer) cap on device-resident tokens; it must exceed
@@ -374,12 +374,6 @@ class HiSparseKVCache:
         self._timed_before = False  # the first timed swap is not timed: see _timed
 
     # ---- KVCache ---------------------------------------------------------------------------------
-    def mla_kind(self, layer: int) -> str:
-        return self.kinds.mla(layer)
-
-    def index_kind(self, layer: int) -> str:
-        return self.kinds.index(layer)
-
     def mla_pool(self, layer: int) -> torch.Tensor:
         return self._write_view[layer]
 

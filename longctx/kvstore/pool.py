@@ -70,6 +70,18 @@ class KVKinds:
         return "fp8" if self.mla(layer) == "fp8" else "auto"
 
 
+class HasKVKinds:
+    """The `KVCache` protocol's `mla_kind` / `index_kind`, read from the cache's `kinds`."""
+
+    kinds: KVKinds
+
+    def mla_kind(self, layer: int) -> str:
+        return self.kinds.mla(layer)
+
+    def index_kind(self, layer: int) -> str:
+        return self.kinds.index(layer)
+
+
 def resolve_kv_kinds(kv_dtype: str, device: torch.device, fp8_skip_layers: Iterable[int] = ()) -> KVKinds:
     """`resolve_kv_kind`, with `fp8_skip_layers` kept in the model dtype when the kind is fp8."""
     base = resolve_kv_kind(kv_dtype, device)
@@ -89,7 +101,7 @@ def host_kv_spec(
 ROWS_OF_TOPK = "rows_of_topk"  # ForwardContext.extras key: (top-k tensor, its pool rows) of this pass
 
 
-class PagedKVPool:
+class PagedKVPool(HasKVKinds):
     """All KV of one stage on its device; implements `longctx.model.context.KVCache`."""
 
     dense_readable = True
@@ -129,12 +141,6 @@ class PagedKVPool:
         return mla + idx
 
     # ---- KVCache ---------------------------------------------------------------------------
-    def mla_kind(self, layer: int) -> str:
-        return self.kinds.mla(layer)
-
-    def index_kind(self, layer: int) -> str:
-        return self.kinds.index(layer)
-
     def mla_pool(self, layer: int) -> torch.Tensor:
         return self._mla[layer]
 
