@@ -37,6 +37,48 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 BACKENDS = ("auto", "torch", "triton")
 
 
+def _interpreter_device_calls_reuse_the_launch_patch() -> bool:
+    """Make the CPU interpreter's device-function calls cheap: the stock `InterpretedFunction.__call__`
+    re-patches all of `triton.language` (every builtin of tl, tl.tensor, tl.math and tl.core, found by
+    `inspect.getmembers`) on each call of a `@jit` helper from a kernel, although the kernel's launch
+    (`GridExecutor`) patched them already and restores them when it ends. Our kernels call helpers per
+    program and per loop step (`_dot`, `_load_kv`, ...), so that re-patching was ~36% of an interpreted
+    engine run (cProfile of tests/test_hisparse_graphs.py's fork test: 216 of 595 s in `_patch_lang`).
+    When every language module a helper's globals name (`tl`, or `tl.core` for Triton's own helpers such
+    as `tl.zeros`) is patched already (its `load` is the interpreter's wrapper, not a builtin), the call
+    runs the rewritten function directly; otherwise the stock call patches them as before. Returns
+    whether it applied (an interpreter without that method, or none at all, is left as it is;
+    LONGCTX_INTERPRETER_FAST_CALLS=0 keeps the stock call, for A/B runs)."""
+    if not (HAS_TRITON and triton_interpret()) or os.environ.get("LONGCTX_INTERPRETER_FAST_CALLS") == "0":
+        return False
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:  # pragma: no cover - a triton without the interpreter module
+        return False
+    stock = vars(ti.InterpretedFunction).get("__call__")
+    if stock is None or getattr(stock, "_longctx", False) or not hasattr(ti.InterpretedFunction, "rewrite"):
+        return False
+
+    langs: dict[Any, tuple[Any, ...]] = {}  # a helper -> the language modules its globals name
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mods = langs.get(self.fn)
+        if mods is None:
+            g = self.fn.__globals__.values()
+            mods = langs[self.fn] = tuple(m for m in (tl, tl.core) if any(v is m for v in g))
+        if not mods or any(tl.core.is_builtin(m.load) for m in mods):  # one of them is not patched
+            return stock(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    call._longctx = True  # type: ignore[attr-defined]
+    ti.InterpretedFunction.__call__ = call
+    return True
+
+
 class KernelInputError(LongctxError, ValueError):
     """A kernel wrapper was given tensors of the wrong shape, dtype, stride or device."""
 
@@ -44,6 +86,9 @@ class KernelInputError(LongctxError, ValueError):
 def triton_interpret() -> bool:
     """True when Triton kernels run under the CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+INTERPRETER_FAST_CALLS = _interpreter_device_calls_reuse_the_launch_patch()
 
 
 def use_triton(backend: str, device: torch.device | str) -> bool:
