@@ -5,12 +5,19 @@ itself again after the launch."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from longctx.kernels import common
 from longctx.kernels.common import HAS_TRITON, jit, tl, triton_interpret
 
-pytestmark = pytest.mark.skipif(not (HAS_TRITON and triton_interpret()), reason="needs TRITON_INTERPRET=1")
+pytestmark = [
+    pytest.mark.skipif(not (HAS_TRITON and triton_interpret()), reason="needs TRITON_INTERPRET=1"),
+    pytest.mark.skipif(
+        os.environ.get("LONGCTX_INTERPRETER_FAST_CALLS") == "0", reason="LONGCTX_INTERPRETER_FAST_CALLS=0"
+    ),
+]
 
 
 @jit
