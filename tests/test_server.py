@@ -428,6 +428,13 @@ BAD = [
     ("POST", C, b'{"prompt": "x", ', 400),
     ("POST", C, b"[1, 2]", 400),
     ("POST", C, b'{"prompt": "\xff\xfe"}', 400),
+    # unpaired surrogate escapes: valid JSON, not valid Unicode (no tokenizer or UTF-8 response takes them)
+    ("POST", C, b'{"prompt": "\\udc80", "max_tokens": 2}', 400),
+    ("POST", C, b'{"prompt": "x", "model": "\\ud800"}', 400),
+    ("POST", C, b'{"prompt": "x", "stop": "\\ud800"}', 400),
+    ("POST", CH, b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400),
+    ("POST", "/tokenize", b'{"prompt": "\\ud83d"}', 400),
+    ("POST", D, b'{"text": "doc", "name": "\\ud800"}', 400),
     ("POST", C, b"", 400),
     ("POST", C, b'{"prompt": "x", "temperature": NaN}', 400),
     ("POST", C, {"prompt": 5}, 400),
@@ -520,4 +527,8 @@ def test_bad_inputs_get_4xx_and_server_stays_healthy(server):
         assert r.status_code == 400, r.text
         assert h.get("/health").status_code == 200
         assert h.post(C, json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+        # an escaped surrogate pair is one character, and fine; nothing bad was stored (the list renders)
+        r = h.post(C, content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+        assert r.status_code == 200, r.text
+        assert h.get(D).status_code == 200
     assert "Traceback" not in server.log()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from longctx.server.text import TextCodec
 
 M = TypeVar("M", bound=BaseModel)
 BIG_TEXT = 100_000  # tokenise texts longer than this off the event loop
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,35 @@ async def read_json(request: Request, model: type[M]) -> M:
         raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if "\\u" in text and _has_lone_surrogate(obj):  # (only a \u escape can make one)
+        raise ApiError(
+            400,
+            "request body has an unpaired surrogate escape (\\ud800-\\udfff): not valid Unicode",
+            code="invalid_utf8",
+        )
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise validation_error(e) from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether a string (or key) in parsed JSON holds a surrogate code point: json.loads joins an escaped
+    pair into one character, so what is left is unpaired, which no tokenizer or UTF-8 response takes."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if _SURROGATE.search(x):
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
