@@ -62,6 +62,22 @@ def test_min_p_keeps_only_tokens_near_the_likeliest():
     ]
 
 
+def test_extreme_controls_draw_a_token_instead_of_nan():
+    """Values the API accepts but fp32 cannot hold: a temperature that overflows the scaled logits (greedy, as
+    vLLM), a top_p that is 0 in fp32 (the likeliest token), and +inf logits from a tiny repetition penalty
+    (one of those tokens). Each once raised in torch.multinomial, failing every request of the step."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(VOCAB, generator=g) * 3
+    for t in (1e-45, 1e-300, 5e-6):
+        assert int(_sample(logits, t, 1.0, 0, 1, 0)) == int(logits.argmax())
+    assert int(_sample(logits, 1.0, 1e-320, 0, 1, 0)) == int(logits.argmax())
+    inf = logits.clone()
+    inf[[4, 9]] = float("inf")
+    inf[7] = float("-inf")
+    assert {int(_sample(inf, 1.0, 1.0, 0, 1, s)) for s in range(20)} <= {4, 9}
+    assert int(_sample(inf, 0.7, 0.5, 3, 1, 0, 0.2)) in (4, 9)
+
+
 @pytest.mark.parametrize(
     "kw,msg",
     [
@@ -128,6 +144,28 @@ def test_per_request_bias_is_batch_independent(eng):
         ],
     )
     assert got[0][0] == [5] * 8 and got[1] == alone[0]
+
+
+def test_extreme_sampling_values_do_not_fail_the_batch(eng):
+    """A request with a temperature, top_p or repetition penalty at the edge of what validates, batched with
+    an ordinary one: both finish with their tokens (a NaN draw used to fail the whole step)."""
+    p, q = rand_ids(25, 5), rand_ids(41, 6)
+    alone = _run(eng, [q], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+    for kw in (
+        dict(temperature=1e-45),
+        dict(temperature=1.0, top_p=1e-320),
+        dict(temperature=1.0, repetition_penalty=1e-40),
+    ):
+        got = _run(
+            eng,
+            [p, q],
+            [
+                SamplingParams(max_new_tokens=6, ignore_eos=True, seed=0, **kw),  # type: ignore[arg-type]
+                SamplingParams(max_new_tokens=6, ignore_eos=True),
+            ],
+        )
+        assert got[1] == alone[0], kw
+        assert len(got[0][0]) == 6 and got[0][1] == "length", kw
 
 
 def _eos_first(eos: int, **kw) -> dict:

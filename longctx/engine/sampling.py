@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 _MIX = 0x9E3779B97F4A7C15
+# temperatures below this draw greedily (vLLM's _SAMPLING_EPS): dividing by a smaller one overflows the
+# logits to inf, and a row of inf is NaN probabilities, which fail the whole step's batch
+GREEDY_BELOW = 1e-5
 
 
 def _token_seed(seed: int, step: int) -> int:
@@ -174,11 +177,14 @@ def _sample(
     step: int,
     min_p: float = 0.0,
 ) -> torch.Tensor:
-    """A 0-d tensor on logits' device: argmax when temperature is 0, else a seeded draw (min_p, then top-k,
-    then top-p, as vLLM applies them)."""
-    if temperature <= 0.0:
+    """A 0-d tensor on logits' device: argmax when temperature is 0 (below GREEDY_BELOW), else a seeded draw
+    (min_p, then top-k, then top-p, as vLLM applies them)."""
+    if temperature < GREEDY_BELOW:
         return torch.argmax(logits)
     x = logits.float() / temperature
+    # (a tiny repetition penalty divides the seen tokens' positive logits to +inf: those tokens, equally,
+    # instead of NaN probabilities)
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
     if min_p > 0.0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
@@ -190,6 +196,7 @@ def _sample(
         probs = torch.softmax(sorted_x, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
