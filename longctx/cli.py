@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0
+    except OSError as e:  # a path the command was given: missing, not a directory, not writable, ...
+        where = f": {e.filename}" if e.filename else ""
+        print(f"longctx {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from typing import Any
 from longctx.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+# sizes a config must give as positive integers (checked before anything is built from them)
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
@@ -172,9 +174,20 @@ class ModelConfig:
             d = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        if not isinstance(d, dict):
+            raise ConfigError(f"{p} is not a JSON object")
+        try:
+            return cls.from_dict(d)
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type (ConfigError passes)
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{p}: a field has the wrong type or value: {e}") from None
 
     def validate(self) -> None:
+        for name in _POSITIVE:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         n = self.num_hidden_layers
         if len(self.indexer_types) != n:
             raise ConfigError(f"indexer_types has {len(self.indexer_types)} entries for {n} layers")

@@ -95,12 +95,45 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--logprobs", "2", "hi"], "--logprobs / --prompt-logprobs need --json"),
         (["generate", *CPU, "--min-tokens", "9", "--max-new-tokens", "4", "hi"], "min_tokens must be"),
         (["score", *CPU, ""], "the prompt is empty"),
+        (["generate", *CPU, "--chunk-size", "-3", "hi"], "chunk_size must be positive"),  # (was a hang)
+        (["generate", *CPU, "--device", "tpu", "hi"], "device must be 'auto', 'cpu' or 'cuda'"),
+        (["generate", *CPU, "--prompt-file", str(Path(__file__).parent)], "(a directory)"),
+        (["score", *CPU, "--out", "/nonexistent/dir/l.pt", "hi"], "--out /nonexistent/dir/l.pt: not a file"),
     ],
 )
 def test_bad_input_is_one_line(argv: list[str], says: str, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and err[0].startswith(f"longctx {argv[0]}: error:")
+
+
+def test_corrupt_config_and_bad_paths_are_one_line(tmp_path, capsys) -> None:
+    """A config.json that is JSON but not a config (a list, a field of the wrong type, a size that is not
+    positive), and an output path that cannot be made, are one line with exit code 2 in every command
+    that reads or writes them (they were tracebacks)."""
+    good = json.loads((Path(WIP) / "config.json").read_text())
+    bad = {
+        "list": [1, 2],
+        "type": {**good, "num_hidden_layers": "six"},
+        "size": {**good, "vocab_size": -5},
+    }
+    for name, cfg in bad.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        cfg_path = str(tmp_path / name / "config.json")
+        for argv in (
+            ["generate", "--model", str(tmp_path / name), "--device", "cpu", "hi"],
+            ["plan", "--config", cfg_path, "--gpus", "1", "--pp", "1", "--context", "1K"],
+            ["init-model", "--config", cfg_path, "--out", str(tmp_path / f"out-{name}")],
+        ):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"longctx {argv[0]}: error: "), (argv, err)
+            assert cfg_path in err[0] or "vocab_size must be a positive integer, got -5" in err[0], err
+    (tmp_path / "file").write_text("x")
+    assert main(["init-model", "--config", "tiny", "--out", str(tmp_path / "file" / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"longctx init-model: error: Not a directory: {tmp_path / 'file' / 'm'}"], err
 
 
 def test_flags_are_named_in_full(capsys) -> None:

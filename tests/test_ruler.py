@@ -322,6 +322,8 @@ def test_parse_lengths():
         ["--samples", "0", "--dump-dir", "D"],
         ["--seed", "x", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "-1", "--dump-dir", "D"],
+        ["--max-new-tokens-scale", "inf", "--dump-dir", "D"],
+        ["--dump-dir", "/dev/null/D", "--samples", "1", "--lengths", "1k", "--tasks", "niah_single_1"],
         ["--model", "M", "--base-url", "http://x", "--out", "O"],
         ["--base-url", "http://x"],  # no --out
         [],  # nothing to do

@@ -253,6 +253,9 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         ["--hisparse-device-tokens", "-1"],
         ["--pp", "0"],
         ["--max-context", "0"],
+        ["--port", "99999"],
+        ["--port", "-1"],
+        ["--drain-timeout", "nan"],
     ],
 )
 def test_serve_bad_args_exit_2_with_one_line(extra, capsys):

@@ -34,8 +34,8 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
         return [ids]
     if args.prompt_file:
         p = Path(args.prompt_file)
-        if not p.exists():
-            raise LongctxError(f"prompt file not found: {p}")
+        if not p.is_file():
+            raise LongctxError(f"prompt file not found: {p}" + (" (a directory)" if p.is_dir() else ""))
         return [p.read_text(encoding="utf-8", errors="replace")]
     if isinstance(args.prompt, str):
         return [args.prompt]
@@ -129,6 +129,8 @@ def run_score(args: argparse.Namespace) -> int:
     import torch
 
     prompts = _read_prompt(args)
+    if args.out and (Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir()):
+        raise LongctxError(f"--out {args.out}: not a file in an existing directory")
     with _engine(args) as eng:
         ids = prompts[0] if isinstance(prompts[0], list) else eng.encode(prompts[0])
         logits = eng.score(ids)

@@ -61,7 +61,10 @@ class Completion:
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' requested but CUDA is not available")
     return dev
@@ -177,6 +180,8 @@ class Engine:
             raise ConfigError("max_context must be positive")
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)
+        if chunk_size is not None and chunk_size < 1:
+            raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()

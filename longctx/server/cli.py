@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -82,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise CLIError("--port must be in [0, 65535] (0 picks a free port)")
+    if not math.isfinite(args.drain_timeout) or args.drain_timeout < 0:
+        raise CLIError("--drain-timeout must be a number of seconds >= 0")
     spec = EngineSpec(model_dir=args.model, **engine_kwargs(args), fake=fake)
     name = args.served_model_name or (Path(args.model).resolve().name or "longctx")
     settings = ServerSettings(

@@ -8,6 +8,7 @@ longctx ruler --tasks niah_single_1,vt --lengths 8k --dump-dir samples/   # samp
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -167,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--max-new-tokens-scale must be a number, not {args.max_new_tokens_scale!r}"
         ) from None
-    if not scale > 0:
-        raise UsageError("--max-new-tokens-scale must be > 0")
+    if not 0 < scale < math.inf:
+        raise UsageError("--max-new-tokens-scale must be a finite number > 0")
     engine_kw = embedded_engine_kwargs(args)
     has_model = bool(args.model or args.base_url)
     if not has_model and not args.dump_dir:
