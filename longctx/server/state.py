@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from longctx.server import messages as m
 from longctx.server.engine_client import EngineClient
@@ -173,9 +174,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # (hung up mid-body: nobody reads this answer, and it is no server error)
+        raise ApiError(
+            499, "client disconnected while sending the body", code="client_disconnected"
+        ) from None
     return b"".join(chunks)
