@@ -76,6 +76,8 @@ def test_extreme_controls_draw_a_token_instead_of_nan():
     inf[7] = float("-inf")
     assert {int(_sample(inf, 1.0, 1.0, 0, 1, s)) for s in range(20)} <= {4, 9}
     assert int(_sample(inf, 0.7, 0.5, 3, 1, 0, 0.2)) in (4, 9)
+    # every token suppressed (min_tokens with the whole vocabulary in stop_token_ids): some token
+    assert 0 <= int(_sample(torch.full((VOCAB,), float("-inf")), 1.0, 0.9, 5, 1, 0, 0.1)) < VOCAB
 
 
 @pytest.mark.parametrize(
@@ -166,6 +168,16 @@ def test_extreme_sampling_values_do_not_fail_the_batch(eng):
         )
         assert got[1] == alone[0], kw
         assert len(got[0][0]) == 6 and got[0][1] == "length", kw
+    everything = tuple(range(eng.cfg.vocab_size))  # (held back for 3 tokens, then the 4th stops it)
+    got = _run(
+        eng,
+        [p, q],
+        [
+            SamplingParams(max_new_tokens=6, temperature=1.0, min_tokens=3, stop_token_ids=everything),
+            SamplingParams(max_new_tokens=6, ignore_eos=True),
+        ],
+    )
+    assert got[1] == alone[0] and len(got[0][0]) == 4 and got[0][1] == "stop", got
 
 
 def _eos_first(eos: int, **kw) -> dict:

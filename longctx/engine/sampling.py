@@ -183,8 +183,10 @@ def _sample(
         return torch.argmax(logits)
     x = logits.float() / temperature
     # (a tiny repetition penalty divides the seen tokens' positive logits to +inf: those tokens, equally,
-    # instead of NaN probabilities)
+    # instead of NaN probabilities; every token suppressed, min_tokens with the whole vocabulary in
+    # stop_token_ids: a uniform draw)
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+    x = torch.where(torch.isneginf(x).all(), torch.zeros_like(x), x)
     if min_p > 0.0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
