@@ -96,6 +96,11 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--min-tokens", "9", "--max-new-tokens", "4", "hi"], "min_tokens must be"),
         (["score", *CPU, ""], "the prompt is empty"),
         (["generate", *CPU, "--chunk-size", "-3", "hi"], "chunk_size must be positive"),  # (was a hang)
+        (["generate", *CPU, "--stop", "", "hi"], "stop strings must not be empty"),
+        (
+            ["init-model", "--config", "tiny", "--out", "/nonexistent/m", "--init-std", "nan"],
+            "--init-std must",
+        ),
         (["generate", *CPU, "--device", "tpu", "hi"], "device must be 'auto', 'cpu' or 'cuda'"),
         (["generate", *CPU, "--prompt-file", str(Path(__file__).parent)], "(a directory)"),
         (["score", *CPU, "--out", "/nonexistent/dir/l.pt", "hi"], "--out /nonexistent/dir/l.pt: not a file"),

@@ -213,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config)
     if args.max_shard_bytes <= 0:
         raise ConfigError("--max-shard-bytes must be positive")
+    if not (math.isfinite(args.init_std) and args.init_std >= 0):  # (nan wrote a checkpoint of NaN weights)
+        raise ConfigError(f"--init-std must be a finite number >= 0, got {args.init_std}")
     out = init_random_checkpoint(
         cfg,
         args.out,

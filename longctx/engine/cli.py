@@ -88,6 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
         min_tokens=args.min_tokens,
         min_p=args.min_p,
         logit_bias=tuple(sorted(bias.items())),
+        stop=tuple(args.stop or ()),
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     ).validate()

@@ -74,6 +74,8 @@ class SamplingParams:
             )
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if any(not s for s in self.stop):  # (it would end every generation at once, as vLLM refuses it)
+            raise RequestError("stop strings must not be empty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
         for tok, bias in self.logit_bias:
