@@ -459,6 +459,8 @@ BAD = [
     ("POST", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400),
     ("POST", C, {"prompt": "x", "min_p": 1.5}, 400),
     ("POST", C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ("POST", C, {"prompt": "x", "logit_bias": {"\u00b2": 1}}, 400),  # (str.isdigit, not a token id)
+    ("POST", C, {"prompt": "x", "logit_bias": {"\u0661\u0662": 1}}, 400),
     ("POST", C, {"prompt": "x", "logit_bias": {"5": 101}}, 400),
     ("POST", C, {"prompt": "x", "logit_bias": {"5": "1"}}, 400),
     ("POST", C, {"prompt": "x", "logit_bias": {"100000": 1}}, 400),

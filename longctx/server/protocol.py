@@ -116,7 +116,7 @@ class _SamplingFields(_Strict):
         """logit_bias as sorted (token id, bias) pairs; a key that is not a token id is a ValueError."""
         out: dict[int, float] = {}
         for k, v in (self.logit_bias or {}).items():
-            if not k.strip().isdigit() or int(k) > I64:
+            if not (k.strip().isascii() and k.strip().isdigit()) or int(k) > I64:  # (not "²", nor "١٢")
                 raise ValueError(f"logit_bias: keys are token ids, got {k!r}")
             if int(k) in out:
                 raise ValueError(f"logit_bias: token {int(k)} appears twice")
