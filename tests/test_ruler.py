@@ -323,6 +323,7 @@ def test_parse_lengths():
         ["--seed", "x", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "-1", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "inf", "--dump-dir", "D"],
+        ["--base-url", "http://127.0.0.1:1", "--out", "O", "--api-key", "k\u00e9y", "--samples", "1"],
         ["--dump-dir", "/dev/null/D", "--samples", "1", "--lengths", "1k", "--tasks", "niah_single_1"],
         ["--model", "M", "--base-url", "http://x", "--out", "O"],
         ["--base-url", "http://x"],  # no --out

@@ -122,6 +122,8 @@ class HTTPClient(Client):
         base = base_url.rstrip("/")
         if base.endswith("/v1"):
             base = base[:-3]
+        if api_key and not api_key.isascii():  # (an HTTP header carries ASCII: httpx raised on it)
+            raise ClientError("--api-key must be ASCII")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._httpx = httpx
         self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s, transport=transport)
