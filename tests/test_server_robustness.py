@@ -256,6 +256,7 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         ["--port", "99999"],
         ["--port", "-1"],
         ["--drain-timeout", "nan"],
+        ["--api-key", "k\u00e9y"],
     ],
 )
 def test_serve_bad_args_exit_2_with_one_line(extra, capsys):

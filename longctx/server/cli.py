@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--port must be in [0, 65535] (0 picks a free port)")
     if not math.isfinite(args.drain_timeout) or args.drain_timeout < 0:
         raise CLIError("--drain-timeout must be a number of seconds >= 0")
+    if args.api_key and not args.api_key.isascii():  # (no HTTP client sends it: every request a 401)
+        raise CLIError("--api-key must be ASCII")
     spec = EngineSpec(model_dir=args.model, **engine_kwargs(args), fake=fake)
     name = args.served_model_name or (Path(args.model).resolve().name or "longctx")
     settings = ServerSettings(
