@@ -126,6 +126,34 @@ def test_bad_requests_are_rejected_cleanly(eng):
     assert eng.stats()["running"] == 0
 
 
+def test_a_failed_blocking_call_leaves_nothing_behind(eng, monkeypatch):
+    """generate() that raises (its second prompt rejected; a step failing mid-prefill) aborts its own
+    requests: none stays queued, running or holding pages, and the next call answers as before."""
+    a, b = rand_ids(45, 40), rand_ids(33, 41)
+    want = eng.generate([a, b], max_new_tokens=6, ignore_eos=True)
+    used = eng.stats()["pages_used"]
+    with pytest.raises(RequestError, match="vocab"):
+        eng.generate([a, [1, 2, 10**6]], max_new_tokens=6)
+    assert eng.num_waiting() == eng.num_running() == 0
+
+    real, calls = eng._step, []
+
+    def failing_second_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("step failed")
+        return real()
+
+    monkeypatch.setattr(eng, "_step", failing_second_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        eng.generate([a, b], max_new_tokens=6, ignore_eos=True)
+    monkeypatch.undo()
+    assert len(calls) == 2 and eng.num_waiting() == eng.num_running() == 0
+    assert eng.stats()["pages_used"] <= used and not eng._held
+    got = eng.generate([a, b], max_new_tokens=6, ignore_eos=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
 def test_prompt_longer_than_max_context(tiny_dir):
     with Engine(tiny_dir, device="cpu", max_context=64) as e:
         with pytest.raises(RequestError, match="maximum context"):

@@ -503,10 +503,26 @@ class Engine:
     def _run_to_completion(
         self, reqs: list[Request], desc: str
     ) -> dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]]:
-        """Step until `reqs` finish; each one's (logprobs, prompt logprobs) as the steps reported them."""
-        for r in reqs:
-            self.add_request(r)
-        pending = {r.rid for r in reqs}
+        """Step until `reqs` finish; each one's (logprobs, prompt logprobs) as the steps reported them.
+        If it raises (a rejected request, a failed step, an interrupt), the requests of `reqs` still in
+        the engine are aborted first, so nothing of this call stays queued or holds pages."""
+        pending: set[str] = set()
+        try:
+            for r in reqs:
+                self.add_request(r)
+                pending.add(r.rid)
+            return self._step_until_done(reqs, pending, desc)
+        except BaseException:
+            for rid in pending:
+                try:
+                    self.abort(rid)
+                except Exception:  # (a closed engine): the error being raised is the one that matters
+                    log.warning("could not abort %s after a failed %s", rid, desc, exc_info=True)
+            raise
+
+    def _step_until_done(
+        self, reqs: list[Request], pending: set[str], desc: str
+    ) -> dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]]:
         lps: dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]] = {r.rid: ([], []) for r in reqs}
         total = sum(len(r.prompt_ids) for r in reqs)
         show = sys.stderr.isatty() and total >= 8 * self.chunk_size
