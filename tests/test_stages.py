@@ -178,6 +178,57 @@ def test_stage_processes_end_with_the_interpreter(tiny_dir):
     assert all(_gone(p) for p in pids)
 
 
+def test_stages_of_a_driver_killed_while_they_start_exit_too(tiny_dir):
+    """The driver SIGKILLed right after spawning its stages: they would wait for its store (up to
+    STORE_TIMEOUT) before their loop could notice; they and the resource tracker go within seconds."""
+    code = (
+        "import os, signal, psutil\n"
+        "from longctx.stages import runtime\n"
+        "start = runtime.SpawnedStages.start\n"
+        "def start_then_die(self, specs):\n"
+        "    start(self, specs)\n"
+        "    print(' '.join(str(c.pid) for c in psutil.Process().children()), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "runtime.SpawnedStages.start = start_then_die\n"
+        "from longctx import Engine\n"
+        f"Engine({str(tiny_dir)!r}, device='cpu', kv_pages=4, pp=2)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) >= 2  # the stages (and multiprocessing's resource tracker)
+    deadline = time.monotonic() + 30
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)
+
+
+class _DriverGone:
+    def driver_alive(self) -> bool:
+        return False
+
+
+def _own_pool_then_lose_the_driver(q) -> None:  # runs in a spawned process
+    from longctx.kvstore.host_pool import HostPool
+    from longctx.stages.process import exit_with_driver
+
+    pool, _ = HostPool.create(4096, "watch")  # created, not unlinked yet (no peer attached)
+    q.put(pool.path)
+    exit_with_driver(_DriverGone(), poll_s=0.01)
+
+
+def test_watchdog_unlinks_the_pool_it_owns_when_the_driver_is_gone():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_own_pool_then_lose_the_driver, args=(q,))
+    p.start()
+    path = q.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 1 and not os.path.exists(path)
+
+
 def test_a_peer_that_died_silently_is_blamed_before_the_stage_that_reported():
     """A stage killed without a report (SIGKILL, OOM) breaks its peers' connection; whichever
     report reaches the driver first, the dead silent stage is named as the cause. A stage that

@@ -59,7 +59,8 @@ _OWNED: set[str] = set()
 
 
 @atexit.register
-def _unlink_owned() -> None:
+def unlink_owned() -> None:
+    """Unlink every pool file this process created and has not unlinked yet (also runs at exit)."""
     for path in list(_OWNED):
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from longctx.engine.plan import BatchResult
 from longctx.engine.worker import DTYPES, StageWorker, build_model
 from longctx.errors import ConfigError
+from longctx.kvstore.host_pool import unlink_owned
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.stages.host import HostBackedKV, open_stage_host_pool
 from longctx.stages.messages import (
@@ -300,6 +302,19 @@ def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False
     sys.exit(code)
 
 
+def exit_with_driver(transport: Transport, poll_s: float = 1.0) -> None:
+    """Watchdog thread of a local spawn: once the driver is gone, unlink the host-pool file this
+    process still owns and exit. The loop in `StageProcess.run` notices a dead driver only between
+    messages; a stage still starting (connecting to the driver's store, which retries for
+    STORE_TIMEOUT) or blocked in a collective on such a peer would otherwise outlive it."""
+    while transport.driver_alive():
+        time.sleep(poll_s)
+    unlink_owned()
+    os._exit(1)
+
+
 def spawn_main(spec: StageSpec, inbox: Any, outbox: Any) -> None:
     """`multiprocessing` target for a local spawn."""
-    stage_main(spec, QueueTransport(inbox, outbox), exit_process=True)
+    transport = QueueTransport(inbox, outbox)
+    threading.Thread(target=exit_with_driver, args=(transport,), name="driver-watch", daemon=True).start()
+    stage_main(spec, transport, exit_process=True)
