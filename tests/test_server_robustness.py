@@ -210,6 +210,25 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert rc == 0, s.log()[-4000:]
 
 
+def test_killed_server_leaves_no_socket_dir(tmp_path):
+    """SIGKILL of the frontend: its engine process exits by itself and removes the frontend's private
+    ipc:// socket dir, which nobody else would."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = fake_server(tmp_path, step_delay_s=0.01)
+    s.env["TMPDIR"] = str(tmp)  # where the frontend makes its socket dir
+    s.start()
+    try:
+        engine = psutil.Process(httpx.get(s.url + "/health").json()["engine_pid"])
+        assert [p.name for p in tmp.iterdir()] and all(p.name.startswith("longctx-") for p in tmp.iterdir())
+        s.proc.kill()
+        s.proc.wait(10)
+        assert wait_for(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE, 10)
+        assert list(tmp.iterdir()) == []
+    finally:
+        s.stop()
+
+
 def test_sigterm_drains_and_exits_cleanly(tmp_path):
     s = fake_server(tmp_path, step_delay_s=0.01).start()
     try:

@@ -352,3 +352,19 @@ def main(
         pull.close(0)
         push.close()
         ctx.term()
+        if os.getppid() != parent_pid:
+            _remove_sockets(to_engine, from_engine)
+
+
+def _remove_sockets(*endpoints: str) -> None:
+    """A frontend that was killed leaves its private socket dir behind: remove the two ipc:// socket
+    files and the dir, if empty (the frontend removes it itself on a normal close)."""
+    dirs = set()
+    for ep in endpoints:
+        path = ep.removeprefix("ipc://")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        dirs.add(os.path.dirname(path))
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
