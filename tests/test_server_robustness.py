@@ -288,23 +288,23 @@ def test_serve_bad_args_exit_2_with_one_line(extra, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("longctx serve: error:") and extra[0] in err
 
 
-def test_serve_engine_that_cannot_start_exits_2_with_one_line(tmp_path):
+@pytest.mark.parametrize("stages", [[], ["--pp", "2"]])
+def test_serve_engine_that_cannot_start_exits_2_with_one_line(tmp_path, stages):
     """An engine refusing its flags at startup (HiSparse slots below the model's top-k: only the engine
     knows the model's top-k) ends `longctx serve` with exit 2 and one error line, no traceback, no child
-    process left behind."""
+    process left behind; also when a stage process (pp=2) is the one that refuses."""
     import subprocess
     import sys
 
     model = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
     argv = ["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "warning"]
     p = subprocess.run(
-        [sys.executable, "-m", "longctx.cli", *argv, "--hisparse-device-tokens", "100"],
+        [sys.executable, "-m", "longctx.cli", *argv, *stages, "--hisparse-device-tokens", "100"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, p.stderr
-    assert err[0].startswith(
-        "longctx serve: error: the engine did not start: ConfigError: hisparse_device_tokens"
-    )
+    assert err[0].startswith("longctx serve: error: the engine did not start: ")
+    assert "ConfigError: hisparse_device_tokens" in err[0]
     left = [q for q in psutil.process_iter(["cwd"]) if q.info["cwd"] == str(tmp_path)]  # its engine process
     assert not left, left

@@ -29,10 +29,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from longctx.engine.plan import BatchResult
 from longctx.engine.worker import DTYPES, StageWorker, build_model
-from longctx.errors import ConfigError
+from longctx.errors import ConfigError, LongctxError
 from longctx.kvstore.host_pool import unlink_owned
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.stages.host import HostBackedKV, open_stage_host_pool
@@ -285,7 +286,8 @@ def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False
         proc.run()
     except BaseException as e:  # noqa: BLE001 (anything that stops a stage must reach the driver)
         code = 1
-        traceback.print_exc(file=sys.stderr)
+        if not isinstance(e, LongctxError):  # bad input / config says what is wrong in its message
+            traceback.print_exc(file=sys.stderr)
         transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, _one_line(e)))
     finally:
         try:
@@ -315,6 +317,9 @@ def exit_with_driver(transport: Transport, poll_s: float = 1.0) -> None:
 
 def spawn_main(spec: StageSpec, inbox: Any, outbox: Any) -> None:
     """`multiprocessing` target for a local spawn."""
+    # tqdm's default lock is a named multiprocessing semaphore; this process ends with os._exit,
+    # which never unlinks it, so the resource tracker would (with a "leaked semaphore" warning)
+    tqdm.set_lock(threading.RLock())
     transport = QueueTransport(inbox, outbox)
     threading.Thread(target=exit_with_driver, args=(transport,), name="driver-watch", daemon=True).start()
     stage_main(spec, transport, exit_process=True)
