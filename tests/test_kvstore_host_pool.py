@@ -86,6 +86,8 @@ def test_killed_creator_leaves_stale_file_that_cleanup_removes():
     assert os.path.exists(path)  # no atexit ran: the file is stale
     mine, _ = HostPool.create(4096, "live")
     with mine:
+        assert cleanup_stale("longctx-", pids={pid + 1}) == []  # only the files of the pids asked for
+        assert os.path.exists(path)
         removed = cleanup_stale("longctx-")
         assert path in removed and not os.path.exists(path)
         assert os.path.exists(mine.path)  # a live creator's file is kept

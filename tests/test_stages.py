@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,6 +125,11 @@ def _gone(pid: int) -> bool:
 
 
 def test_killed_stage_fails_fast_and_leaves_nothing(tiny_dir):
+    # a fresh pool file of a creator this pid namespace cannot see (a pid above pid_max): another
+    # container's engine, starting up, on a shared /dev/shm; our close must leave it alone
+    with open("/proc/sys/kernel/pid_max") as f:
+        foreign = os.path.join("/dev/shm", f"longctx-s0-{int(f.read()) + 1}-{os.urandom(8).hex()}")
+    open(foreign, "wb").close()
     eng = _engine(tiny_dir, pp=2)
     stages = eng.stats()["stages"]
     pids = [p for s in stages for p in s["pids"]]
@@ -145,7 +151,11 @@ def test_killed_stage_fails_fast_and_leaves_nothing(tiny_dir):
     finally:
         timer.cancel()
         eng.close()
+        foreign_kept = os.path.exists(foreign)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(foreign)
     eng.close()  # idempotent
+    assert foreign_kept
     assert all(_gone(p) for p in pids)
     for s in stages:
         assert not os.path.exists(os.path.join("/dev/shm", s["host_pool_name"]))

@@ -24,6 +24,7 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import psutil
@@ -77,11 +78,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cleanup_stale(
-    prefix: str = NAME_PREFIX, directory: str | None = None, min_age_s: float = 0.0
+    prefix: str = NAME_PREFIX,
+    directory: str | None = None,
+    min_age_s: float = 0.0,
+    pids: Collection[int] | None = None,
 ) -> list[str]:
     """Remove pool files named `{prefix}...-{pid}-{hex}` whose pid is dead; returns removed paths.
 
-    Only files owned by this user and older than `min_age_s` seconds are considered.
+    Only files owned by this user and older than `min_age_s` seconds are considered, and with
+    `pids` only those these processes created (ones the caller has reaped: with no age limit,
+    a file of a pid merely not seen here may belong to a live process in another pid namespace).
     """
     directory = directory or shm_dir()
     removed: list[str] = []
@@ -97,6 +103,8 @@ def cleanup_stale(
         if len(parts) != 3 or not parts[1].isdigit():
             continue
         pid = int(parts[1])
+        if pids is not None and pid not in pids:
+            continue
         path = os.path.join(directory, entry)
         try:
             st = os.stat(path)

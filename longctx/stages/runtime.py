@@ -149,8 +149,9 @@ class SpawnedStages:
                 q.cancel_join_thread()
                 q.close()
         self.store = None
-        # a stage killed between creating its host pool and unlinking it leaves the file behind
-        cleanup_stale(NAME_PREFIX)
+        # a stage killed between creating its host pool and unlinking it leaves the file behind;
+        # only our stages' files: another engine's may belong to a pid not visible here
+        cleanup_stale(NAME_PREFIX, pids={p.pid for p in self.procs if p.pid is not None})
 
 
 class StageRuntime:
