@@ -213,6 +213,27 @@ def test_stages_of_a_driver_killed_while_they_start_exit_too(tiny_dir):
     assert all(_gone(p) for p in pids)
 
 
+def test_a_stage_that_cannot_be_started_is_the_error(tiny_dir, monkeypatch):
+    """Process.start failing for the second stage (fork/exec out of memory or processes): the caller
+    gets that error (not close()'s complaint about joining a process never started), and the first
+    stage, already running, is stopped."""
+    import multiprocessing.context
+
+    real_start = multiprocessing.context.SpawnProcess.start
+    started: list[int] = []
+
+    def start(self):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        real_start(self)
+        started.append(self.pid)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        _engine(tiny_dir, pp=2)
+    assert started and _gone(started[0])
+
+
 class _DriverGone:
     def driver_alive(self) -> bool:
         return False

@@ -129,17 +129,18 @@ class SpawnedStages:
         if self.closed:
             return
         self.closed = True
+        procs = [p for p in self.procs if p.pid is not None]  # (a failed start leaves some unstarted)
         if graceful:
             for q in self.inboxes:
                 with contextlib.suppress(Exception):
                     q.put(Shutdown())
             deadline = time.monotonic() + SHUTDOWN_GRACE_S
-            for p in self.procs:
+            for p in procs:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
+        for p in procs:
             if p.is_alive():
                 p.terminate()
-        for p in self.procs:
+        for p in procs:
             p.join(timeout=2.0)
             if p.is_alive():
                 p.kill()
@@ -151,7 +152,7 @@ class SpawnedStages:
         self.store = None
         # a stage killed between creating its host pool and unlinking it leaves the file behind;
         # only our stages' files: another engine's may belong to a pid not visible here
-        cleanup_stale(NAME_PREFIX, pids={p.pid for p in self.procs if p.pid is not None})
+        cleanup_stale(NAME_PREFIX, pids={p.pid for p in procs})
 
 
 class StageRuntime:
