@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -133,6 +134,13 @@ def test_killed_stage_fails_fast_and_leaves_nothing(tiny_dir):
     eng = _engine(tiny_dir, pp=2)
     stages = eng.stats()["stages"]
     pids = [p for s in stages for p in s["pids"]]
+    spawned = eng.runner._p
+    sems = [
+        "sem." + lock._semlock.name.lstrip("/")
+        for q in [*spawned.inboxes, spawned.outbox]
+        for lock in (q._rlock, q._wlock, q._sem)
+    ]
+    assert sems and all(os.path.exists(os.path.join("/dev/shm", n)) for n in sems)
     victim = stages[1]["pids"][0]
     killed_at: list[float] = []
 
@@ -156,6 +164,8 @@ def test_killed_stage_fails_fast_and_leaves_nothing(tiny_dir):
             os.unlink(foreign)
     eng.close()  # idempotent
     assert foreign_kept
+    gc.collect()
+    assert not [n for n in sems if os.path.exists(os.path.join("/dev/shm", n))]  # the queues' semaphores
     assert all(_gone(p) for p in pids)
     for s in stages:
         assert not os.path.exists(os.path.join("/dev/shm", s["host_pool_name"]))

@@ -149,6 +149,9 @@ class SpawnedStages:
             if q is not None:
                 q.cancel_join_thread()
                 q.close()
+        # each queue holds named semaphores (/dev/shm/sem.mp-*), unlinked when it is collected: drop
+        # them now rather than when the engine object goes
+        self.inboxes, self.outbox = [], None
         self.store = None
         # a stage killed between creating its host pool and unlinking it leaves the file behind;
         # only our stages' files: another engine's may belong to a pid not visible here
