@@ -142,6 +142,26 @@ def test_loop_survives_a_failing_step(loop):
     assert any(o.rid == "b" and o.finished and o.new_token_ids for o in outs)
 
 
+def test_loop_reports_a_dead_engine_and_stops(loop):
+    """A stage process died (EngineDeadError): every step would fail from now on, so after failing
+    the live requests the loop tells the frontend (EngineFailed: 503s, /health unhealthy) and stops."""
+    from longctx.errors import EngineDeadError
+
+    loop.send(m.AddRequest("a", (1, 2), m.WireSamplingParams(max_new_tokens=50)))
+    loop.run(2)
+
+    def dead():
+        raise EngineDeadError("stage 1 (layers [3, 6], tp rank 0) exited with code -9")
+
+    loop.loop.eng.step = dead
+    outs, replies = loop.run(1)
+    assert [(o.rid, o.finish_reason, o.error_kind) for o in outs] == [("a", "error", "engine")]
+    assert replies == [
+        m.EngineFailed("EngineDeadError: stage 1 (layers [3, 6], tp rank 0) exited with code -9")
+    ]
+    assert loop.loop.stop
+
+
 def test_wire_sampling_params_reach_the_engine_field_for_field() -> None:
     """WireSamplingParams and the engine's SamplingParams keep the same fields (a new sampling field is
     added to both or a request loses it on the way), and one sent over the wire arrives as the engine's

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from longctx.engine.request import Request, SamplingParams
-from longctx.errors import LongctxError
+from longctx.errors import EngineDeadError, LongctxError
 from longctx.server import messages as m
 
 log = logging.getLogger("longctx.engine_proc")
@@ -128,6 +128,7 @@ class EngineLoop:
         self.pins: dict[str, tuple[int, list[int]]] = {}  # rid of a document prefill -> (call id, ids)
         self.doc_keys: dict[str, list[bytes]] = {}  # pinned document -> its prefix-cache keys
         self.stop = False
+        self.dead: str | None = None  # why the engine can run no more steps
         self._last_stats = 0.0
 
     def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
@@ -279,6 +280,8 @@ class EngineLoop:
                     self.push.send(m.encode(m.RpcReply(call_id, False, error=err)))
                 self.pins.clear()
                 step_outs = []
+                if isinstance(e, EngineDeadError):  # a stage process is gone: no step will run again
+                    self.dead = err
             for o in step_outs:
                 if o.rid in self.pins:
                     if o.finished:
@@ -302,6 +305,11 @@ class EngineLoop:
                 tuple(outs), int(self.eng.num_waiting()), int(self.eng.num_running()), stats
             )
             self.push.send(m.encode(batch))
+        if self.dead is not None:
+            # tell the frontend (503s and an unhealthy /health from now on, not one 500 per request)
+            # and exit
+            self.push.send(m.encode(m.EngineFailed(self.dead)))
+            self.stop = True
 
     def run(self) -> None:
         while not self.stop:
