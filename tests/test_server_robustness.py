@@ -261,6 +261,39 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         s.stop()
 
 
+def test_sigterm_past_the_drain_timeout_ends_requests_with_503(tmp_path):
+    """Requests still running (or queued) when --drain-timeout runs out end with a 503 saying so (a
+    stream: an error event, then [DONE]), not with uvicorn's bare 500 and a traceback each."""
+    s = fake_server(tmp_path, "--drain-timeout", "1", step_delay_s=0.01).start()
+    try:
+        got: dict[str, object] = {}
+
+        def plain():
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 100000}, timeout=30)
+            got["plain"] = (r.status_code, r.text)
+
+        def stream():
+            body = {"prompt": "a", "max_tokens": 100000, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                got["stream"] = [line for line in r.iter_lines() if line]
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 2)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert s.proc.wait(30) == 0
+        status, text = got["plain"]
+        assert status == 503 and "drain" in json.loads(text)["error"]["message"], text
+        lines = got["stream"]
+        assert lines[-1] == "data: [DONE]" and "drain" in json.loads(lines[-2][6:])["error"]["message"]
+        assert "Traceback" not in s.log()
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize(
     "extra",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ from pathlib import Path
 from longctx.engine.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("longctx.server")
+DRAIN_MARGIN_S = 5.0  # uvicorn's own shutdown deadline, past --drain-timeout
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,11 +112,24 @@ def run(args: argparse.Namespace) -> int:
         failed.append(reason)
         server.should_exit = True
 
-    app = create_app(
-        settings,
-        on_ready=lambda: log.info("longctx serving %s at %s (OpenAI API: %s/v1)", name, url, url),
-        on_start_failure=on_start_failure,
-    )
+    drain_timer: list[asyncio.Task[None]] = []
+
+    async def end_the_drain_on_time() -> None:
+        # past its own deadline uvicorn cancels the requests still running mid-response (a bare
+        # 500 and a traceback each): end them at --drain-timeout instead, with a 503 (a stream: an
+        # error event), and give uvicorn's deadline DRAIN_MARGIN_S more for those to go out
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(args.drain_timeout)
+        app.state.longctx.client.end_all(
+            f"server is shutting down: still running after the {args.drain_timeout:g} s drain"
+        )
+
+    def on_ready() -> None:
+        log.info("longctx serving %s at %s (OpenAI API: %s/v1)", name, url, url)
+        drain_timer.append(asyncio.get_running_loop().create_task(end_the_drain_on_time()))
+
+    app = create_app(settings, on_ready=on_ready, on_start_failure=on_start_failure)
 
     try:
         import uvloop  # noqa: F401
@@ -126,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         app,
         loop=loop,
         log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        timeout_graceful_shutdown=math.ceil(args.drain_timeout + DRAIN_MARGIN_S),
         access_log=level <= logging.DEBUG,
     )
     server = uvicorn.Server(config)

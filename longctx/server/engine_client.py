@@ -143,6 +143,11 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.ready is not None and self.dead_reason is None
 
+    def end_all(self, reason: str) -> None:
+        """Fail every pending request and call now with EngineDeadError(reason); no new ones are taken
+        (a shutdown whose drain ran out of time)."""
+        self._mark_dead(reason)
+
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
