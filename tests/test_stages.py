@@ -255,6 +255,8 @@ def _own_pool_then_lose_the_driver(q) -> None:  # runs in a spawned process
 
     pool, _ = HostPool.create(4096, "watch")  # created, not unlinked yet (no peer attached)
     q.put(pool.path)
+    q.close()
+    q.join_thread()  # flushed before the watchdog's os._exit (under load the feeder thread lost it)
     exit_with_driver(_DriverGone(), poll_s=0.01)
 
 
