@@ -10,7 +10,9 @@ import math
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from longctx.engine.args import add_engine_args, engine_kwargs
 
@@ -65,6 +67,17 @@ def run(args: argparse.Namespace) -> int:
     from longctx.server.engine_proc import EngineSpec
     from longctx.server.state import ServerSettings
 
+    class _Server(uvicorn.Server):
+        """uvicorn's server, telling `on_exit_signal` when SIGTERM / SIGINT start the drain."""
+
+        def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[], None]) -> None:
+            super().__init__(config)
+            self._on_exit_signal = on_exit_signal
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            self._on_exit_signal()
+
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     fake = None
@@ -112,22 +125,31 @@ def run(args: argparse.Namespace) -> int:
         failed.append(reason)
         server.should_exit = True
 
+    server_loop: list[asyncio.AbstractEventLoop] = []  # the server's, once the engine is ready
     drain_timer: list[asyncio.Task[None]] = []
 
     async def end_the_drain_on_time() -> None:
         # past its own deadline uvicorn cancels the requests still running mid-response (a bare
         # 500 and a traceback each): end them at --drain-timeout instead, with a 503 (a stream: an
         # error event), and give uvicorn's deadline DRAIN_MARGIN_S more for those to go out
-        while not server.should_exit:
-            await asyncio.sleep(0.1)
         await asyncio.sleep(args.drain_timeout)
         app.state.longctx.client.end_all(
             f"server is shutting down: still running after the {args.drain_timeout:g} s drain"
         )
 
+    def start_the_drain_timer() -> None:
+        if not drain_timer:
+            drain_timer.append(server_loop[0].create_task(end_the_drain_on_time()))
+
+    def on_exit_signal() -> None:
+        # runs in the signal handler: hand the timer's start to the loop (before the engine is
+        # ready no request can be running, so there is nothing to time)
+        if server_loop:
+            server_loop[0].call_soon_threadsafe(start_the_drain_timer)
+
     def on_ready() -> None:
         log.info("longctx serving %s at %s (OpenAI API: %s/v1)", name, url, url)
-        drain_timer.append(asyncio.get_running_loop().create_task(end_the_drain_on_time()))
+        server_loop.append(asyncio.get_running_loop())
 
     app = create_app(settings, on_ready=on_ready, on_start_failure=on_start_failure)
 
@@ -144,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=math.ceil(args.drain_timeout + DRAIN_MARGIN_S),
         access_log=level <= logging.DEBUG,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, on_exit_signal)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal with the handlers it found at
     # start; a no-op handler here turns a drained shutdown into a clean exit code 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
