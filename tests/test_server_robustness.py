@@ -341,3 +341,43 @@ def test_serve_engine_that_cannot_start_exits_2_with_one_line(tmp_path, stages):
     assert "ConfigError: hisparse_device_tokens" in err[0]
     left = [q for q in psutil.process_iter(["cwd"]) if q.info["cwd"] == str(tmp_path)]  # its engine process
     assert not left, left
+
+
+def test_stale_socket_dirs_of_killed_servers_are_swept(tmp_path):
+    """A server killed together with its engine leaves its socket dir; the next server's start removes
+    it. Dirs whose sockets still accept connections, young dirs and dirs holding anything else stay."""
+    import socket as socketlib
+
+    from longctx.server.engine_client import sweep_stale_socket_dirs
+
+    def make(name: str, *, listen: bool, age_s: float, extra: str | None = None):
+        d = tmp_path / name
+        d.mkdir()
+        socks = []
+        for n in ("in", "out"):
+            s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+            s.bind(str(d / n))
+            if listen:
+                s.listen(4)
+                socks.append(s)
+            else:
+                s.close()  # the file stays, nobody listens: what a SIGKILLed process leaves
+        if extra:
+            (d / extra).write_text("x")
+        t = time.time() - age_s
+        os.utime(d, (t, t))
+        return d, socks
+
+    dead, _ = make("longctx-dead", listen=False, age_s=600)
+    live, held = make("longctx-live", listen=True, age_s=600)
+    young, _ = make("longctx-young", listen=False, age_s=0)
+    other, _ = make("longctx-other", listen=False, age_s=600, extra="notes.txt")
+    unrelated, _ = make("someone-else", listen=False, age_s=600)
+    try:
+        assert sweep_stale_socket_dirs(str(tmp_path)) == [str(dead)]
+        assert not dead.exists()
+        assert all(p.is_dir() for p in (live, young, other, unrelated))
+        assert sorted(p.name for p in live.iterdir()) == ["in", "out"]
+    finally:
+        for s in held:
+            s.close()

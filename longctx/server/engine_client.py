@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
@@ -28,6 +29,62 @@ from longctx.server import engine_proc
 from longctx.server import messages as m
 
 log = logging.getLogger("longctx.server")
+SOCKET_DIR_PREFIX = "longctx-"
+STALE_SOCKET_DIR_AGE_S = 60.0
+
+
+def sweep_stale_socket_dirs(
+    directory: str | None = None, min_age_s: float = STALE_SOCKET_DIR_AGE_S
+) -> list[str]:
+    """Remove socket dirs that servers killed together with their engine left behind; returns them.
+
+    A dir counts as stale when this user owns it, it is older than `min_age_s` (a server binds its
+    sockets just after making the dir) and nothing listens on its sockets any more: a connect is
+    refused. Liveness is asked of the sockets, not of a pid, so a live server in another pid
+    namespace sharing the temp dir keeps its dir.
+    """
+    directory = directory or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        path = os.path.join(directory, entry)
+        if not entry.startswith(SOCKET_DIR_PREFIX):
+            continue
+        try:
+            st = os.lstat(path)
+            names = os.listdir(path)
+        except OSError:
+            continue
+        if (
+            not os.path.isdir(path)
+            or os.path.islink(path)
+            or st.st_uid != os.getuid()
+            or now - st.st_mtime < min_age_s
+            or not set(names) <= {"in", "out"}
+            or any(_listening(os.path.join(path, n)) for n in names)
+        ):
+            continue
+        engine_proc.remove_socket_dir(path, names)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (anything else: False)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True  # e.g. a full backlog or a permission error: not ours to judge stale
+        return True
 
 
 class RequestHandle:
@@ -75,7 +132,10 @@ class EngineClient:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> m.EngineReady:
-        self._tmpdir = tempfile.mkdtemp(prefix="longctx-")
+        swept = sweep_stale_socket_dirs()
+        if swept:
+            log.info("removed %d stale socket dir(s) of killed servers", len(swept))
+        self._tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         to_engine = f"ipc://{os.path.join(self._tmpdir, 'in')}"
         from_engine = f"ipc://{os.path.join(self._tmpdir, 'out')}"
         self._ctx = zmq.asyncio.Context()

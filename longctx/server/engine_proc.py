@@ -367,12 +367,18 @@ def main(
 def _remove_sockets(*endpoints: str) -> None:
     """A frontend that was killed leaves its private socket dir behind: remove the two ipc:// socket
     files and the dir, if empty (the frontend removes it itself on a normal close)."""
-    dirs = set()
+    dirs: dict[str, list[str]] = {}
     for ep in endpoints:
         path = ep.removeprefix("ipc://")
+        dirs.setdefault(os.path.dirname(path), []).append(os.path.basename(path))
+    for d, names in dirs.items():
+        remove_socket_dir(d, names)
+
+
+def remove_socket_dir(directory: str, names: list[str]) -> None:
+    """Unlink the socket files `names` in `directory`, then the dir if that left it empty."""
+    for name in names:
         with contextlib.suppress(OSError):
-            os.unlink(path)
-        dirs.add(os.path.dirname(path))
-    for d in dirs:
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
+            os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
