@@ -263,25 +263,30 @@ class EngineLoop:
                 step_outs = self.eng.step()
             except Exception as e:
                 # A failed step poisons every request in it; fail them all, keep serving new ones.
+                # A dead stage (EngineDeadError) means no step will run again: the requests and pins
+                # are not failed one by one (500s) but all at once by the EngineFailed sent below,
+                # which the frontend turns into 503 engine_dead, as for a dead engine process.
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 err = _one_line(e)
+                if isinstance(e, EngineDeadError):
+                    self.dead = err
                 for rid in list(self.live):
                     with contextlib.suppress(Exception):
                         self.eng.abort(rid)
-                    outs.append(
-                        m.TokenOutput(
-                            rid, finished=True, finish_reason="error", error=err, error_kind="engine"
+                    if self.dead is None:
+                        outs.append(
+                            m.TokenOutput(
+                                rid, finished=True, finish_reason="error", error=err, error_kind="engine"
+                            )
                         )
-                    )
                 self.live.clear()
                 for rid, (call_id, _) in list(self.pins.items()):
                     with contextlib.suppress(Exception):
                         self.eng.abort(rid)
-                    self.push.send(m.encode(m.RpcReply(call_id, False, error=err)))
+                    if self.dead is None:
+                        self.push.send(m.encode(m.RpcReply(call_id, False, error=err)))
                 self.pins.clear()
                 step_outs = []
-                if isinstance(e, EngineDeadError):  # a stage process is gone: no step will run again
-                    self.dead = err
             for o in step_outs:
                 if o.rid in self.pins:
                     if o.finished:
