@@ -37,7 +37,7 @@ from longctx.engine.request import (
 )
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
-from longctx.errors import ConfigError, RequestError
+from longctx.errors import ConfigError, EngineDeadError, RequestError
 from longctx.kernels.common import use_triton as _use_triton
 from longctx.kvstore.allocator import PageAllocator
 from longctx.kvstore.pool import PagedKVPool, resolve_kv_kinds
@@ -516,8 +516,10 @@ class Engine:
             for rid in pending:
                 try:
                     self.abort(rid)
-                except Exception:  # (a closed engine): the error being raised is the one that matters
-                    log.warning("could not abort %s after a failed %s", rid, desc, exc_info=True)
+                except EngineDeadError:
+                    pass  # its stages are gone, and what they held for the request with them
+                except Exception as e:  # (a closed engine): the error being raised is the one that matters
+                    log.warning("could not abort %s after a failed %s: %s", rid, desc, e)
             raise
 
     def _step_until_done(
