@@ -300,3 +300,23 @@ def test_a_peer_that_died_silently_is_blamed_before_the_stage_that_reported():
     own = Failed(0, 0, 0, "ValueError: bad plan")  # stage 0 failed itself, exited, and stage 1 then did too
     rt._p = Procs([Failed(1, 1, 0, "RuntimeError: Connection closed by peer")], {0: 1, 1: 1})
     assert rt._cause(own) == "stage 0 (layers [0, 1, 2], tp rank 0) failed: ValueError: bad plan"
+
+
+def test_a_collective_broken_by_a_dead_peer_is_one_line():
+    """gloo and NCCL errors that only say a peer went away are reported in a few words (the driver
+    names the dead rank as the cause); other errors keep their message and traceback."""
+    from longctx.stages.process import peer_lost
+
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+        "peer [127.0.0.1]:20367. This is typically caused by a remote worker crashing."
+    )
+    assert peer_lost(RuntimeError(gloo)) == "Connection closed by peer"
+    reset = "[pair.cc:537] Read error [127.0.0.1]:31656: Connection reset by peer. This is typically ..."
+    assert peer_lost(RuntimeError(reset)) == "Connection reset by peer"
+    nccl = type("DistBackendError", (RuntimeError,), {})(
+        "NCCL error: remote process exited or there was a network error"
+    )
+    assert peer_lost(nccl) == "remote process exited"
+    assert peer_lost(RuntimeError("shape mismatch: [2, 3] vs [3, 2]")) is None
+    assert peer_lost(OSError("Connection reset by peer")) is None  # not a collective's error

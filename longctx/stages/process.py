@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import re
 import sys
 import threading
 import time
@@ -96,6 +97,23 @@ class QueueTransport:
 def _one_line(e: BaseException) -> str:
     s = str(e).strip()
     return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
+
+
+# What gloo and NCCL say when the rank at the other end of a connection went away (killed, out of
+# memory): a consequence of another rank's death, which the driver reports as the cause
+_PEER_LOST = re.compile(
+    r"(Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
+    r"|NCCL communicator was aborted)",
+    re.IGNORECASE,
+)
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """The short reason when `e` is a collective failing because a peer rank is gone, else None."""
+    if not isinstance(e, RuntimeError):  # (torch's DistBackendError is one)
+        return None
+    m = _PEER_LOST.search(str(e))
+    return m.group(1) if m else None
 
 
 class StageProcess:
@@ -286,9 +304,17 @@ def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False
         proc.run()
     except BaseException as e:  # noqa: BLE001 (anything that stops a stage must reach the driver)
         code = 1
-        if not isinstance(e, LongctxError):  # bad input / config says what is wrong in its message
-            traceback.print_exc(file=sys.stderr)
-        transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, _one_line(e)))
+        lost = peer_lost(e)
+        if lost is not None:  # a consequence: one line, not a traceback beside the cause's
+            message = f"lost a peer rank: {lost}"
+            print(
+                f"longctx stage {spec.stage} (tp rank {spec.tp_rank}): {message}", file=sys.stderr, flush=True
+            )
+        else:
+            message = _one_line(e)
+            if not isinstance(e, LongctxError):  # bad input / config says what is wrong in its message
+                traceback.print_exc(file=sys.stderr)
+        transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, message))
     finally:
         try:
             if proc is not None and code == 0:
