@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from typing import Any
@@ -43,25 +45,18 @@ def sweep_stale_socket_dirs(
     refused. Liveness is asked of the sockets, not of a pid, so a live server in another pid
     namespace sharing the temp dir keeps its dir.
     """
-    directory = directory or tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        entries = os.listdir(directory)
-    except OSError:
-        return removed
     now = time.time()
-    for entry in entries:
-        path = os.path.join(directory, entry)
-        if not entry.startswith(SOCKET_DIR_PREFIX):
-            continue
+    removed: list[str] = []
+    for path in glob.glob(
+        os.path.join(glob.escape(directory or tempfile.gettempdir()), SOCKET_DIR_PREFIX + "*")
+    ):
         try:
             st = os.lstat(path)
-            names = os.listdir(path)
+            names = os.listdir(path) if stat.S_ISDIR(st.st_mode) else None
         except OSError:
             continue
         if (
-            not os.path.isdir(path)
-            or os.path.islink(path)
+            names is None  # (a symlink or a file)
             or st.st_uid != os.getuid()
             or now - st.st_mtime < min_age_s
             or not set(names) <= {"in", "out"}
