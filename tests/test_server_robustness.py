@@ -381,3 +381,36 @@ def test_stale_socket_dirs_of_killed_servers_are_swept(tmp_path):
     finally:
         for s in held:
             s.close()
+
+
+@pytest.mark.parametrize(
+    "which, body, param, says",
+    [
+        ("comp", {"prompt": 5}, "prompt", "expected one of str, list[int], list[str], list[list[int]]"),
+        ("comp", {"prompt": ["a", 3]}, "prompt.1", "valid string"),
+        ("comp", {"prompt": [[1, "a"]]}, "prompt.0.1", "valid integer"),
+        ("comp", {"prompt": "a", "stop": 4}, "stop", "expected one of str, list[str]"),
+        ("comp", {"prompt": "a", "stop": ["x", 4]}, "stop.1", "valid string"),
+        ("comp", {"prompt": "a", "temperature": "x"}, "temperature", "valid number"),
+        ("comp", {"prompt": "a", "logit_bias": {"int": "x"}}, "logit_bias.int", "valid number"),
+        ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "expected one of str"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages.0.content.0.text",
+            "valid string",
+        ),
+    ],
+)
+def test_a_union_fields_error_names_the_member_that_got_furthest(which, body, param, says):
+    """A union field (prompt, stop, content) fails once per member; the 400 names the member that got
+    furthest into the value, or all of them when none got past the value itself, not the first one."""
+    from pydantic import ValidationError
+
+    from longctx.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error
+
+    model = CompletionRequest if which == "comp" else ChatCompletionRequest
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    err = validation_error(e.value)
+    assert err.status == 400 and err.param == param and says in str(err), (err.param, str(err))

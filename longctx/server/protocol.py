@@ -7,6 +7,7 @@ ignored so newer clients still work. Every rejection is an `ApiError`, rendered 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -46,15 +47,41 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# How pydantic names the member of a union that an error belongs to, in the error's location
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\]|constrained-\w+)$")
+
+
 def validation_error(e: ValidationError | Any) -> ApiError:
-    """First pydantic error -> ApiError(400) naming the offending field."""
+    """First pydantic error -> ApiError(400) naming the offending field. A union field's error is its
+    member that got furthest (`prompt: ["a", 3]` -> "prompt.1: Input should be a valid string", not
+    the str member's complaint), or, when every member failed at the field itself, the members."""
     errs = e.errors() if hasattr(e, "errors") else []
     if not errs:
         return ApiError(400, "invalid request")
+
+    def loc(err: Any) -> list[Any]:
+        return [x for x in err.get("loc", ()) if x != "body"]
+
+    def tag_at(where: list[Any]) -> int | None:
+        return next((i for i, x in enumerate(where) if isinstance(x, str) and _UNION_TAG.match(x)), None)
+
+    def plain(err: Any) -> list[Any]:  # the location without union member tags
+        return [x for x in loc(err) if not (isinstance(x, str) and _UNION_TAG.match(x))]
+
     err = errs[0]
-    loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
-    param = ".".join(loc) or None
     msg = str(err.get("msg", "invalid value"))
+    path = loc(err)
+    ti = tag_at(path)
+    # a union: one error per member, side by side (a dict key that only looks like a member is not one)
+    members = [] if ti is None else [x for x in errs if loc(x)[:ti] == path[:ti] and tag_at(loc(x)) == ti]
+    if ti is not None and len(members) > 1:
+        err = max(members, key=lambda x: (len(loc(x)), [i for i in loc(x)[ti:] if isinstance(i, int)]))
+        msg = str(err.get("msg", "invalid value"))
+        path = plain(err)
+        if len(loc(err)) == ti + 1:  # every member failed on the value itself
+            names = (re.sub(r"constrained-(\w+)", r"\1", loc(x)[ti]) for x in members)
+            msg = "expected one of " + ", ".join(dict.fromkeys(names))
+    param = ".".join(str(x) for x in path) or None
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
