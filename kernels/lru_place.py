@@ -39,7 +39,8 @@ and the lowest-index keys == T) in slot order. That list is already in (key, ind
 it mixes several keys; then its <= M entries are sorted by (key + 1) << IB | index (exact while
 stamps stay below 2^(63 - IB), i.e. for any realistic step count). It also writes the copies
 compacted per (row, layer) (`csrc`, `cdst`, `cnt`), so the swap-in reads no mask and sorts
-nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics.
+nothing, and adds the hit / miss / forced-copy counts to `acc` with atomics (with `row_bytes`, also the
+misses' and forced copies' bytes, each layer's rows at its own size).
 
 Parallel passes (`parallel`, by default from `PAR_MIN_BLOCKS` slot blocks): those passes are loops
 of one program, so at N = 104,857 (the 1M request's 10% cap) a placement took 208 us on the H200
@@ -203,6 +204,7 @@ def lru_place_ref(
     page_size: int,
     force: bool,
     minus1: torch.Tensor,
+    row_bytes: torch.Tensor | None = None,
 ) -> Placement:
     """Reference (sort / cumsum / scatter over all rows and layers at once; see module doc).
 
@@ -210,7 +212,9 @@ def lru_place_ref(
     pos: int64 [B, M] requested positions (-1 = none, duplicates allowed); p_at / s_at: int64
     [B, L] each (row, layer)'s offset in p2s / in s2p and stamp; base: int64 [B] first
     slot-buffer row of each row's block; newest_from: int64 [B]; table: int32 [B, pages] page
-    table rows; acc: int64 counters (acc[0] hits, acc[1] misses, or acc[2] forced copies);
+    table rows; acc: int64 counters (acc[0] hits, acc[1] misses, or acc[2] forced copies; with
+    row_bytes, int64 [L] the bytes of a row of each layer, also acc[5] the misses' bytes or acc[6] the
+    forced copies' bytes);
     n_slots: N; pos_len: P (p2s row length); force: copy resident positions too; minus1: an int32
     -1 on the device (index_put_ of a Python number on CUDA would copy it from the host).
     """
@@ -241,9 +245,13 @@ def lru_place_ref(
     dst = base[:, None, None] + torch.where(placed, vslot, slot)
     if force:
         acc[2] += copy.sum()
+        if row_bytes is not None:
+            acc[6] += (copy.sum((0, 2)) * row_bytes).sum()
     else:
         acc[0] += res.sum()
         acc[1] += need.sum()
+        if row_bytes is not None:
+            acc[5] += (need.sum((0, 2)) * row_bytes).sum()
     ps = page_size
     uc0 = u.clamp(min=0)
     src = table.gather(1, uc0 // ps).long() * ps + uc0 % ps
@@ -392,6 +400,7 @@ def lru_place(
     parallel: bool | None = None,
     digit_bits: int = DIGIT_BITS,
     cand: torch.Tensor | None = None,
+    row_bytes: torch.Tensor | None = None,
 ) -> Placement:
     """One placement (arguments as `lru_place_ref`). The Triton path (M <= MAX_M) gives the same
     u / src / dst / copy / overflow and tables (sinks aside) plus the compacted copies; it makes no
@@ -415,6 +424,12 @@ def lru_place(
     _check(p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc, valid, below)
     B, M = pos.shape
     L = p_at.shape[1]
+    if row_bytes is not None:
+        check(
+            row_bytes.shape == (L,) and row_bytes.dtype == torch.int64 and row_bytes.is_contiguous()
+            and row_bytes.device == pos.device and acc.numel() >= 7,
+            "row_bytes: int64 [L] on the device, with acc int64 [>= 7]",
+        )  # fmt: skip
     if not use_triton(backend, pos.device) or M > MAX_M or B * L == 0 or M == 0:
         pos = pos.long()
         if below is not None:
@@ -424,8 +439,10 @@ def lru_place(
         return lru_place_ref(
             p2s, s2p, stamp, now, pos, p_at, s_at, base, newest_from, table, acc,
             n_slots=n_slots, pos_len=pos_len, page_size=page_size, force=force, minus1=minus1,
+            row_bytes=row_bytes,
         )  # fmt: skip
     dev = pos.device
+    rb = row_bytes if row_bytes is not None else acc  # (an unused pointer without it)
     u = torch.empty((B, M), dtype=torch.int64, device=dev)
     src = torch.empty((B, M), dtype=torch.int64, device=dev)
     # one allocation for the [B, L, M] int64 outputs, one for the bool ones
@@ -464,9 +481,9 @@ def lru_place(
             hscr = torch.empty((B * L * n_ch, 2 * hit_chunk), dtype=torch.int64, device=dev)
             _place_hits_kernel[(B, L, n_ch)](
                 pos, M, vb, lim, p2s, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base, table,
-                table.stride(0), acc, L, u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, slow, hscr,
+                table.stride(0), acc, rb, L, u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, slow, hscr,
                 PAGE=page_size, FORCE=force, BLOCK_M=block_m, CH=hit_chunk, HAS_VALID=valid is not None,
-                HAS_BELOW=below is not None, num_warps=8,
+                HAS_BELOW=below is not None, BYTES=row_bytes is not None, num_warps=8,
             )  # fmt: skip
         if parallel:
             lead = (pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, *p_at.stride(), newest_from)
@@ -478,12 +495,13 @@ def lru_place(
         c_n = cand.shape[2] if cand is not None else 1
         _lru_place_kernel[(B, L)](
             pos, M, vb, lim, p2s, s2p, stamp, now, p_at, s_at, p_at.stride(0), p_at.stride(1), base,
-            newest_from, table, table.stride(0), acc, n_slots, L,
+            newest_from, table, table.stride(0), acc, rb, n_slots, L,
             u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt, scratch, slow, ws,
             cw, cw.stride(0), cw.stride(1), c_n,
             PAGE=page_size, FORCE=force, IB=ib, BLOCK_M=block_m, BLOCK_N=block_n, NB=256, SPLIT=split,
             PAR=parallel, WS=ws_n, HAS_VALID=valid is not None, HAS_BELOW=below is not None,
-            CAND=cand is not None, BLOCK_C=max(16, next_pow2(c_n)), num_warps=_select_warps(block_n),
+            CAND=cand is not None, BLOCK_C=max(16, next_pow2(c_n)), BYTES=row_bytes is not None,
+            num_warps=_select_warps(block_n),
         )  # fmt: skip
     return Placement(u, src, i64[0], b8[0], b8[1], i64[1], i64[2], cnt)
 
@@ -690,12 +708,13 @@ def _select_serial(s2p_ptr, st_ptr, bs, N, nf, now, n_need, lk, li, BLOCK_N: tl.
 @jit
 def _lru_place_kernel(
     pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, s2p_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
-    nf_ptr, table_ptr, stride_t, acc_ptr, N, L,
+    nf_ptr, table_ptr, stride_t, acc_ptr, rb_ptr, N, L,
     u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, scr_ptr, slow_ptr, ws_ptr,
     cand_ptr, stride_cb, stride_cl, C,
     PAGE: tl.constexpr, FORCE: tl.constexpr, IB: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, PAR: tl.constexpr, WS: tl.constexpr,
     HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr, CAND: tl.constexpr, BLOCK_C: tl.constexpr,
+    BYTES: tl.constexpr,
 ):  # fmt: skip
     BIG: tl.constexpr = 1 << 62
     b = tl.program_id(0)
@@ -790,9 +809,13 @@ def _lru_place_kernel(
     tl.store(cnt_ptr + pl, n_copy)
     if FORCE:
         tl.atomic_add(acc_ptr + 2, n_copy)
+        if BYTES:
+            tl.atomic_add(acc_ptr + 6, n_copy * tl.load(rb_ptr + l))
     else:
         tl.atomic_add(acc_ptr + 0, tl.sum(res.to(tl.int32), 0).to(tl.int64))
         tl.atomic_add(acc_ptr + 1, n_need.to(tl.int64))
+        if BYTES:
+            tl.atomic_add(acc_ptr + 5, n_need.to(tl.int64) * tl.load(rb_ptr + l))
 
 
 @jit
@@ -868,10 +891,10 @@ def _lru_candidates_kernel(
 @jit
 def _place_hits_kernel(
     pos_ptr, M, vb_ptr, lim_ptr, p2s_ptr, st_ptr, now_ptr, pat_ptr, sat_ptr, stride_ab, stride_al, base_ptr,
-    table_ptr, stride_t, acc_ptr, L,
+    table_ptr, stride_t, acc_ptr, rb_ptr, L,
     u_ptr, src_ptr, dst_ptr, copy_ptr, ovf_ptr, csrc_ptr, cdst_ptr, cnt_ptr, slow_ptr, scr_ptr,
     PAGE: tl.constexpr, FORCE: tl.constexpr, BLOCK_M: tl.constexpr, CH: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_BELOW: tl.constexpr, BYTES: tl.constexpr,
 ):  # fmt: skip
     # The all-hit pass, grid (B, L, chunks of CH sorted positions). Every program reads the whole
     # row and its p2s entries (nothing here writes p2s, so all programs see the same tables) and
@@ -935,6 +958,8 @@ def _place_hits_kernel(
         tl.store(csrc_ptr + at, src, mask=m)
         tl.store(cdst_ptr + at, base + s, mask=m)
         tl.atomic_add(acc_ptr + 2, n_mine)
+        if BYTES:
+            tl.atomic_add(acc_ptr + 6, n_mine * tl.load(rb_ptr + l))
     else:
         tl.store(copy_ptr + o, tl.zeros_like(m), mask=km)
         tl.atomic_add(acc_ptr + 0, n_mine)

@@ -296,3 +296,56 @@ def test_decode_bookkeeping_makes_no_host_sync():
             want = layer * 1000 + ctx.logical_to_rows(topk[:1]).float()
             assert torch.equal(pool[rows[0][topk[0] >= 0]][:, 0], want[0][topk[0] >= 0])
     assert torch.all(kv._p2s[0, :, :-1] == -1) and torch.all(kv._s2p[0, :, :-1] == -1)
+
+
+def test_swap_bytes_count_each_layers_rows_at_its_own_size():
+    """A cache whose layers hold their KV in different kinds (layer 1 in the model dtype, the others
+    fp8, as `kv_fp8_skip_layers` makes them): `swap_bytes` is every layer's misses times that layer's
+    row bytes, not the misses times an average row. Nothing is evicted here (the buffer holds every
+    token), so a layer's misses are the positions it is asked for the first time."""
+    from longctx.hisparse.cache import HiSparseKVCache
+    from longctx.kvstore.pool import KVKinds, host_kv_spec
+
+    cfg = tiny_config(num_hidden_layers=3, index_topk=4)  # full, shared, full
+    kinds = KVKinds("fp8", frozenset({1}))
+    kv = HiSparseKVCache(
+        cfg, range(3), 4, kinds, torch.float32, torch.device("cpu"), device_tokens=64, recent=2
+    )
+    spec = host_kv_spec(cfg, range(3), kv.num_slots, kinds, torch.float32)
+    rows = [spec.rows_of(layer) for layer in range(3)]
+    assert rows[1] != rows[0] == rows[2]
+    pages = [2, 0, 3]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+    def step(start: int, n_q: int, picks: dict[int, torch.Tensor]) -> None:
+        ctx = _ctx(kv, pages, start, n_q)
+        for layer in range(3):
+            kv.mla_pool(layer)[ctx.slot_mapping] = 1.0
+            kv.after_write(layer, ctx)
+            kv.resolve(layer, picks[0 if layer == 1 else layer], ctx)  # layer 1 shares layer 0's
+
+    start = 20
+    step(0, start, {0: torch.full((start, 4), -1), 2: torch.full((start, 4), -1)})
+    before = kv.stats()["hisparse"]
+    blk = kv._states["r0"].block
+    seen = [set(kv._p2s[blk, layer, :start].ge(0).nonzero().flatten().tolist()) for layer in range(3)]
+    want_misses = want_bytes = 0
+    for _ in range(20):
+        end = start + 1
+        picks = {0: torch.randperm(end, generator=g)[:4].sort().values[None]}
+        picks[2] = torch.cat([torch.randperm(end, generator=g)[:1], torch.full((3,), -1)])[None]  # asks less
+        for layer in range(3):
+            seen[layer] |= set(range(end - kv.recent, end))  # the newest rows: forced copies, not misses
+            asked = set(picks[0 if layer == 1 else layer].flatten().tolist()) - {-1}
+            new = asked - seen[layer]
+            want_misses += len(new)
+            want_bytes += len(new) * rows[layer]
+            seen[layer] |= asked
+        step(start, 1, picks)
+        start = end
+    after = kv.stats()["hisparse"]
+    misses = after["misses"] - before["misses"]
+    swapped = after["swap_bytes"] - before["swap_bytes"]
+    assert misses == want_misses > 0
+    assert swapped == want_bytes != round(misses * sum(rows) / 3)  # (what an average row would say)
+    kv.close()

@@ -180,7 +180,9 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
     tri = ref.clone()
     ovf = hits = 0
     prev = None
-    acc_r, acc_t = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    # acc[5] / acc[6]: the misses' / forced copies' bytes, each layer's rows at its own size
+    acc_r, acc_t = torch.zeros(7, dtype=torch.int64), torch.zeros(7, dtype=torch.int64)
+    rb = torch.randint(100, 1000, (L,), generator=g)
     now = torch.zeros((), dtype=torch.int64)
     minus1 = torch.full((), -1, dtype=torch.int32)
     pages = torch.stack([torch.randperm(P // PS + 1, generator=g) for _ in range(B)]).to(torch.int32)
@@ -238,7 +240,7 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
                 (lru_place_ref if t is ref else lru_place)(
                     t.p2s.view(-1), t.s2p.view(-1), t.stamp.view(-1), now,
                     npos, trow * P, trow * (N + 1), base, newest_from, pages, acc, n_slots=N, pos_len=P,
-                    page_size=PS, force=True, minus1=minus1,
+                    page_size=PS, force=True, minus1=minus1, row_bytes=rb,
                     **({} if t is ref else {"backend": "triton", **extra}),
                 )  # fmt: skip
             assert ref.same(tri), step
@@ -262,6 +264,7 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
                     page_size=PS,
                     force=force,
                     minus1=minus1,
+                    row_bytes=rb,
                     **(
                         {}
                         if t is ref
@@ -293,6 +296,8 @@ def _check_sequence(B, L, N, M, steps, seed, chunk, kw):
                     k.cdst[b, i, :n], a.dst[b, i][c]
                 )
     assert acc_r[1] > 0 and acc_r[0] > 0 and acc_r[2] > 0
+    for n, nbytes in ((acc_r[1], acc_r[5]), (acc_r[2], acc_r[6])):
+        assert n * rb.min() <= nbytes <= n * rb.max() and (L == 1 or nbytes != n * rb[0])
     assert hits > 0 or chunk is None
     assert not keep or (reused > 0 and made > 0), (reused, made)
     assert ovf > 0 or M < N  # a request wider than the buffer overflows

@@ -278,8 +278,11 @@ class HiSparseKVCache(HasKVKinds):
             t = alloc_mla_pool(1, L, R, self.kinds.mla(i), dtype, "cpu")
             self._row[i] = (t.dtype, t.shape[1])
         want = host_kv_spec(cfg, layers, self.num_slots, self.kinds, dtype)
-        # (stats: a swapped row's bytes, averaged over the stage's layers where their kinds differ)
-        self.row_bytes = sum(want.rows_of(i) for i in layers) / len(layers)
+        # a swapped row's bytes per stage-local layer (layers of other kinds differ): the placements
+        # count the misses' and newest copies' bytes with them (acc[5] / acc[6])
+        self._row_bytes = torch.tensor(
+            [want.rows_of(i) for i in layers], dtype=torch.int64, device=self.device
+        )
         self._index_of = {layer: i for i, layer in enumerate(layers)}
 
         # host pool: every token's full MLA row, indexed like the paged pool
@@ -365,9 +368,10 @@ class HiSparseKVCache(HasKVKinds):
         self._fork = self._side is not None and FORK_DEFAULT
         self._forked = False  # they were forked and the main stream has not joined them yet
         self._fork_hold: object = None  # the fork's inputs made on the main stream, kept until `_join`
-        # stats: [hits, misses, newest-row copies, max resident, overflow rows max] per stream
+        # stats: [hits, misses, newest-row copies, max resident, overflow rows max, miss bytes, newest-row
+        # copy bytes] per stream
         self._acc = {
-            k: torch.zeros(5, dtype=torch.int64, device=self.device) for k in ("main", "side", "tail")
+            k: torch.zeros(7, dtype=torch.int64, device=self.device) for k in ("main", "side", "tail")
         }
         self._swap_s = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -495,11 +499,11 @@ class HiSparseKVCache(HasKVKinds):
             "hisparse": {
                 "hits": main[0] + side[0],
                 "misses": misses,
-                "swap_bytes": round(misses * self.row_bytes),
+                "swap_bytes": main[5] + side[5],
                 "swap_seconds": self._swap_s,
                 "device_tokens_max": max(main[3], side[3]),
                 "device_tokens_cap": self.N,
-                "newest_copy_bytes": round((main[2] + side[2]) * self.row_bytes),
+                "newest_copy_bytes": main[6] + side[6],
                 "overflow_rows_max": max(main[4], side[4]),
                 "requests": len(self._states),
                 "blocks": self._blocks,
@@ -718,7 +722,7 @@ class HiSparseKVCache(HasKVKinds):
             r.p_at[:, li], r.s_at[:, li], r.base, r.newest_from, r.table, acc, n_slots=self.N,
             pos_len=self._P, page_size=self.page_size, force=force, minus1=self._minus1,
             backend="torch" if by_data else self._backend, valid=r.valid, below=below,
-            hit_chunk=self._hit_chunk, cand=cand, **self._place_kw,
+            hit_chunk=self._hit_chunk, cand=cand, row_bytes=self._row_bytes[li], **self._place_kw,
         )  # fmt: skip
         possible = self._may_overflow(pos.shape[1]) and not force
         return _Placed(
@@ -752,6 +756,7 @@ class HiSparseKVCache(HasKVKinds):
         self._swap(layer, t, 0, False)
         acc[0] -= tail[1]  # the chunk's placement will count them as hits
         acc[1] += tail[1]
+        acc[5] += tail[5]
         tail.zero_()
 
     def _copy(self, layer: int, p: _Placed, k: int, force: bool, defer: bool = True) -> None:
