@@ -266,10 +266,12 @@ class EngineLoop:
                 # A dead stage (EngineDeadError) means no step will run again: the requests and pins
                 # are not failed one by one (500s) but all at once by the EngineFailed sent below,
                 # which the frontend turns into 503 engine_dead, as for a dead engine process.
-                log.error("engine step failed:\n%s", traceback.format_exc())
                 err = _one_line(e)
-                if isinstance(e, EngineDeadError):
+                if isinstance(e, EngineDeadError):  # its message names the stage and why
                     self.dead = err
+                    log.error("engine failed: %s", err)
+                else:
+                    log.error("engine step failed:\n%s", traceback.format_exc())
                 for rid in list(self.live):
                     with contextlib.suppress(Exception):
                         self.eng.abort(rid)
