@@ -27,13 +27,13 @@ _PTR = {
     "dst_ptr": "*i64", "copy_ptr": "*i1", "ovf_ptr": "*i1", "csrc_ptr": "*i64", "cdst_ptr": "*i64",
     "cnt_ptr": "*i64", "scr_ptr": "*i64", "slow_ptr": "*i32", "ws_ptr": "*i32", "pc_ptr": "*i32",
     "cum_ptr": "*i32", "hscr_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*i64", "ks_ptr": "*i64",
-    "kk_ptr": "*i64", "km_ptr": "*i64",
+    "kk_ptr": "*i64", "km_ptr": "*i64", "rb_ptr": "*i64",
 }  # fmt: skip
 # the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
 _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
-    "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False, "KEEP": False, "NFW": 256,
+    "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False, "KEEP": False, "NFW": 256, "BYTES": True,
 }  # fmt: skip
 
 
