@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -34,6 +35,8 @@ class ServerProcess:
         fd, path = tempfile.mkstemp(prefix="longctx-serve-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
+        # the log outlives `stop()` (callers read it after) and goes with this object or at exit
+        self._remove_log = weakref.finalize(self, self.log_path.unlink, missing_ok=True)
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "longctx.cli", "serve", "--model", self.model, "--port", "0", *self.args]
@@ -86,4 +89,4 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-        self.log_path.unlink(missing_ok=True)
+        self._remove_log()
