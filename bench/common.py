@@ -3,8 +3,11 @@ the prompts they share."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import platform
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -231,3 +234,11 @@ def sweep_device(spec: str, script: str) -> tuple[torch.device, int | None]:
         print("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
         return dev, 2
     return dev, None
+
+
+def scratch_dir() -> Path:
+    """A fresh temporary directory removed when the process exits (a bench's random checkpoint: the
+    benches run in-process from the tests too, which would otherwise leave one in the temp dir a run)."""
+    d = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import scratch_dir  # noqa: E402
 
 if TYPE_CHECKING:
     from longctx.config import ModelConfig
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(__file__).resolve().parents[1]
     base = ModelConfig.from_json(root / "configs" / "tiny.json")
-    tmp = Path(tempfile.mkdtemp())
+    tmp = scratch_dir()
     res: dict = {"env": environment()}
     smooth = dataclasses.replace(base, index_topk=512, mlp_layer_types=("dense",) * base.num_hidden_layers)
     d2 = init_random_checkpoint(smooth, tmp / "smooth", seed=1, dtype="bfloat16", std=0.08)

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,9 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import scratch_dir  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # aten ops that launch nothing on a GPU: views, metadata, allocation
@@ -101,7 +103,7 @@ def count_decode_step_parts(
     from longctx.config import ModelConfig
     from longctx.engine.request import Request, SamplingParams
 
-    model = Path(tempfile.mkdtemp()) / "model"
+    model = scratch_dir() / "model"
     init_random_checkpoint(ModelConfig.from_json(config), model, seed=0)
     counter = _Count()
     run = interp.GridExecutor.__call__

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import scratch_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        model_dir = Path(tempfile.mkdtemp()) / "model"
+        model_dir = scratch_dir() / "model"
         init_random_checkpoint(ModelConfig.from_json(ROOT / args.config), model_dir, seed=0)
     gen = torch.Generator().manual_seed(0)
     res: dict = {"tokens": args.tokens, "config": args.config, "sweep": {}}

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import scratch_dir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(__file__).resolve().parents[1]
     cfg = ModelConfig.from_json(root / "configs" / "tiny.json")
-    d = init_random_checkpoint(cfg, Path(tempfile.mkdtemp()) / "tiny", seed=0, dtype="float32", std=0.08)
+    d = init_random_checkpoint(cfg, scratch_dir() / "tiny", seed=0, dtype="float32", std=0.08)
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     prompts = [ids[:40], ids[100:190]]
     kw = dict(device="cuda", dtype="float32", kv_pages=64, chunk_size=128)

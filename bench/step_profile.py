@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import scratch_dir  # noqa: E402
 from longctx.engine.args import add_selection_args, selection_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_dir = args.model
     if model_dir is None:
-        model_dir = Path(tempfile.mkdtemp()) / "model"
+        model_dir = scratch_dir() / "model"
         init_random_checkpoint(ModelConfig.from_json(ROOT / args.config), model_dir, seed=0)
     if args.stable_topk:
         zero_indexer_queries(model_dir)

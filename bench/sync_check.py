@@ -19,7 +19,6 @@ import collections
 import dataclasses
 import json
 import sys
-import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import scratch_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = ModelConfig.from_json(ROOT / "configs" / "tiny.json")
     cfg = dataclasses.replace(base, index_topk=512)
-    d = init_random_checkpoint(cfg, Path(tempfile.mkdtemp()) / "tiny", seed=0, dtype="bfloat16")
+    d = init_random_checkpoint(cfg, scratch_dir() / "tiny", seed=0, dtype="bfloat16")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (900, 1300)]
     res: dict[str, Any] = {}

@@ -14,7 +14,6 @@ import argparse
 import gc
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import environment, measure_ceilings, write_results  # noqa: E402
+from bench.common import environment, measure_ceilings, scratch_dir, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_json(ROOT / "configs" / "small-1m.json")
     model_dir = args.model
     if model_dir is None:
-        model_dir = Path(tempfile.mkdtemp()) / "small-1m"
+        model_dir = scratch_dir() / "small-1m"
         t = time.time()
         init_random_checkpoint(cfg, model_dir, seed=0, dtype="bfloat16")
         print(f"wrote {model_dir} in {time.time() - t:.0f}s", flush=True)

@@ -59,6 +59,7 @@ def sweep_stale_socket_dirs(
             names is None  # (a symlink or a file)
             or st.st_uid != os.getuid()
             or now - st.st_mtime < min_age_s
+            or not names  # (an empty dir of another longctx- name is not ours to judge)
             or not set(names) <= {"in", "out"}
             or any(_listening(os.path.join(path, n)) for n in names)
         ):
