@@ -154,6 +154,35 @@ def test_a_failed_blocking_call_leaves_nothing_behind(eng, monkeypatch):
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
+def test_a_request_failing_after_its_step_fails_alone(eng, monkeypatch):
+    """A request whose post-step work raises (its stop-string check) finishes with an error; the other
+    requests of the same step go on to their normal end, and its pages and state are released."""
+    a, b = rand_ids(30, 50), rand_ids(25, 51)
+    want = eng.generate([a], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    used = eng.stats()["pages_used"]
+    real = eng._apply_stop_strings
+
+    def check(out):
+        if out.rid == "bad" and out.new_token_ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(out)
+
+    monkeypatch.setattr(eng, "_apply_stop_strings", check)
+    eng.add_request(Request("good", list(a), SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    eng.add_request(Request("bad", list(b), SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    toks: dict[str, list[int]] = {"good": [], "bad": []}
+    ends = {}
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.rid].extend(o.new_token_ids)
+            if o.finished:
+                ends[o.rid] = (o.finish_reason, o.error)
+    assert ends["bad"][0] == "error" and "UnicodeDecodeError" in ends["bad"][1]
+    assert ends["good"] == ("length", None) and toks["good"] == want
+    assert eng.num_waiting() == eng.num_running() == 0 and not eng._requests
+    assert eng.stats()["pages_used"] == used  # (the prompts' full pages stay in the prefix cache)
+
+
 def test_prompt_longer_than_max_context(tiny_dir):
     with Engine(tiny_dir, device="cpu", max_context=64) as e:
         with pytest.raises(RequestError, match="maximum context"):

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,7 +368,7 @@ class Engine:
 
     def _finish_step(self, plan: BatchPlan, result: BatchResult) -> list[StepOutput]:
         outs = self.scheduler.update(plan, result)
-        outs = [self._apply_stop_strings(o) for o in outs]
+        outs = [self._apply_stop_strings_to_one(o) for o in outs]
         self._release([o.rid for o in outs if o.finished])
         return outs
 
@@ -376,6 +377,20 @@ class Engine:
         release = getattr(self.runner, "release", None)
         if rids and release is not None:
             release(rids)
+
+    def _apply_stop_strings_to_one(self, out: StepOutput) -> StepOutput:
+        """`_apply_stop_strings`, failing only this request if its text cannot be checked (the others
+        of the step go on; the step's tokens are already in every request's state)."""
+        try:
+            return self._apply_stop_strings(out)
+        except Exception as e:
+            log.error("request %s failed after its step:\n%s", out.rid, traceback.format_exc())
+            req = self._requests.pop(out.rid, None)
+            if req is not None:
+                self.scheduler.finish(req, FinishReason.ERROR)
+            first = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+            return dataclasses.replace(out, finished=True, finish_reason=FinishReason.ERROR, error=why)
 
     def _apply_stop_strings(self, out: StepOutput) -> StepOutput:
         req = self._requests.get(out.rid)
