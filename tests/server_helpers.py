@@ -15,9 +15,9 @@ import openai
 from longctx.server.testing import ServerProcess
 
 
-def fake_server(model_dir: Any, *args: str, **opts: Any) -> ServerProcess:
+def fake_server(model_dir: Any, *args: str, new_session: bool = False, **opts: Any) -> ServerProcess:
     """`longctx serve --fake-engine <opts as JSON> *args` on model_dir (not started)."""
-    return ServerProcess(str(model_dir), "--fake-engine", json.dumps(opts), *args)
+    return ServerProcess(str(model_dir), "--fake-engine", json.dumps(opts), *args, new_session=new_session)
 
 
 def openai_client(server: ServerProcess) -> openai.OpenAI:

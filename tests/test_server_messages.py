@@ -185,3 +185,18 @@ def test_wire_sampling_params_reach_the_engine_field_for_field() -> None:
     assert params == SamplingParams(**dataclasses.asdict(sent))
     assert isinstance(params.stop_token_ids, tuple) and isinstance(params.logit_bias[0], tuple)
     params.validate()
+
+
+def test_loop_signalled_alone_exits_after_its_grace(loop):
+    """A SIGTERM of the engine process alone (its frontend alive and not shutting it down) ends the
+    loop once `term_grace_s` has passed, aborting what is still live."""
+    import time
+
+    loop.send(m.AddRequest("a", (1, 2), m.WireSamplingParams(max_new_tokens=10_000)))
+    loop.run(2)
+    el = loop.loop
+    el.term_grace_s = 0.2
+    el.term_at = time.monotonic()
+    t0 = time.monotonic()
+    el.run()
+    assert 0.2 <= time.monotonic() - t0 < 10 and not el.eng.has_work()

@@ -261,6 +261,39 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         s.stop()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_process_group_still_drains(tmp_path, sig):
+    """Ctrl-C in a terminal (SIGINT) and systemd's or `timeout`'s stop (SIGTERM) reach every process
+    of the group at once, the engine process too. The frontend drains as for its own signal: the
+    engine keeps serving until it is shut down, the running request ends normally, nothing prints a
+    traceback and no process is left."""
+    s = fake_server(tmp_path, step_delay_s=0.01, new_session=True).start()
+    try:
+        children = psutil.Process(s.pid).children(recursive=True)
+        lines: list[str] = []
+
+        def stream():
+            body = {"prompt": "abc", "max_tokens": 80, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        os.killpg(s.pid, sig)
+        t.join(30)
+        assert s.proc.wait(30) == 0, s.log()[-3000:]
+        assert lines[-1] == "data: [DONE]"
+        finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
+        assert finals[-1] == "length", s.log()[-3000:]
+        assert wait_for(
+            lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+        )
+        assert "Traceback" not in s.log(), s.log()[-3000:]
+    finally:
+        s.stop()
+
+
 def test_sigterm_past_the_drain_timeout_ends_requests_with_503(tmp_path):
     """Requests still running (or queued) when --drain-timeout runs out end with a 503 saying so (a
     stream: an error event, then [DONE]), not with uvicorn's bare 500 and a traceback each."""

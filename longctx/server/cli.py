@@ -104,7 +104,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--drain-timeout must be a number of seconds >= 0")
     if args.api_key and not args.api_key.isascii():  # (no HTTP client sends it: every request a 401)
         raise CLIError("--api-key must be ASCII")
-    spec = EngineSpec(model_dir=args.model, **engine_kwargs(args), fake=fake)
+    spec = EngineSpec(
+        model_dir=args.model,
+        **engine_kwargs(args),
+        fake=fake,
+        term_grace_s=args.drain_timeout + 2 * DRAIN_MARGIN_S,  # (the frontend's whole shutdown)
+    )
     name = args.served_model_name or (Path(args.model).resolve().name or "longctx")
     settings = ServerSettings(
         spec=spec,

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ class EngineSpec:
     index_topk_long_from: int | None = None
     kv_fp8_skip_layers: tuple[int, ...] | None = None
     fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
+    # after a SIGTERM of its own (a whole process group signalled: systemd, `timeout`), how long the
+    # engine keeps serving while its frontend drains and then shuts it down
+    term_grace_s: float = 60.0
 
 
 def build_engine(spec: EngineSpec) -> Any:
@@ -130,6 +134,8 @@ class EngineLoop:
         self.stop = False
         self.dead: str | None = None  # why the engine can run no more steps
         self._last_stats = 0.0
+        self.term_at: float | None = None  # when a SIGTERM came (`main`'s handler)
+        self.term_grace_s = 60.0
 
     def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
         if isinstance(msg, m.AddRequest):
@@ -324,6 +330,9 @@ class EngineLoop:
             if self._parent_gone():
                 log.error("frontend process is gone; engine process exiting")
                 break
+            if self.term_at is not None and time.monotonic() - self.term_at > self.term_grace_s:
+                log.error("SIGTERM %.0f s ago and no shutdown from the frontend; exiting", self.term_grace_s)
+                break
         for rid in list(self.live):
             with contextlib.suppress(Exception):
                 self.eng.abort(rid)
@@ -332,8 +341,16 @@ class EngineLoop:
 def main(
     spec: EngineSpec, to_engine: str, from_engine: str, parent_pid: int, log_level: int = logging.INFO
 ) -> None:
-    """Entry point of the spawned engine process."""
+    """Entry point of the spawned engine process.
+
+    The frontend decides when it ends: Ctrl-C in a terminal reaches the whole process group, and the
+    frontend drains on it, so SIGINT is ignored here; a SIGTERM of its own (a process group
+    signalled at once) leaves it serving the drain for up to `spec.term_grace_s` (it exits sooner
+    with its frontend, or when that sends Shutdown)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    term_at: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: term_at.append(time.monotonic()))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(to_engine)
@@ -357,7 +374,16 @@ def main(
             info={"fake": spec.fake is not None, "pid": os.getpid(), "kv": _kv_info(eng)},
         )
         push.send(m.encode(ready))
-        EngineLoop(eng, pull, push, parent_pid).run()
+        loop = EngineLoop(eng, pull, push, parent_pid)
+        loop.term_grace_s = spec.term_grace_s
+        loop.term_at = term_at[0] if term_at else None  # (one that came while the engine was built)
+
+        def on_term(*_: object) -> None:
+            if loop.term_at is None:
+                loop.term_at = time.monotonic()
+
+        signal.signal(signal.SIGTERM, on_term)
+        loop.run()
     finally:
         if eng is not None:
             try:

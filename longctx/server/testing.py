@@ -24,9 +24,17 @@ class ServerProcess:
     """
 
     def __init__(
-        self, model: str, *args: str, startup_timeout: float = 180.0, env: dict | None = None
+        self,
+        model: str,
+        *args: str,
+        startup_timeout: float = 180.0,
+        env: dict | None = None,
+        new_session: bool = False,
     ) -> None:
+        """`new_session`: the server leads its own process group (signal it all with `os.killpg(pid)`,
+        as a terminal's Ctrl-C or systemd's stop would)."""
         self.model = model
+        self.new_session = new_session
         self.args = list(args)
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
@@ -41,7 +49,9 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "longctx.cli", "serve", "--model", self.model, "--port", "0", *self.args]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=self.new_session
+            )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             m = _URL.search(self.log())

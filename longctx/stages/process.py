@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import re
+import signal
 import sys
 import threading
 import time
@@ -346,6 +347,11 @@ def spawn_main(spec: StageSpec, inbox: Any, outbox: Any) -> None:
     # tqdm's default lock is a named multiprocessing semaphore; this process ends with os._exit,
     # which never unlinks it, so the resource tracker would (with a "leaked semaphore" warning)
     tqdm.set_lock(threading.RLock())
+    # Ctrl-C in a terminal, and systemd's or `timeout`'s SIGTERM, reach the whole process group: the
+    # driver decides when its stages end (a server drains first; it shuts them down, escalating to
+    # SIGKILL), and they exit with it through the watchdog below, not on the signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     transport = QueueTransport(inbox, outbox)
     threading.Thread(target=exit_with_driver, args=(transport,), name="driver-watch", daemon=True).start()
     stage_main(spec, transport, exit_process=True)
