@@ -229,8 +229,15 @@ def test_killed_server_leaves_no_socket_dir(tmp_path):
         s.stop()
 
 
-def test_sigterm_drains_and_exits_cleanly(tmp_path):
-    s = fake_server(tmp_path, step_delay_s=0.01).start()
+@pytest.mark.parametrize(
+    "sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGTERM, True)]
+)
+def test_a_signal_drains_and_exits_cleanly(tmp_path, sig, group):
+    """SIGTERM to the server drains: the running request ends normally, then everything exits 0. So
+    does a signal to the whole process group at once, the engine process too: Ctrl-C in a terminal
+    (SIGINT), systemd's or `timeout`'s stop (SIGTERM); the engine keeps serving until the frontend
+    shuts it down. Nothing prints a traceback and no process is left."""
+    s = fake_server(tmp_path, step_delay_s=0.01, new_session=True).start()
     try:
         children = psutil.Process(s.pid).children(recursive=True)
         assert children  # the engine process (and multiprocessing's resource tracker)
@@ -244,51 +251,21 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
         t = threading.Thread(target=stream)
         t.start()
         assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
-        s.proc.send_signal(signal.SIGTERM)
-        t.join(30)
-        assert s.proc.wait(30) == 0
-        # the running request finished normally during the drain
-        assert lines[-1] == "data: [DONE]"
-        finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
-        assert finals[-1] == "length"
-        assert wait_for(
-            lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
-        )
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(s.url + "/health", timeout=2)
-        assert "Traceback" not in s.log()
-    finally:
-        s.stop()
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_whole_process_group_still_drains(tmp_path, sig):
-    """Ctrl-C in a terminal (SIGINT) and systemd's or `timeout`'s stop (SIGTERM) reach every process
-    of the group at once, the engine process too. The frontend drains as for its own signal: the
-    engine keeps serving until it is shut down, the running request ends normally, nothing prints a
-    traceback and no process is left."""
-    s = fake_server(tmp_path, step_delay_s=0.01, new_session=True).start()
-    try:
-        children = psutil.Process(s.pid).children(recursive=True)
-        lines: list[str] = []
-
-        def stream():
-            body = {"prompt": "abc", "max_tokens": 80, "stream": True}
-            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
-                lines.extend(line for line in r.iter_lines() if line)
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
-        os.killpg(s.pid, sig)
+        if group:
+            os.killpg(s.pid, sig)
+        else:
+            s.proc.send_signal(sig)
         t.join(30)
         assert s.proc.wait(30) == 0, s.log()[-3000:]
+        # the running request finished normally during the drain
         assert lines[-1] == "data: [DONE]"
         finals = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in lines if x.startswith("data: {")]
         assert finals[-1] == "length", s.log()[-3000:]
         assert wait_for(
             lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
         )
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/health", timeout=2)
         assert "Traceback" not in s.log(), s.log()[-3000:]
     finally:
         s.stop()
