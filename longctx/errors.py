@@ -21,3 +21,9 @@ class RequestError(LongctxError, ValueError):
 
 class EngineDeadError(LongctxError, RuntimeError):
     """A stage process died; pending requests fail with this error."""
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (the type alone for an empty message), for logs and reports."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__

@@ -38,7 +38,7 @@ from longctx.engine.request import (
 )
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
-from longctx.errors import ConfigError, EngineDeadError, RequestError
+from longctx.errors import ConfigError, EngineDeadError, RequestError, one_line
 from longctx.kernels.common import use_triton as _use_triton
 from longctx.kvstore.allocator import PageAllocator
 from longctx.kvstore.pool import PagedKVPool, resolve_kv_kinds
@@ -388,9 +388,9 @@ class Engine:
             req = self._requests.pop(out.rid, None)
             if req is not None:
                 self.scheduler.finish(req, FinishReason.ERROR)
-            first = str(e).strip().splitlines()
-            why = f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
-            return dataclasses.replace(out, finished=True, finish_reason=FinishReason.ERROR, error=why)
+            return dataclasses.replace(
+                out, finished=True, finish_reason=FinishReason.ERROR, error=one_line(e)
+            )
 
     def _apply_stop_strings(self, out: StepOutput) -> StepOutput:
         req = self._requests.get(out.rid)

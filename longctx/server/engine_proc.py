@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from longctx.engine.request import Request, SamplingParams
-from longctx.errors import EngineDeadError, LongctxError
+from longctx.errors import EngineDeadError, LongctxError, one_line
 from longctx.server import messages as m
 
 log = logging.getLogger("longctx.engine_proc")
@@ -105,11 +105,6 @@ def _wire_output(o: Any) -> m.TokenOutput:
     )
 
 
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
-
-
 def _tuples(v: Any) -> Any:
     return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
 
@@ -158,7 +153,7 @@ class EngineLoop:
                 log.error("add_request %s failed:\n%s", msg.rid, traceback.format_exc())
                 outs.append(
                     m.TokenOutput(
-                        msg.rid, finished=True, finish_reason="error", error=_one_line(e), error_kind="engine"
+                        msg.rid, finished=True, finish_reason="error", error=one_line(e), error_kind="engine"
                     )
                 )
         elif isinstance(msg, m.AbortRequest):
@@ -190,7 +185,7 @@ class EngineLoop:
                 reply = m.RpcReply(msg.call_id, False, error=str(e))
             except Exception as e:
                 log.error("rpc failed:\n%s", traceback.format_exc())
-                reply = m.RpcReply(msg.call_id, False, error=_one_line(e))
+                reply = m.RpcReply(msg.call_id, False, error=one_line(e))
             self.push.send(m.encode(reply))
         elif isinstance(msg, m.Shutdown):
             self.stop = True
@@ -272,7 +267,7 @@ class EngineLoop:
                 # A dead stage (EngineDeadError) means no step will run again: the requests and pins
                 # are not failed one by one (500s) but all at once by the EngineFailed sent below,
                 # which the frontend turns into 503 engine_dead, as for a dead engine process.
-                err = _one_line(e)
+                err = one_line(e)
                 if isinstance(e, EngineDeadError):  # its message names the stage and why
                     self.dead = err
                     log.error("engine failed: %s", err)
@@ -364,7 +359,7 @@ def main(
         except Exception as e:
             if not isinstance(e, LongctxError):  # bad configuration says what is wrong in its message
                 log.error("engine failed to start:\n%s", traceback.format_exc())
-            push.send(m.encode(m.EngineFailed(_one_line(e))))
+            push.send(m.encode(m.EngineFailed(one_line(e))))
             return
         cfg = getattr(eng, "config", None)
         ready = m.EngineReady(

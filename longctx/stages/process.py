@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from longctx.engine.plan import BatchResult
 from longctx.engine.worker import DTYPES, StageWorker, build_model
-from longctx.errors import ConfigError, LongctxError
+from longctx.errors import ConfigError, LongctxError, one_line
 from longctx.kvstore.host_pool import unlink_owned
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.stages.host import HostBackedKV, open_stage_host_pool
@@ -93,11 +93,6 @@ class QueueTransport:
         # flush what we put (a Failed message must reach the driver before we exit)
         self.outbox.close()
         self.outbox.join_thread()
-
-
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return f"{type(e).__name__}: {s.splitlines()[0]}" if s else type(e).__name__
 
 
 # What gloo and NCCL say when the rank at the other end of a connection went away (killed, out of
@@ -312,7 +307,7 @@ def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False
                 f"longctx stage {spec.stage} (tp rank {spec.tp_rank}): {message}", file=sys.stderr, flush=True
             )
         else:
-            message = _one_line(e)
+            message = one_line(e)
             if not isinstance(e, LongctxError):  # bad input / config says what is wrong in its message
                 traceback.print_exc(file=sys.stderr)
         transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, message))
