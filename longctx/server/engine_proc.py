@@ -118,7 +118,15 @@ def sampling_params(p: m.WireSamplingParams) -> SamplingParams:
 class EngineLoop:
     """The message/step loop around one engine; separate from `main` so tests can drive it."""
 
-    def __init__(self, engine: Any, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        pull: zmq.Socket,
+        push: zmq.Socket,
+        parent_pid: int | None = None,
+        term_at: list[float] | None = None,
+        term_grace_s: float = 60.0,
+    ):
         self.eng = engine
         self.pull = pull
         self.push = push
@@ -129,8 +137,10 @@ class EngineLoop:
         self.stop = False
         self.dead: str | None = None  # why the engine can run no more steps
         self._last_stats = 0.0
-        self.term_at: float | None = None  # when a SIGTERM came (`main`'s handler)
-        self.term_grace_s = 60.0
+        # when a SIGTERM came, if one did (`main`'s handler fills it); then the loop ends at the latest
+        # term_grace_s later
+        self.term_at = term_at if term_at is not None else []
+        self.term_grace_s = term_grace_s
 
     def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
         if isinstance(msg, m.AddRequest):
@@ -325,7 +335,7 @@ class EngineLoop:
             if self._parent_gone():
                 log.error("frontend process is gone; engine process exiting")
                 break
-            if self.term_at is not None and time.monotonic() - self.term_at > self.term_grace_s:
+            if self.term_at and time.monotonic() - self.term_at[0] > self.term_grace_s:
                 log.error("SIGTERM %.0f s ago and no shutdown from the frontend; exiting", self.term_grace_s)
                 break
         for rid in list(self.live):
@@ -344,8 +354,13 @@ def main(
     with its frontend, or when that sends Shutdown)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    term_at: list[float] = []
-    signal.signal(signal.SIGTERM, lambda *_: term_at.append(time.monotonic()))
+    term_at: list[float] = []  # (the first SIGTERM's time, read by the loop)
+
+    def on_term(*_: object) -> None:
+        if not term_at:
+            term_at.append(time.monotonic())
+
+    signal.signal(signal.SIGTERM, on_term)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(to_engine)
@@ -369,16 +384,7 @@ def main(
             info={"fake": spec.fake is not None, "pid": os.getpid(), "kv": _kv_info(eng)},
         )
         push.send(m.encode(ready))
-        loop = EngineLoop(eng, pull, push, parent_pid)
-        loop.term_grace_s = spec.term_grace_s
-        loop.term_at = term_at[0] if term_at else None  # (one that came while the engine was built)
-
-        def on_term(*_: object) -> None:
-            if loop.term_at is None:
-                loop.term_at = time.monotonic()
-
-        signal.signal(signal.SIGTERM, on_term)
-        loop.run()
+        EngineLoop(eng, pull, push, parent_pid, term_at, spec.term_grace_s).run()
     finally:
         if eng is not None:
             try:
