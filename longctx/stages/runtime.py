@@ -139,12 +139,9 @@ class SpawnedStages:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()  # (stages ignore SIGTERM: their driver decides when they end, `spawn_main`)
         for p in procs:
-            p.join(timeout=2.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.join()
         for q in [*self.inboxes, self.outbox]:
             if q is not None:
                 q.cancel_join_thread()
