@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -227,6 +228,42 @@ def test_killed_server_leaves_no_socket_dir(tmp_path):
         assert list(tmp.iterdir()) == []
     finally:
         s.stop()
+
+
+def test_a_temp_dir_too_deep_for_socket_paths_falls_back_to_a_short_one(tmp_path):
+    """A $TMPDIR so deep that a unix socket path under it would pass sun_path's 107 bytes: the server
+    puts its socket dir in $XDG_RUNTIME_DIR instead, serves, and removes the dir when it stops."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    s = fake_server(tmp_path, step_delay_s=0.0)
+    s.env["TMPDIR"] = str(deep)
+    s.env["XDG_RUNTIME_DIR"] = str(run)
+    s.start()
+    try:
+        assert [p.name[:8] for p in run.iterdir()] == ["longctx-"]
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert s.stop() == 0, s.log()[-3000:]
+        assert list(run.iterdir()) == [] and list(deep.iterdir()) == []
+        assert "too deep for unix socket paths" in s.log()
+    finally:
+        s.stop()
+
+
+def test_no_temp_dir_short_enough_for_socket_paths_says_what_to_set(tmp_path, monkeypatch):
+    from longctx.server import engine_client
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(deep)])
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="set TMPDIR to a shorter directory"):
+        engine_client.socket_base_dir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert engine_client.socket_base_dir() == str(tmp_path)
 
 
 @pytest.mark.parametrize(

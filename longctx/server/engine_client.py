@@ -33,6 +33,42 @@ from longctx.server import messages as m
 log = logging.getLogger("longctx.server")
 SOCKET_DIR_PREFIX = "longctx-"
 STALE_SOCKET_DIR_AGE_S = 60.0
+# a unix socket address holds at most this many bytes of path (sockaddr_un.sun_path less its NUL)
+IPC_PATH_MAX = int(getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107)
+# the longest socket path under a base dir: "/" + prefix + mkdtemp's 8 random characters + "/out"
+_SOCKET_PATH_TAIL = 1 + len(SOCKET_DIR_PREFIX) + 8 + len("/out")
+
+
+def socket_base_dir() -> str:
+    """The dir that holds the private socket dir: the temp dir, unless a socket path under it would be
+    longer than a unix socket address allows (a deep $TMPDIR); then the first of $XDG_RUNTIME_DIR and
+    the system's temp dirs whose path is short enough and that this user can write. None fits: a
+    one-line error that says what to set."""
+    first = tempfile.gettempdir()
+    candidates = [first, os.environ.get("XDG_RUNTIME_DIR", "")]
+    # the dirs tempfile itself tries ($TMPDIR, $TEMP, $TMP, then the platform's own); private, so guarded
+    candidates += getattr(tempfile, "_candidate_tempdir_list", list)()
+    for d in candidates:
+        if not d:
+            continue
+        d = os.path.abspath(d)
+        if len(os.fsencode(d)) + _SOCKET_PATH_TAIL <= IPC_PATH_MAX and _writable_dir(d):
+            if d != first:
+                log.info(
+                    "the temp dir %r is too deep for unix socket paths; the engine's sockets go in %r",
+                    first,
+                    d,
+                )
+            return d
+    raise RuntimeError(
+        f"the temp dir {first!r} is too long a path for the engine's unix sockets "
+        f"(at most {IPC_PATH_MAX - _SOCKET_PATH_TAIL} characters) and no shorter temp dir is writable: "
+        "set TMPDIR to a shorter directory"
+    )
+
+
+def _writable_dir(d: str) -> bool:
+    return os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)
 
 
 def sweep_stale_socket_dirs(
@@ -47,9 +83,7 @@ def sweep_stale_socket_dirs(
     """
     now = time.time()
     removed: list[str] = []
-    for path in glob.glob(
-        os.path.join(glob.escape(directory or tempfile.gettempdir()), SOCKET_DIR_PREFIX + "*")
-    ):
+    for path in glob.glob(os.path.join(glob.escape(directory or socket_base_dir()), SOCKET_DIR_PREFIX + "*")):
         try:
             st = os.lstat(path)
             names = os.listdir(path) if stat.S_ISDIR(st.st_mode) else None
@@ -128,10 +162,11 @@ class EngineClient:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> m.EngineReady:
-        swept = sweep_stale_socket_dirs()
+        base = socket_base_dir()
+        swept = sweep_stale_socket_dirs(base)
         if swept:
             log.info("removed %d stale socket dir(s) of killed servers", len(swept))
-        self._tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        self._tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir=base)
         to_engine = f"ipc://{os.path.join(self._tmpdir, 'in')}"
         from_engine = f"ipc://{os.path.join(self._tmpdir, 'out')}"
         self._ctx = zmq.asyncio.Context()
