@@ -529,6 +529,24 @@ def test_bad_inputs_get_4xx_and_server_stays_healthy(server):
         assert r.status_code == 400, r.text
         r = h.post(D, content=b"--xx\r\nbroken", headers={"content-type": "multipart/form-data; boundary=xx"})
         assert r.status_code == 400, r.text
+        # a text field that is not UTF-8 is refused, not decoded as latin-1 into mojibake
+        mp = {"content-type": "multipart/form-data; boundary=xx"}
+        body = b'--xx\r\nContent-Disposition: form-data; name="text"\r\n\r\ncaf\xe9 \xff\r\n--xx--\r\n'
+        r = h.post(D, content=body, headers=mp)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_utf8", r.text
+        assert "'text'" in r.json()["error"]["message"]
+        # a text field past starlette's 1 MB part default gets as far as the context check
+        r = h.post(D, data={"text": "x" * (1 << 20) + "y"}, files={"none": ("", b"")})
+        assert r.status_code == 400 and r.json()["error"]["code"] != "invalid_multipart", r.text
+        assert "context" in r.json()["error"]["message"], r.text
+        # a multipart body declared larger than a document may be is a 413 before it is read
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sk:
+            sk.sendall(
+                f"POST {D} HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=xx\r\n"
+                f"Content-Length: {1 << 30}\r\n\r\n--xx\r\n".encode()
+            )
+            assert sk.recv(200).startswith(b"HTTP/1.1 413")
         assert h.get("/health").status_code == 200
         assert h.post(C, json={"prompt": "ok", "max_tokens": 2}).status_code == 200
         # an escaped surrogate pair is one character, and fine; nothing bad was stored (the list renders)

@@ -11,6 +11,8 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartParser
 
 from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.server import messages as m
@@ -18,9 +20,49 @@ from longctx.server.engine_client import RpcError
 from longctx.server.generation import new_rid
 from longctx.server.protocol import ApiError, AskRequest, DocumentCreate
 from longctx.server.routes_generate import Shape, generations, sampling, serve
-from longctx.server.state import Document, ServerState, get_state, read_json
+from longctx.server.state import Document, ServerState, body_stream, get_state, read_json
 
 router = APIRouter()
+# room for a multipart body's boundaries and part headers around a document of max_body_bytes
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+
+
+class _StrictMultiPart(MultiPartParser):
+    """starlette's multipart parser, except that a text field not valid in the body's charset (UTF-8
+    unless declared) is a 400: starlette would decode it as latin-1 and hand on mojibake."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode(self._charset)
+            except UnicodeDecodeError as e:
+                raise ApiError(
+                    400,
+                    f"multipart field {part.field_name!r} is not valid {self._charset} (byte {e.start})",
+                    param=part.field_name,
+                    code="invalid_utf8",
+                ) from None
+        super().on_part_end()
+
+
+async def _parse_multipart(request: Request, st: ServerState) -> FormData:
+    """The form of a multipart upload, its body capped like a JSON body's (413 past it) and its text
+    fields as large as a document may be (starlette's default caps a field at 1 MB)."""
+    limit = st.settings.max_body_bytes
+    parser = _StrictMultiPart(
+        request.headers,
+        body_stream(request, limit + MULTIPART_OVERHEAD_BYTES),
+        max_files=1,
+        max_fields=8,
+        max_part_size=limit,
+    )
+    try:
+        return await parser.parse()
+    except ApiError:
+        raise
+    except Exception as e:  # starlette raises several types for broken multipart bodies
+        raise ApiError(400, f"bad multipart body: {str(e)[:200]}", code="invalid_multipart") from None
 
 
 async def _document_text(request: Request, st: ServerState) -> tuple[str, str | None]:
@@ -28,10 +70,7 @@ async def _document_text(request: Request, st: ServerState) -> tuple[str, str | 
     if not ctype.startswith("multipart/form-data"):
         body = await read_json(request, DocumentCreate)
         return body.text, body.name
-    try:
-        form = await request.form(max_files=1, max_fields=8)
-    except Exception as e:  # starlette raises several types for broken multipart bodies
-        raise ApiError(400, f"bad multipart body: {str(e)[:200]}", code="invalid_multipart") from None
+    form = await _parse_multipart(request, st)
     try:
         item = form.get("file")
         if item is None:

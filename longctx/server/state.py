@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -170,18 +171,22 @@ def _has_lone_surrogate(obj: Any) -> bool:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
+    return b"".join([chunk async for chunk in body_stream(request, limit)])
+
+
+async def body_stream(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+    """The request body in chunks as they arrive; past `limit` bytes (declared or sent) a 413."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
-    chunks, n = [], 0
+    n = 0
     try:
         async for chunk in request.stream():
             n += len(chunk)
             if n > limit:
                 raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
+            yield chunk
     except ClientDisconnect:  # (hung up mid-body: nobody reads this answer, and it is no server error)
         raise ApiError(
             499, "client disconnected while sending the body", code="client_disconnected"
         ) from None
-    return b"".join(chunks)
