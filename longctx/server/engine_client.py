@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 import time
 from typing import Any
@@ -159,6 +160,7 @@ class EngineClient:
         self._push: Any = None
         self._pull: Any = None
         self._ready_fut: asyncio.Future[m.EngineReady] | None = None
+        self._relay: Any = None  # a longctx.stages.relay.StageRelay under torchrun
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self, timeout: float = 600.0) -> m.EngineReady:
@@ -178,9 +180,26 @@ class EngineClient:
         self._pull.bind(from_engine)
         self._ready_fut = asyncio.get_running_loop().create_future()
         ctx = mp.get_context("spawn")
+        # under torchrun (`longctx.stages.launch serve`) this process holds the ranks: the engine
+        # process drives them through a relay instead of spawning stages of its own
+        # (only `longctx.stages.launch` attaches stages, and it has imported the runtime: the frontend
+        # of a plain `serve` does not load torch)
+        runtime = sys.modules.get("longctx.stages.runtime")
+        attached = runtime.take_attached_stages() if runtime is not None else None
+        if attached is not None:
+            from longctx.stages.relay import StageRelay
+
+            self._relay = StageRelay(attached, ctx)
         self.proc = ctx.Process(
             target=engine_proc.main,
-            args=(self.spec, to_engine, from_engine, os.getpid(), self.log_level),
+            args=(
+                self.spec,
+                to_engine,
+                from_engine,
+                os.getpid(),
+                self.log_level,
+                self._relay.proxy if self._relay is not None else None,
+            ),
             name="longctx-engine",
             # not daemonic: the engine spawns its own stage processes (pp/tp > 1); it exits by
             # itself when this process goes away (engine_proc watches its parent pid)
@@ -214,6 +233,9 @@ class EngineClient:
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 5.0)
         self._mark_dead("server is shutting down")
+        if self._relay is not None:
+            await asyncio.to_thread(self._relay.close)
+            self._relay = None
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

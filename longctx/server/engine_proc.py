@@ -344,7 +344,12 @@ class EngineLoop:
 
 
 def main(
-    spec: EngineSpec, to_engine: str, from_engine: str, parent_pid: int, log_level: int = logging.INFO
+    spec: EngineSpec,
+    to_engine: str,
+    from_engine: str,
+    parent_pid: int,
+    log_level: int = logging.INFO,
+    stages: Any = None,
 ) -> None:
     """Entry point of the spawned engine process.
 
@@ -368,6 +373,10 @@ def main(
     push.setsockopt(zmq.LINGER, 2000)
     push.connect(from_engine)
     eng = None
+    if stages is not None:
+        from longctx.stages.runtime import attached_stages
+
+        attached_stages(stages)
     try:
         try:
             eng = build_engine(spec)

@@ -30,12 +30,15 @@ class ServerProcess:
         startup_timeout: float = 180.0,
         env: dict | None = None,
         new_session: bool = False,
+        launcher: list[str] | None = None,
     ) -> None:
         """`new_session`: the server leads its own process group (signal it all with `os.killpg(pid)`,
-        as a terminal's Ctrl-C or systemd's stop would)."""
+        as a terminal's Ctrl-C or systemd's stop would). `launcher`: what runs the `serve ...`
+        arguments (default `python -m longctx.cli`; e.g. torchrun ... -m longctx.stages.launch)."""
         self.model = model
         self.new_session = new_session
         self.args = list(args)
+        self.launcher = launcher or [sys.executable, "-m", "longctx.cli"]
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -47,7 +50,7 @@ class ServerProcess:
         self._remove_log = weakref.finalize(self, self.log_path.unlink, missing_ok=True)
 
     def start(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "longctx.cli", "serve", "--model", self.model, "--port", "0", *self.args]
+        cmd = [*self.launcher, "serve", "--model", self.model, "--port", "0", *self.args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=self.new_session

@@ -11,19 +11,29 @@ torchrun world size (rank = stage * tp + tp_rank, so a TP group sits on one node
 How it differs from the local spawn (`longctx.stages.runtime.SpawnedStages`):
 - rank 0 runs its own stage (stage 0, TP rank 0) in a thread beside the command;
 - plans reach the other ranks by a gloo object broadcast from rank 0 (`ctrl` group) and results
-  come back to rank 0 by gloo point-to-point sends (`results` group), received by a thread;
-- liveness: a rank that fails reports it (`Failed`); a rank that vanishes breaks its neighbours'
-  gloo/NCCL connections, which fail and report. There is no pid to poll across nodes.
-Only the local spawn is tested in CI.
+  come back to rank 0 by gloo point-to-point sends (`results` group), received by one thread per
+  rank;
+- liveness: a rank that fails reports it (`Failed`); a rank that vanishes breaks its link to rank
+  0's receiver for it, which reports it at once (a receive from any rank would wait forever), and
+  its neighbours' gloo/NCCL connections, which fail and report. There is no pid to poll across
+  nodes;
+- `serve`: the engine runs in a process the frontend spawns, and drives these ranks through
+  `longctx.stages.relay` (the frontend, rank 0's main process, holds them);
+- signals: torchrun passes SIGINT / SIGTERM to every rank; the stage ranks ignore them and end
+  when rank 0's command closes them (a server drains first) or their links to it break.
+CI runs this module under `torchrun --standalone` on one node (tests/test_torchrun.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
+import signal
 import sys
 import threading
+import time
 from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
@@ -31,12 +41,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longctx.errors import one_line
 from longctx.stages.messages import Failed, Shutdown, StageSpec
-from longctx.stages.process import stage_main
+from longctx.stages.process import peer_lost, stage_main
 from longctx.stages.runtime import attached_stages
 
 # plans may be hours apart on an idle server: the control groups must not time out
 IDLE_TIMEOUT = timedelta(days=365)
+# how long a shutdown waits to tell the other ranks when rank 0's stage is gone
+SHUTDOWN_BROADCAST_S = 5.0
+# how long a shutdown waits for rank 0's stage thread and the receivers to end
+CLOSE_JOIN_S = 30.0
+
+
+def _broadcast_quietly(obj: Any, group: Any) -> None:
+    with contextlib.suppress(Exception):  # (a rank that is gone: the others see the broken link)
+        dist.broadcast_object_list([obj], src=0, group=group)
 
 
 def _send_obj(obj: Any, group: Any) -> None:
@@ -46,10 +66,11 @@ def _send_obj(obj: Any, group: Any) -> None:
     dist.send(data, dst=0, group=group)
 
 
-def _recv_obj_any(group: Any) -> Any:
-    """The next object any rank sent with `_send_obj` (lengths from any source, bytes from that one)."""
+def _recv_obj(src: int, group: Any) -> Any:
+    """The next object rank `src` sent with `_send_obj`. A receive from one named rank, not from any:
+    gloo fails the former at once when that rank dies, and leaves the latter waiting forever."""
     n = torch.empty(1, dtype=torch.int64)
-    src = dist.recv(n, group=group)
+    dist.recv(n, src=src, group=group)
     data = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(data, src=src, group=group)
     return pickle.loads(data.numpy().tobytes())
@@ -124,23 +145,29 @@ class TorchrunStages:
             name="longctx-stage0-tp0",
             daemon=True,
         )
-        t_recv = threading.Thread(target=self._receive, name="longctx-results", daemon=True)
-        self._threads = [t_stage, t_recv]
+        receivers = [
+            threading.Thread(
+                target=self._receive, args=(spec,), name=f"longctx-results-{spec.rank}", daemon=True
+            )
+            for spec in specs[1:]
+        ]
+        self._threads = [t_stage, *receivers]
         for t in self._threads:
             t.start()
 
-    def _receive(self) -> None:
-        done = 0
+    def _receive(self, spec: StageSpec) -> None:
+        """Results and reports of one rank, until its Shutdown; a broken link reports the rank as failed
+        (a rank that vanishes sends nothing else, and there is no pid to poll on another node)."""
         try:
-            while done < self.world_size - 1:
-                msg = _recv_obj_any(self.results)
+            while True:
+                msg = _recv_obj(spec.rank, self.results)
                 if isinstance(msg, Shutdown):
-                    done += 1
-                else:
-                    self.out.put(msg)
+                    return
+                self.out.put(msg)
         except Exception as e:  # noqa: BLE001 (a broken link is a dead stage)
             if not self.closed:
-                self.out.put(Failed(-1, -1, -1, f"lost the link to the other ranks: {e}"))
+                why = peer_lost(e) or one_line(e)
+                self.out.put(Failed(spec.rank, spec.stage, spec.tp_rank, f"its link to rank 0 broke: {why}"))
 
     def send(self, rank: int, msg: Any) -> None:
         if rank == 0:  # rank 0's stage thread broadcasts every message to all ranks
@@ -164,10 +191,18 @@ class TorchrunStages:
         if self.started:
             if self._threads[0].is_alive():
                 self.local.put(Shutdown())
-            else:  # rank 0's stage is gone: tell the other ranks directly
-                dist.broadcast_object_list([Shutdown()], src=0, group=self.ctrl)
+            else:  # rank 0's stage is gone: tell the other ranks directly, unless a dead one blocks it
+                t = threading.Thread(
+                    target=_broadcast_quietly,
+                    args=(Shutdown(), self.ctrl),
+                    name="longctx-shutdown",
+                    daemon=True,
+                )
+                t.start()
+                t.join(timeout=SHUTDOWN_BROADCAST_S)
+            deadline = time.monotonic() + CLOSE_JOIN_S
             for t in self._threads:
-                t.join(timeout=30.0)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if not stages.started:  # the command never built a runtime: release the ranks
                     dist.broadcast_object_list([None], src=0, group=ctrl)
+        # torchrun passes a SIGINT / SIGTERM on to every rank (and SIGKILLs them after its grace): as
+        # in a local spawn, rank 0's command decides when the stages end (a server drains first), and
+        # they end on its Shutdown or when their links to it break, not on the signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         buf: list[Any] = [None]
         dist.broadcast_object_list(buf, src=0, group=ctrl)
         if buf[0] is None:

@@ -69,6 +69,12 @@ def attached_stages(stages: Any) -> None:
     _ATTACHED.append(stages)
 
 
+def take_attached_stages() -> Any:
+    """The stages `attached_stages` left for the next runtime (None if none): for a caller that hands
+    them to a runtime in another process (`longctx.stages.relay`)."""
+    return _ATTACHED.pop() if _ATTACHED else None
+
+
 class SpawnedStages:
     """Local stage processes (torch.multiprocessing spawn), one inbox queue each, one outbox.
 
@@ -188,7 +194,7 @@ class StageRuntime:
         # `stages`: how the processes are run; default a local spawn, under torchrun the
         # already-running ranks (`longctx.stages.launch` passes them through `attached_stages`)
         if stages is None:
-            stages = _ATTACHED.pop() if _ATTACHED else SpawnedStages()
+            stages = take_attached_stages() or SpawnedStages()
         if isinstance(stages, SpawnedStages):
             if dev.type == "cuda" and torch.cuda.device_count() < world:
                 raise ConfigError(
@@ -254,6 +260,8 @@ class StageRuntime:
         return [[self._ready[s * self.tp + t] for t in range(self.tp)] for s in range(self.pp)]
 
     def _where(self, rank: int) -> str:
+        if rank < 0:  # (a report no rank could be named for: torchrun's results link broke)
+            return "the stage ranks"
         return (
             f"stage {rank // self.tp} (layers {list(self.layers[rank // self.tp])}, tp rank {rank % self.tp})"
         )
