@@ -183,6 +183,35 @@ def test_a_request_failing_after_its_step_fails_alone(eng, monkeypatch):
     assert eng.stats()["pages_used"] == used  # (the prompts' full pages stay in the prefix cache)
 
 
+def test_fail_step_aborts_the_running_requests_and_keeps_the_waiting_ones(tiny_dir):
+    """A step that raises: `fail_step` aborts what it held (the running requests) and returns their
+    ids; a request that was waiting then runs to the same tokens as alone, and no page is leaked."""
+    a, b = rand_ids(30, 60), rand_ids(40, 61)
+    with Engine(tiny_dir, device="cpu", max_running=1) as e:
+        want = e.generate([b], max_new_tokens=6, ignore_eos=True)[0].token_ids
+        used = e.stats()["pages_used"]
+        e.add_request(Request("running", list(a), SamplingParams(max_new_tokens=20, ignore_eos=True)))
+        e.step()
+        e.add_request(Request("waiting", list(b), SamplingParams(max_new_tokens=6, ignore_eos=True)))
+        e.step()
+        assert e.num_running() == 1 and e.num_waiting() == 1
+        real = e.runner.run if not e.overlap else e.runner.launch
+        name = "launch" if e.overlap else "run"
+        setattr(e.runner, name, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken batch")))
+        with pytest.raises(RuntimeError, match="broken batch"):
+            e.step()
+        setattr(e.runner, name, real)
+        assert e.fail_step() == ["running"]
+        assert e.num_running() == 0 and e.num_waiting() == 1
+        got: list[int] = []
+        while e.has_work():
+            for o in e.step():
+                assert o.rid == "waiting"
+                got.extend(o.new_token_ids)
+        assert got == want
+        assert e.stats()["pages_used"] == used
+
+
 def test_prompt_longer_than_max_context(tiny_dir):
     with Engine(tiny_dir, device="cpu", max_context=64) as e:
         with pytest.raises(RequestError, match="maximum context"):

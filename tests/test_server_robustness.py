@@ -211,6 +211,36 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert rc == 0, s.log()[-4000:]
 
 
+def test_a_failed_step_fails_its_requests_and_the_waiting_ones_go_on(tmp_path):
+    """A step that raises fails the requests it held (500 for each) and only those: a request still
+    waiting for pages when it failed is served afterwards (before, every request the engine had
+    accepted failed with it)."""
+    # two pages: the poisoned request holds one, the waiting one needs two
+    with fake_server(tmp_path, step_delay_s=0.01, total_pages=2, poison_token=99, poison_after=30) as s:
+        got: dict[str, httpx.Response] = {}
+
+        def post(name: str, body: dict) -> None:
+            got[name] = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+
+        poisoned = threading.Thread(
+            target=post, args=("poisoned", {"prompt": [1, 2, 99], "max_tokens": 60, "temperature": 0})
+        )
+        poisoned.start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        waiting = threading.Thread(
+            target=post, args=("waiting", {"prompt": [5] * 40, "max_tokens": 60, "temperature": 0})
+        )
+        waiting.start()
+        assert wait_for(lambda: httpx.get(s.url + "/health").json()["waiting"] == 1)
+        poisoned.join(30)
+        waiting.join(30)
+        assert got["poisoned"].status_code == 500, got["poisoned"].text
+        assert "poisoned batch" in got["poisoned"].json()["error"]["message"]
+        assert got["waiting"].status_code == 200, got["waiting"].text
+        assert got["waiting"].json()["usage"]["completion_tokens"] == 60
+        assert httpx.get(s.url + "/health").json()["status"] == "ok"
+
+
 def test_killed_server_leaves_no_socket_dir(tmp_path):
     """SIGKILL of the frontend: its engine process exits by itself and removes the frontend's private
     ipc:// socket dir, which nobody else would."""

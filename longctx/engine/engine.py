@@ -302,6 +302,18 @@ class Engine:
         self._requests.pop(rid, None)
         self._release([rid])
 
+    def fail_step(self) -> list[str]:
+        """After `step()` raised: abort the requests the failed step held (the running ones, whose
+        KV and sampling state it may have left half-written) and forget any step launched or deferred
+        beside it; returns their ids. Waiting requests were in no step: they stay queued, and their
+        prefix-cache pages are only pages a finished step computed."""
+        self._pending = None
+        self._deferred = None
+        rids = [req.rid for req in self.scheduler.running]
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
     def has_work(self) -> bool:
         return self._pending is not None or self.scheduler.has_work()
 

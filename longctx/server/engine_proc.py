@@ -273,32 +273,7 @@ class EngineLoop:
             try:
                 step_outs = self.eng.step()
             except Exception as e:
-                # A failed step poisons every request in it; fail them all, keep serving new ones.
-                # A dead stage (EngineDeadError) means no step will run again: the requests and pins
-                # are not failed one by one (500s) but all at once by the EngineFailed sent below,
-                # which the frontend turns into 503 engine_dead, as for a dead engine process.
-                err = one_line(e)
-                if isinstance(e, EngineDeadError):  # its message names the stage and why
-                    self.dead = err
-                    log.error("engine failed: %s", err)
-                else:
-                    log.error("engine step failed:\n%s", traceback.format_exc())
-                for rid in list(self.live):
-                    with contextlib.suppress(Exception):
-                        self.eng.abort(rid)
-                    if self.dead is None:
-                        outs.append(
-                            m.TokenOutput(
-                                rid, finished=True, finish_reason="error", error=err, error_kind="engine"
-                            )
-                        )
-                self.live.clear()
-                for rid, (call_id, _) in list(self.pins.items()):
-                    with contextlib.suppress(Exception):
-                        self.eng.abort(rid)
-                    if self.dead is None:
-                        self.push.send(m.encode(m.RpcReply(call_id, False, error=err)))
-                self.pins.clear()
+                self._step_failed(e, outs)
                 step_outs = []
             for o in step_outs:
                 if o.rid in self.pins:
@@ -328,6 +303,38 @@ class EngineLoop:
             # and exit
             self.push.send(m.encode(m.EngineFailed(self.dead)))
             self.stop = True
+
+    def _step_failed(self, e: Exception, outs: list[m.TokenOutput]) -> None:
+        """A failed step poisons the requests in it: fail those (500s) and keep serving the rest,
+        the waiting ones included (`Engine.fail_step`). A dead stage (EngineDeadError) means no
+        step will run again: the requests and pins are not failed one by one but all at once by the
+        EngineFailed that `run_once` sends, which the frontend turns into 503 engine_dead, as for a
+        dead engine process."""
+        err = one_line(e)
+        failed: set[str] | None = None  # None: every request
+        if isinstance(e, EngineDeadError):  # its message names the stage and why
+            self.dead = err
+            log.error("engine failed: %s", err)
+        else:
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            try:
+                failed = set(self.eng.fail_step())
+            except Exception:
+                log.error("could not tell the failed step's requests apart:\n%s", traceback.format_exc())
+        for rid in [r for r in self.live if failed is None or r in failed]:
+            with contextlib.suppress(Exception):
+                self.eng.abort(rid)
+            self.live.discard(rid)
+            if self.dead is None:
+                outs.append(
+                    m.TokenOutput(rid, finished=True, finish_reason="error", error=err, error_kind="engine")
+                )
+        for rid, (call_id, _) in [(r, c) for r, c in self.pins.items() if failed is None or r in failed]:
+            with contextlib.suppress(Exception):
+                self.eng.abort(rid)
+            del self.pins[rid]
+            if self.dead is None:
+                self.push.send(m.encode(m.RpcReply(call_id, False, error=err)))
 
     def run(self) -> None:
         while not self.stop:

@@ -41,6 +41,10 @@ class FakeEngineOptions:
     prefill_s_per_token: float = 0.0  # extra cost per prefilled token
     vocab_size: int = 320
     eos_token_id: int | None = 257
+    # a step raises when a running request whose prompt holds this token has written poison_after
+    # tokens (a failing batch, in tests)
+    poison_token: int | None = None
+    poison_after: int = 0
 
 
 @dataclass
@@ -90,6 +94,13 @@ class FakeEngine:
                     self._pages_used -= live.pages
                     live.req.finish_reason = FinishReason.ABORT
 
+    def fail_step(self) -> list[str]:
+        """After `step` raised: abort the requests it held (the running ones); see `Engine.fail_step`."""
+        rids = [live.req.rid for live in self._running]
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
@@ -134,6 +145,12 @@ class FakeEngine:
 
     def step(self) -> list[StepOutput]:
         self._admit()
+        poison = self.opts.poison_token
+        if poison is not None and any(
+            poison in live.req.prompt_ids and len(live.req.output_ids) >= self.opts.poison_after
+            for live in self._running
+        ):
+            raise RuntimeError("a poisoned batch (fake engine)")
         outs: list[StepOutput] = []
         budget = self.opts.prefill_chunk
         prefilled = 0
