@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from longctx.server.testing import ServerProcess
+from tests.server_helpers import wait_for
 
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")
@@ -77,19 +78,13 @@ def test_serve_under_torchrun_drives_the_ranks_and_drains(tiny_dir, tmp_path):
         assert len(ranks) == 2
         assert r.json()["choices"][0]["text"] == one["text"]  # as one process answers
 
-        got: list[httpx.Response] = []
-        long_body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-        t = threading.Thread(
-            target=lambda: got.append(httpx.post(s.url + "/v1/completions", json=long_body, timeout=60))
-        )
-        t.start()
-        assert _wait(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        t, got = _running_request(s, max_tokens=200)
         s.proc.send_signal(signal.SIGINT)
         t.join(60)
         assert got and got[0].status_code == 200, got[0].text if got else s.log()[-3000:]
         assert got[0].json()["choices"][0]["finish_reason"] == "length"
         s.proc.wait(60)
-        assert _wait(
+        assert wait_for(
             lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), 30
         )
         assert "lost a peer rank" not in s.log(), s.log()[-3000:]
@@ -97,13 +92,16 @@ def test_serve_under_torchrun_drives_the_ranks_and_drains(tiny_dir, tmp_path):
         s.stop()
 
 
-def _wait(pred, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
+def _running_request(s: ServerProcess, max_tokens: int) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A greedy completion of max_tokens posted from a thread, returned once the engine runs it."""
+    got: list[httpx.Response] = []
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    t = threading.Thread(
+        target=lambda: got.append(httpx.post(s.url + "/v1/completions", json=body, timeout=60))
+    )
+    t.start()
+    assert wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 1, 20)
+    return t, got
 
 
 def test_a_rank_killed_under_torchrun_serve_fails_the_request_in_flight(tiny_dir, tmp_path):
@@ -113,13 +111,7 @@ def test_a_rank_killed_under_torchrun_serve_fails_the_request_in_flight(tiny_dir
     s = ServerProcess(str(tiny_dir), "--pp", "2", env=_env(tmp_path), launcher=_launcher())
     s.start()
     try:
-        got: list[httpx.Response] = []
-        body = {"prompt": PROMPT, "max_tokens": 100000, "temperature": 0, "ignore_eos": True}
-        t = threading.Thread(
-            target=lambda: got.append(httpx.post(s.url + "/v1/completions", json=body, timeout=60))
-        )
-        t.start()
-        assert _wait(lambda: httpx.get(s.url + "/health").json()["running"] == 1)
+        t, got = _running_request(s, max_tokens=100000)
         front = psutil.Process(httpx.get(s.url + "/health").json()["engine_pid"]).parent()
         other = [p for p in psutil.Process(s.pid).children() if p.pid != front.pid]
         assert len(other) == 1
