@@ -211,6 +211,26 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert rc == 0, s.log()[-4000:]
 
 
+def test_max_tokens_defaults_to_what_the_kv_pool_holds(tmp_path):
+    """A KV pool smaller than --max-context (8 pages of 64 tokens against 1M): a request without
+    max_tokens generates up to what the pool holds (it used to ask for the whole 1M context and get a
+    400 from the pool check, so the default chat call failed), max_model_len says so, and a prompt
+    past it is a 400 context_length_exceeded naming `prompt`."""
+    with fake_server(tmp_path, step_delay_s=0.0, total_pages=8, eos_token_id=None) as s:
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert models[0]["max_model_len"] == 512
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert u["prompt_tokens"] + u["completion_tokens"] == 512
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1] * 600, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+        assert "what the KV pool holds; --max-context 1048576" in s.log()
+
+
 def test_a_failed_step_fails_its_requests_and_the_waiting_ones_go_on(tmp_path):
     """A step that raises fails the requests it held (500 for each) and only those: a request still
     waiting for pages when it failed is served afterwards (before, every request the engine had

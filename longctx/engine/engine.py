@@ -302,6 +302,12 @@ class Engine:
         self._requests.pop(rid, None)
         self._release([rid])
 
+    @property
+    def context_capacity(self) -> int:
+        """The most tokens (prompt + output) one request can hold: `max_context`, or less when the KV
+        page pool is smaller (a request never fits a pool it outgrows, whatever else is free)."""
+        return min(self.max_context, self.allocator.num_pages * self.allocator.page_size)
+
     def fail_step(self) -> list[str]:
         """After `step()` raised: abort the requests the failed step held (the running ones, whose
         KV and sampling state it may have left half-written) and forget any step launched or deferred

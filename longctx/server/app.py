@@ -63,9 +63,11 @@ def create_app(
             finally:
                 await state.client.close()
             return
+        setting = ready.info.get("max_context_setting", ready.max_context)
         log.info(
-            "engine ready: max_context=%d vocab=%d kv=%s %s",
+            "engine ready: max_context=%d%s vocab=%d kv=%s %s",
             ready.max_context,
+            f" (what the KV pool holds; --max-context {setting})" if setting > ready.max_context else "",
             ready.vocab_size,
             ready.info.get("kv", "-"),
             "(fake engine)" if ready.info.get("fake") else "",

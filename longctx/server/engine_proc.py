@@ -394,10 +394,20 @@ def main(
             return
         cfg = getattr(eng, "config", None)
         ready = m.EngineReady(
-            max_context=int(getattr(eng, "max_context", spec.max_context) or spec.max_context),
+            # what one request can hold: the server clamps max_tokens and reports max_model_len by it
+            max_context=int(
+                getattr(eng, "context_capacity", None)
+                or getattr(eng, "max_context", None)
+                or spec.max_context
+            ),
             vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
             eos_token_ids=_eos_ids(cfg),
-            info={"fake": spec.fake is not None, "pid": os.getpid(), "kv": _kv_info(eng)},
+            info={
+                "fake": spec.fake is not None,
+                "pid": os.getpid(),
+                "kv": _kv_info(eng),
+                "max_context_setting": int(getattr(eng, "max_context", spec.max_context) or spec.max_context),
+            },
         )
         push.send(m.encode(ready))
         EngineLoop(eng, pull, push, parent_pid, term_at, spec.term_grace_s).run()

@@ -69,6 +69,10 @@ class FakeEngine:
         self._pages_used = 0
         self._prefix_hit_tokens = 0
 
+    @property
+    def context_capacity(self) -> int:
+        return min(self.max_context, self.opts.total_pages * PAGE)
+
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         req.params.validate()

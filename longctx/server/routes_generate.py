@@ -62,7 +62,7 @@ def sampling(
         raise ApiError(
             400,
             f"the prompt has {prompt_len} tokens, more than the maximum context of {max_ctx}",
-            param="messages",
+            param="messages" if hasattr(req, "messages") else "prompt",
             code="context_length_exceeded",
         )
     room = max_ctx - prompt_len
