@@ -231,6 +231,41 @@ def test_max_tokens_defaults_to_what_the_kv_pool_holds(tmp_path):
         assert "what the KV pool holds; --max-context 1048576" in s.log()
 
 
+def test_tokenising_a_long_prompt_does_not_freeze_the_server(tmp_path):
+    """A prompt of megabytes is tokenised off the event loop and /health answers meanwhile (the
+    single-text tokenizer call held the GIL: 10 s frozen for 10 MB); one that cannot fit the context
+    whatever its tokens is refused before it is tokenised."""
+    with fake_server(tmp_path, "--max-context", str(1 << 24), step_delay_s=0.0, total_pages=1 << 18) as s:
+        lat: list[float] = []
+        done = threading.Event()
+
+        def health() -> None:
+            while not done.is_set():
+                t0 = time.monotonic()
+                httpx.get(s.url + "/health", timeout=30)
+                lat.append(time.monotonic() - t0)
+                time.sleep(0.02)
+
+        t = threading.Thread(target=health)
+        t.start()
+        t0 = time.monotonic()
+        r = httpx.post(
+            s.url + "/v1/completions", json={"prompt": "a " * (3 << 19), "max_tokens": 1}, timeout=120
+        )
+        took = time.monotonic() - t0
+        done.set()
+        t.join()
+        assert r.status_code == 200, r.text
+        assert max(lat) < max(0.5 * took, 0.25), (max(lat), took)
+    with fake_server(tmp_path, step_delay_s=0.0, total_pages=64) as s:
+        t0 = time.monotonic()
+        r = httpx.post(
+            s.url + "/v1/completions", json={"prompt": "a " * (8 << 20), "max_tokens": 1}, timeout=120
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "at least" in r.json()["error"]["message"] and time.monotonic() - t0 < 5
+
+
 def test_a_failed_step_fails_its_requests_and_the_waiting_ones_go_on(tmp_path):
     """A step that raises fails the requests it held (500 for each) and only those: a request still
     waiting for pages when it failed is served afterwards (before, every request the engine had

@@ -60,3 +60,11 @@ def test_continue_final_message_over_http(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == t["count"]
         bad = httpx.post(s.url + "/v1/chat/completions", json={**body, "add_generation_prompt": True})
         assert bad.status_code == 400 and "cannot both be true" in bad.json()["error"]["message"]
+
+
+def test_min_tokens_is_a_lower_bound(codec):
+    text = "a " * 5000 + "The end."
+    assert codec.encode(text) == list(codec.tok.encode(text, add_special_tokens=False).ids)
+    for text in ["", "a", "hello world " * 50, "\u00e9\u4e2d\U0001f600" * 40, "<|endoftext|>" * 9]:
+        assert codec.min_tokens(text) <= len(codec.encode(text))
+    assert codec.min_tokens("x" * 10_000_000) > 10_000_000 // (4 * 64)

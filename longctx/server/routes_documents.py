@@ -114,7 +114,7 @@ async def create_document(request: Request) -> dict:
     except ValueError as e:
         raise ApiError(500, str(e), "server_error") from None
     prefix_text = head + text
-    ids = await st.encode(prefix_text)
+    ids = await st.encode(prefix_text, param="text")
     if len(ids) >= st.max_context:
         raise ApiError(
             400,
@@ -167,7 +167,7 @@ async def ask_document(doc_id: str, request: Request) -> Response:
     st.check_model(req.model)
     doc = _doc(st, doc_id)
     _, tail = st.codec.document_frame()
-    ids = doc.ids + await st.encode(DOCUMENT_QUESTION_SEPARATOR + req.question + tail)
+    ids = doc.ids + await st.encode(DOCUMENT_QUESTION_SEPARATOR + req.question + tail, param="question")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.max_tokens, logprobs)
     rid = new_rid("chatcmpl")

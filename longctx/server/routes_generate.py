@@ -459,5 +459,5 @@ async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:
     matches = [d for d in st.documents.values() if text.startswith(d.prefix_text)]
     best = max(matches, key=lambda d: len(d.prefix_text), default=None)
     if best is None:
-        return await st.encode(text)
-    return best.ids + await st.encode(text[len(best.prefix_text) :])
+        return await st.encode(text, param="messages")
+    return best.ids + await st.encode(text[len(best.prefix_text) :], param="messages")

@@ -19,6 +19,7 @@ from longctx.errors import LongctxError
 log = logging.getLogger("longctx.server")
 
 _SENTINEL = "\u2063LONGCTX_DOCUMENT\u2063"
+NORMALISER_SLACK = 4
 
 
 class TextCodec:
@@ -31,11 +32,23 @@ class TextCodec:
             log.info("no tokenizer.json in %s: using the byte-level tokenizer", model_dir)
             tok = make_tokenizer()
         self.tok: Any = tok
+        # the most text characters one token can stand for, with room for a normaliser that composes
+        # characters: so len(text) / this is a lower bound on its tokens (`min_tokens`)
+        self.max_chars_per_token = NORMALISER_SLACK * max(
+            (len(k) for k in tok.get_vocab(with_added_tokens=True)), default=1
+        )
         self.chat_template = load_chat_template(d) if d is not None and d.is_dir() else None
 
     # ---- tokens -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: the single-text call holds the GIL while it works, and a long text
+        # tokenised on a worker thread froze the server's event loop (seconds per megabyte)
+        return list(self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without tokenising it (a text far too long for the
+        context is refused before a tokeniser spends seconds on it)."""
+        return -(-len(text) // self.max_chars_per_token)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
