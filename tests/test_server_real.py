@@ -250,3 +250,23 @@ def test_serve_logs_its_kv_cache_and_answers_with_layer_4_kept(tmp_path):
         )
         assert r.status_code == 200 and "4812753" in r.json()["choices"][0]["text"]
         assert "kv=fp8 (layers 4 in the model dtype)" in s.log()
+
+
+def test_an_upload_whose_client_hangs_up_is_aborted_and_pins_nothing(tiny_dir):
+    """A document upload is a long prefill: a client that gives up mid-way cancels it (the engine
+    aborts the prefill), so no pages stay pinned for a document nobody was told the id of (they
+    were, and the upload ran on for minutes)."""
+    with ServerProcess(str(tiny_dir), "--device", "cpu", "--max-context", "65536") as s:
+        text = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 800  # ~46K tokens
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/documents", json={"text": text}, timeout=1.0)
+        assert server_helpers.wait_for(lambda: httpx.get(s.url + "/health").json()["running"] == 0, 10)
+        st = server_helpers.stats(s, timeout=30)
+        assert (
+            st.get("prefix_cache", {}).get("pinned_pages", 0) == 0
+            and st.get("prefix_cache_pinned_pages", 0) == 0
+        ), st
+        assert httpx.get(s.url + "/v1/documents").json()["data"] == []
+        # the server goes on: a small upload works
+        r = httpx.post(s.url + "/v1/documents", json={"text": "short"}, timeout=60)
+        assert r.status_code == 200, r.text

@@ -349,8 +349,9 @@ class EngineClient:
         with contextlib.suppress(zmq.ZMQError):
             await self._push.send(m.encode(m.AbortRequest(rid)))
 
-    async def call(self, make: Any, timeout: float | None = None) -> Any:
-        """Send `make(call_id)` and wait for its RpcReply; raises EngineDeadError / RuntimeError."""
+    async def call(self, make: Any, timeout: float | None = None, cancel: Any = None) -> Any:
+        """Send `make(call_id)` and wait for its RpcReply; raises EngineDeadError / RuntimeError.
+        `cancel(call_id)`: the message that withdraws the call, sent if the wait is cancelled."""
         self._check()
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -358,6 +359,11 @@ class EngineClient:
         await self._push.send(m.encode(make(call_id)))
         try:
             reply: m.RpcReply = await asyncio.wait_for(fut, timeout)
+        except asyncio.CancelledError:
+            if cancel is not None and self._push is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._push.send(m.encode(cancel(call_id)))
+            raise
         finally:
             self._calls.pop(call_id, None)
         if not reply.ok:

@@ -174,6 +174,13 @@ class EngineLoop:
                 except Exception:
                     log.error("abort %s failed:\n%s", msg.rid, traceback.format_exc())
                 outs.append(m.TokenOutput(msg.rid, finished=True, finish_reason="abort"))
+            elif msg.rid in self.pins:  # a document upload whose client hung up
+                call_id, _ = self.pins.pop(msg.rid)
+                with contextlib.suppress(Exception):
+                    self.eng.abort(msg.rid)
+                self.push.send(m.encode(m.RpcReply(call_id, False, error="document upload cancelled")))
+            elif msg.rid in self.doc_keys:  # ... that had just finished: nobody learnt its id
+                self.eng.prefix_cache.unpin_keys(self.doc_keys.pop(msg.rid))
         elif isinstance(msg, m.PinDocument) and self._pins_in_loop():
             self._start_pin(msg)
         elif isinstance(msg, (m.PinDocument, m.UnpinDocument, m.StatsQuery)):

@@ -19,7 +19,7 @@ from longctx.server import messages as m
 from longctx.server.engine_client import RpcError
 from longctx.server.generation import new_rid
 from longctx.server.protocol import ApiError, AskRequest, DocumentCreate
-from longctx.server.routes_generate import Shape, generations, sampling, serve
+from longctx.server.routes_generate import Shape, generations, sampling, serve, unless_disconnected
 from longctx.server.state import Document, ServerState, body_stream, get_state, read_json
 
 router = APIRouter()
@@ -105,8 +105,8 @@ def _doc(st: ServerState, doc_id: str) -> Document:
     return doc
 
 
-@router.post("/v1/documents")
-async def create_document(request: Request) -> dict:
+@router.post("/v1/documents", response_model=None)
+async def create_document(request: Request) -> dict | Response:
     st = get_state(request)
     text, name = await _document_text(request, st)
     try:
@@ -125,7 +125,15 @@ async def create_document(request: Request) -> dict:
     st.check_admission()
     ids_t = tuple(ids)
     try:
-        engine_id, _ = await st.client.call(lambda cid: m.PinDocument(cid, ids_t))
+        # a client that hangs up cancels the upload: the engine aborts the document's prefill (or
+        # unpins it, if it had just finished), so no pages stay pinned for a document nobody knows
+        pin = st.client.call(
+            lambda cid: m.PinDocument(cid, ids_t), cancel=lambda cid: m.AbortRequest(f"pin-{cid}")
+        )
+        finished, result = await unless_disconnected(request, pin)
+        if not finished:
+            return Response(status_code=499)
+        engine_id, _ = result
     except RpcError as e:
         raise ApiError(400, str(e), param="text") from None
     except Exception as e:

@@ -99,6 +99,22 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+async def unless_disconnected(request: Request, aw: Any) -> tuple[bool, Any]:
+    """(True, its result) of awaiting `aw`; (False, None) if the client hung up first, after
+    cancelling it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(aw)
+    disc = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, disc}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disc.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False, None
+    return True, task.result()
+
+
 def generations(
     st: ServerState,
     rid: str,
@@ -143,16 +159,10 @@ async def serve(
     model = st.settings.served_model_name
     try:
         if not stream:
-            task = asyncio.create_task(_collect(gens))
-            disc = asyncio.create_task(_wait_disconnect(request))
-            await asyncio.wait({task, disc}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client hung up: cancelling aborts the engine requests
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            finished, dones = await unless_disconnected(request, _collect(gens))
+            if not finished:
                 st.metrics.requests.labels(_endpoint(shape), "499").inc()
                 return Response(status_code=499)
-            disc.cancel()
-            dones = task.result()
             st.metrics.requests.labels(_endpoint(shape), "200").inc()
             return JSONResponse(_final(st, rid, model, gens, dones, shape))
         events = _events(gens)
