@@ -16,7 +16,30 @@ from longctx.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 # sizes a config must give as positive integers (checked before anything is built from them)
-_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank")
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "max_position_embeddings",
+)
+_NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace")
+_DTYPES = ("bfloat16", "float16", "float32")
+_ROPE_TYPES = ("default", "yarn")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
@@ -188,6 +211,34 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in _NON_NEGATIVE:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) is more than n_routed_experts "
+                f"({self.n_routed_experts})"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group ({self.topk_group}) is more than n_group ({self.n_group})")
+        _check_real("rms_norm_eps", self.rms_norm_eps, positive=True)
+        _check_real("routed_scaling_factor", self.routed_scaling_factor, positive=True)
+        rp = self.rope_parameters
+        if not isinstance(rp, dict) or rp.get("rope_type", "default") not in _ROPE_TYPES:
+            raise ConfigError(f"rope_parameters.rope_type must be one of {list(_ROPE_TYPES)}, got {rp!r}")
+        _check_real("rope_parameters.rope_theta", rp.get("rope_theta", 10000.0), positive=True)
+        if self.torch_dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {self.torch_dtype!r}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            ids = v if isinstance(v, list | tuple) else [] if v is None else [v]
+            if not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids
+            ):
+                raise ConfigError(
+                    f"{name} must be token ids in [0, vocab_size = {self.vocab_size}), got {v!r}"
+                )
         n = self.num_hidden_layers
         if len(self.indexer_types) != n:
             raise ConfigError(f"indexer_types has {len(self.indexer_types)} entries for {n} layers")
@@ -198,6 +249,9 @@ class ModelConfig:
         bad = set(self.indexer_types) - {"full", "shared"}
         if bad:
             raise ConfigError(f"indexer_types may hold 'full' or 'shared', not {sorted(bad)}")
+        bad = set(self.mlp_layer_types) - {"dense", "sparse"}
+        if bad:
+            raise ConfigError(f"mlp_layer_types may hold 'dense' or 'sparse', not {sorted(bad)}")
         if self.n_routed_experts % self.n_group:
             raise ConfigError("n_routed_experts must be divisible by n_group")
         if self.index_head_dim < self.qk_rope_head_dim:
@@ -235,6 +289,13 @@ class ModelConfig:
                 "weight_block_size": list(self.quant_block),
             }
         return d
+
+
+def _check_real(name: str, v: object, positive: bool = False) -> None:
+    """A finite real number (an int or a float, not a bool or a string), > 0 if `positive`."""
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or (positive and v <= 0):  # type: ignore[operator]
+        raise ConfigError(f"{name} must be a finite{' positive' if positive else ''} number, got {v!r}")
 
 
 def check_local_window(window: object, topk: int) -> None:

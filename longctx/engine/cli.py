@@ -26,6 +26,8 @@ def _engine(args: argparse.Namespace):
 
 
 def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
+    if args.token_ids and (args.prompt or args.prompt_file):
+        raise LongctxError("give the prompt as text (PROMPT or --prompt-file) or as --token-ids, not both")
     if args.token_ids:
         try:
             ids = [int(x) for x in args.token_ids.replace(",", " ").split()]
@@ -36,7 +38,10 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
         p = Path(args.prompt_file)
         if not p.is_file():
             raise LongctxError(f"prompt file not found: {p}" + (" (a directory)" if p.is_dir() else ""))
-        return [p.read_text(encoding="utf-8", errors="replace")]
+        try:
+            return [p.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as e:
+            raise LongctxError(f"prompt file {p} is not valid UTF-8 (byte {e.start})") from None
     if isinstance(args.prompt, str):
         return [args.prompt]
     if args.prompt:

@@ -38,8 +38,12 @@ def read_queries(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         raise QueryFileError(f"no queries file {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise QueryFileError(f"{path} is not valid UTF-8 (byte {e.start})") from None
     rows = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
