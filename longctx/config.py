@@ -291,6 +291,17 @@ class ModelConfig:
         return d
 
 
+def check_layout(cfg: ModelConfig, pp: int, tp: int) -> None:
+    """pp pipeline stages of tp tensor-parallel ranks must fit the model: pp in [1, layers], tp a
+    divisor of the attention heads."""
+    if tp < 1:
+        raise ConfigError(f"tp must be at least 1, got {tp}")
+    if cfg.num_attention_heads % tp:
+        raise ConfigError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}")
+    if pp < 1 or pp > cfg.num_hidden_layers:
+        raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
+
+
 def _check_real(name: str, v: object, positive: bool = False) -> None:
     """A finite real number (an int or a float, not a bool or a string), > 0 if `positive`."""
     ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

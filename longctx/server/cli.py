@@ -50,6 +50,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _preflight(args: argparse.Namespace) -> None:
+    """What the engine process would refuse at once, refused before the server binds its port: one
+    line instead of uvicorn's start and stop around it. The engine checks again (and the rest)."""
+    from longctx.cli import CLIError
+    from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout
+    from longctx.errors import LongctxError
+
+    model = Path(args.model)
+    if not model.is_dir():
+        raise CLIError(f"model directory not found: {model}")
+    try:
+        cfg = ModelConfig.from_json(model)
+        check_layout(cfg, args.pp, args.tp)
+        skip = engine_kwargs(args)["kv_fp8_skip_layers"]
+        if skip is not None:
+            check_kv_fp8_skip_layers(skip, cfg.num_hidden_layers)
+    except LongctxError as e:
+        raise CLIError(str(e)) from None
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -104,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--drain-timeout must be a number of seconds >= 0")
     if args.api_key and not args.api_key.isascii():  # (no HTTP client sends it: every request a 401)
         raise CLIError("--api-key must be ASCII")
+    if fake is None:
+        _preflight(args)
     spec = EngineSpec(
         model_dir=args.model,
         **engine_kwargs(args),

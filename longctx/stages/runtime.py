@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, check_layout
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.errors import ConfigError, EngineDeadError
 from longctx.kvstore.host_pool import NAME_PREFIX, cleanup_stale
@@ -54,7 +54,6 @@ from longctx.stages.messages import (
     StatsRequest,
 )
 from longctx.stages.partition import partition
-from longctx.stages.tp import check_tp
 
 POLL_S = 0.1
 SHUTDOWN_GRACE_S = 5.0
@@ -186,9 +185,7 @@ class StageRuntime:
         poll_s: float = POLL_S,
         stages: Any = None,
     ) -> None:
-        check_tp(cfg, tp)
-        if pp < 1 or pp > cfg.num_hidden_layers:
-            raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
+        check_layout(cfg, pp, tp)
         dev = torch.device(device)
         world = pp * tp
         # `stages`: how the processes are run; default a local spawn, under torchrun the

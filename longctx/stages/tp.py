@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from longctx.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE, dequantize_fp8_block
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, check_layout
 from longctx.errors import ConfigError
 from longctx.model.layer import DecoderLayer
 from longctx.model.linear import Linear
@@ -48,10 +48,7 @@ def shard_range(n: int, rank: int, tp: int) -> tuple[int, int]:
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    if tp < 1:
-        raise ConfigError(f"tp must be at least 1, got {tp}")
-    if cfg.num_attention_heads % tp:
-        raise ConfigError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}")
+    check_layout(cfg, 1, tp)
 
 
 class TPShard:
