@@ -12,6 +12,7 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from .server_helpers import check_disconnect_frees_pages, fake_server, openai_client, stats, wait_for
@@ -82,7 +83,11 @@ def test_openai_chat(client):
 
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["fake"]
+    assert client.models.retrieve("fake").id == "fake"  # (GET /v1/models/{id} was a 404)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert httpx.head(server.url + "/health").status_code == 200  # load balancers probe with HEAD
     text = httpx.get(server.url + "/metrics").text
     for name in (
         "longctx_queue_length",
@@ -428,6 +433,7 @@ U = {"role": "user", "content": "hi"}
 BAD = [
     # (method, path, body (dict -> JSON, bytes -> raw), status)
     ("POST", C, b'{"prompt": "x", ', 400),
+    ("POST", C, {"prompt": "x", "max_tokens": 2, "best_of": 3}, 400),  # (was ignored: one choice came back)
     ("POST", C, b"[1, 2]", 400),
     ("POST", C, b'{"prompt": "\xff\xfe"}', 400),
     # unpaired surrogate escapes: valid JSON, not valid Unicode (no tokenizer or UTF-8 response takes them)

@@ -109,7 +109,7 @@ def create_app(
     app.include_router(generate_router, dependencies=auth)
     app.include_router(documents_router, dependencies=auth)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:
         c = state.client
         if not c.healthy or state.draining:
@@ -125,16 +125,27 @@ def create_app(
             }
         )
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": settings.served_model_name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "longctx",
             "max_model_len": state.max_context,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict[str, Any]:
+        """OpenAI's models.retrieve."""
+        if model_id != settings.served_model_name:
+            raise ApiError(
+                404, f"no model {model_id!r}", "not_found_error", param="model", code="model_not_found"
+            )
+        return model_card()
 
     @app.get("/metrics")
     async def metrics() -> Response:

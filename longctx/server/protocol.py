@@ -162,6 +162,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=I64)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -170,6 +171,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
         if self.suffix:
             raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of = n ({self.n}) is supported: every choice is returned")
         return self
 
     def prompt_list(self) -> list[str | list[int]]:
