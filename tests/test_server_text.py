@@ -68,3 +68,12 @@ def test_min_tokens_is_a_lower_bound(codec):
     for text in ["", "a", "hello world " * 50, "\u00e9\u4e2d\U0001f600" * 40, "<|endoftext|>" * 9]:
         assert codec.min_tokens(text) <= len(codec.encode(text))
     assert codec.min_tokens("x" * 10_000_000) > 10_000_000 // (4 * 64)
+
+
+def test_token_bytes_join_back_into_the_text(codec):
+    """OpenAI's logprobs `bytes`: a token inside a UTF-8 character has its own byte, not the bytes of
+    U+FFFD (which is what its decoded text holds)."""
+    text = "caf\u00e9 \u4e2d\u6587 \U0001f600!"
+    ids = codec.encode(text)
+    assert any("\ufffd" in codec.decode([t]) for t in ids)  # (the case in question)
+    assert b"".join(codec.token_bytes(t) for t in ids).decode("utf-8") == text

@@ -60,8 +60,7 @@ def completion_logprobs(codec: TextCodec, lps: list[m.WireLogprob], offset0: int
 
 def chat_logprobs(codec: TextCodec, lps: list[m.WireLogprob], top_n: int) -> dict[str, Any]:
     def entry(tid: int, p: float) -> dict[str, Any]:
-        tok = codec.decode([tid])
-        return {"token": tok, "logprob": p, "bytes": list(tok.encode("utf-8"))}
+        return {"token": codec.decode([tid]), "logprob": p, "bytes": list(codec.token_bytes(tid))}
 
     return {
         "content": [

@@ -9,17 +9,24 @@ the byte-level tokenizer random checkpoints ship.
 from __future__ import annotations
 
 import logging
+import re
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from longctx.checkpoint.chat_template import apply_chat_template, load_chat_template
-from longctx.checkpoint.tokenizer import load_tokenizer, make_tokenizer
+from longctx.checkpoint.tokenizer import byte_to_unicode, load_tokenizer, make_tokenizer
 from longctx.errors import LongctxError
 
 log = logging.getLogger("longctx.server")
 
 _SENTINEL = "\u2063LONGCTX_DOCUMENT\u2063"
 NORMALISER_SLACK = 4
+
+
+@cache
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in byte_to_unicode().items()}
 
 
 class TextCodec:
@@ -49,6 +56,22 @@ class TextCodec:
         """A lower bound on the tokens of `text`, without tokenising it (a text far too long for the
         context is refused before a tokeniser spends seconds on it)."""
         return -(-len(text) // self.max_chars_per_token)
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token `tid` stands for. Its decoded text, unless that holds a replacement
+        character (a token that is part of a UTF-8 character): then its own bytes, read from the
+        byte-level alphabet or a `<0xNN>` byte-fallback piece, so a client can join tokens' bytes
+        back into the text (OpenAI's `bytes`)."""
+        text = self.decode([tid])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tok.id_to_token(tid) or ""
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return bytes([int(m.group(1), 16)])
+        table = _unicode_to_byte()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode("utf-8")
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
