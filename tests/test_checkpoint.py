@@ -86,7 +86,7 @@ def test_special_tokens(tok):
         decode_bytes(tok, ids) == s.encode() and decode_bytes(tok, ids, skip_special_tokens=True) == b"\nhi\n"
     )
     with pytest.raises(ConfigError, match="vocab_size 200 is too small"):
-        make_tokenizer(tiny_cfg(vocab_size=200))
+        make_tokenizer(tiny_cfg(vocab_size=200, eos_token_id=1, pad_token_id=0))
 
 
 MESSAGES = [

@@ -212,6 +212,33 @@ def test_fail_step_aborts_the_running_requests_and_keeps_the_waiting_ones(tiny_d
         assert e.stats()["pages_used"] == used
 
 
+def test_a_long_prefill_leaves_room_for_a_new_request(tiny_dir):
+    """A request arriving during a long prefill is admitted beside it (the prefill takes half the
+    step's budget until it is the only one): its first token comes long before the long prompt is
+    done, and both give the tokens they give alone."""
+    long_p, short_p = rand_ids(600, 70), rand_ids(20, 71)
+    with Engine(tiny_dir, device="cpu", chunk_size=64) as e:
+        want = {
+            "long": e.generate([long_p], max_new_tokens=3, ignore_eos=True)[0].token_ids,
+            "short": e.generate([short_p], max_new_tokens=3, ignore_eos=True)[0].token_ids,
+        }
+    with Engine(tiny_dir, device="cpu", chunk_size=64) as e:  # (nothing cached)
+        e.add_request(Request("long", list(long_p), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        assert e.step() and e.num_running() == 1
+        e.add_request(Request("short", list(short_p), SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        got: dict[str, list[int]] = {"long": [], "short": []}
+        first: dict[str, int] = {}
+        steps = 0
+        while e.has_work():
+            steps += 1
+            for o in e.step():
+                got[o.rid].extend(o.new_token_ids)
+                if o.new_token_ids and o.rid not in first:
+                    first[o.rid] = steps
+        assert got == want
+        assert first["short"] <= 2 < first["long"], first
+
+
 def test_prompt_longer_than_max_context(tiny_dir):
     with Engine(tiny_dir, device="cpu", max_context=64) as e:
         with pytest.raises(RequestError, match="maximum context"):

@@ -115,11 +115,22 @@ class Scheduler:
                 continue
             rows.append(self._row(req, 1))
             budget -= 1
-        # 2. prefill chunks of admitted requests, oldest first
-        for req in [r for r in self.running if r.in_prefill]:
+        # 2. prefill chunks of admitted requests, oldest first; one that would not finish in this step
+        # leaves half the budget to the requests behind it (other prefills, admissions), so a long
+        # document's prefill does not hold every new request back until it is done
+        # (a waiting request that waits for this very prefill's pages is not behind it)
+        prefills = [r for r in self.running if r.in_prefill]
+        admissible = (
+            bool(self.waiting)
+            and len(self.running) < self.max_running
+            and not self._waits_for_prefill(self.waiting[0])
+        )
+        for i, req in enumerate(prefills):
             if budget <= 0:
                 break
             n = min(req.pending, budget, self.chunk_size)
+            if (i + 1 < len(prefills) or admissible) and n < req.pending and n > budget // 2:
+                n = max(1, budget // 2)
             if req not in self.running or not self._grow(req, n):
                 continue
             rows.append(self._row(req, n))
