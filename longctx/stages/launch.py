@@ -217,31 +217,41 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     results = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    try:
-        if dist.get_rank() == 0:
-            stages = TorchrunStages(ctrl, results)
-            attached_stages(stages)
-            try:
-                from longctx.cli import main as cli_main
+    # (no destroy_process_group at the end: with the peers exiting at the same moment it aborted the
+    # process now and then, "terminate called without an active exception"; `_exit` skips teardown)
+    if dist.get_rank() == 0:
+        stages = TorchrunStages(ctrl, results)
+        attached_stages(stages)
+        try:
+            from longctx.cli import main as cli_main
 
-                return cli_main(argv)
-            finally:
-                if not stages.started:  # the command never built a runtime: release the ranks
-                    dist.broadcast_object_list([None], src=0, group=ctrl)
-        # torchrun passes a SIGINT / SIGTERM on to every rank (and SIGKILLs them after its grace): as
-        # in a local spawn, rank 0's command decides when the stages end (a server drains first), and
-        # they end on its Shutdown or when their links to it break, not on the signal
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        buf: list[Any] = [None]
-        dist.broadcast_object_list(buf, src=0, group=ctrl)
-        if buf[0] is None:
-            return 0
-        stage_main(buf[0][dist.get_rank()], _RankTransport(ctrl, results))
+            return cli_main(argv)
+        finally:
+            if not stages.started:  # the command never built a runtime: release the ranks
+                dist.broadcast_object_list([None], src=0, group=ctrl)
+    # torchrun passes a SIGINT / SIGTERM on to every rank (and SIGKILLs them after its grace): as
+    # in a local spawn, rank 0's command decides when the stages end (a server drains first), and
+    # they end on its Shutdown or when their links to it break, not on the signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    buf: list[Any] = [None]
+    dist.broadcast_object_list(buf, src=0, group=ctrl)
+    if buf[0] is None:
         return 0
-    finally:
-        dist.destroy_process_group()
+    stage_main(buf[0][dist.get_rank()], _RankTransport(ctrl, results))
+    return 0
+
+
+def _exit(code: object) -> None:
+    """Flush and end the process without the interpreter's teardown (see `main`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        rc: object = main()
+    except SystemExit as e:  # (a stage rank ends with sys.exit; the CLI may too)
+        rc = e.code
+    _exit(rc)
