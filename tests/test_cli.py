@@ -105,6 +105,10 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--prompt-file", str(Path(__file__).parent)], "(a directory)"),
         (["score", *CPU, "--out", "/nonexistent/dir/l.pt", "hi"], "--out /nonexistent/dir/l.pt: not a file"),
         (["generate", *CPU, "--token-ids", "1,2", "hi"], "not both"),
+        (
+            ["generate", *CPU, "--hisparse-device-tokens", "0", "hi"],
+            "hisparse_device_tokens must be a positive",
+        ),
         # serve refuses these before it binds its port: one line, not uvicorn's start and stop around it
         (["serve", *CPU, "--port", "0", "--pp", "99"], "pp must be in [1, 6]"),
         (["serve", *CPU, "--port", "0", "--tp", "3"], "tp=3 must divide"),

@@ -184,6 +184,12 @@ class Engine:
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
+        if hisparse_device_tokens is not None and (
+            isinstance(hisparse_device_tokens, bool) or hisparse_device_tokens < 1
+        ):  # (0 read as "no cap" before, while -1 was an error)
+            raise ConfigError(
+                f"hisparse_device_tokens must be a positive number of tokens (None: no cap), got {hisparse_device_tokens}"
+            )
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
         self._closed = False
