@@ -207,14 +207,11 @@ class ModelConfig:
             raise ConfigError(f"{p}: a field has the wrong type or value: {e}") from None
 
     def validate(self) -> None:
-        for name in _POSITIVE:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        for name in _NON_NEGATIVE:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
+        for names, low, what in ((_POSITIVE, 1, "a positive"), (_NON_NEGATIVE, 0, "a non-negative")):
+            for name in names:
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                    raise ConfigError(f"{name} must be {what} integer, got {v!r}")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) is more than n_routed_experts "

@@ -57,11 +57,8 @@ def _preflight(args: argparse.Namespace) -> None:
     from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout
     from longctx.errors import LongctxError
 
-    model = Path(args.model)
-    if not model.is_dir():
-        raise CLIError(f"model directory not found: {model}")
-    try:
-        cfg = ModelConfig.from_json(model)
+    try:  # (`run` has checked that the model dir holds a config.json)
+        cfg = ModelConfig.from_json(Path(args.model))
         check_layout(cfg, args.pp, args.tp)
         skip = engine_kwargs(args)["kv_fp8_skip_layers"]
         if skip is not None:

@@ -220,7 +220,7 @@ class EngineLoop:
         return cache is not None and hasattr(cache, "pin_prefix") and hasattr(cache, "unpin_keys")
 
     def _start_pin(self, msg: m.PinDocument) -> None:
-        rid = f"pin-{msg.call_id}"
+        rid = m.pin_rid(msg.call_id)
         ids = list(msg.token_ids)
         try:
             self.eng.add_request(Request(rid, ids, SamplingParams(max_new_tokens=0), pin_prefix=True))
@@ -400,20 +400,17 @@ def main(
             push.send(m.encode(m.EngineFailed(one_line(e))))
             return
         cfg = getattr(eng, "config", None)
+        setting = int(getattr(eng, "max_context", None) or spec.max_context)
         ready = m.EngineReady(
             # what one request can hold: the server clamps max_tokens and reports max_model_len by it
-            max_context=int(
-                getattr(eng, "context_capacity", None)
-                or getattr(eng, "max_context", None)
-                or spec.max_context
-            ),
+            max_context=int(getattr(eng, "context_capacity", None) or setting),
             vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
             eos_token_ids=_eos_ids(cfg),
             info={
                 "fake": spec.fake is not None,
                 "pid": os.getpid(),
                 "kv": _kv_info(eng),
-                "max_context_setting": int(getattr(eng, "max_context", spec.max_context) or spec.max_context),
+                "max_context_setting": setting,
             },
         )
         push.send(m.encode(ready))

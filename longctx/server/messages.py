@@ -110,6 +110,12 @@ class AbortRequest:
     rid: str
 
 
+def pin_rid(call_id: int) -> str:
+    """The engine request id of a PinDocument call's prefill (and so the pinned document's id): an
+    AbortRequest with it withdraws the upload."""
+    return f"pin-{call_id}"
+
+
 @message("pin")
 @dataclass(frozen=True)
 class PinDocument:

@@ -128,7 +128,7 @@ async def create_document(request: Request) -> dict | Response:
         # a client that hangs up cancels the upload: the engine aborts the document's prefill (or
         # unpins it, if it had just finished), so no pages stay pinned for a document nobody knows
         pin = st.client.call(
-            lambda cid: m.PinDocument(cid, ids_t), cancel=lambda cid: m.AbortRequest(f"pin-{cid}")
+            lambda cid: m.PinDocument(cid, ids_t), cancel=lambda cid: m.AbortRequest(m.pin_rid(cid))
         )
         finished, result = await unless_disconnected(request, pin)
         if not finished:

@@ -109,16 +109,16 @@ class ServerState:
 
     async def encode(self, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
         """`text`'s tokens; a text that cannot fit the context whatever its tokens is a 400 at once."""
-        if len(text) > BIG_TEXT and (least := self.codec.min_tokens(text)) > self.max_context:
+        if len(text) <= BIG_TEXT:
+            return self.codec.encode(text, add_special_tokens)
+        if (least := self.codec.min_tokens(text)) > self.max_context:
             raise ApiError(
                 400,
                 f"the {param} has at least {least} tokens, more than the maximum context of {self.max_context}",
                 param=param,
                 code="context_length_exceeded",
             )
-        if len(text) > BIG_TEXT:
-            return await asyncio.to_thread(self.codec.encode, text, add_special_tokens)
-        return self.codec.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.codec.encode, text, add_special_tokens)
 
     def refresh_metrics(self) -> None:
         c = self.client

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from longctx.errors import one_line
 from longctx.stages.messages import Failed, Shutdown, StageSpec
-from longctx.stages.process import peer_lost, stage_main
+from longctx.stages.process import exit_now, peer_lost, stage_main
 from longctx.stages.runtime import attached_stages
 
 # plans may be hours apart on an idle server: the control groups must not time out
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     results = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     # (no destroy_process_group at the end: with the peers exiting at the same moment it aborted the
-    # process now and then, "terminate called without an active exception"; `_exit` skips teardown)
+    # process now and then, "terminate called without an active exception"; `exit_now` skips teardown)
     if dist.get_rank() == 0:
         stages = TorchrunStages(ctrl, results)
         attached_stages(stages)
@@ -242,16 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit(code: object) -> None:
-    """Flush and end the process without the interpreter's teardown (see `main`)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
-
-
 if __name__ == "__main__":
     try:
         rc: object = main()
     except SystemExit as e:  # (a stage rank ends with sys.exit; the CLI may too)
         rc = e.code
-    _exit(rc)
+    exit_now(rc)

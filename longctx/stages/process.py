@@ -318,12 +318,18 @@ def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False
         finally:
             transport.close()
     if exit_process:
-        # everything is flushed and released; skip the interpreter teardown (seconds for torch +
-        # gloo on a loaded machine) so a shutdown does not wait on it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # everything is released; skip the interpreter teardown (seconds for torch + gloo on a
+        # loaded machine) so a shutdown does not wait on it
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: object) -> None:
+    """Flush stdout / stderr and end the process without the interpreter's teardown; `code` as
+    sys.exit takes it (None: 0; an int; anything else: 1)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def exit_with_driver(transport: Transport, poll_s: float = 1.0) -> None:
