@@ -244,9 +244,9 @@ def merge(args: argparse.Namespace) -> int:
     print(table)
     out = Path(args.out) if args.out else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    (out / "retrieval-h200.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "retrieval-h200.md").write_text(table + "\n")
-    plot(by_len, out / "retrieval-h200.png")
+    (out / f"{args.name}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(table + "\n")
+    plot(by_len, out / f"{args.name}.png")
     return 0
 
 
@@ -327,7 +327,7 @@ def plot(by_len: dict[tuple[int, bool], dict[str, float]], path: Path) -> None:
     ax.set_ylim(-2, 102)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("score (%)")
-    ax.set_title("retrieval model through longctx (H200)")
+    ax.set_title("retrieval model through longctx")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -383,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--length", default="4k")
     g.add_argument("--min", type=float, default=20.0)
     g.set_defaults(func=gate)
-    m = sub.add_parser("merge", help="combine run directories into retrieval-h200.{json,md,png}")
+    m = sub.add_parser("merge", help="combine run directories into NAME.{json,md,png} (retrieval-h200)")
     m.add_argument("runs", nargs="+")
     m.add_argument("--out", default=None, help="directory for the results (default bench/results)")
+    m.add_argument("--name", default="retrieval-h200", help="the results' file stem (NAME.json, .md, .png)")
     m.set_defaults(func=merge)
     d = sub.add_parser("depth", help="a run's niah scores by the needle's depth in the prompt (raw form)")
     d.add_argument("results", help="a results.jsonl (run directory's, or a committed eval-*.jsonl)")

@@ -123,8 +123,10 @@ def test_retrieval_eval_merge_pairs_capped_and_uncapped_samples(tmp_path: Path) 
         lines = [json.dumps({"task": t, "length": L, "index": i, "seed": 42, "score": s}) + "\n"
                  for (t, i), s in rows.items()]  # fmt: skip
         (d / "results.jsonl").write_text("".join(lines + lines[:1] * (name == "u")))
-    assert main(["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m")]) == 0
-    res = json.loads((tmp_path / "m" / "retrieval-h200.json").read_text())
+    m = ["merge", str(tmp_path / "u"), str(tmp_path / "c"), "--out", str(tmp_path / "m"), "--name", "r"]
+    assert main(m) == 0
+    res = json.loads((tmp_path / "m" / "r.json").read_text())  # (--name: the files' stem)
+    assert {p.name for p in (tmp_path / "m").iterdir()} == {"r.json", "r.md", "r.png"}
     # niah_single_1 over 0-4: capped 4 right of 5 (0 right, 2 wrong), uncapped 4: 0; multikey over 0-2:
     # capped 1 of 3, uncapped 0: +33.3; the mean of the two
     assert res["capped_minus_uncapped.1m"] == round((0.0 + 100 / 3) / 2, 1)
