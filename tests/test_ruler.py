@@ -89,8 +89,9 @@ def test_task_table_matches_ruler():
     assert {t for t, s in TASKS.items() if s.metric == "part"} == {"qa_1", "qa_2"}
     assert parse_tasks("all") == list(TASKS)
     assert parse_tasks("vt, cwe,vt") == ["vt", "cwe"]
-    with pytest.raises(LongctxError):
-        parse_tasks("niah_single_9")
+    for bad in ("niah_single_9", "", " , "):  # (an empty list ran all 13)
+        with pytest.raises(LongctxError):
+            parse_tasks(bad)
 
 
 def test_scaled_budget_still_holds_the_answer():
@@ -319,6 +320,7 @@ def test_parse_lengths():
     [
         ["--lengths", "4q", "--dump-dir", "D"],
         ["--tasks", "nope", "--dump-dir", "D"],
+        ["--tasks", " , ", "--dump-dir", "D"],
         ["--samples", "0", "--dump-dir", "D"],
         ["--seed", "x", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "-1", "--dump-dir", "D"],
