@@ -15,10 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.errors import LongctxError
-from longctx.workloads.cli_args import UsageError, add_embedded_engine_args, embedded_engine_kwargs, int_arg
-
-DEFAULT_MAX_CONTEXT = 1_048_576
+from longctx.workloads.cli_args import (
+    DEFAULT_MAX_CONTEXT,
+    UsageError,
+    add_embedded_engine_args,
+    embedded_engine_kwargs,
+    int_arg,
+    model_context,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -61,17 +65,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _model_context(model_dir: str) -> int:
-    try:
-        from longctx.config import ModelConfig
-
-        return min(ModelConfig.from_json(model_dir).max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    except LongctxError:
-        raise
-    except Exception:
-        return DEFAULT_MAX_CONTEXT
-
-
 def run(args: argparse.Namespace) -> int:
     from longctx.workloads.repo_pack import pack_repo
     from longctx.workloads.retrieve import Prompting, read_queries, reserve_tokens, run_retrieve
@@ -95,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_context:
         max_context = int_arg("--max-context", args.max_context)
     else:
-        max_context = _model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
+        max_context = model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
     queries = read_queries(args.queries)
 
     tok_dir = args.model if args.model and (Path(args.model) / "tokenizer.json").exists() else args.tokenizer
