@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _check_out(path: str) -> None:
+    """--out before the long part (packing, loading the model): not a directory, and a file that can be
+    written in its nearest existing directory (run_retrieve makes the directories below that)."""
+    out = Path(path).absolute()
+    base = next(p for p in out.parents if p.exists())
+    if out.is_dir() or not base.is_dir() or not os.access(out if out.exists() else base, os.W_OK):
+        raise UsageError(
+            f"--out {path}: not a file that can be written (a directory, under a file, or read-only)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from longctx.workloads.repo_pack import pack_repo
     from longctx.workloads.retrieve import Prompting, read_queries, reserve_tokens, run_retrieve
@@ -79,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repo {args.repo}: not a directory")
     if args.model and not Path(args.model).is_dir():
         raise UsageError(f"--model {args.model}: not a directory")
+    _check_out(args.out)
     if args.chat and args.base_url:
         raise UsageError("--chat is for --model; servers are always asked through chat endpoints")
     max_new = int_arg("--max-new-tokens", args.max_new_tokens)
