@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -441,6 +442,27 @@ def test_cli_init_model(tmp_path, capsys, tiny_dir):
     )
     assert not (out / "model.safetensors").exists()  # stale single file removed by --force
     assert validate_checkpoint(out).num_fp8 > 0
+
+
+def test_cli_init_model_refuses_a_checkpoint_that_does_not_fit(tmp_path, capsys, monkeypatch):
+    """A config too large for the memory or the disk is one line before anything is written or replaced (it
+    was a traceback at the first tensor too large to allocate, or a full disk hours in)."""
+    huge, out = tmp_path / "huge.json", tmp_path / "m"
+    huge.write_text(json.dumps({**TINY, "vocab_size": 10**9, "hidden_size": 10**6}))  # a 4e15-byte embedding
+    assert cli_main(["init-model", "--config", str(huge), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "longctx init-model: error: this checkpoint needs at least 8,000,000.0 GB of memory, "
+    )
+    assert "\n" not in err and not out.exists()
+    # the disk: --force over a bfloat16 checkpoint, a float32 one (twice its size) where nothing else is free
+    assert cli_main(["init-model", "--config", "tiny", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
+    assert cli_main(["init-model", "--config", "tiny", "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"GB of disk space in {out}, 0.0 GB available" in err and "\n" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
 def test_cli_bad_config_subprocess(tmp_path):

@@ -81,6 +81,10 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--max-new-tokens", "-1", "hi"], "--max-new-tokens must be >= 0"),
         (["generate", *CPU, "--prompt-file", "/nonexistent/p.txt"], "prompt file not found"),
         (["generate", *CPU, "--index-topk", "128", "hi"], "--index-topk-long 0, turns"),
+        (  # (its [tokens, index_topk] buffers were allocated: a traceback)
+            ["generate", *CPU, "--index-topk", str(2**40), "--index-topk-long", "0", "hi"],
+            f"index_topk {2**40} is more than max_context 1048576",
+        ),
         (["generate", *CPU, "--kv-fp8-skip-layers", "4,x", "hi"], "--kv-fp8-skip-layers: a comma list"),
         (["generate", *CPU, "--kv-fp8-skip-layers", "9", "hi"], "layer numbers in [0, 6), got (9,)"),
         (["generate", *CPU, "--repetition-penalty", "0", "hi"], "repetition_penalty must be in (0, 100]"),

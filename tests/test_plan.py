@@ -230,6 +230,7 @@ def test_cli_table_and_path(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ["--gpus", "8", "--pp", "4"],  # gpus != pp * tp
         ["--gpus", "8", "--pp", "8", "--gpu-mem", "lots"],
+        ["--gpus", "8", "--pp", "8", "--gpu-mem", "0"],
         ["--gpus", "8", "--pp", "8", "--layer-split", "1,2"],
         ["--gpus", "x", "--pp", "8"],
         ["--gpus", "8", "--pp", "8", "--context", "0"],

@@ -319,6 +319,21 @@ def test_cli_bad_args_exit_2_with_one_line(extra, repo, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("longctx retrieve: error:")
 
 
+@pytest.mark.parametrize("out", [".", "file/a.jsonl", "file/dir/a.jsonl"])
+def test_cli_out_is_checked_before_packing(out, repo, tmp_path, capsys, monkeypatch):
+    """An --out that cannot be written is one line before the repository is packed (it was found when the
+    answers were written, after packing and loading the model)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
+    (tmp_path / "q.jsonl").write_text('{"query": "x"}\n')
+    assert (
+        main(["retrieve", "--repo", str(repo), "--queries", "q.jsonl", "--out", out, "--base-url", "u"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"longctx retrieve: error: --out {out}: not a file that can be written")
+    assert "\n" not in err
+
+
 def test_cli_missing_inputs(tmp_path, capsys):
     assert main(["retrieve", "--queries", "q", "--out", "o", "--base-url", "http://x"]) == 2
     assert (

@@ -28,7 +28,7 @@ from longctx.workloads.scoring import (
     string_match_part,
 )
 from longctx.workloads.tokens import ByteCounter, HFCounter
-from tests.conftest import byte_level_counter
+from tests.conftest import byte_level_counter, tiny_config
 
 # ---- scoring ---------------------------------------------------------------------------------
 
@@ -89,8 +89,9 @@ def test_task_table_matches_ruler():
     assert {t for t, s in TASKS.items() if s.metric == "part"} == {"qa_1", "qa_2"}
     assert parse_tasks("all") == list(TASKS)
     assert parse_tasks("vt, cwe,vt") == ["vt", "cwe"]
-    with pytest.raises(LongctxError):
-        parse_tasks("niah_single_9")
+    for bad in ("niah_single_9", "", " , "):  # (an empty list ran all 13)
+        with pytest.raises(LongctxError):
+            parse_tasks(bad)
 
 
 def test_scaled_budget_still_holds_the_answer():
@@ -319,6 +320,7 @@ def test_parse_lengths():
     [
         ["--lengths", "4q", "--dump-dir", "D"],
         ["--tasks", "nope", "--dump-dir", "D"],
+        ["--tasks", " , ", "--dump-dir", "D"],
         ["--samples", "0", "--dump-dir", "D"],
         ["--seed", "x", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "-1", "--dump-dir", "D"],
@@ -575,4 +577,16 @@ def test_cli_kv_dtype_is_checked_before_the_model_loads(capsys, tmp_path):
     assert main(["ruler", "--model", str(wip), "--kv-dtype", "fp4", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "longctx ruler: error: --kv-dtype must be one of auto, model, bf16, fp8_e4m3, not 'fp4'"
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_lengths_beyond_the_model_are_one_line(capsys, tmp_path):
+    """A length over what the model takes (its max_position_embeddings here) is refused before the model
+    loads (a sample past the model's positions ran, and scored)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_config(max_position_embeddings=4096).to_hf_dict()))
+    assert main(["ruler", "--model", str(model), "--lengths", "2k,8k", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"longctx ruler: error: --lengths: 8192 is more than the 4096 tokens {model} takes"
     assert not (tmp_path / "o").exists()

@@ -90,6 +90,27 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def _check_room(out: Path, sizes: dict[str, int], shards: list[list[str]], numel: int, freed: int) -> None:
+    """Refuse a checkpoint this machine cannot hold before writing any of it (a huge config was a
+    traceback at the first tensor too large to allocate, or a full disk hours in). In memory at once: at
+    least the largest shard and the float32 values of the largest tensor (`numel` elements); on disk all
+    of it, where the replaced files' `freed` bytes come back."""
+    import shutil
+
+    import psutil
+
+    memory = max(sum(sizes[n] for n in shard) for shard in shards) + 4 * numel
+    disk_dir = next(p for p in (out, *out.absolute().parents) if p.exists())
+    for what, need, have in (
+        ("memory", memory, psutil.virtual_memory().available),
+        (f"disk space in {disk_dir}", sum(sizes.values()), shutil.disk_usage(disk_dir).free + freed),
+    ):
+        if need > have:
+            raise ConfigError(
+                f"this checkpoint needs at least {need / 1e9:,.1f} GB of {what}, {have / 1e9:,.1f} GB available"
+            )
+
+
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
     g: dict[str, Any] = {"_from_model_config": True, "eos_token_id": cfg.eos_token_id}
     if cfg.bos_token_id is not None:
@@ -128,13 +149,14 @@ def init_random_checkpoint(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise CheckpointError(f"{out} is not empty (use --force to overwrite)")
-        for p in out.iterdir():  # only what a checkpoint consists of: stale shards would be read
-            if p.is_file() and (p.suffix == ".safetensors" or p.name in _WRITTEN):
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"{out} is not empty (use --force to overwrite)")
+    # --force replaces only what a checkpoint consists of: stale shards would be read
+    stale = [
+        p
+        for p in (out.iterdir() if out.exists() else ())
+        if p.is_file() and (p.suffix == ".safetensors" or p.name in _WRITTEN)
+    ]
 
     dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else cfg.torch_dtype
     if dtype_name not in DTYPES:
@@ -146,6 +168,10 @@ def init_random_checkpoint(
     want = expected_weights(cfg)
     sizes = {n: _stored_bytes(n, s, dt, block) for n, s in want.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
+    _check_room(out, sizes, shards, max(map(math.prod, want.values())), sum(p.stat().st_size for p in stale))
+    for p in stale:
+        p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     names = (
         [SINGLE_FILE]
         if len(shards) == 1

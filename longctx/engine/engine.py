@@ -179,6 +179,11 @@ class Engine:
         self.use_triton = _use_triton(backend, self.device)
         if max_context < 1:
             raise ConfigError("max_context must be positive")
+        # (a larger top-k selects nothing more, and its [tokens, index_topk] buffers ran out of memory)
+        if index_topk is not None and index_topk > max_context:
+            raise ConfigError(
+                f"index_topk {index_topk} is more than max_context {max_context}: no query has more keys to select"
+            )
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)
         if chunk_size is not None and chunk_size < 1:

@@ -334,6 +334,7 @@ def partition(
         ("context", context),
         ("chunk", chunk),
         ("gpus_per_node", gpus_per_node),
+        ("gpu_mem", gpu_mem),
     ):
         if v < 1:
             raise ConfigError(f"{name} must be at least 1, got {v}")

@@ -14,6 +14,22 @@ class UsageError(LongctxError):
     """A bad command-line argument (one line, exit code 2)."""
 
 
+DEFAULT_MAX_CONTEXT = 1_048_576  # the embedded Engine's default max_context
+
+
+def model_context(model_dir: str) -> int:
+    """The longest request (prompt + output) the embedded engine of `model_dir` takes: the config's
+    max_position_embeddings, at most DEFAULT_MAX_CONTEXT."""
+    try:
+        from longctx.config import ModelConfig
+
+        return min(ModelConfig.from_json(model_dir).max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    except LongctxError:
+        raise
+    except Exception:
+        return DEFAULT_MAX_CONTEXT
+
+
 def int_arg(name: str, text: str | None, lo: int = 1) -> int:
     """The integer flag `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`."""
     try:

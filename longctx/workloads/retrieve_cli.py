@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.errors import LongctxError
-from longctx.workloads.cli_args import UsageError, add_embedded_engine_args, embedded_engine_kwargs, int_arg
-
-DEFAULT_MAX_CONTEXT = 1_048_576
+from longctx.workloads.cli_args import (
+    DEFAULT_MAX_CONTEXT,
+    UsageError,
+    add_embedded_engine_args,
+    embedded_engine_kwargs,
+    int_arg,
+    model_context,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -61,15 +66,15 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _model_context(model_dir: str) -> int:
-    try:
-        from longctx.config import ModelConfig
-
-        return min(ModelConfig.from_json(model_dir).max_position_embeddings, DEFAULT_MAX_CONTEXT)
-    except LongctxError:
-        raise
-    except Exception:
-        return DEFAULT_MAX_CONTEXT
+def _check_out(path: str) -> None:
+    """--out before the long part (packing, loading the model): not a directory, and a file that can be
+    written in its nearest existing directory (run_retrieve makes the directories below that)."""
+    out = Path(path).absolute()
+    base = next(p for p in out.parents if p.exists())
+    if out.is_dir() or not base.is_dir() or not os.access(out if out.exists() else base, os.W_OK):
+        raise UsageError(
+            f"--out {path}: not a file that can be written (a directory, under a file, or read-only)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repo {args.repo}: not a directory")
     if args.model and not Path(args.model).is_dir():
         raise UsageError(f"--model {args.model}: not a directory")
+    _check_out(args.out)
     if args.chat and args.base_url:
         raise UsageError("--chat is for --model; servers are always asked through chat endpoints")
     max_new = int_arg("--max-new-tokens", args.max_new_tokens)
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_context:
         max_context = int_arg("--max-context", args.max_context)
     else:
-        max_context = _model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
+        max_context = model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
     queries = read_queries(args.queries)
 
     tok_dir = args.model if args.model and (Path(args.model) / "tokenizer.json").exists() else args.tokenizer

@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.workloads.cli_args import UsageError, add_embedded_engine_args, embedded_engine_kwargs, int_arg
+from longctx.workloads.cli_args import (
+    UsageError,
+    add_embedded_engine_args,
+    embedded_engine_kwargs,
+    int_arg,
+    model_context,
+)
 from longctx.workloads.ruler_tasks import (
     TASKS,
     Renderer,
@@ -178,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--out DIR is required to run a model")
     if args.model and not Path(args.model).is_dir():
         raise UsageError(f"--model {args.model}: not a directory")
+    limit = model_context(args.model) if args.model else None
+    if limit is not None and lengths[-1] > limit:  # (a longer sample ran past the model's positions)
+        raise UsageError(f"--lengths: {lengths[-1]} is more than the {limit} tokens {args.model} takes")
     if args.model and args.tokenizer:
         raise UsageError(
             "--tokenizer is for --base-url; the model directory's tokenizer is used with --model"
