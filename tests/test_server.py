@@ -512,6 +512,21 @@ BAD = [
 ]
 
 
+def test_errors_the_engine_finds_name_their_code_and_field(server):
+    """The engine checks token ids against the vocabulary (the frontend does not repeat that check): its
+    400s carry a code and the field at fault as the frontend's own do (both were null)."""
+    for body, param in (
+        ({"stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}, "stream": True}, "logit_bias"),
+    ):
+        r = httpx.post(server.url + C, json={"prompt": "x", **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "invalid_value")
+        assert "outside the vocabulary" in err["message"]
+
+
 def test_bad_inputs_get_4xx_and_server_stays_healthy(server):
     with httpx.Client(base_url=server.url, timeout=30) as h:
         for method, path, body, status in BAD:

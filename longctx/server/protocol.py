@@ -47,6 +47,17 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def engine_error(message: str, code: str | None, param: str | None = None) -> ApiError:
+    """An error the engine answered a request (or a call) with. One with a code is the request's fault,
+    found by the engine's own checks (token ids against the vocabulary, ...): a 400 with that code and
+    field (a full queue: a 429 to retry). One without is the engine's: a 500."""
+    if code is None:
+        return ApiError(500, message, "server_error")
+    if code == "queue_full":
+        return ApiError(429, message, "rate_limit_error", code=code)
+    return ApiError(400, message, param=param, code=code)
+
+
 # How pydantic names the member of a union that an error belongs to, in the error's location
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\]|constrained-\w+)$")
 

@@ -18,7 +18,7 @@ from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.server import messages as m
 from longctx.server.engine_client import RpcError
 from longctx.server.generation import new_rid
-from longctx.server.protocol import ApiError, AskRequest, DocumentCreate
+from longctx.server.protocol import ApiError, AskRequest, DocumentCreate, engine_error
 from longctx.server.routes_generate import Shape, generations, sampling, serve, unless_disconnected
 from longctx.server.state import Document, ServerState, body_stream, get_state, read_json
 
@@ -135,7 +135,7 @@ async def create_document(request: Request) -> dict | Response:
             return Response(status_code=499)
         engine_id, _ = result
     except RpcError as e:
-        raise ApiError(400, str(e), param="text") from None
+        raise engine_error(str(e), e.code, "text") from None
     except Exception as e:
         raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
     doc = Document(f"doc-{uuid.uuid4().hex[:16]}", str(engine_id), name, ids, prefix_text, len(text))
