@@ -521,6 +521,10 @@ def test_stale_socket_dirs_of_killed_servers_are_swept(tmp_path):
         ("comp", {"prompt": 5}, "prompt", "expected one of str, list[int], list[str], list[list[int]]"),
         ("comp", {"prompt": ["a", 3]}, "prompt.1", "valid string"),
         ("comp", {"prompt": [[1, "a"]]}, "prompt.0.1", "valid integer"),
+        # the first bad item (not the last), and what the members wanted there when none got further
+        ("comp", {"prompt": ["a", 3, 4]}, "prompt.1", "valid string"),
+        ("comp", {"prompt": [True, False]}, "prompt.0", "prompt.0: expected one of int, str, list[int]"),
+        ("comp", {"prompt": [[1], True]}, "prompt.1", "valid list"),  # (list[list[int]] got past item 0)
         ("comp", {"prompt": "a", "stop": 4}, "stop", "expected one of str, list[str]"),
         ("comp", {"prompt": "a", "stop": ["x", 4]}, "stop.1", "valid string"),
         ("comp", {"prompt": "a", "temperature": "x"}, "temperature", "valid number"),
@@ -535,8 +539,9 @@ def test_stale_socket_dirs_of_killed_servers_are_swept(tmp_path):
     ],
 )
 def test_a_union_fields_error_names_the_member_that_got_furthest(which, body, param, says):
-    """A union field (prompt, stop, content) fails once per member; the 400 names the member that got
-    furthest into the value, or all of them when none got past the value itself, not the first one."""
+    """A union field (prompt, stop, content) fails once per member; the 400 names the first error of the
+    member that got furthest into the value, or what the members that got as far wanted there (all of
+    them when none got past the value itself), not the first member's or the last item's complaint."""
     from pydantic import ValidationError
 
     from longctx.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error

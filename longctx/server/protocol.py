@@ -62,10 +62,19 @@ def engine_error(message: str, code: str | None, param: str | None = None) -> Ap
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\]|constrained-\w+)$")
 
 
+def _wanted(member: str, depth: int) -> str:
+    """What a union member wants `depth` list items into the value (list[list[int]] at prompt.0: list[int])."""
+    for _ in range(depth):
+        member = member.removeprefix("list[").removesuffix("]")
+    return re.sub(r"constrained-(\w+)", r"\1", member)
+
+
 def validation_error(e: ValidationError | Any) -> ApiError:
-    """First pydantic error -> ApiError(400) naming the offending field. A union field's error is its
-    member that got furthest (`prompt: ["a", 3]` -> "prompt.1: Input should be a valid string", not
-    the str member's complaint), or, when every member failed at the field itself, the members."""
+    """First pydantic error -> ApiError(400) naming the offending field. A union field's error is the
+    first error of its member that got furthest (`prompt: ["a", 3]` -> "prompt.1: Input should be a valid
+    string", not the str member's complaint), or, when several got as far, what they wanted there:
+    `prompt: 5` -> "prompt: expected one of str, list[int], list[str], list[list[int]]",
+    `prompt: [true]` -> "prompt.0: expected one of int, str, list[int]"."""
     errs = e.errors() if hasattr(e, "errors") else []
     if not errs:
         return ApiError(400, "invalid request")
@@ -83,15 +92,21 @@ def validation_error(e: ValidationError | Any) -> ApiError:
     msg = str(err.get("msg", "invalid value"))
     path = loc(err)
     ti = tag_at(path)
-    # a union: one error per member, side by side (a dict key that only looks like a member is not one)
-    members = [] if ti is None else [x for x in errs if loc(x)[:ti] == path[:ti] and tag_at(loc(x)) == ti]
-    if ti is not None and len(members) > 1:
-        err = max(members, key=lambda x: (len(loc(x)), [i for i in loc(x)[ti:] if isinstance(i, int)]))
-        msg = str(err.get("msg", "invalid value"))
-        path = plain(err)
-        if len(loc(err)) == ti + 1:  # every member failed on the value itself
-            names = (re.sub(r"constrained-(\w+)", r"\1", loc(x)[ti]) for x in members)
-            msg = "expected one of " + ", ".join(dict.fromkeys(names))
+    if ti is not None:
+        # a union: one error per member, side by side (a dict key that only looks like a member is not one)
+        firsts: dict[str, Any] = {}  # each member's first error: where it stopped
+        for x in errs:
+            if loc(x)[:ti] == path[:ti] and tag_at(loc(x)) == ti:
+                firsts.setdefault(loc(x)[ti], x)
+        reach = {m: (len(loc(x)), [i for i in loc(x) if isinstance(i, int)]) for m, x in firsts.items()}
+        furthest = [m for m, r in reach.items() if r == max(reach.values())]
+        if len(firsts) > 1:
+            err = firsts[furthest[0]]
+            msg = str(err.get("msg", "invalid value"))
+            path = plain(err)
+        if len(furthest) > 1:  # as far as each other: what each wanted there
+            depth = sum(isinstance(i, int) for i in path[ti:])
+            msg = "expected one of " + ", ".join(dict.fromkeys(_wanted(m, depth) for m in furthest))
     param = ".".join(str(x) for x in path) or None
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
