@@ -125,6 +125,18 @@ def test_stop_strings_and_logprobs(client):
     assert len(content) == 2 and len(content[0].top_logprobs) == 3
 
 
+def test_top_logprobs_of_tokens_that_read_the_same_keep_the_likeliest(server):
+    """Completions' top_logprobs are keyed by token text: tokens that read the same (the byte-level pieces
+    of UTF-8 characters all read U+FFFD) share one key, with the likeliest one's logprob (the dict kept the
+    last, least likely one). The fake engine's top-3 of token t: t, t + 1, t + 2 at -0.25, -1.25, -2.25."""
+    body = {"prompt": [200], "max_tokens": 2, "temperature": 0, "logprobs": 3}
+    lp = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"\ufffd": -0.25}] * 2
+    body = {"prompt": [97], "max_tokens": 1, "temperature": 0, "logprobs": 3}
+    lp = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"a": -0.25, "b": -1.25, "c": -2.25}]
+
+
 def test_min_tokens_holds_back_stop_strings_over_http(client):
     """No stop string ends within the first min_tokens tokens' text, streamed or not (the fake engine echoes
     the prompt greedily); stop_token_ids and min_p pass through."""
