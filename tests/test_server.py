@@ -312,6 +312,18 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_seed_minus_one_is_no_seed_and_other_negative_seeds_are_refused(client):
+    """seed -1 draws afresh each time, as vLLM reads it (it was a seed like any other); any other negative
+    seed is a 400 naming `seed` (the engine took it modulo 2**63: -2 drew what 2**63 - 2 does)."""
+    kw = dict(model="fake", prompt="abc", max_tokens=12, temperature=1.0)
+    assert len({client.completions.create(**kw, seed=-1).choices[0].text for _ in range(3)}) == 3
+    for seed in (-2, -(2**63)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw, seed=seed)
+        assert e.value.body["param"] == "seed" and e.value.body["code"] == "invalid_value"
+    assert len({client.completions.create(**kw, seed=2**63 - 1).choices[0].text for _ in range(2)}) == 1
+
+
 def test_prefill_progress_comments(server):
     body = {"prompt": "p" * 1500, "max_tokens": 2, "stream": True}
     lines = []

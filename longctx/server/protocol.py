@@ -133,7 +133,9 @@ class _SamplingFields(_Strict):
     temperature: Float | None = Field(None, ge=0.0, le=100.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # -1 and 0 both mean "off"
-    seed: int | None = Field(None, ge=-(2**63), le=I64)
+    # -1 is no seed (vLLM's rule, and clients that always send a seed send it); other negative seeds are
+    # refused: the engine's generators take a seed modulo 2**63, so each would draw what seed + 2**63 does
+    seed: int | None = Field(None, ge=-1, le=I64)
     stop: StopT = None
     stream: bool = False
     stream_options: StreamOptions | None = None
