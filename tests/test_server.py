@@ -450,6 +450,32 @@ def test_document_multipart_upload(server):
     httpx.delete(server.url + f"/v1/documents/{doc['id']}")
 
 
+@pytest.mark.parametrize(
+    "disposition, name",
+    [
+        ('filename="résumé 中.txt"'.encode(), "résumé 中.txt"),  # UTF-8 as is (browsers, curl, httpx)
+        (b"filename*=UTF-8''r%C3%A9sum%C3%A9%20%E4%B8%AD.txt", "résumé 中.txt"),  # RFC 5987 alone
+        (b"filename*=iso-8859-1'en'caf%E9.txt", "café.txt"),
+        # .NET's: an RFC 2047 filename and the RFC 5987 one, which RFC 6266 prefers
+        (b"filename=\"=?utf-8?B?csOpc3Vtw6kudHh0?=\"; filename*=utf-8''r%C3%A9sum%C3%A9.txt", "résumé.txt"),
+        # a filename* that does not decode leaves the plain one
+        (b"filename=\"plain.txt\"; filename*=nosuchcharset''x.txt", "plain.txt"),
+    ],
+)
+def test_document_upload_filenames(server, disposition, name):
+    """A multipart file's name, in UTF-8 or in an RFC 5987 `filename*` (python-multipart ignores that one:
+    the name was null, or the RFC 2047 text .NET puts in `filename`)."""
+    head = b'--xx\r\nContent-Disposition: form-data; name="file"; ' + disposition
+    body = head + b"\r\nContent-Type: text/plain\r\n\r\nsome document\r\n--xx--\r\n"
+    r = httpx.post(
+        server.url + "/v1/documents",
+        content=body,
+        headers={"content-type": "multipart/form-data; boundary=xx"},
+    )
+    assert r.status_code == 200 and r.json()["name"] == name, r.text
+    httpx.delete(server.url + f"/v1/documents/{r.json()['id']}")
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 C, CH, D = "/v1/completions", "/v1/chat/completions", "/v1/documents"

@@ -7,6 +7,8 @@ A document's prompt is the chat template around one user turn that starts with t
 
 from __future__ import annotations
 
+import re
+import urllib.parse
 import uuid
 
 from fastapi import APIRouter, Request
@@ -25,11 +27,35 @@ from longctx.server.state import Document, ServerState, body_stream, get_state, 
 router = APIRouter()
 # room for a multipart body's boundaries and part headers around a document of max_body_bytes
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
+# filename*=charset'language'percent-encoded-bytes (RFC 5987), quoted or not
+_FILENAME_STAR = re.compile(rb"""(?i);\s*filename\*\s*=\s*"?([!#$%&+^`{}~\w.-]+)'[^']*'([^";\s]*)""")
+
+
+def _filename_star(disposition: bytes) -> str | None:
+    """The name in a Content-Disposition's `filename*`; None without one, or one that does not decode."""
+    match = _FILENAME_STAR.search(disposition)
+    if match is None:
+        return None
+    try:
+        return urllib.parse.unquote_to_bytes(match.group(2)).decode(match.group(1).decode())
+    except (LookupError, ValueError):
+        return None
 
 
 class _StrictMultiPart(MultiPartParser):
     """starlette's multipart parser, except that a text field not valid in the body's charset (UTF-8
-    unless declared) is a 400: starlette would decode it as latin-1 and hand on mojibake."""
+    unless declared) is a 400: starlette would decode it as latin-1 and hand on mojibake; and that a
+    file's RFC 5987 `filename*` names it (python-multipart ignores it, as RFC 7578 bars senders from it,
+    yet clients such as .NET's send it, their `filename` then an RFC 2047 `=?utf-8?B?...?=`)."""
+
+    def on_headers_finished(self) -> None:
+        disposition = self._current_part.content_disposition or b""
+        name = _filename_star(disposition)
+        if name is not None:  # (a file part, even without a plain filename)
+            self._current_part.content_disposition = disposition + b'; filename=""'
+        super().on_headers_finished()
+        if name is not None and self._current_part.file is not None:
+            self._current_part.file.filename = name
 
     def on_part_end(self) -> None:
         part = self._current_part
