@@ -211,6 +211,24 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert rc == 0, s.log()[-4000:]
 
 
+def test_an_upload_whose_client_hangs_up_is_counted(tmp_path):
+    """A document upload is counted in longctx_requests_total{endpoint="documents"} like a generation: one
+    whose client hung up as a 499 (it was counted nowhere), one that went through as a 200."""
+
+    def count(status: str) -> float:
+        for line in httpx.get(s.url + "/metrics").text.splitlines():
+            if line.startswith(f'longctx_requests_total{{endpoint="documents",status="{status}"}}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    with fake_server(tmp_path, step_delay_s=0.0, prefill_s_per_token=0.001) as s:  # (the fake pins in one go)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/documents", json={"text": "x" * 3000}, timeout=0.5)
+        assert wait_for(lambda: count("499") == 1)
+        assert httpx.post(s.url + "/v1/documents", json={"text": "short"}, timeout=30).status_code == 200
+        assert count("200") == 1 and count("499") == 1
+
+
 def test_max_tokens_defaults_to_what_the_kv_pool_holds(tmp_path):
     """A KV pool smaller than --max-context (8 pages of 64 tokens against 1M): a request without
     max_tokens generates up to what the pool holds (it used to ask for the whole 1M context and get a

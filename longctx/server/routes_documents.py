@@ -149,24 +149,33 @@ async def create_document(request: Request) -> dict | Response:
             code="context_length_exceeded",
         )
     st.check_admission()
-    ids_t = tuple(ids)
+    try:  # (its outcome counted like a generation's, longctx_requests_total{endpoint="documents"})
+        engine_id = await _pin(request, st, tuple(ids))
+    except ApiError as e:
+        st.metrics.requests.labels("documents", str(e.status)).inc()
+        raise
+    st.metrics.requests.labels("documents", "200" if engine_id is not None else "499").inc()
+    if engine_id is None:
+        return Response(status_code=499)
+    doc = Document(f"doc-{uuid.uuid4().hex[:16]}", engine_id, name, ids, prefix_text, len(text))
+    st.documents[doc.id] = doc
+    return doc.public()
+
+
+async def _pin(request: Request, st: ServerState, ids: tuple[int, ...]) -> str | None:
+    """Prefill and pin a document's tokens; its engine id, or None if the client hung up first."""
     try:
         # a client that hangs up cancels the upload: the engine aborts the document's prefill (or
         # unpins it, if it had just finished), so no pages stay pinned for a document nobody knows
         pin = st.client.call(
-            lambda cid: m.PinDocument(cid, ids_t), cancel=lambda cid: m.AbortRequest(m.pin_rid(cid))
+            lambda cid: m.PinDocument(cid, ids), cancel=lambda cid: m.AbortRequest(m.pin_rid(cid))
         )
         finished, result = await unless_disconnected(request, pin)
-        if not finished:
-            return Response(status_code=499)
-        engine_id, _ = result
     except RpcError as e:
         raise engine_error(str(e), e.code, "text") from None
     except Exception as e:
         raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
-    doc = Document(f"doc-{uuid.uuid4().hex[:16]}", str(engine_id), name, ids, prefix_text, len(text))
-    st.documents[doc.id] = doc
-    return doc.public()
+    return str(result[0]) if finished else None
 
 
 @router.get("/v1/documents")
