@@ -6,6 +6,11 @@ from __future__ import annotations
 class LongctxError(Exception):
     """Bad input or an unusable model directory; the CLI prints it as one line (exit code 2)."""
 
+    # a request's fault (a RequestError) has the HTTP server's OpenAI error code for it and, where one is
+    # known, the request field at fault; None: not a request's fault
+    code: str | None = None
+    param: str | None = None
+
 
 class ConfigError(LongctxError, ValueError):
     """A config.json longctx cannot run."""
@@ -17,6 +22,10 @@ class CheckpointError(LongctxError):
 
 class RequestError(LongctxError, ValueError):
     """A request that cannot be served (too long, bad sampling parameters, ...)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class EngineDeadError(LongctxError, RuntimeError):

@@ -125,6 +125,18 @@ def test_stop_strings_and_logprobs(client):
     assert len(content) == 2 and len(content[0].top_logprobs) == 3
 
 
+def test_top_logprobs_of_tokens_that_read_the_same_keep_the_likeliest(server):
+    """Completions' top_logprobs are keyed by token text: tokens that read the same (the byte-level pieces
+    of UTF-8 characters all read U+FFFD) share one key, with the likeliest one's logprob (the dict kept the
+    last, least likely one). The fake engine's top-3 of token t: t, t + 1, t + 2 at -0.25, -1.25, -2.25."""
+    body = {"prompt": [200], "max_tokens": 2, "temperature": 0, "logprobs": 3}
+    lp = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"\ufffd": -0.25}] * 2
+    body = {"prompt": [97], "max_tokens": 1, "temperature": 0, "logprobs": 3}
+    lp = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"a": -0.25, "b": -1.25, "c": -2.25}]
+
+
 def test_min_tokens_holds_back_stop_strings_over_http(client):
     """No stop string ends within the first min_tokens tokens' text, streamed or not (the fake engine echoes
     the prompt greedily); stop_token_ids and min_p pass through."""
@@ -300,6 +312,18 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_seed_minus_one_is_no_seed_and_other_negative_seeds_are_refused(client):
+    """seed -1 draws afresh each time, as vLLM reads it (it was a seed like any other); any other negative
+    seed is a 400 naming `seed` (the engine took it modulo 2**63: -2 drew what 2**63 - 2 does)."""
+    kw = dict(model="fake", prompt="abc", max_tokens=12, temperature=1.0)
+    assert len({client.completions.create(**kw, seed=-1).choices[0].text for _ in range(3)}) == 3
+    for seed in (-2, -(2**63)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw, seed=seed)
+        assert e.value.body["param"] == "seed" and e.value.body["code"] == "invalid_value"
+    assert len({client.completions.create(**kw, seed=2**63 - 1).choices[0].text for _ in range(2)}) == 1
+
+
 def test_prefill_progress_comments(server):
     body = {"prompt": "p" * 1500, "max_tokens": 2, "stream": True}
     lines = []
@@ -426,6 +450,32 @@ def test_document_multipart_upload(server):
     httpx.delete(server.url + f"/v1/documents/{doc['id']}")
 
 
+@pytest.mark.parametrize(
+    "disposition, name",
+    [
+        ('filename="résumé 中.txt"'.encode(), "résumé 中.txt"),  # UTF-8 as is (browsers, curl, httpx)
+        (b"filename*=UTF-8''r%C3%A9sum%C3%A9%20%E4%B8%AD.txt", "résumé 中.txt"),  # RFC 5987 alone
+        (b"filename*=iso-8859-1'en'caf%E9.txt", "café.txt"),
+        # .NET's: an RFC 2047 filename and the RFC 5987 one, which RFC 6266 prefers
+        (b"filename=\"=?utf-8?B?csOpc3Vtw6kudHh0?=\"; filename*=utf-8''r%C3%A9sum%C3%A9.txt", "résumé.txt"),
+        # a filename* that does not decode leaves the plain one
+        (b"filename=\"plain.txt\"; filename*=nosuchcharset''x.txt", "plain.txt"),
+    ],
+)
+def test_document_upload_filenames(server, disposition, name):
+    """A multipart file's name, in UTF-8 or in an RFC 5987 `filename*` (python-multipart ignores that one:
+    the name was null, or the RFC 2047 text .NET puts in `filename`)."""
+    head = b'--xx\r\nContent-Disposition: form-data; name="file"; ' + disposition
+    body = head + b"\r\nContent-Type: text/plain\r\n\r\nsome document\r\n--xx--\r\n"
+    r = httpx.post(
+        server.url + "/v1/documents",
+        content=body,
+        headers={"content-type": "multipart/form-data; boundary=xx"},
+    )
+    assert r.status_code == 200 and r.json()["name"] == name, r.text
+    httpx.delete(server.url + f"/v1/documents/{r.json()['id']}")
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 C, CH, D = "/v1/completions", "/v1/chat/completions", "/v1/documents"
@@ -510,6 +560,21 @@ BAD = [
     ("GET", "/v1/nothing-here", None, 404),
     ("GET", C, None, 405),
 ]
+
+
+def test_errors_the_engine_finds_name_their_code_and_field(server):
+    """The engine checks token ids against the vocabulary (the frontend does not repeat that check): its
+    400s carry a code and the field at fault as the frontend's own do (both were null)."""
+    for body, param in (
+        ({"stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}, "stream": True}, "logit_bias"),
+    ):
+        r = httpx.post(server.url + C, json={"prompt": "x", **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "invalid_value")
+        assert "outside the vocabulary" in err["message"]
 
 
 def test_bad_inputs_get_4xx_and_server_stays_healthy(server):

@@ -34,6 +34,7 @@ SP = m.WireSamplingParams(max_new_tokens=3, temperature=0.0, stop=("out", "batch
             {"pages_used": 3, "x": 1.5},
         ),
         m.RpcReply(3, True, ("doc-1", 100)),  # arrays decode as tuples
+        m.RpcReply(4, False, error="no document", error_code="invalid_value"),
     ],
 )
 def test_round_trip(msg):
@@ -102,7 +103,7 @@ def test_loop_generates_aborts_and_isolates_errors(loop):
     assert [t for o in by["good"] for t in o.new_token_ids] == [104, 105, 104]
     assert by["good"][-1].finished and by["good"][-1].finish_reason == "length"
     for rid in ("bad", "neg", "long"):
-        assert len(by[rid]) == 1 and by[rid][0].error and by[rid][0].error_kind == "request"
+        assert len(by[rid]) == 1 and by[rid][0].error and by[rid][0].error_code == "invalid_value"
     assert not by["slow"][-1].finished
     loop.send(m.AbortRequest("slow"))
     outs, _ = loop.run(1)
@@ -119,7 +120,7 @@ def test_loop_rpcs(loop):
     loop.send(m.UnpinDocument(3, "doc-404"))
     loop.send(m.UnpinDocument(4, "doc-1"))
     _, replies = loop.run(1)
-    assert not replies[0].ok and "doc-404" in replies[0].error
+    assert not replies[0].ok and "doc-404" in replies[0].error and replies[0].error_code == "invalid_value"
     assert replies[1].ok
 
 
@@ -133,9 +134,7 @@ def test_loop_survives_a_failing_step(loop):
 
     loop.loop.eng.step = boom
     outs, _ = loop.run(1)
-    assert [(o.rid, o.error_kind, o.error) for o in outs] == [
-        ("a", "engine", "RuntimeError: device fell over")
-    ]
+    assert [(o.rid, o.error_code, o.error) for o in outs] == [("a", None, "RuntimeError: device fell over")]
     loop.loop.eng.step = real_step
     loop.send(m.AddRequest("b", (3,), m.WireSamplingParams(max_new_tokens=1)))
     outs, _ = loop.run(3)

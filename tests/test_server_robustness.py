@@ -211,6 +211,24 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert rc == 0, s.log()[-4000:]
 
 
+def test_an_upload_whose_client_hangs_up_is_counted(tmp_path):
+    """A document upload is counted in longctx_requests_total{endpoint="documents"} like a generation: one
+    whose client hung up as a 499 (it was counted nowhere), one that went through as a 200."""
+
+    def count(status: str) -> float:
+        for line in httpx.get(s.url + "/metrics").text.splitlines():
+            if line.startswith(f'longctx_requests_total{{endpoint="documents",status="{status}"}}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    with fake_server(tmp_path, step_delay_s=0.0, prefill_s_per_token=0.001) as s:  # (the fake pins in one go)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/documents", json={"text": "x" * 3000}, timeout=0.5)
+        assert wait_for(lambda: count("499") == 1)
+        assert httpx.post(s.url + "/v1/documents", json={"text": "short"}, timeout=30).status_code == 200
+        assert count("200") == 1 and count("499") == 1
+
+
 def test_max_tokens_defaults_to_what_the_kv_pool_holds(tmp_path):
     """A KV pool smaller than --max-context (8 pages of 64 tokens against 1M): a request without
     max_tokens generates up to what the pool holds (it used to ask for the whole 1M context and get a
@@ -521,6 +539,10 @@ def test_stale_socket_dirs_of_killed_servers_are_swept(tmp_path):
         ("comp", {"prompt": 5}, "prompt", "expected one of str, list[int], list[str], list[list[int]]"),
         ("comp", {"prompt": ["a", 3]}, "prompt.1", "valid string"),
         ("comp", {"prompt": [[1, "a"]]}, "prompt.0.1", "valid integer"),
+        # the first bad item (not the last), and what the members wanted there when none got further
+        ("comp", {"prompt": ["a", 3, 4]}, "prompt.1", "valid string"),
+        ("comp", {"prompt": [True, False]}, "prompt.0", "prompt.0: expected one of int, str, list[int]"),
+        ("comp", {"prompt": [[1], True]}, "prompt.1", "valid list"),  # (list[list[int]] got past item 0)
         ("comp", {"prompt": "a", "stop": 4}, "stop", "expected one of str, list[str]"),
         ("comp", {"prompt": "a", "stop": ["x", 4]}, "stop.1", "valid string"),
         ("comp", {"prompt": "a", "temperature": "x"}, "temperature", "valid number"),
@@ -535,8 +557,9 @@ def test_stale_socket_dirs_of_killed_servers_are_swept(tmp_path):
     ],
 )
 def test_a_union_fields_error_names_the_member_that_got_furthest(which, body, param, says):
-    """A union field (prompt, stop, content) fails once per member; the 400 names the member that got
-    furthest into the value, or all of them when none got past the value itself, not the first one."""
+    """A union field (prompt, stop, content) fails once per member; the 400 names the first error of the
+    member that got furthest into the value, or what the members that got as far wanted there (all of
+    them when none got past the value itself), not the first member's or the last item's complaint."""
     from pydantic import ValidationError
 
     from longctx.server.protocol import ChatCompletionRequest, CompletionRequest, validation_error

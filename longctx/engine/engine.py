@@ -304,7 +304,7 @@ class Engine:
         self._check_open()
         check_token_ids(req, self.cfg.vocab_size)
         if req.params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need the model's tokenizer (tokenizer.json)")
+            raise RequestError("stop strings need the model's tokenizer (tokenizer.json)", "stop")
         self.scheduler.add(req)
         self._requests[req.rid] = req
 

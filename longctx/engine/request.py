@@ -90,14 +90,14 @@ class SamplingParams:
 def check_token_ids(req: Request, vocab_size: int) -> None:
     """Every token id a request names (prompt, stop tokens, logit_bias) inside [0, vocab_size)."""
     p = req.params
-    for what, ids in (
-        ("token id", req.prompt_ids),
-        ("stop_token_ids: token id", p.stop_token_ids),
-        ("logit_bias: token id", [t for t, _ in p.logit_bias]),
+    for param, what, ids in (
+        ("prompt", "token id", req.prompt_ids),
+        ("stop_token_ids", "stop_token_ids: token id", p.stop_token_ids),
+        ("logit_bias", "logit_bias: token id", [t for t, _ in p.logit_bias]),
     ):
         for t in ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise RequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab_size})")
+                raise RequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab_size})", param)
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0, floor: int = 0) -> int | None:

@@ -29,6 +29,9 @@ from longctx.kvstore.prefix_cache import PrefixCache
 class QueueFull(RequestError):
     """The waiting queue is at its limit (HTTP 429)."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="queue_full")
+
 
 class Scheduler:
     def __init__(
@@ -68,16 +71,18 @@ class Scheduler:
         req.params.validate()
         n = len(req.prompt_ids)
         if n == 0:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt", "empty_prompt")
         if n > self.max_context:
             raise RequestError(
-                f"the prompt has {n} tokens, more than the maximum context of {self.max_context}"
+                f"the prompt has {n} tokens, more than the maximum context of {self.max_context}",
+                code="context_length_exceeded",
             )
         need = self.alloc.pages_for(min(n + max(req.params.max_new_tokens, 1), self.max_context))
         if need > self.alloc.num_pages:
             raise RequestError(
                 f"the request needs {need} KV pages but the pool has {self.alloc.num_pages}; "
-                "lower max_tokens or the prompt length"
+                "lower max_tokens or the prompt length",
+                code="context_length_exceeded",
             )
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")

@@ -367,9 +367,14 @@ class EngineClient:
         finally:
             self._calls.pop(call_id, None)
         if not reply.ok:
-            raise RpcError(reply.error or "engine call failed")
+            raise RpcError(reply.error or "engine call failed", reply.error_code)
         return reply.result
 
 
 class RpcError(RuntimeError):
-    """The engine answered an RPC with an error (its one-line message)."""
+    """The engine answered an RPC with an error (its one-line message; `code`: a request error's, see
+    `messages.TokenOutput.error_code`)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code

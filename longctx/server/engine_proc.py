@@ -100,7 +100,6 @@ def _wire_output(o: Any) -> m.TokenOutput:
         cached_tokens=int(o.cached_tokens),
         logprobs=lps,
         error=o.error,
-        error_kind="engine" if o.error else None,
         prompt_logprobs=_wire_logprobs(o.prompt_logprobs),
     )
 
@@ -153,19 +152,19 @@ class EngineLoop:
                 self.eng.add_request(req)
                 self.live.add(msg.rid)
             except LongctxError as e:
-                kind = "queue_full" if type(e).__name__ == "QueueFull" else "request"
                 outs.append(
                     m.TokenOutput(
-                        msg.rid, finished=True, finish_reason="error", error=str(e), error_kind=kind
+                        msg.rid,
+                        finished=True,
+                        finish_reason="error",
+                        error=str(e),
+                        error_code=e.code,
+                        error_param=e.param,
                     )
                 )
             except Exception as e:
                 log.error("add_request %s failed:\n%s", msg.rid, traceback.format_exc())
-                outs.append(
-                    m.TokenOutput(
-                        msg.rid, finished=True, finish_reason="error", error=one_line(e), error_kind="engine"
-                    )
-                )
+                outs.append(m.TokenOutput(msg.rid, finished=True, finish_reason="error", error=one_line(e)))
         elif isinstance(msg, m.AbortRequest):
             if msg.rid in self.live:
                 self.live.discard(msg.rid)
@@ -199,7 +198,7 @@ class EngineLoop:
                     result = self._stats()
                 reply = m.RpcReply(msg.call_id, True, result)
             except LongctxError as e:
-                reply = m.RpcReply(msg.call_id, False, error=str(e))
+                reply = m.RpcReply(msg.call_id, False, error=str(e), error_code=e.code)
             except Exception as e:
                 log.error("rpc failed:\n%s", traceback.format_exc())
                 reply = m.RpcReply(msg.call_id, False, error=one_line(e))
@@ -225,7 +224,7 @@ class EngineLoop:
         try:
             self.eng.add_request(Request(rid, ids, SamplingParams(max_new_tokens=0), pin_prefix=True))
         except LongctxError as e:
-            self.push.send(m.encode(m.RpcReply(msg.call_id, False, error=str(e))))
+            self.push.send(m.encode(m.RpcReply(msg.call_id, False, error=str(e), error_code=e.code)))
             return
         self.pins[rid] = (msg.call_id, ids)
 
@@ -333,9 +332,7 @@ class EngineLoop:
                 self.eng.abort(rid)
             self.live.discard(rid)
             if self.dead is None:
-                outs.append(
-                    m.TokenOutput(rid, finished=True, finish_reason="error", error=err, error_kind="engine")
-                )
+                outs.append(m.TokenOutput(rid, finished=True, finish_reason="error", error=err))
         for rid, (call_id, _) in [(r, c) for r, c in self.pins.items() if failed is None or r in failed]:
             with contextlib.suppress(Exception):
                 self.eng.abort(rid)

@@ -18,7 +18,7 @@ from longctx.errors import EngineDeadError
 from longctx.server import messages as m
 from longctx.server.engine_client import EngineClient
 from longctx.server.metrics import Metrics
-from longctx.server.protocol import ApiError
+from longctx.server.protocol import ApiError, engine_error
 from longctx.server.text import IncrementalDetokenizer, TextCodec
 
 KEEPALIVE_S = 1.0  # a quiet stream (queued request) still yields, so disconnects are noticed
@@ -105,11 +105,7 @@ class Generation:
                     continue
                 if out.error:
                     finished = True
-                    if out.error_kind == "queue_full":
-                        raise ApiError(429, out.error, "rate_limit_error", code="queue_full")
-                    if out.error_kind == "request":
-                        raise ApiError(400, out.error)
-                    raise ApiError(500, out.error, "server_error")
+                    raise engine_error(out.error, out.error_code, out.error_param)
                 cached = max(cached, out.cached_tokens)
                 self.prompt_logprobs.extend(out.prompt_logprobs)
                 if not out.new_token_ids and not out.finished:

@@ -184,7 +184,10 @@ class TokenOutput:
     cached_tokens: int = 0
     logprobs: tuple[WireLogprob, ...] = ()
     error: str | None = None
-    error_kind: str | None = None  # "request" (the client's fault -> 4xx) or "engine" (-> 5xx)
+    # an error that is the request's fault (-> 4xx): its OpenAI code ("invalid_value", "queue_full", ...)
+    # and the field at fault if known (`RequestError`'s); no code: the engine's fault (-> 5xx)
+    error_code: str | None = None
+    error_param: str | None = None
     prompt_logprobs: tuple[WireLogprob, ...] = ()  # the next prompt tokens' (from token 1 on)
 
 
@@ -204,3 +207,4 @@ class RpcReply:
     ok: bool
     result: Any = None
     error: str | None = None
+    error_code: str | None = None  # as TokenOutput's

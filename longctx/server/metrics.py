@@ -46,7 +46,10 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "longctx_requests", "Finished HTTP generation requests", ["endpoint", "status"], registry=r
+            "longctx_requests",
+            "Finished HTTP generation requests and document uploads",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.generated_tokens = Counter("longctx_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("longctx_prompt_tokens", "Prompt tokens submitted", registry=r)

@@ -53,9 +53,19 @@ def completion_logprobs(codec: TextCodec, lps: list[m.WireLogprob], offset0: int
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{codec.decode([t]): p for t, p in lp.top} for lp in lps],
+        "top_logprobs": [_top_by_text(codec, lp.top) for lp in lps],
         "text_offset": offsets,
     }
+
+
+def _top_by_text(codec: TextCodec, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    """Completions' top alternatives as token text -> logprob. Tokens that read the same (pieces of UTF-8
+    characters all read U+FFFD, special tokens "") share their key, which keeps the likeliest one's."""
+    out: dict[str, float] = {}
+    for t, p in top:
+        text = codec.decode([t])
+        out[text] = max(p, out.get(text, p))
+    return out
 
 
 def chat_logprobs(codec: TextCodec, lps: list[m.WireLogprob], top_n: int) -> dict[str, Any]:

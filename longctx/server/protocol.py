@@ -47,14 +47,34 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def engine_error(message: str, code: str | None, param: str | None = None) -> ApiError:
+    """An error the engine answered a request (or a call) with. One with a code is the request's fault,
+    found by the engine's own checks (token ids against the vocabulary, ...): a 400 with that code and
+    field (a full queue: a 429 to retry). One without is the engine's: a 500."""
+    if code is None:
+        return ApiError(500, message, "server_error")
+    if code == "queue_full":
+        return ApiError(429, message, "rate_limit_error", code=code)
+    return ApiError(400, message, param=param, code=code)
+
+
 # How pydantic names the member of a union that an error belongs to, in the error's location
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\]|constrained-\w+)$")
 
 
+def _wanted(member: str, depth: int) -> str:
+    """What a union member wants `depth` list items into the value (list[list[int]] at prompt.0: list[int])."""
+    for _ in range(depth):
+        member = member.removeprefix("list[").removesuffix("]")
+    return re.sub(r"constrained-(\w+)", r"\1", member)
+
+
 def validation_error(e: ValidationError | Any) -> ApiError:
-    """First pydantic error -> ApiError(400) naming the offending field. A union field's error is its
-    member that got furthest (`prompt: ["a", 3]` -> "prompt.1: Input should be a valid string", not
-    the str member's complaint), or, when every member failed at the field itself, the members."""
+    """First pydantic error -> ApiError(400) naming the offending field. A union field's error is the
+    first error of its member that got furthest (`prompt: ["a", 3]` -> "prompt.1: Input should be a valid
+    string", not the str member's complaint), or, when several got as far, what they wanted there:
+    `prompt: 5` -> "prompt: expected one of str, list[int], list[str], list[list[int]]",
+    `prompt: [true]` -> "prompt.0: expected one of int, str, list[int]"."""
     errs = e.errors() if hasattr(e, "errors") else []
     if not errs:
         return ApiError(400, "invalid request")
@@ -72,15 +92,21 @@ def validation_error(e: ValidationError | Any) -> ApiError:
     msg = str(err.get("msg", "invalid value"))
     path = loc(err)
     ti = tag_at(path)
-    # a union: one error per member, side by side (a dict key that only looks like a member is not one)
-    members = [] if ti is None else [x for x in errs if loc(x)[:ti] == path[:ti] and tag_at(loc(x)) == ti]
-    if ti is not None and len(members) > 1:
-        err = max(members, key=lambda x: (len(loc(x)), [i for i in loc(x)[ti:] if isinstance(i, int)]))
-        msg = str(err.get("msg", "invalid value"))
-        path = plain(err)
-        if len(loc(err)) == ti + 1:  # every member failed on the value itself
-            names = (re.sub(r"constrained-(\w+)", r"\1", loc(x)[ti]) for x in members)
-            msg = "expected one of " + ", ".join(dict.fromkeys(names))
+    if ti is not None:
+        # a union: one error per member, side by side (a dict key that only looks like a member is not one)
+        firsts: dict[str, Any] = {}  # each member's first error: where it stopped
+        for x in errs:
+            if loc(x)[:ti] == path[:ti] and tag_at(loc(x)) == ti:
+                firsts.setdefault(loc(x)[ti], x)
+        reach = {m: (len(loc(x)), [i for i in loc(x) if isinstance(i, int)]) for m, x in firsts.items()}
+        furthest = [m for m, r in reach.items() if r == max(reach.values())]
+        if len(firsts) > 1:
+            err = firsts[furthest[0]]
+            msg = str(err.get("msg", "invalid value"))
+            path = plain(err)
+        if len(furthest) > 1:  # as far as each other: what each wanted there
+            depth = sum(isinstance(i, int) for i in path[ti:])
+            msg = "expected one of " + ", ".join(dict.fromkeys(_wanted(m, depth) for m in furthest))
     param = ".".join(str(x) for x in path) or None
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
@@ -107,7 +133,9 @@ class _SamplingFields(_Strict):
     temperature: Float | None = Field(None, ge=0.0, le=100.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # -1 and 0 both mean "off"
-    seed: int | None = Field(None, ge=-(2**63), le=I64)
+    # -1 is no seed (vLLM's rule, and clients that always send a seed send it); other negative seeds are
+    # refused: the engine's generators take a seed modulo 2**63, so each would draw what seed + 2**63 does
+    seed: int | None = Field(None, ge=-1, le=I64)
     stop: StopT = None
     stream: bool = False
     stream_options: StreamOptions | None = None

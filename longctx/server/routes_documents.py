@@ -7,6 +7,8 @@ A document's prompt is the chat template around one user turn that starts with t
 
 from __future__ import annotations
 
+import re
+import urllib.parse
 import uuid
 
 from fastapi import APIRouter, Request
@@ -18,18 +20,42 @@ from longctx.checkpoint.chat_template import DOCUMENT_QUESTION_SEPARATOR
 from longctx.server import messages as m
 from longctx.server.engine_client import RpcError
 from longctx.server.generation import new_rid
-from longctx.server.protocol import ApiError, AskRequest, DocumentCreate
+from longctx.server.protocol import ApiError, AskRequest, DocumentCreate, engine_error
 from longctx.server.routes_generate import Shape, generations, sampling, serve, unless_disconnected
 from longctx.server.state import Document, ServerState, body_stream, get_state, read_json
 
 router = APIRouter()
 # room for a multipart body's boundaries and part headers around a document of max_body_bytes
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
+# filename*=charset'language'percent-encoded-bytes (RFC 5987), quoted or not
+_FILENAME_STAR = re.compile(rb"""(?i);\s*filename\*\s*=\s*"?([!#$%&+^`{}~\w.-]+)'[^']*'([^";\s]*)""")
+
+
+def _filename_star(disposition: bytes) -> str | None:
+    """The name in a Content-Disposition's `filename*`; None without one, or one that does not decode."""
+    match = _FILENAME_STAR.search(disposition)
+    if match is None:
+        return None
+    try:
+        return urllib.parse.unquote_to_bytes(match.group(2)).decode(match.group(1).decode())
+    except (LookupError, ValueError):
+        return None
 
 
 class _StrictMultiPart(MultiPartParser):
     """starlette's multipart parser, except that a text field not valid in the body's charset (UTF-8
-    unless declared) is a 400: starlette would decode it as latin-1 and hand on mojibake."""
+    unless declared) is a 400: starlette would decode it as latin-1 and hand on mojibake; and that a
+    file's RFC 5987 `filename*` names it (python-multipart ignores it, as RFC 7578 bars senders from it,
+    yet clients such as .NET's send it, their `filename` then an RFC 2047 `=?utf-8?B?...?=`)."""
+
+    def on_headers_finished(self) -> None:
+        disposition = self._current_part.content_disposition or b""
+        name = _filename_star(disposition)
+        if name is not None:  # (a file part, even without a plain filename)
+            self._current_part.content_disposition = disposition + b'; filename=""'
+        super().on_headers_finished()
+        if name is not None and self._current_part.file is not None:
+            self._current_part.file.filename = name
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -123,24 +149,33 @@ async def create_document(request: Request) -> dict | Response:
             code="context_length_exceeded",
         )
     st.check_admission()
-    ids_t = tuple(ids)
+    try:  # (its outcome counted like a generation's, longctx_requests_total{endpoint="documents"})
+        engine_id = await _pin(request, st, tuple(ids))
+    except ApiError as e:
+        st.metrics.requests.labels("documents", str(e.status)).inc()
+        raise
+    st.metrics.requests.labels("documents", "200" if engine_id is not None else "499").inc()
+    if engine_id is None:
+        return Response(status_code=499)
+    doc = Document(f"doc-{uuid.uuid4().hex[:16]}", engine_id, name, ids, prefix_text, len(text))
+    st.documents[doc.id] = doc
+    return doc.public()
+
+
+async def _pin(request: Request, st: ServerState, ids: tuple[int, ...]) -> str | None:
+    """Prefill and pin a document's tokens; its engine id, or None if the client hung up first."""
     try:
         # a client that hangs up cancels the upload: the engine aborts the document's prefill (or
         # unpins it, if it had just finished), so no pages stay pinned for a document nobody knows
         pin = st.client.call(
-            lambda cid: m.PinDocument(cid, ids_t), cancel=lambda cid: m.AbortRequest(m.pin_rid(cid))
+            lambda cid: m.PinDocument(cid, ids), cancel=lambda cid: m.AbortRequest(m.pin_rid(cid))
         )
         finished, result = await unless_disconnected(request, pin)
-        if not finished:
-            return Response(status_code=499)
-        engine_id, _ = result
     except RpcError as e:
-        raise ApiError(400, str(e), param="text") from None
+        raise engine_error(str(e), e.code, "text") from None
     except Exception as e:
         raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
-    doc = Document(f"doc-{uuid.uuid4().hex[:16]}", str(engine_id), name, ids, prefix_text, len(text))
-    st.documents[doc.id] = doc
-    return doc.public()
+    return str(result[0]) if finished else None
 
 
 @router.get("/v1/documents")

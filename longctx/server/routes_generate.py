@@ -78,7 +78,7 @@ def sampling(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
         top_k=max(0, req.top_k or 0),
-        seed=req.seed,
+        seed=None if req.seed == -1 else req.seed,  # (-1: no seed)
         stop=tuple(req.stop_list()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
