@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU machines take the local CPU wheel; a GPU machine brings its own torch (TORCH_SPEC= to skip).
+# The torch the suite is tested with, pinned on every machine (the CPU build where pip is configured to
+# find one, else PyPI's CUDA wheel); TORCH_SPEC= skips the pin, keeping a torch already in $(VENV).
 TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000

@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("LONGCTX_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 (default: $LONGCTX_API_KEY)",
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+        "(default: $LONGCTX_API_KEY)",
     )
     p.add_argument(
         "--max-queue", type=int, default=256, help="429 when more requests than this wait for admission"
