@@ -418,6 +418,55 @@ def test_cli_against_a_server(tmp_path, monkeypatch, capsys, chat):
     assert seen == []
 
 
+def _busy(transport: httpx.MockTransport, fail) -> httpx.MockTransport:
+    """`transport` behind a server that answers `fail(n)` (a Response, an exception to raise, or None:
+    pass it on) to its n-th generation request."""
+    n = itertools.count()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        reply = fail(next(n)) if request.url.path != "/v1/models" else None
+        if isinstance(reply, Exception):
+            raise reply
+        return reply if reply is not None else transport.handle_request(request)
+
+    return httpx.MockTransport(handler)
+
+
+def test_cli_rides_out_a_busy_server(tmp_path, monkeypatch):
+    """429s (a full queue), 503s and dropped connections are waited out: every sample is scored."""
+    tasks = ("niah_single_1", "vt")
+    keys = plan_keys(RunPlan(tasks, (2048,), 4))
+    answers = oracle_answers(0, keys)
+    busy = [
+        httpx.Response(429, json={"error": {"message": "too many queued requests", "code": "queue_full"}}),
+        httpx.Response(
+            503, json={"error": {"message": "server is shutting down"}}, headers={"Retry-After": "1"}
+        ),
+        httpx.ConnectError("connection refused"),
+        None,
+    ]
+    waits: list[float] = []
+    transport = _busy(_oracle_transport(answers, False, []), lambda n: busy[n % 4])
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=transport, sleep=waits.append)
+    )
+    argv = [
+        "ruler",
+        "--base-url",
+        "http://srv",
+        "--tasks",
+        ",".join(tasks),
+        "--lengths",
+        "2k",
+        "--samples",
+        "4",
+    ]
+    assert main([*argv, "--seed", "0", "--concurrency", "3", "--out", str(tmp_path)]) == 0
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert len(rows) == len(keys) and all(r["score"] == 1.0 for r in rows)
+    assert len(waits) == 24  # 3 of every 4 requests answered busy: 8 samples took 32
+
+
 def test_cli_dump_only(tmp_path):
     assert (
         main(

@@ -2,22 +2,66 @@
 
 Both take a list of `GenRequest`s and return `GenResult`s in order. The embedded engine gets
 whole batches (one `Engine.generate` call; its scheduler batches and shares prefixes); an HTTP
-client is `parallel`: the caller sends one request per thread from a pool.
+client is `parallel`: the caller sends one request per thread from a pool, and retries what a busy
+or restarting server could not take just then (`Retry`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import email.utils
+import logging
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from longctx.errors import LongctxError
 
+log = logging.getLogger(__name__)
+
 
 class ClientError(LongctxError):
     """The model could not be reached or answered with an error."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """When `HTTPClient` sends a request again: after a dropped connection or a timeout, or an HTTP
+    status in `statuses` (429: the server's queue is full; 503: it is draining, restarting or has no
+    engine; 502 / 504: a proxy in front of it lost it). Other statuses are the request's fault and
+    never retried. Up to `attempts` retries, the n-th after base_s * 2**n seconds (a random half to
+    all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up to cap_s."""
+
+    attempts: int = 10  # about 5 minutes of waiting in all
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    statuses: frozenset[int] = frozenset({429, 502, 503, 504})
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        """Seconds to wait before retry number `attempt` (0-based)."""
+        told = _seconds(retry_after)
+        if told is not None:
+            return min(self.cap_s, told)
+        d = min(self.cap_s, self.base_s * 2**attempt)
+        return random.uniform(d / 2, d)
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After header's wait (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if not retry_after:
+        return None
+    try:
+        return max(0.0, float(retry_after))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(retry_after)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 @dataclass(frozen=True)
@@ -102,6 +146,22 @@ def _one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _error_text(r: Any) -> str:
+    """An error response's message: OpenAI's {"error": {"message"}}, vLLM's and SGLang's {"message"},
+    FastAPI's {"detail"}, else the body (or the status's reason)."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+        msg = msg or body.get("message") or body.get("detail")
+        if msg:
+            return _one_line(str(msg))
+    return _one_line(r.text) or r.reason_phrase
+
+
 class HTTPClient(Client):
     """An OpenAI-compatible server: /v1/completions or /v1/chat/completions, plus longctx's
     long-document endpoints (POST /v1/documents, POST /v1/documents/{id}/ask) when it has them."""
@@ -116,6 +176,8 @@ class HTTPClient(Client):
         chat: bool = False,
         timeout_s: float = 3600.0,
         transport: Any = None,  # an httpx transport (tests use httpx.MockTransport)
+        retry: Retry = Retry(),
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         import httpx
 
@@ -129,6 +191,7 @@ class HTTPClient(Client):
         self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s, transport=transport)
         self.chat = chat
         self.label = base
+        self.retry, self._sleep = retry, sleep
         self.model = model_name or self._default_model()
 
     def _default_model(self) -> str:
@@ -144,24 +207,41 @@ class HTTPClient(Client):
             pass
         return "default"
 
+    def _send(self, method: str, path: str, body: dict | None = None) -> Any:
+        """The server's response, sent again as `self.retry` says while the server cannot take it; a
+        ClientError once the retries are spent, or at once for a failure no retry mends (a bad URL)."""
+        httpx = self._httpx
+        attempt = 0
+        while True:
+            try:
+                r = self.http.request(method, path, json=body)
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                why, retry_after = f"failed: {_one_line(str(e) or type(e).__name__)}", None
+            except httpx.HTTPError as e:
+                raise ClientError(f"{method} {self.label}{path} failed: {_one_line(str(e))}") from None
+            else:
+                if r.status_code not in self.retry.statuses:
+                    return r
+                why, retry_after = f"-> HTTP {r.status_code}: {_error_text(r)}", r.headers.get("retry-after")
+            if attempt == self.retry.attempts:
+                raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times)")
+            wait = self.retry.delay(attempt, retry_after)
+            attempt += 1
+            log.warning(
+                f"{method} {self.label}{path} {why}; retry {attempt} of {self.retry.attempts} in {wait:.1f} s"
+            )
+            self._sleep(wait)
+
     def _post(self, path: str, body: dict, ok_missing: bool = False) -> dict | None:
-        last: Exception | None = None
-        for attempt in range(2):  # one retry for a dropped connection
-            try:
-                r = self.http.post(path, json=body)
-            except self._httpx.TransportError as e:
-                last = e
-                time.sleep(0.5 * (attempt + 1))
-                continue
-            if ok_missing and r.status_code in (404, 405, 501):
-                return None
-            if r.status_code >= 400:
-                raise ClientError(f"POST {path} -> HTTP {r.status_code}: {_one_line(r.text)}")
-            try:
-                return r.json()
-            except ValueError:
-                raise ClientError(f"POST {path} returned non-JSON: {_one_line(r.text)}") from None
-        raise ClientError(f"POST {self.label}{path} failed: {_one_line(str(last))}")
+        r = self._send("POST", path, body)
+        if ok_missing and r.status_code in (404, 405, 501):
+            return None
+        if r.status_code >= 400:
+            raise ClientError(f"POST {path} -> HTTP {r.status_code}: {_error_text(r)}")
+        try:
+            return r.json()
+        except ValueError:
+            raise ClientError(f"POST {path} returned non-JSON: {_one_line(r.text)}") from None
 
     @staticmethod
     def _result(body: dict, dt: float, chat: bool) -> GenResult:
@@ -229,12 +309,9 @@ class HTTPClient(Client):
 
     def delete_document(self, doc_id: str) -> None:
         """Unpin an uploaded document (a missing one is not an error)."""
-        try:
-            r = self.http.delete(f"/v1/documents/{doc_id}")
-        except self._httpx.TransportError as e:
-            raise ClientError(f"DELETE /v1/documents/{doc_id} failed: {_one_line(str(e))}") from None
+        r = self._send("DELETE", f"/v1/documents/{doc_id}")
         if r.status_code >= 400 and r.status_code != 404:
-            raise ClientError(f"DELETE /v1/documents/{doc_id} -> HTTP {r.status_code}: {_one_line(r.text)}")
+            raise ClientError(f"DELETE /v1/documents/{doc_id} -> HTTP {r.status_code}: {_error_text(r)}")
 
     def _ask(self, document: str, question: str, max_tokens: int) -> GenResult:
         """One question on its own document: upload, ask, unpin; the latency covers all three."""
