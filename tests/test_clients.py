@@ -110,6 +110,16 @@ def test_dropped_connections_and_timeouts_are_retried_then_reported():
     assert len(seen) == 4
 
 
+def test_a_full_queue_alone_is_retried_a_bounded_number_of_times():
+    """(While the server answers nothing else: with answers in between it is busy, and waited for.)"""
+    client, seen = client_on(
+        [error(429, "too many queued requests", "queue_full")] * 4, [], Retry(attempts=3)
+    )
+    with pytest.raises(ClientError, match=r"HTTP 429: too many queued requests \(retried 3 times\)$"):
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 4
+
+
 def test_a_bad_url_is_not_retried():
     waits: list[float] = []
     client = HTTPClient("srv:8000", model_name="m", sleep=waits.append)  # (no scheme)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -465,6 +467,33 @@ def test_cli_rides_out_a_busy_server(tmp_path, monkeypatch):
     rows = read_rows(tmp_path / "results.jsonl")
     assert len(rows) == len(keys) and all(r["score"] == 1.0 for r in rows)
     assert len(waits) == 24  # 3 of every 4 requests answered busy: 8 samples took 32
+
+
+def test_concurrency_beyond_a_small_queue_fails_no_sample(tmp_path):
+    """More requests in flight than a server takes: it answers 429 (queue_full) to the rest. A request
+    that keeps losing the freed slot to newer ones is not failed while the server answers others."""
+    keys = plan_keys(RunPlan(("niah_single_1", "vt"), (2048,), 12))
+    answers = oracle_answers(0, keys)
+    slots = threading.BoundedSemaphore(1)  # (a queue of one, every request held 10 ms)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not slots.acquire(blocking=False):
+            return httpx.Response(429, json={"error": {"message": "too many queued", "code": "queue_full"}})
+        try:
+            time.sleep(0.01)
+            choice = {"text": answers[json.loads(request.content)["prompt"]], "finish_reason": "stop"}
+            return httpx.Response(200, json={"choices": [choice]})
+        finally:
+            slots.release()
+
+    # 3 retries over at most 140 ms: a request that met no free slot for that long failed the run
+    retry = clients.Retry(attempts=3, base_s=0.02)
+    client = clients.HTTPClient(
+        "http://srv", model_name="m", transport=httpx.MockTransport(handler), retry=retry
+    )
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    assert run_samples(gen, client, keys, tmp_path, make_request(gen), concurrency=12) == len(keys)
+    assert all(r["score"] == 1.0 for r in read_rows(tmp_path / "results.jsonl"))
 
 
 def test_cli_dump_only(tmp_path):

@@ -33,7 +33,10 @@ class Retry:
     status in `statuses` (429: the server's queue is full; 503: it is draining, restarting or has no
     engine; 502 / 504: a proxy in front of it lost it). Other statuses are the request's fault and
     never retried. Up to `attempts` retries, the n-th after base_s * 2**n seconds (a random half to
-    all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up to cap_s."""
+    all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up to cap_s.
+    A 429 after the server has answered other requests of the client since the last try starts the
+    count again: the server is busy, not stuck, and a request that keeps losing the freed queue slots
+    to newer ones must not fail for it (it waits at most until the others are done)."""
 
     attempts: int = 10  # about 5 minutes of waiting in all
     base_s: float = 1.0
@@ -192,6 +195,7 @@ class HTTPClient(Client):
         self.chat = chat
         self.label = base
         self.retry, self._sleep = retry, sleep
+        self._answered = 0  # requests the server has answered (a 429 meanwhile is a busy server)
         self.model = model_name or self._default_model()
 
     def _default_model(self) -> str:
@@ -211,7 +215,7 @@ class HTTPClient(Client):
         """The server's response, sent again as `self.retry` says while the server cannot take it; a
         ClientError once the retries are spent, or at once for a failure no retry mends (a bad URL)."""
         httpx = self._httpx
-        attempt = 0
+        attempt, answered = 0, self._answered
         while True:
             try:
                 r = self.http.request(method, path, json=body)
@@ -221,8 +225,11 @@ class HTTPClient(Client):
                 raise ClientError(f"{method} {self.label}{path} failed: {_one_line(str(e))}") from None
             else:
                 if r.status_code not in self.retry.statuses:
+                    self._answered += r.status_code < 400  # (a racing update lost costs one attempt)
                     return r
                 why, retry_after = f"-> HTTP {r.status_code}: {_error_text(r)}", r.headers.get("retry-after")
+                if r.status_code == 429 and self._answered != answered:
+                    attempt, answered = 0, self._answered
             if attempt == self.retry.attempts:
                 raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times)")
             wait = self.retry.delay(attempt, retry_after)
