@@ -496,6 +496,62 @@ def test_concurrency_beyond_a_small_queue_fails_no_sample(tmp_path):
     assert all(r["score"] == 1.0 for r in read_rows(tmp_path / "results.jsonl"))
 
 
+def test_a_sample_that_fails_for_good_stops_the_run_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """A request the server refuses (not to be retried) ends the run with one line and exit code 2.
+    The samples finished before it are kept, and so is one still running then; the same command
+    then runs only the others."""
+    tasks = ("niah_single_1", "vt")
+    keys = plan_keys(RunPlan(tasks, (2048,), 4))
+    answers = oracle_answers(0, keys)
+    samples = {k: RulerGenerator(ByteCounter(), seed=0).sample(*k) for k in keys}
+    prompt = {k: raw_render(s.input, s.answer_prefix) for k, s in samples.items()}
+    slow, bad = prompt[("niah_single_1", 2048, 0)], prompt[("niah_single_1", 2048, 1)]
+    refused = threading.Event()
+    seen: list = []
+    oracle = _oracle_transport(answers, False, seen)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        text = json.loads(request.content)["prompt"] if request.url.path != "/v1/models" else None
+        if text == bad:
+            refused.set()
+            return httpx.Response(
+                400, json={"error": {"message": "prompt too long", "code": "context_length_exceeded"}}
+            )
+        if text == slow:  # still running when the run stops
+            refused.wait(5)
+            time.sleep(0.2)
+        return oracle.handle_request(request)
+
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=httpx.MockTransport(handler))
+    )
+    argv = [
+        "ruler",
+        "--base-url",
+        "http://srv",
+        "--tasks",
+        ",".join(tasks),
+        "--lengths",
+        "2k",
+        "--samples",
+        "4",
+    ]
+    argv += ["--seed", "0", "--concurrency", "3", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "longctx ruler: error: POST /v1/completions -> HTTP 400: prompt too long; "
+        f"the samples done are kept in {tmp_path}, and the same command resumes"
+    )
+    kept = {(r["task"], r["index"]) for r in read_rows(tmp_path / "results.jsonl")}
+    assert ("niah_single_1", 0) in kept and ("niah_single_1", 1) not in kept
+    seen.clear()
+    monkeypatch.setattr(clients, "HTTPClient", partial(clients.HTTPClient, transport=oracle))
+    assert main(argv) == 0
+    assert sorted(b["prompt"] for b in seen) == sorted(prompt[k] for k in keys if (k[0], k[2]) not in kept)
+    assert len(read_rows(tmp_path / "results.jsonl")) == len(keys)
+
+
 def test_cli_dump_only(tmp_path):
     assert (
         main(

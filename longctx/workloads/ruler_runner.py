@@ -235,8 +235,13 @@ def _run_parallel(gen, client, todo, make_request, concurrency, write) -> None:
                     s = inflight.pop(fut)
                     write(s, fut.result())
         except BaseException:
+            # A sample failed for good (or Ctrl-C): the run stops, but the samples already running
+            # finish (the pool waits for them anyway) and are kept, so a rerun does not send them again.
             for fut in inflight:
                 fut.cancel()
+            for fut in wait(inflight).done:
+                if not fut.cancelled() and fut.exception() is None:
+                    write(inflight[fut], fut.result())
             raise
 
 
