@@ -21,6 +21,7 @@ from pathlib import Path
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult
+from longctx.workloads.jsonl import open_append, read_rows
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, Sample
 from longctx.workloads.scoring import EFFECTIVE_THRESHOLD, METRICS, effective_length
 
@@ -53,35 +54,6 @@ def plan_keys(plan: RunPlan) -> list[Key]:
         for t in plan.tasks
         for i in idx[j : j + c]
     ]
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a torn last line (a run killed mid-write) is ignored."""
-    if not path.exists():
-        return []
-    rows = []
-    with path.open() as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def _open_append(path: Path):
-    """Open a JSONL file for appending, first ending a torn last line so new rows stay whole."""
-    if path.exists() and path.stat().st_size:
-        with path.open("rb") as f:
-            f.seek(-1, 2)
-            torn = f.read(1) != b"\n"
-        if torn:
-            with path.open("a") as f:
-                f.write("\n")
-    return path.open("a")
 
 
 def _key(row: dict) -> Key:
@@ -124,7 +96,7 @@ def dump_samples(gen: RulerGenerator, keys: Iterable[Key], dump_dir: Path) -> in
     path = dump_dir / "samples.jsonl"
     have = {_key(r) for r in read_rows(path) if r.get("seed") == gen.seed}
     todo = [k for k in keys if k not in have]
-    with _open_append(path) as f, _progress(len(todo), "dump") as bar:
+    with open_append(path) as f, _progress(len(todo), "dump") as bar:
         for k in todo:
             f.write(json.dumps(gen.sample(*k).to_json()) + "\n")
             f.flush()
@@ -181,7 +153,7 @@ def _run_unlocked(
         )
     done = {_key(r) for r in rows}
     todo = [k for k in keys if k not in done]
-    with _open_append(path) as f, _progress(len(todo), "ruler") as bar:
+    with open_append(path) as f, _progress(len(todo), "ruler") as bar:
 
         def write(sample: Sample, res: GenResult) -> None:
             f.write(json.dumps(result_row(sample, res)) + "\n")
