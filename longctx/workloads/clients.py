@@ -2,25 +2,29 @@
 
 Both take a list of `GenRequest`s and return `GenResult`s in order. The embedded engine gets
 whole batches (one `Engine.generate` call; its scheduler batches and shares prefixes); an HTTP
-client is `parallel`: the caller sends one request per thread from a pool, and retries what a busy
-or restarting server could not take just then (`Retry`).
+client is `parallel`: the caller sends one request per thread from a pool (`run_parallel`), and it
+retries what a busy or restarting server could not take just then (`Retry`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import email.utils
+import itertools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from longctx.errors import LongctxError
 
 log = logging.getLogger(__name__)
+J = TypeVar("J")
+R = TypeVar("R")
 
 
 class ClientError(LongctxError):
@@ -87,6 +91,35 @@ class GenResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
+
+
+def run_parallel(
+    jobs: Iterable[J], call: Callable[[J], R], done: Callable[[J, R], None], workers: int
+) -> None:
+    """`call(job)` for every job on `workers` threads (a parallel client's requests), `done(job,
+    result)` on this thread as each finishes. Jobs are drawn a few ahead of the workers, never all at
+    once (a million-token RULER sample is megabytes of text). When a call fails (or Ctrl-C), the jobs
+    not started are dropped, the running ones finish and are done (so their answers are kept), and
+    the error is raised."""
+    pending = iter(jobs)
+    inflight: dict[Future, J] = {}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        try:
+            while True:
+                for job in itertools.islice(pending, workers + 1 - len(inflight)):
+                    inflight[pool.submit(call, job)] = job
+                if not inflight:
+                    break
+                finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    done(inflight.pop(fut), fut.result())
+        except BaseException:
+            for fut in inflight:
+                fut.cancel()
+            for fut in wait(inflight).done:  # (the pool would wait for them anyway)
+                if not fut.cancelled() and fut.exception() is None:
+                    done(inflight[fut], fut.result())
+            raise
 
 
 class Client:

@@ -15,12 +15,11 @@ import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from longctx.errors import LongctxError
-from longctx.workloads.clients import Client, GenRequest, GenResult
+from longctx.workloads.clients import Client, GenRequest, GenResult, run_parallel
 from longctx.workloads.jsonl import open_append, read_rows
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, Sample
 from longctx.workloads.scoring import EFFECTIVE_THRESHOLD, METRICS, effective_length
@@ -161,7 +160,8 @@ def _run_unlocked(
             bar.update(1)
 
         if client.parallel:
-            _run_parallel(gen, client, todo, make_request, max(1, concurrency), write)
+            lazily = (gen.sample(*k) for k in todo)  # (built on this thread as the workers need them)
+            run_parallel(lazily, lambda s: client.generate([make_request(s)])[0], write, max(1, concurrency))
         else:
             for batch in _batches(todo, max(1, concurrency)):
                 samples = [gen.sample(*k) for k in batch]
@@ -180,41 +180,6 @@ def _batches(keys: list[Key], size: int) -> Iterator[list[Key]]:
         batch.append(k)
     if batch:
         yield batch
-
-
-def _generate_one(client: Client, req: GenRequest) -> GenResult:
-    return client.generate([req])[0]
-
-
-def _run_parallel(gen, client, todo, make_request, concurrency, write) -> None:
-    pending = iter(todo)
-    inflight: dict[Future, Sample] = {}
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        try:
-            while True:
-                # Samples are built on this thread, a few ahead of the workers, never all at once:
-                # a million-token sample is megabytes of text.
-                while len(inflight) < concurrency + 1:
-                    k = next(pending, None)
-                    if k is None:
-                        break
-                    s = gen.sample(*k)
-                    inflight[pool.submit(_generate_one, client, make_request(s))] = s
-                if not inflight:
-                    break
-                finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    s = inflight.pop(fut)
-                    write(s, fut.result())
-        except BaseException:
-            # A sample failed for good (or Ctrl-C): the run stops, but the samples already running
-            # finish (the pool waits for them anyway) and are kept, so a rerun does not send them again.
-            for fut in inflight:
-                fut.cancel()
-            for fut in wait(inflight).done:
-                if not fut.cancelled() and fut.exception() is None:
-                    write(inflight[fut], fut.result())
-            raise
 
 
 # ---- report ----------------------------------------------------------------------------------
