@@ -434,6 +434,12 @@ def _busy(transport: httpx.MockTransport, fail) -> httpx.MockTransport:
     return httpx.MockTransport(handler)
 
 
+def _on_server(tasks: tuple[str, ...], out: Path) -> list[str]:
+    """`longctx ruler` against http://srv: 4 samples of each task at 2k, seed 0, 3 in flight."""
+    argv = f"ruler --base-url http://srv --tasks {','.join(tasks)} --lengths 2k --samples 4 --seed 0"
+    return [*argv.split(), "--concurrency", "3", "--out", str(out)]
+
+
 def test_cli_rides_out_a_busy_server(tmp_path, monkeypatch):
     """429s (a full queue), 503s and dropped connections are waited out: every sample is scored."""
     tasks = ("niah_single_1", "vt")
@@ -452,18 +458,7 @@ def test_cli_rides_out_a_busy_server(tmp_path, monkeypatch):
     monkeypatch.setattr(
         clients, "HTTPClient", partial(clients.HTTPClient, transport=transport, sleep=waits.append)
     )
-    argv = [
-        "ruler",
-        "--base-url",
-        "http://srv",
-        "--tasks",
-        ",".join(tasks),
-        "--lengths",
-        "2k",
-        "--samples",
-        "4",
-    ]
-    assert main([*argv, "--seed", "0", "--concurrency", "3", "--out", str(tmp_path)]) == 0
+    assert main(_on_server(tasks, tmp_path)) == 0
     rows = read_rows(tmp_path / "results.jsonl")
     assert len(rows) == len(keys) and all(r["score"] == 1.0 for r in rows)
     assert len(waits) == 24  # 3 of every 4 requests answered busy: 8 samples took 32
@@ -525,18 +520,7 @@ def test_a_sample_that_fails_for_good_stops_the_run_and_a_rerun_resumes(tmp_path
     monkeypatch.setattr(
         clients, "HTTPClient", partial(clients.HTTPClient, transport=httpx.MockTransport(handler))
     )
-    argv = [
-        "ruler",
-        "--base-url",
-        "http://srv",
-        "--tasks",
-        ",".join(tasks),
-        "--lengths",
-        "2k",
-        "--samples",
-        "4",
-    ]
-    argv += ["--seed", "0", "--concurrency", "3", "--out", str(tmp_path)]
+    argv = _on_server(tasks, tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
