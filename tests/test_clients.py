@@ -151,3 +151,14 @@ def test_retries_are_logged(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("POST http://srv/v1/completions -> HTTP 429: queue full; retry 1 of 10 in ")
     assert json.dumps(line).count("\\n") == 0
+
+
+def test_a_failed_question_unpins_its_document_once_and_reports_itself():
+    """(Unpinning after a failure is tried once: against a server that is down, retrying it would
+    only add minutes before the question's own error, which a failed unpin must not replace.)"""
+    waits: list[float] = []
+    replies = [httpx.Response(200, json={"id": "doc-1"}), error(400, "question too long"), error(503, "busy")]
+    client, seen = client_on(replies, waits)
+    with pytest.raises(ClientError, match=r"^POST /v1/documents/doc-1/ask -> HTTP 400: question too long$"):
+        client.generate([GenRequest("q", 8, document=("the document", "a question?"))])
+    assert [m for m, _ in seen] == ["POST", "POST", "DELETE"] and waits == []

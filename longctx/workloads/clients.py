@@ -8,13 +8,14 @@ retries what a busy or restarting server could not take just then (`Retry`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import email.utils
 import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,10 +245,12 @@ class HTTPClient(Client):
             pass
         return "default"
 
-    def _send(self, method: str, path: str, body: dict | None = None) -> Any:
-        """The server's response, sent again as `self.retry` says while the server cannot take it; a
-        ClientError once the retries are spent, or at once for a failure no retry mends (a bad URL)."""
+    def _send(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> Any:
+        """The server's response, sent again as `self.retry` says while the server cannot take it
+        (`retries` times at most, default `retry.attempts`); a ClientError once the retries are spent,
+        or at once for a failure no retry mends (a bad URL)."""
         httpx = self._httpx
+        retries = self.retry.attempts if retries is None else retries
         attempt, answered = 0, self._answered
         while True:
             try:
@@ -263,13 +266,11 @@ class HTTPClient(Client):
                 why, retry_after = f"-> HTTP {r.status_code}: {_error_text(r)}", r.headers.get("retry-after")
                 if r.status_code == 429 and self._answered != answered:
                     attempt, answered = 0, self._answered
-            if attempt == self.retry.attempts:
+            if attempt >= retries:
                 raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times)")
             wait = self.retry.delay(attempt, retry_after)
             attempt += 1
-            log.warning(
-                f"{method} {self.label}{path} {why}; retry {attempt} of {self.retry.attempts} in {wait:.1f} s"
-            )
+            log.warning(f"{method} {self.label}{path} {why}; retry {attempt} of {retries} in {wait:.1f} s")
             self._sleep(wait)
 
     def _post(self, path: str, body: dict, ok_missing: bool = False) -> dict | None:
@@ -347,22 +348,37 @@ class HTTPClient(Client):
         assert body is not None
         return self._result(body, time.perf_counter() - t0, True)
 
-    def delete_document(self, doc_id: str) -> None:
+    def delete_document(self, doc_id: str, retries: int | None = None) -> None:
         """Unpin an uploaded document (a missing one is not an error)."""
-        r = self._send("DELETE", f"/v1/documents/{doc_id}")
+        r = self._send("DELETE", f"/v1/documents/{doc_id}", retries=retries)
         if r.status_code >= 400 and r.status_code != 404:
             raise ClientError(f"DELETE /v1/documents/{doc_id} -> HTTP {r.status_code}: {_error_text(r)}")
+
+    @contextlib.contextmanager
+    def document(self, text: str) -> Iterator[str | None]:
+        """Upload a long document for the questions of a `with` block: its id (None when the server has
+        no such endpoint), unpinned after the block. After a block that failed the unpin is tried once,
+        and its own failure is left out: the block's error is the one to report, and a server that
+        could not answer is unlikely to unpin (retrying would only delay that error)."""
+        made = self.create_document(text)
+        if made is None:
+            yield None
+            return
+        try:
+            yield made[0]
+        except BaseException:
+            with contextlib.suppress(ClientError):
+                self.delete_document(made[0], retries=0)
+            raise
+        self.delete_document(made[0])
 
     def _ask(self, document: str, question: str, max_tokens: int) -> GenResult:
         """One question on its own document: upload, ask, unpin; the latency covers all three."""
         t0 = time.perf_counter()
-        made = self.create_document(document)
-        if made is None:
-            raise ClientError(f"{self.label} has no /v1/documents endpoint")
-        try:
-            res = self.ask_document(made[0], question, max_tokens)
-        finally:
-            self.delete_document(made[0])
+        with self.document(document) as doc_id:
+            if doc_id is None:
+                raise ClientError(f"{self.label} has no /v1/documents endpoint")
+            res = self.ask_document(doc_id, question, max_tokens)
         return dataclasses.replace(res, latency_s=time.perf_counter() - t0)
 
     def close(self) -> None:
