@@ -238,6 +238,8 @@ def _server(documents: bool, seen: list) -> httpx.MockTransport:
             return httpx.Response(200, json={"id": "doc-1", "tokens": 999})
         if path == "/v1/documents/doc-1/ask":
             return httpx.Response(200, json=completion("See README.md"))
+        if path == "/v1/documents/doc-1" and request.method == "DELETE":
+            return httpx.Response(200, json={"id": "doc-1", "deleted": True})
         if path == "/v1/chat/completions":
             return httpx.Response(200, json=completion("It is src/app.py"))
         return httpx.Response(404)
@@ -252,6 +254,9 @@ def test_server_uses_the_document_endpoint(repo, tmp_path):
     run_retrieve(pack, QUERIES, client, ByteCounter(), tmp_path / "a.jsonl", max_new_tokens=32, concurrency=2)
     paths = [p for p, _ in seen]
     assert paths.count("/v1/documents") == 1 and paths.count("/v1/documents/doc-1/ask") == 3
+    assert (
+        paths[-1] == "/v1/documents/doc-1"
+    )  # unpinned at the end: the server keeps no copy of the repository
     doc_body = next(b for p, b in seen if p == "/v1/documents")
     assert doc_body == {"text": pack.text}
     asks = [b for p, b in seen if p.endswith("/ask")]
@@ -305,6 +310,7 @@ def test_a_failed_query_stops_the_run_and_a_rerun_resumes(repo, tmp_path, monkey
     )
     kept = [(r["id"], r["query"]) for r in read_rows(out)]
     assert (0, "Question 0?") in kept and (2, "Question 2?") in kept and (3, "Question 3?") not in kept
+    assert asked[-1] == ("/v1/documents/doc-1", None)  # unpinned when the run stopped
     asked.clear()
     monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, asked)))
     assert main(argv) == 0

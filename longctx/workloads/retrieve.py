@@ -12,6 +12,7 @@ so the context is prefilled once and reused:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -162,14 +163,16 @@ def run_retrieve(
             file=sys.stderr,
         )
     if todo:
-        if isinstance(client, HTTPClient):
-            answer_many = _server_answerer(pack, queries, client, max_new_tokens)
-        else:
-            answer_many = _engine_answerer(pack, queries, client, counter, max_new_tokens, prompting)
-        with (
-            open_append(out) as f,
-            tqdm(total=len(todo), desc="retrieve", unit="query", disable=not sys.stderr.isatty()) as bar,
-        ):
+        with contextlib.ExitStack() as stack:
+            if isinstance(client, HTTPClient):  # (the repository stays pinned on the server for this run)
+                doc_id = stack.enter_context(client.document(pack.text))
+                answer_many = _server_answerer(pack, queries, client, max_new_tokens, doc_id)
+            else:
+                answer_many = _engine_answerer(pack, queries, client, counter, max_new_tokens, prompting)
+            f = stack.enter_context(open_append(out))
+            bar = stack.enter_context(
+                tqdm(total=len(todo), desc="retrieve", unit="query", disable=not sys.stderr.isatty())
+            )
 
             def done(i: int, res: GenResult) -> None:
                 q = queries[i]
@@ -248,16 +251,17 @@ def _engine_answerer(
 
 
 def _server_answerer(
-    pack: Pack, queries: list[dict], client: HTTPClient, max_new_tokens: int
+    pack: Pack, queries: list[dict], client: HTTPClient, max_new_tokens: int, doc_id: str | None
 ) -> Callable[[list[int]], list[GenResult]]:
-    doc = client.create_document(pack.text)
+    """Questions on the uploaded repository `doc_id`, or (None: no document endpoints) chat requests
+    that all begin with it."""
 
     def answer(idx: list[int]) -> list[GenResult]:
         out = []
         for i in idx:
             q = queries[i]["query"]
-            if doc is not None:
-                out.append(client.ask_document(doc[0], ASK.format(query=q), max_new_tokens))
+            if doc_id is not None:
+                out.append(client.ask_document(doc_id, ASK.format(query=q), max_new_tokens))
             else:
                 msg = [{"role": "user", "content": pack.text + QUESTION.format(query=q)}]
                 out.append(client.chat_messages(msg, max_new_tokens))
