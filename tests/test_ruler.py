@@ -536,6 +536,32 @@ def test_a_sample_that_fails_for_good_stops_the_run_and_a_rerun_resumes(tmp_path
     assert len(read_rows(tmp_path / "results.jsonl")) == len(keys)
 
 
+def test_a_stopping_run_does_not_wait_out_the_retries_of_others(tmp_path):
+    """When a sample fails for good, a request waiting to retry (its server answered 503) gives up
+    at once instead of sleeping out its backoff: the run stops well before the 10-20 s it would sleep."""
+    keys = plan_keys(RunPlan(("niah_single_1",), (2048,), 2))
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    s0 = gen.sample(*keys[0])
+    first = raw_render(s0.input, s0.answer_prefix)
+    busy = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["prompt"] == first:
+            busy.set()
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        busy.wait(5)
+        return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+
+    retry = clients.Retry(attempts=1, base_s=20.0)
+    client = clients.HTTPClient(
+        "http://srv", model_name="m", transport=httpx.MockTransport(handler), retry=retry
+    )
+    t0 = time.monotonic()
+    with pytest.raises(clients.ClientError, match="HTTP 400: prompt too long"):
+        run_samples(gen, client, keys, tmp_path, make_request(gen), concurrency=2)
+    assert time.monotonic() - t0 < 5
+
+
 def test_cli_dump_only(tmp_path):
     assert (
         main(

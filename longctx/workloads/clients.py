@@ -14,6 +14,7 @@ import email.utils
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -95,13 +96,17 @@ class GenResult:
 
 
 def run_parallel(
-    jobs: Iterable[J], call: Callable[[J], R], done: Callable[[J, R], None], workers: int
+    jobs: Iterable[J],
+    call: Callable[[J], R],
+    done: Callable[[J, R], None],
+    workers: int,
+    stop: Callable[[], None] = lambda: None,
 ) -> None:
     """`call(job)` for every job on `workers` threads (a parallel client's requests), `done(job,
     result)` on this thread as each finishes. Jobs are drawn a few ahead of the workers, never all at
     once (a million-token RULER sample is megabytes of text). When a call fails (or Ctrl-C), the jobs
-    not started are dropped, the running ones finish and are done (so their answers are kept), and
-    the error is raised."""
+    not started are dropped, `stop()` is called (`Client.stop`: calls waiting to retry give up), the
+    running ones finish and are done (so their answers are kept), and the error is raised."""
     pending = iter(jobs)
     inflight: dict[Future, J] = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -117,6 +122,7 @@ def run_parallel(
         except BaseException:
             for fut in inflight:
                 fut.cancel()
+            stop()
             for fut in wait(inflight).done:  # (the pool would wait for them anyway)
                 if not fut.cancelled() and fut.exception() is None:
                     done(inflight[fut], fut.result())
@@ -131,6 +137,9 @@ class Client:
 
     def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
         raise NotImplementedError
+
+    def stop(self) -> None:
+        """The run is stopping: requests waiting to be sent again give up now (running ones finish)."""
 
     def close(self) -> None:
         pass
@@ -214,7 +223,7 @@ class HTTPClient(Client):
         timeout_s: float = 3600.0,
         transport: Any = None,  # an httpx transport (tests use httpx.MockTransport)
         retry: Retry = Retry(),
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] | None = None,  # (default: a wait that `stop` ends)
     ) -> None:
         import httpx
 
@@ -228,7 +237,8 @@ class HTTPClient(Client):
         self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s, transport=transport)
         self.chat = chat
         self.label = base
-        self.retry, self._sleep = retry, sleep
+        self._stopping = threading.Event()
+        self.retry, self._sleep = retry, sleep or self._stopping.wait
         self._answered = 0  # requests the server has answered (a 429 meanwhile is a busy server)
         self.model = model_name or self._default_model()
 
@@ -272,6 +282,8 @@ class HTTPClient(Client):
             attempt += 1
             log.warning(f"{method} {self.label}{path} {why}; retry {attempt} of {retries} in {wait:.1f} s")
             self._sleep(wait)
+            if self._stopping.is_set():
+                raise ClientError(f"{method} {self.label}{path} {why} (not retried: the run is stopping)")
 
     def _post(self, path: str, body: dict, ok_missing: bool = False) -> dict | None:
         r = self._send("POST", path, body)
@@ -380,6 +392,9 @@ class HTTPClient(Client):
                 raise ClientError(f"{self.label} has no /v1/documents endpoint")
             res = self.ask_document(doc_id, question, max_tokens)
         return dataclasses.replace(res, latency_s=time.perf_counter() - t0)
+
+    def stop(self) -> None:
+        self._stopping.set()
 
     def close(self) -> None:
         self.http.close()

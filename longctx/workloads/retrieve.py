@@ -194,7 +194,7 @@ def run_retrieve(
             done(todo[0], answer_many([todo[0]])[0])
             rest = todo[1:]
             if getattr(client, "parallel", False):
-                run_parallel(rest, lambda i: answer_many([i])[0], done, max(1, concurrency))
+                run_parallel(rest, lambda i: answer_many([i])[0], done, max(1, concurrency), client.stop)
             else:
                 for s in range(0, len(rest), max(1, concurrency)):
                     batch = rest[s : s + max(1, concurrency)]

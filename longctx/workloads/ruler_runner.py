@@ -161,7 +161,13 @@ def _run_unlocked(
 
         if client.parallel:
             lazily = (gen.sample(*k) for k in todo)  # (built on this thread as the workers need them)
-            run_parallel(lazily, lambda s: client.generate([make_request(s)])[0], write, max(1, concurrency))
+            run_parallel(
+                lazily,
+                lambda s: client.generate([make_request(s)])[0],
+                write,
+                max(1, concurrency),
+                client.stop,
+            )
         else:
             for batch in _batches(todo, max(1, concurrency)):
                 samples = [gen.sample(*k) for k in batch]
