@@ -38,13 +38,14 @@ class Retry:
     """When `HTTPClient` sends a request again: after a dropped connection or a timeout, or an HTTP
     status in `statuses` (429: the server's queue is full; 503: it is draining, restarting or has no
     engine; 502 / 504: a proxy in front of it lost it). Other statuses are the request's fault and
-    never retried. Up to `attempts` retries, the n-th after base_s * 2**n seconds (a random half to
-    all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up to cap_s.
+    never retried. Up to `attempts` retries, retry n (from 0) after base_s * 2**n seconds (a random
+    half to all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up
+    to cap_s.
     A 429 after the server has answered other requests of the client since the last try starts the
     count again: the server is busy, not stuck, and a request that keeps losing the freed queue slots
     to newer ones must not fail for it (it waits at most until the others are done)."""
 
-    attempts: int = 10  # about 5 minutes of waiting in all
+    attempts: int = 10  # at most about 5 minutes of waiting in all
     base_s: float = 1.0
     cap_s: float = 60.0
     statuses: frozenset[int] = frozenset({429, 502, 503, 504})
@@ -139,7 +140,8 @@ class Client:
         raise NotImplementedError
 
     def stop(self) -> None:
-        """The run is stopping: requests waiting to be sent again give up now (running ones finish)."""
+        """The run is stopping: requests waiting to be sent again give up, now and for the rest of the
+        client's life (those being answered finish)."""
 
     def close(self) -> None:
         pass
