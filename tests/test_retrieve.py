@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
+import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from longctx.errors import LongctxError
 from longctx.workloads import clients
 from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient
 from longctx.workloads.gitignore import is_ignored, list_files, parse_gitignore, walk_files
+from longctx.workloads.jsonl import read_rows
 from longctx.workloads.repo_pack import format_file, pack_repo
 from longctx.workloads.retrieve import cited_files, read_queries, run_retrieve
 from longctx.workloads.tokens import ByteCounter
@@ -234,6 +238,8 @@ def _server(documents: bool, seen: list) -> httpx.MockTransport:
             return httpx.Response(200, json={"id": "doc-1", "tokens": 999})
         if path == "/v1/documents/doc-1/ask":
             return httpx.Response(200, json=completion("See README.md"))
+        if path == "/v1/documents/doc-1" and request.method == "DELETE":
+            return httpx.Response(200, json={"id": "doc-1", "deleted": True})
         if path == "/v1/chat/completions":
             return httpx.Response(200, json=completion("It is src/app.py"))
         return httpx.Response(404)
@@ -248,6 +254,9 @@ def test_server_uses_the_document_endpoint(repo, tmp_path):
     run_retrieve(pack, QUERIES, client, ByteCounter(), tmp_path / "a.jsonl", max_new_tokens=32, concurrency=2)
     paths = [p for p, _ in seen]
     assert paths.count("/v1/documents") == 1 and paths.count("/v1/documents/doc-1/ask") == 3
+    assert (
+        paths[-1] == "/v1/documents/doc-1"
+    )  # unpinned at the end: the server keeps no copy of the repository
     doc_body = next(b for p, b in seen if p == "/v1/documents")
     assert doc_body == {"text": pack.text}
     asks = [b for p, b in seen if p.endswith("/ask")]
@@ -267,6 +276,56 @@ def test_server_without_documents_falls_back_to_chat(repo, tmp_path):
     assert all(b["messages"][0]["content"].startswith(pack.text) and b["model"] == "served" for b in chats)
     rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert all(r["cited_files"] == ["src/app.py"] for r in rows)
+
+
+def test_a_failed_query_stops_the_run_and_a_rerun_resumes(repo, tmp_path, monkeypatch, capsys):
+    """A question the server refuses ends the run with one line (exit 2). The answers finished by then,
+    one still running included, stay in --out; the same command asks only the others and leaves every
+    row in the input order."""
+    queries = [{"query": f"Question {i}?", "id": i} for i in range(6)] + [{"query": "Question 1?", "id": 1}]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    refused = threading.Event()
+    asked: list = []
+    server = _server(True, asked)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        question = json.loads(request.content).get("question", "") if request.content else ""
+        if question.startswith("Question 3?"):
+            refused.set()
+            return httpx.Response(400, json={"error": {"message": "question too long"}})
+        if question.startswith("Question 2?"):  # still running when the run stops
+            refused.wait(5)
+            time.sleep(0.2)
+        return server.handle_request(request)
+
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=httpx.MockTransport(handler)))
+    out = tmp_path / "a.jsonl"
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(tmp_path / "q.jsonl"), "--out", str(out)]
+    argv += ["--base-url", "http://srv", "--no-git", "--concurrency", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "longctx retrieve: error: POST /v1/documents/doc-1/ask -> HTTP 400: question too long; "
+        f"the answers done are kept in {out}, and the same command resumes"
+    )
+    kept = [(r["id"], r["query"]) for r in read_rows(out)]
+    assert (0, "Question 0?") in kept and (2, "Question 2?") in kept and (3, "Question 3?") not in kept
+    assert asked[-1] == ("/v1/documents/doc-1", None)  # unpinned when the run stopped
+    asked.clear()
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, asked)))
+    assert main(argv) == 0
+    questions = [b["question"].split("\n")[0] for p, b in asked if p.endswith("/ask")]
+    left = Counter((q["id"], q["query"]) for q in queries) - Counter(kept)
+    assert sorted(questions) == sorted(query for _, query in left.elements())
+    rows = read_rows(out)
+    assert [(r["id"], r["query"]) for r in rows] == [(q["id"], q["query"]) for q in queries]
+    assert f"already answered in {out}" in capsys.readouterr().err
+    # A rerun has nothing to ask (and uploads nothing); another queries file is refused.
+    asked.clear()
+    assert main(argv) == 0 and asked == [("/v1/models", None)]
+    (tmp_path / "q.jsonl").write_text('{"query": "Something else?"}\n')
+    assert main(argv) == 2
+    assert "answers queries not in this queries file" in capsys.readouterr().err
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------

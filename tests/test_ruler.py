@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -416,6 +418,148 @@ def test_cli_against_a_server(tmp_path, monkeypatch, capsys, chat):
     seen.clear()
     assert main(argv) == 0
     assert seen == []
+
+
+def _busy(transport: httpx.MockTransport, fail) -> httpx.MockTransport:
+    """`transport` behind a server that answers `fail(n)` (a Response, an exception to raise, or None:
+    pass it on) to its n-th generation request."""
+    n = itertools.count()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        reply = fail(next(n)) if request.url.path != "/v1/models" else None
+        if isinstance(reply, Exception):
+            raise reply
+        return reply if reply is not None else transport.handle_request(request)
+
+    return httpx.MockTransport(handler)
+
+
+def _on_server(tasks: tuple[str, ...], out: Path) -> list[str]:
+    """`longctx ruler` against http://srv: 4 samples of each task at 2k, seed 0, 3 in flight."""
+    argv = f"ruler --base-url http://srv --tasks {','.join(tasks)} --lengths 2k --samples 4 --seed 0"
+    return [*argv.split(), "--concurrency", "3", "--out", str(out)]
+
+
+def test_cli_rides_out_a_busy_server(tmp_path, monkeypatch):
+    """429s (a full queue), 503s and dropped connections are waited out: every sample is scored."""
+    tasks = ("niah_single_1", "vt")
+    keys = plan_keys(RunPlan(tasks, (2048,), 4))
+    answers = oracle_answers(0, keys)
+    busy = [
+        httpx.Response(429, json={"error": {"message": "too many queued requests", "code": "queue_full"}}),
+        httpx.Response(
+            503, json={"error": {"message": "server is shutting down"}}, headers={"Retry-After": "1"}
+        ),
+        httpx.ConnectError("connection refused"),
+        None,
+    ]
+    waits: list[float] = []
+    transport = _busy(_oracle_transport(answers, False, []), lambda n: busy[n % 4])
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=transport, sleep=waits.append)
+    )
+    assert main(_on_server(tasks, tmp_path)) == 0
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert len(rows) == len(keys) and all(r["score"] == 1.0 for r in rows)
+    assert len(waits) == 24  # 3 of every 4 requests answered busy: 8 samples took 32
+
+
+def test_concurrency_beyond_a_small_queue_fails_no_sample(tmp_path):
+    """More requests in flight than a server takes: it answers 429 (queue_full) to the rest. A request
+    that keeps losing the freed slot to newer ones is not failed while the server answers others."""
+    keys = plan_keys(RunPlan(("niah_single_1", "vt"), (2048,), 12))
+    answers = oracle_answers(0, keys)
+    slots = threading.BoundedSemaphore(1)  # (a queue of one, every request held 10 ms)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not slots.acquire(blocking=False):
+            return httpx.Response(429, json={"error": {"message": "too many queued", "code": "queue_full"}})
+        try:
+            time.sleep(0.01)
+            choice = {"text": answers[json.loads(request.content)["prompt"]], "finish_reason": "stop"}
+            return httpx.Response(200, json={"choices": [choice]})
+        finally:
+            slots.release()
+
+    # 3 retries over at most 140 ms: a request that met no free slot for that long failed the run
+    retry = clients.Retry(attempts=3, base_s=0.02)
+    client = clients.HTTPClient(
+        "http://srv", model_name="m", transport=httpx.MockTransport(handler), retry=retry
+    )
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    assert run_samples(gen, client, keys, tmp_path, make_request(gen), concurrency=12) == len(keys)
+    assert all(r["score"] == 1.0 for r in read_rows(tmp_path / "results.jsonl"))
+
+
+def test_a_sample_that_fails_for_good_stops_the_run_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """A request the server refuses (not to be retried) ends the run with one line and exit code 2.
+    The samples finished before it are kept, and so is one still running then; the same command
+    then runs only the others."""
+    tasks = ("niah_single_1", "vt")
+    keys = plan_keys(RunPlan(tasks, (2048,), 4))
+    answers = oracle_answers(0, keys)
+    samples = {k: RulerGenerator(ByteCounter(), seed=0).sample(*k) for k in keys}
+    prompt = {k: raw_render(s.input, s.answer_prefix) for k, s in samples.items()}
+    slow, bad = prompt[("niah_single_1", 2048, 0)], prompt[("niah_single_1", 2048, 1)]
+    refused = threading.Event()
+    seen: list = []
+    oracle = _oracle_transport(answers, False, seen)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        text = json.loads(request.content)["prompt"] if request.url.path != "/v1/models" else None
+        if text == bad:
+            refused.set()
+            return httpx.Response(
+                400, json={"error": {"message": "prompt too long", "code": "context_length_exceeded"}}
+            )
+        if text == slow:  # still running when the run stops
+            refused.wait(5)
+            time.sleep(0.2)
+        return oracle.handle_request(request)
+
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=httpx.MockTransport(handler))
+    )
+    argv = _on_server(tasks, tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "longctx ruler: error: POST /v1/completions -> HTTP 400: prompt too long; "
+        f"the samples done are kept in {tmp_path}, and the same command resumes"
+    )
+    kept = {(r["task"], r["index"]) for r in read_rows(tmp_path / "results.jsonl")}
+    assert ("niah_single_1", 0) in kept and ("niah_single_1", 1) not in kept
+    seen.clear()
+    monkeypatch.setattr(clients, "HTTPClient", partial(clients.HTTPClient, transport=oracle))
+    assert main(argv) == 0
+    assert sorted(b["prompt"] for b in seen) == sorted(prompt[k] for k in keys if (k[0], k[2]) not in kept)
+    assert len(read_rows(tmp_path / "results.jsonl")) == len(keys)
+
+
+def test_a_stopping_run_does_not_wait_out_the_retries_of_others(tmp_path):
+    """When a sample fails for good, a request waiting to retry (its server answered 503) gives up
+    at once instead of sleeping out its backoff: the run stops well before the 10-20 s it would sleep."""
+    keys = plan_keys(RunPlan(("niah_single_1",), (2048,), 2))
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    s0 = gen.sample(*keys[0])
+    first = raw_render(s0.input, s0.answer_prefix)
+    busy = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["prompt"] == first:
+            busy.set()
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        busy.wait(5)
+        return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+
+    retry = clients.Retry(attempts=1, base_s=20.0)
+    client = clients.HTTPClient(
+        "http://srv", model_name="m", transport=httpx.MockTransport(handler), retry=retry
+    )
+    t0 = time.monotonic()
+    with pytest.raises(clients.ClientError, match="HTTP 400: prompt too long"):
+        run_samples(gen, client, keys, tmp_path, make_request(gen), concurrency=2)
+    assert time.monotonic() - t0 < 5
 
 
 def test_cli_dump_only(tmp_path):

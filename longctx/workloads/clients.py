@@ -2,22 +2,76 @@
 
 Both take a list of `GenRequest`s and return `GenResult`s in order. The embedded engine gets
 whole batches (one `Engine.generate` call; its scheduler batches and shares prefixes); an HTTP
-client is `parallel`: the caller sends one request per thread from a pool.
+client is `parallel`: the caller sends one request per thread from a pool (`run_parallel`), and it
+retries what a busy or restarting server could not take just then (`Retry`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import email.utils
+import itertools
+import logging
+import random
+import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from longctx.errors import LongctxError
+
+log = logging.getLogger(__name__)
+J = TypeVar("J")
+R = TypeVar("R")
 
 
 class ClientError(LongctxError):
     """The model could not be reached or answered with an error."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """When `HTTPClient` sends a request again: after a dropped connection or a timeout, or an HTTP
+    status in `statuses` (429: the server's queue is full; 503: it is draining, restarting or has no
+    engine; 502 / 504: a proxy in front of it lost it). Other statuses are the request's fault and
+    never retried. Up to `attempts` retries, retry n (from 0) after base_s * 2**n seconds (a random
+    half to all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up
+    to cap_s.
+    A 429 after the server has answered other requests of the client since the last try starts the
+    count again: the server is busy, not stuck, and a request that keeps losing the freed queue slots
+    to newer ones must not fail for it (it waits at most until the others are done)."""
+
+    attempts: int = 10  # at most about 5 minutes of waiting in all
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    statuses: frozenset[int] = frozenset({429, 502, 503, 504})
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        """Seconds to wait before retry number `attempt` (0-based)."""
+        told = _seconds(retry_after)
+        if told is not None:
+            return min(self.cap_s, told)
+        d = min(self.cap_s, self.base_s * 2**attempt)
+        return random.uniform(d / 2, d)
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After header's wait (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if not retry_after:
+        return None
+    try:
+        return max(0.0, float(retry_after))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(retry_after)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 @dataclass(frozen=True)
@@ -42,6 +96,40 @@ class GenResult:
     finish_reason: str | None = None
 
 
+def run_parallel(
+    jobs: Iterable[J],
+    call: Callable[[J], R],
+    done: Callable[[J, R], None],
+    workers: int,
+    stop: Callable[[], None] = lambda: None,
+) -> None:
+    """`call(job)` for every job on `workers` threads (a parallel client's requests), `done(job,
+    result)` on this thread as each finishes. Jobs are drawn a few ahead of the workers, never all at
+    once (a million-token RULER sample is megabytes of text). When a call fails (or Ctrl-C), the jobs
+    not started are dropped, `stop()` is called (`Client.stop`: calls waiting to retry give up), the
+    running ones finish and are done (so their answers are kept), and the error is raised."""
+    pending = iter(jobs)
+    inflight: dict[Future, J] = {}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        try:
+            while True:
+                for job in itertools.islice(pending, workers + 1 - len(inflight)):
+                    inflight[pool.submit(call, job)] = job
+                if not inflight:
+                    break
+                finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    done(inflight.pop(fut), fut.result())
+        except BaseException:
+            for fut in inflight:
+                fut.cancel()
+            stop()
+            for fut in wait(inflight).done:  # (the pool would wait for them anyway)
+                if not fut.cancelled() and fut.exception() is None:
+                    done(inflight[fut], fut.result())
+            raise
+
+
 class Client:
     """Base class: `generate` a batch; `parallel` clients take concurrent single requests."""
 
@@ -50,6 +138,10 @@ class Client:
 
     def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
         raise NotImplementedError
+
+    def stop(self) -> None:
+        """The run is stopping: requests waiting to be sent again give up, now and for the rest of the
+        client's life (those being answered finish)."""
 
     def close(self) -> None:
         pass
@@ -102,6 +194,22 @@ def _one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _error_text(r: Any) -> str:
+    """An error response's message: OpenAI's {"error": {"message"}}, vLLM's and SGLang's {"message"},
+    FastAPI's {"detail"}, else the body (or the status's reason)."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+        msg = msg or body.get("message") or body.get("detail")
+        if msg:
+            return _one_line(str(msg))
+    return _one_line(r.text) or r.reason_phrase
+
+
 class HTTPClient(Client):
     """An OpenAI-compatible server: /v1/completions or /v1/chat/completions, plus longctx's
     long-document endpoints (POST /v1/documents, POST /v1/documents/{id}/ask) when it has them."""
@@ -116,6 +224,8 @@ class HTTPClient(Client):
         chat: bool = False,
         timeout_s: float = 3600.0,
         transport: Any = None,  # an httpx transport (tests use httpx.MockTransport)
+        retry: Retry = Retry(),
+        sleep: Callable[[float], object] | None = None,  # (default: a wait that `stop` ends)
     ) -> None:
         import httpx
 
@@ -129,6 +239,9 @@ class HTTPClient(Client):
         self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s, transport=transport)
         self.chat = chat
         self.label = base
+        self._stopping = threading.Event()
+        self.retry, self._sleep = retry, sleep or self._stopping.wait
+        self._answered = 0  # requests the server has answered (a 429 meanwhile is a busy server)
         self.model = model_name or self._default_model()
 
     def _default_model(self) -> str:
@@ -144,24 +257,46 @@ class HTTPClient(Client):
             pass
         return "default"
 
+    def _send(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> Any:
+        """The server's response, sent again as `self.retry` says while the server cannot take it
+        (`retries` times at most, default `retry.attempts`); a ClientError once the retries are spent,
+        or at once for a failure no retry mends (a bad URL)."""
+        httpx = self._httpx
+        retries = self.retry.attempts if retries is None else retries
+        attempt, answered = 0, self._answered
+        while True:
+            try:
+                r = self.http.request(method, path, json=body)
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                why, retry_after = f"failed: {_one_line(str(e) or type(e).__name__)}", None
+            except httpx.HTTPError as e:
+                raise ClientError(f"{method} {self.label}{path} failed: {_one_line(str(e))}") from None
+            else:
+                if r.status_code not in self.retry.statuses:
+                    self._answered += r.status_code < 400  # (a racing update lost costs one attempt)
+                    return r
+                why, retry_after = f"-> HTTP {r.status_code}: {_error_text(r)}", r.headers.get("retry-after")
+                if r.status_code == 429 and self._answered != answered:
+                    attempt, answered = 0, self._answered
+            if attempt >= retries:
+                raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times)")
+            wait = self.retry.delay(attempt, retry_after)
+            attempt += 1
+            log.warning(f"{method} {self.label}{path} {why}; retry {attempt} of {retries} in {wait:.1f} s")
+            self._sleep(wait)
+            if self._stopping.is_set():
+                raise ClientError(f"{method} {self.label}{path} {why} (not retried: the run is stopping)")
+
     def _post(self, path: str, body: dict, ok_missing: bool = False) -> dict | None:
-        last: Exception | None = None
-        for attempt in range(2):  # one retry for a dropped connection
-            try:
-                r = self.http.post(path, json=body)
-            except self._httpx.TransportError as e:
-                last = e
-                time.sleep(0.5 * (attempt + 1))
-                continue
-            if ok_missing and r.status_code in (404, 405, 501):
-                return None
-            if r.status_code >= 400:
-                raise ClientError(f"POST {path} -> HTTP {r.status_code}: {_one_line(r.text)}")
-            try:
-                return r.json()
-            except ValueError:
-                raise ClientError(f"POST {path} returned non-JSON: {_one_line(r.text)}") from None
-        raise ClientError(f"POST {self.label}{path} failed: {_one_line(str(last))}")
+        r = self._send("POST", path, body)
+        if ok_missing and r.status_code in (404, 405, 501):
+            return None
+        if r.status_code >= 400:
+            raise ClientError(f"POST {path} -> HTTP {r.status_code}: {_error_text(r)}")
+        try:
+            return r.json()
+        except ValueError:
+            raise ClientError(f"POST {path} returned non-JSON: {_one_line(r.text)}") from None
 
     @staticmethod
     def _result(body: dict, dt: float, chat: bool) -> GenResult:
@@ -227,26 +362,41 @@ class HTTPClient(Client):
         assert body is not None
         return self._result(body, time.perf_counter() - t0, True)
 
-    def delete_document(self, doc_id: str) -> None:
+    def delete_document(self, doc_id: str, retries: int | None = None) -> None:
         """Unpin an uploaded document (a missing one is not an error)."""
-        try:
-            r = self.http.delete(f"/v1/documents/{doc_id}")
-        except self._httpx.TransportError as e:
-            raise ClientError(f"DELETE /v1/documents/{doc_id} failed: {_one_line(str(e))}") from None
+        r = self._send("DELETE", f"/v1/documents/{doc_id}", retries=retries)
         if r.status_code >= 400 and r.status_code != 404:
-            raise ClientError(f"DELETE /v1/documents/{doc_id} -> HTTP {r.status_code}: {_one_line(r.text)}")
+            raise ClientError(f"DELETE /v1/documents/{doc_id} -> HTTP {r.status_code}: {_error_text(r)}")
+
+    @contextlib.contextmanager
+    def document(self, text: str) -> Iterator[str | None]:
+        """Upload a long document for the questions of a `with` block: its id (None when the server has
+        no such endpoint), unpinned after the block. After a block that failed the unpin is tried once,
+        and its own failure is left out: the block's error is the one to report, and a server that
+        could not answer is unlikely to unpin (retrying would only delay that error)."""
+        made = self.create_document(text)
+        if made is None:
+            yield None
+            return
+        try:
+            yield made[0]
+        except BaseException:
+            with contextlib.suppress(ClientError):
+                self.delete_document(made[0], retries=0)
+            raise
+        self.delete_document(made[0])
 
     def _ask(self, document: str, question: str, max_tokens: int) -> GenResult:
         """One question on its own document: upload, ask, unpin; the latency covers all three."""
         t0 = time.perf_counter()
-        made = self.create_document(document)
-        if made is None:
-            raise ClientError(f"{self.label} has no /v1/documents endpoint")
-        try:
-            res = self.ask_document(made[0], question, max_tokens)
-        finally:
-            self.delete_document(made[0])
+        with self.document(document) as doc_id:
+            if doc_id is None:
+                raise ClientError(f"{self.label} has no /v1/documents endpoint")
+            res = self.ask_document(doc_id, question, max_tokens)
         return dataclasses.replace(res, latency_s=time.perf_counter() - t0)
+
+    def stop(self) -> None:
+        self._stopping.set()
 
     def close(self) -> None:
         self.http.close()

@@ -12,16 +12,17 @@ so the context is prefilled once and reused:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from longctx.errors import LongctxError
-from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient
+from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient, run_parallel
+from longctx.workloads.jsonl import open_append, read_rows
 from longctx.workloads.repo_pack import Pack
 from longctx.workloads.tokens import TokenCounter
 
@@ -107,6 +108,32 @@ def reserve_tokens(
     return longest + max_new_tokens + 16
 
 
+RESULT_KEYS = ("answer", "cited_files", "latency_s", "prompt_tokens", "completion_tokens")
+
+
+def _asked(row: dict) -> str:
+    """What a query row, or an answer row, asks: its query and the keys copied from the input."""
+    return json.dumps({k: v for k, v in row.items() if k not in RESULT_KEYS}, sort_keys=True)
+
+
+def answered_before(path: Path, queries: list[dict]) -> dict[int, dict]:
+    """The rows an earlier run wrote to `path`, by the index of the query each answers (a query asked
+    twice takes its rows in order); refuses a file that answers other queries."""
+    unanswered: dict[str, list[int]] = {}
+    for i, q in enumerate(queries):
+        unanswered.setdefault(_asked(q), []).append(i)
+    found = {}
+    for row in read_rows(path):
+        left = unanswered.get(_asked(row))
+        if not left:
+            raise LongctxError(
+                f"{path} answers queries not in this queries file ({_asked(row)[:80]}); "
+                "give another --out or remove it"
+            )
+        found[left.pop(0)] = row
+    return found
+
+
 def run_retrieve(
     pack: Pack,
     queries: list[dict],
@@ -117,55 +144,66 @@ def run_retrieve(
     concurrency: int = 4,
     prompting: Prompting | None = None,
 ) -> dict:
-    """Answer every query over the packed repository; write JSONL rows; return a summary."""
+    """Answer every query over the packed repository; write JSONL rows; return a summary.
+
+    Rows are appended as answers finish, so a run that stops keeps them; a rerun into the same file
+    answers only the queries it does not answer yet. At the end the file holds every row in the
+    input order."""
     from tqdm import tqdm
 
     prompting = prompting or Prompting()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(client, HTTPClient):
-        answer_many = _server_answerer(pack, queries, client, max_new_tokens)
-    else:
-        answer_many = _engine_answerer(pack, queries, client, counter, max_new_tokens, prompting)
+    results = answered_before(out, queries)
+    todo = [i for i in range(len(queries)) if i not in results]
+    if results:
+        print(
+            f"longctx retrieve: {len(results)} of {len(queries)} queries already answered in {out}; "
+            f"asking the other {len(todo)}",
+            file=sys.stderr,
+        )
+    if todo:
+        with contextlib.ExitStack() as stack:
+            if isinstance(client, HTTPClient):  # (the repository stays pinned on the server for this run)
+                doc_id = stack.enter_context(client.document(pack.text))
+                answer_many = _server_answerer(pack, queries, client, max_new_tokens, doc_id)
+            else:
+                answer_many = _engine_answerer(pack, queries, client, counter, max_new_tokens, prompting)
+            f = stack.enter_context(open_append(out))
+            bar = stack.enter_context(
+                tqdm(total=len(todo), desc="retrieve", unit="query", disable=not sys.stderr.isatty())
+            )
 
-    results: dict[int, dict] = {}
-    written = 0
-    with (
-        out.open("w") as f,
-        tqdm(total=len(queries), desc="retrieve", unit="query", disable=not sys.stderr.isatty()) as bar,
-    ):
-
-        def done(i: int, res: GenResult) -> None:
-            nonlocal written
-            q = queries[i]
-            row = {
-                **{k: v for k, v in q.items() if k != "query"},
-                "query": q["query"],
-                "answer": res.text,
-                "cited_files": cited_files(res.text, pack.paths),
-                "latency_s": round(res.latency_s, 4),
-                "prompt_tokens": res.prompt_tokens,
-                "completion_tokens": res.completion_tokens,
-            }
-            results[i] = row
-            bar.update(1)
-            while written in results:  # keep the input order in the output file
-                f.write(json.dumps(results[written]) + "\n")
+            def done(i: int, res: GenResult) -> None:
+                q = queries[i]
+                row = {
+                    **{k: v for k, v in q.items() if k != "query"},
+                    "query": q["query"],
+                    "answer": res.text,
+                    "cited_files": cited_files(res.text, pack.paths),
+                    "latency_s": round(res.latency_s, 4),
+                    "prompt_tokens": res.prompt_tokens,
+                    "completion_tokens": res.completion_tokens,
+                }
+                results[i] = row
+                f.write(json.dumps(row) + "\n")
                 f.flush()
-                written += 1
+                bar.update(1)
 
-        # The first query alone prefills (and caches) the repository; the rest reuse it.
-        done(0, answer_many([0])[0])
-        rest = list(range(1, len(queries)))
-        if getattr(client, "parallel", False):
-            with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-                for i, res in zip(rest, pool.map(lambda i: answer_many([i])[0], rest)):
-                    done(i, res)
-        else:
-            for s in range(0, len(rest), max(1, concurrency)):
-                batch = rest[s : s + max(1, concurrency)]
-                for i, res in zip(batch, answer_many(batch)):
-                    done(i, res)
+            # The first query alone prefills (and caches) the repository; the rest reuse it.
+            done(todo[0], answer_many([todo[0]])[0])
+            rest = todo[1:]
+            if getattr(client, "parallel", False):
+                run_parallel(rest, lambda i: answer_many([i])[0], done, max(1, concurrency), client.stop)
+            else:
+                for s in range(0, len(rest), max(1, concurrency)):
+                    batch = rest[s : s + max(1, concurrency)]
+                    for i, res in zip(batch, answer_many(batch)):
+                        done(i, res)
+    # every query answered: the rows again in the input order
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(results[i]) + "\n" for i in range(len(queries))))
+    tmp.replace(out)
 
     lat = [r["latency_s"] for r in results.values()]
     return {
@@ -213,16 +251,17 @@ def _engine_answerer(
 
 
 def _server_answerer(
-    pack: Pack, queries: list[dict], client: HTTPClient, max_new_tokens: int
+    pack: Pack, queries: list[dict], client: HTTPClient, max_new_tokens: int, doc_id: str | None
 ) -> Callable[[list[int]], list[GenResult]]:
-    doc = client.create_document(pack.text)
+    """Questions on the uploaded repository `doc_id`, or (None: no document endpoints) chat requests
+    that all begin with it."""
 
     def answer(idx: list[int]) -> list[GenResult]:
         out = []
         for i in idx:
             q = queries[i]["query"]
-            if doc is not None:
-                out.append(client.ask_document(doc[0], ASK.format(query=q), max_new_tokens))
+            if doc_id is not None:
+                out.append(client.ask_document(doc_id, ASK.format(query=q), max_new_tokens))
             else:
                 msg = [{"role": "user", "content": pack.text + QUESTION.format(query=q)}]
                 out.append(client.chat_messages(msg, max_new_tokens))

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if not pack.files:
         raise UsageError(f"nothing to pack in {args.repo}")
 
-    from longctx.workloads.clients import EngineClient, HTTPClient
+    from longctx.workloads.clients import ClientError, EngineClient, HTTPClient
 
     client: Any
     if args.model:
@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
         client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=True)
     try:
         s = run_retrieve(pack, queries, client, counter, args.out, max_new, concurrency, prompting)
+    except ClientError as e:
+        raise ClientError(
+            f"{e}; the answers done are kept in {args.out}, and the same command resumes"
+        ) from None
     finally:
         client.close()
     reasons = ", ".join(f"{n} {r}" for r, n in s["skipped_by_reason"].items()) or "none"

@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if not has_model:
         return 0
 
-    from longctx.workloads.clients import EngineClient, GenRequest, HTTPClient
+    from longctx.workloads.clients import ClientError, EngineClient, GenRequest, HTTPClient
 
     client: Any
     if args.model:
@@ -236,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         ran = rr.run_samples(gen, client, keys, out, make_request, concurrency)
+    except ClientError as e:
+        raise ClientError(f"{e}; the samples done are kept in {out}, and the same command resumes") from None
     finally:
         client.close()
     meta = {

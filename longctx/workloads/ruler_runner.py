@@ -15,12 +15,12 @@ import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from longctx.errors import LongctxError
-from longctx.workloads.clients import Client, GenRequest, GenResult
+from longctx.workloads.clients import Client, GenRequest, GenResult, run_parallel
+from longctx.workloads.jsonl import open_append, read_rows
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, Sample
 from longctx.workloads.scoring import EFFECTIVE_THRESHOLD, METRICS, effective_length
 
@@ -53,35 +53,6 @@ def plan_keys(plan: RunPlan) -> list[Key]:
         for t in plan.tasks
         for i in idx[j : j + c]
     ]
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a torn last line (a run killed mid-write) is ignored."""
-    if not path.exists():
-        return []
-    rows = []
-    with path.open() as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def _open_append(path: Path):
-    """Open a JSONL file for appending, first ending a torn last line so new rows stay whole."""
-    if path.exists() and path.stat().st_size:
-        with path.open("rb") as f:
-            f.seek(-1, 2)
-            torn = f.read(1) != b"\n"
-        if torn:
-            with path.open("a") as f:
-                f.write("\n")
-    return path.open("a")
 
 
 def _key(row: dict) -> Key:
@@ -124,7 +95,7 @@ def dump_samples(gen: RulerGenerator, keys: Iterable[Key], dump_dir: Path) -> in
     path = dump_dir / "samples.jsonl"
     have = {_key(r) for r in read_rows(path) if r.get("seed") == gen.seed}
     todo = [k for k in keys if k not in have]
-    with _open_append(path) as f, _progress(len(todo), "dump") as bar:
+    with open_append(path) as f, _progress(len(todo), "dump") as bar:
         for k in todo:
             f.write(json.dumps(gen.sample(*k).to_json()) + "\n")
             f.flush()
@@ -181,7 +152,7 @@ def _run_unlocked(
         )
     done = {_key(r) for r in rows}
     todo = [k for k in keys if k not in done]
-    with _open_append(path) as f, _progress(len(todo), "ruler") as bar:
+    with open_append(path) as f, _progress(len(todo), "ruler") as bar:
 
         def write(sample: Sample, res: GenResult) -> None:
             f.write(json.dumps(result_row(sample, res)) + "\n")
@@ -189,7 +160,14 @@ def _run_unlocked(
             bar.update(1)
 
         if client.parallel:
-            _run_parallel(gen, client, todo, make_request, max(1, concurrency), write)
+            lazily = (gen.sample(*k) for k in todo)  # (built on this thread as the workers need them)
+            run_parallel(
+                lazily,
+                lambda s: client.generate([make_request(s)])[0],
+                write,
+                max(1, concurrency),
+                client.stop,
+            )
         else:
             for batch in _batches(todo, max(1, concurrency)):
                 samples = [gen.sample(*k) for k in batch]
@@ -208,36 +186,6 @@ def _batches(keys: list[Key], size: int) -> Iterator[list[Key]]:
         batch.append(k)
     if batch:
         yield batch
-
-
-def _generate_one(client: Client, req: GenRequest) -> GenResult:
-    return client.generate([req])[0]
-
-
-def _run_parallel(gen, client, todo, make_request, concurrency, write) -> None:
-    pending = iter(todo)
-    inflight: dict[Future, Sample] = {}
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        try:
-            while True:
-                # Samples are built on this thread, a few ahead of the workers, never all at once:
-                # a million-token sample is megabytes of text.
-                while len(inflight) < concurrency + 1:
-                    k = next(pending, None)
-                    if k is None:
-                        break
-                    s = gen.sample(*k)
-                    inflight[pool.submit(_generate_one, client, make_request(s))] = s
-                if not inflight:
-                    break
-                finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    s = inflight.pop(fut)
-                    write(s, fut.result())
-        except BaseException:
-            for fut in inflight:
-                fut.cancel()
-            raise
 
 
 # ---- report ----------------------------------------------------------------------------------

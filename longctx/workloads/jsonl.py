@@ -1,0 +1,37 @@
+"""Results files as JSON lines, appended one row at a time so that an interrupted run keeps what it
+finished and a rerun can resume from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a JSONL file; a torn last line (a run killed mid-write) is ignored."""
+    if not path.exists():
+        return []
+    rows = []
+    with path.open() as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def open_append(path: Path) -> TextIO:
+    """Open a JSONL file for appending, first ending a torn last line so new rows stay whole."""
+    if path.exists() and path.stat().st_size:
+        with path.open("rb") as f:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
+        if torn:
+            with path.open("a") as f:
+                f.write("\n")
+    return path.open("a")

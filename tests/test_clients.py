@@ -1,0 +1,164 @@
+"""The HTTP client against a busy or flaky server: what it retries, how long it waits, what it reports."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+
+import httpx
+import pytest
+
+from longctx.workloads.clients import ClientError, GenRequest, HTTPClient, Retry
+
+OK = {"choices": [{"text": " 42", "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+
+
+def client_on(replies: list, waits: list[float], retry: Retry | None = None) -> tuple[HTTPClient, list]:
+    """An HTTPClient whose server answers each request with the next of `replies` (a Response, or an
+    exception to raise, as a dropped connection does); its waits go to `waits` instead of sleeping."""
+    seen: list = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        reply = replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    client = HTTPClient(
+        "http://srv",
+        model_name="m",
+        transport=httpx.MockTransport(handler),
+        retry=retry or Retry(),
+        sleep=waits.append,
+    )
+    return client, seen
+
+
+def error(status: int, message: str, code: str | None = None, **headers: str) -> httpx.Response:
+    body = {"error": {"message": message, "type": "x", "param": None, "code": code}}
+    return httpx.Response(status, json=body, headers=headers)
+
+
+def test_busy_server_is_retried_with_backoff_and_retry_after():
+    waits: list[float] = []
+    replies = [
+        error(429, "too many queued requests (limit 1); retry later", "queue_full"),
+        error(503, "server is shutting down", "shutting_down"),
+        error(429, "slow down", **{"Retry-After": "7"}),
+        error(503, "busy", **{"Retry-After": "86400"}),  # capped
+        httpx.Response(502, text="<html>bad gateway</html>"),
+        httpx.Response(504),
+        httpx.Response(200, json=OK),
+    ]
+    client, seen = client_on(replies, waits)
+    assert client.generate([GenRequest("q", 8)])[0].text == " 42"
+    assert len(seen) == 7
+    assert 0.5 <= waits[0] <= 1 and 1 <= waits[1] <= 2  # base 1 s, doubling, a random half to all of it
+    assert waits[2:4] == [7.0, 60.0]  # the server's Retry-After, at most cap_s
+    assert 8 <= waits[4] <= 16 and 16 <= waits[5] <= 32
+
+
+def test_retry_after_as_an_http_date():
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= Retry().delay(0, when) <= 30
+    assert 0.5 <= Retry().delay(0, "soon") <= 1  # unreadable: the backoff
+
+
+@pytest.mark.parametrize(
+    "status, body, shown",
+    [
+        (400, {"error": {"message": "the prompt is too long", "code": "context_length_exceeded"}}, None),
+        (401, {"error": "invalid api key"}, "invalid api key"),
+        (404, {"object": "error", "message": "model `x` does not exist"}, None),  # vLLM / SGLang
+        (422, {"detail": "field required"}, "field required"),  # FastAPI
+        (413, None, "Request Entity Too Large"),  # an empty body: the status's reason
+        (500, {"error": {"message": "engine failed"}}, None),  # the engine's own error: not a busy server
+    ],
+)
+def test_other_errors_are_not_retried_and_are_one_line(status, body, shown):
+    waits: list[float] = []
+    reply = httpx.Response(status, json=body) if body is not None else httpx.Response(status)
+    client, seen = client_on([reply], waits)
+    with pytest.raises(ClientError) as e:
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 1 and waits == []
+    shown = shown or (body.get("error") or body)["message"]
+    assert str(e.value) == f"POST /v1/completions -> HTTP {status}: {shown}"
+
+
+def test_dropped_connections_and_timeouts_are_retried_then_reported():
+    waits: list[float] = []
+    retry = Retry(attempts=3)
+    replies = [httpx.ConnectError("connection refused"), httpx.ReadTimeout("timed out"), error(503, "busy")]
+    replies.append(httpx.RemoteProtocolError("server disconnected without sending a response"))
+    client, seen = client_on(replies, waits, retry)
+    with pytest.raises(ClientError) as e:
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 4 and len(waits) == 3
+    assert str(e.value) == (
+        "POST http://srv/v1/completions failed: server disconnected without sending a response "
+        "(retried 3 times)"
+    )
+    # a server that stays busy: the same, with its last answer
+    client, seen = client_on([error(503, "engine unavailable: stage 0 died", "engine_dead")] * 4, [], retry)
+    with pytest.raises(
+        ClientError, match=r"-> HTTP 503: engine unavailable: stage 0 died \(retried 3 times\)$"
+    ):
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 4
+
+
+def test_a_full_queue_alone_is_retried_a_bounded_number_of_times():
+    """(While the server answers nothing else: with answers in between it is busy, and waited for.)"""
+    client, seen = client_on(
+        [error(429, "too many queued requests", "queue_full")] * 4, [], Retry(attempts=3)
+    )
+    with pytest.raises(ClientError, match=r"HTTP 429: too many queued requests \(retried 3 times\)$"):
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 4
+
+
+def test_a_bad_url_is_not_retried():
+    waits: list[float] = []
+    client = HTTPClient("srv:8000", model_name="m", sleep=waits.append)  # (no scheme)
+    with pytest.raises(ClientError, match="failed: Request URL has an unsupported protocol"):
+        client.generate([GenRequest("q", 8)])
+    assert waits == []
+
+
+def test_document_calls_are_retried_too():
+    waits: list[float] = []
+    ask = {"choices": [{"message": {"content": "yes"}, "finish_reason": "stop"}]}
+    replies = [
+        error(429, "queue full"),
+        httpx.Response(200, json={"id": "doc-1", "tokens": 5}),
+        error(503, "busy"),
+        httpx.Response(200, json=ask),
+        httpx.ConnectError("reset"),
+        httpx.Response(404),  # (the first DELETE did unpin it)
+    ]
+    client, seen = client_on(replies, waits)
+    res = client.generate([GenRequest("q", 8, document=("the document", "a question?"))])
+    assert res[0].text == "yes" and len(waits) == 3
+    assert [m for m, _ in seen] == ["POST", "POST", "POST", "POST", "DELETE", "DELETE"]
+
+
+def test_retries_are_logged(caplog):
+    client, _ = client_on([error(429, "queue full"), httpx.Response(200, json=OK)], [])
+    client.generate([GenRequest("q", 8)])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("POST http://srv/v1/completions -> HTTP 429: queue full; retry 1 of 10 in ")
+    assert json.dumps(line).count("\\n") == 0
+
+
+def test_a_failed_question_unpins_its_document_once_and_reports_itself():
+    """(Unpinning after a failure is tried once: against a server that is down, retrying it would
+    only add minutes before the question's own error, which a failed unpin must not replace.)"""
+    waits: list[float] = []
+    replies = [httpx.Response(200, json={"id": "doc-1"}), error(400, "question too long"), error(503, "busy")]
+    client, seen = client_on(replies, waits)
+    with pytest.raises(ClientError, match=r"^POST /v1/documents/doc-1/ask -> HTTP 400: question too long$"):
+        client.generate([GenRequest("q", 8, document=("the document", "a question?"))])
+    assert [m for m, _ in seen] == ["POST", "POST", "DELETE"] and waits == []
