@@ -91,7 +91,11 @@ def test_other_errors_are_not_retried_and_are_one_line(status, body, shown):
 def test_dropped_connections_and_timeouts_are_retried_then_reported():
     waits: list[float] = []
     retry = Retry(attempts=3)
-    replies = [httpx.ConnectError("connection refused"), httpx.ReadTimeout("timed out"), error(503, "busy")]
+    replies = [
+        httpx.ConnectError("connection refused"),
+        httpx.ConnectTimeout("timed out"),
+        error(503, "busy"),
+    ]
     replies.append(httpx.RemoteProtocolError("server disconnected without sending a response"))
     client, seen = client_on(replies, waits, retry)
     with pytest.raises(ClientError) as e:
@@ -108,6 +112,16 @@ def test_dropped_connections_and_timeouts_are_retried_then_reported():
     ):
         client.generate([GenRequest("q", 8)])
     assert len(seen) == 4
+
+
+def test_a_request_unanswered_in_its_timeout_is_not_sent_again():
+    """The server took it and worked on it for the whole timeout: sending it again would cost as long."""
+    waits: list[float] = []
+    client, seen = client_on([httpx.ReadTimeout("timed out"), error(503, "busy")], waits)
+    with pytest.raises(ClientError) as e:
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 1 and waits == []
+    assert str(e.value).endswith("/v1/completions: no answer in 3600 s (a timeout is not retried)")
 
 
 def test_a_full_queue_alone_is_retried_a_bounded_number_of_times():

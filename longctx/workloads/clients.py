@@ -35,7 +35,8 @@ class ClientError(LongctxError):
 
 @dataclass(frozen=True)
 class Retry:
-    """When `HTTPClient` sends a request again: after a dropped connection or a timeout, or an HTTP
+    """When `HTTPClient` sends a request again: after a dropped connection or a connect timeout (not
+    after waiting out its timeout for an answer: the server has the request), or an HTTP
     status in `statuses` (429: the server's queue is full; 503: it is draining, restarting or has no
     engine; 502 / 504: a proxy in front of it lost it). Other statuses are the request's fault and
     never retried. Up to `attempts` retries, retry n (from 0) after base_s * 2**n seconds (a random
@@ -236,6 +237,7 @@ class HTTPClient(Client):
             raise ClientError("--api-key must be ASCII")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._httpx = httpx
+        self.timeout_s = timeout_s
         self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s, transport=transport)
         self.chat = chat
         self.label = base
@@ -267,6 +269,10 @@ class HTTPClient(Client):
         while True:
             try:
                 r = self.http.request(method, path, json=body)
+            except httpx.ReadTimeout:  # (the server took the request: sent again, it would take as long)
+                raise ClientError(
+                    f"{method} {self.label}{path}: no answer in {self.timeout_s:g} s (a timeout is not retried)"
+                ) from None
             except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
                 why, retry_after = f"failed: {_one_line(str(e) or type(e).__name__)}", None
             except httpx.HTTPError as e:
