@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,8 @@ RUN_META = "run.json"
 # run.json's keys that change how the same weights select or store: `run`'s engine flags, passed on to
 # `longctx ruler` as --index-topk ... --kv-dtype --kv-fp8-skip-layers
 SELECTION_KEYS = (*SELECTION_FIELDS, "kv_dtype", "kv_fp8_skip_layers")
+# selection A/Bs set through the environment (longctx/model/indexer.py), recorded in run.json like the flags
+SELECTION_ENV = {"topk_long_decode": "LONGCTX_TOPK_LONG_DECODE"}
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
 MAX_NEW_TOKENS_SCALE = "0.5"
 # --documents sends no answer prefix: the model writes RULER's answer sentence (~80 bytes) before the
@@ -83,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             meta[name] = value
             engine_flags += ["--" + name.replace("_", "-"), str(value)]
+    for name, var in SELECTION_ENV.items():
+        if os.environ.get(var, "").strip():
+            meta[name] = os.environ[var].strip()
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE
@@ -126,7 +132,7 @@ def collect(run_dirs: list[Path]) -> dict:
     for d in run_dirs:
         meta = json.loads((d / RUN_META).read_text()) if (d / RUN_META).exists() else {}
         capped = bool(meta.get("cap_fraction"))
-        sel = tuple((k, meta[k]) for k in SELECTION_KEYS if meta.get(k) is not None)
+        sel = tuple((k, meta[k]) for k in (*SELECTION_KEYS, *SELECTION_ENV) if meta.get(k) is not None)
         if meta:  # (a directory without run.json does not say; one from before "form" has "chat")
             forms.add(meta.get("form") or prompt_form(bool(meta.get("chat")), False))
         for r in unique_rows(read_rows(d / "results.jsonl")):
@@ -198,7 +204,7 @@ def merge(args: argparse.Namespace) -> int:
         print(
             f"merge: {task} at {length_name(L)}{' capped' if capped else ''} comes from runs that select "
             "differently (--index-topk / --index-local-window / --index-topk-long / --kv-dtype / "
-            "--kv-fp8-skip-layers); merge them apart",
+            "--kv-fp8-skip-layers, LONGCTX_TOPK_LONG_DECODE); merge them apart",
             file=sys.stderr,
         )
         return 2

@@ -134,6 +134,24 @@ def test_retrieval_eval_merge_pairs_capped_and_uncapped_samples(tmp_path: Path) 
     assert res["niah_single_1.1m"] == 87.5 and res["niah_single_1.1m_uncapped"] == 80.0  # (all samples)
 
 
+def test_retrieval_eval_records_the_environment_s_selection(tmp_path: Path, monkeypatch) -> None:
+    """A run under LONGCTX_TOPK_LONG_DECODE=0 records it, and merge keeps it apart from the default's."""
+    from bench.retrieval_eval import main
+
+    monkeypatch.setattr("longctx.cli.main", lambda argv: 0)  # (no model run: the run's record alone)
+    run = ["run", "--model", str(WIP), "--lengths", "1k", "--samples", "1"]
+    monkeypatch.setenv("LONGCTX_TOPK_LONG_DECODE", "0")
+    assert main([*run, "--out", str(tmp_path / "w")]) == 0
+    assert json.loads((tmp_path / "w" / "run.json").read_text())["topk_long_decode"] == "0"
+    monkeypatch.delenv("LONGCTX_TOPK_LONG_DECODE")
+    assert main([*run, "--out", str(tmp_path / "d")]) == 0
+    assert "topk_long_decode" not in json.loads((tmp_path / "d" / "run.json").read_text())
+    row = json.dumps({"task": "niah_single_1", "length": 1024, "index": 0, "seed": 42, "score": 1.0})
+    for d in ("w", "d"):
+        (tmp_path / d / "results.jsonl").write_text(row + "\n")
+    assert main(["merge", str(tmp_path / "w"), str(tmp_path / "d"), "--out", str(tmp_path / "m")]) == 2
+
+
 def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     from bench.retrieval_eval import main
 

@@ -196,3 +196,25 @@ def test_training_from_a_narrowed_checkpoint_keeps_it(tmp_path) -> None:
     assert main(args) == 0
     got = ModelConfig.from_json(tmp_path / "out")
     assert (got.index_local_window, got.index_topk_long, got.index_topk_long_from) == (W, KL, F)
+
+
+def test_decode_can_keep_the_wide_selection(tmp_path, monkeypatch) -> None:
+    """`LONGCTX_TOPK_LONG_DECODE=0` (`indexer.NARROW_DECODE`): a prompt that ends before F and a greedy
+    decode across it give what the same weights give without the narrowing (the decode passes select K);
+    with the default the tokens' logprobs past F differ (the check has teeth)."""
+    from longctx.model import indexer
+
+    own = tiny_config(index_local_window=W)
+    plain = make_checkpoint(tmp_path / "p", own, seed=6)
+    ids = rand_ids(F - 10, 7)
+
+    def run(**kw) -> tuple[list[int], list[float]]:
+        with Engine(plain, device="cpu", **kw) as e:
+            (c,) = e.generate([ids], max_new_tokens=24, ignore_eos=True, logprobs=1)
+        return c.token_ids, [lp.logprob for lp in c.logprobs]
+
+    wide = run()
+    narrow = {"index_topk_long": KL, "index_topk_long_from": F}
+    assert run(**narrow) != wide
+    monkeypatch.setattr(indexer, "NARROW_DECODE", False)
+    assert run(**narrow) == wide

@@ -18,9 +18,16 @@ that position in one pass take both selections and keep theirs per row (a decode
 its bound reaches the position: a CUDA graph's host lengths are its bucket's, not the rows'); where the
 logits are materialised the narrow one is the wide one's top (`kernels.topk.narrow_selection`: a gather
 and a top-k over index_topk entries), in a fused prefill chunk the fused top-k runs at both widths.
+
+`LONGCTX_TOPK_LONG_DECODE=0` (an evaluation A/B, not a serving setting): decode passes keep the wide
+selection past `index_topk_long_from`, so only prompt rows narrow. It goes by pass, not by row: a
+generated token that shares a step with another request's prefill chunk narrows as before, so it means
+what it says only for requests run one at a time (`bench.retrieval_eval run --concurrency 1`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -36,6 +43,8 @@ from longctx.kernels.topk import (  # (the window's bound and composition; their
 from longctx.model.context import ForwardContext
 from longctx.model.linear import Linear
 from longctx.model.ops import op
+
+NARROW_DECODE = os.environ.get("LONGCTX_TOPK_LONG_DECODE", "1").strip() != "0"
 
 
 class Indexer(nn.Module):
@@ -143,7 +152,7 @@ class Indexer(nn.Module):
         if not self.topk_long or max(ctx.seq_lens_cpu) <= self.topk_long_from:
             return "base"  # (the last position any row can have is below it)
         if ctx.is_decode:
-            return "both"
+            return "both" if NARROW_DECODE else "base"
         # a prefill pass's rows are each request's newest tokens, and its host lengths are exact
         first = min(n - (ctx.q_start[b + 1] - ctx.q_start[b]) for b, n in enumerate(ctx.seq_lens_cpu))
         return "long" if first >= self.topk_long_from else "both"
