@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from longctx.errors import LongctxError
+from longctx.errors import LongctxError, os_error_line
 
 # name -> module that registers it
 COMMANDS: dict[str, str] = {
@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except OSError as e:  # a path the command was given: missing, not a directory, not writable, ...
-        where = f": {e.filename}" if e.filename else ""
-        print(f"longctx {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"longctx {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -32,6 +32,13 @@ class EngineDeadError(LongctxError, RuntimeError):
     """A stage process died; pending requests fail with this error."""
 
 
+def os_error_line(e: OSError) -> str:
+    """An OSError on a path the user gave (missing, not a directory, not writable, disk full) as one line:
+    `No such file or directory: PATH`."""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{where}"
+
+
 def one_line(e: BaseException) -> str:
     """`Type: first line of the message` (the type alone for an empty message), for logs and reports."""
     msg = str(e).strip().splitlines()

@@ -8,7 +8,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _ensure_kernels() -> None:
@@ -32,13 +32,18 @@ def _ensure_kernels() -> None:
     longctx.kernels = mod  # type: ignore[attr-defined]
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the whole usage of ~60 flags before it
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from longctx.train.data import DataConfig
     from longctx.train.loop import TrainConfig
     from longctx.train.model import NEEDLE_FORMS, SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
-    p = argparse.ArgumentParser(prog="python -m longctx.train", description=__doc__)
+    p = _Parser(prog="python -m longctx.train", description=__doc__)
     p.add_argument("--config", default=t.model_config, help="model config.json (default %(default)s)")
     p.add_argument("--out", required=True, help="output directory (checkpoint + trainer state + log)")
     p.add_argument("--resume", default=None, help="a previous --out directory to continue from")
@@ -328,9 +333,27 @@ def parse_long_topk(spec: str | None) -> tuple[int, int]:
     return s, k
 
 
+def parse_lengths(flag: str, text: str) -> tuple[int, ...]:
+    """'1024,4096' -> (1024, 4096), for the list flag `flag`."""
+    from longctx.errors import ConfigError
+
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} wants lengths like 1024,4096, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the loop, a second Ctrl-C in it, or in the eval (saves are atomic)
+        print("interrupted: --out holds the last checkpoint saved, if any", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     _ensure_kernels()
-    from longctx.errors import LongctxError
+    from longctx.errors import LongctxError, os_error_line
     from longctx.train.data import DataConfig, parse_curriculum
     from longctx.train.loop import TrainConfig, train
 
@@ -387,15 +410,18 @@ def main(argv: list[str] | None = None) -> int:
             save_dtype=args.save_dtype,
             save_momentum=args.save_momentum,
             eval_samples=args.eval_samples,
-            eval_lengths=tuple(int(x) for x in args.eval_lengths.split(",") if x.strip()),
+            eval_lengths=parse_lengths("--eval-lengths", args.eval_lengths),
             data=data,
         )
         summary = train(cfg)
     except LongctxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a save that failed (disk full, ...): the last checkpoint stays as it was
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
-    return 0
+    return 130 if summary.get("stopped") == "interrupted" else 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from longctx.checkpoint.layout import expected_weights, keeps_fp32
 from longctx.checkpoint.loader import iter_weights
 from longctx.checkpoint.tokenizer import save_tokenizer
 from longctx.config import SELECTION_FIELDS, ModelConfig
-from longctx.errors import CheckpointError
+from longctx.errors import CheckpointError, one_line, os_error_line
 from longctx.train.model import TrainCausalLM
 
 TRAINER_STATE = "trainer_state.pt"
@@ -115,13 +116,17 @@ def save_training(
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model(model, tmp, dtype)
-    state = {"step": step, "recipe": recipe, "moments": optimizer_moments(model, opt, momentum)}
-    torch.save(state, tmp / TRAINER_STATE)
-    with (tmp / TRAIN_LOG).open("w") as f:
-        for row in log_rows:
-            f.write(json.dumps(row) + "\n")
+    try:  # a failed or interrupted write leaves `out` as it was and no partial copy beside it
+        tmp.mkdir(parents=True)
+        save_model(model, tmp, dtype)
+        state = {"step": step, "recipe": recipe, "moments": optimizer_moments(model, opt, momentum)}
+        torch.save(state, tmp / TRAINER_STATE)
+        with (tmp / TRAIN_LOG).open("w") as f:
+            for row in log_rows:
+                f.write(json.dumps(row) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = out.with_name(out.name + ".old")
     if out.exists():
         if old.exists():
@@ -131,6 +136,31 @@ def save_training(
     if old.exists():
         shutil.rmtree(old)
     return out
+
+
+def check_out_dir(out_dir: str | Path, resume: str | Path | None) -> None:
+    """Refuse, before any training, an output directory the run could not save to or whose files a save
+    would destroy (`save_training` replaces the whole directory): a file, a directory holding other files,
+    or another run's checkpoint (only the resumed run's own directory may be saved over)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / TRAINER_STATE).exists():
+            raise CheckpointError(f"--out {out} holds files a save would delete: give a new or empty one")
+        if resume is None or out.resolve() != Path(resume).resolve():
+            raise CheckpointError(
+                f"--out {out} holds a training run: --resume {out} to go on, or another --out"
+            )
+    parent = out.parent
+    while not parent.exists():  # (the save creates the missing ones)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"--out {out} cannot be written: {parent} is a file")
+    try:  # a save writes a sibling of `out`, then renames it
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        raise CheckpointError(f"--out {out} cannot be written: {os_error_line(e)}") from None
 
 
 def load_model_weights(model: TrainCausalLM, model_dir: str | Path, device: torch.device) -> None:
@@ -150,9 +180,17 @@ def load_model_weights(model: TrainCausalLM, model_dir: str | Path, device: torc
 
 def _trainer_state(model_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
     p = Path(model_dir) / TRAINER_STATE
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"{model_dir} is not a directory: not a training checkpoint")
     if not p.exists():
         raise CheckpointError(f"{model_dir} has no {TRAINER_STATE}: not a training checkpoint")
-    return dict(torch.load(p, map_location="cpu", weights_only=True, mmap=mmap))
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # truncated, not a torch file, ...: whatever torch says, on one line
+        raise CheckpointError(f"cannot read {p}: {one_line(e)}") from None
+    if not isinstance(state, dict) or not {"step", "recipe", "moments"} <= state.keys():
+        raise CheckpointError(f"{p} is not a trainer state (step, recipe, moments)")
+    return state
 
 
 def read_training(model_dir: str | Path) -> dict[str, Any]:
@@ -161,8 +199,11 @@ def read_training(model_dir: str | Path) -> dict[str, Any]:
     state = _trainer_state(d)
     rows = []
     log = d / TRAIN_LOG
-    if log.exists():
-        rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    for i, line in enumerate(log.read_text().splitlines() if log.exists() else [], 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{log}: line {i} is not JSON") from None
     state["log"] = rows
     return state
 

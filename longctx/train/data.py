@@ -132,11 +132,15 @@ class DataConfig:
             raise DataError("curriculum steps must increase")
         bad = [t for t, _ in self.tasks if t not in TASKS]
         if bad:
-            raise DataError(f"unknown task {bad[0]!r}")
-        if any(not w >= 0.0 for _, w in self.tasks) or not sum(w for _, w in self.tasks) > 0.0:
-            raise DataError("task weights must be >= 0 with at least one above 0")
+            raise DataError(f"unknown task {bad[0]!r} (the tasks: {', '.join(TASKS)})")
+        if any(not 0.0 <= w < math.inf for _, w in self.tasks) or not sum(w for _, w in self.tasks) > 0.0:
+            raise DataError("task weights must be finite and >= 0 with at least one above 0")
         if any(s < 64 for _, s in self.curriculum):
             raise DataError("sequence lengths must be at least 64")
+        if self.tokens_per_step < 1:
+            raise DataError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
+        if not (0.0 <= self.text_fraction <= 1.0 and 0.0 <= self.copy_fraction <= 1.0):
+            raise DataError("text_fraction and copy_fraction must each be in [0, 1]")
         if self.pose_max < 0 or not 0.0 <= self.pose_prob <= 1.0 or self.pose_chunks < 2:
             raise DataError("PoSE needs pose_max >= 0, 0 <= pose_prob <= 1 and pose_chunks >= 2")
         if not 0.0 <= self.pose_far <= 1.0:
@@ -203,8 +207,8 @@ def parse_task_weights(text: str) -> tuple[tuple[str, float], ...]:
             weight = float(w)
         except ValueError:
             weight = -1.0
-        if not sep or not name.strip() or not weight >= 0.0:
-            raise DataError(f"task weights {text!r}: expected TASK=WEIGHT,... with weights >= 0")
+        if not sep or not name.strip() or not 0.0 <= weight < math.inf:
+            raise DataError(f"task weights {text!r}: expected TASK=WEIGHT,... with finite weights >= 0")
         weights[name.strip()] = weight
     return tuple(weights.items())
 
@@ -401,6 +405,13 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
     at = bytes(i if i < NUM_BYTES else _NOT_A_VALUE_BYTE for i in prompt).rfind(value)
     needle = list(range(at, at + len(value))) if at >= 0 else []
     return ids, kinds, task, needle
+
+
+def check_retrieval_fits(cfg: DataConfig) -> None:
+    """DataError now, not at the first batch (perhaps in a DataLoader worker), when the curriculum's
+    shortest length holds no retrieval sample and the mix draws retrieval rows."""
+    if cfg.copy_fraction + cfg.text_fraction < 1.0:
+        _retrieval(random.Random(cfg.seed), cfg, min(s for _, s in cfg.curriculum))
 
 
 def make_row(cfg: DataConfig, step: int, row: int, S: int) -> tuple[list[int], list[int], str, list[int]]:

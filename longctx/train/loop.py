@@ -16,7 +16,9 @@ import dataclasses
 import json
 import math
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +31,13 @@ from tqdm import tqdm
 from longctx.config import ModelConfig, with_selection
 from longctx.errors import ConfigError
 from longctx.train.checkpoint import (
+    check_out_dir,
     load_model_weights,
     read_training,
     restore_moments,
     save_training,
 )
-from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, collate
+from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, check_retrieval_fits, collate
 from longctx.train.model import (
     _FUSED_FROM,
     NEEDLE_FORMS,
@@ -343,9 +346,16 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
+    try:
+        dev: torch.device | None = torch.device(spec)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' requested but CUDA is not available")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device {spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 
@@ -605,6 +615,93 @@ def next_length(cfg: TrainConfig, realized: tuple[tuple[int, int], ...]) -> int 
     return planned[len(realized)] if len(realized) < len(planned) else None
 
 
+def check_config(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """Refuse (ConfigError, one line) a recipe that cannot train `mcfg`, before any work: a bad choice, a
+    number out of its range (NaN and inf included), rows longer than the model's positions."""
+    for name, choices in (
+        ("sparse_attention", SPARSE_ATTENTION_FORMS),
+        ("select", SELECT_FORMS),
+        ("select_dot", SELECT_DOTS),
+        ("needle_form", NEEDLE_FORMS),
+        ("train_only", ("all", "indexer")),
+        ("save_dtype", ("bfloat16", "float32")),
+    ):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+    for name, lo in (
+        ("steps", 0),
+        ("warmup_steps", 0),
+        ("dense_warmup_steps", 0),
+        ("kl_rows", 1),
+        ("kl_local", 0),
+        ("save_every", 1),
+        ("log_every", 1),
+        ("print_every", 0),
+        ("num_workers", 0),
+        ("advance_window", 1),
+        ("advance_min_steps", 0),
+        ("eval_samples", 0),
+    ):
+        if getattr(cfg, name) < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {getattr(cfg, name)}")
+    for name in ("lm_weight", "kl_weight", "needle_weight", "lead_weight"):
+        if not 0.0 <= getattr(cfg, name) < math.inf:
+            raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(cfg, name)}")
+    if not 0.0 < cfg.lr < math.inf:
+        raise ConfigError(f"lr must be a finite number > 0, got {cfg.lr}")
+    if cfg.max_minutes is not None and not 0.0 < cfg.max_minutes < math.inf:
+        raise ConfigError(f"max_minutes must be a finite number > 0, got {cfg.max_minutes}")
+    for name in ("advance_exact", "long_topk_prob"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise ConfigError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
+    if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):
+        raise ConfigError(
+            f"long_topk needs a top-k >= 1 from a row length >= 1, got {cfg.long_topk} from {cfg.long_topk_from}"
+        )
+    if cfg.long_topk_from and cfg.long_topk <= mcfg.index_local_window:
+        raise ConfigError(
+            f"long_topk ({cfg.long_topk}) must be larger than the model's index_local_window "
+            f"({mcfg.index_local_window}): the window is part of the top-k"
+        )
+    evals = cfg.eval_lengths if cfg.eval_samples else ()
+    if any(n < 1 for n in evals):
+        raise ConfigError(f"eval_lengths must be >= 1, got {cfg.eval_lengths}")
+    longest = max(*(s for _, s in cfg.data.curriculum), cfg.data.pose_max, *evals)
+    if longest > mcfg.max_position_embeddings:
+        raise ConfigError(
+            f"rows of {longest} positions (curriculum, pose_max or eval_lengths) exceed the model's "
+            f"max_position_embeddings ({mcfg.max_position_embeddings})"
+        )
+    check_retrieval_fits(cfg.data)
+    if cfg.resume and cfg.init_from:
+        raise ConfigError("resume and init_from exclude each other (a resumed run has its own weights)")
+    if cfg.resume and cfg.capitals_from_lowercase:
+        # (the resumed run's capitals are its own trained rows: copying a-z over them would undo them)
+        raise ConfigError("capitals_from_lowercase applies to init_from only, not to a resumed run")
+    if cfg.capitals_from_lowercase and not cfg.init_from:
+        raise ConfigError("capitals_from_lowercase needs init_from (trained lowercase rows to copy)")
+
+
+class StopOnInterrupt:
+    """The SIGINT (Ctrl-C) handler `train` installs. While `armed` (the loop and its final save) the first
+    Ctrl-C asks the loop to stop after the step in progress, the run then saving as at a deadline; a second
+    one, or one while not armed, interrupts at once (KeyboardInterrupt; saves are atomic)."""
+
+    def __init__(self) -> None:
+        self.armed = self.requested = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.armed or self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("interrupted: saving after this step (Ctrl-C again: quit unsaved)", file=sys.stderr, flush=True)
+
+
+def _ignore_sigint(worker: int) -> None:
+    """DataLoader workers leave Ctrl-C to the main process (a worker it killed would fail the next batch)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -614,7 +711,21 @@ class _null:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training; saves to cfg.out. Returns a summary dict (also written as summary.json)."""
+    """Run (or resume) training; saves to cfg.out. Returns a summary dict (also written as summary.json);
+    its `stopped` is "interrupted" after a Ctrl-C (`StopOnInterrupt`), the steps trained before it saved."""
+    stop = StopOnInterrupt()
+    # only over Python's default handler: not where SIGINT is ignored (a background job) or already handled
+    ours = threading.current_thread() is threading.main_thread()
+    ours = ours and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    prev = signal.signal(signal.SIGINT, stop) if ours else None
+    try:
+        return _train(cfg, stop)
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, prev)
+
+
+def _train(cfg: TrainConfig, stop: StopOnInterrupt) -> dict[str, Any]:
     t_start = _monotonic()
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -639,33 +750,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # the layers an fp8 cache keeps exact go on with the weights too (--kv-fp8 trains them so, and
         # the saved model is served so)
         mcfg = dataclasses.replace(mcfg, kv_fp8_skip_layers=src.kv_fp8_skip_layers)
+    check_config(cfg, mcfg)
+    check_out_dir(cfg.out, cfg.resume)
     save_dtype = getattr(torch, cfg.save_dtype)
-
-    if cfg.sparse_attention not in SPARSE_ATTENTION_FORMS:
-        raise ConfigError(
-            f"sparse_attention must be one of {SPARSE_ATTENTION_FORMS}, got {cfg.sparse_attention!r}"
-        )
-    if cfg.select not in SELECT_FORMS:
-        raise ConfigError(f"select must be one of {SELECT_FORMS}, got {cfg.select!r}")
-    if cfg.select_dot not in SELECT_DOTS:
-        raise ConfigError(f"select_dot must be one of {SELECT_DOTS}, got {cfg.select_dot!r}")
-    if cfg.needle_form not in NEEDLE_FORMS:
-        raise ConfigError(f"needle_form must be one of {NEEDLE_FORMS}, got {cfg.needle_form!r}")
-    if not cfg.lead_weight >= 0:
-        raise ConfigError(f"lead_weight must be >= 0, got {cfg.lead_weight}")
-    if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):
-        raise ConfigError(
-            f"long_topk needs a top-k >= 1 from a row length >= 1, got {cfg.long_topk} from {cfg.long_topk_from}"
-        )
-    if cfg.long_topk_from and cfg.long_topk <= mcfg.index_local_window:
-        raise ConfigError(
-            f"long_topk ({cfg.long_topk}) must be larger than the model's index_local_window "
-            f"({mcfg.index_local_window}): the window is part of the top-k"
-        )
-    if cfg.kl_local < 0:
-        raise ConfigError(f"kl_local must be >= 0, got {cfg.kl_local}")
-    if not 0.0 <= cfg.long_topk_prob <= 1.0:
-        raise ConfigError(f"long_topk_prob must be in [0, 1], got {cfg.long_topk_prob}")
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
     model.select_form = cfg.select
@@ -674,9 +761,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model.index_fp8 = cfg.index_fp8
     start, log_rows = 0, []
     state = None
-    if cfg.resume and cfg.capitals_from_lowercase:
-        # (the resumed run's capitals are its own trained rows: copying a-z over them would undo them)
-        raise ConfigError("capitals_from_lowercase applies to init_from only, not to a resumed run")
     if cfg.resume:
         state = read_training(cfg.resume)
         start, log_rows = int(state["step"]), state["log"]
@@ -685,12 +769,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         load_model_weights(model, cfg.init_from, torch.device("cpu"))
         if cfg.capitals_from_lowercase:
             capitals_from_lowercase(model)
-    elif cfg.capitals_from_lowercase:
-        raise ConfigError("capitals_from_lowercase needs init_from (trained lowercase rows to copy)")
     else:
         model.init_weights(cfg.seed)
-    if cfg.train_only not in ("all", "indexer"):
-        raise ConfigError(f"train_only must be 'all' or 'indexer', got {cfg.train_only!r}")
     if cfg.train_only == "indexer":
         for name, p in model.named_parameters():
             p.requires_grad_(p.requires_grad and ".indexer." in name)
@@ -729,6 +809,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             pin_memory=device.type == "cuda",  # asynchronous host-to-device copies (Batch.pin_memory)
             prefetch_factor=4 if device.type == "cuda" and cfg.num_workers else None,
             persistent_workers=False,
+            worker_init_fn=_ignore_sigint,
         )
 
     def step_or_none(batch: Batch, step: int) -> dict[str, torch.Tensor] | None:
@@ -749,12 +830,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     pose = [0, 0, 0]
     stopped = "steps"
     model.train()
+    stop.armed = True
     loader: torch.utils.data.DataLoader | None = make_loader(start)
     while loader is not None:
         advanced = False
         for batch in loader:
             if deadline is not None and _monotonic() + eval_reserve >= deadline:
                 stopped = "deadline"
+                break
+            if stop.requested:
+                stopped = "interrupted"
                 break
             lr = lr_at(cfg, step)
             metrics = step_or_none(batch, step)
@@ -837,6 +922,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         print(json.dumps({"oom": stopped}), flush=True)
         free_after_oom(model, device)
     save_training(out, model, opt, step, recipe, log_rows, save_dtype, cfg.save_momentum)
+    stop.armed = False
+    if stop.requested:
+        stopped = "interrupted"
     train_s = _monotonic() - t_start
     summary: dict[str, Any] = {
         "steps_done": step - start,
@@ -849,7 +937,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "out": str(out),
         "device": str(device),
     }
-    if cfg.eval_samples:
+    if cfg.eval_samples and not stop.requested:
         from longctx.train.evaluate import niah_eval
 
         del opt
