@@ -33,8 +33,10 @@ from longctx.engine.request import (
     SamplingParams,
     StepOutput,
     TokenLogprob,
+    as_token_ids,
     check_token_ids,
     find_stop,
+    is_int,
 )
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
@@ -443,12 +445,13 @@ class Engine:
     # ---- documents (long-document QA) ----------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
         """Prefill a document once and pin its pages in the prefix cache."""
+        ids = as_token_ids(token_ids, "token_ids")
         rid = f"doc-{next(self._ids)}"
-        req = Request(rid, list(token_ids), SamplingParams(max_new_tokens=0))
+        req = Request(rid, ids, SamplingParams(max_new_tokens=0))
         self._run_to_completion([req], desc="document")
         # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
-        self._documents[rid] = self.prefix_cache.pin_prefix(token_ids)
-        return rid, len(token_ids)
+        self._documents[rid] = self.prefix_cache.pin_prefix(ids)
+        return rid, len(ids)
 
     def unpin_document(self, doc_id: str) -> None:
         keys = self._documents.pop(doc_id, None)
@@ -459,7 +462,7 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------------
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every position of `token_ids`, through the paged sparse path."""
-        ids = list(token_ids)
+        ids = as_token_ids(token_ids, "token_ids")
         req = Request(f"score-{next(self._ids)}", ids, SamplingParams(max_new_tokens=0), return_logits=True)
         self._run_to_completion([req], desc="score")
         return torch.cat([t.float() for t in req.logits], dim=0)
@@ -486,32 +489,38 @@ class Engine:
         """Generate for a batch of prompts (token-id lists or strings); one Completion each. The
         penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
         top-N alternatives of each generated / prompt token) are `SamplingParams`'."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise RequestError("prompts must be a list of prompts (token-id lists or strings)")
-        stop_ids = tuple(s for s in (stop or []) if isinstance(s, int))
-        stop_str = tuple(s for s in (stop or []) if isinstance(s, str))
+        if not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int)):
+            raise RequestError("prompts must be a list of prompts (token-id lists or strings)", "prompt")
+        # a bare string is one stop string, as in vLLM and OpenAI's API (it was one per character)
+        stops: Any = [stop] if isinstance(stop, str | int) else stop or []
+        if not isinstance(stops, list | tuple):
+            raise RequestError(f"stop must be a list of stop strings and token ids, got {stop!r}", "stop")
+        if not isinstance(logit_bias or {}, dict):
+            raise RequestError("logit_bias must be a dict of token id -> bias", "logit_bias")
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=tuple(s for s in stops if is_int(s)),
+            stop=tuple(s for s in stops if not is_int(s)),  # (validate refuses what is not a string)
+            ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            min_p=min_p,
+            logit_bias=tuple((logit_bias or {}).items()),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        params.validate()  # before any prompt is read (each request's are checked again as it is added)
         reqs = []
         for i, p in enumerate(prompts):
-            ids: list[int] = self.encode(p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
-            params = SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=None if seed is None else seed + i,
-                stop_token_ids=stop_ids,
-                stop=stop_str,
-                ignore_eos=ignore_eos,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                repetition_penalty=repetition_penalty,
-                min_tokens=min_tokens,
-                min_p=min_p,
-                logit_bias=tuple(sorted((logit_bias or {}).items())),
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
-            reqs.append(Request(f"gen-{next(self._ids)}", ids, params))
+            ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
+            one = params if seed is None else dataclasses.replace(params, seed=seed + i)
+            reqs.append(Request(f"gen-{next(self._ids)}", ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 
