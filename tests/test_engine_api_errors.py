@@ -7,9 +7,46 @@ import numpy as np
 import pytest
 import torch
 
+from longctx import Engine
+from longctx.engine.engine import _resolve_device
 from longctx.engine.request import Request, SamplingParams
-from longctx.errors import RequestError
+from longctx.errors import ConfigError, RequestError
 from tests.conftest import rand_ids
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_running": 0},  # (generate waited forever)
+        {"max_running": -1},
+        {"max_queue": 0},  # (every request was refused as a full queue)
+        {"kv_pages": 0},  # (read as the default)
+        {"kv_pages": 2.5},  # (failed in the pool's allocation)
+        {"chunk_size": "8"},
+        {"max_context": 1.5},
+        {"max_context": None},
+        {"pp": "1"},
+        {"tp": 1.0},
+        {"hisparse_device_tokens": "64"},
+        {"prefill_form": "bogus"},  # (ran as "absorbed")
+    ],
+)
+def test_bad_engine_arguments_are_refused_before_the_model_is_read(kw):
+    name = next(iter(kw))
+    with pytest.raises(ConfigError, match=name):  # (the model dir does not exist: nothing was read)
+        Engine("/nonexistent/model", device="cpu", **kw)
+
+
+def test_a_device_that_is_not_cpu_or_an_existing_gpu_is_refused(monkeypatch):
+    for bad in ("meta", "mps"):  # (meta failed as a checkpoint missing every tensor; mps in the model build)
+        with pytest.raises(ConfigError, match="device must be"):
+            _resolve_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="'cuda:3': there are 1 CUDA devices"):
+        _resolve_device("cuda:3")
+    with pytest.raises(ConfigError, match="model_dir must be a path"):
+        Engine(None, device="cpu")
 
 
 @pytest.mark.parametrize(

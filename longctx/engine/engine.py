@@ -67,10 +67,23 @@ def _resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):  # ('meta' failed as a checkpoint missing every tensor)
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' requested but CUDA is not available")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
     return dev
+
+
+def _check_sizes(sizes: dict[str, object], optional: dict[str, object]) -> None:
+    """Each value a positive int (not a bool), those of `optional` None too; checked before anything is
+    loaded (0 or -1 running slots left generate() waiting forever, a float page count failed deep in
+    the pool's allocation, kv_pages=0 was read as the default)."""
+    for name, v in {**sizes, **optional}.items():
+        if not (is_int(v) and v >= 1) and not (v is None and name in optional):
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
 def _device_fed(p: PendingRows) -> bool:
@@ -161,6 +174,25 @@ class Engine:
         index_topk_long_from: int | None = None,
         kv_fp8_skip_layers: Sequence[int] | None = None,
     ) -> None:
+        if not isinstance(model_dir, str | os.PathLike):
+            raise ConfigError(f"model_dir must be a path, got {model_dir!r}")
+        # (hisparse_device_tokens: None is no cap; 0 read as "no cap" before, while -1 was an error)
+        _check_sizes(
+            {
+                "pp": pp,
+                "tp": tp,
+                "max_context": max_context,
+                "max_running": max_running,
+                "max_queue": max_queue,
+            },
+            {
+                "kv_pages": kv_pages,
+                "chunk_size": chunk_size,
+                "hisparse_device_tokens": hisparse_device_tokens,
+            },
+        )
+        if prefill_form not in ("auto", "expanded", "absorbed"):
+            raise ConfigError(f"prefill_form must be 'auto', 'expanded' or 'absorbed', got {prefill_form!r}")
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
         # (the same weights selecting otherwise: a wider or narrower top-k, another window, a narrowing)
@@ -179,8 +211,6 @@ class Engine:
         self.kv_kinds = resolve_kv_kinds(kv_dtype, self.device, skip)
         self.kv_kind = self.kv_kinds.base
         self.use_triton = _use_triton(backend, self.device)
-        if max_context < 1:
-            raise ConfigError("max_context must be positive")
         # (a larger top-k selects nothing more, and its [tokens, index_topk] buffers ran out of memory)
         if index_topk is not None and index_topk > max_context:
             raise ConfigError(
@@ -188,20 +218,12 @@ class Engine:
             )
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)
-        if chunk_size is not None and chunk_size < 1:
-            raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
-        if hisparse_device_tokens is not None and (
-            isinstance(hisparse_device_tokens, bool) or hisparse_device_tokens < 1
-        ):  # (0 read as "no cap" before, while -1 was an error)
-            raise ConfigError(
-                f"hisparse_device_tokens must be a positive number of tokens (None: no cap), got {hisparse_device_tokens}"
-            )
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
         self._closed = False
 
-        num_pages = kv_pages or self._default_pages(max_context)
+        num_pages = self._default_pages(max_context) if kv_pages is None else kv_pages
         if pp == 1 and tp == 1:
             self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs, max_running)
         else:
