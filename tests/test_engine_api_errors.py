@@ -157,3 +157,14 @@ def test_a_bad_request_added_while_others_run_leaves_them_intact(eng):
 
     want = run(False)
     assert run(True) == want and len(want["a"]) == len(want["b"]) == 8
+
+
+def test_generate_does_not_collide_with_a_step_api_request_id(eng):
+    """A step-API request named like generate's own ("gen-N") made generate() fail as a duplicate id."""
+    rid = f"gen-{next(eng._ids) + 1}"  # the id generate would take next
+    eng.add_request(Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    assert len(eng.generate([[4, 5, 6]], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2
+    outs = [o for o in eng.step() if o.rid == rid]
+    while eng.has_work():
+        outs += [o for o in eng.step() if o.rid == rid]
+    assert sum(len(o.new_token_ids) for o in outs) == 2 and outs[-1].finished

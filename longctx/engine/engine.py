@@ -464,11 +464,18 @@ class Engine:
                 return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP)
         return out
 
+    def _new_rid(self, kind: str) -> str:
+        """An id for a blocking call's request that no request in the engine has (a step-API caller's
+        "gen-0" made generate() fail as a duplicate)."""
+        while (rid := f"{kind}-{next(self._ids)}") in self._requests:
+            pass
+        return rid
+
     # ---- documents (long-document QA) ----------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
         """Prefill a document once and pin its pages in the prefix cache."""
         ids = as_token_ids(token_ids, "token_ids")
-        rid = f"doc-{next(self._ids)}"
+        rid = self._new_rid("doc")
         req = Request(rid, ids, SamplingParams(max_new_tokens=0))
         self._run_to_completion([req], desc="document")
         # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
@@ -485,7 +492,7 @@ class Engine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every position of `token_ids`, through the paged sparse path."""
         ids = as_token_ids(token_ids, "token_ids")
-        req = Request(f"score-{next(self._ids)}", ids, SamplingParams(max_new_tokens=0), return_logits=True)
+        req = Request(self._new_rid("score"), ids, SamplingParams(max_new_tokens=0), return_logits=True)
         self._run_to_completion([req], desc="score")
         return torch.cat([t.float() for t in req.logits], dim=0)
 
@@ -542,7 +549,7 @@ class Engine:
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
             one = params if seed is None else dataclasses.replace(params, seed=seed + i)
-            reqs.append(Request(f"gen-{next(self._ids)}", ids, one))
+            reqs.append(Request(self._new_rid("gen"), ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 
