@@ -60,8 +60,10 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**63):
-            raise RequestError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        # (a negative seed drew what seed + 2**63 does; a larger one is taken modulo 2**63, as the HTTP
+        # server's seed + choice index may be past its own limit of 2**63 - 1)
+        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
+            raise RequestError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not (is_int(v) and 0 <= v <= 20):
