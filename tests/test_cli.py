@@ -99,7 +99,8 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
         (["generate", *CPU, "--logprobs", "2", "hi"], "--logprobs / --prompt-logprobs need --json"),
         (["generate", *CPU, "--min-tokens", "9", "--max-new-tokens", "4", "hi"], "min_tokens must be"),
         (["score", *CPU, ""], "the prompt is empty"),
-        (["generate", *CPU, "--chunk-size", "-3", "hi"], "chunk_size must be positive"),  # (was a hang)
+        (["generate", *CPU, "--chunk-size", "-3", "hi"], "chunk_size must be a positive int"),  # (was a hang)
+        (["generate", *CPU, "--seed", "-1", "hi"], "seed must be a non-negative integer"),
         (["generate", *CPU, "--stop", "", "hi"], "stop strings must not be empty"),
         (
             ["init-model", "--config", "tiny", "--out", "/nonexistent/m", "--init-std", "nan"],

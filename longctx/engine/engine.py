@@ -33,8 +33,10 @@ from longctx.engine.request import (
     SamplingParams,
     StepOutput,
     TokenLogprob,
+    as_token_ids,
     check_token_ids,
     find_stop,
+    is_int,
 )
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
@@ -65,10 +67,23 @@ def _resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):  # ('meta' failed as a checkpoint missing every tensor)
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' requested but CUDA is not available")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
     return dev
+
+
+def _check_sizes(sizes: dict[str, object], optional: dict[str, object]) -> None:
+    """Each value a positive int (not a bool), those of `optional` None too; checked before anything is
+    loaded (0 or -1 running slots left generate() waiting forever, a float page count failed deep in
+    the pool's allocation, kv_pages=0 was read as the default)."""
+    for name, v in {**sizes, **optional}.items():
+        if not (is_int(v) and v >= 1) and not (v is None and name in optional):
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
 def _device_fed(p: PendingRows) -> bool:
@@ -159,6 +174,25 @@ class Engine:
         index_topk_long_from: int | None = None,
         kv_fp8_skip_layers: Sequence[int] | None = None,
     ) -> None:
+        if not isinstance(model_dir, str | os.PathLike):
+            raise ConfigError(f"model_dir must be a path, got {model_dir!r}")
+        # (hisparse_device_tokens: None is no cap; 0 read as "no cap" before, while -1 was an error)
+        _check_sizes(
+            {
+                "pp": pp,
+                "tp": tp,
+                "max_context": max_context,
+                "max_running": max_running,
+                "max_queue": max_queue,
+            },
+            {
+                "kv_pages": kv_pages,
+                "chunk_size": chunk_size,
+                "hisparse_device_tokens": hisparse_device_tokens,
+            },
+        )
+        if prefill_form not in ("auto", "expanded", "absorbed"):
+            raise ConfigError(f"prefill_form must be 'auto', 'expanded' or 'absorbed', got {prefill_form!r}")
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
         # (the same weights selecting otherwise: a wider or narrower top-k, another window, a narrowing)
@@ -177,8 +211,6 @@ class Engine:
         self.kv_kinds = resolve_kv_kinds(kv_dtype, self.device, skip)
         self.kv_kind = self.kv_kinds.base
         self.use_triton = _use_triton(backend, self.device)
-        if max_context < 1:
-            raise ConfigError("max_context must be positive")
         # (a larger top-k selects nothing more, and its [tokens, index_topk] buffers ran out of memory)
         if index_topk is not None and index_topk > max_context:
             raise ConfigError(
@@ -186,20 +218,12 @@ class Engine:
             )
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)
-        if chunk_size is not None and chunk_size < 1:
-            raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
-        if hisparse_device_tokens is not None and (
-            isinstance(hisparse_device_tokens, bool) or hisparse_device_tokens < 1
-        ):  # (0 read as "no cap" before, while -1 was an error)
-            raise ConfigError(
-                f"hisparse_device_tokens must be a positive number of tokens (None: no cap), got {hisparse_device_tokens}"
-            )
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
         self._closed = False
 
-        num_pages = kv_pages or self._default_pages(max_context)
+        num_pages = self._default_pages(max_context) if kv_pages is None else kv_pages
         if pp == 1 and tp == 1:
             self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs, max_running)
         else:
@@ -440,15 +464,23 @@ class Engine:
                 return dataclasses.replace(out, finished=True, finish_reason=FinishReason.STOP)
         return out
 
+    def _new_rid(self, kind: str) -> str:
+        """An id for a blocking call's request that no request in the engine has (a step-API caller's
+        "gen-0" made generate() fail as a duplicate)."""
+        while (rid := f"{kind}-{next(self._ids)}") in self._requests:
+            pass
+        return rid
+
     # ---- documents (long-document QA) ----------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
         """Prefill a document once and pin its pages in the prefix cache."""
-        rid = f"doc-{next(self._ids)}"
-        req = Request(rid, list(token_ids), SamplingParams(max_new_tokens=0))
+        ids = as_token_ids(token_ids, "token_ids")
+        rid = self._new_rid("doc")
+        req = Request(rid, ids, SamplingParams(max_new_tokens=0))
         self._run_to_completion([req], desc="document")
         # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
-        self._documents[rid] = self.prefix_cache.pin_prefix(token_ids)
-        return rid, len(token_ids)
+        self._documents[rid] = self.prefix_cache.pin_prefix(ids)
+        return rid, len(ids)
 
     def unpin_document(self, doc_id: str) -> None:
         keys = self._documents.pop(doc_id, None)
@@ -459,8 +491,8 @@ class Engine:
     # ---- public API ------------------------------------------------------------------------------
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every position of `token_ids`, through the paged sparse path."""
-        ids = list(token_ids)
-        req = Request(f"score-{next(self._ids)}", ids, SamplingParams(max_new_tokens=0), return_logits=True)
+        ids = as_token_ids(token_ids, "token_ids")
+        req = Request(self._new_rid("score"), ids, SamplingParams(max_new_tokens=0), return_logits=True)
         self._run_to_completion([req], desc="score")
         return torch.cat([t.float() for t in req.logits], dim=0)
 
@@ -486,32 +518,38 @@ class Engine:
         """Generate for a batch of prompts (token-id lists or strings); one Completion each. The
         penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
         top-N alternatives of each generated / prompt token) are `SamplingParams`'."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise RequestError("prompts must be a list of prompts (token-id lists or strings)")
-        stop_ids = tuple(s for s in (stop or []) if isinstance(s, int))
-        stop_str = tuple(s for s in (stop or []) if isinstance(s, str))
+        if not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int)):
+            raise RequestError("prompts must be a list of prompts (token-id lists or strings)", "prompt")
+        # a bare string is one stop string, as in vLLM and OpenAI's API (it was one per character)
+        stops: Any = [stop] if isinstance(stop, str | int) else stop or []
+        if not isinstance(stops, list | tuple):
+            raise RequestError(f"stop must be a list of stop strings and token ids, got {stop!r}", "stop")
+        if not isinstance(logit_bias or {}, dict):
+            raise RequestError("logit_bias must be a dict of token id -> bias", "logit_bias")
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=tuple(s for s in stops if is_int(s)),
+            stop=tuple(s for s in stops if not is_int(s)),  # (validate refuses what is not a string)
+            ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            min_p=min_p,
+            logit_bias=tuple((logit_bias or {}).items()),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        params.validate()  # before any prompt is read (each request's are checked again as it is added)
         reqs = []
         for i, p in enumerate(prompts):
-            ids: list[int] = self.encode(p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
-            params = SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                seed=None if seed is None else seed + i,
-                stop_token_ids=stop_ids,
-                stop=stop_str,
-                ignore_eos=ignore_eos,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                repetition_penalty=repetition_penalty,
-                min_tokens=min_tokens,
-                min_p=min_p,
-                logit_bias=tuple(sorted((logit_bias or {}).items())),
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
-            reqs.append(Request(f"gen-{next(self._ids)}", ids, params))
+            ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
+            one = params if seed is None else dataclasses.replace(params, seed=seed + i)
+            reqs.append(Request(self._new_rid("gen"), ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from longctx.errors import RequestError
 
@@ -48,47 +50,70 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+        """RequestError naming the first bad field (of a wrong type too: a bool, a string or a float seed
+        passed here would only fail inside a step, taking the batch's other requests with it)."""
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not is_real(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        # (a negative seed drew what seed + 2**63 does; a larger one is taken modulo 2**63, as the HTTP
+        # server's seed + choice index may be past its own limit of 2**63 - 1)
+        if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
+            raise RequestError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, int) and 0 <= v <= 20):
+            if v is not None and not (is_int(v) and 0 <= v <= 20):
                 raise RequestError(f"{name} must be between 0 and 20, got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and -2.0 <= v <= 2.0):
+            if not (is_real(v) and -2.0 <= v <= 2.0):
                 raise RequestError(f"{name} must be between -2 and 2, got {v!r}")
         rp = self.repetition_penalty
-        if not (isinstance(rp, (int, float)) and math.isfinite(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
+        if not (is_real(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
             raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise RequestError(
                 f"min_tokens must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_tokens!r}"
             )
-        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+        if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if any(not s for s in self.stop):  # (it would end every generation at once, as vLLM refuses it)
-            raise RequestError("stop strings must not be empty")
+        if isinstance(self.stop, str):  # (it was read as one stop string per character)
+            raise RequestError(f"stop must be a list of strings, not one string ({self.stop!r})")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise RequestError(f"stop: {s!r} is not a string")
+            if not s:  # (it would end every generation at once, as vLLM refuses it)
+                raise RequestError("stop strings must not be empty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
         for tok, bias in self.logit_bias:
-            if not isinstance(tok, int) or tok < 0:
+            if not is_int(tok) or tok < 0:
                 raise RequestError(f"logit_bias: token ids must be non-negative integers, got {tok!r}")
-            if not (isinstance(bias, (int, float)) and -100.0 <= bias <= 100.0):
+            if not (is_real(bias) and -100.0 <= bias <= 100.0):
                 raise RequestError(f"logit_bias: token {tok}'s bias must be in [-100, 100], got {bias!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise RequestError("logit_bias: a token appears twice")
 
 
+def is_int(v: object) -> TypeGuard[int]:
+    """An int and not a bool (True would reach torch.topk as a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_real(v: object) -> TypeGuard[float]:
+    """A finite int or float, not a bool."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def check_token_ids(req: Request, vocab_size: int) -> None:
     """Every token id a request names (prompt, stop tokens, logit_bias) inside [0, vocab_size)."""
+    if not isinstance(req.prompt_ids, list):  # (a tuple failed in the step joining it to the output)
+        raise RequestError(f"prompt_ids must be a list, got {type(req.prompt_ids).__name__}", "prompt")
     p = req.params
     for param, what, ids in (
         ("prompt", "token id", req.prompt_ids),
@@ -96,8 +121,22 @@ def check_token_ids(req: Request, vocab_size: int) -> None:
         ("logit_bias", "logit_bias: token id", [t for t, _ in p.logit_bias]),
     ):
         for t in ids:
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
+            if type(t) is not int or not 0 <= t < vocab_size:  # (not a bool; as fast as isinstance)
                 raise RequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab_size})", param)
+
+
+def as_token_ids(ids: object, name: str) -> list[int]:
+    """A caller's token ids (a list, a tuple, a numpy array, a torch tensor... of integers) as a list of ints;
+    RequestError naming `name` for anything else (a string, a float, a nested list)."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise RequestError(f"{name} must be a list of token ids, got {type(ids).__name__}", "prompt")
+    out = []
+    for t in ids:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise RequestError(f"{name}: token id {t!r} is not an integer", "prompt") from None
+    return out
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0, floor: int = 0) -> int | None:

@@ -1,0 +1,178 @@
+"""The Python API's bad input: a one-line RequestError / ConfigError naming the argument, raised before any
+work, and nothing already in the engine disturbed (a bad request added while others run)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.engine.engine import _resolve_device
+from longctx.engine.request import Request, SamplingParams
+from longctx.errors import ConfigError, RequestError
+from tests.conftest import rand_ids
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_running": 0},  # (generate waited forever)
+        {"max_running": -1},
+        {"max_queue": 0},  # (every request was refused as a full queue)
+        {"kv_pages": 0},  # (read as the default)
+        {"kv_pages": 2.5},  # (failed in the pool's allocation)
+        {"chunk_size": "8"},
+        {"max_context": 1.5},
+        {"max_context": None},
+        {"pp": "1"},
+        {"tp": 1.0},
+        {"hisparse_device_tokens": "64"},
+        {"prefill_form": "bogus"},  # (ran as "absorbed")
+    ],
+)
+def test_bad_engine_arguments_are_refused_before_the_model_is_read(kw):
+    name = next(iter(kw))
+    with pytest.raises(ConfigError, match=name):  # (the model dir does not exist: nothing was read)
+        Engine("/nonexistent/model", device="cpu", **kw)
+
+
+def test_a_device_that_is_not_cpu_or_an_existing_gpu_is_refused(monkeypatch):
+    for bad in ("meta", "mps"):  # (meta failed as a checkpoint missing every tensor; mps in the model build)
+        with pytest.raises(ConfigError, match="device must be"):
+            _resolve_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="'cuda:3': there are 1 CUDA devices"):
+        _resolve_device("cuda:3")
+    with pytest.raises(ConfigError, match="model_dir must be a path"):
+        Engine(None, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"top_k": True}, "top_k"),  # (these four failed inside the step)
+        ({"logprobs": True}, "logprobs"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "3"}, "seed"),
+        ({"seed": -1}, "seed"),  # (drew what seed 2**63 - 1 does)
+        ({"temperature": None}, "temperature"),  # (TypeErrors)
+        ({"top_p": "0.9"}, "top_p"),
+        ({"logit_bias": {5: 1.0, "6": 1.0}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+        ({"stop": 1.5}, "stop"),
+        ({"stop": [None]}, "stop"),  # (dropped)
+        ({"stop": [True]}, "stop"),  # (token 1)
+        ({"max_new_tokens": True}, "max_new_tokens"),
+    ],
+)
+def test_bad_sampling_arguments_are_request_errors(eng, kw, says):
+    with pytest.raises(RequestError, match=says) as e:
+        eng.generate([[1, 2, 3], [4, 5]], **{"max_new_tokens": 2, "temperature": 1.0, **kw})
+    assert len(str(e.value).splitlines()) == 1
+    assert eng.num_waiting() == eng.num_running() == 0
+
+
+def test_a_seed_past_the_http_servers_limit_is_taken(eng):
+    """The server's seed + choice index (n > 1) may pass its own limit of 2**63 - 1: generators take a
+    seed modulo 2**63, so the seed past it draws what seed 0 does."""
+    kw = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    p = rand_ids(10, 64)
+    got = eng.generate([p, p], seed=2**63 - 1, **kw)[1].token_ids
+    assert got == eng.generate([p], seed=0, **kw)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda e: e.generate(None), "prompts must be a list"),
+        (lambda e: e.generate([[1, 2], 3]), r"prompts\[1\] must be a list of token ids, got int"),
+        (lambda e: e.generate([[1, 2.0]]), r"prompts\[0\]: token id 2.0 is not an integer"),
+        (lambda e: e.generate([b"hi"]), r"prompts\[0\] must be a list of token ids, got bytes"),
+        (lambda e: e.score(None), "token_ids must be a list of token ids"),
+        (lambda e: e.score("hello"), "token_ids must be a list of token ids, got str"),
+        (lambda e: e.score([[1, 2]]), r"token_ids: token id \[1, 2\] is not an integer"),
+    ],
+)
+def test_bad_prompts_are_request_errors(eng, call, says):
+    with pytest.raises(RequestError, match=says):
+        call(eng)
+    assert eng.num_waiting() == eng.num_running() == 0
+
+
+def test_numpy_and_torch_token_ids_are_token_ids(eng):
+    """(They were refused as "token id np.int64(1) is outside the vocabulary".)"""
+    p = rand_ids(20, 60)
+    want = eng.generate([p], max_new_tokens=3, ignore_eos=True)[0].token_ids
+    for q in (np.array(p), torch.tensor(p), tuple(p)):
+        assert eng.generate([q], max_new_tokens=3, ignore_eos=True)[0].token_ids == want
+    assert torch.equal(eng.score(np.array(p)), eng.score(p))
+    doc, n = eng.pin_document(t for t in p * 4)  # (a generator was read twice)
+    assert n == 80
+    eng.unpin_document(doc)
+
+
+def test_a_bare_stop_string_is_one_stop_string(eng, monkeypatch):
+    """As in vLLM and OpenAI's API (it was split into one stop string per character); a bare token id is
+    one stop token. SamplingParams itself refuses a bare string."""
+    seen = []
+    real = eng.add_request
+    monkeypatch.setattr(eng, "add_request", lambda r: (seen.append(r.params), real(r)))
+    eng.generate([[1, 2, 3]], max_new_tokens=1, stop="ab")
+    eng.generate([[1, 2, 3]], max_new_tokens=1, stop=7)
+    assert (seen[0].stop, seen[0].stop_token_ids, seen[1].stop, seen[1].stop_token_ids) == (
+        ("ab",),
+        (),
+        (),
+        (7,),
+    )
+    with pytest.raises(RequestError, match="not one string"):
+        SamplingParams(stop="ab").validate()
+
+
+def test_a_bad_request_added_while_others_run_leaves_them_intact(eng):
+    """Requests that passed add_request before and failed inside a step (taking the running requests
+    with it, or, for a tuple prompt, every later step) are refused by add_request; the running
+    requests' tokens are those of a run without them."""
+    a, b = rand_ids(40, 61), rand_ids(33, 62)
+    kw = {"max_new_tokens": 8, "ignore_eos": True}
+    bad = [
+        Request("x1", [1, 2, 3], SamplingParams(temperature=1.0, top_k=True, **kw)),
+        Request("x2", [1, 2, 3], SamplingParams(logprobs=True, **kw)),
+        Request("x3", [1, 2, 3], SamplingParams(temperature=1.0, seed=1.5, **kw)),
+        Request("x4", tuple(rand_ids(70, 63)), SamplingParams(**kw)),
+        Request("x5", [1, 2, 3], SamplingParams(stop="ab", **kw)),
+        Request("x6", [1, 2, 3], SamplingParams(stop_token_ids=(True,), **kw)),
+        Request("a", [1, 2, 3], SamplingParams(**kw)),  # a duplicate id
+    ]
+
+    def run(with_bad: bool) -> dict[str, list[int]]:
+        eng.add_request(Request("a", list(a), SamplingParams(**kw)))
+        eng.add_request(Request("b", list(b), SamplingParams(temperature=1.0, seed=3, **kw)))
+        toks: dict[str, list[int]] = {"a": [], "b": []}
+        steps = 0
+        while eng.has_work():
+            steps += 1
+            if steps == 2 and with_bad:
+                for r in bad:
+                    with pytest.raises(RequestError):
+                        eng.add_request(r)
+            for o in eng.step():
+                toks[o.rid].extend(o.new_token_ids)
+                assert o.error is None
+        return toks
+
+    want = run(False)
+    assert run(True) == want and len(want["a"]) == len(want["b"]) == 8
+
+
+def test_generate_does_not_collide_with_a_step_api_request_id(eng):
+    """A step-API request named like generate's own ("gen-N") made generate() fail as a duplicate id."""
+    rid = f"gen-{next(eng._ids) + 1}"  # the id generate would take next
+    eng.add_request(Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    assert len(eng.generate([[4, 5, 6]], max_new_tokens=2, ignore_eos=True)[0].token_ids) == 2
+    outs = [o for o in eng.step() if o.rid == rid]
+    while eng.has_work():
+        outs += [o for o in eng.step() if o.rid == rid]
+    assert sum(len(o.new_token_ids) for o in outs) == 2 and outs[-1].finished
