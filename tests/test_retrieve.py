@@ -278,6 +278,24 @@ def test_server_without_documents_falls_back_to_chat(repo, tmp_path):
     assert all(r["cited_files"] == ["src/app.py"] for r in rows)
 
 
+def test_a_second_run_into_the_same_out_is_refused(repo, tmp_path):
+    """While a run writes --out (its lock held), another into the same file stops before asking anything;
+    the kernel drops the lock with the process, and the lock file is beside --out."""
+    import fcntl
+
+    seen: list = []
+    client = HTTPClient("http://srv", transport=_server(True, seen), chat=True)
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    out = tmp_path / "a.jsonl"
+    with (tmp_path / ".a.jsonl.lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(LongctxError, match=f"another run is writing {out}; wait for it or give another"):
+            run_retrieve(pack, QUERIES, client, ByteCounter(), out)
+        assert [p for p, _ in seen if p != "/v1/models"] == [] and not out.exists()
+    run_retrieve(pack, QUERIES, client, ByteCounter(), out)  # (released)
+    assert len(read_rows(out)) == len(QUERIES)
+
+
 def test_a_failed_query_stops_the_run_and_a_rerun_resumes(repo, tmp_path, monkeypatch, capsys):
     """A question the server refuses ends the run with one line (exit 2). The answers finished by then,
     one still running included, stay in --out; the same command asks only the others and leaves every

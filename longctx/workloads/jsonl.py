@@ -3,9 +3,14 @@ finished and a rerun can resume from it."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
+
+from longctx.errors import LongctxError
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -35,3 +40,21 @@ def open_append(path: Path) -> TextIO:
             with path.open("a") as f:
                 f.write("\n")
     return path.open("a")
+
+
+@contextlib.contextmanager
+def sole_writer(lock: Path, target: Path) -> Iterator[None]:
+    """Hold the lock file `lock` while a run appends to `target`: two runs into one results file would
+    both run everything neither had found done, and write it twice (the kernel drops the lock when the
+    process ends, however it ends)."""
+    with lock.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LongctxError(
+                f"another run is writing {target}; wait for it or give another --out"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient, run_parallel
-from longctx.workloads.jsonl import open_append, read_rows
+from longctx.workloads.jsonl import open_append, read_rows, sole_writer
 from longctx.workloads.repo_pack import Pack
 from longctx.workloads.tokens import TokenCounter
 
@@ -149,11 +149,39 @@ def run_retrieve(
     Rows are appended as answers finish, so a run that stops keeps them; a rerun into the same file
     answers only the queries it does not answer yet. At the end the file holds every row in the
     input order."""
-    from tqdm import tqdm
-
-    prompting = prompting or Prompting()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with sole_writer(out.with_name(f".{out.name}.lock"), out):  # (a second run into it is refused)
+        results = _answer_all(
+            pack, queries, client, counter, out, max_new_tokens, concurrency, prompting or Prompting()
+        )
+    lat = [r["latency_s"] for r in results.values()]
+    return {
+        "queries": len(queries),
+        "mean_latency_s": sum(lat) / len(lat),
+        "files_packed": len(pack.files),
+        "files_skipped": len(pack.skipped),
+        "skipped_by_reason": pack.skipped_by_reason(),
+        "ignored": pack.ignored,
+        "context_tokens": pack.tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in results.values()),
+        "completion_tokens": sum(r["completion_tokens"] or 0 for r in results.values()),
+    }
+
+
+def _answer_all(
+    pack: Pack,
+    queries: list[dict],
+    client: Client,
+    counter: TokenCounter,
+    out: Path,
+    max_new_tokens: int,
+    concurrency: int,
+    prompting: Prompting,
+) -> dict[int, dict]:
+    """run_retrieve's rows by query index: those `out` holds, and the answers to the others."""
+    from tqdm import tqdm
+
     results = answered_before(out, queries)
     todo = [i for i in range(len(queries)) if i not in results]
     if results:
@@ -204,19 +232,7 @@ def run_retrieve(
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(results[i]) + "\n" for i in range(len(queries))))
     tmp.replace(out)
-
-    lat = [r["latency_s"] for r in results.values()]
-    return {
-        "queries": len(queries),
-        "mean_latency_s": sum(lat) / len(lat),
-        "files_packed": len(pack.files),
-        "files_skipped": len(pack.skipped),
-        "skipped_by_reason": pack.skipped_by_reason(),
-        "ignored": pack.ignored,
-        "context_tokens": pack.tokens,
-        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in results.values()),
-        "completion_tokens": sum(r["completion_tokens"] or 0 for r in results.values()),
-    }
+    return results
 
 
 def _engine_answerer(

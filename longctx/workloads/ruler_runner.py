@@ -9,8 +9,6 @@ One run at a time writes a directory: a second run into it while the first runs 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import sys
 from collections import defaultdict
@@ -20,7 +18,7 @@ from pathlib import Path
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, run_parallel
-from longctx.workloads.jsonl import open_append, read_rows
+from longctx.workloads.jsonl import open_append, read_rows, sole_writer
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, Sample
 from longctx.workloads.scoring import EFFECTIVE_THRESHOLD, METRICS, effective_length
 
@@ -103,24 +101,6 @@ def dump_samples(gen: RulerGenerator, keys: Iterable[Key], dump_dir: Path) -> in
     return len(todo)
 
 
-@contextlib.contextmanager
-def _sole_writer(out_dir: Path) -> Iterator[None]:
-    """Hold `out_dir`'s lock while a run appends to it: two runs into one directory would both run
-    every sample neither had found done, and write each twice (the kernel drops the lock when the
-    process ends, however it ends)."""
-    with (out_dir / ".ruler.lock").open("a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LongctxError(
-                f"another run is writing {out_dir}; wait for it or give another --out"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def run_samples(
     gen: RulerGenerator,
     client: Client,
@@ -131,7 +111,7 @@ def run_samples(
 ) -> int:
     """Run every key not yet in `out_dir/results.jsonl`; returns how many ran now."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _sole_writer(out_dir):
+    with sole_writer(out_dir / ".ruler.lock", out_dir):
         return _run_unlocked(gen, client, keys, out_dir, make_request, concurrency)
 
 
