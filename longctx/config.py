@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from longctx.errors import ConfigError
 
@@ -210,7 +210,7 @@ class ModelConfig:
         for names, low, what in ((_POSITIVE, 1, "a positive"), (_NON_NEGATIVE, 0, "a non-negative")):
             for name in names:
                 v = getattr(self, name)
-                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                if not is_int(v) or v < low:
                     raise ConfigError(f"{name} must be {what} integer, got {v!r}")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(
@@ -230,9 +230,7 @@ class ModelConfig:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             ids = v if isinstance(v, list | tuple) else [] if v is None else [v]
-            if not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids
-            ):
+            if not all(is_int(i) and 0 <= i < self.vocab_size for i in ids):
                 raise ConfigError(
                     f"{name} must be token ids in [0, vocab_size = {self.vocab_size}), got {v!r}"
                 )
@@ -299,16 +297,25 @@ def check_layout(cfg: ModelConfig, pp: int, tp: int) -> None:
         raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
 
 
+def is_int(v: object) -> TypeGuard[int]:
+    """An int and not a bool (True would reach torch.topk as a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_real(v: object) -> TypeGuard[float]:
+    """A finite int or float, not a bool."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _check_real(name: str, v: object, positive: bool = False) -> None:
     """A finite real number (an int or a float, not a bool or a string), > 0 if `positive`."""
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or (positive and v <= 0):  # type: ignore[operator]
+    if not is_real(v) or (positive and v <= 0):
         raise ConfigError(f"{name} must be a finite{' positive' if positive else ''} number, got {v!r}")
 
 
 def check_local_window(window: object, topk: int) -> None:
     """`index_local_window` must be an int in [0, index_topk): the window takes part of the top-k's budget."""
-    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < topk:
+    if not is_int(window) or not 0 <= window < topk:
         raise ConfigError(f"index_local_window must be an int in [0, index_topk = {topk}), got {window!r}")
 
 
@@ -318,7 +325,7 @@ def check_kv_fp8_skip_layers(layers: object, num_layers: int) -> tuple[int, ...]
     items = list(layers) if isinstance(layers, Sequence) and not isinstance(layers, str) else None
     if (
         items is None
-        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in items)
+        or not all(is_int(i) and 0 <= i < num_layers for i in items)
         or len(set(items)) != len(items)
     ):
         raise ConfigError(
@@ -332,7 +339,7 @@ def check_topk_long(cfg: ModelConfig) -> None:
     index_topk) from a position >= index_topk (a query there always has more keys than either top-k)."""
     k, start = cfg.index_topk_long, cfg.index_topk_long_from
     for name, v in (("index_topk_long", k), ("index_topk_long_from", start)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if not is_int(v) or v < 0:
             raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
     if not k and not start:
         return
@@ -361,7 +368,7 @@ def with_selection(
     if index_topk is not None:
         # every full layer selects this many tokens (a trade of attention work for what a long context
         # keeps in view)
-        if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        if not is_int(index_topk) or index_topk < 1:
             raise ConfigError(f"index_topk must be a positive int, got {index_topk!r}")
         cfg = replace(cfg, index_topk=index_topk)
     if index_local_window is not None:

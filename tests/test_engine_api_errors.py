@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longctx import Engine
-from longctx.engine.engine import _resolve_device
+from longctx.engine.engine import resolve_device
 from longctx.engine.request import Request, SamplingParams
 from longctx.errors import ConfigError, RequestError
 from tests.conftest import rand_ids
@@ -40,11 +40,11 @@ def test_bad_engine_arguments_are_refused_before_the_model_is_read(kw):
 def test_a_device_that_is_not_cpu_or_an_existing_gpu_is_refused(monkeypatch):
     for bad in ("meta", "mps"):  # (meta failed as a checkpoint missing every tensor; mps in the model build)
         with pytest.raises(ConfigError, match="device must be"):
-            _resolve_device(bad)
+            resolve_device(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="'cuda:3': there are 1 CUDA devices"):
-        _resolve_device("cuda:3")
+        resolve_device("cuda:3")
     with pytest.raises(ConfigError, match="model_dir must be a path"):
         Engine(None, device="cpu")
 

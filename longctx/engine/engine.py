@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, check_kv_fp8_skip_layers, with_selection
+from longctx.config import ModelConfig, check_kv_fp8_skip_layers, is_int, with_selection
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
@@ -36,7 +36,6 @@ from longctx.engine.request import (
     as_token_ids,
     check_token_ids,
     find_stop,
-    is_int,
 )
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
@@ -61,7 +60,8 @@ class Completion:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs=N)
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """`auto` (CUDA when present), `cpu`, `cuda` or `cuda:N` of a device this machine has; ConfigError else."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -199,7 +199,7 @@ class Engine:
         self.cfg = with_selection(
             self.cfg, index_topk, index_local_window, index_topk_long, index_topk_long_from
         )
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in DTYPES:

@@ -7,12 +7,11 @@ These are plain data: the scheduler, the engine process and the HTTP frontend al
 from __future__ import annotations
 
 import enum
-import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeGuard
 
+from longctx.config import is_int, is_real
 from longctx.errors import RequestError
 
 MAX_REPETITION_PENALTY = 100.0
@@ -98,16 +97,6 @@ class SamplingParams:
                 raise RequestError(f"logit_bias: token {tok}'s bias must be in [-100, 100], got {bias!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise RequestError("logit_bias: a token appears twice")
-
-
-def is_int(v: object) -> TypeGuard[int]:
-    """An int and not a bool (True would reach torch.topk as a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_real(v: object) -> TypeGuard[float]:
-    """A finite int or float, not a bool."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def check_token_ids(req: Request, vocab_size: int) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from longctx.config import ModelConfig, with_selection
+from longctx.engine.engine import resolve_device  # (the benches import it from here too)
 from longctx.errors import ConfigError
 from longctx.train.checkpoint import (
     check_out_dir,
@@ -341,22 +342,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
     lo = cfg.lr * cfg.min_lr_ratio
     return lo + (cfg.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev: torch.device | None = torch.device(spec)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' requested but CUDA is not available")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"device {spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
 
 
 def build_optimizer(model: TrainCausalLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
