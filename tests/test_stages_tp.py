@@ -18,7 +18,7 @@ from longctx.errors import ConfigError
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.model.context import ForwardContext
 from longctx.stages.host import HostBackedKV, open_stage_host_pool
-from longctx.stages.tp import TPShard, check_tp
+from longctx.stages.tp import TPShard
 from tests.conftest import make_checkpoint, tiny_config
 
 SHARDED = re.compile(r"(q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -87,7 +87,7 @@ def test_sharded_model_shapes(tiny_dir):
     assert model.model.layers["1"].mlp.experts.gate_up_proj.shape[0] == cfg.n_routed_experts // 2
     assert model.model.layers["0"].mlp.gate_proj.weight.shape[0] == cfg.intermediate_size // 2
     with pytest.raises(ConfigError):
-        check_tp(cfg, 3)
+        TPShard(cfg, 0, 3)
 
 
 def test_host_backup_copies_new_rows(tmp_path):

@@ -47,15 +47,11 @@ def shard_range(n: int, rank: int, tp: int) -> tuple[int, int]:
     return n * rank // tp, n * (rank + 1) // tp
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    check_layout(cfg, 1, tp)
-
-
 class TPShard:
     """One rank's shard of a stage: which rows/columns/experts it keeps."""
 
     def __init__(self, cfg: ModelConfig, rank: int, tp: int) -> None:
-        check_tp(cfg, tp)
+        check_layout(cfg, 1, tp)  # heads, experts and ranks divide as the shards assume
         if not 0 <= rank < tp:
             raise ConfigError(f"tp rank {rank} outside [0, {tp})")
         self.cfg, self.rank, self.tp = cfg, rank, tp
