@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.engine.args import SELECTION_FIELDS  # noqa: E402
+from longctx.workloads.cli_args import SELECTION_ENGINE_KW  # noqa: E402
 
 TASKS = (
     "niah_single_1",
@@ -49,7 +49,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RUN_META = "run.json"
 # run.json's keys that change how the same weights select or store: `run`'s engine flags, passed on to
 # `longctx ruler` as --index-topk ... --kv-dtype --kv-fp8-skip-layers
-SELECTION_KEYS = (*SELECTION_FIELDS, "kv_dtype", "kv_fp8_skip_layers")
+SELECTION_KEYS = SELECTION_ENGINE_KW
 # selection A/Bs set through the environment (longctx/model/indexer.py), recorded in run.json like the flags
 SELECTION_ENV = {"topk_long_decode": "LONGCTX_TOPK_LONG_DECODE"}
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too

@@ -66,6 +66,14 @@ def test_retry_after_as_an_http_date():
     assert 0.5 <= Retry().delay(0, "soon") <= 1  # unreadable: the backoff
 
 
+def test_a_short_retry_after_does_not_shorten_the_backoff():
+    """longctx's server sends Retry-After: 1 on every 429 / 503: the least wait, so ten retries still
+    wait out a long prefill or a restart (minutes), not ten seconds."""
+    assert Retry().delay(0, "1") == 1.0
+    assert 8 <= Retry().delay(4, "1") <= 16
+    assert 30 <= Retry().delay(9, "1") <= 60  # (the backoff's cap)
+
+
 @pytest.mark.parametrize(
     "status, body, shown",
     [

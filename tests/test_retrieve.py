@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -344,6 +345,111 @@ def test_a_failed_query_stops_the_run_and_a_rerun_resumes(repo, tmp_path, monkey
     (tmp_path / "q.jsonl").write_text('{"query": "Something else?"}\n')
     assert main(argv) == 2
     assert "answers queries not in this queries file" in capsys.readouterr().err
+
+
+def _serving(name: list[str], seen: list) -> httpx.MockTransport:
+    """`_server(True, seen)` serving the model named `name[0]` (changed between runs)."""
+    server = _server(True, seen)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": name[0]}]})
+        return server.handle_request(request)
+
+    return httpx.MockTransport(handler)
+
+
+def test_a_rerun_under_another_model_or_setting_is_refused(repo, tmp_path, monkeypatch, capsys):
+    """--out's rows came from one model under one set of settings, recorded beside it (OUT.run.json): a
+    rerun into it with another served model, or a setting that changes the answers, stops with one line
+    saying what differs, before packing or asking anything; the same settings resume."""
+    name, seen = ["served"], []
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_serving(name, seen)))
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    out = tmp_path / "a.jsonl"
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(tmp_path / "q.jsonl"), "--out", str(out)]
+    argv += ["--base-url", "http://srv", "--no-git"]
+    assert main(argv) == 0
+    record = json.loads((tmp_path / "a.jsonl.run.json").read_text())
+    assert record["model"] == "served" and record["via"] == "server" and record["max_new_tokens"] == 512
+    out.write_text("".join(json.dumps(r) + "\n" for r in read_rows(out)[:2]))  # (a run that stopped)
+    capsys.readouterr()
+    for served, extra, differs in [
+        ("other", [], 'model "served" (now "other")'),
+        ("served", ["--max-new-tokens", "64"], "max_new_tokens 512 (now 64)"),
+        ("served", ["--repo", str(tmp_path)], f'repo "{repo.resolve()}" (now "{tmp_path.resolve()}")'),
+    ]:
+        name[0] = served
+        seen.clear()
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"longctx retrieve: error: {out} holds rows written with other settings: {differs}; "
+            f"give another --out for this run (or remove {out} to start over)"
+        )
+        assert seen == [] and len(read_rows(out)) == 2  # nothing uploaded or asked
+    name[0] = "served"
+    assert main(argv) == 0
+    asks = [b["question"] for p, b in seen if p.endswith("/ask")]
+    assert len(asks) == 1 and asks[0].startswith("Why?") and len(read_rows(out)) == 3
+
+
+def test_rows_without_a_record_resume_with_a_warning(repo, tmp_path, monkeypatch, capsys):
+    """A file written before records were kept is resumed as this run's (said once, then recorded); a
+    record beside a file with no rows (removed to start over) says nothing."""
+    name, seen = ["served"], []
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_serving(name, seen)))
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    out, record = tmp_path / "a.jsonl", tmp_path / "a.jsonl.run.json"
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(tmp_path / "q.jsonl"), "--out", str(out)]
+    argv += ["--base-url", "http://srv", "--no-git"]
+    assert main(argv) == 0
+    out.write_text("".join(json.dumps(r) + "\n" for r in read_rows(out)[:2]))
+    record.unlink()
+    name[0] = "other"
+    capsys.readouterr()
+    assert main(argv) == 0 and len(read_rows(out)) == 3
+    assert capsys.readouterr().err.count("does not record the model and settings") == 1
+    assert json.loads(record.read_text())["model"] == "other"
+    assert main(argv) == 0 and "does not record" not in capsys.readouterr().err
+    out.unlink()
+    name[0] = "third"
+    assert main(argv) == 0 and json.loads(record.read_text())["model"] == "third"
+
+
+def test_the_embedded_engines_flags_are_part_of_the_record(repo, tmp_path, monkeypatch, capsys):
+    """With --model: the model directory and the flags that change what it selects (--index-topk ...);
+    run_retrieve itself refuses other settings too (under its lock, for callers other than the CLI)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "configs" / "tiny.json", model / "config.json")
+    engines: list[dict] = []
+
+    class FakeEngineClient(FakeEngine):
+        def __init__(self, model_dir: str, **kw: object) -> None:
+            super().__init__("See src/app.py")
+            engines.append(kw)
+
+    monkeypatch.setattr(clients, "EngineClient", FakeEngineClient)
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    out = tmp_path / "a.jsonl"
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(tmp_path / "q.jsonl"), "--out", str(out)]
+    argv += ["--model", str(model), "--no-git", "--max-new-tokens", "16"]
+    assert main([*argv, "--index-topk", "8"]) == 0
+    record = json.loads((tmp_path / "a.jsonl.run.json").read_text())
+    assert record["model"] == str(model.resolve()) and record["via"] == "engine" and record["index_topk"] == 8
+    assert record["device"] == "cpu" and record["kv_dtype"] is None
+    capsys.readouterr()
+    assert main([*argv, "--index-topk", "16"]) == 2
+    assert "index_topk 8 (now 16); give another --out" in capsys.readouterr().err
+    assert main(argv) == 2  # (left out: the model's own)
+    assert "index_topk 8 (now null)" in capsys.readouterr().err
+    assert len(engines) == 1  # no model was loaded for a refused run
+    assert main([*argv, "--index-topk", "8", "--hisparse-device-tokens", "64"]) == 0  # (moves KV only)
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    with pytest.raises(LongctxError, match=re.escape(f'model "{model.resolve()}" (now "/else")')):
+        run_retrieve(pack, QUERIES, FakeEngine("x"), ByteCounter(), out, settings={"model": "/else"})
+    assert len(read_rows(out)) == 3
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from longctx.server.protocol import engine_error
+
 from .server_helpers import fake_server, wait_for
 
 # ---- API key + fuzz (one server) -----------------------------------------------------------------
@@ -165,6 +167,17 @@ def test_queue_limit_429(tmp_path):
         assert wait_for(lambda: httpx.get(s.url + "/health").json()["in_flight"] == 3)
         r = httpx.post(s.url + "/v1/completions", json=body)
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        # every refusal says when to retry: plain, streamed (before its first event), a document upload
+        assert r.headers["retry-after"] == "1"
+        chat = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 400, "stream": True}
+        for path, refused in [
+            ("/v1/completions", {**body, "stream": True}),
+            ("/v1/chat/completions", chat),
+            ("/v1/documents", {"text": "a document"}),
+        ]:
+            r = httpx.post(s.url + path, json=refused)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", (path, r.text)
+            assert r.headers["retry-after"] == "1", path
         for t in threads:
             t.join(60)
         assert results == [200, 200, 200]
@@ -172,6 +185,7 @@ def test_queue_limit_429(tmp_path):
         assert wait_for(lambda: httpx.get(s.url + "/health").json()["in_flight"] == 0)
         r = httpx.post(s.url + "/v1/completions", json={**body, "n": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "retry-after" not in r.headers
         assert (
             httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 4, "n": 2}).status_code == 200
         )
@@ -181,6 +195,14 @@ def test_queue_limit_429(tmp_path):
         assert "2 prompts x n=2" in r.json()["error"]["message"]
         r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": ["a", "b"], "max_tokens": 4})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_the_engines_own_full_queue_is_a_429_with_retry_after():
+    """The scheduler's queue limit (an error event, not the frontend's check) is retried the same way."""
+    r = engine_error("the engine's queue is full", "queue_full").response()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    bad = engine_error("token 9 is outside the vocabulary", "invalid_value", "logit_bias").response()
+    assert bad.status_code == 400 and "retry-after" not in bad.headers
 
 
 def test_engine_death_fails_fast_with_503(tmp_path):
@@ -207,6 +229,10 @@ def test_engine_death_fails_fast_with_503(tmp_path):
         assert h.status_code == 503 and h.json()["status"] == "unhealthy"
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        r_doc = httpx.post(s.url + "/v1/documents", json={"text": "a document"})
+        assert r_doc.status_code == 503
+        # a restarted server may take them: each 503 says when to try again
+        assert [x.headers.get("retry-after") for x in (got[0], h, r, r_doc)] == ["1"] * 4
         rc = s.stop()
         assert rc == 0, s.log()[-4000:]
 
@@ -420,7 +446,7 @@ def test_sigterm_past_the_drain_timeout_ends_requests_with_503(tmp_path):
 
         def plain():
             r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 100000}, timeout=30)
-            got["plain"] = (r.status_code, r.text)
+            got["plain"] = (r.status_code, r.text, r.headers.get("retry-after"))
 
         def stream():
             body = {"prompt": "a", "max_tokens": 100000, "stream": True}
@@ -435,8 +461,9 @@ def test_sigterm_past_the_drain_timeout_ends_requests_with_503(tmp_path):
         for t in threads:
             t.join(30)
         assert s.proc.wait(30) == 0
-        status, text = got["plain"]
+        status, text, retry_after = got["plain"]
         assert status == 503 and "drain" in json.loads(text)["error"]["message"], text
+        assert retry_after == "1"
         lines = got["stream"]
         assert lines[-1] == "data: [DONE]" and "drain" in json.loads(lines[-2][6:])["error"]["message"]
         assert "Traceback" not in s.log()

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from longctx.server import messages as m
-from longctx.server.protocol import ApiError, error_body, validation_error
+from longctx.server.protocol import ApiError, error_body, retry_headers, validation_error
 from longctx.server.routes_documents import router as documents_router
 from longctx.server.routes_generate import router as generate_router
 from longctx.server.state import ServerSettings, ServerState, get_state
@@ -114,7 +114,9 @@ def create_app(
         c = state.client
         if not c.healthy or state.draining:
             reason = "shutting down" if state.draining and c.healthy else c.dead_reason
-            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+            return JSONResponse(
+                {"status": "unhealthy", "reason": reason}, status_code=503, headers=retry_headers(503)
+            )
         return JSONResponse(
             {
                 "status": "ok",

@@ -19,6 +19,11 @@ I64 = 2**63 - 1
 MAX_STOPS = 16
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each its own n choices)
+# Retry-After on the statuses a client should send again (429: the queue is full; 503: the server is
+# shutting down or has no engine). The server cannot tell how long a queue slot or a restart takes, so
+# this is only the least wait; clients back off further on repeated refusals.
+RETRY_AFTER_S = 1
+RETRYABLE = frozenset({429, 503})
 
 
 class ApiError(Exception):
@@ -37,8 +42,15 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(
-            error_body(self.message, self.type, self.param, self.code), status_code=self.status
+            error_body(self.message, self.type, self.param, self.code),
+            status_code=self.status,
+            headers=retry_headers(self.status),
         )
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """A Retry-After header for a status the client should retry, else none."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in RETRYABLE else {}
 
 
 def error_body(

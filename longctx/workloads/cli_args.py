@@ -6,6 +6,7 @@ import argparse
 from functools import partial
 from typing import Any
 
+from longctx.config import SELECTION_FIELDS
 from longctx.engine.args import KV_DTYPE_CHOICES, skip_layers_arg
 from longctx.errors import ConfigError, LongctxError
 
@@ -15,6 +16,9 @@ class UsageError(LongctxError):
 
 
 DEFAULT_MAX_CONTEXT = 1_048_576  # the embedded Engine's default max_context
+# the embedded engine's flags (Engine keywords) that change how the same weights select or store, so
+# what they answer: the others change where and how fast
+SELECTION_ENGINE_KW = (*SELECTION_FIELDS, "kv_dtype", "kv_fp8_skip_layers")
 
 
 def model_context(model_dir: str) -> int:

@@ -40,8 +40,9 @@ class Retry:
     status in `statuses` (429: the server's queue is full; 503: it is draining, restarting or has no
     engine; 502 / 504: a proxy in front of it lost it). Other statuses are the request's fault and
     never retried. Up to `attempts` retries, retry n (from 0) after base_s * 2**n seconds (a random
-    half to all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After up
-    to cap_s.
+    half to all of it, so parallel requests spread out) up to cap_s, or the server's Retry-After where
+    that is longer, up to cap_s (a least wait: longctx's server says 1 s, which must not cut a wait
+    for a long prefill or a restart to 10 s in all).
     A 429 after the server has answered other requests of the client since the last try starts the
     count again: the server is busy, not stuck, and a request that keeps losing the freed queue slots
     to newer ones must not fail for it (it waits at most until the others are done)."""
@@ -53,11 +54,10 @@ class Retry:
 
     def delay(self, attempt: int, retry_after: str | None = None) -> float:
         """Seconds to wait before retry number `attempt` (0-based)."""
-        told = _seconds(retry_after)
-        if told is not None:
-            return min(self.cap_s, told)
         d = min(self.cap_s, self.base_s * 2**attempt)
-        return random.uniform(d / 2, d)
+        wait = random.uniform(d / 2, d)
+        told = _seconds(retry_after)
+        return wait if told is None else min(self.cap_s, max(wait, told))
 
 
 def _seconds(retry_after: str | None) -> float | None:

@@ -8,7 +8,7 @@ import fcntl
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from longctx.errors import LongctxError
 
@@ -58,3 +58,41 @@ def sole_writer(lock: Path, target: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def settings_record(target: Path) -> Path:
+    """The file beside a results file that records the settings its rows were written under."""
+    return target.with_name(target.name + ".run.json")
+
+
+def check_settings(target: Path, settings: dict[str, Any]) -> bool:
+    """Whether a run under `settings` may append to `target`: True when its rows were written under the
+    same ones (as their record says) or it has none; a LongctxError naming what differs when they were
+    not, since a resumed run would mix rows of two models (or of two settings) in one file; False for rows
+    without a record (written before records were kept), let through as unknown. Only the keys both
+    hold are compared, so a record that names fewer settings still counts."""
+    record = settings_record(target)
+    if not read_rows(target):
+        return True
+    try:
+        old = json.loads(record.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    now = json.loads(json.dumps(settings))  # (as the record holds them: tuples as lists)
+    differ = [
+        f"{k} {json.dumps(old[k])} (now {json.dumps(v)})" for k, v in now.items() if k in old and old[k] != v
+    ]
+    if differ:
+        raise LongctxError(
+            f"{target} holds rows written with other settings: {', '.join(differ)}; give another --out "
+            f"for this run (or remove {target} to start over)"
+        )
+    return True
+
+
+def record_settings(target: Path, settings: dict[str, Any]) -> None:
+    """Record `settings` beside `target` (replaced whole: a run killed meanwhile leaves one record)."""
+    record = settings_record(target)
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=2) + "\n")
+    tmp.replace(record)

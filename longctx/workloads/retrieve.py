@@ -19,10 +19,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient, run_parallel
-from longctx.workloads.jsonl import open_append, read_rows, sole_writer
+from longctx.workloads.jsonl import check_settings, open_append, read_rows, record_settings, sole_writer
 from longctx.workloads.repo_pack import Pack
 from longctx.workloads.tokens import TokenCounter
 
@@ -143,15 +144,26 @@ def run_retrieve(
     max_new_tokens: int = 512,
     concurrency: int = 4,
     prompting: Prompting | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict:
     """Answer every query over the packed repository; write JSONL rows; return a summary.
 
     Rows are appended as answers finish, so a run that stops keeps them; a rerun into the same file
     answers only the queries it does not answer yet. At the end the file holds every row in the
-    input order."""
+    input order. `settings` (what the answers depend on besides the queries: the model, the repository,
+    packing and engine flags) are recorded beside the file, and a rerun under other ones is refused
+    before anything is asked: it would mix two models' answers in one file."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with sole_writer(out.with_name(f".{out.name}.lock"), out):  # (a second run into it is refused)
+        if settings is not None:
+            if not check_settings(out, settings):
+                print(
+                    f"longctx retrieve: {out} does not record the model and settings its answers came from "
+                    "(written before records were kept); resuming it as this run's",
+                    file=sys.stderr,
+                )
+            record_settings(out, settings)
         results = _answer_all(
             pack, queries, client, counter, out, max_new_tokens, concurrency, prompting or Prompting()
         )

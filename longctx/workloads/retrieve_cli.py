@@ -18,12 +18,14 @@ from typing import Any
 
 from longctx.workloads.cli_args import (
     DEFAULT_MAX_CONTEXT,
+    SELECTION_ENGINE_KW,
     UsageError,
     add_embedded_engine_args,
     embedded_engine_kwargs,
     int_arg,
     model_context,
 )
+from longctx.workloads.jsonl import check_settings
 
 
 def register(subparsers: Any) -> None:
@@ -77,6 +79,39 @@ def _check_out(path: str) -> None:
         )
 
 
+def _settings(
+    args: argparse.Namespace,
+    model: str,
+    max_context: int,
+    max_new: int,
+    max_file: int,
+    tokenizer: str,
+    engine_kw: dict[str, Any],
+) -> dict[str, Any]:
+    """What a run's answers depend on besides the queries, recorded beside --out so that a rerun under
+    others is refused: the model (a directory, or the name a server serves: how it is asked differs
+    too), the repository and how it is packed, the answer budget, and the embedded engine's flags that
+    change what it computes (the device: `auto` dtypes and KV cache differ; not HiSparse's cap, which
+    only moves KV)."""
+    out: dict[str, Any] = {
+        "model": str(Path(model).resolve()) if args.model else model,
+        "via": "engine" if args.model else "server",
+        "repo": str(Path(args.repo).resolve()),
+        "max_context": max_context,
+        "max_new_tokens": max_new,
+        "max_file_bytes": max_file,
+        "no_git": bool(args.no_git),
+        "tokenizer": tokenizer if tokenizer == "bytes" else str(Path(tokenizer).resolve()),
+        "chat": bool(args.chat),
+    }
+    if args.model:
+        from longctx.engine.engine import resolve_device
+
+        out["device"] = resolve_device(engine_kw["device"]).type
+        out.update((k, engine_kw.get(k)) for k in SELECTION_ENGINE_KW)  # (None: the model's)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from longctx.workloads.repo_pack import pack_repo
     from longctx.workloads.retrieve import Prompting, read_queries, reserve_tokens, run_retrieve
@@ -119,34 +154,43 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--max-context {max_context} leaves no room for the repository after questions and answers"
         )
-    pack = pack_repo(
-        args.repo, counter, budget, max_file_bytes=max_file, use_git=False if args.no_git else None
-    )
-    print(
-        f"longctx retrieve: packed {len(pack.files)} files, {pack.tokens:,} tokens of {budget:,} available"
-        f" ({pack.method}); {pack.report()}",
-        file=sys.stderr,
-    )
-    if args.pack_report:
-        Path(args.pack_report).write_text(json.dumps(pack.to_json(), indent=2) + "\n")
-    if not pack.files:
-        raise UsageError(f"nothing to pack in {args.repo}")
 
     from longctx.workloads.clients import ClientError, EngineClient, HTTPClient
 
-    client: Any
-    if args.model:
-        client = EngineClient(args.model, **engine_kw)
-    else:
+    client: Any = None
+    if args.base_url:  # (now, for the name of the model it serves: part of the settings)
         client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=True)
     try:
-        s = run_retrieve(pack, queries, client, counter, args.out, max_new, concurrency, prompting)
-    except ClientError as e:
-        raise ClientError(
-            f"{e}; the answers done are kept in {args.out}, and the same command resumes"
-        ) from None
+        model = client.model if client is not None else args.model
+        settings = _settings(args, model, max_context, max_new, max_file, counter.name, engine_kw)
+        # rows of other settings in --out are refused before the long part (run_retrieve checks again
+        # under its lock, and records these)
+        check_settings(Path(args.out), settings)
+        pack = pack_repo(
+            args.repo, counter, budget, max_file_bytes=max_file, use_git=False if args.no_git else None
+        )
+        print(
+            f"longctx retrieve: packed {len(pack.files)} files, {pack.tokens:,} tokens of {budget:,} "
+            f"available ({pack.method}); {pack.report()}",
+            file=sys.stderr,
+        )
+        if args.pack_report:
+            Path(args.pack_report).write_text(json.dumps(pack.to_json(), indent=2) + "\n")
+        if not pack.files:
+            raise UsageError(f"nothing to pack in {args.repo}")
+        if client is None:
+            client = EngineClient(args.model, **engine_kw)
+        try:
+            s = run_retrieve(
+                pack, queries, client, counter, args.out, max_new, concurrency, prompting, settings
+            )
+        except ClientError as e:
+            raise ClientError(
+                f"{e}; the answers done are kept in {args.out}, and the same command resumes"
+            ) from None
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     reasons = ", ".join(f"{n} {r}" for r, n in s["skipped_by_reason"].items()) or "none"
     ignored = f", {s['ignored']} ignored" if s["ignored"] is not None else ""
     print(
