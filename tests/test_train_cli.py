@@ -82,6 +82,8 @@ BAD_FLAGS = [  # each message names the flag the user typed, and the value, as t
     (["--long-topk", "8:0"], "--long-topk '8:0': wants a row length and a top-k >= 1"),
     (["--long-topk-prob", "-1"], "--long-topk-prob -1.0: must be in [0, 1]"),
     (["--capitals-from-lowercase"], "--capitals-from-lowercase: needs --init-from"),
+    (["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
+    (["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
     (["--device", "bogus"], "--device 'bogus': must be 'auto', 'cpu' or 'cuda'"),
     (["--device", "meta"], "--device 'meta': must be"),
 ]
@@ -146,6 +148,34 @@ def test_every_flag_sets_the_field_of_its_name() -> None:
     with pytest.raises(ConfigError) as e:
         loop.check_config(dataclasses.replace(loop.TrainConfig(), kl_rows=0), ModelConfig.from_json(TINY))
     assert str(e.value) == "kl_rows 0: must be >= 1" and e.value.named(say) == "--kl-rows 0: must be >= 1"
+
+
+def test_a_seed_wider_than_32_bits_trains_and_each_bit_counts(tmp_path: Path) -> None:
+    """--seed takes [0, 2**63): a seed past 2**44 ran out of the KL rows' generator (a traceback at the
+    first step), and seeds 2**32 apart started from the same weights (torch's CPU generator keeps 32 bits
+    of its seed); a seed below 2**32 still starts from what it did."""
+    from longctx.config import ModelConfig
+    from longctx.seeds import generator_seed
+    from longctx.train.data import DataConfig, make_batch
+    from longctx.train.model import TrainCausalLM
+
+    seed = 2**62 + 5
+    assert main([*RUN, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 0
+    assert read_recipe(tmp_path / "run")["seed"] == seed
+
+    def weights(s: int) -> torch.Tensor:
+        m = TrainCausalLM(ModelConfig.from_json(TINY))
+        m.init_weights(s)
+        return m.lm_head.weight.detach().clone()
+
+    assert not torch.equal(weights(seed), weights(seed + 2**32))
+    assert not torch.equal(weights(5), weights(5 + 2**32))
+    assert generator_seed(5) == 5 and generator_seed(2**32 - 1) == 2**32 - 1  # (the generators as before)
+    data = {"tokens_per_step": 1024, "curriculum": ((0, 512),)}
+    assert not torch.equal(
+        make_batch(DataConfig(seed=seed, **data), 0).ids,
+        make_batch(DataConfig(seed=seed + 2**32, **data), 0).ids,
+    )
 
 
 def test_a_malformed_flag_is_one_line_not_the_usage(capsys: pytest.CaptureFixture[str]) -> None:

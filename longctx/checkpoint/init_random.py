@@ -28,6 +28,7 @@ from longctx.checkpoint.layout import (
 )
 from longctx.config import ModelConfig, resolve_config
 from longctx.errors import CheckpointError, ConfigError
+from longctx.seeds import SEED_RANGE, is_seed
 
 if TYPE_CHECKING:
     import torch
@@ -237,6 +238,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config)
+    if not is_seed(args.seed):  # (any integer would do here: one range for every seed a user gives)
+        raise ConfigError(f"--seed must be {SEED_RANGE}, got {args.seed}")
     if args.max_shard_bytes <= 0:
         raise ConfigError("--max-shard-bytes must be positive")
     if not (math.isfinite(args.init_std) and args.init_std >= 0):  # (nan wrote a checkpoint of NaN weights)

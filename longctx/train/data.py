@@ -34,6 +34,7 @@ import torch
 from longctx.checkpoint.chat_template import apply_chat_template
 from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from longctx.errors import LongctxError
+from longctx.seeds import SEED_RANGE, is_seed
 from longctx.workloads.prose import essay_sentences
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, document_turn
 from longctx.workloads.tokens import ByteCounter
@@ -128,6 +129,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         """Refuse (DataError `about` the field at fault) a config that cannot make batches: NaN is out of every
         range."""
+        if not is_seed(self.seed):
+            raise DataError.about("seed", self.seed, f"must be {SEED_RANGE}")
         cur = curriculum_text(self.curriculum)
         if not self.curriculum or self.curriculum[0][0] != 0:
             raise DataError.about("curriculum", cur, "must start at step 0")

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from longctx.config import ModelConfig, with_selection
 from longctx.engine.engine import resolve_device  # (the benches import it from here too)
 from longctx.errors import ConfigError
+from longctx.seeds import MASK63, SEED_RANGE, generator_seed, is_seed
 from longctx.train.checkpoint import (
     check_out_dir,
     load_model_weights,
@@ -401,7 +402,7 @@ def compute_loss(
     ids = batch.ids.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True)
     kind = batch.kind.to(device, non_blocking=True)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+    gen = torch.Generator(device=device).manual_seed((generator_seed(cfg.seed) * 1_000_003 + step) & MASK63)
     rows = kl_rows(kind, cfg.kl_rows, gen) if cfg.kl_weight > 0 or cfg.needle_weight > 0 else None
     needle = None
     if rows is not None and cfg.needle_weight > 0:
@@ -625,6 +626,8 @@ def check_config(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     ):
         if getattr(cfg, name) not in choices:
             raise ConfigError.about(name, repr(getattr(cfg, name)), f"must be one of {choices}")
+    if not is_seed(cfg.seed):
+        raise ConfigError.about("seed", cfg.seed, f"must be {SEED_RANGE}")
     for name, lo in (
         ("steps", 0),
         ("warmup_steps", 0),
@@ -740,7 +743,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, stop: StopOnInterrupt) -> dict[str, Any]:
     t_start = _monotonic()
     device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -764,6 +766,7 @@ def _train(cfg: TrainConfig, stop: StopOnInterrupt) -> dict[str, Any]:
         mcfg = dataclasses.replace(mcfg, kv_fp8_skip_layers=src.kv_fp8_skip_layers)
     check_config(cfg, mcfg)
     check_out_dir(cfg.out, cfg.resume)
+    torch.manual_seed(generator_seed(cfg.seed))
     save_dtype = getattr(torch, cfg.save_dtype)
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention
