@@ -218,6 +218,20 @@ def test_an_out_a_save_would_destroy_is_refused_and_kept(
     check_out_dir(run, resume=run)  # a resumed run saves over its own directory
 
 
+def test_the_nearest_existing_place_of_an_out_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nearest_existing`, which init-model's room check, retrieve's --out check and check_out_dir ask: the
+    path itself, else its nearest existing ancestor (absolute), a file included."""
+    from longctx.paths import nearest_existing
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert nearest_existing(a_file) == a_file and nearest_existing(Path("notes.txt")) == Path("notes.txt")
+    assert nearest_existing(tmp_path / "new" / "dir") == tmp_path
+    assert nearest_existing(Path("new") / "dir") == tmp_path  # (not ".")
+    assert nearest_existing(a_file / "sub" / "deeper") == a_file
+
+
 def test_resume_and_init_from_together_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_model: None
 ) -> None:

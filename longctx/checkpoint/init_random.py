@@ -28,6 +28,7 @@ from longctx.checkpoint.layout import (
 )
 from longctx.config import ModelConfig, resolve_config
 from longctx.errors import CheckpointError, ConfigError
+from longctx.paths import nearest_existing
 from longctx.seeds import SEED_RANGE, is_seed
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def _check_room(out: Path, sizes: dict[str, int], shards: list[list[str]], numel
     import psutil
 
     memory = max(sum(sizes[n] for n in shard) for shard in shards) + 4 * numel
-    disk_dir = next(p for p in (out, *out.absolute().parents) if p.exists())
+    disk_dir = nearest_existing(out)
     for what, need, have in (
         ("memory", memory, psutil.virtual_memory().available),
         (f"disk space in {disk_dir}", sum(sizes.values()), shutil.disk_usage(disk_dir).free + freed),
