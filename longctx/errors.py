@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+E = TypeVar("E", bound="LongctxError")
+
 
 class LongctxError(Exception):
     """Bad input or an unusable model directory; the CLI prints it as one line (exit code 2)."""
@@ -10,6 +15,38 @@ class LongctxError(Exception):
     # known, the request field at fault; None: not a request's fault
     code: str | None = None
     param: str | None = None
+    # an error `about` one setting: its name, its value as shown, what is wrong (with {} for each of the
+    # `others` settings it names); None: not about a setting
+    setting: str | None = None
+    value: str | None = None
+    problem: str = ""
+    others: tuple[str, ...] = ()
+
+    @classmethod
+    def about(cls: type[E], setting: str, value: object, problem: str, *others: str) -> E:
+        """An error about the setting `setting` (a config field) of value `value` (None or empty: not shown), e.g.
+        `kl_rows 0: must be >= 1`; each {} in `problem` names one of `others`. A CLI tells it with the
+        flags its user typed instead of the field names (`named`)."""
+        shown = None if value is None else str(value)
+        e = cls(_said(setting, shown, problem, others, str))
+        e.setting, e.value, e.problem, e.others = setting, shown, problem, others
+        return e
+
+    def named(self, name: Callable[[str], str]) -> str:
+        """The message with every setting it is about said as `name(setting)` (`--kl-rows 0: must be
+        >= 1`); the message as it is for an error not about a setting."""
+        if self.setting is None:
+            return str(self)
+        return _said(self.setting, self.value, self.problem, self.others, name)
+
+
+def _said(
+    setting: str, value: str | None, problem: str, others: tuple[str, ...], name: Callable[[str], str]
+) -> str:
+    # (only a `problem` that names other settings is formatted: a value, or a problem quoting one, may hold
+    # braces)
+    shown = f" {value}" if value else ""  # (an empty value, as None, shows as nothing)
+    return f"{name(setting)}{shown}: {problem.format(*map(name, others)) if others else problem}"
 
 
 class ConfigError(LongctxError, ValueError):

@@ -106,7 +106,15 @@ def test_score_matches_the_engine(tmp_path, capsys) -> None:
             ["init-model", "--config", "tiny", "--out", "/nonexistent/m", "--init-std", "nan"],
             "--init-std must",
         ),
-        (["generate", *CPU, "--device", "tpu", "hi"], "device must be 'auto', 'cpu' or 'cuda'"),
+        (
+            ["init-model", "--config", "tiny", "--out", "/nonexistent/m", "--seed", "-1"],
+            "--seed must be an integer in",
+        ),
+        (
+            ["init-model", "--config", "tiny", "--out", "/nonexistent/m", "--seed", str(2**63)],
+            "[0, 2**63), got",
+        ),
+        (["generate", *CPU, "--device", "tpu", "hi"], "device 'tpu': must be 'auto', 'cpu' or 'cuda'"),
         (["generate", *CPU, "--prompt-file", str(Path(__file__).parent)], "(a directory)"),
         (["score", *CPU, "--out", "/nonexistent/dir/l.pt", "hi"], "--out /nonexistent/dir/l.pt: not a file"),
         (["generate", *CPU, "--token-ids", "1,2", "hi"], "not both"),

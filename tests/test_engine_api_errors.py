@@ -39,7 +39,7 @@ def test_bad_engine_arguments_are_refused_before_the_model_is_read(kw):
 
 def test_a_device_that_is_not_cpu_or_an_existing_gpu_is_refused(monkeypatch):
     for bad in ("meta", "mps"):  # (meta failed as a checkpoint missing every tensor; mps in the model build)
-        with pytest.raises(ConfigError, match="device must be"):
+        with pytest.raises(ConfigError, match=f"device '{bad}': must be"):
             resolve_device(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -149,4 +149,4 @@ def test_training_takes_the_window_and_saves_it(tmp_path, capsys) -> None:
         main([*base, "--out", str(tmp_path / "c"), "--index-local-window", str(W), "--long-topk", "128:4"])
         == 2
     )
-    assert "long_topk (4) must be larger than the model's index_local_window (4)" in capsys.readouterr().err
+    assert "--long-topk 4: must be larger than the model's index_local_window (4)" in capsys.readouterr().err

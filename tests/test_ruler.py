@@ -325,6 +325,7 @@ def test_parse_lengths():
         ["--tasks", " , ", "--dump-dir", "D"],
         ["--samples", "0", "--dump-dir", "D"],
         ["--seed", "x", "--dump-dir", "D"],
+        ["--seed", str(2**63), "--lengths", "1k", "--samples", "1", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "-1", "--dump-dir", "D"],
         ["--max-new-tokens-scale", "inf", "--dump-dir", "D"],
         ["--base-url", "http://127.0.0.1:1", "--out", "O", "--api-key", "k\u00e9y", "--samples", "1"],

@@ -12,7 +12,7 @@ import torch
 from longctx import Engine
 from longctx.engine.plan import RowPlan
 from longctx.engine.request import MAX_LOGIT_BIAS, SamplingParams, find_stop
-from longctx.engine.sampling import _sample, sample_rows_device, shape_logits, shape_ref
+from longctx.engine.sampling import _MIX, _sample, _token_seed, sample_rows_device, shape_logits, shape_ref
 from longctx.errors import RequestError
 from tests.conftest import rand_ids
 
@@ -352,3 +352,19 @@ def test_prompt_logprobs_in_slices_of_positions(eng, monkeypatch):
     for n in (0, 3):
         (lps,) = _prompt_lps(eng, [p], [SamplingParams(max_new_tokens=1, prompt_logprobs=n)])
         _check_against_score(eng, p, lps, n)
+
+
+def test_every_bit_of_a_seed_counts_on_the_cpu() -> None:
+    """torch's CPU generator keeps the low 32 bits of its seed: requests whose seeds were 2**32 apart drew
+    the same tokens. Now they draw apart (a seed is taken modulo 2**63), and a seed below 2**32 draws what
+    it drew before."""
+    logits = torch.zeros(1000)
+
+    def draws(seed: int) -> list[int]:
+        return [int(_sample(logits, 1.0, 1.0, 0, seed, n)) for n in range(8)]
+
+    for seed in (5, 2**40 + 5, 2**62):
+        assert draws(seed) != draws(seed + 2**32)
+    assert draws(2**63 + 5) == draws(5)
+    for seed in (0, 5, 2**32 - 1):
+        assert _token_seed(seed, 3) == (seed * 1_000_003 + 3 * _MIX) & (2**63 - 1)

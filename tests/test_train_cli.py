@@ -3,6 +3,7 @@ lost, and Ctrl-C saving what was trained. CPU, tiny config, seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import longctx.train.loop as loop
-from longctx.errors import CheckpointError
+from longctx.errors import CheckpointError, ConfigError
 from longctx.train.__main__ import main
 from longctx.train.checkpoint import TRAINER_STATE, read_recipe, read_training, save_training
 from longctx.train.loop import build_optimizer
@@ -40,34 +41,51 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop, "TrainCausalLM", refuse)
 
 
-BAD_FLAGS = [
-    (["--steps", "-1"], "steps must be >= 0"),
-    (["--lr", "nan"], "lr must be"),
-    (["--lr", "0"], "lr must be"),
-    (["--max-minutes", "-1"], "max_minutes"),
-    (["--max-minutes", "inf", "--steps", "0"], "max_minutes"),
-    (["--save-every", "0"], "save_every"),
-    (["--log-every", "0"], "log_every"),
-    (["--kl-rows", "0"], "kl_rows"),
-    (["--lm-weight", "nan"], "lm_weight"),
-    (["--kl-weight", "-1"], "kl_weight"),
-    (["--needle-weight", "inf"], "needle_weight"),
-    (["--lead-weight", "inf"], "lead_weight"),
-    (["--advance-exact", "2"], "advance_exact"),
-    (["--advance-window", "0"], "advance_window"),
-    (["--num-workers", "-1"], "num_workers"),
-    (["--eval-samples", "-1"], "eval_samples"),
-    (["--eval-samples", "1", "--eval-lengths", "1k"], "--eval-lengths"),
-    (["--eval-samples", "1", "--eval-lengths", "2000000"], "max_position_embeddings"),
-    (["--tokens-per-step", "0"], "tokens_per_step"),
-    (["--text-fraction", "-0.5"], "text_fraction"),
-    (["--copy-fraction", "nan"], "copy_fraction"),
-    (["--task-weights", "vt=inf"], "finite"),
-    (["--task-weights", "niah=1"], "niah_single_1"),  # the message lists the tasks
-    (["--curriculum", "0:256"], "too short for any retrieval task"),
-    (["--pose-max", "2000000"], "max_position_embeddings"),
-    (["--device", "bogus"], "device must be"),
-    (["--device", "meta"], "device must be"),
+BAD_FLAGS = [  # each message names the flag the user typed, and the value, as they typed it
+    (["--steps", "-1"], "--steps -1: must be >= 0"),
+    (["--lr", "nan"], "--lr nan: must be a finite number > 0"),
+    (["--lr", "0"], "--lr 0.0: must be"),
+    (["--max-minutes", "-1"], "--max-minutes -1.0: must be"),
+    (["--max-minutes", "inf", "--steps", "0"], "--max-minutes inf: must be"),
+    (["--save-every", "0"], "--save-every 0: must be >= 1"),
+    (["--log-every", "0"], "--log-every 0: must be >= 1"),
+    (["--kl-rows", "0"], "--kl-rows 0: must be >= 1"),
+    (["--lm-weight", "nan"], "--lm-weight nan: must be a finite number >= 0"),
+    (["--kl-weight", "-1"], "--kl-weight -1.0: must be"),
+    (["--needle-weight", "inf"], "--needle-weight inf: must be"),
+    (["--lead-weight", "inf"], "--lead-weight inf: must be"),
+    (["--advance-exact", "2"], "--advance-exact 2.0: must be in [0, 1]"),
+    (["--advance-window", "0"], "--advance-window 0: must be >= 1"),
+    (["--num-workers", "-1"], "--num-workers -1: must be >= 0"),
+    (["--eval-samples", "-1"], "--eval-samples -1: must be >= 0"),
+    (["--eval-samples", "1", "--eval-lengths", "1k"], "--eval-lengths '1k': expected lengths"),
+    (
+        ["--eval-samples", "1", "--eval-lengths", "2000000"],
+        "--eval-lengths 2000000: rows of 2000000 positions",
+    ),
+    (["--eval-samples", "1", "--eval-lengths", "512,0"], "--eval-lengths 512,0: must be >= 1"),
+    (["--tokens-per-step", "0"], "--tokens-per-step 0: must be >= 1"),
+    (["--text-fraction", "-0.5"], "--text-fraction -0.5: must be in [0, 1]"),
+    (["--copy-fraction", "nan"], "--copy-fraction nan: must be in [0, 1]"),
+    (["--pose-chunks", "1"], "--pose-chunks 1: must be >= 2"),
+    (["--replay-fraction", "1"], "--replay-fraction 1.0: must be in [0, 1)"),
+    (["--task-weights", "vt=inf"], "--task-weights 'vt=inf': expected TASK=WEIGHT"),
+    (["--task-weights", "niah=1"], "--task-weights 'niah': unknown task (the tasks: niah_single_1"),
+    (["--vt-hops", "0,2"], "--vt-hops '0,2': each hop count must be in [1, 16]"),
+    (["--curriculum", "0:512,0:1024"], "--curriculum 0:512,0:1024: steps must increase"),
+    (["--curriculum", "0-512"], "--curriculum '0-512': expected STEP:LENGTH"),
+    (
+        ["--curriculum", "0:256"],
+        "--curriculum 0:256: sequence length 256 is too short for any retrieval task",
+    ),
+    (["--pose-max", "2000000"], "--pose-max 2000000: rows of 2000000 positions exceed the model's"),
+    (["--long-topk", "8:0"], "--long-topk '8:0': wants a row length and a top-k >= 1"),
+    (["--long-topk-prob", "-1"], "--long-topk-prob -1.0: must be in [0, 1]"),
+    (["--capitals-from-lowercase"], "--capitals-from-lowercase: needs --init-from"),
+    (["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
+    (["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    (["--device", "bogus"], "--device 'bogus': must be 'auto', 'cpu' or 'cuda'"),
+    (["--device", "meta"], "--device 'meta': must be"),
 ]
 
 
@@ -77,7 +95,7 @@ def test_bad_values_are_one_line_errors_before_any_work(
 ) -> None:
     out = tmp_path / "run"
     assert main([*RUN, "--out", str(out), *flags]) == 2
-    assert want in _err_line(capsys)
+    assert _err_line(capsys).startswith(f"error: {want}")
     assert not out.exists()
 
 
@@ -87,7 +105,77 @@ def test_rows_longer_than_the_models_positions_are_refused(
     short = tmp_path / "short.json"
     short.write_text(json.dumps({**json.loads(TINY.read_text()), "max_position_embeddings": 256}))
     assert main([*RUN, "--config", str(short), "--out", str(tmp_path / "run")]) == 2
-    assert "exceed the model's max_position_embeddings (256)" in _err_line(capsys)
+    want = "error: --curriculum 0:512: rows of 512 positions exceed the model's max_position_embeddings (256)"
+    assert _err_line(capsys) == want
+
+
+def test_a_value_from_the_resumed_recipe_is_named_as_its_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_model: None
+) -> None:
+    """A setting a resumed run takes from its saved recipe (no flag given) is named as the recipe's key; the
+    same value given as a flag is named as the flag."""
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({**json.loads(TINY.read_text()), "max_position_embeddings": 600}))
+    a = tmp_path / "a"
+    a.mkdir()
+    torch.save({"step": 1, "recipe": {"data": {"pose_max": 1024}}, "moments": {}}, a / TRAINER_STATE)
+    (a / "config.json").write_text(TINY.read_text())
+    run = [*RUN, "--config", str(short), "--out", str(tmp_path / "b")]
+    exceed = "rows of 1024 positions exceed the model's max_position_embeddings (600)"
+    assert main([*run, "--resume", str(a)]) == 2
+    assert _err_line(capsys) == f"error: --resume's recipe pose_max 1024: {exceed}"
+    assert main([*run, "--pose-max", "1024"]) == 2
+    assert _err_line(capsys) == f"error: --pose-max 1024: {exceed}"
+
+
+def test_every_flag_sets_the_field_of_its_name() -> None:
+    """An error names a field by the flag whose dest it is (`said_as`), so each flag's dest is a field; the
+    Python API's messages name the field itself."""
+    from longctx.config import ModelConfig
+    from longctx.train.__main__ import build_parser, said_as
+    from longctx.train.data import DataConfig
+
+    parser = build_parser()
+    fields = {f.name for c in (loop.TrainConfig, DataConfig) for f in dataclasses.fields(c)}
+    assert {a.dest for a in parser._actions if a.option_strings} - fields == {"help"}
+    say = said_as(parser, set())
+    assert [say(n) for n in ("model_config", "tasks", "kl_rows", "long_topk_from")] == [
+        "--config",
+        "--task-weights",
+        "--kl-rows",
+        "long_topk_from",  # (no flag of its own: --long-topk S:K sets it)
+    ]
+    with pytest.raises(ConfigError) as e:
+        loop.check_config(dataclasses.replace(loop.TrainConfig(), kl_rows=0), ModelConfig.from_json(TINY))
+    assert str(e.value) == "kl_rows 0: must be >= 1" and e.value.named(say) == "--kl-rows 0: must be >= 1"
+
+
+def test_a_seed_wider_than_32_bits_trains_and_each_bit_counts(tmp_path: Path) -> None:
+    """--seed takes [0, 2**63): a seed past 2**44 ran out of the KL rows' generator (a traceback at the
+    first step), and seeds 2**32 apart started from the same weights (torch's CPU generator keeps 32 bits
+    of its seed); a seed below 2**32 still starts from what it did."""
+    from longctx.config import ModelConfig
+    from longctx.seeds import generator_seed
+    from longctx.train.data import DataConfig, make_batch
+    from longctx.train.model import TrainCausalLM
+
+    seed = 2**62 + 5
+    assert main([*RUN, "--seed", str(seed), "--out", str(tmp_path / "run")]) == 0
+    assert read_recipe(tmp_path / "run")["seed"] == seed
+
+    def weights(s: int) -> torch.Tensor:
+        m = TrainCausalLM(ModelConfig.from_json(TINY))
+        m.init_weights(s)
+        return m.lm_head.weight.detach().clone()
+
+    assert not torch.equal(weights(seed), weights(seed + 2**32))
+    assert not torch.equal(weights(5), weights(5 + 2**32))
+    assert generator_seed(5) == 5 and generator_seed(2**32 - 1) == 2**32 - 1  # (the generators as before)
+    data = {"tokens_per_step": 1024, "curriculum": ((0, 512),)}
+    assert not torch.equal(
+        make_batch(DataConfig(seed=seed, **data), 0).ids,
+        make_batch(DataConfig(seed=seed + 2**32, **data), 0).ids,
+    )
 
 
 def test_a_malformed_flag_is_one_line_not_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,6 +218,20 @@ def test_an_out_a_save_would_destroy_is_refused_and_kept(
     check_out_dir(run, resume=run)  # a resumed run saves over its own directory
 
 
+def test_the_nearest_existing_place_of_an_out_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nearest_existing`, which init-model's room check, retrieve's --out check and check_out_dir ask: the
+    path itself, else its nearest existing ancestor (absolute), a file included."""
+    from longctx.paths import nearest_existing
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert nearest_existing(a_file) == a_file and nearest_existing(Path("notes.txt")) == Path("notes.txt")
+    assert nearest_existing(tmp_path / "new" / "dir") == tmp_path
+    assert nearest_existing(Path("new") / "dir") == tmp_path  # (not ".")
+    assert nearest_existing(a_file / "sub" / "deeper") == a_file
+
+
 def test_resume_and_init_from_together_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_model: None
 ) -> None:
@@ -138,7 +240,9 @@ def test_resume_and_init_from_together_are_refused(
     torch.save({"step": 1, "recipe": {}, "moments": {}}, a / TRAINER_STATE)
     (a / "config.json").write_text(TINY.read_text())
     assert main([*RUN, "--out", str(tmp_path / "b"), "--resume", str(a), "--init-from", str(a)]) == 2
-    assert "exclude each other" in _err_line(capsys)
+    assert (
+        _err_line(capsys) == f"error: --init-from {a}: excludes --resume (a resumed run has its own weights)"
+    )
 
 
 def test_an_unreadable_trainer_state_or_log_is_one_line(

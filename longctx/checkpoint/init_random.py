@@ -28,6 +28,8 @@ from longctx.checkpoint.layout import (
 )
 from longctx.config import ModelConfig, resolve_config
 from longctx.errors import CheckpointError, ConfigError
+from longctx.paths import nearest_existing
+from longctx.seeds import SEED_RANGE, is_seed
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +102,7 @@ def _check_room(out: Path, sizes: dict[str, int], shards: list[list[str]], numel
     import psutil
 
     memory = max(sum(sizes[n] for n in shard) for shard in shards) + 4 * numel
-    disk_dir = next(p for p in (out, *out.absolute().parents) if p.exists())
+    disk_dir = nearest_existing(out)
     for what, need, have in (
         ("memory", memory, psutil.virtual_memory().available),
         (f"disk space in {disk_dir}", sum(sizes.values()), shutil.disk_usage(disk_dir).free + freed),
@@ -237,6 +239,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config)
+    if not is_seed(args.seed):  # (any integer would do here: one range for every seed a user gives)
+        raise ConfigError(f"--seed must be {SEED_RANGE}, got {args.seed}")
     if args.max_shard_bytes <= 0:
         raise ConfigError("--max-shard-bytes must be positive")
     if not (math.isfinite(args.init_std) and args.init_std >= 0):  # (nan wrote a checkpoint of NaN weights)

@@ -69,11 +69,11 @@ def resolve_device(device: str) -> torch.device:
     except (RuntimeError, TypeError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):  # ('meta' failed as a checkpoint missing every tensor)
-        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+        raise ConfigError.about("device", repr(device), "must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' requested but CUDA is not available")
+        raise ConfigError.about("device", repr(device), "CUDA is not available")
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
+        raise ConfigError.about("device", repr(device), f"there are {torch.cuda.device_count()} CUDA devices")
     return dev
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from longctx.seeds import MASK63, generator_seed
+
 _MIX = 0x9E3779B97F4A7C15
 # temperatures below this draw greedily (vLLM's _SAMPLING_EPS): dividing by a smaller one overflows the
 # logits to inf, and a row of inf is NaN probabilities, which fail the whole step's batch
@@ -24,7 +26,8 @@ GREEDY_BELOW = 1e-5
 
 
 def _token_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step * _MIX) & 0x7FFF_FFFF_FFFF_FFFF
+    # (a seed is taken modulo 2**63, see SamplingParams.validate)
+    return (generator_seed(seed & MASK63) * 1_000_003 + step * _MIX) & MASK63
 
 
 def sample_rows_device(logits: torch.Tensor, rows: list, penalties: Penalties | None = None) -> torch.Tensor:

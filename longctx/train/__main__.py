@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,13 +39,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from longctx.train.data import DataConfig
+    """The flags, one per TrainConfig / DataConfig field and named after it (each flag's dest is its field's
+    name: `said_as` names a field in an error by the flag that sets it)."""
+    from longctx.train.data import DataConfig, curriculum_text
     from longctx.train.loop import TrainConfig
     from longctx.train.model import NEEDLE_FORMS, SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
     p = _Parser(prog="python -m longctx.train", description=__doc__)
-    p.add_argument("--config", default=t.model_config, help="model config.json (default %(default)s)")
+    p.add_argument(
+        "--config",
+        dest="model_config",
+        default=t.model_config,
+        help="model config.json (default %(default)s)",
+    )
     p.add_argument("--out", required=True, help="output directory (checkpoint + trainer state + log)")
     p.add_argument("--resume", default=None, help="a previous --out directory to continue from")
     p.add_argument("--init-from", default=None, help="a checkpoint to start from (weights only, step 0)")
@@ -63,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
     p.add_argument(
         "--curriculum",
-        default=",".join(f"{a}:{b}" for a, b in d.curriculum),
+        default=curriculum_text(d.curriculum),
         help="STEP:SEQLEN,... sequence length from each step on (%(default)s)",
     )
     p.add_argument("--text-fraction", type=float, default=d.text_fraction)
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--task-weights",
+        dest="tasks",
         default=None,
         metavar="TASK=W,...",
         help="how often each retrieval task is drawn, relative (e.g. niah_multikey_1=3,vt=0; the others "
@@ -283,39 +292,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resumable_data_settings(args: argparse.Namespace) -> dict[str, Any]:
+# the DataConfig numbers a resumed run keeps from its recipe unless given (beside tasks and vt_hops)
+_RESUMED_NUMBERS = (
+    "pose_max",
+    "pose_prob",
+    "pose_chunks",
+    "pose_far",
+    "chat_fraction",
+    "document_fraction",
+    "replay_fraction",
+    "copy_hex_fraction",
+    "copy_upper_fraction",
+    "copy_pairs_fraction",
+)
+
+
+def _resumable_data_settings(args: argparse.Namespace, from_recipe: set[str]) -> dict[str, Any]:
     """The --pose-*, --chat-fraction, --document-fraction, --replay-fraction, --copy-hex-fraction,
     --copy-upper-fraction, --task-weights and --vt-hops flags as given; one left out keeps the resumed
-    run's saved value (else the default), so a resumed run goes on with the rows it was training on."""
+    run's saved value (else the default), so a resumed run goes on with the rows it was training on. Adds
+    the fields it takes from the saved recipe to `from_recipe`."""
     from longctx.train.checkpoint import read_recipe
     from longctx.train.data import DataConfig, parse_task_weights, parse_vt_hops
 
     saved = read_recipe(args.resume).get("data", {}) if args.resume else {}
+    from_recipe.update(
+        k for k in ("tasks", "vt_hops", *_RESUMED_NUMBERS) if getattr(args, k) is None and k in saved
+    )
     d = DataConfig()
     out: dict[str, Any] = {}
-    if args.task_weights is not None:
-        out["tasks"] = parse_task_weights(args.task_weights)
+    if args.tasks is not None:
+        out["tasks"] = parse_task_weights(args.tasks)
     else:  # (the recipe's JSON holds [name, weight] lists)
         out["tasks"] = tuple((str(t), float(w)) for t, w in saved.get("tasks", d.tasks))
     out["vt_hops"] = (
         parse_vt_hops(args.vt_hops) if args.vt_hops is not None else tuple(saved.get("vt_hops", ()))
     )
-    for k in (
-        "pose_max",
-        "pose_prob",
-        "pose_chunks",
-        "pose_far",
-        "chat_fraction",
-        "document_fraction",
-        "replay_fraction",
-        "copy_hex_fraction",
-        "copy_upper_fraction",
-        "copy_pairs_fraction",
-    ):
+    for k in _RESUMED_NUMBERS:
         given = getattr(args, k)
         default = getattr(d, k)
         out[k] = given if given is not None else type(default)(saved.get(k, default))
     return out
+
+
+def said_as(parser: argparse.ArgumentParser, from_recipe: set[str]) -> Callable[[str], str]:
+    """How the CLI names a setting (a TrainConfig / DataConfig field) in an error (`LongctxError.named`):
+    the resumed run's recipe key where the value came from there (`from_recipe`), else the flag whose dest
+    is the field, else the field itself."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    return lambda name: f"--resume's recipe {name}" if name in from_recipe else flags.get(name, name)
 
 
 def parse_long_topk(spec: str | None) -> tuple[int, int]:
@@ -327,20 +352,20 @@ def parse_long_topk(spec: str | None) -> tuple[int, int]:
     try:
         s, k = (int(x) for x in spec.split(":"))
     except ValueError:
-        raise ConfigError(f"--long-topk wants S:K (row length : top-k), got {spec!r}") from None
+        raise ConfigError.about("long_topk", repr(spec), "expected S:K (row length : top-k)") from None
     if s < 1 or k < 1:
-        raise ConfigError(f"--long-topk wants a row length and a top-k >= 1, got {spec!r}")
+        raise ConfigError.about("long_topk", repr(spec), "wants a row length and a top-k >= 1")
     return s, k
 
 
-def parse_lengths(flag: str, text: str) -> tuple[int, ...]:
-    """'1024,4096' -> (1024, 4096), for the list flag `flag`."""
+def parse_lengths(name: str, text: str) -> tuple[int, ...]:
+    """'1024,4096' -> (1024, 4096), for the list setting `name`."""
     from longctx.errors import ConfigError
 
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"{flag} wants lengths like 1024,4096, got {text!r}") from None
+        raise ConfigError.about(name, repr(text), "expected lengths like 1024,4096") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,7 +382,9 @@ def _main(argv: list[str] | None) -> int:
     from longctx.train.data import DataConfig, parse_curriculum
     from longctx.train.loop import TrainConfig, train
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from_recipe: set[str] = set()
     try:
         data = DataConfig(
             seed=args.seed,
@@ -365,12 +392,12 @@ def _main(argv: list[str] | None) -> int:
             curriculum=parse_curriculum(args.curriculum),
             text_fraction=args.text_fraction,
             copy_fraction=args.copy_fraction,
-            **_resumable_data_settings(args),
+            **_resumable_data_settings(args, from_recipe),
         )
         long_topk = parse_long_topk(args.long_topk)
         cfg = dataclasses.replace(
             TrainConfig(),
-            model_config=args.config,
+            model_config=args.model_config,
             out=args.out,
             resume=args.resume,
             init_from=args.init_from,
@@ -410,12 +437,12 @@ def _main(argv: list[str] | None) -> int:
             save_dtype=args.save_dtype,
             save_momentum=args.save_momentum,
             eval_samples=args.eval_samples,
-            eval_lengths=parse_lengths("--eval-lengths", args.eval_lengths),
+            eval_lengths=parse_lengths("eval_lengths", args.eval_lengths),
             data=data,
         )
         summary = train(cfg)
     except LongctxError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.named(said_as(parser, from_recipe))}", file=sys.stderr)
         return 2
     except OSError as e:  # a save that failed (disk full, ...): the last checkpoint stays as it was
         print(f"error: {os_error_line(e)}", file=sys.stderr)

@@ -32,6 +32,7 @@ from longctx.checkpoint.loader import iter_weights
 from longctx.checkpoint.tokenizer import save_tokenizer
 from longctx.config import SELECTION_FIELDS, ModelConfig
 from longctx.errors import CheckpointError, one_line, os_error_line
+from longctx.paths import nearest_existing
 from longctx.train.model import TrainCausalLM
 
 TRAINER_STATE = "trainer_state.pt"
@@ -152,9 +153,7 @@ def check_out_dir(out_dir: str | Path, resume: str | Path | None) -> None:
             raise CheckpointError(
                 f"--out {out} holds a training run: --resume {out} to go on, or another --out"
             )
-    parent = out.parent
-    while not parent.exists():  # (the save creates the missing ones)
-        parent = parent.parent
+    parent = nearest_existing(out.parent)  # (the save creates the missing ones)
     if not parent.is_dir():
         raise CheckpointError(f"--out {out} cannot be written: {parent} is a file")
     try:  # a save writes a sibling of `out`, then renames it

@@ -34,6 +34,7 @@ import torch
 from longctx.checkpoint.chat_template import apply_chat_template
 from longctx.checkpoint.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from longctx.errors import LongctxError
+from longctx.seeds import SEED_RANGE, is_seed
 from longctx.workloads.prose import essay_sentences
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, document_turn
 from longctx.workloads.tokens import ByteCounter
@@ -126,39 +127,44 @@ class DataConfig:
     vt_hops: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """Refuse (DataError `about` the field at fault) a config that cannot make batches: NaN is out of every
+        range."""
+        if not is_seed(self.seed):
+            raise DataError.about("seed", self.seed, f"must be {SEED_RANGE}")
+        cur = curriculum_text(self.curriculum)
         if not self.curriculum or self.curriculum[0][0] != 0:
-            raise DataError("curriculum must start at step 0")
+            raise DataError.about("curriculum", cur, "must start at step 0")
         if any(b[0] <= a[0] for a, b in zip(self.curriculum, self.curriculum[1:])):
-            raise DataError("curriculum steps must increase")
+            raise DataError.about("curriculum", cur, "steps must increase")
+        if any(s < 64 for _, s in self.curriculum):
+            raise DataError.about("curriculum", cur, "sequence lengths must be at least 64")
         bad = [t for t, _ in self.tasks if t not in TASKS]
         if bad:
-            raise DataError(f"unknown task {bad[0]!r} (the tasks: {', '.join(TASKS)})")
+            raise DataError.about("tasks", repr(bad[0]), f"unknown task (the tasks: {', '.join(TASKS)})")
         if any(not 0.0 <= w < math.inf for _, w in self.tasks) or not sum(w for _, w in self.tasks) > 0.0:
-            raise DataError("task weights must be finite and >= 0 with at least one above 0")
-        if any(s < 64 for _, s in self.curriculum):
-            raise DataError("sequence lengths must be at least 64")
-        if self.tokens_per_step < 1:
-            raise DataError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
-        if not (0.0 <= self.text_fraction <= 1.0 and 0.0 <= self.copy_fraction <= 1.0):
-            raise DataError("text_fraction and copy_fraction must each be in [0, 1]")
-        if self.pose_max < 0 or not 0.0 <= self.pose_prob <= 1.0 or self.pose_chunks < 2:
-            raise DataError("PoSE needs pose_max >= 0, 0 <= pose_prob <= 1 and pose_chunks >= 2")
-        if not 0.0 <= self.pose_far <= 1.0:
-            raise DataError("pose_far must be in [0, 1]")
-        if not 0.0 <= self.chat_fraction <= 1.0:
-            raise DataError("chat_fraction must be in [0, 1]")
-        if not 0.0 <= self.document_fraction <= 1.0:
-            raise DataError("document_fraction must be in [0, 1]")
+            raise DataError.about("tasks", None, "weights must be finite and >= 0 with at least one above 0")
+        for name, lo in (("tokens_per_step", 1), ("pose_max", 0), ("pose_chunks", 2)):
+            if getattr(self, name) < lo:
+                raise DataError.about(name, getattr(self, name), f"must be >= {lo}")
+        for name in (
+            "text_fraction",
+            "copy_fraction",
+            "copy_hex_fraction",
+            "copy_upper_fraction",
+            "copy_pairs_fraction",
+            "pose_prob",
+            "pose_far",
+            "chat_fraction",
+            "document_fraction",
+        ):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise DataError.about(name, getattr(self, name), "must be in [0, 1]")
         if not 0.0 <= self.replay_fraction < 1.0:
-            raise DataError("replay_fraction must be in [0, 1)")
-        if not 0.0 <= self.copy_hex_fraction <= 1.0:
-            raise DataError("copy_hex_fraction must be in [0, 1]")
-        if not 0.0 <= self.copy_upper_fraction <= 1.0:
-            raise DataError("copy_upper_fraction must be in [0, 1]")
-        if not 0.0 <= self.copy_pairs_fraction <= 1.0:
-            raise DataError("copy_pairs_fraction must be in [0, 1]")
+            raise DataError.about("replay_fraction", self.replay_fraction, "must be in [0, 1)")
         if any(not 1 <= h <= MAX_VT_HOPS for h in self.vt_hops):
-            raise DataError(f"vt_hops must each be in [1, {MAX_VT_HOPS}]")
+            raise DataError.about(
+                "vt_hops", ",".join(map(str, self.vt_hops)), f"must each be in [1, {MAX_VT_HOPS}]"
+            )
 
     def seq_len(self, step: int) -> int:
         """The curriculum's length at `step`, or (a `replay_fraction` share of the steps, chosen by
@@ -189,9 +195,9 @@ def parse_vt_hops(text: str) -> tuple[int, ...]:
     try:
         hops = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise DataError(f"--vt-hops wants hop counts like 1,2,3,4, got {text!r}") from None
+        raise DataError.about("vt_hops", repr(text), "expected hop counts like 1,2,3,4") from None
     if any(not 1 <= h <= MAX_VT_HOPS for h in hops):
-        raise DataError(f"--vt-hops: each hop count must be in [1, {MAX_VT_HOPS}], got {text!r}")
+        raise DataError.about("vt_hops", repr(text), f"each hop count must be in [1, {MAX_VT_HOPS}]")
     return hops
 
 
@@ -208,20 +214,26 @@ def parse_task_weights(text: str) -> tuple[tuple[str, float], ...]:
         except ValueError:
             weight = -1.0
         if not sep or not name.strip() or not 0.0 <= weight < math.inf:
-            raise DataError(f"task weights {text!r}: expected TASK=WEIGHT,... with finite weights >= 0")
+            raise DataError.about("tasks", repr(text), "expected TASK=WEIGHT,... with finite weights >= 0")
         weights[name.strip()] = weight
     return tuple(weights.items())
 
 
 def parse_curriculum(text: str) -> tuple[tuple[int, int], ...]:
     """'0:1024,1500:4096' -> ((0, 1024), (1500, 4096))."""
+    expected = "expected STEP:LENGTH,STEP:LENGTH,..."
     try:
         pairs = [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise DataError(f"curriculum {text!r}: expected STEP:LENGTH,STEP:LENGTH,...") from None
+        raise DataError.about("curriculum", repr(text), expected) from None
     if any(len(p) != 2 for p in pairs):
-        raise DataError(f"curriculum {text!r}: expected STEP:LENGTH,STEP:LENGTH,...")
+        raise DataError.about("curriculum", repr(text), expected)
     return tuple((a, b) for a, b in pairs)  # type: ignore[misc]
+
+
+def curriculum_text(curriculum: tuple[tuple[int, int], ...]) -> str:
+    """((0, 1024), (1500, 4096)) -> '0:1024,1500:4096', as --curriculum takes it."""
+    return ",".join(f"{a}:{b}" for a, b in curriculum)
 
 
 @dataclass
@@ -390,7 +402,11 @@ def _retrieval(rng: random.Random, cfg: DataConfig, S: int) -> tuple[list[int], 
         except LongctxError:
             continue
     if sample is None:
-        raise DataError(f"sequence length {S} is too short for any retrieval task")
+        raise DataError.about(
+            "curriculum",
+            curriculum_text(cfg.curriculum),
+            f"sequence length {S} is too short for any retrieval task",
+        )
     if cfg.chat_fraction > 0 and rng.random() < cfg.chat_fraction:
         prompt = encode_text(chat_prompt(sample.input, sample.answer_prefix))
     elif cfg.document_fraction > 0 and TASKS[task].family == "niah" and rng.random() < cfg.document_fraction:

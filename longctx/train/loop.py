@@ -31,6 +31,7 @@ from tqdm import tqdm
 from longctx.config import ModelConfig, with_selection
 from longctx.engine.engine import resolve_device  # (the benches import it from here too)
 from longctx.errors import ConfigError
+from longctx.seeds import MASK63, SEED_RANGE, generator_seed, is_seed
 from longctx.train.checkpoint import (
     check_out_dir,
     load_model_weights,
@@ -38,7 +39,16 @@ from longctx.train.checkpoint import (
     restore_moments,
     save_training,
 )
-from longctx.train.data import ANSWER, LM, Batch, BatchDataset, DataConfig, check_retrieval_fits, collate
+from longctx.train.data import (
+    ANSWER,
+    LM,
+    Batch,
+    BatchDataset,
+    DataConfig,
+    check_retrieval_fits,
+    collate,
+    curriculum_text,
+)
 from longctx.train.model import (
     _FUSED_FROM,
     NEEDLE_FORMS,
@@ -392,7 +402,7 @@ def compute_loss(
     ids = batch.ids.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True)
     kind = batch.kind.to(device, non_blocking=True)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+    gen = torch.Generator(device=device).manual_seed((generator_seed(cfg.seed) * 1_000_003 + step) & MASK63)
     rows = kl_rows(kind, cfg.kl_rows, gen) if cfg.kl_weight > 0 or cfg.needle_weight > 0 else None
     needle = None
     if rows is not None and cfg.needle_weight > 0:
@@ -506,7 +516,9 @@ def _auto_schedule(
             data=dataclasses.replace(cfg.data, curriculum=cur),
         )
     if cfg.max_minutes is None:
-        raise ConfigError("--steps 0 (fit the schedule to the time budget) needs --max-minutes")
+        raise ConfigError.about(
+            "steps", 0, "fits the schedule to the time budget, which needs {}", "max_minutes"
+        )
     minutes = cfg.max_minutes
     model.train()
     step_s, forms = probe_step_seconds(model, cfg, device)
@@ -601,8 +613,9 @@ def next_length(cfg: TrainConfig, realized: tuple[tuple[int, int], ...]) -> int 
 
 
 def check_config(cfg: TrainConfig, mcfg: ModelConfig) -> None:
-    """Refuse (ConfigError, one line) a recipe that cannot train `mcfg`, before any work: a bad choice, a
-    number out of its range (NaN and inf included), rows longer than the model's positions."""
+    """Refuse (ConfigError `about` the field at fault, one line) a recipe that cannot train `mcfg`, before any
+    work: a bad choice, a number out of its range (NaN and inf included), rows longer than the model's
+    positions."""
     for name, choices in (
         ("sparse_attention", SPARSE_ATTENTION_FORMS),
         ("select", SELECT_FORMS),
@@ -612,7 +625,9 @@ def check_config(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         ("save_dtype", ("bfloat16", "float32")),
     ):
         if getattr(cfg, name) not in choices:
-            raise ConfigError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+            raise ConfigError.about(name, repr(getattr(cfg, name)), f"must be one of {choices}")
+    if not is_seed(cfg.seed):
+        raise ConfigError.about("seed", cfg.seed, f"must be {SEED_RANGE}")
     for name, lo in (
         ("steps", 0),
         ("warmup_steps", 0),
@@ -628,43 +643,58 @@ def check_config(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         ("eval_samples", 0),
     ):
         if getattr(cfg, name) < lo:
-            raise ConfigError(f"{name} must be >= {lo}, got {getattr(cfg, name)}")
+            raise ConfigError.about(name, getattr(cfg, name), f"must be >= {lo}")
     for name in ("lm_weight", "kl_weight", "needle_weight", "lead_weight"):
         if not 0.0 <= getattr(cfg, name) < math.inf:
-            raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(cfg, name)}")
+            raise ConfigError.about(name, getattr(cfg, name), "must be a finite number >= 0")
     if not 0.0 < cfg.lr < math.inf:
-        raise ConfigError(f"lr must be a finite number > 0, got {cfg.lr}")
+        raise ConfigError.about("lr", cfg.lr, "must be a finite number > 0")
     if cfg.max_minutes is not None and not 0.0 < cfg.max_minutes < math.inf:
-        raise ConfigError(f"max_minutes must be a finite number > 0, got {cfg.max_minutes}")
+        raise ConfigError.about("max_minutes", cfg.max_minutes, "must be a finite number > 0")
     for name in ("advance_exact", "long_topk_prob"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
-            raise ConfigError(f"{name} must be in [0, 1], got {getattr(cfg, name)}")
-    if cfg.long_topk_from < 0 or (cfg.long_topk_from and cfg.long_topk < 1):
-        raise ConfigError(
-            f"long_topk needs a top-k >= 1 from a row length >= 1, got {cfg.long_topk} from {cfg.long_topk_from}"
-        )
+            raise ConfigError.about(name, getattr(cfg, name), "must be in [0, 1]")
+    if cfg.long_topk_from < 0:
+        raise ConfigError.about("long_topk_from", cfg.long_topk_from, "must be >= 0 (0: off)")
+    if cfg.long_topk_from and cfg.long_topk < 1:
+        raise ConfigError.about("long_topk", cfg.long_topk, "must be >= 1 with {} on", "long_topk_from")
     if cfg.long_topk_from and cfg.long_topk <= mcfg.index_local_window:
-        raise ConfigError(
-            f"long_topk ({cfg.long_topk}) must be larger than the model's index_local_window "
-            f"({mcfg.index_local_window}): the window is part of the top-k"
+        raise ConfigError.about(
+            "long_topk",
+            cfg.long_topk,
+            f"must be larger than the model's index_local_window ({mcfg.index_local_window}): the window is "
+            "part of the top-k",
         )
     evals = cfg.eval_lengths if cfg.eval_samples else ()
+    evals_text = ",".join(map(str, evals))
     if any(n < 1 for n in evals):
-        raise ConfigError(f"eval_lengths must be >= 1, got {cfg.eval_lengths}")
-    longest = max(*(s for _, s in cfg.data.curriculum), cfg.data.pose_max, *evals)
-    if longest > mcfg.max_position_embeddings:
-        raise ConfigError(
-            f"rows of {longest} positions (curriculum, pose_max or eval_lengths) exceed the model's "
-            f"max_position_embeddings ({mcfg.max_position_embeddings})"
-        )
+        raise ConfigError.about("eval_lengths", evals_text, "must be >= 1")
+    for name, shown, longest in (
+        ("curriculum", curriculum_text(cfg.data.curriculum), max(s for _, s in cfg.data.curriculum)),
+        ("pose_max", cfg.data.pose_max, cfg.data.pose_max),
+        ("eval_lengths", evals_text, max(evals, default=0)),
+    ):
+        if longest > mcfg.max_position_embeddings:
+            raise ConfigError.about(
+                name,
+                shown,
+                f"rows of {longest} positions exceed the model's max_position_embeddings "
+                f"({mcfg.max_position_embeddings})",
+            )
     check_retrieval_fits(cfg.data)
     if cfg.resume and cfg.init_from:
-        raise ConfigError("resume and init_from exclude each other (a resumed run has its own weights)")
+        raise ConfigError.about(
+            "init_from", cfg.init_from, "excludes {} (a resumed run has its own weights)", "resume"
+        )
     if cfg.resume and cfg.capitals_from_lowercase:
         # (the resumed run's capitals are its own trained rows: copying a-z over them would undo them)
-        raise ConfigError("capitals_from_lowercase applies to init_from only, not to a resumed run")
+        raise ConfigError.about(
+            "capitals_from_lowercase", None, "applies to {} only, not to a resumed run", "init_from"
+        )
     if cfg.capitals_from_lowercase and not cfg.init_from:
-        raise ConfigError("capitals_from_lowercase needs init_from (trained lowercase rows to copy)")
+        raise ConfigError.about(
+            "capitals_from_lowercase", None, "needs {} (trained lowercase rows to copy)", "init_from"
+        )
 
 
 class StopOnInterrupt:
@@ -713,7 +743,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, stop: StopOnInterrupt) -> dict[str, Any]:
     t_start = _monotonic()
     device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -737,6 +766,7 @@ def _train(cfg: TrainConfig, stop: StopOnInterrupt) -> dict[str, Any]:
         mcfg = dataclasses.replace(mcfg, kv_fp8_skip_layers=src.kv_fp8_skip_layers)
     check_config(cfg, mcfg)
     check_out_dir(cfg.out, cfg.resume)
+    torch.manual_seed(generator_seed(cfg.seed))
     save_dtype = getattr(torch, cfg.save_dtype)
     model = TrainCausalLM(mcfg)
     model.sparse_attention = cfg.sparse_attention

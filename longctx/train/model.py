@@ -47,6 +47,7 @@ from longctx.model.model import CausalLM
 from longctx.model.moe import MoE
 from longctx.model.ops import op
 from longctx.model.rope import apply_rope_interleaved
+from longctx.seeds import generator_seed
 
 # Query rows per chunk when scoring all keys for the top-k (bounds [chunk, heads, S] fp32).
 _SELECT_ELEMS = 1 << 27
@@ -164,7 +165,7 @@ class TrainCausalLM(CausalLM):
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic init: N(0, std) matrices (output projections scaled by 1/sqrt(2L), as GPT-2
         does), unit norms, zero biases and router correction bias; then marks trainable params."""
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(generator_seed(seed))
         out_scale = 1.0 / math.sqrt(2 * self.cfg.num_hidden_layers)
         for name, p in self.named_parameters():
             if name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from longctx.paths import nearest_existing
 from longctx.workloads.cli_args import (
     DEFAULT_MAX_CONTEXT,
     SELECTION_ENGINE_KW,
@@ -72,7 +73,7 @@ def _check_out(path: str) -> None:
     """--out before the long part (packing, loading the model): not a directory, and a file that can be
     written in its nearest existing directory (run_retrieve makes the directories below that)."""
     out = Path(path).absolute()
-    base = next(p for p in out.parents if p.exists())
+    base = nearest_existing(out.parent)
     if out.is_dir() or not base.is_dir() or not os.access(out if out.exists() else base, os.W_OK):
         raise UsageError(
             f"--out {path}: not a file that can be written (a directory, under a file, or read-only)"

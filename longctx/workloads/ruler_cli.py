@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from longctx.seeds import SEED_RANGE, is_seed
 from longctx.workloads.cli_args import (
     UsageError,
     add_embedded_engine_args,
@@ -167,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     samples = int_arg("--samples", args.samples)
     indices = parse_indices(args.indices)
     seed = int_arg("--seed", args.seed, lo=0)
+    if not is_seed(seed):
+        raise UsageError(f"--seed must be {SEED_RANGE}, not {seed}")
     concurrency = int_arg("--concurrency", args.concurrency)
     try:
         scale = float(args.max_new_tokens_scale)
