@@ -176,3 +176,18 @@ def test_generate_does_not_collide_with_a_step_api_request_id(eng):
     while eng.has_work():
         outs += [o for o in eng.step() if o.rid == rid]
     assert sum(len(o.new_token_ids) for o in outs) == 2 and outs[-1].finished
+
+
+def test_dtypes_are_taken_by_their_short_names(tiny_dir):
+    """`bf16`, `half`, `float`... were refused where `bfloat16` / `float16` / `float32` were taken; one table
+    (longctx.config.DTYPE_ALIASES) reads them for dtype and for kv_dtype's bf16. An unknown name lists them."""
+    for name, want in (("bf16", torch.bfloat16), ("FP16", torch.float16), ("half", torch.float16),
+                       ("fp32", torch.float32), ("float", torch.float32)):  # fmt: skip
+        with Engine(tiny_dir, device="cpu", dtype=name, kv_dtype="bfloat16", kv_pages=16) as e:
+            assert (e.dtype, e.kv_kind) == (want, "bf16")
+    with pytest.raises(
+        ConfigError, match=r"^dtype must be one of auto, bfloat16, float16, float32 \(or bf16, "
+    ):
+        Engine(tiny_dir, device="cpu", dtype="bf8")
+    with pytest.raises(ConfigError, match="^kv_dtype must be"):
+        Engine(tiny_dir, device="cpu", kv_dtype="float16")

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, check_kv_fp8_skip_layers, is_int, with_selection
+from longctx.config import ModelConfig, check_kv_fp8_skip_layers, dtype_name, is_int, with_selection
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
@@ -202,9 +202,7 @@ class Engine:
         self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-        self.dtype = DTYPES[dtype]
+        self.dtype = DTYPES[dtype_name(dtype, extra=("auto",))]
         # an fp8 cache keeps these layers' KV in the model dtype (None: as the checkpoint says)
         skip = self.cfg.kv_fp8_skip_layers if kv_fp8_skip_layers is None else kv_fp8_skip_layers
         skip = check_kv_fp8_skip_layers(skip, self.cfg.num_hidden_layers)
