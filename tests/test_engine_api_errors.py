@@ -93,12 +93,41 @@ def test_a_seed_past_the_http_servers_limit_is_taken(eng):
         (lambda e: e.score(None), "token_ids must be a list of token ids"),
         (lambda e: e.score("hello"), "token_ids must be a list of token ids, got str"),
         (lambda e: e.score([[1, 2]]), r"token_ids: token id \[1, 2\] is not an integer"),
+        (lambda e: e.generate([np.array(5)]), r"prompts\[0\] must be a list of token ids, got the single"),
     ],
 )
 def test_bad_prompts_are_request_errors(eng, call, says):
     with pytest.raises(RequestError, match=says):
         call(eng)
     assert eng.num_waiting() == eng.num_running() == 0
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [True, 5],
+        [5, False],
+        np.array([True, False]),
+        torch.tensor([5, 1]).bool(),
+        [np.True_],
+        [torch.tensor(True)],
+    ],
+)
+def test_bool_token_ids_are_refused(eng, ids):
+    """A bool is no token id, though Python's, numpy's and torch's all index as 0 / 1 (`[True, 5]` was
+    read as the prompt [1, 5]); refused in prompts, score's ids, documents and add_request's prompt_ids."""
+    for call, name in (
+        (lambda: eng.generate([ids], max_new_tokens=1), r"prompts\[0\]"),
+        (lambda: eng.score(ids), "token_ids"),
+        (lambda: eng.pin_document(ids), "token_ids"),
+    ):
+        with pytest.raises(RequestError, match=rf"^{name}: token id .+ is a bool, not an integer$") as e:
+            call()
+        assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match=r"^token id True is a bool, not an int$") as e:
+        eng.add_request(Request("b", [5, True, 6], SamplingParams(max_new_tokens=1)))
+    assert e.value.param == "prompt"
+    assert eng.num_waiting() == eng.num_running() == 0 and not eng.has_work()
 
 
 def test_numpy_and_torch_token_ids_are_token_ids(eng):
