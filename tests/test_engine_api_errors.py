@@ -220,3 +220,80 @@ def test_dtypes_are_taken_by_their_short_names(tiny_dir):
         Engine(tiny_dir, device="cpu", dtype="bf8")
     with pytest.raises(ConfigError, match="^kv_dtype must be"):
         Engine(tiny_dir, device="cpu", kv_dtype="float16")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kv_pages": 10**12},  # (died in the pool's allocation, after the model was loaded)
+        {"kv_pages": 10**12, "pp": 2},  # (each stage process died in its own)
+        {"kv_pages": 10**12, "hisparse_device_tokens": 64},  # (its host pool: /dev/shm refused it, late)
+        {"kv_pages": 64, "hisparse_device_tokens": 10**12},  # (its slot buffers: a traceback)
+    ],
+)
+def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(tiny_dir, kw, monkeypatch):
+    """One line naming kv_pages, the bytes needed and those available, before the model or a stage
+    process is built."""
+    import longctx.engine.engine as engine_mod
+    import longctx.stages.runtime
+
+    def built(*a, **k):
+        raise AssertionError("built before the KV cache was checked")
+
+    monkeypatch.setattr(engine_mod, "build_model", built)
+    monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
+    with pytest.raises(ConfigError) as e:
+        Engine(tiny_dir, device="cpu", **kw)
+    msg = str(e.value)
+    assert msg.startswith(f"kv_pages={kw['kv_pages']}") and "\n" not in msg
+    assert " needs at least " in msg and " GB of memory, " in msg and msg.endswith(" GB available")
+    if "hisparse_device_tokens" in kw:
+        assert f"hisparse_device_tokens={kw['hisparse_device_tokens']}" in msg
+
+
+def test_the_kv_room_check_counts_the_pool_it_allocates(tiny_dir, monkeypatch):
+    """The bytes checked are the device pool's own: with exactly that much memory available the engine
+    starts, with a byte less it is refused; a stage runtime's ranks each hold their stage's pool and
+    its host pool, and the default pages are named as such."""
+    import longctx.engine.engine as engine_mod
+
+    with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
+        need = e.stats()["stages"][0]["kv_bytes_device"]
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need - 1)
+    with pytest.raises(ConfigError, match=rf"^kv_pages=40: the KV cache needs at least {need / 1e9:.1f} GB"):
+        Engine(tiny_dir, device="cpu", kv_pages=40)
+    with pytest.raises(ConfigError, match=r"^kv_pages=\d+ \(the default\): the KV cache needs"):
+        Engine(tiny_dir, device="cpu")
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need)
+    Engine(tiny_dir, device="cpu", kv_pages=40).close()
+    with pytest.raises(ConfigError, match="kv_pages=40"):  # 2 TP ranks' pools and a host pool
+        Engine(tiny_dir, device="cpu", kv_pages=40, tp=2)
+
+
+def test_the_kv_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch):
+    """On CUDA the device pools are checked against the GPU's free memory (a stage runtime's: the
+    average rank's share, per GPU), the host pools against the host's RAM. (Run on a CPU engine with its
+    device and memory figures patched: CI has no GPU.)"""
+    import longctx.engine.engine as engine_mod
+
+    with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
+        need = e.stats()["stages"][0]["kv_bytes_device"]
+        monkeypatch.setattr(e, "device", torch.device("cuda", 0))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        free = {"cuda": need, "cpu": 10 * need}
+        monkeypatch.setattr(
+            engine_mod, "available_memory", lambda device=None: free[getattr(device, "type", "cpu")]
+        )
+        e._check_kv_room(40, False, 1, 1, 64)  # no host pool: all of it on the GPU
+        free["cuda"] = need // 2
+        e._check_kv_room(40, False, 2, 1, 64)  # two stages: half of it on each GPU
+        with pytest.raises(
+            ConfigError, match=r"^kv_pages=40: the KV cache needs at least .+ of GPU memory, "
+        ):
+            e._check_kv_room(40, False, 1, 1, 64)
+        with pytest.raises(ConfigError, match=r"GPU memory per GPU"):  # two TP ranks: the whole pool on each
+            e._check_kv_room(40, False, 1, 2, 64)
+        free.update(cuda=need, cpu=0)
+        e._check_kv_room(40, False, 1, 1, 64)  # (one stage has no host pool)
+        with pytest.raises(ConfigError, match=r"of host memory, 0.0 GB available$"):  # the stages' host pools
+            e._check_kv_room(40, False, 2, 1, 64)

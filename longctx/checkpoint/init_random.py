@@ -28,6 +28,7 @@ from longctx.checkpoint.layout import (
 )
 from longctx.config import DTYPE_NAMES, ModelConfig, dtype_arg, dtype_name, resolve_config
 from longctx.errors import CheckpointError, ConfigError
+from longctx.memory import available_memory, check_room
 
 if TYPE_CHECKING:
     import torch
@@ -96,18 +97,11 @@ def _check_room(out: Path, sizes: dict[str, int], shards: list[list[str]], numel
     of it, where the replaced files' `freed` bytes come back."""
     import shutil
 
-    import psutil
-
     memory = max(sum(sizes[n] for n in shard) for shard in shards) + 4 * numel
     disk_dir = next(p for p in (out, *out.absolute().parents) if p.exists())
-    for what, need, have in (
-        ("memory", memory, psutil.virtual_memory().available),
-        (f"disk space in {disk_dir}", sum(sizes.values()), shutil.disk_usage(disk_dir).free + freed),
-    ):
-        if need > have:
-            raise ConfigError(
-                f"this checkpoint needs at least {need / 1e9:,.1f} GB of {what}, {have / 1e9:,.1f} GB available"
-            )
+    check_room("this checkpoint", memory, "memory", available_memory())
+    free = shutil.disk_usage(disk_dir).free + freed
+    check_room("this checkpoint", sum(sizes.values()), f"disk space in {disk_dir}", free)
 
 
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:

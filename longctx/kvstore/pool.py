@@ -99,6 +99,18 @@ def host_kv_spec(
     return HostKVSpec(layers.start, layers.stop, num_slots, rows)
 
 
+def kv_bytes_per_token(
+    cfg: ModelConfig, layers: range, kind: str | KVKinds, dtype: torch.dtype
+) -> tuple[int, int]:
+    """Bytes one token's KV costs across `layers`: (MLA rows, index keys of the full layers), each layer
+    in its kind."""
+    kinds = KVKinds.of(kind)
+    L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    mla = sum(mla_row_bytes(L, R, kinds.mla(i), dtype) for i in layers)
+    idx = sum(index_row_bytes(D, kinds.index(i), dtype) for i in layers if cfg.is_full_indexer(i))
+    return mla, idx
+
+
 ROWS_OF_TOPK = "rows_of_topk"  # ForwardContext.extras key: (top-k tensor, its pool rows) of this pass
 
 
@@ -135,11 +147,7 @@ class PagedKVPool(HasKVKinds):
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, layers: range, kind: str | KVKinds, dtype: torch.dtype) -> int:
         """Device bytes one token costs across `layers` (MLA rows + index keys)."""
-        kinds = KVKinds.of(kind)
-        L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-        mla = sum(mla_row_bytes(L, R, kinds.mla(i), dtype) for i in layers)
-        idx = sum(index_row_bytes(D, kinds.index(i), dtype) for i in layers if cfg.is_full_indexer(i))
-        return mla + idx
+        return sum(kv_bytes_per_token(cfg, layers, kind, dtype))
 
     # ---- KVCache ---------------------------------------------------------------------------
     def mla_pool(self, layer: int) -> torch.Tensor:
