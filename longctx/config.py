@@ -38,7 +38,17 @@ _POSITIVE = (
     "max_position_embeddings",
 )
 _NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace")
-_DTYPES = ("bfloat16", "float16", "float32")
+# The model dtypes longctx runs, by their torch names, and the short names users also write for them:
+# one table for Engine(dtype=), --dtype, init-model's dtype and the KV cache's bf16. (config.json keeps
+# torch names: transformers reads its dtype as a torch attribute.)
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 _ROPE_TYPES = ("default", "yarn")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
@@ -225,8 +235,8 @@ class ModelConfig:
         if not isinstance(rp, dict) or rp.get("rope_type", "default") not in _ROPE_TYPES:
             raise ConfigError(f"rope_parameters.rope_type must be one of {list(_ROPE_TYPES)}, got {rp!r}")
         _check_real("rope_parameters.rope_theta", rp.get("rope_theta", 10000.0), positive=True)
-        if self.torch_dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {self.torch_dtype!r}")
+        if self.torch_dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.torch_dtype!r}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             ids = v if isinstance(v, list | tuple) else [] if v is None else [v]
@@ -295,6 +305,36 @@ def check_layout(cfg: ModelConfig, pp: int, tp: int) -> None:
         raise ConfigError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}")
     if pp < 1 or pp > cfg.num_hidden_layers:
         raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
+
+
+def canonical_dtype(name: object) -> str | None:
+    """The torch name of a model dtype given by any of its names (`bfloat16`, `bf16`, `BF16`) or as a
+    torch.dtype; None for anything else."""
+    key = name.lower() if isinstance(name, str) else str(name).removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
+    return key if key in DTYPE_NAMES else None
+
+
+def dtype_name(name: object, extra: Sequence[str] = ()) -> str:
+    """`canonical_dtype`, or a ConfigError listing every accepted name (`extra`: the caller's own words,
+    such as "auto", first)."""
+    canon = canonical_dtype(name)
+    if canon is None:
+        names = ", ".join((*extra, *DTYPE_NAMES))
+        raise ConfigError(f"dtype must be one of {names} (or {', '.join(DTYPE_ALIASES)}), got {name!r}")
+    return canon
+
+
+def dtype_arg(text: str) -> str:
+    """A `--dtype` flag: a model dtype's short names (bf16, half, ...) as its torch name; other text as
+    given, for argparse's choices or `dtype_name` to refuse."""
+    return canonical_dtype(text) or text
+
+
+def kv_dtype_name(kv_dtype: str) -> str:
+    """A KV cache dtype under its public name: every name of bfloat16 as "bf16" (`kv_dtype`'s own);
+    anything else as given, for its parser to take or refuse."""
+    return "bf16" if canonical_dtype(kv_dtype) == "bfloat16" else kv_dtype
 
 
 def is_int(v: object) -> TypeGuard[int]:

@@ -192,3 +192,30 @@ def test_flags_are_named_in_full(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["generate", *CPU, "--prompt", "hi"])
     assert e.value.code == 2 and "unrecognized arguments: --prompt" in capsys.readouterr().err
+
+
+def test_dtypes_are_taken_by_their_short_names(tmp_path, capsys) -> None:
+    """--dtype bf16 / half / fp32 ... and --kv-dtype bfloat16 (argparse's choices refused them for
+    init-model and serve, Engine for generate); an unknown name is one line listing the accepted ones."""
+    from longctx.workloads.cli_args import kv_dtype_arg
+
+    out = tmp_path / "m"
+    assert main(["init-model", "--config", "tiny", "--out", str(out), "--dtype", "bf16"]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    capsys.readouterr()
+    tiny = ["--model", str(out), "--device", "cpu"]
+    argv = ["generate", *tiny, "--token-ids", "1,2", "--max-new-tokens", "1", "--json"]
+    assert main([*argv, "--dtype", "half", "--kv-dtype", "BF16"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 1
+    # serve reads them past argparse's choices, then stops at the bad --pp before it binds its port
+    assert (
+        main(["serve", *tiny, "--port", "0", "--dtype", "fp32", "--kv-dtype", "bfloat16", "--pp", "99"]) == 2
+    )
+    assert "pp must be in [1, 6]" in capsys.readouterr().err
+    assert kv_dtype_arg("--kv-dtype", "bfloat16") == "bf16"  # (ruler / retrieve)
+    assert main([*argv, "--dtype", "bf8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "longctx generate: error: dtype must be one of auto, bfloat16, float16, float32 "
+        "(or bf16, fp16, half, fp32, float), got 'bf8'"
+    ]

@@ -93,12 +93,41 @@ def test_a_seed_past_the_http_servers_limit_is_taken(eng):
         (lambda e: e.score(None), "token_ids must be a list of token ids"),
         (lambda e: e.score("hello"), "token_ids must be a list of token ids, got str"),
         (lambda e: e.score([[1, 2]]), r"token_ids: token id \[1, 2\] is not an integer"),
+        (lambda e: e.generate([np.array(5)]), r"prompts\[0\] must be a list of token ids, got the single"),
     ],
 )
 def test_bad_prompts_are_request_errors(eng, call, says):
     with pytest.raises(RequestError, match=says):
         call(eng)
     assert eng.num_waiting() == eng.num_running() == 0
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [True, 5],
+        [5, False],
+        np.array([True, False]),
+        torch.tensor([5, 1]).bool(),
+        [np.True_],
+        [torch.tensor(True)],
+    ],
+)
+def test_bool_token_ids_are_refused(eng, ids):
+    """A bool is no token id, though Python's, numpy's and torch's all index as 0 / 1 (`[True, 5]` was
+    read as the prompt [1, 5]); refused in prompts, score's ids, documents and add_request's prompt_ids."""
+    for call, name in (
+        (lambda: eng.generate([ids], max_new_tokens=1), r"prompts\[0\]"),
+        (lambda: eng.score(ids), "token_ids"),
+        (lambda: eng.pin_document(ids), "token_ids"),
+    ):
+        with pytest.raises(RequestError, match=rf"^{name}: token id .+ is a bool, not an integer$") as e:
+            call()
+        assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match=r"^token id True is a bool, not an int$") as e:
+        eng.add_request(Request("b", [5, True, 6], SamplingParams(max_new_tokens=1)))
+    assert e.value.param == "prompt"
+    assert eng.num_waiting() == eng.num_running() == 0 and not eng.has_work()
 
 
 def test_numpy_and_torch_token_ids_are_token_ids(eng):
@@ -176,3 +205,95 @@ def test_generate_does_not_collide_with_a_step_api_request_id(eng):
     while eng.has_work():
         outs += [o for o in eng.step() if o.rid == rid]
     assert sum(len(o.new_token_ids) for o in outs) == 2 and outs[-1].finished
+
+
+def test_dtypes_are_taken_by_their_short_names(tiny_dir):
+    """`bf16`, `half`, `float`... were refused where `bfloat16` / `float16` / `float32` were taken; one table
+    (longctx.config.DTYPE_ALIASES) reads them for dtype and for kv_dtype's bf16. An unknown name lists them."""
+    for name, want in (("bf16", torch.bfloat16), ("FP16", torch.float16), ("half", torch.float16),
+                       ("fp32", torch.float32), ("float", torch.float32)):  # fmt: skip
+        with Engine(tiny_dir, device="cpu", dtype=name, kv_dtype="bfloat16", kv_pages=16) as e:
+            assert (e.dtype, e.kv_kind) == (want, "bf16")
+    with pytest.raises(
+        ConfigError, match=r"^dtype must be one of auto, bfloat16, float16, float32 \(or bf16, "
+    ):
+        Engine(tiny_dir, device="cpu", dtype="bf8")
+    with pytest.raises(ConfigError, match="^kv_dtype must be"):
+        Engine(tiny_dir, device="cpu", kv_dtype="float16")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kv_pages": 10**12},  # (died in the pool's allocation, after the model was loaded)
+        {"kv_pages": 10**12, "pp": 2},  # (each stage process died in its own)
+        {"kv_pages": 10**12, "hisparse_device_tokens": 64},  # (its host pool: /dev/shm refused it, late)
+        {"kv_pages": 64, "hisparse_device_tokens": 10**12},  # (its slot buffers: a traceback)
+    ],
+)
+def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(tiny_dir, kw, monkeypatch):
+    """One line naming kv_pages, the bytes needed and those available, before the model or a stage
+    process is built."""
+    import longctx.engine.engine as engine_mod
+    import longctx.stages.runtime
+
+    def built(*a, **k):
+        raise AssertionError("built before the KV cache was checked")
+
+    monkeypatch.setattr(engine_mod, "build_model", built)
+    monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
+    with pytest.raises(ConfigError) as e:
+        Engine(tiny_dir, device="cpu", **kw)
+    msg = str(e.value)
+    assert msg.startswith(f"kv_pages={kw['kv_pages']}") and "\n" not in msg
+    assert " needs at least " in msg and " GB of memory, " in msg and msg.endswith(" GB available")
+    if "hisparse_device_tokens" in kw:
+        assert f"hisparse_device_tokens={kw['hisparse_device_tokens']}" in msg
+
+
+def test_the_kv_room_check_counts_the_pool_it_allocates(tiny_dir, monkeypatch):
+    """The bytes checked are the device pool's own: with exactly that much memory available the engine
+    starts, with a byte less it is refused; a stage runtime's ranks each hold their stage's pool and
+    its host pool, and the default pages are named as such."""
+    import longctx.engine.engine as engine_mod
+
+    with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
+        need = e.stats()["stages"][0]["kv_bytes_device"]
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need - 1)
+    with pytest.raises(ConfigError, match=rf"^kv_pages=40: the KV cache needs at least {need / 1e9:.1f} GB"):
+        Engine(tiny_dir, device="cpu", kv_pages=40)
+    with pytest.raises(ConfigError, match=r"^kv_pages=\d+ \(the default\): the KV cache needs"):
+        Engine(tiny_dir, device="cpu")
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need)
+    Engine(tiny_dir, device="cpu", kv_pages=40).close()
+    with pytest.raises(ConfigError, match="kv_pages=40"):  # 2 TP ranks' pools and a host pool
+        Engine(tiny_dir, device="cpu", kv_pages=40, tp=2)
+
+
+def test_the_kv_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch):
+    """On CUDA the device pools are checked against the GPU's free memory (a stage runtime's: the
+    average rank's share, per GPU), the host pools against the host's RAM. (Run on a CPU engine with its
+    device and memory figures patched: CI has no GPU.)"""
+    import longctx.engine.engine as engine_mod
+
+    with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
+        need = e.stats()["stages"][0]["kv_bytes_device"]
+        monkeypatch.setattr(e, "device", torch.device("cuda", 0))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        free = {"cuda": need, "cpu": 10 * need}
+        monkeypatch.setattr(
+            engine_mod, "available_memory", lambda device=None: free[getattr(device, "type", "cpu")]
+        )
+        e._check_kv_room(40, False, 1, 1, 64)  # no host pool: all of it on the GPU
+        free["cuda"] = need // 2
+        e._check_kv_room(40, False, 2, 1, 64)  # two stages: half of it on each GPU
+        with pytest.raises(
+            ConfigError, match=r"^kv_pages=40: the KV cache needs at least .+ of GPU memory, "
+        ):
+            e._check_kv_room(40, False, 1, 1, 64)
+        with pytest.raises(ConfigError, match=r"GPU memory per GPU"):  # two TP ranks: the whole pool on each
+            e._check_kv_room(40, False, 1, 2, 64)
+        free.update(cuda=need, cpu=0)
+        e._check_kv_room(40, False, 1, 1, 64)  # (one stage has no host pool)
+        with pytest.raises(ConfigError, match=r"of host memory, 0.0 GB available$"):  # the stages' host pools
+            e._check_kv_room(40, False, 2, 1, 64)

@@ -26,8 +26,9 @@ from longctx.checkpoint.layout import (
     keeps_fp32,
     scale_shape,
 )
-from longctx.config import ModelConfig, resolve_config
+from longctx.config import DTYPE_NAMES, ModelConfig, dtype_arg, dtype_name, resolve_config
 from longctx.errors import CheckpointError, ConfigError
+from longctx.memory import available_memory, check_room
 from longctx.paths import nearest_existing
 from longctx.seeds import SEED_RANGE, is_seed
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 # torch and safetensors are imported inside functions: `longctx --help` imports this module.
 DEFAULT_MAX_SHARD_BYTES = 2_000_000_000
-DTYPES = ("bfloat16", "float16", "float32")
 INDEX_FILE = "model.safetensors.index.json"  # the same names as longctx.checkpoint.loader
 SINGLE_FILE = "model.safetensors"
 _WRITTEN = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX_FILE)
@@ -99,18 +99,11 @@ def _check_room(out: Path, sizes: dict[str, int], shards: list[list[str]], numel
     of it, where the replaced files' `freed` bytes come back."""
     import shutil
 
-    import psutil
-
     memory = max(sum(sizes[n] for n in shard) for shard in shards) + 4 * numel
     disk_dir = nearest_existing(out)
-    for what, need, have in (
-        ("memory", memory, psutil.virtual_memory().available),
-        (f"disk space in {disk_dir}", sum(sizes.values()), shutil.disk_usage(disk_dir).free + freed),
-    ):
-        if need > have:
-            raise ConfigError(
-                f"this checkpoint needs at least {need / 1e9:,.1f} GB of {what}, {have / 1e9:,.1f} GB available"
-            )
+    check_room("this checkpoint", memory, "memory", available_memory())
+    free = shutil.disk_usage(disk_dir).free + freed
+    check_room("this checkpoint", sum(sizes.values()), f"disk space in {disk_dir}", free)
 
 
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -160,12 +153,10 @@ def init_random_checkpoint(
         if p.is_file() and (p.suffix == ".safetensors" or p.name in _WRITTEN)
     ]
 
-    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else cfg.torch_dtype
-    if dtype_name not in DTYPES:
-        raise ConfigError(f"unsupported dtype {dtype_name}: use one of {', '.join(DTYPES)}")
-    dt = getattr(torch, dtype_name)
+    name = dtype_name(dtype if dtype is not None else cfg.torch_dtype)
+    dt = getattr(torch, name)
     block: tuple[int, int] | None = (cfg.quant_block or DEFAULT_BLOCK) if fp8 else None
-    disk_cfg = dataclasses.replace(cfg, quant_block=block, torch_dtype=dtype_name)
+    disk_cfg = dataclasses.replace(cfg, quant_block=block, torch_dtype=name)
 
     want = expected_weights(cfg)
     sizes = {n: _stored_bytes(n, s, dt, block) for n, s in want.items()}
@@ -225,7 +216,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="storage dtype (default: the config's)")
+    p.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        choices=DTYPE_NAMES,
+        default=None,
+        help="storage dtype, or a short name of one: bf16, fp16, half, fp32, float (default: the config's)",
+    )
     p.add_argument(
         "--fp8", action="store_true", help="store linear weights as fp8 e4m3 with 128x128 block scales"
     )

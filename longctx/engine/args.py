@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from longctx.config import SELECTION_FIELDS
+from longctx.config import DTYPE_NAMES, SELECTION_FIELDS, dtype_arg, kv_dtype_name
 from longctx.errors import ConfigError
 
 # Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
@@ -31,7 +31,7 @@ KV_DTYPE_CHOICES = ("auto", "model", "bf16", "fp8_e4m3")  # Engine's kv_dtype (`
 
 _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
-    "dtype": ["auto", "bfloat16", "float32", "float16"],
+    "dtype": ["auto", *DTYPE_NAMES],
     "kv_dtype": list(KV_DTYPE_CHOICES),
     "backend": ["auto", "torch", "triton"],
 }
@@ -42,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
 
     `choices=True` lets argparse reject unknown --device/--dtype/--kv-dtype/--backend values (serve);
     with False they reach `Engine`, which also accepts aliases (e.g. --kv-dtype fp8) and raises a
-    ConfigError on the rest (generate/score).
+    ConfigError on the rest (generate/score). Either way a dtype's short names (--dtype bf16, half, ...;
+    --kv-dtype bfloat16) are read as the names listed (`longctx.config.DTYPE_ALIASES`).
     """
 
     def pick(name: str) -> dict[str, Any]:
@@ -50,8 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
 
     p.add_argument("--model", required=True, help=model_help)
     p.add_argument("--device", default="auto", **pick("device"))
-    p.add_argument("--dtype", default="auto", **pick("dtype"))
-    p.add_argument("--kv-dtype", default="auto", **pick("kv_dtype"))
+    p.add_argument("--dtype", default="auto", type=dtype_arg, **pick("dtype"))
+    p.add_argument("--kv-dtype", default="auto", type=kv_dtype_name, **pick("kv_dtype"))
     p.add_argument(
         "--kv-fp8-skip-layers",
         default=None,

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, check_kv_fp8_skip_layers, is_int, with_selection
+from longctx.config import ModelConfig, check_kv_fp8_skip_layers, dtype_name, is_int, with_selection
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
@@ -42,8 +42,9 @@ from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
 from longctx.errors import ConfigError, EngineDeadError, RequestError, one_line
 from longctx.kernels.common import use_triton as _use_triton
 from longctx.kvstore.allocator import PageAllocator
-from longctx.kvstore.pool import PagedKVPool, resolve_kv_kinds
+from longctx.kvstore.pool import PagedKVPool, host_kv_spec, kv_bytes_per_token, resolve_kv_kinds
 from longctx.kvstore.prefix_cache import PrefixCache
+from longctx.memory import available_memory, check_room
 
 log = logging.getLogger("longctx.engine")
 PAGE_SIZE = 64
@@ -202,9 +203,7 @@ class Engine:
         self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-        self.dtype = DTYPES[dtype]
+        self.dtype = DTYPES[dtype_name(dtype, extra=("auto",))]
         # an fp8 cache keeps these layers' KV in the model dtype (None: as the checkpoint says)
         skip = self.cfg.kv_fp8_skip_layers if kv_fp8_skip_layers is None else kv_fp8_skip_layers
         skip = check_kv_fp8_skip_layers(skip, self.cfg.num_hidden_layers)
@@ -224,6 +223,7 @@ class Engine:
         self._closed = False
 
         num_pages = self._default_pages(max_context) if kv_pages is None else kv_pages
+        self._check_kv_room(num_pages, kv_pages is None, pp, tp, max_running)
         if pp == 1 and tp == 1:
             self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs, max_running)
         else:
@@ -276,12 +276,43 @@ class Engine:
             per_token = PagedKVPool.bytes_per_token(
                 self.cfg, range(self.cfg.num_hidden_layers), self.kv_kinds, self.dtype
             )
-            free, _ = torch.cuda.mem_get_info(self.device)
             # weights are not loaded yet: leave them and activations their share
-            budget = int(free * 0.5)
+            budget = int(available_memory(self.device) * 0.5)
             return max(16, min(budget // (per_token * PAGE_SIZE), 2 * max_context // PAGE_SIZE + 64))
         # CPU: room for a few requests of a modest context
         return max(64, min(max_context, 1 << 16) * 2 // PAGE_SIZE)
+
+    def _check_kv_room(self, num_pages: int, default: bool, pp: int, tp: int, max_running: int) -> None:
+        """Refuse KV pools this machine cannot hold before any is allocated (kv_pages=10**9 died in the
+        allocation with a traceback, or took the host's memory page by page). Counted at num_pages + 1
+        pages (one pads captured batches): every TP rank's device pool of its stage's layers, MLA rows and
+        index keys (under HiSparse the index keys and the slot buffers: the MLA rows are in its host pool),
+        and the host pools (HiSparse's; one per stage under pp or tp > 1). Weights and activations come on
+        top, so only what cannot fit at all is refused."""
+        cfg, layers, N = self.cfg, range(self.cfg.num_hidden_layers), self.hisparse_device_tokens
+        slots = (num_pages + 1) * PAGE_SIZE
+        mla, index = kv_bytes_per_token(cfg, layers, self.kv_kinds, self.dtype)
+        if N:
+            from longctx.hisparse.cache import preallocated_requests
+
+            blocks = preallocated_requests(max_running, num_pages, PAGE_SIZE, N, self.max_context)
+            device = slots * index + (1 + blocks * N) * mla
+        else:
+            device = slots * (mla + index)
+        world = pp * tp
+        device *= tp  # the stages split the layers; each TP rank of a stage holds the stage's whole KV
+        host = host_kv_spec(cfg, layers, slots, self.kv_kinds, self.dtype).nbytes if N or world > 1 else 0
+        subject = f"kv_pages={num_pages}{' (the default)' if default else ''}"
+        subject += f" with hisparse_device_tokens={N}: the KV cache" if N else ": the KV cache"
+        if self.device.type == "cuda":
+            # the stage ranks' GPUs (and under torchrun their nodes) taken to be alike: the average
+            # rank's share against this GPU's free memory, a node's share of the host pools against its RAM
+            nodes = -(-world // torch.cuda.device_count())
+            per_gpu = " per GPU" if world > 1 else ""
+            check_room(subject, device // world, f"GPU memory{per_gpu}", available_memory(self.device))
+            check_room(subject, host // nodes, "host memory", available_memory())
+        else:
+            check_room(subject, device + host, "memory", available_memory())
 
     def _local_runner(
         self, num_pages: int, prefill_form: str, cuda_graphs: bool | None, max_running: int

@@ -10,6 +10,7 @@ import enum
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from longctx.config import is_int, is_real
 from longctx.errors import RequestError
@@ -100,7 +101,8 @@ class SamplingParams:
 
 
 def check_token_ids(req: Request, vocab_size: int) -> None:
-    """Every token id a request names (prompt, stop tokens, logit_bias) inside [0, vocab_size)."""
+    """Every token id a request names (prompt, stop tokens, logit_bias) an int (not a bool) inside
+    [0, vocab_size)."""
     if not isinstance(req.prompt_ids, list):  # (a tuple failed in the step joining it to the output)
         raise RequestError(f"prompt_ids must be a list, got {type(req.prompt_ids).__name__}", "prompt")
     p = req.params
@@ -110,22 +112,36 @@ def check_token_ids(req: Request, vocab_size: int) -> None:
         ("logit_bias", "logit_bias: token id", [t for t, _ in p.logit_bias]),
     ):
         for t in ids:
-            if type(t) is not int or not 0 <= t < vocab_size:  # (not a bool; as fast as isinstance)
+            if type(t) is not int:  # (not a bool; as fast as isinstance)
+                raise RequestError(f"{what} {t!r} is a {type(t).__name__}, not an int", param)
+            if not 0 <= t < vocab_size:
                 raise RequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab_size})", param)
 
 
 def as_token_ids(ids: object, name: str) -> list[int]:
     """A caller's token ids (a list, a tuple, a numpy array, a torch tensor... of integers) as a list of ints;
-    RequestError naming `name` for anything else (a string, a float, a nested list)."""
+    RequestError naming `name` for anything else (a string, a float, a nested list, a bool: Python's,
+    numpy's and torch's bools index as 0 and 1, so `[True, 5]` was read as token 1)."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise RequestError(f"{name} must be a list of token ids, got {type(ids).__name__}", "prompt")
-    out = []
-    for t in ids:
-        try:
-            out.append(operator.index(t))
-        except TypeError:
-            raise RequestError(f"{name}: token id {t!r} is not an integer", "prompt") from None
-    return out
+    if hasattr(ids, "tolist"):  # an array or tensor: its items as Python numbers (a bool stays a bool)
+        ids = ids.tolist()
+        if not isinstance(ids, list):  # (a 0-d array failed as a TypeError)
+            raise RequestError(f"{name} must be a list of token ids, got the single number {ids!r}", "prompt")
+    # (`type(t) is int`: is_int inline, as a 1M-token prompt pays it per token)
+    return [t if type(t) is int else _token_id(t, name) for t in ids]
+
+
+def _token_id(t: Any, name: str) -> int:
+    """A token id that is not a plain int: an integer scalar of numpy or torch (`__index__`); RequestError
+    for anything else, bools of any kind included."""
+    v = t.tolist() if hasattr(t, "tolist") else t  # (a torch scalar indexes, bool or not)
+    if isinstance(v, bool):
+        raise RequestError(f"{name}: token id {t!r} is a bool, not an integer", "prompt")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise RequestError(f"{name}: token id {t!r} is not an integer", "prompt") from None
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0, floor: int = 0) -> int | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, kv_dtype_name
 from longctx.errors import ConfigError
 from longctx.kernels.kv_layout import alloc_index_pool, alloc_mla_pool, index_row_bytes, mla_row_bytes
 from longctx.kvstore.host_pool import HostKVSpec
@@ -33,7 +33,8 @@ KV_KINDS = ("auto", "bf16", "fp8")
 def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
     """Public `kv_dtype` ("auto" | "model" | "bf16" | "fp8_e4m3") -> pool kind.
 
-    "auto" is fp8 on CUDA and the model dtype elsewhere; "model" is always the model dtype.
+    "auto" is fp8 on CUDA and the model dtype elsewhere; "model" is always the model dtype; bf16 may be
+    given by any name of bfloat16 (`bfloat16`, as `dtype` takes it).
     """
     if kv_dtype == "auto":
         return "fp8" if device.type == "cuda" else "auto"
@@ -41,7 +42,7 @@ def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
         return "auto"
     if kv_dtype in ("fp8", "fp8_e4m3"):
         return "fp8"
-    if kv_dtype == "bf16":
+    if kv_dtype_name(kv_dtype) == "bf16":
         return "bf16"
     raise ConfigError(f"kv_dtype must be 'auto', 'model', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
 
@@ -98,6 +99,18 @@ def host_kv_spec(
     return HostKVSpec(layers.start, layers.stop, num_slots, rows)
 
 
+def kv_bytes_per_token(
+    cfg: ModelConfig, layers: range, kind: str | KVKinds, dtype: torch.dtype
+) -> tuple[int, int]:
+    """Bytes one token's KV costs across `layers`: (MLA rows, index keys of the full layers), each layer
+    in its kind."""
+    kinds = KVKinds.of(kind)
+    L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    mla = sum(mla_row_bytes(L, R, kinds.mla(i), dtype) for i in layers)
+    idx = sum(index_row_bytes(D, kinds.index(i), dtype) for i in layers if cfg.is_full_indexer(i))
+    return mla, idx
+
+
 ROWS_OF_TOPK = "rows_of_topk"  # ForwardContext.extras key: (top-k tensor, its pool rows) of this pass
 
 
@@ -134,11 +147,7 @@ class PagedKVPool(HasKVKinds):
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, layers: range, kind: str | KVKinds, dtype: torch.dtype) -> int:
         """Device bytes one token costs across `layers` (MLA rows + index keys)."""
-        kinds = KVKinds.of(kind)
-        L, R, D = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-        mla = sum(mla_row_bytes(L, R, kinds.mla(i), dtype) for i in layers)
-        idx = sum(index_row_bytes(D, kinds.index(i), dtype) for i in layers if cfg.is_full_indexer(i))
-        return mla + idx
+        return sum(kv_bytes_per_token(cfg, layers, kind, dtype))
 
     # ---- KVCache ---------------------------------------------------------------------------
     def mla_pool(self, layer: int) -> torch.Tensor:
