@@ -511,6 +511,31 @@ def test_cli_end_to_end_against_a_server(repo, tmp_path, monkeypatch, capsys):
     assert any(s["reason"] == "context full" for s in rep["skipped"])
 
 
+def test_a_run_into_the_repository_packs_none_of_its_own_files(repo, tmp_path, monkeypatch):
+    """`--repo . --out answers.jsonl`: the answers, their lock and record (and the files those are replaced
+    through) and --pack-report are not packed, so a resumed run asks over the same text as the first."""
+    seen: list = []
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, seen)))
+    monkeypatch.chdir(repo)
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    argv = ["retrieve", "--repo", ".", "--queries", str(tmp_path / "q.jsonl"), "--out", "answers.jsonl"]
+    argv += ["--base-url", "http://srv", "--no-git", "--pack-report", "pack.json"]
+    assert main(argv) == 0
+    (first,) = [b["text"] for p, b in seen if p == "/v1/documents"]
+    rows = read_rows(repo / "answers.jsonl")
+    (repo / "answers.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[:2])
+    )  # (a run that stopped)
+    for left in ("answers.jsonl.tmp", "answers.jsonl.run.json.tmp"):  # (killed while replacing them)
+        (repo / left).write_text("{}")
+    own = {"answers.jsonl", ".answers.jsonl.lock", "answers.jsonl.run.json", "pack.json"}
+    assert own <= {p.name for p in repo.iterdir()}
+    seen.clear()
+    assert main(argv) == 0
+    assert [b["text"] for p, b in seen if p == "/v1/documents"] == [first]
+    assert [f["path"] for f in json.loads((repo / "pack.json").read_text())["files"]] == PACKABLE
+
+
 @pytest.mark.parametrize(
     "extra",
     [

@@ -92,7 +92,17 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
 
 def record_settings(target: Path, settings: dict[str, Any]) -> None:
     """Record `settings` beside `target` (replaced whole: a run killed meanwhile leaves one record)."""
-    record = settings_record(target)
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=2) + "\n")
-    tmp.replace(record)
+    write_whole(settings_record(target), json.dumps(settings, indent=2) + "\n")
+
+
+def temp_file(path: Path) -> Path:
+    """The file beside `path` that `write_whole` writes first."""
+    return path.with_name(path.name + ".tmp")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Replace `path` with `text` through `temp_file(path)`, so a run killed meanwhile leaves the old file
+    or the new one, never part of one."""
+    tmp = temp_file(path)
+    tmp.write_text(text)
+    tmp.replace(path)

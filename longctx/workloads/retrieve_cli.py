@@ -114,7 +114,13 @@ def _settings(
 
 def run(args: argparse.Namespace) -> int:
     from longctx.workloads.repo_pack import pack_repo
-    from longctx.workloads.retrieve import Prompting, read_queries, reserve_tokens, run_retrieve
+    from longctx.workloads.retrieve import (
+        Prompting,
+        files_written,
+        read_queries,
+        reserve_tokens,
+        run_retrieve,
+    )
     from longctx.workloads.tokens import load_counter
 
     for name in ("repo", "queries", "out"):
@@ -166,8 +172,14 @@ def run(args: argparse.Namespace) -> int:
         # rows of other settings in --out are refused before the long part (run_retrieve checks again
         # under its lock, and records these)
         check_settings(Path(args.out), settings)
+        written = files_written(Path(args.out)) + ([Path(args.pack_report)] if args.pack_report else [])
         pack = pack_repo(
-            args.repo, counter, budget, max_file_bytes=max_file, use_git=False if args.no_git else None
+            args.repo,
+            counter,
+            budget,
+            max_file_bytes=max_file,
+            use_git=False if args.no_git else None,
+            exclude=written,  # (what this run writes: a rerun would pack the first run's answers)
         )
         print(
             f"longctx retrieve: packed {len(pack.files)} files, {pack.tokens:,} tokens of {budget:,} "
