@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -88,6 +89,18 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
             f"for this run (or remove {target} to start over)"
         )
     return True
+
+
+def claim_settings(target: Path, settings: dict[str, Any], command: str) -> None:
+    """`check_settings`, then `record_settings`: what a run does under its lock before it appends to
+    `target`. Rows without a record are resumed as this run's, said once on stderr (by `command`)."""
+    if not check_settings(target, settings):
+        print(
+            f"{command}: {target} does not record the model and settings its rows came from (written "
+            "before records were kept); resuming it as this run's",
+            file=sys.stderr,
+        )
+    record_settings(target, settings)
 
 
 def record_settings(target: Path, settings: dict[str, Any]) -> None:

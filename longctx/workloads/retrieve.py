@@ -24,10 +24,9 @@ from typing import Any
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient, run_parallel
 from longctx.workloads.jsonl import (
-    check_settings,
+    claim_settings,
     open_append,
     read_rows,
-    record_settings,
     settings_record,
     sole_writer,
     temp_file,
@@ -180,13 +179,7 @@ def run_retrieve(
     out.parent.mkdir(parents=True, exist_ok=True)
     with sole_writer(lock_file(out), out):  # (a second run into it is refused)
         if settings is not None:
-            if not check_settings(out, settings):
-                print(
-                    f"longctx retrieve: {out} does not record the model and settings its answers came from "
-                    "(written before records were kept); resuming it as this run's",
-                    file=sys.stderr,
-                )
-            record_settings(out, settings)
+            claim_settings(out, settings, "longctx retrieve")
         results = _answer_all(
             pack, queries, client, counter, out, max_new_tokens, concurrency, prompting or Prompting()
         )
