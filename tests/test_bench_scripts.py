@@ -157,7 +157,14 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
 
     run = ["run", "--model", str(WIP), "--samples", "1", "--concurrency", "2"]
     tasks = "niah_single_1,niah_multikey_1"
-    assert main([*run, "--lengths", "1k", "--tasks", tasks, "--out", str(tmp_path / "u")]) == 0
+    u = tmp_path / "u"
+    assert main([*run, "--lengths", "1k", "--tasks", tasks, "--out", str(u)]) == 0
+    # a rerun with more samples resumes: `longctx ruler`'s settings record (results.jsonl.run.json) is its
+    # own, beside retrieval_eval's run.json, and holds what the run's lengths share
+    assert main([*run, "--lengths", "1k", "--tasks", tasks, "--samples", "2", "--out", str(u)]) == 0
+    assert len((u / "results.jsonl").read_text().splitlines()) == 4
+    assert json.loads((u / "results.jsonl.run.json").read_text())["form"] == "raw"
+    assert json.loads((u / "run.json").read_text())["tasks"] == tasks.split(",")
     # a capped run (cap > index_topk is required, so at least 257 device tokens)
     assert main([*run, "--lengths", "3k", "--tasks", "niah_single_1", "--cap-fraction", "0.1",
                  "--out", str(tmp_path / "c")]) == 0  # fmt: skip
@@ -210,7 +217,7 @@ def test_retrieval_eval_run_and_merge(tmp_path: Path) -> None:
     sel = json.loads((tmp_path / "m3" / "retrieval-h200.json").read_text())["selection"]["niah_single_1.1k"]
     assert sel == {"index_topk": 64, "index_local_window": 16, "index_topk_long": 32,
                    "index_topk_long_from": 512, "kv_dtype": "bf16", "kv_fp8_skip_layers": "1"}  # fmt: skip
-    assert res["samples"]["niah_single_1.1k"] == 1 and 0 <= res["niah_single_1.1k"] <= 100
+    assert res["samples"]["niah_single_1.1k"] == 2 and 0 <= res["niah_single_1.1k"] <= 100
     assert (tmp_path / "m" / "retrieval-h200.png").stat().st_size > 0 and res["chat"] is False
     # the chat form: ruler's --chat prompts, recorded; it is never merged with raw-prompt runs
     assert (

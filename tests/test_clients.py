@@ -12,9 +12,12 @@ import pytest
 from longctx.workloads.clients import ClientError, GenRequest, HTTPClient, Retry
 
 OK = {"choices": [{"text": " 42", "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+MODELS = {"object": "list", "data": [{"id": "served", "object": "model"}]}
 
 
-def client_on(replies: list, waits: list[float], retry: Retry | None = None) -> tuple[HTTPClient, list]:
+def client_on(
+    replies: list, waits: list[float], retry: Retry | None = None, model_name: str | None = "m"
+) -> tuple[HTTPClient, list]:
     """An HTTPClient whose server answers each request with the next of `replies` (a Response, or an
     exception to raise, as a dropped connection does); its waits go to `waits` instead of sleeping."""
     seen: list = []
@@ -28,7 +31,7 @@ def client_on(replies: list, waits: list[float], retry: Retry | None = None) -> 
 
     client = HTTPClient(
         "http://srv",
-        model_name="m",
+        model_name=model_name,
         transport=httpx.MockTransport(handler),
         retry=retry or Retry(),
         sleep=waits.append,
@@ -148,6 +151,20 @@ def test_a_bad_url_is_not_retried():
     with pytest.raises(ClientError, match="failed: Request URL has an unsupported protocol"):
         client.generate([GenRequest("q", 8)])
     assert waits == []
+
+
+def test_the_served_model_is_asked_for_as_every_request_is():
+    """Without a model name the client asks the server's /v1/models, retried as any request (a server
+    starting up is waited for); one that cannot be reached is a ClientError, not the name "default" (which
+    a run records: a resumed run then refused its own rows as another model's)."""
+    waits: list[float] = []
+    replies = [httpx.ConnectError("refused"), error(503, "loading"), httpx.Response(200, json=MODELS)]
+    client, seen = client_on(replies, waits, model_name=None)
+    assert client.model == "served" and seen == [("GET", "/v1/models")] * 3 and len(waits) == 2
+    with pytest.raises(ClientError, match=r"^GET http://srv/v1/models failed: refused \(retried 2 times\)$"):
+        client_on([httpx.ConnectError("refused")] * 3, [], Retry(attempts=2), model_name=None)
+    for listing in (httpx.Response(404), httpx.Response(200, json={"data": []}), httpx.Response(200)):
+        assert client_on([listing], [], model_name=None)[0].model == "default"  # (answers, names none)
 
 
 def test_document_calls_are_retried_too():

@@ -417,6 +417,35 @@ def test_rows_without_a_record_resume_with_a_warning(repo, tmp_path, monkeypatch
     assert main(argv) == 0 and json.loads(record.read_text())["model"] == "third"
 
 
+def test_a_server_down_when_its_model_is_asked_is_a_connection_error(repo, tmp_path, monkeypatch, capsys):
+    """Without --model-name the served name is asked before packing, retried as every request is; a
+    server still down then stops the run with the one-line connection error (exit 2), not a model named
+    "default" (a rerun into a file with rows was refused as another model's); up again, the run resumes."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    def serve(transport: httpx.MockTransport) -> None:
+        fast = partial(HTTPClient, transport=transport, retry=clients.Retry(attempts=2), sleep=lambda s: None)
+        monkeypatch.setattr(clients, "HTTPClient", fast)
+
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    out = tmp_path / "a.jsonl"
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(tmp_path / "q.jsonl"), "--out", str(out)]
+    argv += ["--base-url", "http://srv", "--no-git"]
+    serve(_serving(["served"], []))
+    assert main(argv) == 0
+    out.write_text("".join(json.dumps(r) + "\n" for r in read_rows(out)[:2]))  # (a run that stopped)
+    serve(httpx.MockTransport(refuse))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "longctx retrieve: error: GET http://srv/v1/models failed: refused (retried 2 times)"
+    assert len(read_rows(out)) == 2
+    serve(_serving(["served"], []))
+    assert main(argv) == 0 and len(read_rows(out)) == 3
+
+
 def test_the_embedded_engines_flags_are_part_of_the_record(repo, tmp_path, monkeypatch, capsys):
     """With --model: the model directory and the flags that change what it selects (--index-topk ...);
     run_retrieve itself refuses other settings too (under its lock, for callers other than the CLI)."""
@@ -480,6 +509,31 @@ def test_cli_end_to_end_against_a_server(repo, tmp_path, monkeypatch, capsys):
     rep = json.loads(report.read_text())
     assert rep["tokens"] <= rep["budget"] < 1000
     assert any(s["reason"] == "context full" for s in rep["skipped"])
+
+
+def test_a_run_into_the_repository_packs_none_of_its_own_files(repo, tmp_path, monkeypatch):
+    """`--repo . --out answers.jsonl`: the answers, their lock and record (and the files those are replaced
+    through) and --pack-report are not packed, so a resumed run asks over the same text as the first."""
+    seen: list = []
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, seen)))
+    monkeypatch.chdir(repo)
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    argv = ["retrieve", "--repo", ".", "--queries", str(tmp_path / "q.jsonl"), "--out", "answers.jsonl"]
+    argv += ["--base-url", "http://srv", "--no-git", "--pack-report", "pack.json"]
+    assert main(argv) == 0
+    (first,) = [b["text"] for p, b in seen if p == "/v1/documents"]
+    rows = read_rows(repo / "answers.jsonl")
+    (repo / "answers.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[:2])
+    )  # (a run that stopped)
+    for left in ("answers.jsonl.tmp", "answers.jsonl.run.json.tmp"):  # (killed while replacing them)
+        (repo / left).write_text("{}")
+    own = {"answers.jsonl", ".answers.jsonl.lock", "answers.jsonl.run.json", "pack.json"}
+    assert own <= {p.name for p in repo.iterdir()}
+    seen.clear()
+    assert main(argv) == 0
+    assert [b["text"] for p, b in seen if p == "/v1/documents"] == [first]
+    assert [f["path"] for f in json.loads((repo / "pack.json").read_text())["files"]] == PACKABLE
 
 
 @pytest.mark.parametrize(

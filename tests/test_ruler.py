@@ -405,7 +405,8 @@ def test_cli_against_a_server(tmp_path, monkeypatch, capsys, chat):
         "--concurrency",
         "3",
     ]
-    assert main(argv + (["--chat"] if chat else [])) == 0
+    argv += ["--chat"] if chat else []
+    assert main(argv) == 0
     summary = json.loads((out / "results.json").read_text())
     assert all(v == 100.0 for t in tasks for v in summary["scores"][t].values())
     assert summary["model"] == "http://server:1"
@@ -561,6 +562,94 @@ def test_a_stopping_run_does_not_wait_out_the_retries_of_others(tmp_path):
     with pytest.raises(clients.ClientError, match="HTTP 400: prompt too long"):
         run_samples(gen, client, keys, tmp_path, make_request(gen), concurrency=2)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_rerun_under_another_model_or_setting_is_refused(tmp_path, monkeypatch, capsys):
+    """OUT/results.jsonl.run.json records what the rows came from (the served model, tokenizer, seed,
+    prompt form, output scale): a rerun into OUT under any other stops with one line naming what differs
+    (exit 2) before anything is asked; other tasks, lengths or samples resume. A directory from before
+    records resumes with one warning, and is recorded from then on."""
+    tasks = ("niah_single_1", "vt")
+    keys = plan_keys(RunPlan(tasks, (2048,), 3))
+    name, seen = ["served"], []
+    oracle = _oracle_transport(oracle_answers(0, keys), False, seen)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": name[0]}]})
+        return oracle.handle_request(request)
+
+    monkeypatch.setattr(
+        clients, "HTTPClient", partial(clients.HTTPClient, transport=httpx.MockTransport(handler))
+    )
+    argv = ["ruler", "--base-url", "http://srv", "--tasks", ",".join(tasks), "--lengths", "2k"]
+    argv += ["--samples", "2", "--seed", "0", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    record = json.loads((tmp_path / "results.jsonl.run.json").read_text())
+    assert record == {"model": "served", "via": "server", "tokenizer": "bytes", "seed": 0, "form": "raw",
+                      "max_new_tokens_scale": 1.0}  # fmt: skip
+    assert json.loads((tmp_path / "results.json").read_text())["seed"] == 0
+    capsys.readouterr()
+    for served, extra, differs in [
+        ("other", [], 'model "served" (now "other")'),
+        ("served", ["--seed", "1"], "seed 0 (now 1)"),
+        ("served", ["--chat"], 'form "raw" (now "chat")'),
+        ("served", ["--max-new-tokens-scale", "2"], "max_new_tokens_scale 1.0 (now 2.0)"),
+    ]:
+        name[0] = served
+        seen.clear()
+        assert main([*argv, *extra]) == 2
+        path = tmp_path / "results.jsonl"
+        assert capsys.readouterr().err.strip() == (
+            f"longctx ruler: error: {path} holds rows written with other settings: {differs}; "
+            f"give another --out for this run (or remove {path} to start over)"
+        )
+        assert seen == [] and len(read_rows(path)) == 4
+    name[0] = "served"
+    assert main([*argv, "--samples", "3", "--tasks", "vt"]) == 0  # (the samples to run may change)
+    assert len(seen) == 1 and len(read_rows(tmp_path / "results.jsonl")) == 5
+    (tmp_path / "results.jsonl.run.json").unlink()  # (a directory written before records were kept)
+    name[0] = "other"
+    capsys.readouterr()
+    assert main(argv) == 0 and capsys.readouterr().err.count("does not record the model and settings") == 1
+    assert json.loads((tmp_path / "results.jsonl.run.json").read_text())["model"] == "other"
+    assert main(argv) == 0 and "does not record" not in capsys.readouterr().err
+
+
+def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch, capsys):
+    """With --model: the model directory, the device and the flags that change what the engine selects or
+    stores; a run under others is refused before the model loads (not for HiSparse's cap: it moves KV)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    keys = plan_keys(RunPlan(("niah_single_1",), (2048,), 2))
+    answers = oracle_answers(0, keys)
+    engines: list[dict] = []
+
+    class FakeEngineClient(OracleClient):
+        def __init__(self, model_dir: str, **kw: object) -> None:
+            super().__init__(answers)
+            engines.append(kw)
+
+    monkeypatch.setattr(clients, "EngineClient", FakeEngineClient)
+    out = tmp_path / "out"
+    argv = ["ruler", "--model", str(model), "--tasks", "niah_single_1", "--lengths", "2k", "--samples", "2"]
+    argv += ["--seed", "0", "--device", "cpu", "--out", str(out)]
+    assert main([*argv, "--kv-dtype", "bf16"]) == 0
+    record = json.loads((out / "results.jsonl.run.json").read_text())
+    assert record["model"] == str(model.resolve()) and record["via"] == "engine" and record["device"] == "cpu"
+    assert record["kv_dtype"] == "bf16" and record["index_topk"] is None
+    capsys.readouterr()
+    assert main([*argv, "--kv-dtype", "fp8_e4m3"]) == 2
+    assert 'kv_dtype "bf16" (now "fp8_e4m3"); give another --out' in capsys.readouterr().err
+    assert main([*argv, "--kv-dtype", "bf16", "--index-topk", "8"]) == 2
+    assert "index_topk null (now 8)" in capsys.readouterr().err
+    assert len(engines) == 1  # no model was loaded for a refused run
+    assert main([*argv, "--kv-dtype", "bf16", "--hisparse-device-tokens", "512"]) == 0
+    # run_samples itself refuses other settings too (under its lock, for callers other than the CLI)
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    with pytest.raises(LongctxError, match=r'model ".*" \(now "/else"\)'):
+        run_samples(gen, OracleClient(answers), keys, out, make_request(gen), settings={"model": "/else"})
 
 
 def test_cli_dump_only(tmp_path):

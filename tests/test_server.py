@@ -635,3 +635,10 @@ def test_bad_inputs_get_4xx_and_server_stays_healthy(server):
             assert h.post(C, json={"prompt": "ok", "max_tokens": 2}).status_code == 200
         time.sleep(0.3)
     assert "Traceback" not in server.log() and "ClientDisconnect" not in server.log()
+
+
+def test_a_wrong_method_says_which_are_allowed(server):
+    """A 405 from the framework keeps its Allow header (its OpenAI-shaped body was built without it)."""
+    r = httpx.get(server.url + C)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "405", r.text
+    assert r.headers["allow"] == "POST"

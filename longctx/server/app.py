@@ -94,8 +94,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(e.detail), kind, code=str(e.status_code)), status_code=e.status_code
+        return JSONResponse(  # (with the exception's headers: a 405's Allow says which methods)
+            error_body(str(e.detail), kind, code=str(e.status_code)),
+            status_code=e.status_code,
+            headers=e.headers,
         )
 
     @app.exception_handler(Exception)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from longctx.config import SELECTION_FIELDS, kv_dtype_name
@@ -19,6 +20,27 @@ DEFAULT_MAX_CONTEXT = 1_048_576  # the embedded Engine's default max_context
 # the embedded engine's flags (Engine keywords) that change how the same weights select or store, so
 # what they answer: the others change where and how fast
 SELECTION_ENGINE_KW = (*SELECTION_FIELDS, "kv_dtype", "kv_fp8_skip_layers")
+
+
+def model_settings(
+    args: argparse.Namespace, model: str, tokenizer: str, engine_kw: dict[str, Any]
+) -> dict[str, Any]:
+    """The settings a workload's rows depend on whatever the workload, recorded beside its results so
+    that a rerun under others is refused (`jsonl.check_settings`): the model (`--model`'s directory, or
+    the name a `--base-url` server serves: how it is asked differs too), the tokenizer prompts are
+    counted with, and the embedded engine's flags that change what it computes (the device: `auto`
+    dtypes and KV cache differ; SELECTION_ENGINE_KW; not HiSparse's cap, which only moves KV)."""
+    out: dict[str, Any] = {
+        "model": str(Path(model).resolve()) if args.model else model,
+        "via": "engine" if args.model else "server",
+        "tokenizer": tokenizer if tokenizer == "bytes" else str(Path(tokenizer).resolve()),
+    }
+    if args.model:
+        from longctx.engine.engine import resolve_device
+
+        out["device"] = resolve_device(engine_kw["device"]).type
+        out.update((k, engine_kw.get(k)) for k in SELECTION_ENGINE_KW)  # (None: the model's)
+    return out
 
 
 def model_context(model_dir: str) -> int:

@@ -247,16 +247,16 @@ class HTTPClient(Client):
         self.model = model_name or self._default_model()
 
     def _default_model(self) -> str:
+        """The first model the server lists, asked as every request is (`self.retry`): a server that
+        cannot be reached is a ClientError, not a guess (the name is what a run records and resumes
+        by). "default" for a server that answers but lists none (no /v1/models)."""
+        r = self._send("GET", "/v1/models")
         try:
-            r = self.http.get("/v1/models")
-            if r.status_code == 200:
-                data = r.json().get("data") or []
-                if data and isinstance(data[0], dict) and data[0].get("id"):
-                    return str(data[0]["id"])
-        except self._httpx.HTTPError:
-            pass
-        except ValueError:
-            pass
+            data = r.json()["data"] if r.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            data = None
+        if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
+            return str(data[0]["id"])
         return "default"
 
     def _send(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> Any:

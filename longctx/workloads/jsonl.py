@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -90,9 +91,31 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
     return True
 
 
+def claim_settings(target: Path, settings: dict[str, Any], command: str) -> None:
+    """`check_settings`, then `record_settings`: what a run does under its lock before it appends to
+    `target`. Rows without a record are resumed as this run's, said once on stderr (by `command`)."""
+    if not check_settings(target, settings):
+        print(
+            f"{command}: {target} does not record the model and settings its rows came from (written "
+            "before records were kept); resuming it as this run's",
+            file=sys.stderr,
+        )
+    record_settings(target, settings)
+
+
 def record_settings(target: Path, settings: dict[str, Any]) -> None:
     """Record `settings` beside `target` (replaced whole: a run killed meanwhile leaves one record)."""
-    record = settings_record(target)
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=2) + "\n")
-    tmp.replace(record)
+    write_whole(settings_record(target), json.dumps(settings, indent=2) + "\n")
+
+
+def temp_file(path: Path) -> Path:
+    """The file beside `path` that `write_whole` writes first."""
+    return path.with_name(path.name + ".tmp")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Replace `path` with `text` through `temp_file(path)`, so a run killed meanwhile leaves the old file
+    or the new one, never part of one."""
+    tmp = temp_file(path)
+    tmp.write_text(text)
+    tmp.replace(path)

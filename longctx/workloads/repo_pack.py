@@ -11,12 +11,14 @@ Layout (byte-cheap, since the default tokenizer spends one token per byte):
 Files come in path order. Skipped, with the reason reported: binaries (a NUL byte), non-UTF-8
 text, files over `max_file_bytes`, symlinks, unreadable files, and — once the token budget is
 spent — every file after the first that does not fit ("context full"). Ignored files (by git or
-.gitignore) are not listed, only counted when that is cheap.
+.gitignore) are not listed, only counted when that is cheap; nor are the files a caller excludes
+(its own output).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,11 +124,19 @@ def pack_repo(
     budget: int,
     max_file_bytes: int = 1 << 20,
     use_git: bool | None = None,
+    exclude: Iterable[str | Path] = (),
 ) -> Pack:
-    """Pack the files of `root` into at most `budget` tokens (counted with `counter`)."""
+    """Pack the files of `root` into at most `budget` tokens (counted with `counter`). The files `exclude`
+    names are left out where `root` holds them, unlisted as ignored files are (a run's own output, which
+    changes between the halves of a resumed run)."""
     root = Path(root)
     files, ignored, method = list_files(root, use_git)
-    head = preamble(root.resolve().name)
+    top = root.resolve()
+    own = {
+        p.relative_to(top).as_posix() for p in (Path(e).resolve() for e in exclude) if p.is_relative_to(top)
+    }
+    files = [rel for rel in files if rel not in own]
+    head = preamble(top.name)
     used = counter.count(head)
     blocks: list[str] = []
     packed: list[PackedFile] = []

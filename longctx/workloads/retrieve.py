@@ -23,7 +23,15 @@ from typing import Any
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient, run_parallel
-from longctx.workloads.jsonl import check_settings, open_append, read_rows, record_settings, sole_writer
+from longctx.workloads.jsonl import (
+    claim_settings,
+    open_append,
+    read_rows,
+    settings_record,
+    sole_writer,
+    temp_file,
+    write_whole,
+)
 from longctx.workloads.repo_pack import Pack
 from longctx.workloads.tokens import TokenCounter
 
@@ -135,6 +143,20 @@ def answered_before(path: Path, queries: list[dict]) -> dict[int, dict]:
     return found
 
 
+def lock_file(out: Path) -> Path:
+    """The lock a run into `out` holds while it writes there."""
+    return out.with_name(f".{out.name}.lock")
+
+
+def files_written(out: Path) -> list[Path]:
+    """Every file a run into `out` writes: the answers, their lock and settings record, and the temporary
+    files the answers and record are replaced through. Packing leaves them out where --repo holds them:
+    the two halves of a resumed run would be asked over different repositories (the second's with the
+    first's answers in it)."""
+    record = settings_record(out)
+    return [out, lock_file(out), record, temp_file(out), temp_file(record)]
+
+
 def run_retrieve(
     pack: Pack,
     queries: list[dict],
@@ -155,15 +177,9 @@ def run_retrieve(
     before anything is asked: it would mix two models' answers in one file."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with sole_writer(out.with_name(f".{out.name}.lock"), out):  # (a second run into it is refused)
+    with sole_writer(lock_file(out), out):  # (a second run into it is refused)
         if settings is not None:
-            if not check_settings(out, settings):
-                print(
-                    f"longctx retrieve: {out} does not record the model and settings its answers came from "
-                    "(written before records were kept); resuming it as this run's",
-                    file=sys.stderr,
-                )
-            record_settings(out, settings)
+            claim_settings(out, settings, "longctx retrieve")
         results = _answer_all(
             pack, queries, client, counter, out, max_new_tokens, concurrency, prompting or Prompting()
         )
@@ -241,9 +257,7 @@ def _answer_all(
                     for i, res in zip(batch, answer_many(batch)):
                         done(i, res)
     # every query answered: the rows again in the input order
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(results[i]) + "\n" for i in range(len(queries))))
-    tmp.replace(out)
+    write_whole(out, "".join(json.dumps(results[i]) + "\n" for i in range(len(queries))))
     return results
 
 

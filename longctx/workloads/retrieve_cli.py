@@ -19,12 +19,12 @@ from typing import Any
 from longctx.paths import nearest_existing
 from longctx.workloads.cli_args import (
     DEFAULT_MAX_CONTEXT,
-    SELECTION_ENGINE_KW,
     UsageError,
     add_embedded_engine_args,
     embedded_engine_kwargs,
     int_arg,
     model_context,
+    model_settings,
 )
 from longctx.workloads.jsonl import check_settings
 
@@ -90,32 +90,28 @@ def _settings(
     engine_kw: dict[str, Any],
 ) -> dict[str, Any]:
     """What a run's answers depend on besides the queries, recorded beside --out so that a rerun under
-    others is refused: the model (a directory, or the name a server serves: how it is asked differs
-    too), the repository and how it is packed, the answer budget, and the embedded engine's flags that
-    change what it computes (the device: `auto` dtypes and KV cache differ; not HiSparse's cap, which
-    only moves KV)."""
-    out: dict[str, Any] = {
-        "model": str(Path(model).resolve()) if args.model else model,
-        "via": "engine" if args.model else "server",
+    others is refused: the model, tokenizer and engine flags (`model_settings`), the repository and how
+    it is packed, the answer budget and the prompt form."""
+    return {
+        **model_settings(args, model, tokenizer, engine_kw),
         "repo": str(Path(args.repo).resolve()),
         "max_context": max_context,
         "max_new_tokens": max_new,
         "max_file_bytes": max_file,
         "no_git": bool(args.no_git),
-        "tokenizer": tokenizer if tokenizer == "bytes" else str(Path(tokenizer).resolve()),
         "chat": bool(args.chat),
     }
-    if args.model:
-        from longctx.engine.engine import resolve_device
-
-        out["device"] = resolve_device(engine_kw["device"]).type
-        out.update((k, engine_kw.get(k)) for k in SELECTION_ENGINE_KW)  # (None: the model's)
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
     from longctx.workloads.repo_pack import pack_repo
-    from longctx.workloads.retrieve import Prompting, read_queries, reserve_tokens, run_retrieve
+    from longctx.workloads.retrieve import (
+        Prompting,
+        files_written,
+        read_queries,
+        reserve_tokens,
+        run_retrieve,
+    )
     from longctx.workloads.tokens import load_counter
 
     for name in ("repo", "queries", "out"):
@@ -167,8 +163,14 @@ def run(args: argparse.Namespace) -> int:
         # rows of other settings in --out are refused before the long part (run_retrieve checks again
         # under its lock, and records these)
         check_settings(Path(args.out), settings)
+        written = files_written(Path(args.out)) + ([Path(args.pack_report)] if args.pack_report else [])
         pack = pack_repo(
-            args.repo, counter, budget, max_file_bytes=max_file, use_git=False if args.no_git else None
+            args.repo,
+            counter,
+            budget,
+            max_file_bytes=max_file,
+            use_git=False if args.no_git else None,
+            exclude=written,  # (what this run writes: a rerun would pack the first run's answers)
         )
         print(
             f"longctx retrieve: packed {len(pack.files)} files, {pack.tokens:,} tokens of {budget:,} "

@@ -21,7 +21,9 @@ from longctx.workloads.cli_args import (
     embedded_engine_kwargs,
     int_arg,
     model_context,
+    model_settings,
 )
+from longctx.workloads.jsonl import check_settings
 from longctx.workloads.ruler_tasks import (
     TASKS,
     Renderer,
@@ -156,6 +158,21 @@ def prompt_form(chat: bool, documents: bool) -> str:
     return "documents" if documents else "chat" if chat else "raw"
 
 
+def _settings(
+    args: argparse.Namespace, model: str, tokenizer: str, engine_kw: dict[str, Any], seed: int, scale: float
+) -> dict[str, Any]:
+    """What a run's rows depend on besides which samples it runs (--tasks, --lengths, --samples and
+    --indices only pick them, so a rerun may change them), recorded in OUT so that a rerun under others is
+    refused: the model, tokenizer and engine flags (`model_settings`), the seed the samples are generated
+    with, the prompt form and the output budgets' scale."""
+    return {
+        **model_settings(args, model, tokenizer, engine_kw),
+        "seed": seed,
+        "form": prompt_form(args.chat, args.documents),
+        "max_new_tokens_scale": scale,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from longctx.workloads import ruler_runner as rr
     from longctx.workloads.ruler_tasks import RulerGenerator
@@ -221,12 +238,6 @@ def run(args: argparse.Namespace) -> int:
 
     from longctx.workloads.clients import ClientError, EngineClient, GenRequest, HTTPClient
 
-    client: Any
-    if args.model:
-        client = EngineClient(args.model, **engine_kw)
-    else:
-        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
-
     def make_request(s: Sample) -> GenRequest:
         prompt = gen.render(s.input, s.answer_prefix)
         if args.base_url:
@@ -237,12 +248,26 @@ def run(args: argparse.Namespace) -> int:
         return GenRequest(prompt, s.max_new_tokens, prompt_ids=tuple(ids) if ids is not None else None)
 
     out = Path(args.out)
+    client: Any = None
+    if args.base_url:  # (now, for the name of the model it serves: part of the settings)
+        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
     try:
-        ran = rr.run_samples(gen, client, keys, out, make_request, concurrency)
-    except ClientError as e:
-        raise ClientError(f"{e}; the samples done are kept in {out}, and the same command resumes") from None
+        model = client.model if client is not None else args.model
+        settings = _settings(args, model, counter.name, engine_kw, seed, scale)
+        # rows of other settings in --out are refused before the model loads (run_samples checks again
+        # under its lock, and records these)
+        check_settings(out / rr.RESULTS, settings)
+        if client is None:
+            client = EngineClient(args.model, **engine_kw)
+        try:
+            ran = rr.run_samples(gen, client, keys, out, make_request, concurrency, settings)
+        except ClientError as e:
+            raise ClientError(
+                f"{e}; the samples done are kept in {out}, and the same command resumes"
+            ) from None
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     meta = {
         "model": client.label,
         "seed": seed,

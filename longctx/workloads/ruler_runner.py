@@ -4,7 +4,9 @@ Results are appended to `OUT/results.jsonl` one row per finished sample, so an i
 resumes where it stopped: a rerun skips every (task, length, index) already there. At the end
 `OUT/results.json` (task x length scores, sample counts, mean latencies, effective lengths) and
 `OUT/ruler.png` (score vs length per task) are written from all rows in the file, each sample once.
-One run at a time writes a directory: a second run into it while the first runs is refused.
+One run at a time writes a directory: a second run into it while the first runs is refused. What the
+rows depend on besides their samples (the model, seed, prompt form, engine flags) is recorded beside
+them (`OUT/results.jsonl.run.json`), and a run under other settings is refused.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, run_parallel
-from longctx.workloads.jsonl import open_append, read_rows, sole_writer
+from longctx.workloads.jsonl import claim_settings, open_append, read_rows, sole_writer
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, Sample
 from longctx.workloads.scoring import EFFECTIVE_THRESHOLD, METRICS, effective_length
 
 Key = tuple[str, int, int]
+RESULTS = "results.jsonl"  # in the output directory; its settings record beside it (results.jsonl.run.json)
 RequestMaker = Callable[[Sample], GenRequest]
 
 
@@ -108,10 +112,16 @@ def run_samples(
     out_dir: Path,
     make_request: RequestMaker,
     concurrency: int = 1,
+    settings: dict[str, Any] | None = None,
 ) -> int:
-    """Run every key not yet in `out_dir/results.jsonl`; returns how many ran now."""
+    """Run every key not yet in `out_dir/results.jsonl`; returns how many ran now. `settings` (what the
+    rows depend on besides their keys: the model, seed, prompt form, engine flags) are recorded beside
+    the file, and a rerun under other ones is refused before anything runs: it would mix two models'
+    scores in one report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with sole_writer(out_dir / ".ruler.lock", out_dir):
+        if settings is not None:
+            claim_settings(out_dir / RESULTS, settings, "longctx ruler")
         return _run_unlocked(gen, client, keys, out_dir, make_request, concurrency)
 
 
@@ -123,7 +133,7 @@ def _run_unlocked(
     make_request: RequestMaker,
     concurrency: int,
 ) -> int:
-    path = out_dir / "results.jsonl"
+    path = out_dir / RESULTS
     rows = read_rows(path)
     seeds = {r.get("seed") for r in rows}
     if rows and seeds != {gen.seed}:
@@ -261,7 +271,7 @@ def format_length(n: int) -> str:
 
 def write_report(out_dir: Path, meta: dict) -> dict:
     """results.json and ruler.png from every row of results.jsonl; returns the summary."""
-    summary = summarize(read_rows(out_dir / "results.jsonl"), meta)
+    summary = summarize(read_rows(out_dir / RESULTS), meta)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if summary["tasks"]:
         plot(summary, out_dir / "ruler.png")
