@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.workloads.cli_args import SELECTION_ENGINE_KW  # noqa: E402
+from longctx.workloads.cli_args import SELECTION_ENGINE_KW, SELECTION_ENV, selection_env  # noqa: E402
 
 TASKS = (
     "niah_single_1",
@@ -50,8 +49,6 @@ RUN_META = "run.json"
 # run.json's keys that change how the same weights select or store: `run`'s engine flags, passed on to
 # `longctx ruler` as --index-topk ... --kv-dtype --kv-fp8-skip-layers
 SELECTION_KEYS = SELECTION_ENGINE_KW
-# selection A/Bs set through the environment (longctx/model/indexer.py), recorded in run.json like the flags
-SELECTION_ENV = {"topk_long_decode": "LONGCTX_TOPK_LONG_DECODE"}
 # training fits prompts with half RULER's output budget (longctx/train/data.py); evaluation does too
 MAX_NEW_TOKENS_SCALE = "0.5"
 # --documents sends no answer prefix: the model writes RULER's answer sentence (~80 bytes) before the
@@ -86,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             meta[name] = value
             engine_flags += ["--" + name.replace("_", "-"), str(value)]
-    for name, var in SELECTION_ENV.items():
-        if os.environ.get(var, "").strip():
-            meta[name] = os.environ[var].strip()
+    meta.update(selection_env())  # recorded in run.json like the flags
     meta["chat"] = bool(args.chat)
     meta["form"] = prompt_form(args.chat, args.documents)
     scale = DOCUMENTS_MAX_NEW_TOKENS_SCALE if args.documents else MAX_NEW_TOKENS_SCALE

@@ -645,6 +645,10 @@ def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch
     assert main([*argv, "--kv-dtype", "bf16", "--index-topk", "8"]) == 2
     assert "index_topk null (now 8)" in capsys.readouterr().err
     assert len(engines) == 1  # no model was loaded for a refused run
+    monkeypatch.setenv("LONGCTX_TOPK_LONG_DECODE", "0")  # an evaluation's selection A/B counts too
+    assert main([*argv, "--kv-dtype", "bf16"]) == 2
+    assert 'topk_long_decode null (now "0")' in capsys.readouterr().err
+    monkeypatch.delenv("LONGCTX_TOPK_LONG_DECODE")
     assert main([*argv, "--kv-dtype", "bf16", "--hisparse-device-tokens", "512"]) == 0
     # run_samples itself refuses other settings too (under its lock, for callers other than the CLI)
     gen = RulerGenerator(ByteCounter(), seed=0)

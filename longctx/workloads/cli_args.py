@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,13 @@ DEFAULT_MAX_CONTEXT = 1_048_576  # the embedded Engine's default max_context
 # the embedded engine's flags (Engine keywords) that change how the same weights select or store, so
 # what they answer: the others change where and how fast
 SELECTION_ENGINE_KW = (*SELECTION_FIELDS, "kv_dtype", "kv_fp8_skip_layers")
+# selection A/Bs an evaluation sets through the environment (longctx/model/indexer.py): record key -> variable
+SELECTION_ENV = {"topk_long_decode": "LONGCTX_TOPK_LONG_DECODE"}
+
+
+def selection_env() -> dict[str, str]:
+    """The SELECTION_ENV variables this process has set, by record key (unset or empty: left out)."""
+    return {k: os.environ[v].strip() for k, v in SELECTION_ENV.items() if os.environ.get(v, "").strip()}
 
 
 def model_settings(
@@ -29,7 +37,8 @@ def model_settings(
     that a rerun under others is refused (`jsonl.check_settings`): the model (`--model`'s directory, or
     the name a `--base-url` server serves: how it is asked differs too), the tokenizer prompts are
     counted with, and the embedded engine's flags that change what it computes (the device: `auto`
-    dtypes and KV cache differ; SELECTION_ENGINE_KW; not HiSparse's cap, which only moves KV)."""
+    dtypes and KV cache differ; SELECTION_ENGINE_KW and SELECTION_ENV; not HiSparse's cap, which only
+    moves KV)."""
     out: dict[str, Any] = {
         "model": str(Path(model).resolve()) if args.model else model,
         "via": "engine" if args.model else "server",
@@ -40,6 +49,8 @@ def model_settings(
 
         out["device"] = resolve_device(engine_kw["device"]).type
         out.update((k, engine_kw.get(k)) for k in SELECTION_ENGINE_KW)  # (None: the model's)
+        env = selection_env()
+        out.update((k, env.get(k)) for k in SELECTION_ENV)  # (None: unset)
     return out
 
 
