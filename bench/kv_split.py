@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longctx.kvstore.pool import KVKinds, PagedKVPool  # noqa: E402
+from longctx.kv_kinds import KVKinds  # noqa: E402
+from longctx.kvstore.pool import PagedKVPool  # noqa: E402
 
 KINDS = {"fp8": "fp8", "model": "auto"}  # this script's names -> the pools' kinds
 

@@ -337,7 +337,8 @@ def plot(by_len: dict[tuple[int, bool], dict[str, float]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from longctx.engine.args import KV_DTYPE_CHOICES, add_selection_args
+    from longctx.config import KV_DTYPE_NAMES, kv_dtype_name
+    from longctx.engine.args import add_selection_args
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     add_selection_args(r)  # (the same weights selecting otherwise: passed on to `longctx ruler`)
     r.add_argument(
         "--kv-dtype",
-        choices=KV_DTYPE_CHOICES,
+        type=kv_dtype_name,
+        choices=KV_DTYPE_NAMES,
         default=None,
         help="score the same weights with this KV cache dtype (`longctx ruler --kv-dtype`; CUDA's default fp8)",
     )

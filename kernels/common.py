@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from longctx.errors import LongctxError
+from longctx.errors import KernelInputError
 
 try:  # optional dependency
     import triton
@@ -77,10 +77,6 @@ def _interpreter_device_calls_reuse_the_launch_patch() -> bool:
     call._longctx = True  # type: ignore[attr-defined]
     ti.InterpretedFunction.__call__ = call
     return True
-
-
-class KernelInputError(LongctxError, ValueError):
-    """A kernel wrapper was given tensors of the wrong shape, dtype, stride or device."""
 
 
 def triton_interpret() -> bool:

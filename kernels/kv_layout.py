@@ -44,64 +44,21 @@ from __future__ import annotations
 
 import torch
 
+from longctx.config import DTYPE_NAMES, canonical_dtype
+from longctx.kv_kinds import DENSE_KINDS, dense_dtype, index_row_bytes, is_fp8, mla_group_size, mla_row_bytes
+
 from .common import check, jit, next_pow2, tl, use_triton
 
 PAGE_SIZE = 64
 FP8_MAX = 448.0
 AMAX_EPS = 1e-10  # an all-zero group gets a tiny positive scale instead of dividing by zero
-FP8_KINDS = ("fp8_e4m3", "fp8")
-_DENSE_KIND_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
-DENSE_KINDS = ("auto", "model", *_DENSE_KIND_DTYPES)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def is_fp8(kind: str) -> bool:
-    """True for the quantised uint8 layouts; raises for an unknown kind."""
-    check(
-        kind in FP8_KINDS or kind in DENSE_KINDS,
-        f"unknown KV kind {kind!r}; expected one of {FP8_KINDS + DENSE_KINDS}",
-    )
-    return kind in FP8_KINDS
-
-
-def mla_group_size(kv_lora_rank: int) -> int:
-    """Quantisation group of the fp8 latent: 128, or the whole latent when it is smaller."""
-    g = min(128, kv_lora_rank)
-    check(
-        kv_lora_rank % g == 0 and kv_lora_rank % 4 == 0,
-        f"kv_lora_rank {kv_lora_rank} must be a multiple of {g} and 4",
-    )
-    return g
+# The kinds and the bytes of a row are torch-free, so `longctx plan` budgets with them too (`longctx.kv_kinds`).
+_DENSE_KIND_DTYPES = {k: getattr(torch, canonical) for k in DENSE_KINDS if (canonical := canonical_dtype(k))}
+_FLOAT_DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 
 
 def _dense_dtype(kind: str, dtype: torch.dtype | None) -> torch.dtype:
-    if kind in _DENSE_KIND_DTYPES:
-        return _DENSE_KIND_DTYPES[kind]
-    return dtype if dtype is not None else torch.bfloat16
-
-
-def mla_row_bytes(kv_lora_rank: int, rope_dim: int, kind: str, dtype: torch.dtype | None = None) -> int:
-    """Bytes per token of the MLA KV pool. `dtype` is the model dtype for kind "auto" (default bf16)."""
-    if is_fp8(kind):
-        check(rope_dim % 2 == 0, f"rope_dim {rope_dim} must be even")
-        g = mla_group_size(kv_lora_rank)
-        return kv_lora_rank + 4 * (kv_lora_rank // g) + 2 * rope_dim
-    return (kv_lora_rank + rope_dim) * _dense_dtype(kind, dtype).itemsize
-
-
-def index_row_bytes(head_dim: int, kind: str, dtype: torch.dtype | None = None) -> int:
-    """Bytes per token of the indexer key pool (132 for D=128 fp8)."""
-    if is_fp8(kind):
-        check(head_dim % 4 == 0, f"index head_dim {head_dim} must be a multiple of 4")
-        return head_dim + 4
-    return head_dim * _dense_dtype(kind, dtype).itemsize
+    return getattr(torch, dense_dtype(kind, dtype))
 
 
 def alloc_mla_pool(

@@ -38,10 +38,12 @@ _POSITIVE = (
     "max_position_embeddings",
 )
 _NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace")
-# The model dtypes longctx runs, by their torch names, and the short names users also write for them:
-# one table for Engine(dtype=), --dtype, init-model's dtype and the KV cache's bf16. (config.json keeps
-# torch names: transformers reads its dtype as a torch attribute.)
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
+# The model dtypes longctx runs, by their torch names (with their bytes per element), and the short names
+# users also write for them: one table for Engine(dtype=), --dtype, init-model's dtype, the trainer's
+# --save-dtype, the KV cache's bf16 and the KV pools' dense kinds. (config.json keeps torch names:
+# transformers reads its dtype as a torch attribute.)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_NAMES = tuple(DTYPE_BYTES)
 DTYPE_ALIASES = {
     "bf16": "bfloat16",
     "fp16": "float16",
@@ -49,6 +51,10 @@ DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
 }
+# The KV cache's dtypes (`kv_dtype`: Engine, every --kv-dtype, `longctx plan`) and their other names: fp8
+# here, and every name of bfloat16 for bf16 (`kv_dtype_name`).
+KV_DTYPE_NAMES = ("auto", "model", "bf16", "fp8_e4m3")
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 _ROPE_TYPES = ("default", "yarn")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
@@ -332,9 +338,22 @@ def dtype_arg(text: str) -> str:
 
 
 def kv_dtype_name(kv_dtype: str) -> str:
-    """A KV cache dtype under its public name: every name of bfloat16 as "bf16" (`kv_dtype`'s own);
-    anything else as given, for its parser to take or refuse."""
-    return "bf16" if canonical_dtype(kv_dtype) == "bfloat16" else kv_dtype
+    """A KV cache dtype under its name in `KV_DTYPE_NAMES` (every name of bfloat16 as "bf16", fp8 as
+    "fp8_e4m3", any case); anything else as given, for its parser to refuse."""
+    if canonical_dtype(kv_dtype) == "bfloat16":
+        return "bf16"
+    key = kv_dtype.lower() if isinstance(kv_dtype, str) else kv_dtype
+    key = KV_DTYPE_ALIASES.get(key, key)
+    return key if key in KV_DTYPE_NAMES else kv_dtype
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    """`kv_dtype_name`, or a ConfigError listing every accepted name."""
+    name = kv_dtype_name(kv_dtype)
+    if name not in KV_DTYPE_NAMES:
+        names, aliases = ", ".join(KV_DTYPE_NAMES), ", ".join(KV_DTYPE_ALIASES)
+        raise ConfigError(f"kv_dtype must be one of {names} (or {aliases}, bfloat16), got {kv_dtype!r}")
+    return name
 
 
 def is_int(v: object) -> TypeGuard[int]:

@@ -65,6 +65,11 @@ class RequestError(LongctxError, ValueError):
         self.param, self.code = param, code
 
 
+class KernelInputError(LongctxError, ValueError):
+    """A kernel wrapper was given tensors of the wrong shape, dtype, stride or device, or a KV layout an
+    unknown kind or shape (here, not in `longctx.kernels.common`, for the torch-free `longctx.kv_kinds`)."""
+
+
 class EngineDeadError(LongctxError, RuntimeError):
     """A stage process died; pending requests fail with this error."""
 

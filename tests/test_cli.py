@@ -219,3 +219,22 @@ def test_dtypes_are_taken_by_their_short_names(tmp_path, capsys) -> None:
         "longctx generate: error: dtype must be one of auto, bfloat16, float16, float32 "
         "(or bf16, fp16, half, fp32, float), got 'bf8'"
     ]
+
+
+def test_kv_dtypes_are_one_list_everywhere(tmp_path, capsys) -> None:
+    """--kv-dtype fp8 (fp8_e4m3's other name) was taken by generate (Engine) and refused by serve's argparse
+    choices and ruler / retrieve's flag; every --kv-dtype reads one list now (`longctx.config.KV_DTYPE_NAMES`)."""
+    from longctx.workloads.cli_args import kv_dtype_arg
+
+    out = tmp_path / "m"
+    assert main(["init-model", "--config", "tiny", "--out", str(out)]) == 0
+    capsys.readouterr()
+    tiny = ["--model", str(out), "--device", "cpu"]
+    assert main(["serve", *tiny, "--port", "0", "--kv-dtype", "fp8", "--pp", "99"]) == 2
+    assert "pp must be in [1, 6]" in capsys.readouterr().err  # (past argparse's choices)
+    argv = ["generate", *tiny, "--token-ids", "1,2", "--max-new-tokens", "1", "--json"]
+    assert main([*argv, "--kv-dtype", "FP8"]) == 0
+    assert kv_dtype_arg("--kv-dtype", "fp8") == "fp8_e4m3"
+    capsys.readouterr()
+    assert main([*argv, "--kv-dtype", "int4"]) == 2
+    assert "kv_dtype must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)" in capsys.readouterr().err

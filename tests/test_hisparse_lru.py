@@ -304,7 +304,8 @@ def test_swap_bytes_count_each_layers_rows_at_its_own_size():
     row bytes, not the misses times an average row. Nothing is evicted here (the buffer holds every
     token), so a layer's misses are the positions it is asked for the first time."""
     from longctx.hisparse.cache import HiSparseKVCache
-    from longctx.kvstore.pool import KVKinds, host_kv_spec
+    from longctx.kv_kinds import KVKinds
+    from longctx.kvstore.pool import host_kv_spec
 
     cfg = tiny_config(num_hidden_layers=3, index_topk=4)  # full, shared, full
     kinds = KVKinds("fp8", frozenset({1}))

@@ -420,3 +420,12 @@ def test_decode_knobs_parse_and_validate():
     ):
         with pytest.raises(KernelInputError):
             DecodeKnobs.parse(bad)
+
+
+def test_dense_kinds_are_the_config_tables_dtype_names():
+    """A dense kind is any name `longctx.config`'s dtype table gives (`half`, `float` were unknown kinds here,
+    as `fp8` was to `longctx plan`)."""
+    assert kvl.mla_row_bytes(512, 64, "half") == kvl.mla_row_bytes(512, 64, "float16") == 1152
+    assert kvl.index_row_bytes(128, "float") == 512 and not kvl.is_fp8("fp32")
+    assert kvl.alloc_mla_pool(64, 32, 8, "half", torch.float32, "cpu").dtype == torch.float16
+    assert kvl.alloc_index_pool(64, 16, "float", torch.bfloat16, "cpu").dtype == torch.float32

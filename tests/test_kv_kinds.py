@@ -10,8 +10,9 @@ import torch
 from longctx import Engine
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
+from longctx.kv_kinds import KVKinds, resolve_kv_kinds
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool, HostPoolError
-from longctx.kvstore.pool import KVKinds, PagedKVPool, resolve_kv_kinds
+from longctx.kvstore.pool import PagedKVPool
 from tests.conftest import make_checkpoint, rand_ids, rel, tiny_config
 
 SKIP = (1, 2)  # tiny.json: layer 1 shares layer 0's top-k, layer 2 runs its own indexer

@@ -94,9 +94,9 @@ def test_layers_kept_out_of_fp8_cost_bf16_bytes(glm: ModelConfig) -> None:
     full = next(i for i in range(glm.num_hidden_layers) if glm.is_full_indexer(i))
     kept = replace(glm, kv_fp8_skip_layers=(full,))
     n = glm.num_hidden_layers
-    assert P.kv_bytes_of_layers(kept, 0, n) == (n - 1) * 656 + 1152
-    assert P.indexer_bytes_of_layers(kept, 0, n) == P.indexer_bytes_of_layers(glm, 0, n) - 132 + 256
-    assert P.kv_bytes_of_layers(kept, 0, n, "bf16") == n * 1152
+    nfull = P.n_full_indexer_layers(glm)
+    assert P.kv_bytes_of_layers(kept, 0, n) == ((n - 1) * 656 + 1152, (nfull - 1) * 132 + 256)
+    assert P.kv_bytes_of_layers(kept, 0, n, "bf16") == (n * 1152, nfull * 256)
     a, b = partition(glm, 8, M), partition(kept, 8, M)
     assert sum(p.kv_bytes_host for p in b) - sum(p.kv_bytes_host for p in a) == (1152 - 656) * M
     assert sum(p.indexer_bytes for p in b) - sum(p.indexer_bytes for p in a) == (256 - 132) * M
@@ -249,3 +249,49 @@ def test_cli_unknown_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--config", "no-such-model", "--gpus", "1", "--pp", "1", "--context", "1K"]) == 2
     err = capsys.readouterr().err.strip()
     assert "glm-5.3" in err and "\n" not in err
+
+
+def test_plan_reads_dtype_names_as_the_engine_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --kv-dtype` takes the engine's list and names (fp8, bfloat16, auto, model: argparse refused all
+    but fp8_e4m3 and bf16 here), `--weight-dtype` bf16 and fp8 by the same names."""
+
+    def report(*extra: str) -> tuple[int, int, int]:
+        argv = ["plan", "--config", "glm-5.3", "--gpus", "8", "--pp", "8", "--context", "128K", "--json"]
+        assert main([*argv, *extra]) == 0
+        r = json.loads(capsys.readouterr().out)
+        return r["kv_bytes_per_request"], r["indexer_bytes_per_request"], r["model_weight_bytes"]
+
+    fp8 = report()
+    assert report("--kv-dtype", "fp8") == report("--kv-dtype", "FP8") == report("--kv-dtype", "auto") == fp8
+    bf16 = report("--kv-dtype", "bf16")
+    assert report("--kv-dtype", "bfloat16") == report("--kv-dtype", "model") == bf16 != fp8
+    assert report("--weight-dtype", "bfloat16") == report("--weight-dtype", "BF16") != fp8
+    assert report("--weight-dtype", "fp8_e4m3") == fp8
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", "glm-5.3", "--gpus", "1", "--pp", "1", "--context", "1K", "--kv-dtype", "fp16"])  # fmt: skip
+    assert e.value.code == 2 and "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny", "glm-5.3"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16", "model"])
+def test_planner_kv_bytes_are_the_allocated_pools(name: str, kv_dtype: str) -> None:
+    """The planner's bytes per token (MLA rows + index keys) are the bytes of the pools the engine allocates
+    for the same layers, kinds and layers kept out of fp8 (one formula: `longctx.kv_kinds`)."""
+    import torch
+
+    from longctx.kv_kinds import resolve_kv_kinds
+    from longctx.kvstore.pool import PagedKVPool
+
+    cfg = ModelConfig.from_json(CONFIGS / f"{name}.json")
+    n = cfg.num_hidden_layers
+    full = [i for i in range(n) if cfg.is_full_indexer(i)]
+    shared = [i for i in range(n) if not cfg.is_full_indexer(i)]
+    for skip in ((), (full[-1],), (full[0], shared[0])):
+        c = replace(cfg, kv_fp8_skip_layers=skip)
+        kinds = resolve_kv_kinds(kv_dtype, "cuda", skip)  # (as the engine resolves them on CUDA)
+        for stage in partition(c, 2, 4096, kv_dtype=kv_dtype):
+            a, b = stage.layers
+            pool = PagedKVPool(c, range(a, b), 1, kinds, torch.bfloat16, torch.device("cpu"))
+            per_token = pool.nbytes() // pool.num_slots
+            assert sum(P.kv_bytes_of_layers(c, a, b, kv_dtype)) == per_token
+            assert stage.kv_bytes_host + stage.indexer_bytes == 4096 * per_token

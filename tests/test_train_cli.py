@@ -150,6 +150,15 @@ def test_every_flag_sets_the_field_of_its_name() -> None:
     assert str(e.value) == "kl_rows 0: must be >= 1" and e.value.named(say) == "--kl-rows 0: must be >= 1"
 
 
+def test_save_dtype_takes_the_short_names(tmp_path: Path) -> None:
+    """--save-dtype bf16 / fp32 / float, as --dtype takes them (argparse's choices refused them)."""
+    from longctx.train.__main__ import build_parser
+
+    for text, want in (("bf16", "bfloat16"), ("fp32", "float32"), ("float", "float32")):
+        args = build_parser().parse_args([*RUN, "--out", str(tmp_path), "--save-dtype", text])
+        assert args.save_dtype == want
+
+
 def test_a_seed_wider_than_32_bits_trains_and_each_bit_counts(tmp_path: Path) -> None:
     """--seed takes [0, 2**63): a seed past 2**44 ran out of the KL rows' generator (a traceback at the
     first step), and seeds 2**32 apart started from the same weights (torch's CPU generator keeps 32 bits

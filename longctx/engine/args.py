@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from longctx.config import DTYPE_NAMES, SELECTION_FIELDS, dtype_arg, kv_dtype_name
+from longctx.config import DTYPE_NAMES, KV_DTYPE_NAMES, SELECTION_FIELDS, dtype_arg, kv_dtype_name
 from longctx.errors import ConfigError
 
 # Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
@@ -27,12 +27,10 @@ ENGINE_FIELDS = (
     "kv_fp8_skip_layers",
 )
 
-KV_DTYPE_CHOICES = ("auto", "model", "bf16", "fp8_e4m3")  # Engine's kv_dtype (`--kv-dtype`)
-
 _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "dtype": ["auto", *DTYPE_NAMES],
-    "kv_dtype": list(KV_DTYPE_CHOICES),
+    "kv_dtype": list(KV_DTYPE_NAMES),
     "backend": ["auto", "torch", "triton"],
 }
 
@@ -41,9 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
     """--model (required) and the ENGINE_FIELDS flags, with the same names and defaults everywhere.
 
     `choices=True` lets argparse reject unknown --device/--dtype/--kv-dtype/--backend values (serve);
-    with False they reach `Engine`, which also accepts aliases (e.g. --kv-dtype fp8) and raises a
-    ConfigError on the rest (generate/score). Either way a dtype's short names (--dtype bf16, half, ...;
-    --kv-dtype bfloat16) are read as the names listed (`longctx.config.DTYPE_ALIASES`).
+    with False they reach `Engine`, which raises a ConfigError on them (generate/score). Either way a
+    dtype's other names (--dtype bf16, half, ...; --kv-dtype fp8, bfloat16) are read as the names listed
+    (`longctx.config.DTYPE_ALIASES`, `KV_DTYPE_ALIASES`).
     """
 
     def pick(name: str) -> dict[str, Any]:

@@ -41,8 +41,9 @@ from longctx.engine.scheduler import Scheduler
 from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
 from longctx.errors import ConfigError, EngineDeadError, RequestError, one_line
 from longctx.kernels.common import use_triton as _use_triton
+from longctx.kv_kinds import kv_bytes_per_token, resolve_kv_kinds
 from longctx.kvstore.allocator import PageAllocator
-from longctx.kvstore.pool import PagedKVPool, host_kv_spec, kv_bytes_per_token, resolve_kv_kinds
+from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.kvstore.prefix_cache import PrefixCache
 from longctx.memory import available_memory, check_room
 

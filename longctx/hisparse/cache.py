@@ -97,8 +97,9 @@ from longctx.kernels.lru_place import (
     lru_place,
 )
 from longctx.kernels.swap import swap_in_gather
+from longctx.kv_kinds import KVKinds
 from longctx.kvstore.host_pool import HostKVLayout, HostPool
-from longctx.kvstore.pool import HasKVKinds, KVKinds, host_kv_spec
+from longctx.kvstore.pool import HasKVKinds, host_kv_spec
 from longctx.model.context import ForwardContext
 
 log = logging.getLogger("longctx.hisparse")

@@ -3,8 +3,8 @@
 Every weight of the model is listed once, as a `Weight` carrying its checkpoint name, shape, whether
 the FP8 checkpoint block-quantises it, and how tensor parallelism splits it. Parameter counts, weight
 bytes per dtype (with the FP8 block scales) and per-TP-rank bytes all derive from that one list, so
-they cannot disagree. Cache byte layouts (MLA KV, indexer keys) are here too: they are the other half
-of what `longctx plan` budgets.
+they cannot disagree. Cache bytes (MLA KV, indexer keys) are here too, the other half of what
+`longctx plan` budgets: the engine's pools' own, from `longctx.kv_kinds`.
 
 Conventions (GLM-5.3 / DeepSeek-V3.2 FP8 checkpoints):
 - FP8 (`e4m3`, one fp32 scale per 128x128 block): the attention projections, the indexer's `wq_b` and
@@ -20,11 +20,18 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, kv_dtype_name
 from longctx.errors import ConfigError
+from longctx.kv_kinds import (
+    KVKinds,
+    index_kind,
+    index_row_bytes,
+    kv_bytes_per_token,
+    mla_row_bytes,
+    resolve_kv_kinds,
+)
 
 WEIGHT_DTYPES = ("fp8", "bf16")
-KV_DTYPES = ("fp8_e4m3", "bf16")
 # How tensor parallelism splits a weight: replicated on every rank, split along the output rows or
 # the input columns, routed experts dealt out whole to ranks, or the vocabulary split into rows.
 SHARDS = ("replicated", "out", "in", "experts", "vocab")
@@ -220,6 +227,13 @@ def params_active(cfg: ModelConfig, *, full_embedding: bool = False) -> int:
     return active
 
 
+def weight_dtype_name(text: str) -> str:
+    """A weight dtype under its name in `WEIGHT_DTYPES`, read as the KV cache's names are
+    (`kv_dtype_name`: fp8 by fp8_e4m3 too, bf16 by every name of bfloat16); anything else as given."""
+    name = kv_dtype_name(text)
+    return "fp8" if name == "fp8_e4m3" else name
+
+
 def _check_weight_dtype(weight_dtype: str) -> None:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight dtype {weight_dtype!r}: choose one of {', '.join(WEIGHT_DTYPES)}")
@@ -243,53 +257,35 @@ def model_weight_bytes(cfg: ModelConfig, weight_dtype: str = "fp8") -> int:
 
 
 # ---- caches ------------------------------------------------------------------------------------
-def _check_kv_dtype(kv_dtype: str) -> None:
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+# Bytes as the engine's pools hold them (`longctx.kv_kinds`, what the kvstore allocates with), on CUDA and in
+# the model dtype the engine serves there.
+PLAN_DTYPE = "bfloat16"
+
+
+def kv_kinds(cfg: ModelConfig, kv_dtype: str = "fp8_e4m3") -> KVKinds:
+    """Each layer's pool kind in a CUDA cache of `kv_dtype` (any of its names): "auto" is fp8, and an fp8
+    cache keeps the config's `kv_fp8_skip_layers` in the model dtype."""
+    return resolve_kv_kinds(kv_dtype, "cuda", cfg.kv_fp8_skip_layers)
 
 
 def kv_bytes_per_token_per_layer(cfg: ModelConfig, kv_dtype: str = "fp8_e4m3") -> int:
-    """MLA cache bytes per token per layer.
-
-    fp8_e4m3: kv_lora_rank e4m3 latent + one fp32 scale per 128 latent values + bf16 rope key
-    (512 + 16 + 128 = 656 for GLM-5.3); bf16: (kv_lora_rank + rope) x 2 (1152).
-    """
-    _check_kv_dtype(kv_dtype)
-    if kv_dtype == "bf16":
-        return 2 * cfg.kv_cache_dim
-    return cfg.kv_lora_rank + 4 * -(-cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
+    """MLA cache bytes per token of a layer in the cache's own kind (not one kept out of fp8): 656 in fp8
+    for GLM-5.3 (`longctx.kernels.kv_layout`), 1152 in bf16."""
+    return mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_kinds(cfg, kv_dtype).base, PLAN_DTYPE)
 
 
 def indexer_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "fp8_e4m3") -> int:
-    """Indexer key bytes per token per full-indexer layer: e4m3 key + one fp32 scale (132 for
-    GLM-5.3); with a bf16 cache the keys are bf16 too (256)."""
-    _check_kv_dtype(kv_dtype)
-    if kv_dtype == "bf16":
-        return 2 * cfg.index_head_dim
-    return cfg.index_head_dim + 4
+    """Indexer key bytes per token of a full-indexer layer in the cache's own kind: e4m3 key + one fp32
+    scale (132 for GLM-5.3); beside bf16 rows the keys are bf16 too (256)."""
+    return index_row_bytes(cfg.index_head_dim, index_kind(kv_kinds(cfg, kv_dtype).base), PLAN_DTYPE)
 
 
-def layer_kv_dtype(cfg: ModelConfig, layer: int, kv_dtype: str) -> str:
-    """The KV dtype of `layer` in a cache of `kv_dtype`: an fp8 cache keeps the config's
-    `kv_fp8_skip_layers` in the model dtype (bf16 here, the dtype these estimates serve)."""
-    _check_kv_dtype(kv_dtype)
-    return "bf16" if kv_dtype == "fp8_e4m3" and layer in cfg.kv_fp8_skip_layers else kv_dtype
-
-
-def kv_bytes_of_layers(cfg: ModelConfig, start: int, stop: int, kv_dtype: str = "fp8_e4m3") -> int:
-    """MLA cache bytes per token over layers [start, stop), each in its dtype (`layer_kv_dtype`)."""
-    return sum(
-        kv_bytes_per_token_per_layer(cfg, layer_kv_dtype(cfg, i, kv_dtype)) for i in range(start, stop)
-    )
-
-
-def indexer_bytes_of_layers(cfg: ModelConfig, start: int, stop: int, kv_dtype: str = "fp8_e4m3") -> int:
-    """Indexer key bytes per token over the full-indexer layers of [start, stop), each in its dtype."""
-    return sum(
-        indexer_bytes_per_token(cfg, layer_kv_dtype(cfg, i, kv_dtype))
-        for i in range(start, stop)
-        if cfg.is_full_indexer(i)
-    )
+def kv_bytes_of_layers(
+    cfg: ModelConfig, start: int, stop: int, kv_dtype: str = "fp8_e4m3"
+) -> tuple[int, int]:
+    """Bytes per token over layers [start, stop), each in its kind (`kv_kinds`): (MLA rows, index keys of
+    the full-indexer layers)."""
+    return kv_bytes_per_token(cfg, range(start, stop), kv_kinds(cfg, kv_dtype), PLAN_DTYPE)
 
 
 def n_full_indexer_layers(cfg: ModelConfig, start: int = 0, stop: int | None = None) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan
-from longctx.kvstore.pool import KVKinds
+from longctx.kv_kinds import KVKinds
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,8 @@ from longctx.errors import ConfigError
 from longctx.model.params import (
     embed_weights,
     head_weights,
-    indexer_bytes_of_layers,
-    indexer_bytes_per_token,
     kv_bytes_of_layers,
-    kv_bytes_per_token_per_layer,
-    layer_kv_dtype,
+    kv_kinds,
     layer_weights,
     n_full_indexer_layers,
     weights_nbytes,
@@ -97,11 +94,10 @@ def layer_cost(
     heads = -(-cfg.num_attention_heads // tp)
     # Absorbed sparse MLA: scores over latent+rope, then values over the latent, for `sel` tokens.
     flops = wflops + 2.0 * heads * sel * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    kv_dtype = layer_kv_dtype(cfg, layer, kv_dtype)
-    nbytes = sel * kv_bytes_per_token_per_layer(cfg, kv_dtype)
+    mla, index = kv_bytes_of_layers(cfg, layer, layer + 1, kv_dtype)
+    nbytes = sel * mla + context * index
     if cfg.is_full_indexer(layer):  # replicated: every rank scans all keys
         flops += 2.0 * cfg.index_n_heads * cfg.index_head_dim * context
-        nbytes += context * indexer_bytes_per_token(cfg, kv_dtype)
     b = cm.batch
     return (wbytes + b * nbytes) / cm.hbm_bytes_per_s + b * flops / cm.flops_per_s
 
@@ -350,7 +346,7 @@ def partition(
         raise ConfigError(f"hisparse device tokens must be at least 1, got {hisparse_device_tokens}")
     if weight_dtype is None:
         weight_dtype = "fp8" if cfg.quant_block else "bf16"
-    layer_kv_dtype(cfg, 0, kv_dtype)  # validates the dtype
+    kv_kinds(cfg, kv_dtype)  # validates the dtype
     weights_nbytes([], cfg, weight_dtype)  # validates the dtype
 
     cm = CostModel.for_weights(weight_dtype, decode_batch)
@@ -373,7 +369,7 @@ def partition(
         if s == pp - 1:
             ws += head_weights(cfg)
         nfull = n_full_indexer_layers(cfg, a, b)
-        kv_tok = kv_bytes_of_layers(cfg, a, b, kv_dtype)  # (a token's MLA rows over the stage's layers)
+        kv_tok, index_tok = kv_bytes_of_layers(cfg, a, b, kv_dtype)  # (a token's, over the stage's layers)
         rows.append(
             StagePlan(
                 stage=s,
@@ -384,7 +380,7 @@ def partition(
                 weight_bytes=weights_nbytes(ws, cfg, weight_dtype, tp),
                 kv_bytes_device=dev_tokens * kv_tok,
                 kv_bytes_host=tokens * kv_tok,
-                indexer_bytes=tokens * indexer_bytes_of_layers(cfg, a, b, kv_dtype),
+                indexer_bytes=tokens * index_tok,
                 headroom_bytes=activation_headroom(cfg, (a, b), context, chunk, tp, has_head=s == pp - 1),
                 requests_fit_device=0,
                 requests_fit_host=None,

@@ -14,11 +14,9 @@ import sys
 from typing import Any
 
 from longctx.cli import CLIError
-from longctx.config import ModelConfig, resolve_config
+from longctx.config import KV_DTYPE_NAMES, ModelConfig, kv_dtype_name, resolve_config
 from longctx.model.params import (
-    KV_DTYPES,
     WEIGHT_DTYPES,
-    indexer_bytes_of_layers,
     indexer_bytes_per_token,
     kv_bytes_of_layers,
     kv_bytes_per_token_per_layer,
@@ -26,6 +24,7 @@ from longctx.model.params import (
     n_full_indexer_layers,
     params_active,
     params_total,
+    weight_dtype_name,
 )
 from longctx.stages.partition import DEFAULT_CHUNK, DEFAULT_GPU_MEM, PAGE_TOKENS, StagePlan, partition
 
@@ -64,6 +63,7 @@ def build_report(cfg: ModelConfig, plans: list[StagePlan], opts: dict[str, Any])
     kv_tok = kv_bytes_per_token_per_layer(cfg, opts["kv_dtype"])
     idx_tok = indexer_bytes_per_token(cfg, opts["kv_dtype"])
     tokens = -(-ctx // PAGE_TOKENS) * PAGE_TOKENS
+    kv_all, index_all = kv_bytes_of_layers(cfg, 0, cfg.num_hidden_layers, opts["kv_dtype"])
     fit_host = [p.requests_fit_host for p in plans if p.requests_fit_host is not None]
     return {
         **opts,
@@ -75,9 +75,8 @@ def build_report(cfg: ModelConfig, plans: list[StagePlan], opts: dict[str, Any])
         "kv_bytes_per_token_per_layer": kv_tok,
         "indexer_bytes_per_token_per_full_layer": idx_tok,
         # (each layer in its dtype: an fp8 cache keeps the config's kv_fp8_skip_layers in bf16)
-        "kv_bytes_per_request": tokens * kv_bytes_of_layers(cfg, 0, cfg.num_hidden_layers, opts["kv_dtype"]),
-        "indexer_bytes_per_request": tokens
-        * indexer_bytes_of_layers(cfg, 0, cfg.num_hidden_layers, opts["kv_dtype"]),
+        "kv_bytes_per_request": tokens * kv_all,
+        "indexer_bytes_per_request": tokens * index_all,
         "weight_bytes_per_gpu_max": max(p.weight_bytes for p in plans),
         "weight_bytes_all_gpus": sum(p.weight_bytes for p in plans) * opts["tp"],
         "requests_fit_device": min(p.requests_fit_device for p in plans),
@@ -235,10 +234,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--host-mem", default=None, help="host memory per node for KV pools, e.g. 2T (default: no limit)"
     )
     p.add_argument(
-        "--kv-dtype", choices=KV_DTYPES, default="fp8_e4m3", help="KV cache dtype (default fp8_e4m3)"
+        "--kv-dtype",
+        type=kv_dtype_name,
+        choices=KV_DTYPE_NAMES,
+        default="fp8_e4m3",
+        help="KV cache dtype, as the engine's --kv-dtype (auto: fp8 on CUDA; model: bf16; default fp8_e4m3)",
     )
     p.add_argument(
         "--weight-dtype",
+        type=weight_dtype_name,
         choices=WEIGHT_DTYPES,
         default=None,
         help="default: fp8 for an fp8 checkpoint, else bf16",

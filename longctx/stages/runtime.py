@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 from longctx.config import ModelConfig, check_layout
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.errors import ConfigError, EngineDeadError
+from longctx.kv_kinds import KVKinds
 from longctx.kvstore.host_pool import NAME_PREFIX, cleanup_stale
-from longctx.kvstore.pool import KVKinds
 from longctx.stages.messages import (
     Failed,
     Ready,

@@ -41,8 +41,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The flags, one per TrainConfig / DataConfig field and named after it (each flag's dest is its field's
     name: `said_as` names a field in an error by the flag that sets it)."""
+    from longctx.config import dtype_arg
     from longctx.train.data import DataConfig, curriculum_text
-    from longctx.train.loop import TrainConfig
+    from longctx.train.loop import SAVE_DTYPES, TrainConfig
     from longctx.train.model import NEEDLE_FORMS, SELECT_DOTS, SELECT_FORMS, SPARSE_ATTENTION_FORMS
 
     t, d = TrainConfig(), DataConfig()
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=t.log_every)
     p.add_argument("--print-every", type=int, default=t.print_every)
     p.add_argument("--num-workers", type=int, default=t.num_workers)
-    p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default=t.save_dtype)
+    p.add_argument("--save-dtype", type=dtype_arg, choices=SAVE_DTYPES, default=t.save_dtype)
     p.add_argument("--save-momentum", action="store_true", help="also keep AdamW's first moments")
     p.add_argument(
         "--eval-samples",

@@ -72,6 +72,11 @@ def capitals_from_lowercase(model: TrainCausalLM) -> None:
             w[upper] = w[upper + (ord("a") - ord("A"))]
 
 
+# The dtypes a checkpoint is saved in (the --save-dtype flag also takes their short names, bf16 / fp32 /
+# float: `longctx.config.DTYPE_ALIASES`).
+SAVE_DTYPES = ("bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The recipe. Every field is a CLI flag (`python -m longctx.train --help`)."""
@@ -169,7 +174,7 @@ class TrainConfig:
     log_every: int = 10
     print_every: int = 0  # also print a log line every N steps (0: only at saves)
     num_workers: int = 4
-    save_dtype: str = "bfloat16"
+    save_dtype: str = "bfloat16"  # one of SAVE_DTYPES, by its torch name
     save_momentum: bool = False
     # gated curriculum (advance_exact > 0): the curriculum's lengths in order, each next one only once
     # the answer exact match (mean of the last advance_window log rows at this length) reaches
@@ -622,7 +627,7 @@ def check_config(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         ("select_dot", SELECT_DOTS),
         ("needle_form", NEEDLE_FORMS),
         ("train_only", ("all", "indexer")),
-        ("save_dtype", ("bfloat16", "float32")),
+        ("save_dtype", SAVE_DTYPES),
     ):
         if getattr(cfg, name) not in choices:
             raise ConfigError.about(name, repr(getattr(cfg, name)), f"must be one of {choices}")

@@ -8,8 +8,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from longctx.config import SELECTION_FIELDS, kv_dtype_name
-from longctx.engine.args import KV_DTYPE_CHOICES, skip_layers_arg
+from longctx.config import KV_DTYPE_NAMES, SELECTION_FIELDS, kv_dtype_name
+from longctx.engine.args import skip_layers_arg
 from longctx.errors import ConfigError, LongctxError
 
 
@@ -118,10 +118,11 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_dtype_arg(name: str, text: str) -> str:
-    """The KV cache dtype flag `name` given as `text`, one of Engine's kv_dtype values (bf16 by any name)."""
+    """The KV cache dtype flag `name` given as `text`, one of Engine's kv_dtype values (fp8 and bf16 by any of
+    their names: `kv_dtype_name`)."""
     text = kv_dtype_name(text)
-    if text not in KV_DTYPE_CHOICES:
-        raise UsageError(f"{name} must be one of {', '.join(KV_DTYPE_CHOICES)}, not {text!r}")
+    if text not in KV_DTYPE_NAMES:
+        raise UsageError(f"{name} must be one of {', '.join(KV_DTYPE_NAMES)}, not {text!r}")
     return text
 
 
