@@ -642,3 +642,5 @@ def test_a_wrong_method_says_which_are_allowed(server):
     r = httpx.get(server.url + C)
     assert r.status_code == 405 and r.json()["error"]["code"] == "405", r.text
     assert r.headers["allow"] == "POST"
+    r = httpx.post(server.url + "/v1/documents/no-such-id")  # two routes of one path: GET and DELETE
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers

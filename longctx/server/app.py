@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from longctx.server import messages as m
 from longctx.server.protocol import ApiError, error_body, retry_headers, validation_error
@@ -36,6 +37,24 @@ async def require_api_key(request: Request) -> None:
             "authentication_error",
             code="invalid_api_key",
         )
+
+
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods some route of `request`'s path answers (Starlette's 405 names only the first route's,
+    so GET /v1/documents/{id}'s DELETE went unsaid). Included routers are walked into: FastAPI keeps them
+    whole (`original_router`) since 0.16x, as plain routes before."""
+
+    def leaves(routes: list[Any]) -> Iterator[Any]:
+        for r in routes:
+            inner = getattr(r, "original_router", None)
+            yield from leaves(inner.routes) if inner is not None else (r,)
+
+    methods: set[str] = set()
+    for route in leaves(app.router.routes):
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def create_app(
@@ -94,10 +113,13 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(  # (with the exception's headers: a 405's Allow says which methods)
+        headers = dict(e.headers or {})  # (the exception's headers: a 405's Allow says which methods)
+        if e.status_code == 405:  # every route of this path, not only the first one the router tried
+            headers["Allow"] = ", ".join(allowed_methods(app, request)) or headers.get("Allow", "")
+        return JSONResponse(
             error_body(str(e.detail), kind, code=str(e.status_code)),
             status_code=e.status_code,
-            headers=e.headers,
+            headers=headers,
         )
 
     @app.exception_handler(Exception)
