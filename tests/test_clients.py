@@ -201,3 +201,20 @@ def test_a_failed_question_unpins_its_document_once_and_reports_itself():
     with pytest.raises(ClientError, match=r"^POST /v1/documents/doc-1/ask -> HTTP 400: question too long$"):
         client.generate([GenRequest("q", 8, document=("the document", "a question?"))])
     assert [m for m, _ in seen] == ["POST", "POST", "DELETE"] and waits == []
+
+
+def test_a_client_whose_model_lookup_fails_closes_its_connections():
+    """The served-model lookup runs in the constructor: when it fails the caller gets no client to close,
+    so the constructor closes its own."""
+    closed: list[bool] = []
+
+    class Transport(httpx.MockTransport):
+        def close(self) -> None:
+            closed.append(True)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    with pytest.raises(ClientError, match="refused"):
+        HTTPClient("http://srv", transport=Transport(refuse), retry=Retry(attempts=2), sleep=lambda s: None)
+    assert closed == [True]

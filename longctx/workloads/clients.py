@@ -244,7 +244,11 @@ class HTTPClient(Client):
         self._stopping = threading.Event()
         self.retry, self._sleep = retry, sleep or self._stopping.wait
         self._answered = 0  # requests the server has answered (a 429 meanwhile is a busy server)
-        self.model = model_name or self._default_model()
+        try:
+            self.model = model_name or self._default_model()
+        except BaseException:  # (no client to close it: the caller never gets one)
+            self.http.close()
+            raise
 
     def _default_model(self) -> str:
         """The first model the server lists, asked as every request is (`self.retry`): a server that
