@@ -43,7 +43,7 @@ def resolve_kv_kind(kv_dtype: str, device: torch.device) -> str:
         return "fp8"
     if kv_dtype == "bf16":
         return "bf16"
-    raise ConfigError(f"kv_dtype must be 'auto', 'model', 'bf16' or 'fp8_e4m3', got {kv_dtype!r}")
+    raise ConfigError.about("kv_dtype", repr(kv_dtype), "must be 'auto', 'model', 'bf16' or 'fp8_e4m3'")
 
 
 @dataclass(frozen=True)
