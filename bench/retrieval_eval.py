@@ -69,8 +69,12 @@ def result_key(length: int, capped: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from longctx.cli import main as cli
+    from longctx.seeds import SEED_RANGE, is_seed
     from longctx.workloads.ruler_cli import parse_lengths, prompt_form
 
+    if not is_seed(args.seed):  # (before the run's record is written: `longctx ruler` would refuse it)
+        print(f"run: error: --seed {args.seed}: must be {SEED_RANGE}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_lengths(args.lengths)

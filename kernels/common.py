@@ -94,16 +94,18 @@ def use_triton(backend: str, device: torch.device | str) -> bool:
     (triton not installed, or a CPU device without the interpreter).
     """
     if backend not in BACKENDS:
-        raise KernelInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise KernelInputError.about("backend", repr(backend), f"must be one of {BACKENDS}")
     dev = torch.device(device)
     if backend == "torch":
         return False
     if backend == "auto":
         return HAS_TRITON and dev.type == "cuda"
     if not HAS_TRITON:
-        raise KernelInputError("backend='triton' requested but triton is not installed")
+        raise KernelInputError.about("backend", repr(backend), "triton is not installed")
     if dev.type == "cpu" and not triton_interpret():
-        raise KernelInputError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before importing triton")
+        raise KernelInputError.about(
+            "backend", repr(backend), "on CPU needs TRITON_INTERPRET=1 set before importing triton"
+        )
     return True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable, Mapping
 
 from longctx.errors import LongctxError, os_error_line
 
@@ -29,7 +30,17 @@ class CLIError(LongctxError):
     """Raised by a subcommand for bad input: printed as one line, exit code 2."""
 
 
+def said_as(parser: argparse.ArgumentParser, told: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    """How a command line names a setting (an Engine keyword, a config field) in an error
+    (`LongctxError.named`): as `told` says, else by the flag whose dest is the setting (`--kl-rows`), else by
+    the setting itself. Each flag's dest is thus the name of the setting it sets."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    told = told or {}
+    return lambda name: told.get(name) or flags.get(name, name)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `longctx` parser; each subcommand's parser is its default `parser` (`said_as` reads its flags)."""
     parser = argparse.ArgumentParser(prog="longctx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     done: set[str] = set()
@@ -45,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (parser, *sub.choices.values()):
         # a flag is named in full: `generate --prompt TEXT` would otherwise read as --prompt-file TEXT
         p.allow_abbrev = False
+    for p in sub.choices.values():
+        p.set_defaults(parser=p)
     return parser
 
 
@@ -57,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LongctxError as e:
-        print(f"longctx {args.command}: error: {e}", file=sys.stderr)
+        print(f"longctx {args.command}: error: {e.named(said_as(args.parser))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -306,11 +306,11 @@ def check_layout(cfg: ModelConfig, pp: int, tp: int) -> None:
     """pp pipeline stages of tp tensor-parallel ranks must fit the model: pp in [1, layers], tp a
     divisor of the attention heads."""
     if tp < 1:
-        raise ConfigError(f"tp must be at least 1, got {tp}")
+        raise ConfigError.about("tp", tp, "must be at least 1")
     if cfg.num_attention_heads % tp:
-        raise ConfigError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}")
+        raise ConfigError.about("tp", tp, f"must divide num_attention_heads = {cfg.num_attention_heads}")
     if pp < 1 or pp > cfg.num_hidden_layers:
-        raise ConfigError(f"pp must be in [1, {cfg.num_hidden_layers}] (the layer count), got {pp}")
+        raise ConfigError.about("pp", pp, f"must be in [1, {cfg.num_hidden_layers}] (the layer count)")
 
 
 def canonical_dtype(name: object) -> str | None:
@@ -327,7 +327,9 @@ def dtype_name(name: object, extra: Sequence[str] = ()) -> str:
     canon = canonical_dtype(name)
     if canon is None:
         names = ", ".join((*extra, *DTYPE_NAMES))
-        raise ConfigError(f"dtype must be one of {names} (or {', '.join(DTYPE_ALIASES)}), got {name!r}")
+        raise ConfigError.about(
+            "dtype", repr(name), f"must be one of {names} (or {', '.join(DTYPE_ALIASES)})"
+        )
     return canon
 
 
@@ -352,7 +354,9 @@ def check_kv_dtype(kv_dtype: str) -> str:
     name = kv_dtype_name(kv_dtype)
     if name not in KV_DTYPE_NAMES:
         names, aliases = ", ".join(KV_DTYPE_NAMES), ", ".join(KV_DTYPE_ALIASES)
-        raise ConfigError(f"kv_dtype must be one of {names} (or {aliases}, bfloat16), got {kv_dtype!r}")
+        raise ConfigError.about(
+            "kv_dtype", repr(kv_dtype), f"must be one of {names} (or {aliases}, bfloat16)"
+        )
     return name
 
 
@@ -375,7 +379,9 @@ def _check_real(name: str, v: object, positive: bool = False) -> None:
 def check_local_window(window: object, topk: int) -> None:
     """`index_local_window` must be an int in [0, index_topk): the window takes part of the top-k's budget."""
     if not is_int(window) or not 0 <= window < topk:
-        raise ConfigError(f"index_local_window must be an int in [0, index_topk = {topk}), got {window!r}")
+        raise ConfigError.about(
+            "index_local_window", repr(window), f"must be an int in [0, index_topk = {topk})"
+        )
 
 
 def check_kv_fp8_skip_layers(layers: object, num_layers: int) -> tuple[int, ...]:
@@ -387,8 +393,10 @@ def check_kv_fp8_skip_layers(layers: object, num_layers: int) -> tuple[int, ...]
         or not all(is_int(i) and 0 <= i < num_layers for i in items)
         or len(set(items)) != len(items)
     ):
-        raise ConfigError(
-            f"kv_fp8_skip_layers must be distinct layer numbers in [0, {num_layers}), got {layers!r}"
+        # (layer numbers shown as a command line takes them: 1,9)
+        shown = ",".join(map(str, items)) if items and all(map(is_int, items)) else repr(layers)
+        raise ConfigError.about(
+            "kv_fp8_skip_layers", shown, f"must be distinct layer numbers in [0, {num_layers})"
         )
     return tuple(sorted(items))
 
@@ -399,16 +407,17 @@ def check_topk_long(cfg: ModelConfig) -> None:
     k, start = cfg.index_topk_long, cfg.index_topk_long_from
     for name, v in (("index_topk_long", k), ("index_topk_long_from", start)):
         if not is_int(v) or v < 0:
-            raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
+            raise ConfigError.about(name, repr(v), "must be a non-negative int")
     if not k and not start:
         return
     if not cfg.index_local_window < k < cfg.index_topk:
-        raise ConfigError(
-            f"index_topk_long must be in (index_local_window = {cfg.index_local_window}, index_topk = "
-            f"{cfg.index_topk}), got {k}"
+        raise ConfigError.about(
+            "index_topk_long",
+            k,
+            f"must be in (index_local_window = {cfg.index_local_window}, index_topk = {cfg.index_topk})",
         )
     if start < cfg.index_topk:
-        raise ConfigError(f"index_topk_long_from must be >= index_topk = {cfg.index_topk}, got {start}")
+        raise ConfigError.about("index_topk_long_from", start, f"must be >= index_topk = {cfg.index_topk}")
 
 
 # the config fields (and Engine keywords) that change how the same weights select: `with_selection`
@@ -428,7 +437,7 @@ def with_selection(
         # every full layer selects this many tokens (a trade of attention work for what a long context
         # keeps in view)
         if not is_int(index_topk) or index_topk < 1:
-            raise ConfigError(f"index_topk must be a positive int, got {index_topk!r}")
+            raise ConfigError.about("index_topk", repr(index_topk), "must be a positive int")
         cfg = replace(cfg, index_topk=index_topk)
     if index_local_window is not None:
         cfg = replace(cfg, index_local_window=index_local_window)
@@ -443,8 +452,13 @@ def with_selection(
         check_topk_long(cfg)
     except ConfigError as e:
         if index_topk is not None and index_topk_long is None:  # a top-k override under a narrowing
-            raise ConfigError(
-                f"{e} (index_topk_long=0, --index-topk-long 0, turns the checkpoint's narrowing off)"
+            # (the error is the override's: the checkpoint's narrowing is no setting the caller gave)
+            theirs = str(e).replace("{", "{{").replace("}", "}}")
+            raise ConfigError.about(
+                "index_topk",
+                index_topk,
+                f"does not fit the checkpoint's {theirs}; {{}} 0 turns it off",
+                "index_topk_long",
             ) from None
         raise
     return cfg

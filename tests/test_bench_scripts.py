@@ -2046,3 +2046,13 @@ def test_kv_split_stores_each_half_in_its_own_kind(tmp_path: Path, monkeypatch) 
             torch.testing.assert_close(got, only_1, rtol=1e-5, atol=1e-5)  # (its index keys: model dtype)
     with pytest.raises(SystemExit):
         kv_split(["--mla", "model", "--index", "model", "--layers", "1", "--", "--model", "m", "--out", "o"])
+
+
+def test_retrieval_eval_run_refuses_a_bad_seed_before_writing(tmp_path: Path, capsys) -> None:
+    """A --seed `longctx ruler` would refuse is one line (exit 2) before the run's record is written."""
+    from bench.retrieval_eval import main
+
+    out = tmp_path / "w"
+    assert main(["run", "--model", str(WIP), "--seed", "-1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "run: error: --seed -1: must be an integer in [0, 2**63)"
+    assert not out.exists()

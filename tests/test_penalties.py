@@ -98,7 +98,7 @@ def test_engine_greedy_with_penalties_equals_the_reference(eng, kw):
 
 
 def test_engine_rejects_bad_penalties_with_one_line(eng):
-    with pytest.raises(RequestError, match="presence_penalty must be between -2 and 2"):
+    with pytest.raises(RequestError, match="presence_penalty 50.0: must be between -2 and 2"):
         eng.generate([rand_ids(20, 62)], max_new_tokens=2, presence_penalty=50.0)
     assert eng.generate([rand_ids(20, 62)], max_new_tokens=2)[0].token_ids  # (the engine goes on)
 

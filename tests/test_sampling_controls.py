@@ -324,7 +324,7 @@ def test_prompt_logprobs_once_each_under_preemption_and_across_stages(tiny_dir, 
 
 
 def test_bad_prompt_logprobs_are_rejected():
-    with pytest.raises(RequestError, match="prompt_logprobs must be between 0 and 20"):
+    with pytest.raises(RequestError, match="prompt_logprobs 21: must be between 0 and 20"):
         SamplingParams(prompt_logprobs=21).validate()
 
 

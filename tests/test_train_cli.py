@@ -131,14 +131,15 @@ def test_a_value_from_the_resumed_recipe_is_named_as_its_key(
 def test_every_flag_sets_the_field_of_its_name() -> None:
     """An error names a field by the flag whose dest it is (`said_as`), so each flag's dest is a field; the
     Python API's messages name the field itself."""
+    from longctx.cli import said_as
     from longctx.config import ModelConfig
-    from longctx.train.__main__ import build_parser, said_as
+    from longctx.train.__main__ import build_parser
     from longctx.train.data import DataConfig
 
     parser = build_parser()
     fields = {f.name for c in (loop.TrainConfig, DataConfig) for f in dataclasses.fields(c)}
     assert {a.dest for a in parser._actions if a.option_strings} - fields == {"help"}
-    say = said_as(parser, set())
+    say = said_as(parser)
     assert [say(n) for n in ("model_config", "tasks", "kl_rows", "long_topk_from")] == [
         "--config",
         "--task-weights",

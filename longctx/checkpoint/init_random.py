@@ -237,11 +237,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config)
     if not is_seed(args.seed):  # (any integer would do here: one range for every seed a user gives)
-        raise ConfigError(f"--seed must be {SEED_RANGE}, got {args.seed}")
+        raise ConfigError.about("seed", args.seed, f"must be {SEED_RANGE}")
     if args.max_shard_bytes <= 0:
-        raise ConfigError("--max-shard-bytes must be positive")
+        raise ConfigError.about("max_shard_bytes", args.max_shard_bytes, "must be positive")
     if not (math.isfinite(args.init_std) and args.init_std >= 0):  # (nan wrote a checkpoint of NaN weights)
-        raise ConfigError(f"--init-std must be a finite number >= 0, got {args.init_std}")
+        raise ConfigError.about("init_std", args.init_std, "must be a finite number >= 0")
     out = init_random_checkpoint(
         cfg,
         args.out,

@@ -78,8 +78,10 @@ def skip_layers_arg(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise ConfigError(
-            f"--kv-fp8-skip-layers: a comma list of layer numbers (e.g. 4 or 1,4) or 'none', not {text!r}"
+        raise ConfigError.about(
+            "kv_fp8_skip_layers",
+            repr(text),
+            "expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'",
         ) from None
 
 

@@ -32,7 +32,9 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
         try:
             ids = [int(x) for x in args.token_ids.replace(",", " ").split()]
         except ValueError:
-            raise LongctxError("--token-ids must be integers separated by commas or spaces") from None
+            raise LongctxError.about(
+                "token_ids", repr(args.token_ids), "expected integers separated by commas or spaces"
+            ) from None
         return [ids]
     if args.prompt_file:
         p = Path(args.prompt_file)
@@ -61,10 +63,10 @@ def _parse_logit_bias(spec: str | None) -> dict[int, float]:
         try:
             t, b = int(tok), float(bias)
         except ValueError:
-            raise LongctxError(f"--logit-bias: expected ID:BIAS pairs, got {part.strip()!r}") from None
+            raise LongctxError.about("logit_bias", repr(part.strip()), "expected ID:BIAS pairs") from None
         if not sep or t in out:
-            raise LongctxError(
-                f"--logit-bias: expected ID:BIAS pairs with each ID once, got {part.strip()!r}"
+            raise LongctxError.about(
+                "logit_bias", repr(part.strip()), "expected ID:BIAS pairs with each ID once"
             )
         out[t] = b
     return out
@@ -79,8 +81,6 @@ def _lp_json(x: TokenLogprob) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 0:
-        raise LongctxError("--max-new-tokens must be >= 0")
     bias = _parse_logit_bias(args.logit_bias)
     SamplingParams(  # the sampling flags checked before the model loads
         max_new_tokens=args.max_new_tokens,

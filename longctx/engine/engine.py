@@ -85,7 +85,7 @@ def _check_sizes(sizes: dict[str, object], optional: dict[str, object]) -> None:
     the pool's allocation, kv_pages=0 was read as the default)."""
     for name, v in {**sizes, **optional}.items():
         if not (is_int(v) and v >= 1) and not (v is None and name in optional):
-            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            raise ConfigError.about(name, repr(v), "must be a positive integer")
 
 
 def _device_fed(p: PendingRows) -> bool:
@@ -194,7 +194,9 @@ class Engine:
             },
         )
         if prefill_form not in ("auto", "expanded", "absorbed"):
-            raise ConfigError(f"prefill_form must be 'auto', 'expanded' or 'absorbed', got {prefill_form!r}")
+            raise ConfigError.about(
+                "prefill_form", repr(prefill_form), "must be 'auto', 'expanded' or 'absorbed'"
+            )
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
         # (the same weights selecting otherwise: a wider or narrower top-k, another window, a narrowing)
@@ -213,8 +215,11 @@ class Engine:
         self.use_triton = _use_triton(backend, self.device)
         # (a larger top-k selects nothing more, and its [tokens, index_topk] buffers ran out of memory)
         if index_topk is not None and index_topk > max_context:
-            raise ConfigError(
-                f"index_topk {index_topk} is more than max_context {max_context}: no query has more keys to select"
+            raise ConfigError.about(
+                "index_topk",
+                index_topk,
+                f"is more than {{}} ({max_context}): no query has more keys to select",
+                "max_context",
             )
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -50,54 +50,67 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
-        """RequestError naming the first bad field (of a wrong type too: a bool, a string or a float seed
-        passed here would only fail inside a step, taking the batch's other requests with it)."""
+        """RequestError `about` the first bad field (`min_p 2.0: must be in [0, 1]`; of a wrong type too: a
+        bool, a string or a float seed passed here would only fail inside a step, taking the batch's other
+        requests with it)."""
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+            raise RequestError.about(
+                "max_new_tokens", repr(self.max_new_tokens), "must be a non-negative integer"
+            )
         if not is_real(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise RequestError.about("temperature", repr(self.temperature), "must be a number >= 0")
         if not (is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError.about("top_p", repr(self.top_p), "must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+            raise RequestError.about("top_k", repr(self.top_k), "must be a non-negative integer")
         # (a negative seed drew what seed + 2**63 does; a larger one is taken modulo 2**63, as the HTTP
         # server's seed + choice index may be past its own limit of 2**63 - 1)
         if self.seed is not None and not (is_int(self.seed) and self.seed >= 0):
-            raise RequestError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+            raise RequestError.about("seed", repr(self.seed), "must be a non-negative integer")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not (is_int(v) and 0 <= v <= 20):
-                raise RequestError(f"{name} must be between 0 and 20, got {v!r}")
+                raise RequestError.about(name, repr(v), "must be between 0 and 20")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (is_real(v) and -2.0 <= v <= 2.0):
-                raise RequestError(f"{name} must be between -2 and 2, got {v!r}")
+                raise RequestError.about(name, repr(v), "must be between -2 and 2")
         rp = self.repetition_penalty
         if not (is_real(rp) and 0.0 < rp <= MAX_REPETITION_PENALTY):
-            raise RequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
+            raise RequestError.about(
+                "repetition_penalty", repr(rp), f"must be in (0, {MAX_REPETITION_PENALTY:g}]"
+            )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise RequestError(
-                f"min_tokens must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
-                f"got {self.min_tokens!r}"
+            raise RequestError.about(
+                "min_tokens",
+                repr(self.min_tokens),
+                f"must be an integer between 0 and {{}} ({self.max_new_tokens})",
+                "max_new_tokens",
             )
         if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise RequestError.about("min_p", repr(self.min_p), "must be in [0, 1]")
         if isinstance(self.stop, str):  # (it was read as one stop string per character)
-            raise RequestError(f"stop must be a list of strings, not one string ({self.stop!r})")
+            raise RequestError.about("stop", repr(self.stop), "must be a list of strings, not one string")
         for s in self.stop:
             if not isinstance(s, str):
-                raise RequestError(f"stop: {s!r} is not a string")
+                raise RequestError.about("stop", repr(s), "is not a string")
             if not s:  # (it would end every generation at once, as vLLM refuses it)
-                raise RequestError("stop strings must not be empty")
+                raise RequestError.about("stop", repr(s), "stop strings must not be empty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise RequestError(f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+            raise RequestError.about(
+                "logit_bias", None, f"has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}"
+            )
         for tok, bias in self.logit_bias:
             if not is_int(tok) or tok < 0:
-                raise RequestError(f"logit_bias: token ids must be non-negative integers, got {tok!r}")
+                raise RequestError.about(
+                    "logit_bias", None, f"token ids must be non-negative integers, got {tok!r}"
+                )
             if not (is_real(bias) and -100.0 <= bias <= 100.0):
-                raise RequestError(f"logit_bias: token {tok}'s bias must be in [-100, 100], got {bias!r}")
+                raise RequestError.about(
+                    "logit_bias", None, f"token {tok}'s bias must be in [-100, 100], got {bias!r}"
+                )
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
-            raise RequestError("logit_bias: a token appears twice")
+            raise RequestError.about("logit_bias", None, "a token appears twice")
 
 
 def check_token_ids(req: Request, vocab_size: int) -> None:
@@ -106,16 +119,23 @@ def check_token_ids(req: Request, vocab_size: int) -> None:
     if not isinstance(req.prompt_ids, list):  # (a tuple failed in the step joining it to the output)
         raise RequestError(f"prompt_ids must be a list, got {type(req.prompt_ids).__name__}", "prompt")
     p = req.params
-    for param, what, ids in (
-        ("prompt", "token id", req.prompt_ids),
-        ("stop_token_ids", "stop_token_ids: token id", p.stop_token_ids),
-        ("logit_bias", "logit_bias: token id", [t for t, _ in p.logit_bias]),
+    for param, ids in (
+        ("prompt", req.prompt_ids),
+        ("stop_token_ids", p.stop_token_ids),
+        ("logit_bias", [t for t, _ in p.logit_bias]),
     ):
         for t in ids:
             if type(t) is not int:  # (not a bool; as fast as isinstance)
-                raise RequestError(f"{what} {t!r} is a {type(t).__name__}, not an int", param)
-            if not 0 <= t < vocab_size:
-                raise RequestError(f"{what} {t!r} is outside the vocabulary [0, {vocab_size})", param)
+                problem = f"token id {t!r} is a {type(t).__name__}, not an int"
+            elif not 0 <= t < vocab_size:
+                problem = f"token id {t!r} is outside the vocabulary [0, {vocab_size})"
+            else:
+                continue
+            if param == "prompt":  # (a prompt is no setting: `token id 5000 is outside ...`)
+                raise RequestError(problem, param)
+            e = RequestError.about(param, None, problem)  # (`logit_bias: token id 5000 is outside ...`)
+            e.param = param
+            raise e
 
 
 def as_token_ids(ids: object, name: str) -> list[int]:

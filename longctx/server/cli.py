@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from longctx.engine.args import add_engine_args, engine_kwargs
+from longctx.engine.args import add_engine_args, engine_kwargs, selection_kwargs
 
 log = logging.getLogger("longctx.server")
 DRAIN_MARGIN_S = 5.0  # uvicorn's own shutdown deadline, past --drain-timeout
@@ -54,18 +54,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _preflight(args: argparse.Namespace) -> None:
     """What the engine process would refuse at once, refused before the server binds its port: one
     line instead of uvicorn's start and stop around it. The engine checks again (and the rest)."""
-    from longctx.cli import CLIError
-    from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout
-    from longctx.errors import LongctxError
+    from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout, with_selection
 
-    try:  # (`run` has checked that the model dir holds a config.json)
-        cfg = ModelConfig.from_json(Path(args.model))
-        check_layout(cfg, args.pp, args.tp)
-        skip = engine_kwargs(args)["kv_fp8_skip_layers"]
-        if skip is not None:
-            check_kv_fp8_skip_layers(skip, cfg.num_hidden_layers)
-    except LongctxError as e:
-        raise CLIError(str(e)) from None
+    # (`run` has checked that the model dir holds a config.json)
+    cfg = ModelConfig.from_json(Path(args.model))
+    check_layout(cfg, args.pp, args.tp)
+    with_selection(cfg, **selection_kwargs(args))
+    skip = engine_kwargs(args)["kv_fp8_skip_layers"]
+    if skip is not None:
+        check_kv_fp8_skip_layers(skip, cfg.num_hidden_layers)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -111,17 +108,17 @@ def run(args: argparse.Namespace) -> int:
     for name in ("pp", "tp", "max_queue", "max_context", "index_topk", "hisparse_device_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:  # (the last two are optional)
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+            raise CLIError.about(name, value, "must be >= 1")
     for name in ("index_local_window", "index_topk_long", "index_topk_long_from"):
         value = getattr(args, name)
         if value is not None and value < 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 0")
+            raise CLIError.about(name, value, "must be >= 0")
     if not 0 <= args.port <= 65535:
-        raise CLIError("--port must be in [0, 65535] (0 picks a free port)")
+        raise CLIError.about("port", args.port, "must be in [0, 65535] (0 picks a free port)")
     if not math.isfinite(args.drain_timeout) or args.drain_timeout < 0:
-        raise CLIError("--drain-timeout must be a number of seconds >= 0")
+        raise CLIError.about("drain_timeout", args.drain_timeout, "must be a number of seconds >= 0")
     if args.api_key and not args.api_key.isascii():  # (no HTTP client sends it: every request a 401)
-        raise CLIError("--api-key must be ASCII")
+        raise CLIError.about("api_key", None, "must be ASCII")
     if fake is None:
         _preflight(args)
     spec = EngineSpec(

@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     pp = parse_int(args.pp, "--pp")
     tp = parse_int(args.tp, "--tp")
     if gpus != pp * tp:
-        raise CLIError(f"--gpus {gpus} must equal --pp x --tp = {pp} x {tp} = {pp * tp}")
+        raise CLIError.about("gpus", gpus, f"must equal {{}} x {{}} = {pp} x {tp} = {pp * tp}", "pp", "tp")
     context = parse_tokens(args.context, "--context")
     split = None
     if args.layer_split is not None:

@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -336,14 +335,6 @@ def _resumable_data_settings(args: argparse.Namespace, from_recipe: set[str]) ->
     return out
 
 
-def said_as(parser: argparse.ArgumentParser, from_recipe: set[str]) -> Callable[[str], str]:
-    """How the CLI names a setting (a TrainConfig / DataConfig field) in an error (`LongctxError.named`):
-    the resumed run's recipe key where the value came from there (`from_recipe`), else the flag whose dest
-    is the field, else the field itself."""
-    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
-    return lambda name: f"--resume's recipe {name}" if name in from_recipe else flags.get(name, name)
-
-
 def parse_long_topk(spec: str | None) -> tuple[int, int]:
     """--long-topk "S:K" -> (S, K); None -> (0, 0), off."""
     from longctx.errors import ConfigError
@@ -379,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     _ensure_kernels()
+    from longctx.cli import said_as
     from longctx.errors import LongctxError, os_error_line
     from longctx.train.data import DataConfig, parse_curriculum
     from longctx.train.loop import TrainConfig, train
@@ -443,7 +435,9 @@ def _main(argv: list[str] | None) -> int:
         )
         summary = train(cfg)
     except LongctxError as e:
-        print(f"error: {e.named(said_as(parser, from_recipe))}", file=sys.stderr)
+        # (a setting the resumed run took from its saved recipe is named by the recipe's key)
+        recipe = {k: f"--resume's recipe {k}" for k in from_recipe}
+        print(f"error: {e.named(said_as(parser, recipe))}", file=sys.stderr)
         return 2
     except OSError as e:  # a save that failed (disk full, ...): the last checkpoint stays as it was
         print(f"error: {os_error_line(e)}", file=sys.stderr)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from longctx.config import KV_DTYPE_NAMES, SELECTION_FIELDS, kv_dtype_name
 from longctx.engine.args import skip_layers_arg
-from longctx.errors import ConfigError, LongctxError
+from longctx.errors import LongctxError
 
 
 class UsageError(LongctxError):
@@ -68,13 +69,13 @@ def model_context(model_dir: str) -> int:
 
 
 def int_arg(name: str, text: str | None, lo: int = 1) -> int:
-    """The integer flag `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`."""
+    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`."""
     try:
         v = int(str(text).replace("_", "").replace(",", ""))
     except ValueError:
-        raise UsageError(f"{name} must be an integer, not {text!r}") from None
+        raise UsageError.about(name, repr(text), "must be an integer") from None
     if v < lo:
-        raise UsageError(f"{name} must be >= {lo}")
+        raise UsageError.about(name, text, f"must be >= {lo}")
     return v
 
 
@@ -118,38 +119,33 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_dtype_arg(name: str, text: str) -> str:
-    """The KV cache dtype flag `name` given as `text`, one of Engine's kv_dtype values (fp8 and bf16 by any of
-    their names: `kv_dtype_name`)."""
+    """The KV cache dtype flag of dest `name` given as `text`, one of Engine's kv_dtype values (fp8 and bf16
+    by any of their names: `kv_dtype_name`)."""
     text = kv_dtype_name(text)
     if text not in KV_DTYPE_NAMES:
-        raise UsageError(f"{name} must be one of {', '.join(KV_DTYPE_NAMES)}, not {text!r}")
+        raise UsageError.about(name, repr(text), f"must be one of {', '.join(KV_DTYPE_NAMES)}")
     return text
-
-
-def skip_layers_flag(name: str, text: str) -> tuple[int, ...]:
-    """The `--kv-fp8-skip-layers` flag `name` given as `text`: layer numbers, or () for "none"."""
-    try:
-        return skip_layers_arg(text)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
 
 
 def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`add_embedded_engine_args`' flags as Engine keywords (each only when given); they are refused
     without --model, since a server runs with the engine it was started with."""
     kw: dict[str, Any] = {"device": args.device}
-    for flag, name, parse in (
-        ("--hisparse-device-tokens", "hisparse_device_tokens", partial(int_arg, lo=1)),
-        ("--index-topk", "index_topk", partial(int_arg, lo=1)),
-        ("--index-local-window", "index_local_window", partial(int_arg, lo=0)),
-        ("--index-topk-long", "index_topk_long", partial(int_arg, lo=0)),
-        ("--index-topk-long-from", "index_topk_long_from", partial(int_arg, lo=0)),
-        ("--kv-dtype", "kv_dtype", kv_dtype_arg),
-        ("--kv-fp8-skip-layers", "kv_fp8_skip_layers", skip_layers_flag),
-    ):
+    parsers: dict[str, Callable[[str, str], Any]] = {
+        "hisparse_device_tokens": partial(int_arg, lo=1),
+        "index_topk": partial(int_arg, lo=1),
+        "index_local_window": partial(int_arg, lo=0),
+        "index_topk_long": partial(int_arg, lo=0),
+        "index_topk_long_from": partial(int_arg, lo=0),
+        "kv_dtype": kv_dtype_arg,
+        "kv_fp8_skip_layers": lambda _, text: skip_layers_arg(text),
+    }
+    for name, parse in parsers.items():
         text = getattr(args, name)
         if text:
             if not args.model:
-                raise UsageError(f"{flag} is for --model (a server runs the engine it was started with)")
-            kw[name] = parse(flag, text)
+                raise UsageError.about(
+                    name, None, "is for {} (a server runs the engine it was started with)", "model"
+                )
+            kw[name] = parse(name, text)
     return kw

@@ -126,12 +126,12 @@ def run(args: argparse.Namespace) -> int:
     _check_out(args.out)
     if args.chat and args.base_url:
         raise UsageError("--chat is for --model; servers are always asked through chat endpoints")
-    max_new = int_arg("--max-new-tokens", args.max_new_tokens)
-    max_file = int_arg("--max-file-bytes", args.max_file_bytes)
-    concurrency = int_arg("--concurrency", args.concurrency)
+    max_new = int_arg("max_new_tokens", args.max_new_tokens)
+    max_file = int_arg("max_file_bytes", args.max_file_bytes)
+    concurrency = int_arg("concurrency", args.concurrency)
     engine_kw = embedded_engine_kwargs(args)
     if args.max_context:
-        max_context = int_arg("--max-context", args.max_context)
+        max_context = int_arg("max_context", args.max_context)
     else:
         max_context = model_context(args.model) if args.model else DEFAULT_MAX_CONTEXT
     queries = read_queries(args.queries)
@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
         )
     budget = max_context - reserve_tokens(counter, queries, prompting, max_new)
     if budget <= 0:
-        raise UsageError(
-            f"--max-context {max_context} leaves no room for the repository after questions and answers"
+        raise UsageError.about(
+            "max_context", max_context, "leaves no room for the repository after questions and answers"
         )
 
     from longctx.workloads.clients import ClientError, EngineClient, HTTPClient

@@ -182,20 +182,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give either --model or --base-url, not both")
     tasks = parse_tasks(args.tasks)
     lengths = parse_lengths(args.lengths)
-    samples = int_arg("--samples", args.samples)
+    samples = int_arg("samples", args.samples)
     indices = parse_indices(args.indices)
-    seed = int_arg("--seed", args.seed, lo=0)
+    seed = int_arg("seed", args.seed, lo=0)
     if not is_seed(seed):
-        raise UsageError(f"--seed must be {SEED_RANGE}, not {seed}")
-    concurrency = int_arg("--concurrency", args.concurrency)
+        raise UsageError.about("seed", seed, f"must be {SEED_RANGE}")
+    concurrency = int_arg("concurrency", args.concurrency)
     try:
         scale = float(args.max_new_tokens_scale)
     except ValueError:
-        raise UsageError(
-            f"--max-new-tokens-scale must be a number, not {args.max_new_tokens_scale!r}"
+        raise UsageError.about(
+            "max_new_tokens_scale", repr(args.max_new_tokens_scale), "must be a number"
         ) from None
     if not 0 < scale < math.inf:
-        raise UsageError("--max-new-tokens-scale must be a finite number > 0")
+        raise UsageError.about("max_new_tokens_scale", scale, "must be a finite number > 0")
     engine_kw = embedded_engine_kwargs(args)
     has_model = bool(args.model or args.base_url)
     if not has_model and not args.dump_dir:

@@ -1,0 +1,148 @@
+"""Every `longctx` subcommand refuses a bad flag value in one line (exit code 2) that names the flag the user
+typed and its value (`--min-tokens -1: ...`), also where the Engine, its sampling parameters or the model
+config refuse it, whose own messages name the keyword (`min_tokens -1: ...`). CPU; nothing is generated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from longctx.cli import build_parser, main, said_as
+from longctx.engine.args import ENGINE_FIELDS
+from longctx.engine.request import SamplingParams
+from longctx.errors import RequestError
+
+ROOT = Path(__file__).resolve().parents[1]
+WIP = str(ROOT / "models-shipped" / "retrieval-wip")
+CPU = ["--model", WIP, "--device", "cpu"]
+# each subcommand's good flags, before the bad one ({tmp}: the test's tmp_path); generate and score take
+# a prompt after it (unless the bad flag is --token-ids)
+START = {
+    "generate": ["generate", *CPU],
+    "score": ["score", *CPU],
+    "serve": ["serve", *CPU, "--port", "0"],
+    "init-model": ["init-model", "--config", "tiny", "--out", "{tmp}/m"],
+    "plan": ["plan", "--config", "tiny", "--gpus", "1", "--pp", "1", "--context", "1K"],
+    "ruler": ["ruler", *CPU, "--lengths", "1k", "--out", "{tmp}/r"],
+    "retrieve": ["retrieve", *CPU, "--repo", str(ROOT / "configs"), "--queries", "{tmp}/q.jsonl",
+                 "--out", "{tmp}/a.jsonl"],
+}  # fmt: skip
+
+BAD_FLAGS = [
+    # generate: the sampling flags (SamplingParams) and the engine's
+    ("generate", ["--max-new-tokens", "-1"], "--max-new-tokens -1: must be a non-negative integer"),
+    ("generate", ["--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
+    ("generate", ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    ("generate", ["--top-k", "-1"], "--top-k -1: must be a non-negative integer"),
+    ("generate", ["--seed", "-5"], "--seed -5: must be a non-negative integer"),
+    ("generate", ["--presence-penalty", "3"], "--presence-penalty 3.0: must be between -2 and 2"),
+    ("generate", ["--frequency-penalty", "-3"], "--frequency-penalty -3.0: must be between -2 and 2"),
+    ("generate", ["--repetition-penalty", "0"], "--repetition-penalty 0.0: must be in (0, 100]"),
+    ("generate", ["--min-tokens", "-1"], "--min-tokens -1: must be an integer between 0 and --max-new-tokens (32)"),
+    ("generate", ["--min-p", "2"], "--min-p 2.0: must be in [0, 1]"),
+    ("generate", ["--logprobs", "30", "--json"], "--logprobs 30: must be between 0 and 20"),
+    ("generate", ["--prompt-logprobs", "21", "--json"], "--prompt-logprobs 21: must be between 0 and 20"),
+    ("generate", ["--stop", ""], "--stop '': stop strings must not be empty"),
+    ("generate", ["--logit-bias", "5"], "--logit-bias '5': expected ID:BIAS pairs"),
+    ("generate", ["--logit-bias", "5:x"], "--logit-bias '5:x': expected ID:BIAS pairs"),
+    ("generate", ["--logit-bias", "5:1,5:2"], "--logit-bias '5:2': expected ID:BIAS pairs with each ID once"),
+    ("generate", ["--logit-bias", "5:200"], "--logit-bias: token 5's bias must be in [-100, 100], got 200.0"),
+    ("generate", ["--logit-bias", "5000:1"], "--logit-bias: token id 5000 is outside the vocabulary [0, 320)"),
+    ("generate", ["--token-ids", "1,x"], "--token-ids '1,x': expected integers separated by commas or spaces"),
+    ("generate", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
+    ("generate", ["--dtype", "int8"], "--dtype 'int8': must be one of auto, bfloat16, float16, float32 (or bf16, fp16, half, fp32, float)"),
+    ("generate", ["--kv-dtype", "int8"], "--kv-dtype 'int8': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"),
+    ("generate", ["--backend", "tpu"], "--backend 'tpu': must be one of ('auto', 'torch', 'triton')"),
+    ("generate", ["--pp", "0"], "--pp 0: must be a positive integer"),
+    ("generate", ["--pp", "99"], "--pp 99: must be in [1, 6] (the layer count)"),
+    ("generate", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
+    ("generate", ["--max-context", "0"], "--max-context 0: must be a positive integer"),
+    ("generate", ["--chunk-size", "-3"], "--chunk-size -3: must be a positive integer"),  # (was a hang)
+    ("generate", ["--hisparse-device-tokens", "0"], "--hisparse-device-tokens 0: must be a positive integer"),
+    ("generate", ["--index-topk", "0"], "--index-topk 0: must be a positive int"),
+    (  # (its [tokens, index_topk] buffers were allocated: a traceback)
+        "generate",
+        ["--index-topk", str(2**40), "--index-topk-long", "0"],
+        f"--index-topk {2**40}: is more than --max-context (1048576): no query has more keys to select",
+    ),
+    (
+        "generate",
+        ["--index-topk", "128"],
+        "--index-topk 128: does not fit the checkpoint's index_topk_long 128: must be in (index_local_window "
+        "= 64, index_topk = 128); --index-topk-long 0 turns it off",
+    ),
+    ("generate", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
+    ("generate", ["--index-topk-long", "5000"], "--index-topk-long 5000: must be in (index_local_window = 64, index_topk = 256)"),
+    ("generate", ["--index-topk-long-from", "5"], "--index-topk-long-from 5: must be >= index_topk = 256"),
+    ("generate", ["--kv-fp8-skip-layers", "4,x"], "--kv-fp8-skip-layers '4,x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
+    ("generate", ["--kv-fp8-skip-layers", "1,9"], "--kv-fp8-skip-layers 1,9: must be distinct layer numbers in [0, 6)"),
+    ("score", ["--chunk-size", "0"], "--chunk-size 0: must be a positive integer"),
+    ("score", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
+    # serve refuses these before it binds its port: one line, not uvicorn's start and stop around it
+    ("serve", ["--pp", "0"], "--pp 0: must be >= 1"),
+    ("serve", ["--pp", "99"], "--pp 99: must be in [1, 6] (the layer count)"),
+    ("serve", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
+    ("serve", ["--max-queue", "0"], "--max-queue 0: must be >= 1"),
+    ("serve", ["--index-topk-long", "-1"], "--index-topk-long -1: must be >= 0"),
+    ("serve", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
+    ("serve", ["--port", "70000"], "--port 70000: must be in [0, 65535] (0 picks a free port)"),
+    ("serve", ["--drain-timeout", "-1"], "--drain-timeout -1.0: must be a number of seconds >= 0"),
+    ("serve", ["--api-key", "clé"], "--api-key: must be ASCII"),
+    ("serve", ["--kv-fp8-skip-layers", "9"], "--kv-fp8-skip-layers 9: must be distinct layer numbers in [0, 6)"),
+    ("init-model", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
+    ("init-model", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("init-model", ["--init-std", "nan"], "--init-std nan: must be a finite number >= 0"),
+    ("init-model", ["--max-shard-bytes", "0"], "--max-shard-bytes 0: must be positive"),
+    ("plan", ["--gpus", "2"], "--gpus 2: must equal --pp x --tp = 1 x 1 = 1"),
+    ("ruler", ["--samples", "0"], "--samples 0: must be >= 1"),
+    ("ruler", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("ruler", ["--concurrency", "x"], "--concurrency 'x': must be an integer"),
+    ("ruler", ["--max-new-tokens-scale", "0"], "--max-new-tokens-scale 0.0: must be a finite number > 0"),
+    ("ruler", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
+    ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3"),
+    ("ruler", ["--kv-fp8-skip-layers", "x"], "--kv-fp8-skip-layers 'x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
+    ("ruler", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
+    ("ruler", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
+    ("retrieve", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    ("retrieve", ["--max-file-bytes", "1k"], "--max-file-bytes '1k': must be an integer"),
+    ("retrieve", ["--max-context", "0"], "--max-context 0: must be >= 1"),
+    ("retrieve", ["--max-context", "300"], "--max-context 300: leaves no room for the repository after questions and answers"),
+    ("retrieve", ["--hisparse-device-tokens", "0"], "--hisparse-device-tokens 0: must be >= 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "want"), BAD_FLAGS, ids=[f"{c} {' '.join(f)}" for c, f, _ in BAD_FLAGS]
+)
+def test_a_bad_flag_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flags: list[str], want: str
+) -> None:
+    (tmp_path / "q.jsonl").write_text('{"query": "what is this?"}\n')
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in START[command]] + flags
+    prompt = ["hi"] if command in ("generate", "score") and "--token-ids" not in flags else []
+    assert main([*argv, *prompt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"longctx {command}: error: {want}"]
+
+
+def test_a_flag_not_for_a_server_names_both_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ruler", "--base-url", "http://127.0.0.1:9", "--out", "x", "--index-topk", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "longctx ruler: error: --index-topk: is for --model (a server runs the engine it was started with)"
+    )
+
+
+def test_each_engine_flag_sets_the_keyword_of_its_name() -> None:
+    """An error names an Engine keyword by the flag whose dest it is (`said_as`); the Python API's
+    messages name the keyword itself."""
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model", WIP, "hi"])
+    say = said_as(args.parser)
+    assert all(say(k) == "--" + k.replace("_", "-") for k in (*ENGINE_FIELDS, "chunk_size", "min_tokens"))
+    with pytest.raises(RequestError) as e:
+        SamplingParams(max_new_tokens=4, min_tokens=9).validate()
+    assert str(e.value) == "min_tokens 9: must be an integer between 0 and max_new_tokens (4)"
+    assert e.value.named(say) == "--min-tokens 9: must be an integer between 0 and --max-new-tokens (4)"
