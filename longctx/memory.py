@@ -35,3 +35,14 @@ def check_room(subject: str, need: int, what: str, have: int) -> None:
         raise ConfigError(
             f"{subject} needs at least {need / 1e9:,.1f} GB of {what}, {have / 1e9:,.1f} GB available"
         )
+
+
+def check_parts(subject: str, parts: dict[str, int], what: str, have: int) -> None:
+    """`check_room` of the sum of `parts`, saying what it is made of: ConfigError "`subject`: the weights
+    (X GB) and the KV cache (Y GB) need at least Z GB of `what`, M GB available"."""
+    need = sum(parts.values())
+    if need > have:
+        made_of = " and ".join(f"{name} ({n / 1e9:,.1f} GB)" for name, n in parts.items())
+        raise ConfigError(
+            f"{subject}: {made_of} need at least {need / 1e9:,.1f} GB of {what}, {have / 1e9:,.1f} GB available"
+        )

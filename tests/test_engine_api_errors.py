@@ -232,8 +232,8 @@ def test_dtypes_are_taken_by_their_short_names(tiny_dir):
     ],
 )
 def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(tiny_dir, kw, monkeypatch):
-    """One line naming kv_pages, the bytes needed and those available, before the model or a stage
-    process is built."""
+    """One line naming kv_pages, what the bytes needed are made of and those available, before the model
+    or a stage process is built."""
     import longctx.engine.engine as engine_mod
     import longctx.stages.runtime
 
@@ -246,23 +246,40 @@ def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(
         Engine(tiny_dir, device="cpu", **kw)
     msg = str(e.value)
     assert msg.startswith(f"kv_pages={kw['kv_pages']}") and "\n" not in msg
-    assert " needs at least " in msg and " GB of memory, " in msg and msg.endswith(" GB available")
+    assert ": the weights (" in msg and " GB) and the KV cache (" in msg
+    assert " GB) need at least " in msg and " GB of memory, " in msg and msg.endswith(" GB available")
     if "hisparse_device_tokens" in kw:
         assert f"hisparse_device_tokens={kw['hisparse_device_tokens']}" in msg
 
 
-def test_the_kv_room_check_counts_the_pool_it_allocates(tiny_dir, monkeypatch):
-    """The bytes checked are the device pool's own: with exactly that much memory available the engine
-    starts, with a byte less it is refused; a stage runtime's ranks each hold their stage's pool and
-    its host pool, and the default pages are named as such."""
+def _weight_bytes(model_dir, layers=None, itemsize=4, tp=1):
+    from longctx.config import ModelConfig
+    from longctx.model.params import loaded_weight_bytes
+
+    cfg = ModelConfig.from_json(model_dir)
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
+    return loaded_weight_bytes(cfg, layers, itemsize, False, tp)
+
+
+def test_the_room_check_counts_the_weights_and_the_pool_it_allocates(tiny_dir, monkeypatch):
+    """The bytes checked are the loaded weights' and the device pool's own: with exactly that much
+    memory available the engine starts, with a byte less it is refused; a stage runtime's ranks each hold
+    their share of the weights, their stage's pool and its host pool; without kv_pages the line says the
+    model does not fit."""
     import longctx.engine.engine as engine_mod
 
     with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
-        need = e.stats()["stages"][0]["kv_bytes_device"]
+        kv = e.stats()["stages"][0]["kv_bytes_device"]
+    need = _weight_bytes(tiny_dir) + kv
     monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need - 1)
-    with pytest.raises(ConfigError, match=rf"^kv_pages=40: the KV cache needs at least {need / 1e9:.1f} GB"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^kv_pages=40: the weights \(.+\) and the KV cache \(.+\) need at least {need / 1e9:.1f} GB",
+    ):
         Engine(tiny_dir, device="cpu", kv_pages=40)
-    with pytest.raises(ConfigError, match=r"^kv_pages=\d+ \(the default\): the KV cache needs"):
+    with pytest.raises(
+        ConfigError, match=r"^the model does not fit: the weights \(.+\) and the default KV cache \(.+\) need"
+    ):
         Engine(tiny_dir, device="cpu")
     monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need)
     Engine(tiny_dir, device="cpu", kv_pages=40).close()
@@ -270,30 +287,68 @@ def test_the_kv_room_check_counts_the_pool_it_allocates(tiny_dir, monkeypatch):
         Engine(tiny_dir, device="cpu", kv_pages=40, tp=2)
 
 
-def test_the_kv_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch):
-    """On CUDA the device pools are checked against the GPU's free memory (a stage runtime's: the
-    average rank's share, per GPU), the host pools against the host's RAM. (Run on a CPU engine with its
-    device and memory figures patched: CI has no GPU.)"""
+def test_weights_the_machine_cannot_hold_are_refused_before_any_is_read(tiny_dir, monkeypatch):
+    """Weights alone past the available memory: refused in one line before a tensor is read (they died
+    mid-load on a GPU with an out-of-memory traceback)."""
     import longctx.engine.engine as engine_mod
+    import longctx.engine.worker
+
+    def read(*a, **k):
+        raise AssertionError("a weight was read before the room check")
+
+    monkeypatch.setattr(longctx.engine.worker, "iter_weights", read)
+    weights = _weight_bytes(tiny_dir)
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: weights - 1)
+    with pytest.raises(
+        ConfigError, match=r"^kv_pages=1: the weights \(.+\) and the KV cache .+ GB available$"
+    ):
+        Engine(tiny_dir, device="cpu", kv_pages=1)
+
+
+def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch):
+    """On CUDA the most loaded rank's weights and device pool are checked against the GPU's free memory
+    (per GPU under pp or tp > 1: each stage its own layers' weights and pool, each TP rank its shard of
+    the weights and the stage's whole pool), the host pools against the host's RAM. (Run on a CPU engine
+    with its device and memory figures patched: CI has no GPU.)"""
+    import longctx.engine.engine as engine_mod
+    from longctx.kv_kinds import kv_bytes_per_token
+    from longctx.stages.runtime import stage_layers
 
     with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
-        need = e.stats()["stages"][0]["kv_bytes_device"]
+        kv = e.stats()["stages"][0]["kv_bytes_device"]
+        need = _weight_bytes(tiny_dir) + kv
         monkeypatch.setattr(e, "device", torch.device("cuda", 0))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
         free = {"cuda": need, "cpu": 10 * need}
         monkeypatch.setattr(
             engine_mod, "available_memory", lambda device=None: free[getattr(device, "type", "cpu")]
         )
-        e._check_kv_room(40, False, 1, 1, 64)  # no host pool: all of it on the GPU
-        free["cuda"] = need // 2
-        e._check_kv_room(40, False, 2, 1, 64)  # two stages: half of it on each GPU
+        e._check_room(40, False, 1, 1, 64)  # no host pool: all of it on the GPU
+        free["cuda"] = need - 1
         with pytest.raises(
-            ConfigError, match=r"^kv_pages=40: the KV cache needs at least .+ of GPU memory, "
+            ConfigError, match=r"^kv_pages=40: the weights .+ need at least .+ of GPU memory, "
         ):
-            e._check_kv_room(40, False, 1, 1, 64)
-        with pytest.raises(ConfigError, match=r"GPU memory per GPU"):  # two TP ranks: the whole pool on each
-            e._check_kv_room(40, False, 1, 2, 64)
+            e._check_room(40, False, 1, 1, 64)
+        # two stages: each GPU its stage's layers; the more loaded one decides
+        (a, b), (c, d) = stage_layers(e.cfg, 2, 1, 40, 64, None)
+
+        def stage(lo, hi, tp=1):
+            mla, index = kv_bytes_per_token(e.cfg, range(lo, hi), e.kv_kinds, e.dtype)
+            return _weight_bytes(tiny_dir, range(lo, hi), tp=tp) + 41 * 64 * (mla + index)
+
+        free["cuda"] = max(stage(a, b), stage(c, d))
+        assert free["cuda"] < need
+        e._check_room(40, False, 2, 1, 64)
+        free["cuda"] -= 1
+        with pytest.raises(ConfigError, match=r"GPU memory per GPU"):
+            e._check_room(40, False, 2, 1, 64)
+        free["cuda"] = stage(0, e.cfg.num_hidden_layers, tp=2)  # two TP ranks: a shard of the weights each
+        assert free["cuda"] < need
+        e._check_room(40, False, 1, 2, 64)
+        free["cuda"] -= 1
+        with pytest.raises(ConfigError, match=r"GPU memory per GPU"):  # (and the whole pool on each)
+            e._check_room(40, False, 1, 2, 64)
         free.update(cuda=need, cpu=0)
-        e._check_kv_room(40, False, 1, 1, 64)  # (one stage has no host pool)
+        e._check_room(40, False, 1, 1, 64)  # (one stage has no host pool)
         with pytest.raises(ConfigError, match=r"of host memory, 0.0 GB available$"):  # the stages' host pools
-            e._check_kv_room(40, False, 2, 1, 64)
+            e._check_room(40, False, 2, 1, 64)

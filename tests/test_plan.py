@@ -295,3 +295,74 @@ def test_planner_kv_bytes_are_the_allocated_pools(name: str, kv_dtype: str) -> N
             per_token = pool.nbytes() // pool.num_slots
             assert sum(P.kv_bytes_of_layers(c, a, b, kv_dtype)) == per_token
             assert stage.kv_bytes_host + stage.indexer_bytes == 4096 * per_token
+
+
+def _held_bytes(model) -> int:
+    """Bytes of every tensor the model's modules hold (parameters, fp8 scales, the absorbed and stacked
+    weights `finalize` derives), each storage once at its largest tensor: what a GPU holds (there the load
+    copies a row shard alone; on the CPU it stays a view of the checkpoint tensor). The rotary
+    frequencies are not weights."""
+    import torch
+
+    from longctx.model.rope import RotaryEmbedding
+
+    held: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            continue
+        for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                held[key] = max(held.get(key, 0), t.numel() * t.element_size())
+    return sum(held.values())
+
+
+@pytest.mark.parametrize(
+    ("fp8", "dtype", "stages", "tp"),
+    [
+        (False, "bfloat16", 1, 1),
+        (False, "float32", 1, 1),
+        (True, "bfloat16", 1, 1),
+        (True, "float32", 1, 1),
+        (False, "bfloat16", 2, 1),
+        (True, "bfloat16", 2, 1),
+        (False, "bfloat16", 1, 2),
+        (False, "float32", 2, 2),
+        (True, "bfloat16", 1, 2),
+    ],
+)
+def test_loaded_weight_bytes_are_the_models(
+    tmp_path: Path, fp8: bool, dtype: str, stages: int, tp: int
+) -> None:
+    """`loaded_weight_bytes` (what the engine's room check counts) is what `build_model` holds: in the
+    model dtype, or block-fp8 with its scales kept (as on CUDA), for each stage's layers (pp=2: the
+    embedding on the first, the head on the last) and one TP rank's shard."""
+    import torch
+
+    from longctx.engine.worker import build_model
+    from longctx.stages.runtime import stage_layers
+    from longctx.stages.tp import TPShard
+    from tests.conftest import make_checkpoint, tiny_config
+
+    # fp8 experts need moe_intermediate_size in whole 128-blocks; hidden 160 / q_lora 136: ragged blocks
+    over = {"hidden_size": 160, "q_lora_rank": 136, "moe_intermediate_size": 128} if fp8 else {}
+    d = make_checkpoint(tmp_path / "m", tiny_config(**over), fp8=fp8)
+    cfg = ModelConfig.from_json(d)
+    dt = getattr(torch, dtype)
+    split = stage_layers(cfg, stages, tp, 64, 64, None)
+    assert len(split) == stages and split[0][0] == 0 and split[-1][1] == cfg.num_hidden_layers
+    for a, b in split:
+        layers = range(a, b)
+        for rank in range(tp):
+            shard = TPShard(cfg, rank, tp) if tp > 1 else None
+            model = build_model(
+                d,
+                cfg,
+                layers,
+                torch.device("cpu"),
+                dt,
+                fp8,
+                shard.shard_weights if shard else None,
+                (lambda m, s=shard: s.shard_model(m, lambda t: t)) if shard else None,
+            )
+            assert P.loaded_weight_bytes(cfg, layers, dt.itemsize, fp8, tp) == _held_bytes(model)

@@ -45,7 +45,8 @@ from longctx.kv_kinds import kv_bytes_per_token, resolve_kv_kinds
 from longctx.kvstore.allocator import PageAllocator
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
 from longctx.kvstore.prefix_cache import PrefixCache
-from longctx.memory import available_memory, check_room
+from longctx.memory import available_memory, check_parts, check_room
+from longctx.model.params import loaded_weight_bytes
 
 log = logging.getLogger("longctx.engine")
 PAGE_SIZE = 64
@@ -229,7 +230,7 @@ class Engine:
         self._closed = False
 
         num_pages = self._default_pages(max_context) if kv_pages is None else kv_pages
-        self._check_kv_room(num_pages, kv_pages is None, pp, tp, max_running)
+        self._check_room(num_pages, kv_pages is None, pp, tp, max_running, layer_split)
         if pp == 1 and tp == 1:
             self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs, max_running)
         else:
@@ -288,37 +289,62 @@ class Engine:
         # CPU: room for a few requests of a modest context
         return max(64, min(max_context, 1 << 16) * 2 // PAGE_SIZE)
 
-    def _check_kv_room(self, num_pages: int, default: bool, pp: int, tp: int, max_running: int) -> None:
-        """Refuse KV pools this machine cannot hold before any is allocated (kv_pages=10**9 died in the
-        allocation with a traceback, or took the host's memory page by page). Counted at num_pages + 1
-        pages (one pads captured batches): every TP rank's device pool of its stage's layers, MLA rows and
-        index keys (under HiSparse the index keys and the slot buffers: the MLA rows are in its host pool),
-        and the host pools (HiSparse's; one per stage under pp or tp > 1). Weights and activations come on
-        top, so only what cannot fit at all is refused."""
-        cfg, layers, N = self.cfg, range(self.cfg.num_hidden_layers), self.hisparse_device_tokens
+    def _check_room(
+        self,
+        num_pages: int,
+        default: bool,
+        pp: int,
+        tp: int,
+        max_running: int,
+        layer_split: list[int] | None = None,
+    ) -> None:
+        """Refuse a model and KV pools this machine cannot hold before any is loaded or allocated
+        (kv_pages=10**9 died in the allocation with a traceback, or took the host's memory page by page;
+        weights past a GPU's memory died mid-load). Counted, per TP rank of each stage (the split the
+        stages will use): its share of the weights as they are loaded (`loaded_weight_bytes`: the model
+        dtype, or block-fp8 with its scales on CUDA) and its device pool at num_pages + 1 pages (one pads
+        captured batches): the stage's MLA rows and index keys (under HiSparse the index keys and the slot
+        buffers: the MLA rows are in its host pool); and the host pools (HiSparse's; one per stage under
+        pp or tp > 1). A lower bound: activations, CUDA graphs and the allocator's slack come on top, so
+        only what cannot fit at all is refused."""
+        cfg, N = self.cfg, self.hisparse_device_tokens
         slots = (num_pages + 1) * PAGE_SIZE
-        mla, index = kv_bytes_per_token(cfg, layers, self.kv_kinds, self.dtype)
+        n = cfg.num_hidden_layers
+        if pp == 1:
+            stages = [(0, n)]
+        else:
+            from longctx.stages.runtime import stage_layers
+
+            stages = stage_layers(cfg, pp, tp, num_pages, PAGE_SIZE, layer_split)
+        blocks = 0
         if N:
             from longctx.hisparse.cache import preallocated_requests
 
             blocks = preallocated_requests(max_running, num_pages, PAGE_SIZE, N, self.max_context)
-            device = slots * index + (1 + blocks * N) * mla
-        else:
-            device = slots * (mla + index)
+        fp8 = self.device.type == "cuda" and cfg.quant_block is not None  # as build_model keeps them
+        ranks = []  # (weights, device KV) of one TP rank of each stage
+        for a, b in stages:
+            mla, index = kv_bytes_per_token(cfg, range(a, b), self.kv_kinds, self.dtype)
+            kv = slots * index + (1 + blocks * N) * mla if N else slots * (mla + index)
+            ranks.append((loaded_weight_bytes(cfg, range(a, b), self.dtype.itemsize, fp8, tp), kv))
         world = pp * tp
-        device *= tp  # the stages split the layers; each TP rank of a stage holds the stage's whole KV
-        host = host_kv_spec(cfg, layers, slots, self.kv_kinds, self.dtype).nbytes if N or world > 1 else 0
-        subject = f"kv_pages={num_pages}{' (the default)' if default else ''}"
-        subject += f" with hisparse_device_tokens={N}: the KV cache" if N else ": the KV cache"
+        host = host_kv_spec(cfg, range(n), slots, self.kv_kinds, self.dtype).nbytes if N or world > 1 else 0
+        cap = f" with hisparse_device_tokens={N}" if N else ""
+        subject = f"the model does not fit{cap}" if default else f"kv_pages={num_pages}{cap}"
+        kv_name = "the default KV cache" if default else "the KV cache"
         if self.device.type == "cuda":
-            # the stage ranks' GPUs (and under torchrun their nodes) taken to be alike: the average
-            # rank's share against this GPU's free memory, a node's share of the host pools against its RAM
-            nodes = -(-world // torch.cuda.device_count())
+            # the stage ranks' GPUs (and under torchrun their nodes) taken to be alike: the most loaded
+            # rank against this GPU's free memory, a node's share of the host pools against its RAM
+            weights, kv = max(ranks, key=sum)
             per_gpu = " per GPU" if world > 1 else ""
-            check_room(subject, device // world, f"GPU memory{per_gpu}", available_memory(self.device))
-            check_room(subject, host // nodes, "host memory", available_memory())
+            parts = {"the weights": weights, kv_name: kv}
+            check_parts(subject, parts, f"GPU memory{per_gpu}", available_memory(self.device))
+            nodes = -(-world // torch.cuda.device_count())
+            check_room(f"{subject}: {kv_name}", host // nodes, "host memory", available_memory())
         else:
-            check_room(subject, device + host, "memory", available_memory())
+            weights = tp * sum(w for w, _ in ranks)
+            kv = tp * sum(k for _, k in ranks) + host
+            check_parts(subject, {"the weights": weights, kv_name: kv}, "memory", available_memory())
 
     def _local_runner(
         self, num_pages: int, prefill_form: str, cuda_graphs: bool | None, max_running: int

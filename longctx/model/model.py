@@ -22,9 +22,9 @@ from longctx.model.layer import DecoderLayer
 from longctx.model.linear import Linear
 from longctx.model.moe import MLP, MoE
 from longctx.model.norm import RMSNorm
+from longctx.model.params import KEPT_FP32
 from longctx.model.rope import RotaryEmbedding
 
-_FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$"
 )
@@ -93,7 +93,7 @@ class CausalLM(nn.Module):
     @staticmethod
     def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
         """The reference keeps the router and the indexer's head weights in fp32."""
-        return torch.float32 if name.endswith(_FP32_PARAMS) else dtype
+        return torch.float32 if name.endswith(KEPT_FP32) else dtype
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device | str, dtype: torch.dtype

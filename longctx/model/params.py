@@ -32,6 +32,9 @@ from longctx.kv_kinds import (
 )
 
 WEIGHT_DTYPES = ("fp8", "bf16")
+# Kept in fp32 by the engine's model whatever its dtype (`CausalLM.param_dtype`): the router and the
+# indexer's head weights.
+KEPT_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 # How tensor parallelism splits a weight: replicated on every rank, split along the output rows or
 # the input columns, routed experts dealt out whole to ranks, or the vocabulary split into rows.
 SHARDS = ("replicated", "out", "in", "experts", "vocab")
@@ -79,8 +82,11 @@ class Weight:
             return self.shape, -(-self.count // tp)
         return self.shape, self.count
 
-    def nbytes(self, weight_dtype: str = "bf16", tp: int = 1, block: tuple[int, int] = (128, 128)) -> int:
-        """Bytes on the most loaded of `tp` ranks; fp8 adds one fp32 scale per `block` of the shard."""
+    def nbytes(
+        self, weight_dtype: str = "bf16", tp: int = 1, block: tuple[int, int] = (128, 128), itemsize: int = 2
+    ) -> int:
+        """Bytes on the most loaded of `tp` ranks; fp8 adds one fp32 scale per `block` of the shard. A weight
+        not in fp8 takes `itemsize` bytes an element (the model dtype's; 2 in a checkpoint)."""
         shape, count = self.rank_shape(tp)
         n = math.prod(shape)
         if self.fp32:
@@ -89,7 +95,7 @@ class Weight:
             out, inp = shape
             scales = -(-out // block[0]) * -(-inp // block[1])
             return count * (n + 4 * scales)
-        return count * n * 2
+        return count * n * itemsize
 
 
 def _linear(name: str, out: int, inp: int, component: str, shard: str, quant: bool = True) -> Weight:
@@ -254,6 +260,45 @@ def layer_weight_bytes(cfg: ModelConfig, layer: int, weight_dtype: str = "fp8", 
 def model_weight_bytes(cfg: ModelConfig, weight_dtype: str = "fp8") -> int:
     """Bytes of the whole unsharded checkpoint (MTP layer excluded)."""
     return weights_nbytes(all_weights(cfg), cfg, weight_dtype)
+
+
+def _blocks_split(w: Weight, tp: int, block: tuple[int, int]) -> bool:
+    """Whether every TP cut of `w` falls on a quantisation block: `longctx.stages.tp.TPShard` keeps such
+    shards in fp8 and dequantises the others."""
+    dim = 0 if w.shard == "out" else 1
+    n = w.shape[dim]
+    return all(n * r // tp % block[dim] == 0 for r in range(1, tp))
+
+
+def loaded_weight_bytes(cfg: ModelConfig, layers: range, itemsize: int, fp8: bool, tp: int = 1) -> int:
+    """Bytes of weights one of `tp` ranks holds for decoder layers `layers` (with the embedding when they
+    start the model, the final norm and lm_head when they end it) as the engine loads them
+    (`longctx.engine.worker.build_model`): in the model dtype of `itemsize` bytes, or with `fp8` the
+    block-quantised weights kept in fp8 with their scales (a TP shard cut inside a block dequantised);
+    `KEPT_FP32` in fp32; the embedding and lm_head whole on every rank (a tied lm_head is a copy); and
+    what `CausalLM.finalize` derives: the absorbed W_UK / W_UV (kv_b_proj's rows again in the model
+    dtype) and, in the stacked x projections, a model-dtype copy of the fp32 weights_proj."""
+    ws = [w for i in layers for w in layer_weights(cfg, i)]
+    if layers.start == 0:
+        ws += embed_weights(cfg)
+    if layers.stop == cfg.num_hidden_layers:
+        ws += head_weights(cfg)
+        if cfg.tie_word_embeddings:
+            ws.append(Weight("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head"))
+    block = cfg.quant_block or (128, 128)
+    kind = "fp8" if fp8 else "bf16"
+    total = 0
+    for w in ws:
+        shard = "replicated" if w.shard == "vocab" else w.shard
+        quant = w.quant and (shard not in ("out", "in") or _blocks_split(w, tp, block))
+        w = replace(w, shard=shard, quant=quant, fp32=w.fp32 or w.name.endswith(KEPT_FP32))
+        total += w.nbytes(kind, tp, block, itemsize)
+    heads = -(-cfg.num_attention_heads // tp)
+    for i in layers:
+        total += heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * itemsize
+        if not fp8 and itemsize != 4 and cfg.is_full_indexer(i):
+            total += cfg.index_n_heads * cfg.hidden_size * itemsize
+    return total
 
 
 # ---- caches ------------------------------------------------------------------------------------

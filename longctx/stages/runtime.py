@@ -160,6 +160,15 @@ class SpawnedStages:
         cleanup_stale(NAME_PREFIX, pids={p.pid for p in procs})
 
 
+def stage_layers(
+    cfg: ModelConfig, pp: int, tp: int, num_pages: int, page_size: int, layer_split: list[int] | None
+) -> list[tuple[int, int]]:
+    """Each stage's layers [start, stop): the planner's split (or `layer_split`) at the context the pool
+    holds. The engine's room check asks before the stages are built."""
+    context = min(num_pages * page_size, cfg.max_position_embeddings)
+    return [p.layers for p in partition(cfg, pp, context, layer_split, tp=tp, gpus_per_node=pp * tp)]
+
+
 class StageRuntime:
     """pp pipeline stages of tp processes each, driven from this process. See the module doc."""
 
@@ -199,9 +208,7 @@ class StageRuntime:
                 )
         elif stages.world_size != world:
             raise ConfigError(f"pp={pp} x tp={tp} needs {world} ranks, the launch has {stages.world_size}")
-        context = min(num_pages * page_size, cfg.max_position_embeddings)
-        plans = partition(cfg, pp, context, layer_split, tp=tp, gpus_per_node=max(tp, world))
-        self.layers = [p.layers for p in plans]
+        self.layers = stage_layers(cfg, pp, tp, num_pages, page_size, layer_split)
         self.pp, self.tp, self.poll_s = pp, tp, poll_s
         if num_threads is None:
             num_threads = max(1, (os.cpu_count() or 1) // world) if dev.type == "cpu" else 0
