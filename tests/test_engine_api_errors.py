@@ -352,3 +352,27 @@ def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch)
         e._check_room(40, False, 1, 1, 64)  # (one stage has no host pool)
         with pytest.raises(ConfigError, match=r"of host memory, 0.0 GB available$"):  # the stages' host pools
             e._check_room(40, False, 2, 1, 64)
+
+
+def test_the_default_pages_on_cuda_leave_the_weights_their_room(tiny_dir, monkeypatch):
+    """On CUDA the default pool takes half the free memory, and no more than 80% of what the weights leave:
+    weights past half the GPU would otherwise have the room check refuse the default pool. (A CPU engine
+    with its device and memory figures patched: CI has no GPU.)"""
+    import longctx.engine.engine as engine_mod
+    from longctx.kvstore.pool import PagedKVPool
+
+    with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
+        monkeypatch.setattr(e, "device", torch.device("cuda", 0))
+        page = PagedKVPool.bytes_per_token(e.cfg, range(e.cfg.num_hidden_layers), e.kv_kinds, e.dtype) * 64
+        weights = _weight_bytes(tiny_dir)
+        assert weights > 20 * page  # (so that below, half the free memory is more than the weights leave)
+        free = {"cuda": 0}
+        monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: free["cuda"])
+        huge = 1 << 40  # (a max_context that does not cap the pages)
+        free["cuda"] = 10 * weights + 1000 * page  # small weights: half the free memory
+        assert e._default_pages(huge) == free["cuda"] // 2 // page
+        free["cuda"] = weights + 30 * page  # weights past half: what they leave, 80% of it
+        assert e._default_pages(huge) == int(30 * page * 0.8) // page == 24
+        assert e._default_pages(huge, pp=2) == free["cuda"] // 2 // page  # (a stage's half of them: half)
+        free["cuda"] = weights  # nothing left: the floor of 16 pages, for the room check to refuse
+        assert e._default_pages(huge) == 16

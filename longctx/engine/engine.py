@@ -229,7 +229,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
 
-        num_pages = self._default_pages(max_context) if kv_pages is None else kv_pages
+        num_pages = self._default_pages(max_context, pp, tp) if kv_pages is None else kv_pages
         self._check_room(num_pages, kv_pages is None, pp, tp, max_running, layer_split)
         if pp == 1 and tp == 1:
             self.runner: Any = self._local_runner(num_pages, prefill_form, cuda_graphs, max_running)
@@ -278,13 +278,18 @@ class Engine:
         self._deferred: Exception | None = None
         self.device_fed_steps = 0  # continuations launched with their tokens still on the device
 
-    def _default_pages(self, max_context: int) -> int:
+    def _default_pages(self, max_context: int, pp: int = 1, tp: int = 1) -> int:
         if self.device.type == "cuda":
+            cfg = self.cfg
             per_token = PagedKVPool.bytes_per_token(
-                self.cfg, range(self.cfg.num_hidden_layers), self.kv_kinds, self.dtype
+                cfg, range(cfg.num_hidden_layers), self.kv_kinds, self.dtype
             )
-            # weights are not loaded yet: leave them and activations their share
-            budget = int(available_memory(self.device) * 0.5)
+            # weights are not loaded yet: half the free memory, and no more than 80% of what this GPU's
+            # share of the weights leaves (weights past half the GPU were refused by the room check)
+            free = available_memory(self.device)
+            fp8 = cfg.quant_block is not None
+            share = loaded_weight_bytes(cfg, range(cfg.num_hidden_layers), self.dtype.itemsize, fp8, tp) // pp
+            budget = max(0, min(free // 2, int((free - share) * 0.8)))
             return max(16, min(budget // (per_token * PAGE_SIZE), 2 * max_context // PAGE_SIZE + 64))
         # CPU: room for a few requests of a modest context
         return max(64, min(max_context, 1 << 16) * 2 // PAGE_SIZE)
