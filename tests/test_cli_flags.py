@@ -12,6 +12,7 @@ from longctx.cli import build_parser, main, said_as
 from longctx.engine.args import ENGINE_FIELDS
 from longctx.engine.request import SamplingParams
 from longctx.errors import RequestError
+from longctx.workloads.ruler_tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 WIP = str(ROOT / "models-shipped" / "retrieval-wip")
@@ -96,7 +97,14 @@ BAD_FLAGS = [
     ("init-model", ["--max-shard-bytes", "0"], "--max-shard-bytes 0: must be positive"),
     ("plan", ["--gpus", "2"], "--gpus 2: must equal --pp x --tp = 1 x 1 = 1"),
     ("ruler", ["--samples", "0"], "--samples 0: must be >= 1"),
+    ("ruler", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("ruler", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("ruler", ["--lengths", "1k,4x"], "--lengths '4x': not a length; use e.g. 4k,32k,128k,1m or a token count"),
+    ("ruler", ["--lengths", "1k,100"], "--lengths 100: too short; the smallest is 256"),
+    ("ruler", ["--indices", "0,x"], "--indices 'x': not a sample index; use e.g. 0,5,15"),
+    ("ruler", ["--indices", "3,3"], "--indices 3: given twice"),
+    ("ruler", ["--tasks", "vt,nope"], f"--tasks 'nope': unknown task; choose from {', '.join(TASKS)} or 'all'"),
+    ("ruler", ["--tasks", " , "], f"--tasks ' , ': no task given; choose from {', '.join(TASKS)} or 'all'"),
     ("ruler", ["--concurrency", "x"], "--concurrency 'x': must be an integer"),
     ("ruler", ["--max-new-tokens-scale", "0"], "--max-new-tokens-scale 0.0: must be a finite number > 0"),
     ("ruler", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
