@@ -73,6 +73,12 @@ BAD_FLAGS = [
         "--index-topk 128: does not fit the checkpoint's index_topk_long 128: must be in (index_local_window "
         "= 64, index_topk = 128); --index-topk-long 0 turns it off",
     ),
+    (  # (the checkpoint's window: a flag the user did not type)
+        "generate",
+        ["--index-topk", "64"],
+        "--index-topk 64: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower "
+        "--index-local-window or raise --index-topk",
+    ),
     ("generate", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
     ("generate", ["--index-topk-long", "5000"], "--index-topk-long 5000: must be in (index_local_window = 64, index_topk = 256)"),
     ("generate", ["--index-topk-long-from", "5"], "--index-topk-long-from 5: must be >= index_topk = 256"),
@@ -86,6 +92,7 @@ BAD_FLAGS = [
     ("serve", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
     ("serve", ["--max-queue", "0"], "--max-queue 0: must be >= 1"),
     ("serve", ["--index-topk-long", "-1"], "--index-topk-long -1: must be >= 0"),
+    ("serve", ["--index-topk", "64"], "--index-topk 64: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower --index-local-window or raise --index-topk"),
     ("serve", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
     ("serve", ["--port", "70000"], "--port 70000: must be in [0, 65535] (0 picks a free port)"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout -1.0: must be a number of seconds >= 0"),
@@ -111,6 +118,7 @@ BAD_FLAGS = [
     ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3"),
     ("ruler", ["--kv-fp8-skip-layers", "x"], "--kv-fp8-skip-layers 'x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
     ("ruler", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
+    ("ruler", ["--index-topk", "32"], "--index-topk 32: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower --index-local-window or raise --index-topk"),
     ("ruler", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
     ("retrieve", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     ("retrieve", ["--max-file-bytes", "1k"], "--max-file-bytes '1k': must be an integer"),
