@@ -251,7 +251,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     client: Any = None
     if args.base_url:  # (now, for the name of the model it serves: part of the settings)
-        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
+        client = HTTPClient(
+            args.base_url,
+            api_key=args.api_key,
+            model_name=args.model_name,
+            chat=args.chat,
+            tell=lambda line: print(f"longctx ruler: {line}", file=sys.stderr),
+        )
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, counter.name, engine_kw, seed, scale)
