@@ -441,6 +441,16 @@ def with_selection(
         cfg = replace(cfg, index_topk=index_topk)
     if index_local_window is not None:
         cfg = replace(cfg, index_local_window=index_local_window)
+    elif index_topk is not None and cfg.index_local_window >= index_topk:
+        # (the error is the override's, as below: the checkpoint's window is no setting the caller gave)
+        raise ConfigError.about(
+            "index_topk",
+            index_topk,
+            f"leaves no room for the checkpoint's index_local_window {cfg.index_local_window} (must be > it); "
+            "lower {} or raise {}",
+            "index_local_window",
+            "index_topk",
+        )
     check_local_window(cfg.index_local_window, cfg.index_topk)
     if index_topk_long is not None or index_topk_long_from is not None:
         long_k = cfg.index_topk_long if index_topk_long is None else index_topk_long

@@ -12,6 +12,7 @@ from longctx.cli import build_parser, main, said_as
 from longctx.engine.args import ENGINE_FIELDS
 from longctx.engine.request import SamplingParams
 from longctx.errors import RequestError
+from longctx.workloads.ruler_tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 WIP = str(ROOT / "models-shipped" / "retrieval-wip")
@@ -72,6 +73,12 @@ BAD_FLAGS = [
         "--index-topk 128: does not fit the checkpoint's index_topk_long 128: must be in (index_local_window "
         "= 64, index_topk = 128); --index-topk-long 0 turns it off",
     ),
+    (  # (the checkpoint's window: a flag the user did not type)
+        "generate",
+        ["--index-topk", "64"],
+        "--index-topk 64: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower "
+        "--index-local-window or raise --index-topk",
+    ),
     ("generate", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
     ("generate", ["--index-topk-long", "5000"], "--index-topk-long 5000: must be in (index_local_window = 64, index_topk = 256)"),
     ("generate", ["--index-topk-long-from", "5"], "--index-topk-long-from 5: must be >= index_topk = 256"),
@@ -85,6 +92,7 @@ BAD_FLAGS = [
     ("serve", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
     ("serve", ["--max-queue", "0"], "--max-queue 0: must be >= 1"),
     ("serve", ["--index-topk-long", "-1"], "--index-topk-long -1: must be >= 0"),
+    ("serve", ["--index-topk", "64"], "--index-topk 64: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower --index-local-window or raise --index-topk"),
     ("serve", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
     ("serve", ["--port", "70000"], "--port 70000: must be in [0, 65535] (0 picks a free port)"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout -1.0: must be a number of seconds >= 0"),
@@ -95,14 +103,31 @@ BAD_FLAGS = [
     ("init-model", ["--init-std", "nan"], "--init-std nan: must be a finite number >= 0"),
     ("init-model", ["--max-shard-bytes", "0"], "--max-shard-bytes 0: must be positive"),
     ("plan", ["--gpus", "2"], "--gpus 2: must equal --pp x --tp = 1 x 1 = 1"),
+    ("plan", ["--pp", "one"], "--pp 'one': not an integer"),
+    ("plan", ["--context", "1X"], "--context '1X': not a token count (examples: 1048576, 1M, 128K)"),
+    ("plan", ["--chunk", "-5"], "--chunk '-5': not a token count (examples: 1048576, 1M, 128K)"),
+    ("plan", ["--hisparse-device-tokens", "many"], "--hisparse-device-tokens 'many': not a token count (examples: 1048576, 1M, 128K)"),
+    ("plan", ["--gpu-mem", "80GX"], "--gpu-mem '80GX': not a byte size (examples: 141G, 80GiB, 2T, 1073741824)"),
+    ("plan", ["--host-mem", "2Q"], "--host-mem '2Q': not a byte size (examples: 141G, 80GiB, 2T, 1073741824)"),
+    ("plan", ["--layer-split", "1,x"], "--layer-split 'x': not an integer"),
+    ("plan", ["--decode-batch", "1.5"], "--decode-batch '1.5': not an integer"),
+    ("plan", ["--gpus-per-node", ""], "--gpus-per-node '': not an integer"),
     ("ruler", ["--samples", "0"], "--samples 0: must be >= 1"),
+    ("ruler", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("ruler", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("ruler", ["--lengths", "1k,4x"], "--lengths '4x': not a length; use e.g. 4k,32k,128k,1m or a token count"),
+    ("ruler", ["--lengths", "1k,100"], "--lengths 100: too short; the smallest is 256"),
+    ("ruler", ["--indices", "0,x"], "--indices 'x': not a sample index; use e.g. 0,5,15"),
+    ("ruler", ["--indices", "3,3"], "--indices 3: given twice"),
+    ("ruler", ["--tasks", "vt,nope"], f"--tasks 'nope': unknown task; choose from {', '.join(TASKS)} or 'all'"),
+    ("ruler", ["--tasks", " , "], f"--tasks ' , ': no task given; choose from {', '.join(TASKS)} or 'all'"),
     ("ruler", ["--concurrency", "x"], "--concurrency 'x': must be an integer"),
     ("ruler", ["--max-new-tokens-scale", "0"], "--max-new-tokens-scale 0.0: must be a finite number > 0"),
     ("ruler", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
     ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3"),
     ("ruler", ["--kv-fp8-skip-layers", "x"], "--kv-fp8-skip-layers 'x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
     ("ruler", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
+    ("ruler", ["--index-topk", "32"], "--index-topk 32: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower --index-local-window or raise --index-topk"),
     ("ruler", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
     ("retrieve", ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     ("retrieve", ["--max-file-bytes", "1k"], "--max-file-bytes '1k': must be an integer"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import email.utils
-import json
+import itertools
 import time
 
 import httpx
@@ -16,10 +16,15 @@ MODELS = {"object": "list", "data": [{"id": "served", "object": "model"}]}
 
 
 def client_on(
-    replies: list, waits: list[float], retry: Retry | None = None, model_name: str | None = "m"
+    replies: list,
+    waits: list[float],
+    retry: Retry | None = None,
+    model_name: str | None = "m",
+    told: list[str] | None = None,
 ) -> tuple[HTTPClient, list]:
     """An HTTPClient whose server answers each request with the next of `replies` (a Response, or an
-    exception to raise, as a dropped connection does); its waits go to `waits` instead of sleeping."""
+    exception to raise, as a dropped connection does); its waits go to `waits` instead of sleeping, the
+    retries it tells to `told`."""
     seen: list = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -35,6 +40,7 @@ def client_on(
         transport=httpx.MockTransport(handler),
         retry=retry or Retry(),
         sleep=waits.append,
+        tell=(told if told is not None else []).append,
     )
     return client, seen
 
@@ -184,12 +190,30 @@ def test_document_calls_are_retried_too():
     assert [m for m, _ in seen] == ["POST", "POST", "POST", "POST", "DELETE", "DELETE"]
 
 
-def test_retries_are_logged(caplog):
-    client, _ = client_on([error(429, "queue full"), httpx.Response(200, json=OK)], [])
+def test_retries_are_told_once_their_waits_add_up():
+    """A server that stays down is told, a line a retry once the waits add up to `Retry.quiet_s` (minutes of
+    silence looked like a hang); a busy server's quick 429 or a blip is not, a long Retry-After is."""
+    waits: list[float] = []
+    told: list[str] = []
+    client, _ = client_on([error(429, "queue full"), httpx.Response(200, json=OK)], waits, told=told)
     client.generate([GenRequest("q", 8)])
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith("POST http://srv/v1/completions -> HTTP 429: queue full; retry 1 of 10 in ")
-    assert json.dumps(line).count("\\n") == 0
+    assert len(waits) == 1 and told == []
+    refused = [httpx.ConnectError("[Errno 111] Connection refused")] * 6
+    waits.clear()
+    client, _ = client_on([*refused, httpx.Response(200, json=OK)], waits, told=told)
+    client.generate([GenRequest("q", 8)])
+    assert told == [
+        f"POST http://srv/v1/completions failed: [Errno 111] Connection refused; retry {n} of 10 in {w:.1f} s"
+        for n, (w, spent) in enumerate(zip(waits, itertools.accumulate(waits)), 1)
+        if spent >= Retry.quiet_s
+    ]
+    assert 1 <= len(told) <= 4  # (the first two waits add up to 3 s at most, the six to 31.5 s at least)
+    told.clear()
+    client, _ = client_on(
+        [error(429, "queue full", **{"retry-after": "30"}), httpx.Response(200, json=OK)], [], told=told
+    )
+    client.generate([GenRequest("q", 8)])
+    assert told == ["POST http://srv/v1/completions -> HTTP 429: queue full; retry 1 of 10 in 30.0 s"]
 
 
 def test_a_failed_question_unpins_its_document_once_and_reports_itself():

@@ -68,8 +68,12 @@ def test_config_checks_and_round_trip(tmp_path) -> None:
     with pytest.raises(ConfigError, match="index_local_window"):
         Engine(a, device="cpu", index_local_window=16)
     b = make_checkpoint(tmp_path / "b", cfg, seed=1)
-    with pytest.raises(ConfigError, match="index_local_window"):  # a top-k override that leaves no room
+    with pytest.raises(ConfigError) as e:  # a top-k override that leaves no room: its fault, not the window's
         Engine(b, device="cpu", index_topk=W)
+    assert str(e.value) == (
+        f"index_topk {W}: leaves no room for the checkpoint's index_local_window {W} (must be > it); "
+        "lower index_local_window or raise index_topk"
+    )
 
 
 @pytest.mark.parametrize("pp", [1, 2])

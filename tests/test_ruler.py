@@ -315,6 +315,9 @@ def test_parse_lengths():
     for bad in ("4x", "", "100", "k"):
         with pytest.raises(LongctxError):
             parse_lengths(bad)
+    # (the bench scripts that share it print the message as it is: the setting unnamed)
+    with pytest.raises(LongctxError, match=r"^lengths '4x': not a length; use e\.g\. 4k"):
+        parse_lengths("1k,4x")
 
 
 @pytest.mark.parametrize(
@@ -826,5 +829,5 @@ def test_cli_lengths_beyond_the_model_are_one_line(capsys, tmp_path):
     (model / "config.json").write_text(json.dumps(tiny_config(max_position_embeddings=4096).to_hf_dict()))
     assert main(["ruler", "--model", str(model), "--lengths", "2k,8k", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"longctx ruler: error: --lengths: 8192 is more than the 4096 tokens {model} takes"
+    assert err == f"longctx ruler: error: --lengths 8192: is more than the 4096 tokens {model} takes"
     assert not (tmp_path / "o").exists()

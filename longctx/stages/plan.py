@@ -32,29 +32,30 @@ _BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
 
 
-def parse_bytes(text: str, what: str = "size") -> int:
-    """'141G' / '141GB' -> 141e9, '80GiB' -> 80 * 2**30, '1.5T' -> 1.5e12, '1024' -> 1024."""
+def parse_bytes(text: str, name: str = "size") -> int:
+    """'141G' / '141GB' -> 141e9, '80GiB' -> 80 * 2**30, '1.5T' -> 1.5e12, '1024' -> 1024; refused `about` the
+    setting `name` (a flag's dest) otherwise, as are `parse_tokens`' and `parse_int`'s."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", text, re.IGNORECASE)
     if not m or (m.group(3) and not m.group(2)):
-        raise CLIError(f"{what} {text!r} is not a byte size (examples: 141G, 80GiB, 2T, 1073741824)")
+        raise CLIError.about(name, repr(text), "not a byte size (examples: 141G, 80GiB, 2T, 1073741824)")
     unit = m.group(2).lower()
     mult = 1024 ** "kmgt".index(unit) * 1024 if m.group(3) else _BYTE_UNITS[unit]
     return int(float(m.group(1)) * mult)
 
 
-def parse_tokens(text: str, what: str = "context") -> int:
+def parse_tokens(text: str, name: str = "context") -> int:
     """'1048576' or '1M' (= 2**20) or '128K' (= 128 * 2**10)."""
     m = re.fullmatch(r"\s*(\d+)\s*([km]?)\s*", text, re.IGNORECASE)
     if not m:
-        raise CLIError(f"{what} {text!r} is not a token count (examples: 1048576, 1M, 128K)")
+        raise CLIError.about(name, repr(text), "not a token count (examples: 1048576, 1M, 128K)")
     return int(m.group(1)) * _TOKEN_UNITS[m.group(2).lower()]
 
 
-def parse_int(text: str, what: str) -> int:
+def parse_int(text: str, name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise CLIError(f"{what} {text!r} is not an integer") from None
+        raise CLIError.about(name, repr(text), "not an integer") from None
 
 
 def build_report(cfg: ModelConfig, plans: list[StagePlan], opts: dict[str, Any]) -> dict[str, Any]:
@@ -159,19 +160,19 @@ def format_report(r: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config)
-    gpus = parse_int(args.gpus, "--gpus")
-    pp = parse_int(args.pp, "--pp")
-    tp = parse_int(args.tp, "--tp")
+    gpus = parse_int(args.gpus, "gpus")
+    pp = parse_int(args.pp, "pp")
+    tp = parse_int(args.tp, "tp")
     if gpus != pp * tp:
         raise CLIError.about("gpus", gpus, f"must equal {{}} x {{}} = {pp} x {tp} = {pp * tp}", "pp", "tp")
-    context = parse_tokens(args.context, "--context")
+    context = parse_tokens(args.context, "context")
     split = None
     if args.layer_split is not None:
-        split = [parse_int(x, "--layer-split value") for x in args.layer_split.split(",") if x.strip()]
+        split = [parse_int(x, "layer_split") for x in args.layer_split.split(",") if x.strip()]
     hs = (
         None
         if args.hisparse_device_tokens is None
-        else parse_tokens(args.hisparse_device_tokens, "--hisparse-device-tokens")
+        else parse_tokens(args.hisparse_device_tokens, "hisparse_device_tokens")
     )
     weight_dtype = args.weight_dtype or ("fp8" if cfg.quant_block else "bf16")
     opts: dict[str, Any] = {
@@ -182,12 +183,12 @@ def run(args: argparse.Namespace) -> int:
         "context": context,
         "kv_dtype": args.kv_dtype,
         "weight_dtype": weight_dtype,
-        "gpu_mem": parse_bytes(args.gpu_mem, "--gpu-mem"),
-        "host_mem": None if args.host_mem is None else parse_bytes(args.host_mem, "--host-mem"),
+        "gpu_mem": parse_bytes(args.gpu_mem, "gpu_mem"),
+        "host_mem": None if args.host_mem is None else parse_bytes(args.host_mem, "host_mem"),
         "hisparse_device_tokens": hs,
-        "chunk": parse_tokens(args.chunk, "--chunk"),
-        "decode_batch": parse_int(args.decode_batch, "--decode-batch"),
-        "gpus_per_node": parse_int(args.gpus_per_node, "--gpus-per-node"),
+        "chunk": parse_tokens(args.chunk, "chunk"),
+        "decode_batch": parse_int(args.decode_batch, "decode_batch"),
+        "gpus_per_node": parse_int(args.gpus_per_node, "gpus_per_node"),
     }
     plans = partition(
         cfg,

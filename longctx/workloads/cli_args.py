@@ -68,8 +68,9 @@ def model_context(model_dir: str) -> int:
         return DEFAULT_MAX_CONTEXT
 
 
-def int_arg(name: str, text: str | None, lo: int = 1) -> int:
-    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`."""
+def int_arg(name: str, text: str | None, lo: float = 1) -> int:
+    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`
+    (-math.inf: any, for a caller that says its own range)."""
     try:
         v = int(str(text).replace("_", "").replace(",", ""))
     except ValueError:

@@ -45,11 +45,15 @@ class Retry:
     for a long prefill or a restart to 10 s in all).
     A 429 after the server has answered other requests of the client since the last try starts the
     count again: the server is busy, not stuck, and a request that keeps losing the freed queue slots
-    to newer ones must not fail for it (it waits at most until the others are done)."""
+    to newer ones must not fail for it (it waits at most until the others are done).
+    A retry is told (`HTTPClient`'s `tell`) once a request's waits since the count last started add up to
+    `quiet_s`: a server down for minutes must not look like a hang, while a blip or a busy server's quick
+    429s go untold."""
 
     attempts: int = 10  # at most about 5 minutes of waiting in all
     base_s: float = 1.0
     cap_s: float = 60.0
+    quiet_s: float = 5.0
     statuses: frozenset[int] = frozenset({429, 502, 503, 504})
 
     def delay(self, attempt: int, retry_after: str | None = None) -> float:
@@ -227,6 +231,7 @@ class HTTPClient(Client):
         transport: Any = None,  # an httpx transport (tests use httpx.MockTransport)
         retry: Retry = Retry(),
         sleep: Callable[[float], object] | None = None,  # (default: a wait that `stop` ends)
+        tell: Callable[[str], object] = log.warning,  # a retry's line (`Retry.quiet_s`), e.g. onto stderr
     ) -> None:
         import httpx
 
@@ -242,7 +247,7 @@ class HTTPClient(Client):
         self.chat = chat
         self.label = base
         self._stopping = threading.Event()
-        self.retry, self._sleep = retry, sleep or self._stopping.wait
+        self.retry, self._sleep, self._tell = retry, sleep or self._stopping.wait, tell
         self._answered = 0  # requests the server has answered (a 429 meanwhile is a busy server)
         try:
             self.model = model_name or self._default_model()
@@ -269,7 +274,7 @@ class HTTPClient(Client):
         or at once for a failure no retry mends (a bad URL)."""
         httpx = self._httpx
         retries = self.retry.attempts if retries is None else retries
-        attempt, answered = 0, self._answered
+        attempt, answered, waited = 0, self._answered, 0.0
         while True:
             try:
                 r = self.http.request(method, path, json=body)
@@ -287,12 +292,13 @@ class HTTPClient(Client):
                     return r
                 why, retry_after = f"-> HTTP {r.status_code}: {_error_text(r)}", r.headers.get("retry-after")
                 if r.status_code == 429 and self._answered != answered:
-                    attempt, answered = 0, self._answered
+                    attempt, answered, waited = 0, self._answered, 0.0
             if attempt >= retries:
                 raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times)")
             wait = self.retry.delay(attempt, retry_after)
-            attempt += 1
-            log.warning(f"{method} {self.label}{path} {why}; retry {attempt} of {retries} in {wait:.1f} s")
+            attempt, waited = attempt + 1, waited + wait
+            say = self._tell if waited >= self.retry.quiet_s else log.debug
+            say(f"{method} {self.label}{path} {why}; retry {attempt} of {retries} in {wait:.1f} s")
             self._sleep(wait)
             if self._stopping.is_set():
                 raise ClientError(f"{method} {self.label}{path} {why} (not retried: the run is stopping)")

@@ -156,7 +156,13 @@ def run(args: argparse.Namespace) -> int:
 
     client: Any = None
     if args.base_url:  # (now, for the name of the model it serves: part of the settings)
-        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=True)
+        client = HTTPClient(
+            args.base_url,
+            api_key=args.api_key,
+            model_name=args.model_name,
+            chat=True,
+            tell=lambda line: print(f"longctx retrieve: {line}", file=sys.stderr),
+        )
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, max_context, max_new, max_file, counter.name, engine_kw)

@@ -39,19 +39,20 @@ MIN_LENGTH = 256
 
 
 def parse_lengths(text: str) -> list[int]:
-    """'4k,32k,128k,1m' -> [4096, 32768, 131072, 1048576] (K = 1024, M = 1024**2), sorted."""
+    """'4k,32k,128k,1m' -> [4096, 32768, 131072, 1048576] (K = 1024, M = 1024**2), sorted. A bad one is
+    refused `about` the setting `lengths` (the bench scripts that share this print it unnamed)."""
     out = []
     for part in text.split(","):
         p = part.strip().lower()
         m = re.fullmatch(r"(\d+)([km]?)", p)
         if not m:
-            raise UsageError(f"bad length {part.strip()!r}; use e.g. 4k,32k,128k,1m or a token count")
+            raise UsageError.about(
+                "lengths", repr(part.strip()), "not a length; use e.g. 4k,32k,128k,1m or a token count"
+            )
         n = int(m.group(1)) * {"": 1, "k": 1024, "m": 1 << 20}[m.group(2)]
         if n < MIN_LENGTH:
-            raise UsageError(f"length {n} is too short; the smallest is {MIN_LENGTH}")
+            raise UsageError.about("lengths", part.strip(), f"too short; the smallest is {MIN_LENGTH}")
         out.append(n)
-    if not out:
-        raise UsageError("--lengths is empty")
     return sorted(set(out))
 
 
@@ -63,9 +64,9 @@ def parse_indices(text: str | None) -> tuple[int, ...] | None:
     for part in text.split(","):
         p = part.strip()
         if not p.isdigit():
-            raise UsageError(f"--indices: bad sample index {p!r}; use e.g. 0,5,15")
+            raise UsageError.about("indices", repr(p), "not a sample index; use e.g. 0,5,15")
         if int(p) in out:
-            raise UsageError(f"--indices: index {int(p)} given twice")
+            raise UsageError.about("indices", int(p), "given twice")
         out.append(int(p))
     return tuple(out)
 
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths)
     samples = int_arg("samples", args.samples)
     indices = parse_indices(args.indices)
-    seed = int_arg("seed", args.seed, lo=0)
+    seed = int_arg("seed", args.seed, lo=-math.inf)  # (its range is every seed's, below: one message)
     if not is_seed(seed):
         raise UsageError.about("seed", seed, f"must be {SEED_RANGE}")
     concurrency = int_arg("concurrency", args.concurrency)
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: not a directory")
     limit = model_context(args.model) if args.model else None
     if limit is not None and lengths[-1] > limit:  # (a longer sample ran past the model's positions)
-        raise UsageError(f"--lengths: {lengths[-1]} is more than the {limit} tokens {args.model} takes")
+        raise UsageError.about("lengths", lengths[-1], f"is more than the {limit} tokens {args.model} takes")
     if args.model and args.tokenizer:
         raise UsageError(
             "--tokenizer is for --base-url; the model directory's tokenizer is used with --model"
@@ -250,7 +251,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     client: Any = None
     if args.base_url:  # (now, for the name of the model it serves: part of the settings)
-        client = HTTPClient(args.base_url, api_key=args.api_key, model_name=args.model_name, chat=args.chat)
+        client = HTTPClient(
+            args.base_url,
+            api_key=args.api_key,
+            model_name=args.model_name,
+            chat=args.chat,
+            tell=lambda line: print(f"longctx ruler: {line}", file=sys.stderr),
+        )
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, counter.name, engine_kw, seed, scale)

@@ -496,14 +496,15 @@ def _zeta(alpha: float) -> float:
 
 
 def parse_tasks(text: str) -> list[str]:
-    """'all', or a comma list of task names (RULER's 13 names)."""
+    """'all', or a comma list of task names (RULER's 13 names); a bad one is refused `about` the setting
+    `tasks`."""
     if text.strip() == "all":
         return list(TASKS)
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in TASKS]
     if bad or not names:  # (an empty list ran all 13)
-        what = f"unknown task {bad[0]!r}" if bad else "no task given"
-        raise LongctxError(f"{what}; choose from {', '.join(TASKS)} or 'all'")
+        value, what = (bad[0], "unknown task") if bad else (text, "no task given")
+        raise LongctxError.about("tasks", repr(value), f"{what}; choose from {', '.join(TASKS)} or 'all'")
     return list(dict.fromkeys(names))
 
 
