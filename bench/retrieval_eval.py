@@ -402,7 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default=None, help="write the table as JSON here")
     d.set_defaults(func=depth)
     args = ap.parse_args(argv)
-    return int(args.func(args) or 0)
+    from longctx.errors import LongctxError
+
+    try:
+        return int(args.func(args) or 0)
+    except LongctxError as e:  # (a bad --lengths / --length, an unknown task: one line, not a traceback)
+        print(f"retrieval_eval: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2056,3 +2056,16 @@ def test_retrieval_eval_run_refuses_a_bad_seed_before_writing(tmp_path: Path, ca
     assert main(["run", "--model", str(WIP), "--seed", "-1", "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip() == "run: error: --seed -1: must be an integer in [0, 2**63)"
     assert not out.exists()
+
+
+def test_retrieval_eval_refuses_bad_lengths_in_one_line(tmp_path: Path, capsys) -> None:
+    """A --lengths (run) or --length (gate) parse_lengths refuses is one line with exit 2, not a traceback."""
+    from bench.retrieval_eval import main
+
+    out = tmp_path / "w"
+    assert main(["run", "--model", str(WIP), "--lengths", "4x", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "retrieval_eval: lengths '4x': not a length; use e.g. 4k,32k,128k,1m or a token count"
+    ]
+    assert main(["gate", str(out), "--length", "4x"]) == 2
+    assert capsys.readouterr().err.strip().startswith("retrieval_eval: lengths '4x': not a length")
