@@ -150,8 +150,10 @@ def test_stage_extras_and_memory(glm: ModelConfig) -> None:
     plans = partition(glm, 8, M, host_mem=2 * 10**12)
     assert sum(p.n_layers for p in plans) == 78
     assert sum(p.full_indexer_layers for p in plans) == 21
-    # Totals over stages equal the whole checkpoint (embed on stage 0, head on the last).
-    assert sum(p.weight_bytes for p in plans) == P.model_weight_bytes(glm, "fp8")
+    # Totals over stages are the whole model as loaded (embed on stage 0, head on the last): the checkpoint
+    # plus the absorbed W_UK / W_UV and the fp32 router.
+    loaded = P.loaded_weight_bytes(glm, range(78), P.PLAN_ITEMSIZE, True)
+    assert sum(p.weight_bytes for p in plans) == loaded > P.model_weight_bytes(glm, "fp8")
     assert all(p.weight_bytes < 140 * 2**30 for p in plans)
     assert plans[-1].headroom_bytes > plans[1].headroom_bytes  # lm_head logits
     # Host limit: every stage is on one node; the pool holds the whole MLA KV per request.
@@ -366,3 +368,43 @@ def test_loaded_weight_bytes_are_the_models(
                 (lambda m, s=shard: s.shard_model(m, lambda t: t)) if shard else None,
             )
             assert P.loaded_weight_bytes(cfg, layers, dt.itemsize, fp8, tp) == _held_bytes(model)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small-1m", "glm-5.3", "glm-5.3-layers"])
+def test_planner_weights_are_what_the_room_check_counts(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage's weight bytes per GPU in `longctx plan` are the figure the engine's room check counts for
+    that stage's TP rank on CUDA (the same split, dtype and fp8 choice): the planner split the embedding and
+    lm_head over TP and counted the router in bf16, so a plan it called feasible could be refused."""
+    import torch
+
+    import longctx.engine.engine as engine_mod
+    from longctx.engine.engine import Engine
+    from longctx.kv_kinds import resolve_kv_kinds
+
+    cfg = ModelConfig.from_json(CONFIGS / f"{name}.json")
+    counted: list[tuple[range, int]] = []
+
+    def loaded(cfg: ModelConfig, layers: range, itemsize: int, fp8: bool, tp: int = 1) -> int:
+        n = P.loaded_weight_bytes(cfg, layers, itemsize, fp8, tp)
+        counted.append((layers, n))
+        return n
+
+    monkeypatch.setattr(engine_mod, "loaded_weight_bytes", loaded)
+    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: 1 << 62)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    pages = 4096
+    context = min(pages * 64, cfg.max_position_embeddings)
+    # a CUDA engine's fields as `_check_room` reads them, without a checkpoint (CI has no GPU)
+    engine = Engine.__new__(Engine)
+    engine.cfg, engine.hisparse_device_tokens, engine.max_context = cfg, None, context
+    engine.device, engine.dtype = torch.device("cuda", 0), torch.bfloat16
+    engine.kv_kinds = resolve_kv_kinds("auto", "cuda", cfg.kv_fp8_skip_layers)
+    layouts = [(pp, tp) for pp in (1, 2, 3, 4, 8) for tp in (1, 2, 4)]
+    layouts = [
+        (pp, tp) for pp, tp in layouts if pp <= cfg.num_hidden_layers and cfg.num_attention_heads % tp == 0
+    ]
+    for pp, tp in layouts:
+        counted.clear()
+        engine._check_room(pages, False, pp, tp, 1)
+        plans = partition(cfg, pp, context, tp=tp, gpus_per_node=pp * tp)
+        assert [(p.layers, p.weight_bytes) for p in plans] == [((r.start, r.stop), n) for r, n in counted]

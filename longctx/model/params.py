@@ -32,6 +32,10 @@ from longctx.kv_kinds import (
 )
 
 WEIGHT_DTYPES = ("fp8", "bf16")
+# The model dtype the engine serves in on CUDA, which `longctx plan` budgets: its caches' rows and the
+# weights it keeps out of fp8 (`loaded_weight_bytes`) take this dtype.
+PLAN_DTYPE = "bfloat16"
+PLAN_ITEMSIZE = 2  # bytes of an element of PLAN_DTYPE
 # Kept in fp32 by the engine's model whatever its dtype (`CausalLM.param_dtype`): the router and the
 # indexer's head weights.
 KEPT_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -252,13 +256,9 @@ def weights_nbytes(ws: Iterable[Weight], cfg: ModelConfig, weight_dtype: str, tp
     return sum(x.nbytes(weight_dtype, tp, block) for x in ws)
 
 
-def layer_weight_bytes(cfg: ModelConfig, layer: int, weight_dtype: str = "fp8", tp: int = 1) -> int:
-    """Bytes of decoder layer `layer` per TP rank; fp8 includes the fp32 128x128 block scales."""
-    return weights_nbytes(layer_weights(cfg, layer), cfg, weight_dtype, tp)
-
-
 def model_weight_bytes(cfg: ModelConfig, weight_dtype: str = "fp8") -> int:
-    """Bytes of the whole unsharded checkpoint (MTP layer excluded)."""
+    """Bytes of the whole unsharded checkpoint on disk (MTP layer excluded); what a GPU holds once loaded is
+    `loaded_weight_bytes`."""
     return weights_nbytes(all_weights(cfg), cfg, weight_dtype)
 
 
@@ -303,8 +303,7 @@ def loaded_weight_bytes(cfg: ModelConfig, layers: range, itemsize: int, fp8: boo
 
 # ---- caches ------------------------------------------------------------------------------------
 # Bytes as the engine's pools hold them (`longctx.kv_kinds`, what the kvstore allocates with), on CUDA and in
-# the model dtype the engine serves there.
-PLAN_DTYPE = "bfloat16"
+# the model dtype the engine serves there (`PLAN_DTYPE`).
 
 
 def kv_kinds(cfg: ModelConfig, kv_dtype: str = "fp8_e4m3") -> KVKinds:

@@ -28,11 +28,12 @@ from dataclasses import dataclass, replace
 from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.model.params import (
-    embed_weights,
+    PLAN_ITEMSIZE,
     head_weights,
     kv_bytes_of_layers,
     kv_kinds,
     layer_weights,
+    loaded_weight_bytes,
     n_full_indexer_layers,
     weights_nbytes,
 )
@@ -282,7 +283,7 @@ class StagePlan:
     full_indexer_layers: int
     node: int
     cost_s: float  # decode-step time proxy (`CostModel`), embedding / head included
-    weight_bytes: int  # this rank's shard; replicated parts counted whole
+    weight_bytes: int  # this rank's weights as the engine loads them (`loaded_weight_bytes`)
     kv_bytes_device: int  # MLA KV on the GPU (all of it, or the HiSparse cap)
     kv_bytes_host: int  # MLA KV in the node's host pool: whole cache, once per node whatever tp
     indexer_bytes: int  # indexer keys, always whole on the GPU
@@ -363,11 +364,6 @@ def partition(
     dev_tokens = tokens if hisparse_device_tokens is None else min(hisparse_device_tokens, tokens)
     rows: list[StagePlan] = []
     for s, (a, b) in enumerate(bounds):
-        ws = [w for i in range(a, b) for w in layer_weights(cfg, i)]
-        if s == 0:
-            ws += embed_weights(cfg)
-        if s == pp - 1:
-            ws += head_weights(cfg)
         nfull = n_full_indexer_layers(cfg, a, b)
         kv_tok, index_tok = kv_bytes_of_layers(cfg, a, b, kv_dtype)  # (a token's, over the stage's layers)
         rows.append(
@@ -377,7 +373,8 @@ def partition(
                 full_indexer_layers=nfull,
                 node=s * tp // gpus_per_node,
                 cost_s=scost[s],
-                weight_bytes=weights_nbytes(ws, cfg, weight_dtype, tp),
+                # the engine's room check's figure: embedding on stage 0, norm + lm_head on the last
+                weight_bytes=loaded_weight_bytes(cfg, range(a, b), PLAN_ITEMSIZE, weight_dtype == "fp8", tp),
                 kv_bytes_device=dev_tokens * kv_tok,
                 kv_bytes_host=tokens * kv_tok,
                 indexer_bytes=tokens * index_tok,

@@ -1,8 +1,9 @@
 """`longctx plan`: how a model splits into pipeline stages and how many requests of a given context fit.
 
-Pure arithmetic from the config (no torch, no GPU): parameter counts, per-stage weight bytes per GPU,
-MLA KV and indexer bytes per request on the device and in the host pool, prefill activation headroom,
-and the number of concurrent requests each stage (and so the pipeline) can hold.
+Pure arithmetic from the config (no torch, no GPU): parameter counts, per-stage weight bytes per GPU (as
+the engine loads them and its room check counts them), MLA KV and indexer bytes per request on the device
+and in the host pool, prefill activation headroom, and the number of concurrent requests each stage (and
+so the pipeline) can hold.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def build_report(cfg: ModelConfig, plans: list[StagePlan], opts: dict[str, Any])
         "params_active": params_active(cfg),
         "num_layers": cfg.num_hidden_layers,
         "full_indexer_layers": n_full_indexer_layers(cfg),
+        # the checkpoint on disk; the stages' weight_bytes are what the GPUs hold once loaded
         "model_weight_bytes": model_weight_bytes(cfg, opts["weight_dtype"]),
         "kv_bytes_per_token_per_layer": kv_tok,
         "indexer_bytes_per_token_per_full_layer": idx_tok,
@@ -115,7 +117,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"{r['config']}: {r['params_total'] / 1e9:.2f}B params, {r['params_active'] / 1e9:.2f}B active, "
         f"{r['num_layers']} layers ({r['full_indexer_layers']} full indexer); "
-        f"weights {r['weight_dtype']} {r['model_weight_bytes'] / 1e9:.1f} GB",
+        f"checkpoint {r['weight_dtype']} {r['model_weight_bytes'] / 1e9:.1f} GB on disk",
         f"{r['gpus']} GPUs = pp {r['pp']} x tp {r['tp']}; context {r['context']:,} tokens; kv {r['kv_dtype']} "
         f"({r['kv_bytes_per_token_per_layer']} B/token/layer, indexer "
         f"{r['indexer_bytes_per_token_per_full_layer']} B/token/full layer); "
@@ -150,7 +152,7 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         f"per request: MLA KV {_gb(r['kv_bytes_per_request'])} GB + indexer keys "
         f"{_gb(r['indexer_bytes_per_request'])} GB",
-        f"weights: {_gb(r['weight_bytes_per_gpu_max'])} GB on the fullest GPU, "
+        f"weights as loaded: {_gb(r['weight_bytes_per_gpu_max'])} GB on the fullest GPU, "
         f"{_gb(r['weight_bytes_all_gpus'])} GB over all GPUs",
         f"requests that fit: {r['requests_fit']} (device {r['requests_fit_device']}, host {host}); "
         f"slowest stage {r['bottleneck_stage']}",
