@@ -38,7 +38,7 @@ from longctx.engine.request import (
     find_stop,
 )
 from longctx.engine.scheduler import Scheduler
-from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model
+from longctx.engine.worker import DTYPES, PendingRows, StageWorker, build_model, keeps_fp8
 from longctx.errors import ConfigError, EngineDeadError, RequestError, one_line
 from longctx.kernels.common import use_triton as _use_triton
 from longctx.kv_kinds import kv_bytes_per_token, resolve_kv_kinds
@@ -280,15 +280,13 @@ class Engine:
 
     def _default_pages(self, max_context: int, pp: int = 1, tp: int = 1) -> int:
         if self.device.type == "cuda":
-            cfg = self.cfg
-            per_token = PagedKVPool.bytes_per_token(
-                cfg, range(cfg.num_hidden_layers), self.kv_kinds, self.dtype
-            )
+            cfg, layers = self.cfg, range(self.cfg.num_hidden_layers)
+            per_token = PagedKVPool.bytes_per_token(cfg, layers, self.kv_kinds, self.dtype)
             # weights are not loaded yet: half the free memory, and no more than 80% of what this GPU's
             # share of the weights leaves (weights past half the GPU were refused by the room check)
             free = available_memory(self.device)
-            fp8 = cfg.quant_block is not None
-            share = loaded_weight_bytes(cfg, range(cfg.num_hidden_layers), self.dtype.itemsize, fp8, tp) // pp
+            fp8 = keeps_fp8(cfg, self.device)
+            share = loaded_weight_bytes(cfg, layers, self.dtype.itemsize, fp8, tp) // pp
             budget = max(0, min(free // 2, int((free - share) * 0.8)))
             return max(16, min(budget // (per_token * PAGE_SIZE), 2 * max_context // PAGE_SIZE + 64))
         # CPU: room for a few requests of a modest context
@@ -326,7 +324,7 @@ class Engine:
             from longctx.hisparse.cache import preallocated_requests
 
             blocks = preallocated_requests(max_running, num_pages, PAGE_SIZE, N, self.max_context)
-        fp8 = self.device.type == "cuda" and cfg.quant_block is not None  # as build_model keeps them
+        fp8 = keeps_fp8(cfg, self.device)
         ranks = []  # (weights, device KV) of one TP rank of each stage
         for a, b in stages:
             mla, index = kv_bytes_per_token(cfg, range(a, b), self.kv_kinds, self.dtype)
@@ -356,8 +354,7 @@ class Engine:
     ) -> LocalRunner:
         cfg = self.cfg
         layers = range(cfg.num_hidden_layers)
-        keep_fp8 = self.device.type == "cuda" and cfg.quant_block is not None
-        model = build_model(self.model_dir, cfg, layers, self.device, self.dtype, keep_fp8)
+        model = build_model(self.model_dir, cfg, layers, self.device, self.dtype, keeps_fp8(cfg, self.device))
         # one page more than the allocator hands out: padding rows of captured decode batches
         if self.hisparse_device_tokens:
             from longctx.hisparse.cache import HiSparseKVCache, preallocated_requests

@@ -31,6 +31,13 @@ from longctx.model.model import CausalLM
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def keeps_fp8(cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether `build_model` keeps a checkpoint's block-fp8 weights in fp8 (on CUDA, where the fp8 GEMM
+    reads them; elsewhere they are dequantised to the model dtype): what the loader holds and the room
+    checks count."""
+    return device.type == "cuda" and cfg.quant_block is not None
+
+
 def build_model(
     model_dir: str | Path,
     cfg: ModelConfig,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from longctx.engine.plan import BatchResult
-from longctx.engine.worker import DTYPES, StageWorker, build_model
+from longctx.engine.worker import DTYPES, StageWorker, build_model, keeps_fp8
 from longctx.errors import ConfigError, LongctxError, one_line
 from longctx.kvstore.host_pool import unlink_owned
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
@@ -144,7 +144,7 @@ class StageProcess:
                     self.tp_group, self.ctrl_group = g, c
 
         cfg, layers = spec.cfg, range(*spec.layers)
-        keep_fp8 = cuda and cfg.quant_block is not None
+        keep_fp8 = keeps_fp8(cfg, self.device)
         prepare = weight_filter = None
         if spec.tp > 1:
             shard = TPShard(cfg, spec.tp_rank, spec.tp)
