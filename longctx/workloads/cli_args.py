@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -53,6 +54,22 @@ def model_settings(
         env = selection_env()
         out.update((k, env.get(k)) for k in SELECTION_ENV)  # (None: unset)
     return out
+
+
+def served_client(args: argparse.Namespace, command: str, chat: bool) -> Any:
+    """The HTTPClient of `--base-url`, made now for the name of the model it serves (part of a run's
+    settings), its retries told on stderr as `command`'s; None with an embedded engine (--model)."""
+    if not args.base_url:
+        return None
+    from longctx.workloads.clients import HTTPClient
+
+    return HTTPClient(
+        args.base_url,
+        api_key=args.api_key,
+        model_name=args.model_name,
+        chat=chat,
+        tell=lambda line: print(f"{command}: {line}", file=sys.stderr),
+    )
 
 
 def model_context(model_dir: str) -> int:

@@ -25,6 +25,7 @@ from longctx.workloads.cli_args import (
     int_arg,
     model_context,
     model_settings,
+    served_client,
 )
 from longctx.workloads.jsonl import check_settings
 
@@ -152,17 +153,9 @@ def run(args: argparse.Namespace) -> int:
             "max_context", max_context, "leaves no room for the repository after questions and answers"
         )
 
-    from longctx.workloads.clients import ClientError, EngineClient, HTTPClient
+    from longctx.workloads.clients import ClientError, EngineClient
 
-    client: Any = None
-    if args.base_url:  # (now, for the name of the model it serves: part of the settings)
-        client = HTTPClient(
-            args.base_url,
-            api_key=args.api_key,
-            model_name=args.model_name,
-            chat=True,
-            tell=lambda line: print(f"longctx retrieve: {line}", file=sys.stderr),
-        )
+    client: Any = served_client(args, "longctx retrieve", chat=True)
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, max_context, max_new, max_file, counter.name, engine_kw)

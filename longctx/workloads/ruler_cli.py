@@ -22,6 +22,7 @@ from longctx.workloads.cli_args import (
     int_arg,
     model_context,
     model_settings,
+    served_client,
 )
 from longctx.workloads.jsonl import check_settings
 from longctx.workloads.ruler_tasks import (
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if not has_model:
         return 0
 
-    from longctx.workloads.clients import ClientError, EngineClient, GenRequest, HTTPClient
+    from longctx.workloads.clients import ClientError, EngineClient, GenRequest
 
     def make_request(s: Sample) -> GenRequest:
         prompt = gen.render(s.input, s.answer_prefix)
@@ -249,15 +250,7 @@ def run(args: argparse.Namespace) -> int:
         return GenRequest(prompt, s.max_new_tokens, prompt_ids=tuple(ids) if ids is not None else None)
 
     out = Path(args.out)
-    client: Any = None
-    if args.base_url:  # (now, for the name of the model it serves: part of the settings)
-        client = HTTPClient(
-            args.base_url,
-            api_key=args.api_key,
-            model_name=args.model_name,
-            chat=args.chat,
-            tell=lambda line: print(f"longctx ruler: {line}", file=sys.stderr),
-        )
+    client: Any = served_client(args, "longctx ruler", chat=args.chat)
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, counter.name, engine_kw, seed, scale)
