@@ -164,7 +164,9 @@ def stage_layers(
     cfg: ModelConfig, pp: int, tp: int, num_pages: int, page_size: int, layer_split: list[int] | None
 ) -> list[tuple[int, int]]:
     """Each stage's layers [start, stop): the planner's split (or `layer_split`) at the context the pool
-    holds. The engine's room check asks before the stages are built."""
+    holds. The engine's room check asks before the stages are built, so the layout is checked here first
+    (pp=99 was refused as the partition's, not as `pp`)."""
+    check_layout(cfg, pp, tp)
     context = min(num_pages * page_size, cfg.max_position_embeddings)
     return [p.layers for p in partition(cfg, pp, context, layer_split, tp=tp, gpus_per_node=pp * tp)]
 
