@@ -154,7 +154,7 @@ def test_flags_are_named_in_full(capsys) -> None:
 def test_dtypes_are_taken_by_their_short_names(tmp_path, capsys) -> None:
     """--dtype bf16 / half / fp32 ... and --kv-dtype bfloat16 (argparse's choices refused them for
     init-model and serve, Engine for generate); an unknown name is one line listing the accepted ones."""
-    from longctx.workloads.cli_args import kv_dtype_arg
+    from longctx.config import check_kv_dtype
 
     out = tmp_path / "m"
     assert main(["init-model", "--config", "tiny", "--out", str(out), "--dtype", "bf16"]) == 0
@@ -169,7 +169,7 @@ def test_dtypes_are_taken_by_their_short_names(tmp_path, capsys) -> None:
         main(["serve", *tiny, "--port", "0", "--dtype", "fp32", "--kv-dtype", "bfloat16", "--pp", "99"]) == 2
     )
     assert "--pp 99: must be in [1, 6]" in capsys.readouterr().err
-    assert kv_dtype_arg("--kv-dtype", "bfloat16") == "bf16"  # (ruler / retrieve)
+    assert check_kv_dtype("bfloat16") == "bf16"  # (ruler / retrieve)
     assert main([*argv, "--dtype", "bf8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
@@ -181,7 +181,7 @@ def test_dtypes_are_taken_by_their_short_names(tmp_path, capsys) -> None:
 def test_kv_dtypes_are_one_list_everywhere(tmp_path, capsys) -> None:
     """--kv-dtype fp8 (fp8_e4m3's other name) was taken by generate (Engine) and refused by serve's argparse
     choices and ruler / retrieve's flag; every --kv-dtype reads one list now (`longctx.config.KV_DTYPE_NAMES`)."""
-    from longctx.workloads.cli_args import kv_dtype_arg
+    from longctx.config import check_kv_dtype
 
     out = tmp_path / "m"
     assert main(["init-model", "--config", "tiny", "--out", str(out)]) == 0
@@ -191,7 +191,7 @@ def test_kv_dtypes_are_one_list_everywhere(tmp_path, capsys) -> None:
     assert "--pp 99: must be in [1, 6]" in capsys.readouterr().err  # (past argparse's choices)
     argv = ["generate", *tiny, "--token-ids", "1,2", "--max-new-tokens", "1", "--json"]
     assert main([*argv, "--kv-dtype", "FP8"]) == 0
-    assert kv_dtype_arg("--kv-dtype", "fp8") == "fp8_e4m3"
+    assert check_kv_dtype("fp8") == "fp8_e4m3"
     capsys.readouterr()
     assert main([*argv, "--kv-dtype", "int4"]) == 2
     assert (

@@ -124,7 +124,7 @@ BAD_FLAGS = [
     ("ruler", ["--concurrency", "x"], "--concurrency 'x': must be an integer"),
     ("ruler", ["--max-new-tokens-scale", "0"], "--max-new-tokens-scale 0.0: must be a finite number > 0"),
     ("ruler", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
-    ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3"),
+    ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"),
     ("ruler", ["--kv-fp8-skip-layers", "x"], "--kv-fp8-skip-layers 'x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
     ("ruler", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
     ("ruler", ["--index-topk", "32"], "--index-topk 32: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower --index-local-window or raise --index-topk"),

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from longctx.config import KV_DTYPE_NAMES, SELECTION_FIELDS, kv_dtype_name
+from longctx.config import SELECTION_FIELDS, check_kv_dtype
 from longctx.engine.args import skip_layers_arg
 from longctx.errors import LongctxError
 
@@ -136,15 +136,6 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
 
 
-def kv_dtype_arg(name: str, text: str) -> str:
-    """The KV cache dtype flag of dest `name` given as `text`, one of Engine's kv_dtype values (fp8 and bf16
-    by any of their names: `kv_dtype_name`)."""
-    text = kv_dtype_name(text)
-    if text not in KV_DTYPE_NAMES:
-        raise UsageError.about(name, repr(text), f"must be one of {', '.join(KV_DTYPE_NAMES)}")
-    return text
-
-
 def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`add_embedded_engine_args`' flags as Engine keywords (each only when given); they are refused
     without --model, since a server runs with the engine it was started with."""
@@ -155,7 +146,7 @@ def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "index_local_window": partial(int_arg, lo=0),
         "index_topk_long": partial(int_arg, lo=0),
         "index_topk_long_from": partial(int_arg, lo=0),
-        "kv_dtype": kv_dtype_arg,
+        "kv_dtype": lambda _, text: check_kv_dtype(text),
         "kv_fp8_skip_layers": lambda _, text: skip_layers_arg(text),
     }
     for name, parse in parsers.items():
