@@ -817,7 +817,10 @@ def test_cli_kv_dtype_is_checked_before_the_model_loads(capsys, tmp_path):
     wip = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
     assert main(["ruler", "--model", str(wip), "--kv-dtype", "fp4", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "longctx ruler: error: --kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"
+    assert (
+        err
+        == "longctx ruler: error: --kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"
+    )
     assert not (tmp_path / "o").exists()
 
 
