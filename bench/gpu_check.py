@@ -3,10 +3,12 @@
 transformers' GlmMoeDsaForCausalLM vs longctx on a tiny random checkpoint, on CUDA: fp32 with the
 torch references and with the Triton kernels (logits rel <= 1e-3, identical greedy tokens), and bf16
 with fp8 KV through Triton against the torch path on a smooth model; decode through CUDA graphs against
-eager decode (plain, HiSparse-capped, with `index_local_window`, and with `index_topk_long` too). Writes
-gpu-check.json.
+eager decode (plain, HiSparse-capped, with `index_local_window`, and with `index_topk_long` too); and the
+engine's CUDA-only set-up paths (`cuda_paths`: `cuda:N`, the default pool's size, the room check against
+the GPU's free memory). Writes gpu-check.json.
 
-    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window,topk_long] [--out $OUT]
+    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window,topk_long,mixed_kv,cuda_paths]
+        [--out $OUT]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from longctx.config import ModelConfig
 
 
-CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long", "mixed_kv"}
+CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long", "mixed_kv", "cuda_paths"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default=None,
-        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window, topk_long, mixed_kv "
-        "(default: all)",
+        help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window, topk_long, mixed_kv, "
+        "cuda_paths (default: all)",
     )
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         topk_long_graph_vs_eager(d2, long_prompts, res)
     if want("mixed_kv"):
         mixed_kv(d2, ids, long_prompts, res)
+    if want("cuda_paths"):
+        cuda_paths(d2, ids, tmp, res)
     write_results("gpu-check", res, "\n".join(f"{k}: {v}" for k, v in res.items()), args.out)
     return 0
 
@@ -254,6 +258,91 @@ def _selection_graph_vs_eager(
     except Exception as e:  # noqa: BLE001 - report it with the other checks' results
         res[name] = {"error": repr(e)[:500], "ok": False}
     print(res[name])
+
+
+def cuda_paths(d2: Path, ids: list[int], tmp: Path, res: dict) -> None:
+    """The engine's set-up paths that only run on CUDA (the CPU suite cannot reach them):
+    - `device="cuda:0"` gives `device="cuda"`'s greedy tokens; `cuda:<count>` is refused in one line;
+    - the default pool (`kv_pages=None`) takes no more than half the free memory and the pages the
+      engine's rule gives (`Engine._default_pages`: half the free memory, at most 80% of what the weights
+      leave, at most two max_context requests);
+    - the room check against the GPU's free memory: kv_pages=10**9, and GLM-5.3's config (~750 GB of
+      weights), are refused with the one line before anything is allocated on the GPU."""
+    import json
+    import shutil
+
+    from longctx import Engine
+    from longctx.config import ModelConfig
+    from longctx.engine.engine import PAGE_SIZE
+    from longctx.errors import ConfigError
+
+    r: dict = {}
+    try:
+        toks = {}
+        for dev in ("cuda", "cuda:0"):
+            with Engine(d2, device=dev, dtype="bfloat16", kv_pages=256) as e:
+                toks[dev] = e.generate([ids[:120]], max_new_tokens=16, ignore_eos=True)[0].token_ids
+        r["cuda0_tokens_match"] = toks["cuda"] == toks["cuda:0"]
+
+        def refused(**kw: object) -> tuple[str, int]:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            try:
+                Engine(**kw).close()  # type: ignore[arg-type]
+                msg = ""
+            except ConfigError as err:
+                msg = str(err)
+            torch.cuda.synchronize()
+            return msg, torch.cuda.memory_allocated() - before
+
+        n = torch.cuda.device_count()
+        msg, _ = refused(model_dir=d2, device=f"cuda:{n}")
+        r["cuda_n_refused"] = msg
+        msg, grew = refused(model_dir=d2, device="cuda", dtype="bfloat16", kv_pages=10**9)
+        r["huge_pool_refused"], r["huge_pool_allocated_bytes"] = msg, grew
+        big = tmp / "glm-5.3-config-only"
+        big.mkdir(exist_ok=True)
+        for f in Path(d2).iterdir():  # the tokenizer and the rest, no weights
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+                shutil.copy(f, big / f.name)
+        root = Path(__file__).resolve().parents[1]
+        (big / "config.json").write_text(
+            json.dumps(json.loads((root / "configs" / "glm-5.3.json").read_text()))
+        )
+        msg, grew = refused(model_dir=big, device="cuda", max_context=131072)
+        r["big_model_refused"], r["big_model_allocated_bytes"] = msg, grew
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+        max_context = ModelConfig.from_json(d2).max_position_embeddings
+        before = torch.cuda.memory_allocated()
+        with Engine(d2, device="cuda", dtype="bfloat16", max_context=max_context) as e:
+            pages = e.allocator.num_pages
+            pool = torch.cuda.memory_allocated() - before
+            out = e.generate([ids[:120]], max_new_tokens=4, ignore_eos=True)[0].token_ids
+        r["default_pages"] = {
+            "pages": pages,
+            "max_context": max_context,
+            "two_requests_pages": 2 * max_context // PAGE_SIZE + 64,
+            "free_bytes_before": free,
+            "allocated_bytes": pool,
+            "generated": len(out),
+        }
+        ok_pages = 16 <= pages <= 2 * max_context // PAGE_SIZE + 64 and pool <= free // 2 and len(out) == 4
+        r["ok"] = (
+            r["cuda0_tokens_match"]
+            and "CUDA devices" in r["cuda_n_refused"]
+            and "GPU memory" in r["huge_pool_refused"]
+            and r["huge_pool_allocated_bytes"] == 0
+            and "GPU memory" in r["big_model_refused"]
+            and r["big_model_allocated_bytes"] == 0
+            and ok_pages
+        )
+    except Exception as e:  # noqa: BLE001 - report it with the other checks' results
+        r.update(error=repr(e)[:500], ok=False)
+    res["cuda_paths"] = r
+    print(res["cuda_paths"])
 
 
 if __name__ == "__main__":
