@@ -115,6 +115,8 @@ BAD_FLAGS = [
     ("ruler", ["--samples", "0"], "--samples 0: must be >= 1"),
     ("ruler", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("ruler", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("ruler", ["--seed", "x"], "--seed 'x': must be an integer in [0, 2**63)"),  # (the range, as for -1)
+    ("ruler", ["--seed", "1.5"], "--seed '1.5': must be an integer in [0, 2**63)"),
     ("ruler", ["--lengths", "1k,4x"], "--lengths '4x': not a length; use e.g. 4k,32k,128k,1m or a token count"),
     ("ruler", ["--lengths", "1k,100"], "--lengths 100: too short; the smallest is 256"),
     ("ruler", ["--indices", "0,x"], "--indices 'x': not a sample index; use e.g. 0,5,15"),

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.seeds import SEED_RANGE, is_seed
 from longctx.workloads.cli_args import (
     UsageError,
     add_embedded_engine_args,
@@ -22,6 +21,7 @@ from longctx.workloads.cli_args import (
     int_arg,
     model_context,
     model_settings,
+    seed_arg,
     served_client,
 )
 from longctx.workloads.jsonl import check_settings
@@ -186,9 +186,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths)
     samples = int_arg("samples", args.samples)
     indices = parse_indices(args.indices)
-    seed = int_arg("seed", args.seed, lo=-math.inf)  # (its range is every seed's, below: one message)
-    if not is_seed(seed):
-        raise UsageError.about("seed", seed, f"must be {SEED_RANGE}")
+    seed = seed_arg("seed", args.seed)
     concurrency = int_arg("concurrency", args.concurrency)
     try:
         scale = float(args.max_new_tokens_scale)
