@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from longctx.cli import main
 from longctx.errors import LongctxError
-from longctx.workloads import clients
+from longctx.workloads import clients, jsonl
 from longctx.workloads.clients import Client, GenRequest, GenResult
 from longctx.workloads.fit import LengthError
 from longctx.workloads.prose import essay_sentences
@@ -617,6 +617,31 @@ def test_a_rerun_under_another_model_or_setting_is_refused(tmp_path, monkeypatch
     assert main(argv) == 0 and capsys.readouterr().err.count("does not record the model and settings") == 1
     assert json.loads((tmp_path / "results.jsonl.run.json").read_text())["model"] == "other"
     assert main(argv) == 0 and "does not record" not in capsys.readouterr().err
+
+
+def test_the_settings_check_reads_a_results_file_only_to_its_first_row(tmp_path, monkeypatch):
+    """`check_settings` asks whether OUT has rows; it read (and parsed) every row to learn that. Now it stops
+    at the first: the lines after it are never parsed (bytes that are not even UTF-8 there stopped the old
+    read with a UnicodeDecodeError). A missing, empty, blank or torn-only file still has no rows (no record
+    needed), and a torn line before the first row is still passed over."""
+    target, settings = tmp_path / "results.jsonl", {"model": "m", "seed": 0}
+    parsed: list[object] = []
+    loads = json.loads
+    monkeypatch.setattr(jsonl.json, "loads", lambda text, **kw: parsed.append(text) or loads(text, **kw))
+    assert jsonl.check_settings(target, settings)  # (no file)
+    for text in (b"", b"\n  \n\n", b'{"task": "vt", "ind'):  # (no record: True only when it has no rows)
+        target.write_bytes(text)
+        assert jsonl.check_settings(target, settings)
+    target.write_bytes(
+        b'{"task": "vt", "ind\n\n{"task": "vt", "index": 0}\n' + b"\xff\xfe not a row\n" * 100_000
+    )
+    parsed.clear()
+    assert not jsonl.check_settings(target, settings)  # (rows without a record)
+    jsonl.record_settings(target, settings)
+    assert jsonl.check_settings(target, settings)
+    with pytest.raises(LongctxError, match=r"seed 0 \(now 1\)"):
+        jsonl.check_settings(target, {**settings, "seed": 1})
+    assert not [t for t in parsed if b"not a row" in (t if isinstance(t, bytes) else t.encode())]
 
 
 def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch, capsys):
