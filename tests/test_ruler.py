@@ -684,6 +684,26 @@ def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch
         run_samples(gen, OracleClient(answers), keys, out, make_request(gen), settings={"model": "/else"})
 
 
+def test_a_refused_rerun_writes_no_dump(tmp_path, monkeypatch, capsys):
+    """A rerun into OUT under other settings is refused before it writes anything: --dump-dir's samples were
+    written first, and the run refused after. A rerun under the same settings dumps them as before."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    answers = oracle_answers(0, plan_keys(RunPlan(("niah_single_1",), (2048,), 2)))
+    monkeypatch.setattr(clients, "EngineClient", lambda model_dir, **kw: OracleClient(answers))
+    argv = ["ruler", "--model", str(model), "--tasks", "niah_single_1", "--lengths", "2k", "--samples", "2"]
+    argv += ["--seed", "0", "--device", "cpu", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--kv-dtype", "bf16"]) == 0
+    dump = tmp_path / "dump"
+    capsys.readouterr()
+    assert main([*argv, "--kv-dtype", "fp8_e4m3", "--dump-dir", str(dump)]) == 2
+    assert "holds rows written with other settings" in capsys.readouterr().err
+    assert not dump.exists()
+    assert main([*argv, "--kv-dtype", "bf16", "--dump-dir", str(dump)]) == 0
+    assert len(read_rows(dump / "samples.jsonl")) == 2
+
+
 def test_cli_dump_only(tmp_path):
     assert (
         main(

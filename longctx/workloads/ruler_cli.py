@@ -230,10 +230,16 @@ def run(args: argparse.Namespace) -> int:
     plan = rr.RunPlan(tuple(tasks), tuple(lengths), samples, concurrency, indices)
     keys = rr.plan_keys(plan)
 
-    if args.dump_dir:
-        n = rr.dump_samples(gen, keys, Path(args.dump_dir))
-        print(f"longctx ruler: wrote {n} samples to {Path(args.dump_dir) / 'samples.jsonl'}", file=sys.stderr)
+    def dump() -> None:  # --dump-dir's samples
+        if args.dump_dir:
+            n = rr.dump_samples(gen, keys, Path(args.dump_dir))
+            print(
+                f"longctx ruler: wrote {n} samples to {Path(args.dump_dir) / 'samples.jsonl'}",
+                file=sys.stderr,
+            )
+
     if not has_model:
+        dump()
         return 0
 
     from longctx.workloads.clients import ClientError, EngineClient, GenRequest
@@ -252,9 +258,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, counter.name, engine_kw, seed, scale)
-        # rows of other settings in --out are refused before the model loads (run_samples checks again
-        # under its lock, and records these)
+        # rows of other settings in --out are refused before anything is written (the dump too) or the model
+        # loads (run_samples checks again under its lock, and records these)
         check_settings(out / rr.RESULTS, settings)
+        dump()
         if client is None:
             client = EngineClient(args.model, **engine_kw)
         try:
