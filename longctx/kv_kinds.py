@@ -7,6 +7,10 @@ layers. The engine sizes its pools (`longctx.kvstore.pool`) and `longctx plan` i
 (`longctx.model.params`) with these same functions, so the plan's figures are the pools' own. It sits
 below both: the model layer, where the planner's accounting lives, does not depend on kvstore, and the
 planner does not import torch.
+
+Names: a user's `kv_dtype` is read once, at the boundary (`check_kv_dtype`: any case, any alias), and from there
+on a kind is compared by its exact name, here and in the kernels; a name a layout does not spell exactly
+("FP8_E4M3", "BF16") is refused (`check_kind`), never taken for another kind.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ class KVKinds:
 
     def __post_init__(self) -> None:
         if self.base not in KV_KINDS:
-            raise ValueError(f"unknown KV kind {self.base!r}")
+            raise KernelInputError(
+                f"unknown KV kind {self.base!r}; expected one of {KV_KINDS} (a kv_dtype is read as one by "
+                "resolve_kv_kinds)"
+            )
 
     @classmethod
     def of(cls, kind: str | KVKinds) -> KVKinds:
@@ -68,8 +75,9 @@ class KVKinds:
 
 
 def index_kind(mla_kind: str) -> str:
-    """The index keys' kind beside MLA rows of `mla_kind`: fp8 beside fp8, else the model dtype."""
-    return "fp8" if mla_kind == "fp8" else "auto"
+    """The index keys' kind beside MLA rows of `mla_kind` (a layout's name, `check_kind`): fp8 beside fp8, else
+    the model dtype."""
+    return "fp8" if is_fp8(mla_kind) else "auto"
 
 
 def resolve_kv_kinds(
@@ -87,16 +95,28 @@ FP8_KINDS = ("fp8_e4m3", *(a for a, name in KV_DTYPE_ALIASES.items() if name == 
 DENSE_KINDS = ("auto", "model", *DTYPE_NAMES, *DTYPE_ALIASES)
 
 
-def is_fp8(kind: str) -> bool:
-    """True for the quantised uint8 layouts; raises for an unknown kind."""
+def check_kind(kind: str) -> str:
+    """`kind` when it is a layout's name exactly as FP8_KINDS / DENSE_KINDS spell it; else a KernelInputError.
+    Kinds are compared by name (in the kernels too), so another spelling is refused rather than read as a
+    kind it was not meant to be; a user's name goes through `check_kv_dtype` (any case) first."""
     if kind not in FP8_KINDS and kind not in DENSE_KINDS:
-        raise KernelInputError(f"unknown KV kind {kind!r}; expected one of {FP8_KINDS + DENSE_KINDS}")
-    return kind in FP8_KINDS
+        raise KernelInputError(
+            f"unknown KV kind {kind!r}; expected one of {FP8_KINDS + DENSE_KINDS} as written (a user's "
+            "kv_dtype is read by longctx.config.check_kv_dtype first)"
+        )
+    return kind
+
+
+def is_fp8(kind: str) -> bool:
+    """True for the quantised uint8 layouts; raises for an unknown kind (`check_kind`)."""
+    return check_kind(kind) in FP8_KINDS
 
 
 def dense_dtype(kind: str, dtype: object = None) -> str:
     """The torch name of a dense kind's elements: its own dtype, or for "auto" / "model" `dtype` (the
-    model dtype, a torch.dtype or a name; default bfloat16)."""
+    model dtype, a torch.dtype or a name; default bfloat16). Raises for an fp8 or unknown kind."""
+    if is_fp8(kind):
+        raise KernelInputError(f"KV kind {kind!r} is quantised: it has no dense dtype")
     name = canonical_dtype(kind) or canonical_dtype("bfloat16" if dtype is None else dtype)
     if name is None:
         raise KernelInputError(f"KV kind {kind!r} of dtype {dtype}: not one of {', '.join(DTYPE_BYTES)}")

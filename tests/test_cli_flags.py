@@ -115,6 +115,8 @@ BAD_FLAGS = [
     ("ruler", ["--samples", "0"], "--samples 0: must be >= 1"),
     ("ruler", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("ruler", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("ruler", ["--seed", "x"], "--seed 'x': must be an integer in [0, 2**63)"),  # (the range, as for -1)
+    ("ruler", ["--seed", "1.5"], "--seed '1.5': must be an integer in [0, 2**63)"),
     ("ruler", ["--lengths", "1k,4x"], "--lengths '4x': not a length; use e.g. 4k,32k,128k,1m or a token count"),
     ("ruler", ["--lengths", "1k,100"], "--lengths 100: too short; the smallest is 256"),
     ("ruler", ["--indices", "0,x"], "--indices 'x': not a sample index; use e.g. 0,5,15"),
@@ -149,6 +151,25 @@ def test_a_bad_flag_is_one_line_naming_it(
     assert main([*argv, *prompt]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"longctx {command}: error: {want}"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        (["--index-topk", "0"], "--index-topk 0: must be >= 1"),
+        (["--index-local-window", "-1"], "--index-local-window -1: must be >= 0"),
+        (["--index-topk-long", "-1"], "--index-topk-long -1: must be >= 0"),
+        (["--index-topk-long-from", "-5"], "--index-topk-long-from -5: must be >= 0"),
+    ],
+)
+def test_serve_refuses_a_selection_flag_alike_with_the_fake_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], want: str
+) -> None:
+    """`serve --fake-engine` reads no model config (its model dir need hold none), but refuses a selection flag
+    out of range in the real engine's words, before it binds a port (one check for both: `_check_selection`)."""
+    for argv in (["--model", str(tmp_path), "--fake-engine"], ["--model", WIP]):
+        assert main(["serve", *argv, "--port", "0", *flags]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"longctx serve: error: {want}"]
 
 
 def test_a_flag_not_for_a_server_names_both_flags(capsys: pytest.CaptureFixture[str]) -> None:

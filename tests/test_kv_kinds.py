@@ -6,13 +6,24 @@ import json
 
 import pytest
 import torch
+from longctx.kernels import kv_layout as kvl
 
 from longctx import Engine
+from longctx.cli import build_parser
 from longctx.config import ModelConfig
-from longctx.errors import ConfigError
-from longctx.kv_kinds import KVKinds, resolve_kv_kinds
+from longctx.errors import ConfigError, KernelInputError
+from longctx.kv_kinds import (
+    KVKinds,
+    dense_dtype,
+    index_kind,
+    index_row_bytes,
+    is_fp8,
+    mla_row_bytes,
+    resolve_kv_kinds,
+)
 from longctx.kvstore.host_pool import HostKVLayout, HostKVSpec, HostPool, HostPoolError
 from longctx.kvstore.pool import PagedKVPool
+from longctx.workloads.cli_args import embedded_engine_kwargs
 from tests.conftest import make_checkpoint, rand_ids, rel, tiny_config
 
 SKIP = (1, 2)  # tiny.json: layer 1 shares layer 0's top-k, layer 2 runs its own indexer
@@ -111,3 +122,49 @@ def test_bad_skip_layers_are_refused(ckpt, tmp_path, bad):
     cfg = json.loads((ckpt / "config.json").read_text())
     with pytest.raises(ConfigError, match="kv_fp8_skip_layers"):
         ModelConfig.from_dict({**cfg, "kv_fp8_skip_layers": bad})
+
+
+def test_a_kind_past_the_boundary_is_its_exact_name():
+    """A user's kv_dtype is read in any case once (`check_kv_dtype`); past it a kind is compared by name, so
+    another spelling is refused, not read as some other kind (index_kind took "FP8" or "fp8_e4m3" for the
+    model dtype, dense_dtype "BF16" for bfloat16 and an fp8 kind for the model dtype)."""
+    for bad in ("FP8_E4M3", "FP8", "BF16", "Half", "AUTO", "int4"):
+        for use in (
+            is_fp8,
+            dense_dtype,
+            index_kind,
+            KVKinds,
+            lambda k: mla_row_bytes(512, 64, k),
+            lambda k: index_row_bytes(128, k),
+            lambda k: kvl.alloc_mla_pool(64, 32, 8, k, torch.float32, "cpu"),
+            lambda k: kvl.alloc_index_pool(64, 16, k, torch.float32, "cpu"),
+        ):
+            with pytest.raises(KernelInputError, match=f"unknown KV kind '{bad}'"):
+                use(bad)
+    assert index_kind("fp8_e4m3") == index_kind("fp8") == "fp8"
+    assert index_kind("bf16") == index_kind("auto") == "auto"
+    assert dense_dtype("half") == "float16" and dense_dtype("auto", "float32") == "float32"
+    with pytest.raises(KernelInputError, match="quantised"):
+        dense_dtype("fp8_e4m3")
+
+
+def test_a_kv_dtype_in_capitals_is_the_same_cache(ckpt):
+    """FP8_E4M3 / BF16 given to the Engine or a command line make the pools fp8_e4m3 / bf16 make."""
+    ids = rand_ids(70, 4)
+    for canonical, other in (("fp8_e4m3", "FP8_E4M3"), ("bf16", "BF16")):
+        pools, scores = [], []
+        for name in (canonical, other):
+            with Engine(ckpt, device="cpu", kv_dtype=name) as e:
+                kv = e.runner.worker.kv
+                pools.append((e.kv_kinds, [(kv.mla_pool(i).dtype, kv.mla_pool(i).shape) for i in range(6)]))
+                scores.append(e.score(ids))
+        assert pools[0] == pools[1] and torch.equal(scores[0], scores[1])
+        parser = build_parser()
+        for argv in (
+            ["generate", "--model", "m", "--kv-dtype", other, "hi"],
+            ["serve", "--model", "m", "--kv-dtype", other],
+            ["plan", "--config", "tiny", "--gpus", "1", "--pp", "1", "--context", "1K", "--kv-dtype", other],
+        ):
+            assert parser.parse_args(argv).kv_dtype == canonical
+        ruler = parser.parse_args(["ruler", "--model", "m", "--kv-dtype", other])
+        assert embedded_engine_kwargs(ruler)["kv_dtype"] == canonical

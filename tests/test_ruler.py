@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from longctx.cli import main
 from longctx.errors import LongctxError
-from longctx.workloads import clients
+from longctx.workloads import clients, jsonl
 from longctx.workloads.clients import Client, GenRequest, GenResult
 from longctx.workloads.fit import LengthError
 from longctx.workloads.prose import essay_sentences
@@ -619,6 +619,31 @@ def test_a_rerun_under_another_model_or_setting_is_refused(tmp_path, monkeypatch
     assert main(argv) == 0 and "does not record" not in capsys.readouterr().err
 
 
+def test_the_settings_check_reads_a_results_file_only_to_its_first_row(tmp_path, monkeypatch):
+    """`check_settings` asks whether OUT has rows; it read (and parsed) every row to learn that. Now it stops
+    at the first: the lines after it are never parsed (bytes that are not even UTF-8 there stopped the old
+    read with a UnicodeDecodeError). A missing, empty, blank or torn-only file still has no rows (no record
+    needed), and a torn line before the first row is still passed over."""
+    target, settings = tmp_path / "results.jsonl", {"model": "m", "seed": 0}
+    parsed: list[object] = []
+    loads = json.loads
+    monkeypatch.setattr(jsonl.json, "loads", lambda text, **kw: parsed.append(text) or loads(text, **kw))
+    assert jsonl.check_settings(target, settings)  # (no file)
+    for text in (b"", b"\n  \n\n", b'{"task": "vt", "ind'):  # (no record: True only when it has no rows)
+        target.write_bytes(text)
+        assert jsonl.check_settings(target, settings)
+    target.write_bytes(
+        b'{"task": "vt", "ind\n\n{"task": "vt", "index": 0}\n' + b"\xff\xfe not a row\n" * 100_000
+    )
+    parsed.clear()
+    assert not jsonl.check_settings(target, settings)  # (rows without a record)
+    jsonl.record_settings(target, settings)
+    assert jsonl.check_settings(target, settings)
+    with pytest.raises(LongctxError, match=r"seed 0 \(now 1\)"):
+        jsonl.check_settings(target, {**settings, "seed": 1})
+    assert not [t for t in parsed if b"not a row" in (t if isinstance(t, bytes) else t.encode())]
+
+
 def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch, capsys):
     """With --model: the model directory, the device and the flags that change what the engine selects or
     stores; a run under others is refused before the model loads (not for HiSparse's cap: it moves KV)."""
@@ -657,6 +682,26 @@ def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch
     gen = RulerGenerator(ByteCounter(), seed=0)
     with pytest.raises(LongctxError, match=r'model ".*" \(now "/else"\)'):
         run_samples(gen, OracleClient(answers), keys, out, make_request(gen), settings={"model": "/else"})
+
+
+def test_a_refused_rerun_writes_no_dump(tmp_path, monkeypatch, capsys):
+    """A rerun into OUT under other settings is refused before it writes anything: --dump-dir's samples were
+    written first, and the run refused after. A rerun under the same settings dumps them as before."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    answers = oracle_answers(0, plan_keys(RunPlan(("niah_single_1",), (2048,), 2)))
+    monkeypatch.setattr(clients, "EngineClient", lambda model_dir, **kw: OracleClient(answers))
+    argv = ["ruler", "--model", str(model), "--tasks", "niah_single_1", "--lengths", "2k", "--samples", "2"]
+    argv += ["--seed", "0", "--device", "cpu", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--kv-dtype", "bf16"]) == 0
+    dump = tmp_path / "dump"
+    capsys.readouterr()
+    assert main([*argv, "--kv-dtype", "fp8_e4m3", "--dump-dir", str(dump)]) == 2
+    assert "holds rows written with other settings" in capsys.readouterr().err
+    assert not dump.exists()
+    assert main([*argv, "--kv-dtype", "bf16", "--dump-dir", str(dump)]) == 0
+    assert len(read_rows(dump / "samples.jsonl")) == 2
 
 
 def test_cli_dump_only(tmp_path):

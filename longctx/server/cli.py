@@ -13,8 +13,12 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from longctx.engine.args import add_engine_args, engine_kwargs, selection_kwargs
+
+if TYPE_CHECKING:
+    from longctx.config import ModelConfig
 
 log = logging.getLogger("longctx.server")
 DRAIN_MARGIN_S = 5.0  # uvicorn's own shutdown deadline, past --drain-timeout
@@ -51,15 +55,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _check_selection(args: argparse.Namespace, cfg: ModelConfig | None) -> None:
+    """The selection flags (SELECTION_FIELDS), for the real engine and the fake one alike: each in range, with
+    one message whichever engine serves; then, given the model's config (the fake engine has none), as
+    `with_selection` takes them over the checkpoint's."""
+    from longctx.cli import CLIError
+    from longctx.config import SELECTION_FIELDS, with_selection
+
+    for name in SELECTION_FIELDS:
+        value, lo = getattr(args, name), 1 if name == "index_topk" else 0
+        if value is not None and value < lo:
+            raise CLIError.about(name, value, f"must be >= {lo}")
+    if cfg is not None:
+        with_selection(cfg, **selection_kwargs(args))
+
+
 def _preflight(args: argparse.Namespace) -> None:
     """What the engine process would refuse at once, refused before the server binds its port: one
     line instead of uvicorn's start and stop around it. The engine checks again (and the rest)."""
-    from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout, with_selection
+    from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout
 
     # (`run` has checked that the model dir holds a config.json)
     cfg = ModelConfig.from_json(Path(args.model))
     check_layout(cfg, args.pp, args.tp)
-    with_selection(cfg, **selection_kwargs(args))
+    _check_selection(args, cfg)
     skip = engine_kwargs(args)["kv_fp8_skip_layers"]
     if skip is not None:
         check_kv_fp8_skip_layers(skip, cfg.num_hidden_layers)
@@ -105,14 +124,10 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("--fake-engine: expected a JSON object")
     elif not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model}: no config.json there")
-    for name in ("pp", "tp", "max_queue", "max_context", "index_topk", "hisparse_device_tokens"):
+    for name in ("pp", "tp", "max_queue", "max_context", "hisparse_device_tokens"):
         value = getattr(args, name)
-        if value is not None and value < 1:  # (the last two are optional)
+        if value is not None and value < 1:  # (the last is optional)
             raise CLIError.about(name, value, "must be >= 1")
-    for name in ("index_local_window", "index_topk_long", "index_topk_long_from"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise CLIError.about(name, value, "must be >= 0")
     if not 0 <= args.port <= 65535:
         raise CLIError.about("port", args.port, "must be in [0, 65535] (0 picks a free port)")
     if not math.isfinite(args.drain_timeout) or args.drain_timeout < 0:
@@ -121,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError.about("api_key", None, "must be ASCII")
     if fake is None:
         _preflight(args)
+    else:
+        _check_selection(args, None)
     spec = EngineSpec(
         model_dir=args.model,
         **engine_kwargs(args),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from typing import Any
 from longctx.config import SELECTION_FIELDS, check_kv_dtype
 from longctx.engine.args import skip_layers_arg
 from longctx.errors import LongctxError
+from longctx.seeds import SEED_RANGE, is_seed
 
 
 class UsageError(LongctxError):
@@ -95,6 +97,18 @@ def int_arg(name: str, text: str | None, lo: float = 1) -> int:
     if v < lo:
         raise UsageError.about(name, text, f"must be >= {lo}")
     return v
+
+
+def seed_arg(name: str, text: str | None) -> int:
+    """The seed flag of dest `name` given as `text`: an integer as `int_arg` reads one, in [0, 2**63)
+    (`longctx.seeds`); other text is refused with that range too, as a number out of it is."""
+    try:
+        seed = int_arg(name, text, lo=-math.inf)
+    except UsageError:
+        raise UsageError.about(name, repr(text), f"must be {SEED_RANGE}") from None
+    if not is_seed(seed):
+        raise UsageError.about(name, seed, f"must be {SEED_RANGE}")
+    return seed
 
 
 def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:

@@ -31,6 +31,24 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def has_rows(path: Path) -> bool:
+    """Whether `read_rows(path)` would return any row, read only as far as the first one (a results file of
+    a million rows is not parsed to learn it has one)."""
+    if not path.exists():
+        return False
+    with path.open("rb") as f:  # (bytes: text mode would decode whole chunks past the row)
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                json.loads(line)
+            except ValueError:  # (as read_rows skips a torn line; bytes not UTF-8 are no row either)
+                continue
+            return True
+    return False
+
+
 def open_append(path: Path) -> TextIO:
     """Open a JSONL file for appending, first ending a torn last line so new rows stay whole."""
     if path.exists() and path.stat().st_size:
@@ -73,7 +91,7 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
     without a record (written before records were kept), let through as unknown. Only the keys both
     hold are compared, so a record that names fewer settings still counts."""
     record = settings_record(target)
-    if not read_rows(target):
+    if not has_rows(target):
         return True
     try:
         old = json.loads(record.read_text())

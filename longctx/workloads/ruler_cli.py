@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longctx.seeds import SEED_RANGE, is_seed
 from longctx.workloads.cli_args import (
     UsageError,
     add_embedded_engine_args,
@@ -22,6 +21,7 @@ from longctx.workloads.cli_args import (
     int_arg,
     model_context,
     model_settings,
+    seed_arg,
     served_client,
 )
 from longctx.workloads.jsonl import check_settings
@@ -186,9 +186,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = parse_lengths(args.lengths)
     samples = int_arg("samples", args.samples)
     indices = parse_indices(args.indices)
-    seed = int_arg("seed", args.seed, lo=-math.inf)  # (its range is every seed's, below: one message)
-    if not is_seed(seed):
-        raise UsageError.about("seed", seed, f"must be {SEED_RANGE}")
+    seed = seed_arg("seed", args.seed)
     concurrency = int_arg("concurrency", args.concurrency)
     try:
         scale = float(args.max_new_tokens_scale)
@@ -232,10 +230,16 @@ def run(args: argparse.Namespace) -> int:
     plan = rr.RunPlan(tuple(tasks), tuple(lengths), samples, concurrency, indices)
     keys = rr.plan_keys(plan)
 
-    if args.dump_dir:
-        n = rr.dump_samples(gen, keys, Path(args.dump_dir))
-        print(f"longctx ruler: wrote {n} samples to {Path(args.dump_dir) / 'samples.jsonl'}", file=sys.stderr)
+    def dump() -> None:  # --dump-dir's samples
+        if args.dump_dir:
+            n = rr.dump_samples(gen, keys, Path(args.dump_dir))
+            print(
+                f"longctx ruler: wrote {n} samples to {Path(args.dump_dir) / 'samples.jsonl'}",
+                file=sys.stderr,
+            )
+
     if not has_model:
+        dump()
         return 0
 
     from longctx.workloads.clients import ClientError, EngineClient, GenRequest
@@ -254,9 +258,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = client.model if client is not None else args.model
         settings = _settings(args, model, counter.name, engine_kw, seed, scale)
-        # rows of other settings in --out are refused before the model loads (run_samples checks again
-        # under its lock, and records these)
+        # rows of other settings in --out are refused before anything is written (the dump too) or the model
+        # loads (run_samples checks again under its lock, and records these)
         check_settings(out / rr.RESULTS, settings)
+        dump()
         if client is None:
             client = EngineClient(args.model, **engine_kw)
         try:
