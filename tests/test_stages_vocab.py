@@ -1,6 +1,6 @@
 """Vocab-parallel embedding and lm_head under tensor parallelism (`longctx.stages.tp`): each rank holds its
-vocabulary rows only (vocabularies tp does not divide, tied embeddings), the hooks give exactly the
-replicated lookup and logits over real gloo groups, and an engine at tp = 2 / 3 matches tp = 1."""
+vocabulary rows only (vocabularies tp does not divide, tied embeddings), over real gloo groups the hooks
+give the replicated lookup and the ranks' logits exactly, and an engine at tp = 2 / 3 matches tp = 1."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from longctx.stages.collectives import group_gather, group_reduce
 from longctx.stages.tp import TPShard, shard_range
 from tests.conftest import make_checkpoint, tiny_config
 
-# 6 heads: tp 2 and 3 both divide them; 319 rows: neither divides the vocabulary (160/159, 107/106/106)
+# 6 heads: tp 2 and 3 both divide them; 319 rows: neither divides the vocabulary (159/160, 106/106/107 rows)
 VOCAB = 319
 PROMPT = [(i * 37 + 11) % 256 for i in range(70)]
 GEN_PROMPTS = [PROMPT[:23], PROMPT[30:61]]
