@@ -319,42 +319,64 @@ def _held_bytes(model) -> int:
     return sum(held.values())
 
 
+ODD_VOCAB = {
+    "vocab_size": 319
+}  # tp = 2 splits it 159 / 160: the ranks' embedding and lm_head differ by a row
+TIED = {"vocab_size": 319, "tie_word_embeddings": True}
+
+
 @pytest.mark.parametrize(
-    ("fp8", "dtype", "stages", "tp"),
+    ("fp8", "dtype", "stages", "tp", "extra"),
     [
-        (False, "bfloat16", 1, 1),
-        (False, "float32", 1, 1),
-        (True, "bfloat16", 1, 1),
-        (True, "float32", 1, 1),
-        (False, "bfloat16", 2, 1),
-        (True, "bfloat16", 2, 1),
-        (False, "bfloat16", 1, 2),
-        (False, "float32", 2, 2),
-        (True, "bfloat16", 1, 2),
+        (False, "bfloat16", 1, 1, {}),
+        (False, "float32", 1, 1, {}),
+        (True, "bfloat16", 1, 1, {}),
+        (True, "float32", 1, 1, {}),
+        (False, "bfloat16", 2, 1, {}),
+        (True, "bfloat16", 2, 1, {}),
+        (False, "bfloat16", 1, 2, {}),
+        (False, "float32", 2, 2, {}),
+        (True, "bfloat16", 1, 2, {}),
+        (False, "bfloat16", 2, 2, ODD_VOCAB),
+        (True, "bfloat16", 1, 2, ODD_VOCAB),
+        (
+            False,
+            "bfloat16",
+            1,
+            1,
+            TIED,
+        ),  # (float32 from a float32 checkpoint: both views of one mmap on the CPU)
+        (False, "bfloat16", 1, 2, TIED),
+        (False, "float32", 2, 2, TIED),
     ],
 )
 def test_loaded_weight_bytes_are_the_models(
-    tmp_path: Path, fp8: bool, dtype: str, stages: int, tp: int
+    tmp_path: Path, fp8: bool, dtype: str, stages: int, tp: int, extra: dict
 ) -> None:
     """`loaded_weight_bytes` (what the engine's room check counts) is what `build_model` holds: in the
     model dtype, or block-fp8 with its scales kept (as on CUDA), for each stage's layers (pp=2: the
-    embedding on the first, the head on the last) and one TP rank's shard."""
+    embedding on the first, the head on the last) and the most loaded TP rank's shard. The embedding and
+    lm_head are vocab-parallel: a rank holds its vocab / tp rows (rounded either way when tp does not
+    divide the vocabulary, the last rank the wider), a tied lm_head the embedding's rows again."""
     import torch
 
     from longctx.engine.worker import build_model
     from longctx.stages.runtime import stage_layers
-    from longctx.stages.tp import TPShard
+    from longctx.stages.tp import TPShard, shard_range
     from tests.conftest import make_checkpoint, tiny_config
 
     # fp8 experts need moe_intermediate_size in whole 128-blocks; hidden 160 / q_lora 136: ragged blocks
     over = {"hidden_size": 160, "q_lora_rank": 136, "moe_intermediate_size": 128} if fp8 else {}
-    d = make_checkpoint(tmp_path / "m", tiny_config(**over), fp8=fp8)
+    d = make_checkpoint(tmp_path / "m", tiny_config(**over, **extra), fp8=fp8)
     cfg = ModelConfig.from_json(d)
     dt = getattr(torch, dtype)
     split = stage_layers(cfg, stages, tp, 64, 64, None)
     assert len(split) == stages and split[0][0] == 0 and split[-1][1] == cfg.num_hidden_layers
+    widest = -(-cfg.vocab_size // tp)
     for a, b in split:
         layers = range(a, b)
+        loaded = P.loaded_weight_bytes(cfg, layers, dt.itemsize, fp8, tp)
+        vocab_tensors = (a == 0) + (b == cfg.num_hidden_layers)  # embedding, lm_head (tied or not)
         for rank in range(tp):
             shard = TPShard(cfg, rank, tp) if tp > 1 else None
             model = build_model(
@@ -365,16 +387,24 @@ def test_loaded_weight_bytes_are_the_models(
                 dt,
                 fp8,
                 shard.shard_weights if shard else None,
-                (lambda m, s=shard: s.shard_model(m, lambda t: t)) if shard else None,
+                (lambda m, s=shard: s.shard_model(m, lambda t: None, lambda t: t[None])) if shard else None,
             )
-            assert P.loaded_weight_bytes(cfg, layers, dt.itemsize, fp8, tp) == _held_bytes(model)
+            v0, v1 = shard_range(cfg.vocab_size, rank, tp)
+            # (the tiny model's other shards divide evenly: only the vocabulary rows set ranks apart)
+            short = (widest - (v1 - v0)) * cfg.hidden_size * dt.itemsize * vocab_tensors
+            assert loaded - short == _held_bytes(model), rank
+            if model.lm_head is not None:
+                assert model.lm_head.weight.shape[0] == v1 - v0
+            if model.model.embed_tokens is not None:
+                assert model.model.embed_tokens.weight.shape[0] == v1 - v0
 
 
 @pytest.mark.parametrize("name", ["tiny", "small-1m", "glm-5.3", "glm-5.3-layers"])
 def test_planner_weights_are_what_the_room_check_counts(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each stage's weight bytes per GPU in `longctx plan` are the figure the engine's room check counts for
-    that stage's TP rank on CUDA (the same split, dtype and fp8 choice): the planner split the embedding and
-    lm_head over TP and counted the router in bf16, so a plan it called feasible could be refused."""
+    that stage's TP rank on CUDA (the same split, dtype and fp8 choice): the planner once split the embedding
+    and lm_head over TP while the engine held them whole, and counted the router in bf16, so a plan it called
+    feasible could be refused."""
     import torch
 
     import longctx.engine.engine as engine_mod

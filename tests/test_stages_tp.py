@@ -21,7 +21,7 @@ from longctx.stages.host import HostBackedKV, open_stage_host_pool
 from longctx.stages.tp import TPShard
 from tests.conftest import make_checkpoint, tiny_config
 
-SHARDED = re.compile(r"(q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+SHARDED = re.compile(r"(q_b_proj|kv_b_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)\.weight$")
 
 
 def _dense(weights, block) -> tuple[dict[str, torch.Tensor], int]:
@@ -79,7 +79,7 @@ def test_sharded_model_shapes(tiny_dir):
         torch.float32,
         False,
         shard.shard_weights,
-        lambda m: shard.shard_model(m, lambda t: None),
+        lambda m: shard.shard_model(m, lambda t: None, lambda t: t[None]),
     )
     attn = model.model.layers["1"].self_attn
     assert attn.n_heads == cfg.num_attention_heads // 2

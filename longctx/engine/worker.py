@@ -190,10 +190,18 @@ class StageWorker:
 
     @torch.inference_mode()
     def finish_async(
-        self, plan: BatchPlan, h: torch.Tensor | None, last_logits: torch.Tensor | None = None
+        self,
+        plan: BatchPlan,
+        h: torch.Tensor | None,
+        last_logits: torch.Tensor | None = None,
+        sample: bool = True,
     ) -> PendingRows:
         """`finish` up to the sampled tokens, which stay on the device (nothing waits for the GPU
-        unless a row asked for all its logits); `resolve` reads them back."""
+        unless a row asked for all its logits); `resolve` reads them back.
+
+        `sample=False` runs the lm_head over the same rows and stops there (no host copies, no
+        sampling, nothing to resolve): a tensor-parallel rank that does not report takes part in the
+        vocab-parallel lm_head's all-gather this way (`longctx.stages.tp`)."""
         out: list[RowResult] = [RowResult(r.rid) for r in plan.rows]
         last: list[int] = []  # rows that sample
         ends: list[int] = []  # their last token's index in h
@@ -203,7 +211,9 @@ class StageWorker:
             n = len(r.token_ids)
             if r.logits == "all":
                 assert h is not None
-                out[i].logits = self.model.logits(h[off : off + n]).cpu()
+                logits = self.model.logits(h[off : off + n])
+                if sample:
+                    out[i].logits = logits.cpu()
             elif r.logits == "last":
                 last.append(i)
                 ends.append(off + n - 1)
@@ -221,7 +231,8 @@ class StageWorker:
                 last_logits = self.model.logits(take_rows(h, ends))  # one lm_head GEMM for every sampling row
             else:
                 last_logits = take_rows(last_logits, last)
-            toks = sample_rows_device(last_logits, [plan.rows[i] for i in last], self.penalties)
+            if sample:
+                toks = sample_rows_device(last_logits, [plan.rows[i] for i in last], self.penalties)
         pending = PendingRows(plan, out, last, toks, last_logits, prompt_lps=prompt_lps)
         if toks is not None and toks.is_cuda:
             # Start the tokens' way to the host now, behind this step's work only: a continuation

@@ -275,23 +275,24 @@ def loaded_weight_bytes(cfg: ModelConfig, layers: range, itemsize: int, fp8: boo
     start the model, the final norm and lm_head when they end it) as the engine loads them
     (`longctx.engine.worker.build_model`): in the model dtype of `itemsize` bytes, or with `fp8` the
     block-quantised weights kept in fp8 with their scales (a TP shard cut inside a block dequantised);
-    `KEPT_FP32` in fp32; the embedding and lm_head whole on every rank (a tied lm_head is a copy); and
-    what `CausalLM.finalize` derives: the absorbed W_UK / W_UV (kv_b_proj's rows again in the model
-    dtype) and, in the stacked x projections, a model-dtype copy of the fp32 weights_proj."""
+    `KEPT_FP32` in fp32; the embedding and lm_head vocab-parallel (`longctx.stages.tp`: ceil(vocab / tp)
+    rows on the most loaded rank, the last, which also holds the widest of every other shard; a tied
+    lm_head is a copy of the embedding's rows); and what `CausalLM.finalize` derives: the absorbed
+    W_UK / W_UV (kv_b_proj's rows again in the model dtype) and, in the stacked x projections, a
+    model-dtype copy of the fp32 weights_proj."""
     ws = [w for i in layers for w in layer_weights(cfg, i)]
     if layers.start == 0:
         ws += embed_weights(cfg)
     if layers.stop == cfg.num_hidden_layers:
         ws += head_weights(cfg)
         if cfg.tie_word_embeddings:
-            ws.append(Weight("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head"))
+            ws.append(Weight("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head", "vocab"))
     block = cfg.quant_block or (128, 128)
     kind = "fp8" if fp8 else "bf16"
     total = 0
     for w in ws:
-        shard = "replicated" if w.shard == "vocab" else w.shard
-        quant = w.quant and (shard not in ("out", "in") or _blocks_split(w, tp, block))
-        w = replace(w, shard=shard, quant=quant, fp32=w.fp32 or w.name.endswith(KEPT_FP32))
+        quant = w.quant and (w.shard not in ("out", "in") or _blocks_split(w, tp, block))
+        w = replace(w, quant=quant, fp32=w.fp32 or w.name.endswith(KEPT_FP32))
         total += w.nbytes(kind, tp, block, itemsize)
     heads = -(-cfg.num_attention_heads // tp)
     for i in layers:

@@ -246,7 +246,9 @@ def activation_headroom(
                            + T 3 ceil(shared_inter / tp) x 2
                                                         routed pairs on this rank (balanced routing),
                                                         router logits fp32, shared expert
-        logits    = [last stage] T ceil(vocab / tp) x 4 fp32 logits of the chunk (as `score` returns)
+        logits    = [last stage] T vocab (2 + 4)            the chunk's whole logits (as `score` returns): the
+                                                        vocab-parallel lm_head's all-gather leaves them on
+                                                        every rank, bf16, then their fp32 copy
         headroom  = hidden + max(attention, mlp) + logits
     """
     t = min(chunk, context)
@@ -269,7 +271,7 @@ def activation_headroom(
         else:
             m = t * 3 * -(-cfg.intermediate_size // tp) * a
         mlp = max(mlp, m)
-    logits = t * -(-cfg.vocab_size // tp) * 4 if has_head else 0
+    logits = t * cfg.vocab_size * (a + 4) if has_head else 0
     return hidden + max(attention, mlp) + logits
 
 

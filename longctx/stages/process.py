@@ -3,12 +3,13 @@
 Per plan, in the order the driver sent them: stage 0 embeds the plan's tokens, every later stage
 receives the [T, hidden] states of its predecessor (same TP rank, point-to-point; T is known from
 the plan), runs its layers, and sends the result on with `isend`, so it can start on the next plan
-while the transfer runs: with several plans submitted the pipeline stays full. The last stage's TP
-rank 0 computes logits / samples (`StageWorker.finish`) and returns the `BatchResult`.
+while the transfer runs: with several plans submitted the pipeline stays full. Every TP rank of the
+last stage runs the vocab-parallel lm_head over the same rows (its all-gather needs them all); rank 0
+samples (`StageWorker.finish`) and returns the `BatchResult`.
 
 Process groups: the world is the P*T stage ranks (rank = stage * T + tp_rank); each stage has a TP
-group (NCCL on GPUs, gloo on CPU) for the all-reduces of `longctx.stages.tp` and a gloo group for
-host-pool coordination. The driver is not a member: plans and results travel through a
+group (NCCL on GPUs, gloo on CPU) for the all-reduces and the logits' all-gather of
+`longctx.stages.tp` (`longctx.stages.collectives`) and a gloo group for host-pool coordination. The driver is not a member: plans and results travel through a
 `Transport` (multiprocessing queues for a local spawn, see `longctx.stages.launch` for torchrun).
 """
 
@@ -38,6 +39,7 @@ from longctx.engine.worker import DTYPES, StageWorker, build_model, keeps_fp8
 from longctx.errors import ConfigError, LongctxError, one_line
 from longctx.kvstore.host_pool import unlink_owned
 from longctx.kvstore.pool import PagedKVPool, host_kv_spec
+from longctx.stages.collectives import group_gather, group_reduce
 from longctx.stages.host import HostBackedKV, open_stage_host_pool
 from longctx.stages.messages import (
     Failed,
@@ -148,13 +150,10 @@ class StageProcess:
         prepare = weight_filter = None
         if spec.tp > 1:
             shard = TPShard(cfg, spec.tp_rank, spec.tp)
-            group = self.tp_group
-
-            def reduce(t: torch.Tensor) -> None:
-                dist.all_reduce(t, group=group)
+            reduce, gather = group_reduce(self.tp_group), group_gather(self.tp_group)
 
             def prepare(m: Any) -> None:
-                shard.shard_model(m, reduce)
+                shard.shard_model(m, reduce, gather)
 
             weight_filter = shard.shard_weights
         model = build_model(
@@ -255,6 +254,8 @@ class StageProcess:
             rows = self.worker.finish(plan, h)
             payload = pickle.dumps(BatchResult(plan.step_id, rows), protocol=pickle.HIGHEST_PROTOCOL)
             self.transport.put(Result(msg.seq, payload))
+        else:  # the other TP ranks' lm_head shards, for rank 0's all-gather of the logits
+            self.worker.finish_async(plan, h, sample=False)
         self.kv.end_step(self.step_barrier)
         self.busy_s += time.perf_counter() - t0
         self.steps += 1

@@ -2,14 +2,25 @@
 
 As in gpt-fast's `tp.py`, the model code knows nothing about ranks: this module (1) shrinks the
 meta-built modules to one rank's shard, (2) slices the checkpoint tensors as they stream in, so a
-rank never holds a whole layer, and (3) adds forward hooks that all-reduce partial outputs.
+rank never holds a whole layer (nor the whole embedding or lm_head), and (3) adds forward hooks that
+all-reduce partial outputs and all-gather the logits (`longctx.stages.collectives`).
 
 What each of `tp` ranks holds (heads h = H / tp, rank r):
 - attention: q_b_proj rows and kv_b_proj rows of heads [r h, (r+1) h), o_proj columns of the same
   heads; `n_heads = h` (the absorbed W_UK / W_UV come from the sharded kv_b_proj in `finalize`).
   o_proj's output is a partial sum over heads -> all-reduce (hook on o_proj).
-- replicated: embedding, q_a / kv_a projections and their norms, the indexer (every rank needs the
-  same top-k), the router, the layer norms, the final norm and lm_head.
+- embedding and lm_head, vocab-parallel: the rows of vocabulary [v0, v1) = `shard_range(vocab, r,
+  tp)` (shards differ by one row when tp does not divide the vocabulary; a tied lm_head, the
+  loader's copy of the embedding, takes the same rows). The embedding looks up its own ids and
+  gives zero rows for the others, then all-reduces (exactly one rank adds a non-zero row: the sum is
+  the replicated lookup bit for bit). lm_head computes the logits of its rows; a hook all-gathers
+  them (padded to the widest shard) into the whole [n, vocab] on every rank, each column exactly as
+  its rank computed it (a BLAS may round a column of a narrower product otherwise than the whole
+  matrix's: ~1 ulp of fp32 seen on the CPU). Every rank of the last stage therefore runs the same
+  lm_head calls (`StageWorker.finish_async(sample=False)` on all but rank 0, which samples and
+  reports).
+- replicated: q_a / kv_a projections and their norms, the indexer (every rank needs the same top-k),
+  the router, the layer norms and the final norm.
 - dense MLP and shared experts: gate/up rows and down columns of intermediate [r I/tp, (r+1) I/tp).
 - routed experts: experts [r E/tp, (r+1) E/tp) stacked as local ids 0..; a pre-hook maps the
   router's global ids to local ones (others -1, which the expert kernels skip).
@@ -26,6 +37,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longctx.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE, dequantize_fp8_block
@@ -35,9 +47,11 @@ from longctx.model.layer import DecoderLayer
 from longctx.model.linear import Linear
 from longctx.model.model import CausalLM
 from longctx.model.moe import MLP, MoE
+from longctx.stages.collectives import Gather, Reduce
 
-Reduce = Callable[[torch.Tensor], None]  # in-place sum over the stage's TP ranks
+__all__ = ["Gather", "Reduce", "TPShard", "shard_range"]
 
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # (a tied lm_head too: the loader's copy)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -57,11 +71,14 @@ class TPShard:
         self.cfg, self.rank, self.tp = cfg, rank, tp
         self.heads = cfg.num_attention_heads // tp
         self.experts = shard_range(cfg.n_routed_experts, rank, tp)
+        self.vocab = shard_range(cfg.vocab_size, rank, tp)  # embedding / lm_head rows [v0, v1)
         self.block: tuple[int, int] = tuple(cfg.quant_block or DEFAULT_BLOCK)  # type: ignore[assignment]
 
     # ---- which slice of a checkpoint tensor -------------------------------------------------
     def _slice_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of `name`'s shard, or None if replicated."""
+        if name in _VOCAB_ROWS:
+            return 0, *self.vocab
         m = _LAYER.match(name)
         if m is None or not name.endswith(".weight"):
             return None
@@ -135,14 +152,30 @@ class TPShard:
             raise ConfigError(f"fp8 weight {held[0]} has no scale")
 
     # ---- the meta model ----------------------------------------------------------------------
-    def shard_model(self, model: CausalLM, reduce: Reduce | None) -> CausalLM:
-        """Shrink a meta-built model's modules to this rank's shapes and add the reduce hooks.
+    def shard_model(self, model: CausalLM, reduce: Reduce | None, gather: Gather | None) -> CausalLM:
+        """Shrink a meta-built model's modules to this rank's shapes and add the collective hooks.
 
-        Call before loading weights; `reduce` is None only for tp == 1 (nothing to do).
+        Call before loading weights; `reduce` and `gather` are None only for tp == 1 (nothing to do).
         """
         if self.tp == 1:
             return model
-        assert reduce is not None
+        assert reduce is not None and gather is not None
+        v0, v1 = self.vocab
+        emb = model.model.embed_tokens
+        if emb is not None:
+            if not emb.weight.is_meta:
+                raise ConfigError("embedding: shard_model needs the meta-built model, before loading")
+            emb.num_embeddings = v1 - v0
+            emb.weight = _meta_param((v1 - v0, emb.embedding_dim), emb.weight.dtype)
+            pre, post = _vocab_embedding_hooks(v0, v1, reduce)
+            emb.register_forward_pre_hook(pre)
+            emb.register_forward_hook(post)
+        if model.lm_head is not None:
+            if not model.lm_head.weight.is_meta:
+                raise ConfigError("lm_head: shard_model needs the meta-built model, before loading")
+            _resize(model.lm_head, out=v1 - v0)
+            sizes = [b - a for a, b in (shard_range(self.cfg.vocab_size, r, self.tp) for r in range(self.tp))]
+            model.lm_head.register_forward_hook(_vocab_gather_hook(sizes, gather))
         for i, layer in model.model.layers.items():
             if not any(p.is_meta for p in layer.parameters()):
                 raise ConfigError(f"layer {i}: shard_model needs the meta-built model, before loading")
@@ -193,6 +226,41 @@ def _reduce_hook(reduce: Reduce) -> Callable[..., torch.Tensor]:
     def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
         reduce(out)
         return out
+
+    return hook
+
+
+def _vocab_embedding_hooks(
+    v0: int, v1: int, reduce: Reduce
+) -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]]:
+    """nn.Embedding over vocabulary rows [v0, v1): the pre-hook makes the ids local (those of other
+    ranks look up row 0), the hook zeroes those rows and sums the ranks' partial embeddings."""
+    outside: list[torch.Tensor] = []  # the pre-hook's mask [T], for the hook of the same call
+
+    def pre(module: nn.Module, args: tuple) -> tuple:
+        (ids,) = args
+        out = (ids < v0) | (ids >= v1)
+        outside[:] = [out]
+        return ((ids - v0).masked_fill_(out, 0),)
+
+    def post(module: nn.Module, args: tuple, h: torch.Tensor) -> torch.Tensor:
+        h.masked_fill_(outside.pop().unsqueeze(-1), 0)
+        reduce(h)
+        return h
+
+    return pre, post
+
+
+def _vocab_gather_hook(sizes: list[int], gather: Gather) -> Callable[..., torch.Tensor]:
+    """lm_head over this rank's vocabulary rows -> the whole logits [..., vocab] from every rank's
+    columns; a shard narrower than the widest is padded for the gather (all-gathers take one shape)."""
+    width = max(sizes)
+
+    def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        if out.shape[-1] < width:
+            out = F.pad(out, (0, width - out.shape[-1]))
+        parts = gather(out)  # [tp, ..., width]
+        return torch.cat([parts[r, ..., :n] for r, n in enumerate(sizes)], dim=-1)
 
     return hook
 
