@@ -160,6 +160,26 @@ def test_save_dtype_takes_the_short_names(tmp_path: Path) -> None:
         assert args.save_dtype == want
 
 
+def test_train_config_takes_the_short_dtype_names() -> None:
+    """TrainConfig(save_dtype=...) from Python takes what --save-dtype takes (it refused "bf16"), keeps the
+    torch name (what a recipe records and the save reads), and check_config still refuses other names."""
+    from longctx.config import ModelConfig
+
+    for given, want in (
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("fp32", "float32"),
+        (torch.float32, "float32"),
+    ):
+        cfg = loop.TrainConfig(save_dtype=given)  # type: ignore[arg-type]
+        assert cfg.save_dtype == want
+        loop.check_config(cfg, ModelConfig.from_json(TINY))
+        assert dataclasses.replace(cfg).save_dtype == want
+    with pytest.raises(ConfigError) as e:
+        loop.check_config(loop.TrainConfig(save_dtype="fp16"), ModelConfig.from_json(TINY))
+    assert str(e.value).startswith("save_dtype 'float16': must be one of")
+
+
 def test_a_seed_wider_than_32_bits_trains_and_each_bit_counts(tmp_path: Path) -> None:
     """--seed takes [0, 2**63): a seed past 2**44 ran out of the KL rows' generator (a traceback at the
     first step), and seeds 2**32 apart started from the same weights (torch's CPU generator keeps 32 bits

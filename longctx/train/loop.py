@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from longctx.config import ModelConfig, with_selection
+from longctx.config import ModelConfig, canonical_dtype, with_selection
 from longctx.engine.engine import resolve_device  # (the benches import it from here too)
 from longctx.errors import ConfigError
 from longctx.seeds import MASK63, SEED_RANGE, generator_seed, is_seed
@@ -186,6 +186,13 @@ class TrainConfig:
     eval_samples: int = 0  # NIAH samples per (task, length) after training (0: no eval)
     eval_lengths: tuple[int, ...] = (1024, 4096)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        # any name of a dtype (bf16, BF16, torch.float32) as its torch name, as the CLI's --save-dtype reads it
+        # and as recipes record it; another value stays for check_config to refuse
+        canon = canonical_dtype(self.save_dtype)
+        if canon is not None:
+            object.__setattr__(self, "save_dtype", canon)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
