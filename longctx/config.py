@@ -474,6 +474,19 @@ def with_selection(
     return cfg
 
 
+def check_device_tokens(cfg: ModelConfig, device_tokens: int | None) -> None:
+    """HiSparse's cap (`hisparse_device_tokens`, None: none) against `cfg`'s selection (as `with_selection`
+    left it): each (request, layer) must keep more tokens on the device than a full layer selects. Checked
+    before any weight is read, by the Engine and by `serve` before it binds its port."""
+    if device_tokens is not None and device_tokens <= cfg.index_topk:
+        raise ConfigError.about(
+            "hisparse_device_tokens",
+            device_tokens,
+            f"must be more than {{}} ({cfg.index_topk}), the tokens a full layer selects",
+            "index_topk",
+        )
+
+
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 

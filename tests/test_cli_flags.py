@@ -60,6 +60,9 @@ BAD_FLAGS = [
     ("generate", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
     ("generate", ["--max-context", "0"], "--max-context 0: must be a positive integer"),
     ("generate", ["--chunk-size", "-3"], "--chunk-size -3: must be a positive integer"),  # (was a hang)
+    # (said as the keyword, after the weights were read)
+    ("generate", ["--hisparse-device-tokens", "256"], "--hisparse-device-tokens 256: must be more than --index-topk (256), the tokens a full layer selects"),
+    ("generate", ["--index-topk", "192", "--hisparse-device-tokens", "150"], "--hisparse-device-tokens 150: must be more than --index-topk (192), the tokens a full layer selects"),
     ("generate", ["--hisparse-device-tokens", "0"], "--hisparse-device-tokens 0: must be a positive integer"),
     ("generate", ["--index-topk", "0"], "--index-topk 0: must be a positive int"),
     (  # (its [tokens, index_topk] buffers were allocated: a traceback)
@@ -97,6 +100,8 @@ BAD_FLAGS = [
     ("serve", ["--port", "70000"], "--port 70000: must be in [0, 65535] (0 picks a free port)"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout -1.0: must be a number of seconds >= 0"),
     ("serve", ["--api-key", "clé"], "--api-key: must be ASCII"),
+    # (the engine process refused it after the port was bound and the weights read)
+    ("serve", ["--hisparse-device-tokens", "100"], "--hisparse-device-tokens 100: must be more than --index-topk (256), the tokens a full layer selects"),
     ("serve", ["--kv-fp8-skip-layers", "9"], "--kv-fp8-skip-layers 9: must be distinct layer numbers in [0, 6)"),
     ("init-model", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("init-model", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),

@@ -252,6 +252,29 @@ def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(
         assert f"hisparse_device_tokens={kw['hisparse_device_tokens']}" in msg
 
 
+@pytest.mark.parametrize(
+    "kw", [{"hisparse_device_tokens": 16}, {"hisparse_device_tokens": 8, "index_topk": 8}]
+)
+def test_a_hisparse_cap_within_the_top_k_is_refused_before_anything_is_built(tiny_dir, kw, monkeypatch):
+    """A cap the model's selection (tiny.json: top 16) rules out is a bad argument like the others: one line
+    about hisparse_device_tokens before the model is read (the cache refused it once the weights were in)."""
+    import longctx.engine.engine as engine_mod
+    import longctx.stages.runtime
+
+    def built(*a, **k):
+        raise AssertionError("built before hisparse_device_tokens was checked")
+
+    monkeypatch.setattr(engine_mod, "build_model", built)
+    monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
+    with pytest.raises(ConfigError) as e:
+        Engine(tiny_dir, device="cpu", **kw)
+    n = kw["hisparse_device_tokens"]
+    assert (
+        str(e.value)
+        == f"hisparse_device_tokens {n}: must be more than index_topk ({n}), the tokens a full layer selects"
+    )
+
+
 def _weight_bytes(model_dir, layers=None, itemsize=4, tp=1):
     from longctx.config import ModelConfig
     from longctx.model.params import loaded_weight_bytes

@@ -4,10 +4,15 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +60,48 @@ def test_top_level_kernels_without_another_stays_empty() -> None:
 def test_transformers_model_imports_from_the_checkout() -> None:
     # transformers >= 5.2x imports `kernels` while loading its model classes: the CI failure this guards.
     assert _python("from transformers import GlmMoeDsaForCausalLM; print('ok')", timeout=300) == ["ok"]
+
+
+def _requirement_names(requirements: list[str] | None) -> set[str]:
+    """Normalised distribution names of `requirements` that hold without an extra."""
+    return {
+        re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0)).lower()
+        for r in requirements or []
+        if not re.search(r"\bextra\s*==", r)
+    }
+
+
+def test_every_third_party_import_is_a_declared_dependency() -> None:
+    """Each third-party module longctx/ and kernels/ import comes with `pip install longctx` (a
+    [project] dependency, or one of theirs) or its `triton` extra: `longctx ruler --base-url` imported
+    httpx, which only the test extra installed."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _requirement_names(project["dependencies"]) | _requirement_names(
+        project["optional-dependencies"]["triton"]
+    )
+    installed, todo = set(declared), list(declared)
+    while todo:  # (what the declared ones bring with them, as installed here)
+        try:
+            needs = _requirement_names(importlib.metadata.requires(todo.pop()))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += sorted(needs - installed)
+        installed |= needs
+    dists = importlib.metadata.packages_distributions()
+    missing = set()
+    for path in [*(ROOT / "longctx").rglob("*.py"), *(ROOT / "kernels").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - {"longctx", "kernels", "__future__"}:
+                if top in sys.stdlib_module_names:
+                    continue
+                found = {re.sub(r"[-_.]+", "-", d).lower() for d in dists.get(top, [top])}
+                if not found & installed:
+                    missing.add(f"{top} ({path.relative_to(ROOT)})")
+    assert not missing, f"imported but not installed with longctx: {sorted(missing)}"

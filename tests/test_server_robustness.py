@@ -500,22 +500,30 @@ def test_serve_bad_args_exit_2_with_one_line(extra, capsys):
 
 @pytest.mark.parametrize("stages", [[], ["--pp", "2"]])
 def test_serve_engine_that_cannot_start_exits_2_with_one_line(tmp_path, stages):
-    """An engine refusing its flags at startup (HiSparse slots below the model's top-k: only the engine
-    knows the model's top-k) ends `longctx serve` with exit 2 and one error line, no traceback, no child
-    process left behind; also when a stage process (pp=2) is the one that refuses."""
+    """An engine failing at startup (weights that do not load: only the engine reads them; flags the
+    model's config rules out are refused before the port is bound) ends `longctx serve` with exit 2 and
+    one error line, no traceback, no child process left behind; also when a stage process (pp=2, the
+    stage holding lm_head) is the one that fails."""
+    import shutil
     import subprocess
     import sys
 
-    model = Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip"
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "models-shipped" / "retrieval-wip", model)
+    weights = load_file(model / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     argv = ["serve", "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "warning"]
     p = subprocess.run(
-        [sys.executable, "-m", "longctx.cli", *argv, *stages, "--hisparse-device-tokens", "100"],
+        [sys.executable, "-m", "longctx.cli", *argv, *stages],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, p.stderr
     assert err[0].startswith("longctx serve: error: the engine did not start: ")
-    assert "ConfigError: hisparse_device_tokens" in err[0]
+    assert "CheckpointError: checkpoint is missing lm_head.weight" in err[0]
     left = [q for q in psutil.process_iter(["cwd"]) if q.info["cwd"] == str(tmp_path)]  # its engine process
     assert not left, left
 

@@ -24,7 +24,14 @@ import torch
 from tqdm import tqdm
 
 from longctx.checkpoint.tokenizer import load_tokenizer
-from longctx.config import ModelConfig, check_kv_fp8_skip_layers, dtype_name, is_int, with_selection
+from longctx.config import (
+    ModelConfig,
+    check_device_tokens,
+    check_kv_fp8_skip_layers,
+    dtype_name,
+    is_int,
+    with_selection,
+)
 from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
@@ -204,6 +211,7 @@ class Engine:
         self.cfg = with_selection(
             self.cfg, index_topk, index_local_window, index_topk_long, index_topk_long_from
         )
+        check_device_tokens(self.cfg, hisparse_device_tokens)
         self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"

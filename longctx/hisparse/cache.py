@@ -83,7 +83,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from longctx.config import ModelConfig
+from longctx.config import ModelConfig, check_device_tokens
 from longctx.errors import ConfigError
 from longctx.hisparse.gather import swap_in_counted, swap_in_rows_counted
 from longctx.kernels.hisparse_step import CopyList, resolve_tail, slot_lookup, step_rows
@@ -246,10 +246,7 @@ class HiSparseKVCache(HasKVKinds):
         place_candidates: bool | None = None,
     ) -> None:
         K = cfg.index_topk
-        if device_tokens <= K:
-            raise ConfigError(
-                f"hisparse_device_tokens ({device_tokens}) must be larger than index_topk ({K})"
-            )
+        check_device_tokens(cfg, device_tokens)
         self.kinds = KVKinds.of(kind)
         self.cfg, self.layers, self.kind = cfg, layers, self.kinds.base
         self.dtype, self.device = dtype, torch.device(device)

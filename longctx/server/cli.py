@@ -58,16 +58,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _check_selection(args: argparse.Namespace, cfg: ModelConfig | None) -> None:
     """The selection flags (SELECTION_FIELDS), for the real engine and the fake one alike: each in range, with
     one message whichever engine serves; then, given the model's config (the fake engine has none), as
-    `with_selection` takes them over the checkpoint's."""
+    `with_selection` takes them over the checkpoint's, and --hisparse-device-tokens against the top-k that
+    leaves."""
     from longctx.cli import CLIError
-    from longctx.config import SELECTION_FIELDS, with_selection
+    from longctx.config import SELECTION_FIELDS, check_device_tokens, with_selection
 
     for name in SELECTION_FIELDS:
         value, lo = getattr(args, name), 1 if name == "index_topk" else 0
         if value is not None and value < lo:
             raise CLIError.about(name, value, f"must be >= {lo}")
     if cfg is not None:
-        with_selection(cfg, **selection_kwargs(args))
+        check_device_tokens(with_selection(cfg, **selection_kwargs(args)), args.hisparse_device_tokens)
 
 
 def _preflight(args: argparse.Namespace) -> None:
