@@ -192,3 +192,15 @@ def test_each_engine_flag_sets_the_keyword_of_its_name() -> None:
         SamplingParams(max_new_tokens=4, min_tokens=9).validate()
     assert str(e.value) == "min_tokens 9: must be an integer between 0 and max_new_tokens (4)"
     assert e.value.named(say) == "--min-tokens 9: must be an integer between 0 and --max-new-tokens (4)"
+
+
+@pytest.mark.parametrize("command", ["generate", "score"])
+def test_a_prompt_that_is_not_utf8_is_one_line(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """A command line's byte that is not UTF-8 reads as a lone surrogate (U+DCFF for 0xff), which the
+    tokenizer refused with a TypeError: a traceback."""
+    assert main([command, *CPU, "ab\udcff"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"longctx {command}: error: the prompt is not valid Unicode: an unpaired surrogate U+DCFF "
+        "(byte 0xFF, not UTF-8) at character 2"
+    ]

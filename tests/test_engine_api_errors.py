@@ -376,3 +376,23 @@ def test_the_default_pages_on_cuda_leave_the_weights_their_room(tiny_dir, monkey
         assert e._default_pages(huge, pp=2) == free["cuda"] // 2 // page  # (a stage's half of them: half)
         free["cuda"] = weights  # nothing left: the floor of 16 pages, for the room check to refuse
         assert e._default_pages(huge) == 16
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        # (the tokenizer's TypeError "TextInputSequence must be str"; a command line's byte 0xff reads as
+        # U+DCFF: `longctx generate $'\xff'` was a traceback)
+        (lambda e: e.generate(["ab\udcffc"]), r"^the prompt is not valid Unicode: an unpaired surrogate "
+         r"U\+DCFF \(byte 0xFF, not UTF-8\) at character 2$"),
+        (lambda e: e.generate(["\ud800"]), r"^the prompt is not valid Unicode: an unpaired surrogate U\+D800 at"),
+        (lambda e: e.encode("x\udfff"), "unpaired surrogate U\\+DFFF at character 1"),
+        (lambda e: e.encode(None), "^a text prompt must be a string, got NoneType$"),
+        (lambda e: e.encode(5), "^a text prompt must be a string, got int$"),
+    ],
+)  # fmt: skip
+def test_a_text_that_is_not_valid_unicode_is_a_request_error(eng, call, says):
+    with pytest.raises(RequestError, match=says) as e:
+        call(eng)
+    assert e.value.param == "prompt"
+    assert eng.num_waiting() == eng.num_running() == 0

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -49,6 +50,7 @@ from longctx.memory import available_memory, check_parts, check_room
 from longctx.model.params import loaded_weight_bytes
 
 log = logging.getLogger("longctx.engine")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 PAGE_SIZE = 64
 
 
@@ -619,8 +621,21 @@ class Engine:
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise RequestError(f"a text prompt must be a string, got {type(text).__name__}", "prompt")
         if self.tokenizer is None:
             raise RequestError("string prompts need the model's tokenizer (tokenizer.json)")
+        # (the tokenizer refuses a lone surrogate with a TypeError; a command line's byte that is not UTF-8
+        # reads as one, U+DC80..U+DCFF)
+        bad = _SURROGATE.search(text)
+        if bad is not None:
+            c = ord(bad.group())
+            byte = f" (byte 0x{c - 0xDC00:02X}, not UTF-8)" if 0xDC80 <= c <= 0xDCFF else ""
+            raise RequestError(
+                f"the prompt is not valid Unicode: an unpaired surrogate U+{c:04X}{byte} at character "
+                f"{bad.start()}",
+                "prompt",
+            )
         return self.tokenizer.encode(text).ids
 
     def _completion(
