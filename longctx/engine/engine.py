@@ -393,6 +393,15 @@ class Engine:
     # ---- step-level API (the server's engine process drives these) ----------------------------
     def add_request(self, req: Request) -> None:
         self._check_open()
+        # checked before the scheduler takes it: a request id that is not a string (unhashable, a list) was
+        # queued, then failed every later step with a TypeError, the requests already running with it
+        if not isinstance(req, Request):
+            raise RequestError(f"add_request takes a Request, got {type(req).__name__}")
+        if not isinstance(req.rid, str):
+            raise RequestError(f"a request id must be a string, got {type(req.rid).__name__}")
+        if not isinstance(req.params, SamplingParams):
+            raise RequestError(f"a request's params must be SamplingParams, got {type(req.params).__name__}")
+        req.params.validate()
         check_token_ids(req, self.cfg.vocab_size)
         if req.params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer (tokenizer.json)", "stop")

@@ -91,6 +91,11 @@ class SamplingParams:
             raise RequestError.about("min_p", repr(self.min_p), "must be in [0, 1]")
         if isinstance(self.stop, str):  # (it was read as one stop string per character)
             raise RequestError.about("stop", repr(self.stop), "must be a list of strings, not one string")
+        # (a container of another type failed as a TypeError in add_request, or in the step)
+        for name, what in (("stop", "strings"), ("stop_token_ids", "token ids"), ("logit_bias", "pairs")):
+            v = getattr(self, name)
+            if not isinstance(v, tuple | list):
+                raise RequestError.about(name, None, f"must be a list of {what}, got {type(v).__name__}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise RequestError.about("stop", repr(s), "is not a string")
@@ -100,7 +105,10 @@ class SamplingParams:
             raise RequestError.about(
                 "logit_bias", None, f"has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}"
             )
-        for tok, bias in self.logit_bias:
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise RequestError.about("logit_bias", None, f"must be (token id, bias) pairs, got {pair!r}")
+            tok, bias = pair
             if not is_int(tok) or tok < 0:
                 raise RequestError.about(
                     "logit_bias", None, f"token ids must be non-negative integers, got {tok!r}"
