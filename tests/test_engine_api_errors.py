@@ -174,6 +174,7 @@ def test_a_bad_request_added_while_others_run_leaves_them_intact(eng):
         Request("x5", [1, 2, 3], SamplingParams(stop="ab", **kw)),
         Request("x6", [1, 2, 3], SamplingParams(stop_token_ids=(True,), **kw)),
         Request("a", [1, 2, 3], SamplingParams(**kw)),  # a duplicate id
+        Request("x7", [1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos="no")),  # (taken as True)
         # (a TypeError in add_request; the last one after the scheduler had queued it: every later step failed)
         Request("x8", [1, 2, 3], SamplingParams(stop_token_ids=None, **kw)),
         Request("x9", [1, 2, 3], None),
@@ -399,6 +400,14 @@ def test_a_text_that_is_not_valid_unicode_is_a_request_error(eng, call, says):
     with pytest.raises(RequestError, match=says) as e:
         call(eng)
     assert e.value.param == "prompt"
+    assert eng.num_waiting() == eng.num_running() == 0
+
+
+@pytest.mark.parametrize("value", ["no", None, 1, np.True_])
+def test_ignore_eos_must_be_a_bool(eng, value):
+    """("no" was read as True, None as False.)"""
+    with pytest.raises(RequestError, match=rf"^ignore_eos {value!r}: must be True or False$"):
+        eng.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=value)
     assert eng.num_waiting() == eng.num_running() == 0
 
 

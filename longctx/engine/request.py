@@ -87,6 +87,8 @@ class SamplingParams:
                 f"must be an integer between 0 and {{}} ({self.max_new_tokens})",
                 "max_new_tokens",
             )
+        if not isinstance(self.ignore_eos, bool):  # ("no" was read as True)
+            raise RequestError.about("ignore_eos", repr(self.ignore_eos), "must be True or False")
         if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise RequestError.about("min_p", repr(self.min_p), "must be in [0, 1]")
         if isinstance(self.stop, str):  # (it was read as one stop string per character)
