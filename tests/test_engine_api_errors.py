@@ -403,6 +403,25 @@ def test_a_text_that_is_not_valid_unicode_is_a_request_error(eng, call, says):
     assert eng.num_waiting() == eng.num_running() == 0
 
 
+@pytest.mark.parametrize(
+    "ids",
+    [{5, 6, 7}, frozenset({5, 6}), {5: 1, 6: 2}, {5: 1}.keys(), bytearray(b"ab"), memoryview(b"ab")],
+    ids=["set", "frozenset", "dict", "keys", "bytearray", "memoryview"],
+)
+def test_token_ids_in_no_order_or_as_bytes_are_refused(eng, ids):
+    """A set or a dict of token ids has no order a prompt has, and a bytearray is bytes (refused as such):
+    each was taken as a prompt, a set's tokens in hash order."""
+    name = type(ids).__name__
+    for call, where in (
+        (lambda: eng.generate([ids], max_new_tokens=1), r"prompts\[0\]"),
+        (lambda: eng.score(ids), "token_ids"),
+        (lambda: eng.pin_document(ids), "token_ids"),
+    ):
+        with pytest.raises(RequestError, match=rf"^{where} must be a list of token ids, got {name}$"):
+            call()
+    assert eng.num_waiting() == eng.num_running() == 0 and not eng.has_work()
+
+
 @pytest.mark.parametrize("value", ["no", None, 1, np.True_])
 def test_ignore_eos_must_be_a_bool(eng, value):
     """("no" was read as True, None as False.)"""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +152,8 @@ def as_token_ids(ids: object, name: str) -> list[int]:
     """A caller's token ids (a list, a tuple, a numpy array, a torch tensor... of integers) as a list of ints;
     RequestError naming `name` for anything else (a string, a float, a nested list, a bool: Python's,
     numpy's and torch's bools index as 0 and 1, so `[True, 5]` was read as token 1)."""
-    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+    # (a set or a dict iterates in no order a prompt has, bytes-likes as their bytes: each was a prompt)
+    if isinstance(ids, str | bytes | bytearray | memoryview | Set | Mapping) or not isinstance(ids, Iterable):
         raise RequestError(f"{name} must be a list of token ids, got {type(ids).__name__}", "prompt")
     if hasattr(ids, "tolist"):  # an array or tensor: its items as Python numbers (a bool stays a bool)
         ids = ids.tolist()
