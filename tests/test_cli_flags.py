@@ -194,6 +194,28 @@ def test_each_engine_flag_sets_the_keyword_of_its_name() -> None:
     assert e.value.named(say) == "--min-tokens 9: must be an integer between 0 and --max-new-tokens (4)"
 
 
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["generate", *CPU, "--max-new-tokens", "x", "hi"], "longctx generate: error: argument --max-new-tokens: invalid int value: 'x'"),
+        (["serve", *CPU, "--port", "http"], "longctx serve: error: argument --port: invalid int value: 'http'"),
+        (["init-model", "--config", "tiny", "--out", "m", "--init-std", "big"], "longctx init-model: error: argument --init-std: invalid float value: 'big'"),
+        (["init-model", "--config", "tiny"], "longctx init-model: error: the following arguments are required: --out"),
+        (["plan", "--config", "tiny", "--kv-dtype", "fp16"], "longctx plan: error: argument --kv-dtype: invalid choice: 'fp16' (choose from 'auto', 'model', 'bf16', 'fp8_e4m3')"),
+        (["bogus"], "longctx: error: argument COMMAND: invalid choice: 'bogus' (choose from 'serve', 'generate', 'score', 'plan', 'init-model', 'ruler', 'retrieve')"),
+    ],
+)  # fmt: skip
+def test_argparses_own_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], want: str
+) -> None:
+    """A value argparse itself refuses (`--max-new-tokens x`, an unknown choice, a missing flag) is one line as
+    the CLI's other errors are, exit code 2 (argparse printed the whole usage before it: a dozen lines)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [want]
+
+
 @pytest.mark.parametrize("command", ["generate", "score"])
 def test_a_prompt_that_is_not_utf8_is_one_line(capsys: pytest.CaptureFixture[str], command: str) -> None:
     """A command line's byte that is not UTF-8 reads as a lone surrogate (U+DCFF for 0xff), which the
