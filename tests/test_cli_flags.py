@@ -100,6 +100,8 @@ BAD_FLAGS = [
     ("serve", ["--kv-fp8-skip-layers", "9"], "--kv-fp8-skip-layers 9: must be distinct layer numbers in [0, 6)"),
     ("init-model", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("init-model", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("init-model", ["--seed", "x"], "--seed 'x': must be an integer in [0, 2**63)"),  # (as ruler's; was argparse's usage)
+    ("init-model", ["--seed", "1.5"], "--seed '1.5': must be an integer in [0, 2**63)"),
     ("init-model", ["--init-std", "nan"], "--init-std nan: must be a finite number >= 0"),
     ("init-model", ["--max-shard-bytes", "0"], "--max-shard-bytes 0: must be positive"),
     ("plan", ["--gpus", "2"], "--gpus 2: must equal --pp x --tp = 1 x 1 = 1"),
