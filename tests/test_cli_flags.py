@@ -228,3 +228,12 @@ def test_a_prompt_that_is_not_utf8_is_one_line(capsys: pytest.CaptureFixture[str
         f"longctx {command}: error: the prompt is not valid Unicode: an unpaired surrogate U+DCFF "
         "(byte 0xFF, not UTF-8) at character 2"
     ]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_score_out_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.save's own open of --out failed as a RuntimeError (a traceback) where a directory takes no new
+    file (/proc; a read-only one, as any user but root sees it): the OSError of opening it is one line."""
+    out = "/proc/longctx-score.pt"  # (its directory exists: past the check before the model loads)
+    assert main(["score", *CPU, "--out", out, "hi"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"longctx score: error: No such file or directory: {out}"]
