@@ -237,3 +237,47 @@ def test_score_out_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixt
     out = "/proc/longctx-score.pt"  # (its directory exists: past the check before the model loads)
     assert main(["score", *CPU, "--out", out, "hi"]) == 2
     assert capsys.readouterr().err.splitlines() == [f"longctx score: error: No such file or directory: {out}"]
+
+
+def test_model_files_that_are_not_utf8_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json (or --config), a chat template, a tokenizer_config.json or a safetensors index that is not
+    UTF-8 failed in read_text with a UnicodeDecodeError (a traceback); a tokenizer_config.json that is not an
+    object failed with an AttributeError."""
+    import shutil
+
+    from longctx.checkpoint.chat_template import load_chat_template
+    from longctx.checkpoint.loader import CheckpointReader
+    from longctx.errors import CheckpointError
+
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"model_type": "\xff"}')
+    for argv in (
+        ["init-model", "--config", str(bad), "--out", str(tmp_path / "m")],
+        ["plan", "--config", str(bad), "--gpus", "1", "--pp", "1", "--context", "1K"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"longctx {argv[0]}: error: {bad} is not valid JSON: 'utf-8' codec can't decode byte "
+                       "0xff in position 16: invalid start byte"]  # fmt: skip
+    model = tmp_path / "model"
+    shutil.copytree(WIP, model)
+    (model / "tokenizer_config.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is not valid JSON: 'utf-8' codec"):
+        load_chat_template(model)
+    (model / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is not a JSON object$"):
+        load_chat_template(model)
+    (model / "chat_template.jinja").write_bytes(b"{{ x }}\xff")
+    with pytest.raises(CheckpointError, match=r"chat_template.jinja is not valid UTF-8 \(byte 7\)$"):
+        load_chat_template(model)
+    (model / "model.safetensors.index.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a safetensors index: "):
+        CheckpointReader(model)
+    (model / "config.json").write_bytes(b"\xff")
+    assert main(["generate", "--model", str(model), "--device", "cpu", "hi"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"longctx generate: error: {model / 'config.json'} is not valid JSON"
+    )
