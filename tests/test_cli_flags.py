@@ -127,6 +127,11 @@ BAD_FLAGS = [
     ("ruler", ["--tasks", " , "], f"--tasks ' , ': no task given; choose from {', '.join(TASKS)} or 'all'"),
     ("ruler", ["--concurrency", "x"], "--concurrency 'x': must be an integer"),
     ("ruler", ["--max-new-tokens-scale", "0"], "--max-new-tokens-scale 0.0: must be a finite number > 0"),
+    (  # (scaled a budget to infinity: an OverflowError's traceback)
+        "ruler",
+        ["--max-new-tokens-scale", "1e308"],
+        "--max-new-tokens-scale 1e+308: must be at most 8192 (RULER's largest output budget times it is 1048576 tokens)",
+    ),
     ("ruler", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
     ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"),
     ("ruler", ["--kv-fp8-skip-layers", "x"], "--kv-fp8-skip-layers 'x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
