@@ -98,6 +98,8 @@ BAD_FLAGS = [
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout -1.0: must be a number of seconds >= 0"),
     ("serve", ["--api-key", "clé"], "--api-key: must be ASCII"),
     ("serve", ["--kv-fp8-skip-layers", "9"], "--kv-fp8-skip-layers 9: must be distinct layer numbers in [0, 6)"),
+    # (a byte not UTF-8 in the command line, read as U+DCFF: the socket's TypeError was a traceback)
+    ("serve", ["--host", "\udcff"], "--host '\\udcff': is not a host name or address"),
     ("init-model", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("init-model", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
     ("init-model", ["--seed", "x"], "--seed 'x': must be an integer in [0, 2**63)"),  # (as ruler's; was argparse's usage)
