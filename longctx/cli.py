@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from longctx.errors import LongctxError, os_error_line
 
@@ -39,9 +40,18 @@ def said_as(parser: argparse.ArgumentParser, told: Mapping[str, str] | None = No
     return lambda name: told.get(name) or flags.get(name, name)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors (`--max-new-tokens x`, a missing or unknown flag) one line as every other
+    error of the CLI: `longctx generate: error: argument --max-new-tokens: invalid int value: 'x'` (argparse
+    printed the whole usage first, a dozen lines for `generate`). Its subparsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `longctx` parser; each subcommand's parser is its default `parser` (`said_as` reads its flags)."""
-    parser = argparse.ArgumentParser(prog="longctx", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="longctx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     done: set[str] = set()
     for module in dict.fromkeys(COMMANDS.values()):

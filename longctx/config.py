@@ -209,9 +209,9 @@ class ModelConfig:
             p = p / "config.json"
         if not p.exists():
             raise ConfigError(f"config not found: {p}")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+        try:  # (bytes: a file that is not UTF-8 failed in read_text, a traceback)
+            d = json.loads(p.read_bytes())
+        except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{p} is not a JSON object")

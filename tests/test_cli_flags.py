@@ -103,8 +103,12 @@ BAD_FLAGS = [
     # (the engine process refused it after the port was bound and the weights read)
     ("serve", ["--hisparse-device-tokens", "100"], "--hisparse-device-tokens 100: must be more than --index-topk (256), the tokens a full layer selects"),
     ("serve", ["--kv-fp8-skip-layers", "9"], "--kv-fp8-skip-layers 9: must be distinct layer numbers in [0, 6)"),
+    # (a byte not UTF-8 in the command line, read as U+DCFF: the socket's TypeError was a traceback)
+    ("serve", ["--host", "\udcff"], "--host '\\udcff': is not a host name or address"),
     ("init-model", ["--seed", "-1"], "--seed -1: must be an integer in [0, 2**63)"),
     ("init-model", ["--seed", str(2**63)], f"--seed {2**63}: must be an integer in [0, 2**63)"),
+    ("init-model", ["--seed", "x"], "--seed 'x': must be an integer in [0, 2**63)"),  # (as ruler's; was argparse's usage)
+    ("init-model", ["--seed", "1.5"], "--seed '1.5': must be an integer in [0, 2**63)"),
     ("init-model", ["--init-std", "nan"], "--init-std nan: must be a finite number >= 0"),
     ("init-model", ["--max-shard-bytes", "0"], "--max-shard-bytes 0: must be positive"),
     ("plan", ["--gpus", "2"], "--gpus 2: must equal --pp x --tp = 1 x 1 = 1"),
@@ -130,6 +134,11 @@ BAD_FLAGS = [
     ("ruler", ["--tasks", " , "], f"--tasks ' , ': no task given; choose from {', '.join(TASKS)} or 'all'"),
     ("ruler", ["--concurrency", "x"], "--concurrency 'x': must be an integer"),
     ("ruler", ["--max-new-tokens-scale", "0"], "--max-new-tokens-scale 0.0: must be a finite number > 0"),
+    (  # (scaled a budget to infinity: an OverflowError's traceback)
+        "ruler",
+        ["--max-new-tokens-scale", "1e308"],
+        "--max-new-tokens-scale 1e+308: must be at most 8192 (RULER's largest output budget times it is 1048576 tokens)",
+    ),
     ("ruler", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
     ("ruler", ["--kv-dtype", "fp4"], "--kv-dtype 'fp4': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"),
     ("ruler", ["--kv-fp8-skip-layers", "x"], "--kv-fp8-skip-layers 'x': expected a comma list of layer numbers (e.g. 4 or 1,4) or 'none'"),
@@ -197,3 +206,90 @@ def test_each_engine_flag_sets_the_keyword_of_its_name() -> None:
         SamplingParams(max_new_tokens=4, min_tokens=9).validate()
     assert str(e.value) == "min_tokens 9: must be an integer between 0 and max_new_tokens (4)"
     assert e.value.named(say) == "--min-tokens 9: must be an integer between 0 and --max-new-tokens (4)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["generate", *CPU, "--max-new-tokens", "x", "hi"], "longctx generate: error: argument --max-new-tokens: invalid int value: 'x'"),
+        (["serve", *CPU, "--port", "http"], "longctx serve: error: argument --port: invalid int value: 'http'"),
+        (["init-model", "--config", "tiny", "--out", "m", "--init-std", "big"], "longctx init-model: error: argument --init-std: invalid float value: 'big'"),
+        (["init-model", "--config", "tiny"], "longctx init-model: error: the following arguments are required: --out"),
+        (["plan", "--config", "tiny", "--kv-dtype", "fp16"], "longctx plan: error: argument --kv-dtype: invalid choice: 'fp16' (choose from 'auto', 'model', 'bf16', 'fp8_e4m3')"),
+        (["bogus"], "longctx: error: argument COMMAND: invalid choice: 'bogus' (choose from 'serve', 'generate', 'score', 'plan', 'init-model', 'ruler', 'retrieve')"),
+    ],
+)  # fmt: skip
+def test_argparses_own_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], want: str
+) -> None:
+    """A value argparse itself refuses (`--max-new-tokens x`, an unknown choice, a missing flag) is one line as
+    the CLI's other errors are, exit code 2 (argparse printed the whole usage before it: a dozen lines)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [want]
+
+
+@pytest.mark.parametrize("command", ["generate", "score"])
+def test_a_prompt_that_is_not_utf8_is_one_line(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """A command line's byte that is not UTF-8 reads as a lone surrogate (U+DCFF for 0xff), which the
+    tokenizer refused with a TypeError: a traceback."""
+    assert main([command, *CPU, "ab\udcff"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"longctx {command}: error: the prompt is not valid Unicode: an unpaired surrogate U+DCFF "
+        "(byte 0xFF, not UTF-8) at character 2"
+    ]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_score_out_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.save's own open of --out failed as a RuntimeError (a traceback) where a directory takes no new
+    file (/proc; a read-only one, as any user but root sees it): the OSError of opening it is one line."""
+    out = "/proc/longctx-score.pt"  # (its directory exists: past the check before the model loads)
+    assert main(["score", *CPU, "--out", out, "hi"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"longctx score: error: No such file or directory: {out}"]
+
+
+def test_model_files_that_are_not_utf8_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json (or --config), a chat template, a tokenizer_config.json or a safetensors index that is not
+    UTF-8 failed in read_text with a UnicodeDecodeError (a traceback); a tokenizer_config.json that is not an
+    object failed with an AttributeError."""
+    import shutil
+
+    from longctx.checkpoint.chat_template import load_chat_template
+    from longctx.checkpoint.loader import CheckpointReader
+    from longctx.errors import CheckpointError
+
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"model_type": "\xff"}')
+    for argv in (
+        ["init-model", "--config", str(bad), "--out", str(tmp_path / "m")],
+        ["plan", "--config", str(bad), "--gpus", "1", "--pp", "1", "--context", "1K"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"longctx {argv[0]}: error: {bad} is not valid JSON: 'utf-8' codec can't decode byte "
+                       "0xff in position 16: invalid start byte"]  # fmt: skip
+    model = tmp_path / "model"
+    shutil.copytree(WIP, model)
+    (model / "tokenizer_config.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is not valid JSON: 'utf-8' codec"):
+        load_chat_template(model)
+    (model / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is not a JSON object$"):
+        load_chat_template(model)
+    (model / "chat_template.jinja").write_bytes(b"{{ x }}\xff")
+    with pytest.raises(CheckpointError, match=r"chat_template.jinja is not valid UTF-8 \(byte 7\)$"):
+        load_chat_template(model)
+    (model / "model.safetensors.index.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a safetensors index: "):
+        CheckpointReader(model)
+    (model / "config.json").write_bytes(b"\xff")
+    assert main(["generate", "--model", str(model), "--device", "cpu", "hi"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"longctx generate: error: {model / 'config.json'} is not valid JSON"
+    )

@@ -174,6 +174,11 @@ def test_a_bad_request_added_while_others_run_leaves_them_intact(eng):
         Request("x5", [1, 2, 3], SamplingParams(stop="ab", **kw)),
         Request("x6", [1, 2, 3], SamplingParams(stop_token_ids=(True,), **kw)),
         Request("a", [1, 2, 3], SamplingParams(**kw)),  # a duplicate id
+        Request("x7", [1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos="no")),  # (taken as True)
+        # (a TypeError in add_request; the last one after the scheduler had queued it: every later step failed)
+        Request("x8", [1, 2, 3], SamplingParams(stop_token_ids=None, **kw)),
+        Request("x9", [1, 2, 3], None),
+        Request(["x10"], [1, 2, 3], SamplingParams(**kw)),
     ]
 
     def run(with_bad: bool) -> dict[str, list[int]]:
@@ -399,3 +404,91 @@ def test_the_default_pages_on_cuda_leave_the_weights_their_room(tiny_dir, monkey
         assert e._default_pages(huge, pp=2) == free["cuda"] // 2 // page  # (a stage's half of them: half)
         free["cuda"] = weights  # nothing left: the floor of 16 pages, for the room check to refuse
         assert e._default_pages(huge) == 16
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        # (the tokenizer's TypeError "TextInputSequence must be str"; a command line's byte 0xff reads as
+        # U+DCFF: `longctx generate $'\xff'` was a traceback)
+        (lambda e: e.generate(["ab\udcffc"]), r"^the prompt is not valid Unicode: an unpaired surrogate "
+         r"U\+DCFF \(byte 0xFF, not UTF-8\) at character 2$"),
+        (lambda e: e.generate(["\ud800"]), r"^the prompt is not valid Unicode: an unpaired surrogate U\+D800 at"),
+        (lambda e: e.encode("x\udfff"), "unpaired surrogate U\\+DFFF at character 1"),
+        (lambda e: e.encode(None), "^a text prompt must be a string, got NoneType$"),
+        (lambda e: e.encode(5), "^a text prompt must be a string, got int$"),
+    ],
+)  # fmt: skip
+def test_a_text_that_is_not_valid_unicode_is_a_request_error(eng, call, says):
+    with pytest.raises(RequestError, match=says) as e:
+        call(eng)
+    assert e.value.param == "prompt"
+    assert eng.num_waiting() == eng.num_running() == 0
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [{5, 6, 7}, frozenset({5, 6}), {5: 1, 6: 2}, {5: 1}.keys(), bytearray(b"ab"), memoryview(b"ab")],
+    ids=["set", "frozenset", "dict", "keys", "bytearray", "memoryview"],
+)
+def test_token_ids_in_no_order_or_as_bytes_are_refused(eng, ids):
+    """A set or a dict of token ids has no order a prompt has, and a bytearray is bytes (refused as such):
+    each was taken as a prompt, a set's tokens in hash order."""
+    name = type(ids).__name__
+    for call, where in (
+        (lambda: eng.generate([ids], max_new_tokens=1), r"prompts\[0\]"),
+        (lambda: eng.score(ids), "token_ids"),
+        (lambda: eng.pin_document(ids), "token_ids"),
+    ):
+        with pytest.raises(RequestError, match=rf"^{where} must be a list of token ids, got {name}$"):
+            call()
+    assert eng.num_waiting() == eng.num_running() == 0 and not eng.has_work()
+
+
+@pytest.mark.parametrize("value", ["no", None, 1, np.True_])
+def test_ignore_eos_must_be_a_bool(eng, value):
+    """("no" was read as True, None as False.)"""
+    with pytest.raises(RequestError, match=rf"^ignore_eos {value!r}: must be True or False$"):
+        eng.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=value)
+    assert eng.num_waiting() == eng.num_running() == 0
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: None, "^add_request takes a Request, got NoneType$"),
+        (lambda: ("r", [1, 2]), "^add_request takes a Request, got tuple$"),
+        (lambda: Request(["r"], [1, 2], SamplingParams(max_new_tokens=2)), "^a request id must be a string, got list$"),
+        (lambda: Request(7, [1, 2], SamplingParams(max_new_tokens=2)), "^a request id must be a string, got int$"),
+        (lambda: Request("r", [1, 2], None), "^a request's params must be SamplingParams, got NoneType$"),
+        (lambda: Request("r", [1, 2], {"max_new_tokens": 2}), "^a request's params must be SamplingParams, got dict$"),
+        (lambda: Request("r", [1], SamplingParams(stop=None)), "^stop: must be a list of strings, got NoneType$"),
+        (lambda: Request("r", [1], SamplingParams(stop_token_ids=5)), "^stop_token_ids: must be a list of token ids, got int$"),
+        (lambda: Request("r", [1], SamplingParams(stop_token_ids=None)), "^stop_token_ids: must be a list of token ids"),
+        (lambda: Request("r", [1], SamplingParams(logit_bias={5: 1.0})), "^logit_bias: must be a list of pairs, got dict$"),
+        (lambda: Request("r", [1], SamplingParams(logit_bias=None)), "^logit_bias: must be a list of pairs, got NoneType$"),
+        (lambda: Request("r", [1], SamplingParams(logit_bias=((5,),))), r"^logit_bias: must be \(token id, bias\) pairs, got \(5,\)$"),
+        (lambda: Request("r", [1], SamplingParams(logit_bias=(5,))), r"^logit_bias: must be \(token id, bias\) pairs, got 5$"),
+    ],
+)  # fmt: skip
+def test_a_malformed_step_api_request_is_a_request_error(eng, make, says):
+    """add_request checks the request itself before the scheduler takes it (these were AttributeErrors,
+    TypeErrors and a ValueError)."""
+    with pytest.raises(RequestError, match=says):
+        eng.add_request(make())
+    assert eng.num_waiting() == eng.num_running() == 0 and not eng.has_work()
+
+
+def test_a_request_id_that_is_not_a_string_leaves_the_running_requests_intact(eng):
+    """A list as a request id was queued before add_request failed on it (an unhashable key), and every
+    later step then failed with a TypeError: the running request never finished."""
+    kw = {"max_new_tokens": 6, "ignore_eos": True}
+    p = rand_ids(12, 64)
+    want = eng.generate([p], **kw)[0].token_ids
+    eng.add_request(Request("running", list(p), SamplingParams(**kw)))
+    outs = eng.step()
+    with pytest.raises(RequestError, match="a request id must be a string"):
+        eng.add_request(Request(["bad"], [1, 2], SamplingParams(max_new_tokens=2)))
+    while eng.has_work():
+        outs += eng.step()
+    assert [t for o in outs for t in o.new_token_ids] == want and outs[-1].finished

@@ -644,6 +644,30 @@ def test_the_settings_check_reads_a_results_file_only_to_its_first_row(tmp_path,
     assert not [t for t in parsed if b"not a row" in (t if isinstance(t, bytes) else t.encode())]
 
 
+def test_a_damaged_results_file_or_record_is_read_past(tmp_path):
+    """A results file with a line that is not UTF-8 failed in read_rows' text decoder (a UnicodeDecodeError's
+    traceback on resume, where `has_rows` passed over it), a line that is JSON but no object failed as an
+    AttributeError (`row.get`), and a settings record that is not UTF-8 or not an object failed likewise:
+    such lines are no rows, and such a record is none (the rows resume as unrecorded ones)."""
+    keys = plan_keys(RunPlan(("vt",), (2048,), 3))
+    answers = oracle_answers(0, keys)
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    target = tmp_path / "results.jsonl"
+    target.write_bytes(b"\xff\xfe damaged\n[1, 2]\n7\n")
+    assert read_rows(target) == [] and not jsonl.has_rows(target)
+    assert run_samples(gen, OracleClient(answers), keys[:1], tmp_path, make_request(gen)) == 1
+    with target.open("ab") as f:
+        f.write(b'{"task": "vt", "\xe9"}\n["not", "a row"]\n')
+    assert [r["index"] for r in read_rows(target)] == [0]
+    record = jsonl.settings_record(target)
+    for damaged in (b"\xff", b'["seed"]', b"null"):
+        record.write_bytes(damaged)
+        assert not jsonl.check_settings(target, {"seed": 0})
+    good = OracleClient(answers)
+    assert run_samples(gen, good, keys, tmp_path, make_request(gen)) == 2 and good.calls == 2
+    assert sorted(r["index"] for r in read_rows(target)) == [0, 1, 2]
+
+
 def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch, capsys):
     """With --model: the model directory, the device and the flags that change what the engine selects or
     stores; a run under others is refused before the model loads (not for HiSparse's cap: it moves KV)."""

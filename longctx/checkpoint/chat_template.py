@@ -140,14 +140,20 @@ def load_chat_template(model_dir: str | Path) -> str | None:
     d = Path(model_dir)
     jinja_file = d / "chat_template.jinja"
     if jinja_file.exists():
-        return jinja_file.read_text()
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:  # (a traceback before)
+            raise CheckpointError(f"{jinja_file} is not valid UTF-8 (byte {e.start})") from None
     cfg_file = d / "tokenizer_config.json"
     if not cfg_file.exists():
         return None
-    try:
-        tpl = json.loads(cfg_file.read_text()).get("chat_template")
-    except json.JSONDecodeError as e:
+    try:  # (bytes: a file that is not UTF-8 failed in read_text, a traceback; so did one not an object)
+        cfg = json.loads(cfg_file.read_bytes())
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file} is not a JSON object")
+    tpl = cfg.get("chat_template")
     if isinstance(tpl, list):  # transformers also allows [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, Mapping)}
         tpl = named.get("default")

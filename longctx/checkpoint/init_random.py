@@ -30,7 +30,6 @@ from longctx.config import DTYPE_NAMES, ModelConfig, dtype_arg, dtype_name, reso
 from longctx.errors import CheckpointError, ConfigError
 from longctx.memory import available_memory, check_room
 from longctx.paths import nearest_existing
-from longctx.seeds import SEED_RANGE, is_seed
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +214,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--config", required=True, help="config.json path, model dir, or a name in configs/ (e.g. tiny)"
     )
     p.add_argument("--out", required=True, help="output directory (must be empty or absent unless --force)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", default="0", metavar="N", help="seed of the random weights (default 0)")
     p.add_argument(
         "--dtype",
         type=dtype_arg,
@@ -235,9 +234,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from longctx.workloads.cli_args import seed_arg
+
     cfg = resolve_config(args.config)
-    if not is_seed(args.seed):  # (any integer would do here: one range for every seed a user gives)
-        raise ConfigError.about("seed", args.seed, f"must be {SEED_RANGE}")
+    # read as `ruler --seed` reads its (`x` was argparse's usage error; any integer would do here: one range
+    # for every seed a user gives)
+    seed = seed_arg("seed", args.seed)
     if args.max_shard_bytes <= 0:
         raise ConfigError.about("max_shard_bytes", args.max_shard_bytes, "must be positive")
     if not (math.isfinite(args.init_std) and args.init_std >= 0):  # (nan wrote a checkpoint of NaN weights)
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     out = init_random_checkpoint(
         cfg,
         args.out,
-        seed=args.seed,
+        seed=seed,
         dtype=args.dtype,
         fp8=args.fp8,
         max_shard_bytes=args.max_shard_bytes,

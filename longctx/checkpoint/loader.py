@@ -57,9 +57,9 @@ class CheckpointReader:
         self._handles: dict[str, Any] = {}
         index = self.dir / INDEX_FILE
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            try:  # (bytes: a file that is not UTF-8 failed in read_text, a traceback)
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError, UnicodeDecodeError)
                 raise CheckpointError(f"{index} is not a safetensors index: {_one_line(e)}") from None
             for f in sorted(set(weight_map.values())):
                 if not (self.dir / f).exists():

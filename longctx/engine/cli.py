@@ -152,7 +152,9 @@ def run_score(args: argparse.Namespace) -> int:
         "perplexity": None if nll is None else float(torch.exp(torch.tensor(nll))),
     }
     if args.out:
-        torch.save(logits, args.out)
+        # (opened here: torch.save's own open failed as a RuntimeError, a traceback, not main's one line)
+        with open(args.out, "wb") as f:
+            torch.save(logits, f)
         result["logits_file"] = args.out
     if args.per_token:
         result["token_logprobs"] = [None] + [round(float(x), 6) for x in tok_lp]

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -56,6 +57,7 @@ from longctx.memory import available_memory, check_parts, check_room
 from longctx.model.params import loaded_weight_bytes
 
 log = logging.getLogger("longctx.engine")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 PAGE_SIZE = 64
 
 
@@ -399,6 +401,15 @@ class Engine:
     # ---- step-level API (the server's engine process drives these) ----------------------------
     def add_request(self, req: Request) -> None:
         self._check_open()
+        # checked before the scheduler takes it: a request id that is not a string (unhashable, a list) was
+        # queued, then failed every later step with a TypeError, the requests already running with it
+        if not isinstance(req, Request):
+            raise RequestError(f"add_request takes a Request, got {type(req).__name__}")
+        if not isinstance(req.rid, str):
+            raise RequestError(f"a request id must be a string, got {type(req.rid).__name__}")
+        if not isinstance(req.params, SamplingParams):
+            raise RequestError(f"a request's params must be SamplingParams, got {type(req.params).__name__}")
+        req.params.validate()
         check_token_ids(req, self.cfg.vocab_size)
         if req.params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer (tokenizer.json)", "stop")
@@ -627,8 +638,21 @@ class Engine:
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise RequestError(f"a text prompt must be a string, got {type(text).__name__}", "prompt")
         if self.tokenizer is None:
             raise RequestError("string prompts need the model's tokenizer (tokenizer.json)")
+        # (the tokenizer refuses a lone surrogate with a TypeError; a command line's byte that is not UTF-8
+        # reads as one, U+DC80..U+DCFF)
+        bad = _SURROGATE.search(text)
+        if bad is not None:
+            c = ord(bad.group())
+            byte = f" (byte 0x{c - 0xDC00:02X}, not UTF-8)" if 0xDC80 <= c <= 0xDCFF else ""
+            raise RequestError(
+                f"the prompt is not valid Unicode: an unpaired surrogate U+{c:04X}{byte} at character "
+                f"{bad.start()}",
+                "prompt",
+            )
         return self.tokenizer.encode(text).ids
 
     def _completion(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +87,17 @@ class SamplingParams:
                 f"must be an integer between 0 and {{}} ({self.max_new_tokens})",
                 "max_new_tokens",
             )
+        if not isinstance(self.ignore_eos, bool):  # ("no" was read as True)
+            raise RequestError.about("ignore_eos", repr(self.ignore_eos), "must be True or False")
         if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise RequestError.about("min_p", repr(self.min_p), "must be in [0, 1]")
         if isinstance(self.stop, str):  # (it was read as one stop string per character)
             raise RequestError.about("stop", repr(self.stop), "must be a list of strings, not one string")
+        # (a container of another type failed as a TypeError in add_request, or in the step)
+        for name, what in (("stop", "strings"), ("stop_token_ids", "token ids"), ("logit_bias", "pairs")):
+            v = getattr(self, name)
+            if not isinstance(v, tuple | list):
+                raise RequestError.about(name, None, f"must be a list of {what}, got {type(v).__name__}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise RequestError.about("stop", repr(s), "is not a string")
@@ -100,7 +107,10 @@ class SamplingParams:
             raise RequestError.about(
                 "logit_bias", None, f"has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}"
             )
-        for tok, bias in self.logit_bias:
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise RequestError.about("logit_bias", None, f"must be (token id, bias) pairs, got {pair!r}")
+            tok, bias = pair
             if not is_int(tok) or tok < 0:
                 raise RequestError.about(
                     "logit_bias", None, f"token ids must be non-negative integers, got {tok!r}"
@@ -142,7 +152,8 @@ def as_token_ids(ids: object, name: str) -> list[int]:
     """A caller's token ids (a list, a tuple, a numpy array, a torch tensor... of integers) as a list of ints;
     RequestError naming `name` for anything else (a string, a float, a nested list, a bool: Python's,
     numpy's and torch's bools index as 0 and 1, so `[True, 5]` was read as token 1)."""
-    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+    # (a set or a dict iterates in no order a prompt has, bytes-likes as their bytes: each was a prompt)
+    if isinstance(ids, str | bytes | bytearray | memoryview | Set | Mapping) or not isinstance(ids, Iterable):
         raise RequestError(f"{name} must be a list of token ids, got {type(ids).__name__}", "prompt")
     if hasattr(ids, "tolist"):  # an array or tensor: its items as Python numbers (a bool stays a bool)
         ids = ids.tolist()

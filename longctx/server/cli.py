@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         sock = _bind(args.host, args.port)
     except OSError as e:
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    except (UnicodeError, TypeError):  # (a name that does not encode: a byte not UTF-8, a label too long)
+        raise CLIError.about("host", repr(args.host), "is not a host name or address") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     failed: list[str] = []

@@ -183,11 +183,16 @@ class _SamplingFields(_Strict):
         """logit_bias as sorted (token id, bias) pairs; a key that is not a token id is a ValueError."""
         out: dict[int, float] = {}
         for k, v in (self.logit_bias or {}).items():
-            if not (k.strip().isascii() and k.strip().isdigit()) or int(k) > I64:  # (not "²", nor "١٢")
-                raise ValueError(f"logit_bias: keys are token ids, got {k!r}")
-            if int(k) in out:
-                raise ValueError(f"logit_bias: token {int(k)} appears twice")
-            out[int(k)] = float(v)
+            # a token id in ASCII digits (not "²", nor "١٢"), read without int()'s limit of 4300 digits (a
+            # longer key was refused in int()'s words, naming no field)
+            digits = k.strip()
+            digits = digits.lstrip("0") or digits[-1:]
+            if not (digits.isascii() and digits.isdigit()) or len(digits) > 19 or int(digits) > I64:
+                shown = repr(k) if len(k) <= 40 else f"{k[:20]!r}... ({len(k)} characters)"
+                raise ValueError(f"logit_bias: keys are token ids, got {shown}")
+            if int(digits) in out:
+                raise ValueError(f"logit_bias: token {int(digits)} appears twice")
+            out[int(digits)] = float(v)
         return tuple(sorted(out.items()))
 
     def stop_list(self) -> list[str]:

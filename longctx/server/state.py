@@ -143,8 +143,14 @@ async def read_json(request: Request, model: type[M]) -> M:
         ) from None
     try:
         obj = json.loads(text)
-    except (ValueError, RecursionError) as e:
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    except RecursionError:  # (Python's limits, said in Python's words before: "maximum recursion depth ...")
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+    except ValueError:  # (an integer past int()'s 4300 digits: "... use sys.set_int_max_str_digits()")
+        raise ApiError(
+            400, "request body has a number of more than 4300 digits", code="invalid_json"
+        ) from None
     if not isinstance(obj, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     if "\\u" in text and _has_lone_surrogate(obj):  # (only a \u escape can make one)

@@ -15,20 +15,30 @@ from longctx.errors import LongctxError
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a torn last line (a run killed mid-write) is ignored."""
+    """Rows (objects) of a JSONL file; a torn last line (a run killed mid-write) is ignored, as is any line
+    that is no row: not JSON, not UTF-8 (a damaged file failed in the text decoder, a traceback), not an
+    object."""
     if not path.exists():
         return []
     rows = []
-    with path.open() as f:
+    with path.open("rb") as f:
         for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+            row = _row(line)
+            if row is not None:
+                rows.append(row)
     return rows
+
+
+def _row(line: bytes) -> dict | None:
+    """The row a JSONL line holds, or None for a line that holds none."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError:  # (JSONDecodeError; UnicodeDecodeError: bytes that are not UTF-8)
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def has_rows(path: Path) -> bool:
@@ -37,16 +47,7 @@ def has_rows(path: Path) -> bool:
     if not path.exists():
         return False
     with path.open("rb") as f:  # (bytes: text mode would decode whole chunks past the row)
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                json.loads(line)
-            except ValueError:  # (as read_rows skips a torn line; bytes not UTF-8 are no row either)
-                continue
-            return True
-    return False
+        return any(_row(line) is not None for line in f)
 
 
 def open_append(path: Path) -> TextIO:
@@ -93,9 +94,11 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
     record = settings_record(target)
     if not has_rows(target):
         return True
-    try:
-        old = json.loads(record.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    try:  # (a damaged record, not UTF-8 or not an object, is no record: it failed as a traceback)
+        old = json.loads(record.read_bytes())
+    except (FileNotFoundError, ValueError):  # (ValueError: JSONDecodeError, UnicodeDecodeError)
+        return False
+    if not isinstance(old, dict):
         return False
     now = json.loads(json.dumps(settings))  # (as the record holds them: tuples as lists)
     differ = [

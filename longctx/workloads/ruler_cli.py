@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from longctx.workloads.cli_args import (
+    DEFAULT_MAX_CONTEXT,
     UsageError,
     add_embedded_engine_args,
     embedded_engine_kwargs,
@@ -196,6 +197,15 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if not 0 < scale < math.inf:
         raise UsageError.about("max_new_tokens_scale", scale, "must be a finite number > 0")
+    # (1e308 scaled a budget to infinity: an OverflowError's traceback; no budget is worth more tokens than the
+    # longest context an engine takes)
+    most = DEFAULT_MAX_CONTEXT // max(spec.max_new_tokens for spec in TASKS.values())
+    if scale > most:
+        raise UsageError.about(
+            "max_new_tokens_scale",
+            scale,
+            f"must be at most {most} (RULER's largest output budget times it is {DEFAULT_MAX_CONTEXT} tokens)",
+        )
     engine_kw = embedded_engine_kwargs(args)
     has_model = bool(args.model or args.base_url)
     if not has_model and not args.dump_dir:
