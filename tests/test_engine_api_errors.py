@@ -227,6 +227,18 @@ def test_dtypes_are_taken_by_their_short_names(tiny_dir):
         Engine(tiny_dir, device="cpu", kv_dtype="float16")
 
 
+def refuse_building(monkeypatch, what: str) -> None:
+    """Make building the model or the stage processes fail the test: `what` must be refused first."""
+    import longctx.engine.engine as engine_mod
+    import longctx.stages.runtime
+
+    def built(*a, **k):
+        raise AssertionError(f"built before {what} was checked")
+
+    monkeypatch.setattr(engine_mod, "build_model", built)
+    monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -239,14 +251,7 @@ def test_dtypes_are_taken_by_their_short_names(tiny_dir):
 def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(tiny_dir, kw, monkeypatch):
     """One line naming kv_pages, what the bytes needed are made of and those available, before the model
     or a stage process is built."""
-    import longctx.engine.engine as engine_mod
-    import longctx.stages.runtime
-
-    def built(*a, **k):
-        raise AssertionError("built before the KV cache was checked")
-
-    monkeypatch.setattr(engine_mod, "build_model", built)
-    monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
+    refuse_building(monkeypatch, "the KV cache")
     with pytest.raises(ConfigError) as e:
         Engine(tiny_dir, device="cpu", **kw)
     msg = str(e.value)
@@ -263,14 +268,7 @@ def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_anything_is_built(
 def test_a_hisparse_cap_within_the_top_k_is_refused_before_anything_is_built(tiny_dir, kw, monkeypatch):
     """A cap the model's selection (tiny.json: top 16) rules out is a bad argument like the others: one line
     about hisparse_device_tokens before the model is read (the cache refused it once the weights were in)."""
-    import longctx.engine.engine as engine_mod
-    import longctx.stages.runtime
-
-    def built(*a, **k):
-        raise AssertionError("built before hisparse_device_tokens was checked")
-
-    monkeypatch.setattr(engine_mod, "build_model", built)
-    monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
+    refuse_building(monkeypatch, "hisparse_device_tokens")
     with pytest.raises(ConfigError) as e:
         Engine(tiny_dir, device="cpu", **kw)
     n = kw["hisparse_device_tokens"]
