@@ -120,7 +120,7 @@ def collect(run_dirs: list[Path]) -> dict:
     """Per (task, length, capped): the scores of every finished sample, from each run's results.jsonl;
     `selection`: per such key the engine flags (SELECTION_KEYS) of the runs that scored it."""
     from longctx.workloads.ruler_cli import prompt_form
-    from longctx.workloads.ruler_runner import read_rows, unique_rows
+    from longctx.workloads.ruler_runner import read_results, unique_rows
 
     scores: dict[tuple[str, int, bool], list[float]] = {}
     latency: dict[tuple[str, int, bool], list[float]] = {}
@@ -134,7 +134,7 @@ def collect(run_dirs: list[Path]) -> dict:
         sel = tuple((k, meta[k]) for k in (*SELECTION_KEYS, *SELECTION_ENV) if meta.get(k) is not None)
         if meta:  # (a directory without run.json does not say; one from before "form" has "chat")
             forms.add(meta.get("form") or prompt_form(bool(meta.get("chat")), False))
-        for r in unique_rows(read_rows(d / "results.jsonl")):
+        for r in unique_rows(read_results(d / "results.jsonl")):
             k = (r["task"], int(r["length"]), capped)
             scores.setdefault(k, []).append(float(r["score"]))
             selection.setdefault(k, set()).add(sel)
@@ -262,12 +262,12 @@ def depth(args: argparse.Namespace) -> int:
     """Scores of a run's niah samples by where the needle's value stands in the prompt (0: its start, 1:
     just before the question), from the samples regenerated with the run's seed, tokenizer and output
     budget (raw prompts). Prints a table per (task, length) and writes it as JSON with --out."""
-    from longctx.workloads.ruler_runner import format_length, read_rows
+    from longctx.workloads.ruler_runner import format_length, read_results
     from longctx.workloads.ruler_tasks import TASKS as RULER_TASKS
     from longctx.workloads.ruler_tasks import RulerGenerator
     from longctx.workloads.tokens import load_counter
 
-    rows = read_rows(Path(args.results))
+    rows = read_results(Path(args.results))
     rows = [r for r in rows if RULER_TASKS.get(r["task"]) and RULER_TASKS[r["task"]].family == "niah"]
     if not rows:
         print(f"depth: no niah rows in {args.results}", file=sys.stderr)

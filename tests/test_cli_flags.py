@@ -4,6 +4,7 @@ config refuse it, whose own messages name the keyword (`min_tokens -1: ...`). CP
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,10 @@ def test_model_files_that_are_not_utf8_are_one_line(
     (model / "model.safetensors.index.json").write_bytes(b"\xff")
     with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a safetensors index: "):
         CheckpointReader(model)
+    for weight_map in ([["a", "model.safetensors"]], {"a": 1}, "model.safetensors"):
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match="index: weight_map must map tensor names to files$"):
+            CheckpointReader(model)
     (model / "config.json").write_bytes(b"\xff")
     assert main(["generate", "--model", str(model), "--device", "cpu", "hi"]) == 2
     err = capsys.readouterr().err.splitlines()

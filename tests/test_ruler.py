@@ -668,6 +668,32 @@ def test_a_damaged_results_file_or_record_is_read_past(tmp_path):
     assert sorted(r["index"] for r in read_rows(target)) == [0, 1, 2]
 
 
+def test_a_row_that_names_no_sample_is_read_past(tmp_path):
+    """An object row without a task, or with a length, index or score of the wrong type (a foreign or
+    hand-edited line), failed the resume and the report as a KeyError / TypeError: it is passed over."""
+    from longctx.workloads.ruler_runner import read_results
+
+    keys = plan_keys(RunPlan(("vt",), (2048,), 2))
+    answers = oracle_answers(0, keys)
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    target = tmp_path / "results.jsonl"
+    junk = [
+        {"seed": 0},
+        {"task": "vt", "length": 2048, "seed": 0},
+        {"task": 7, "length": 2048, "index": 0, "seed": 0},
+        {"task": "vt", "length": "2048", "index": 0, "seed": 0},
+        {"task": "vt", "length": 2048, "index": True, "seed": 0},
+        {"task": "vt", "length": 2048, "index": 1, "seed": 0, "score": "high"},
+    ]
+    target.write_text("".join(json.dumps(r) + "\n" for r in junk))
+    assert read_results(target) == []
+    good = OracleClient(answers)
+    assert run_samples(gen, good, keys, tmp_path, make_request(gen)) == 2 and good.calls == 2
+    assert sorted(r["index"] for r in read_results(target)) == [0, 1]
+    summary = write_report(tmp_path, {})
+    assert summary["scores"]["vt"]["2048"] == 100.0 and summary["samples"]["vt"]["2048"] == 2
+
+
 def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch, capsys):
     """With --model: the model directory, the device and the flags that change what the engine selects or
     stores; a run under others is refused before the model loads (not for HiSparse's cap: it moves KV)."""

@@ -462,3 +462,19 @@ def test_json_pythons_parser_refuses_for_its_own_limits_says_so(srv, body, says)
     r = httpx.post(srv.url + "/v1/completions", content=body, headers={**AUTH, **JSON})
     assert r.status_code == 400 and r.json()["error"]["message"] == says, r.text
     assert r.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("gpt-4", "`gpt-4`"),
+        ("a\nb", "'a\\nb'"),
+        ("m" * 5000, "'" + "m" * 200 + "'... (5000 characters)"),
+    ],
+)
+def test_an_unknown_model_name_is_repeated_on_one_short_line(srv, name, shown):
+    """The 404 repeated the client's model name as given: a name with a line break gave a message of two lines,
+    and a long one came back whole."""
+    r = httpx.post(srv.url + "/v1/completions", json={"model": name, "prompt": "a"}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert r.json()["error"]["message"] == f"The model {shown} does not exist; this server serves `fake`"

@@ -61,6 +61,12 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_bytes())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError, UnicodeDecodeError)
                 raise CheckpointError(f"{index} is not a safetensors index: {_one_line(e)}") from None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):  # (a list or numbers failed as an AttributeError / TypeError, a traceback)
+                raise CheckpointError(
+                    f"{index} is not a safetensors index: weight_map must map tensor names to files"
+                )
             for f in sorted(set(weight_map.values())):
                 if not (self.dir / f).exists():
                     raise CheckpointError(f"shard {f} named by {INDEX_FILE} is missing from {self.dir}")

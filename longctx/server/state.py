@@ -86,7 +86,7 @@ class ServerState:
         if name is not None and name not in self.model_names():
             raise ApiError(
                 404,
-                f"The model `{name}` does not exist; this server serves `{self.settings.served_model_name}`",
+                f"The model {_shown(name)} does not exist; this server serves `{self.settings.served_model_name}`",
                 param="model",
                 code="model_not_found",
             )
@@ -204,3 +204,12 @@ async def body_stream(request: Request, limit: int) -> AsyncGenerator[bytes, Non
         raise ApiError(
             499, "client disconnected while sending the body", code="client_disconnected"
         ) from None
+
+
+def _shown(name: str, limit: int = 200) -> str:
+    """A client's model name as an error repeats it: as given in backticks, or (a name with a line break or
+    another unprintable character, or one past `limit` characters) its repr, cut, so the message stays one
+    short line."""
+    if name.isprintable() and len(name) <= limit:
+        return f"`{name}`"
+    return repr(name[:limit]) + (f"... ({len(name)} characters)" if len(name) > limit else "")

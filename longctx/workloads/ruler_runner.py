@@ -61,6 +61,27 @@ def _key(row: dict) -> Key:
     return (row["task"], int(row["length"]), int(row["index"]))
 
 
+def read_results(path: Path) -> list[dict]:
+    """The rows of a results (or dumped samples) file that name a sample: `read_rows`' objects whose task is a
+    string and length and index integers, with a number for score where there is one. A row without them
+    (a damaged or foreign line) is passed over like a torn one; it failed as a KeyError on resume."""
+    return [r for r in read_rows(path) if _names_a_sample(r)]
+
+
+def _names_a_sample(row: dict) -> bool:
+    def integer(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    score = row.get("score", 0)
+    return (
+        isinstance(row.get("task"), str)
+        and integer(row.get("length"))
+        and integer(row.get("index"))
+        and isinstance(score, (int, float))
+        and not isinstance(score, bool)
+    )
+
+
 def unique_rows(rows: list[dict]) -> list[dict]:
     """Each sample's last row: a sample found twice (the rows of two runs joined into one file)
     counts once."""
@@ -95,7 +116,7 @@ def dump_samples(gen: RulerGenerator, keys: Iterable[Key], dump_dir: Path) -> in
     """Write samples as JSONL (`DIR/samples.jsonl`), skipping keys already dumped. Returns count."""
     dump_dir.mkdir(parents=True, exist_ok=True)
     path = dump_dir / "samples.jsonl"
-    have = {_key(r) for r in read_rows(path) if r.get("seed") == gen.seed}
+    have = {_key(r) for r in read_results(path) if r.get("seed") == gen.seed}
     todo = [k for k in keys if k not in have]
     with open_append(path) as f, _progress(len(todo), "dump") as bar:
         for k in todo:
@@ -134,7 +155,7 @@ def _run_unlocked(
     concurrency: int,
 ) -> int:
     path = out_dir / RESULTS
-    rows = read_rows(path)
+    rows = read_results(path)
     seeds = {r.get("seed") for r in rows}
     if rows and seeds != {gen.seed}:
         raise LongctxError(
@@ -184,7 +205,8 @@ def summarize(rows: list[dict], meta: dict | None = None) -> dict:
     and latency."""
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in unique_rows(rows):
-        groups[(r["task"], int(r["length"]))].append(r)
+        if "score" in r:  # (a results row; `read_results` also reads dumped samples, which have none)
+            groups[(r["task"], int(r["length"]))].append(r)
     tasks = [t for t in TASKS if any(k[0] == t for k in groups)]
     lengths = sorted({k[1] for k in groups})
     scores: dict[str, dict[str, float]] = {}
@@ -271,7 +293,7 @@ def format_length(n: int) -> str:
 
 def write_report(out_dir: Path, meta: dict) -> dict:
     """results.json and ruler.png from every row of results.jsonl; returns the summary."""
-    summary = summarize(read_rows(out_dir / RESULTS), meta)
+    summary = summarize(read_results(out_dir / RESULTS), meta)
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if summary["tasks"]:
         plot(summary, out_dir / "ruler.png")
