@@ -167,7 +167,9 @@ def test_the_served_model_is_asked_for_as_every_request_is():
     replies = [httpx.ConnectError("refused"), error(503, "loading"), httpx.Response(200, json=MODELS)]
     client, seen = client_on(replies, waits, model_name=None)
     assert client.model == "served" and seen == [("GET", "/v1/models")] * 3 and len(waits) == 2
-    with pytest.raises(ClientError, match=r"^GET http://srv/v1/models failed: refused \(retried 2 times\)$"):
+    with pytest.raises(
+        ClientError, match=r"^GET http://srv/v1/models failed: refused \(retried 2 times\): nothing"
+    ):
         client_on([httpx.ConnectError("refused")] * 3, [], Retry(attempts=2), model_name=None)
     for listing in (httpx.Response(404), httpx.Response(200, json={"data": []}), httpx.Response(200)):
         assert client_on([listing], [], model_name=None)[0].model == "default"  # (answers, names none)
@@ -199,8 +201,11 @@ def test_retries_are_told_once_their_waits_add_up():
     client.generate([GenRequest("q", 8)])
     assert len(waits) == 1 and told == []
     refused = [httpx.ConnectError("[Errno 111] Connection refused")] * 6
+    client, _ = client_on(
+        [httpx.Response(200, json=OK), *refused, httpx.Response(200, json=OK)], waits, told=told
+    )
+    client.generate([GenRequest("q", 8)])  # (reached once: the server went down since, and is waited for)
     waits.clear()
-    client, _ = client_on([*refused, httpx.Response(200, json=OK)], waits, told=told)
     client.generate([GenRequest("q", 8)])
     assert told == [
         f"POST http://srv/v1/completions failed: [Errno 111] Connection refused; retry {n} of 10 in {w:.1f} s"
@@ -225,6 +230,34 @@ def test_a_failed_question_unpins_its_document_once_and_reports_itself():
     with pytest.raises(ClientError, match=r"^POST /v1/documents/doc-1/ask -> HTTP 400: question too long$"):
         client.generate([GenRequest("q", 8, document=("the document", "a question?"))])
     assert [m for m, _ in seen] == ["POST", "POST", "DELETE"] and waits == []
+
+
+def test_nothing_listening_at_the_url_fails_in_seconds_not_minutes():
+    """A connection refused before anything ever answered at the URL (a typo, no server started) took the
+    whole retry budget, about 5 minutes, to fail: now `Retry.first_contact_attempts` retries (15-31 s), and
+    the error says nothing answers there. Once the server has answered, a refused connection (a restart) is
+    waited for as long as before; a server that answers 503 while it loads is waited for from the start."""
+    waits: list[float] = []
+    refused = httpx.ConnectError("[Errno 111] Connection refused")
+    client, seen = client_on([refused] * 11, waits)
+    with pytest.raises(ClientError) as e:
+        client.generate([GenRequest("q", 8)])
+    assert len(seen) == 6 and len(waits) == 5 and 15.5 <= sum(waits) <= 31
+    assert str(e.value) == (
+        "POST http://srv/v1/completions failed: [Errno 111] Connection refused (retried 5 times): nothing "
+        "answers at http://srv; is the server running?"
+    )
+    waits.clear()
+    client, seen = client_on(
+        [httpx.Response(200, json=OK), *[refused] * 8, httpx.Response(200, json=OK)], waits
+    )
+    client.generate([GenRequest("q", 8)])
+    assert client.generate([GenRequest("q", 8)])[0].text and len(waits) == 8
+    waits.clear()
+    client, seen = client_on(
+        [*[error(503, "loading")] * 3, *[refused] * 7, httpx.Response(200, json=OK)], waits
+    )
+    assert client.generate([GenRequest("q", 8)])[0].text and len(waits) == 10
 
 
 def test_a_client_whose_model_lookup_fails_closes_its_connections():

@@ -440,7 +440,10 @@ def test_a_server_down_when_its_model_is_asked_is_a_connection_error(repo, tmp_p
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == "longctx retrieve: error: GET http://srv/v1/models failed: refused (retried 2 times)"
+    assert err == (
+        "longctx retrieve: error: GET http://srv/v1/models failed: refused (retried 2 times): nothing answers at "
+        "http://srv; is the server running?"
+    )
     assert len(read_rows(out)) == 2
     serve(_serving(["served"], []))
     assert main(argv) == 0 and len(read_rows(out)) == 3

@@ -46,11 +46,16 @@ class Retry:
     A 429 after the server has answered other requests of the client since the last try starts the
     count again: the server is busy, not stuck, and a request that keeps losing the freed queue slots
     to newer ones must not fail for it (it waits at most until the others are done).
+    A connection refused before the server has answered this client at all is retried
+    `first_contact_attempts` times only (a few seconds): nothing listens at that address.
     A retry is told (`HTTPClient`'s `tell`) once a request's waits since the count last started add up to
     `quiet_s`: a server down for minutes must not look like a hang, while a blip or a busy server's quick
     429s go untold."""
 
     attempts: int = 10  # at most about 5 minutes of waiting in all
+    # a connection refused before the server ever answered this client: nothing listens at that address (a
+    # typo, a server not started; longctx's server answers 503 while it loads), so a few seconds, not minutes
+    first_contact_attempts: int = 5  # (15-31 s: a server started beside the client has bound its port)
     base_s: float = 1.0
     cap_s: float = 60.0
     quiet_s: float = 5.0
@@ -249,6 +254,7 @@ class HTTPClient(Client):
         self._stopping = threading.Event()
         self.retry, self._sleep, self._tell = retry, sleep or self._stopping.wait, tell
         self._answered = 0  # requests the server has answered (a 429 meanwhile is a busy server)
+        self._reached = False  # whether anything ever answered at base_url (any status)
         try:
             self.model = model_name or self._default_model()
         except BaseException:  # (no client to close it: the caller never gets one)
@@ -284,9 +290,17 @@ class HTTPClient(Client):
                 ) from None
             except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
                 why, retry_after = f"failed: {_one_line(str(e) or type(e).__name__)}", None
+                if isinstance(e, httpx.ConnectError) and not self._reached:
+                    retries = min(retries, self.retry.first_contact_attempts)
+                    if attempt >= retries:
+                        raise ClientError(
+                            f"{method} {self.label}{path} {why} (retried {attempt} times): nothing answers at "
+                            f"{self.label}; is the server running?"
+                        ) from None
             except httpx.HTTPError as e:
                 raise ClientError(f"{method} {self.label}{path} failed: {_one_line(str(e))}") from None
             else:
+                self._reached = True
                 if r.status_code not in self.retry.statuses:
                     self._answered += r.status_code < 400  # (a racing update lost costs one attempt)
                     return r
