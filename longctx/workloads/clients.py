@@ -282,6 +282,7 @@ class HTTPClient(Client):
         retries = self.retry.attempts if retries is None else retries
         attempt, answered, waited = 0, self._answered, 0.0
         while True:
+            spent = ""  # what the error adds once the retries are spent
             try:
                 r = self.http.request(method, path, json=body)
             except httpx.ReadTimeout:  # (the server took the request: sent again, it would take as long)
@@ -292,11 +293,7 @@ class HTTPClient(Client):
                 why, retry_after = f"failed: {_one_line(str(e) or type(e).__name__)}", None
                 if isinstance(e, httpx.ConnectError) and not self._reached:
                     retries = min(retries, self.retry.first_contact_attempts)
-                    if attempt >= retries:
-                        raise ClientError(
-                            f"{method} {self.label}{path} {why} (retried {attempt} times): nothing answers at "
-                            f"{self.label}; is the server running?"
-                        ) from None
+                    spent = f": nothing answers at {self.label}; is the server running?"
             except httpx.HTTPError as e:
                 raise ClientError(f"{method} {self.label}{path} failed: {_one_line(str(e))}") from None
             else:
@@ -308,7 +305,7 @@ class HTTPClient(Client):
                 if r.status_code == 429 and self._answered != answered:
                     attempt, answered, waited = 0, self._answered, 0.0
             if attempt >= retries:
-                raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times)")
+                raise ClientError(f"{method} {self.label}{path} {why} (retried {attempt} times){spent}")
             wait = self.retry.delay(attempt, retry_after)
             attempt, waited = attempt + 1, waited + wait
             say = self._tell if waited >= self.retry.quiet_s else log.debug
