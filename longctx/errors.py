@@ -81,6 +81,12 @@ def os_error_line(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
+def clipped(text: str, keep: int) -> str:
+    """A client's long string as an error repeats it: the repr of its first `keep` characters and its length,
+    `'abc'... (5000 characters)`, so the message stays one short line."""
+    return f"{text[:keep]!r}... ({len(text)} characters)"
+
+
 def one_line(e: BaseException) -> str:
     """`Type: first line of the message` (the type alone for an empty message), for logs and reports."""
     msg = str(e).strip().splitlines()

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from longctx.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
+from longctx.errors import clipped
 
 I64 = 2**63 - 1
 MAX_STOPS = 16
@@ -188,7 +189,7 @@ class _SamplingFields(_Strict):
             digits = k.strip()
             digits = digits.lstrip("0") or digits[-1:]
             if not (digits.isascii() and digits.isdigit()) or len(digits) > 19 or int(digits) > I64:
-                shown = repr(k) if len(k) <= 40 else f"{k[:20]!r}... ({len(k)} characters)"
+                shown = repr(k) if len(k) <= 40 else clipped(k, 20)
                 raise ValueError(f"logit_bias: keys are token ids, got {shown}")
             if int(digits) in out:
                 raise ValueError(f"logit_bias: token {int(digits)} appears twice")

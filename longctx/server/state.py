@@ -14,6 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from longctx.errors import clipped
 from longctx.server import messages as m
 from longctx.server.engine_client import EngineClient
 from longctx.server.engine_proc import EngineSpec
@@ -210,6 +211,6 @@ def _shown(name: str, limit: int = 200) -> str:
     """A client's model name as an error repeats it: as given in backticks, or (a name with a line break or
     another unprintable character, or one past `limit` characters) its repr, cut, so the message stays one
     short line."""
-    if name.isprintable() and len(name) <= limit:
-        return f"`{name}`"
-    return repr(name[:limit]) + (f"... ({len(name)} characters)" if len(name) > limit else "")
+    if len(name) > limit:
+        return clipped(name, limit)
+    return f"`{name}`" if name.isprintable() else repr(name)
