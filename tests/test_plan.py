@@ -357,7 +357,8 @@ def test_loaded_weight_bytes_are_the_models(
     model dtype, or block-fp8 with its scales kept (as on CUDA), for each stage's layers (pp=2: the
     embedding on the first, the head on the last) and the most loaded TP rank's shard. The embedding and
     lm_head are vocab-parallel: a rank holds its vocab / tp rows (rounded either way when tp does not
-    divide the vocabulary, the last rank the wider), a tied lm_head the embedding's rows again."""
+    divide the vocabulary, the last rank the wider); a tied lm_head is the embedding's parameter where
+    the stage holds both, else a copy of its rows."""
     import torch
 
     from longctx.engine.worker import build_model
@@ -376,7 +377,8 @@ def test_loaded_weight_bytes_are_the_models(
     for a, b in split:
         layers = range(a, b)
         loaded = P.loaded_weight_bytes(cfg, layers, dt.itemsize, fp8, tp)
-        vocab_tensors = (a == 0) + (b == cfg.num_hidden_layers)  # embedding, lm_head (tied or not)
+        # embedding, lm_head (a tied one its own copy only on a stage without the embedding)
+        vocab_tensors = (a == 0) + (b == cfg.num_hidden_layers and not (cfg.tie_word_embeddings and a == 0))
         for rank in range(tp):
             shard = TPShard(cfg, rank, tp) if tp > 1 else None
             model = build_model(
@@ -395,6 +397,11 @@ def test_loaded_weight_bytes_are_the_models(
             assert loaded - short == _held_bytes(model), rank
             if model.lm_head is not None:
                 assert model.lm_head.weight.shape[0] == v1 - v0
+                tied_here = cfg.tie_word_embeddings and model.model.embed_tokens is not None
+                assert tied_here == (
+                    model.model.embed_tokens is not None
+                    and model.lm_head.weight is model.model.embed_tokens.weight
+                )
             if model.model.embed_tokens is not None:
                 assert model.model.embed_tokens.weight.shape[0] == v1 - v0
 

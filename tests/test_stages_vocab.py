@@ -67,6 +67,7 @@ def test_each_rank_holds_its_vocab_rows(model_dir: Path, tp: int) -> None:
         assert emb.weight.shape == model.lm_head.weight.shape == (v1 - v0, cfg.hidden_size)
         assert torch.equal(emb.weight, full["model.embed_tokens.weight"][v0:v1])
         assert torch.equal(model.lm_head.weight, head[v0:v1])
+        assert (model.lm_head.weight is emb.weight) == cfg.tie_word_embeddings  # tied: one parameter
         sizes.append(v1 - v0)
     assert sum(sizes) == VOCAB and max(sizes) - min(sizes) == 1
     assert {VOCAB // tp, -(-VOCAB // tp)} == set(sizes)

@@ -558,6 +558,33 @@ def _fp8_engine_case(
     return m, ids, want
 
 
+def test_a_tied_model_trains_one_matrix_and_saves_what_the_engine_loads(tmp_path: Path) -> None:
+    """tie_word_embeddings: lm_head is the embedding's parameter (one matrix, one gradient: the lm_head's
+    and the lookup's parts add), the checkpoint holds it once under the embedding's name, and the engine
+    loading it (both on one stage) shares it again and gives the training forward's logits."""
+    from longctx import Engine
+    from longctx.train.checkpoint import save_model
+
+    cfg = dataclasses.replace(ModelConfig.from_json(TINY), tie_word_embeddings=True)
+    m = TrainCausalLM(cfg)
+    m.init_weights(int(torch.randint(0, 1000, ())))
+    assert m.lm_head is not None and m.model.embed_tokens is not None
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    names = [n for n, _ in m.named_parameters()]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    ids = torch.randint(0, 200, (1, int(torch.randint(40, 90, ()))))  # (ids 200 on: no lookup's gradient)
+    m.logits(m.forward_train(ids, sparse=False)[0]).float().pow(2).mean().backward()
+    g = m.model.embed_tokens.weight.grad
+    assert g is not None and float(g[200:].abs().sum()) > 0  # rows no id looks up: lm_head's part
+    save_model(m, tmp_path, torch.float32)
+    m.eval()
+    with torch.no_grad():
+        want = m.logits(m.forward_train(ids, sparse=False)[0])[0]
+    with Engine(tmp_path, device="cpu", dtype="float32", index_topk=256) as eng:
+        got = eng.score(ids[0].tolist())
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-4
+
+
 def _recipe_records(tmp_path: Path, flag: str, key: str) -> None:
     """A one-step CLI run with `flag` (and --kv-fp8) records `key` true in its recipe."""
     out = tmp_path / "run"

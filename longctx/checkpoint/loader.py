@@ -163,7 +163,8 @@ def iter_weights(
     the router's `mlp.gate.weight` and `e_score_correction_bias`, which stay float32 as in the
     reference. FP8 weights are dequantised with their `_scale_inv` block scales unless
     `keep_fp8`, which yields the float8_e4m3fn weight followed by `<name>_scale_inv` (float32).
-    With `tie_word_embeddings`, `head` also yields `lm_head.weight` (a copy of the embedding).
+    With `tie_word_embeddings`, `head` without `embed` also yields `lm_head.weight` (the embedding's
+    tensor: a stage holding both shares one parameter, `CausalLM.tie_weights`).
     Shape or presence mismatches raise a one-line `CheckpointError`.
     """
     block: tuple[int, int] = cfg.quant_block or DEFAULT_BLOCK
@@ -185,8 +186,8 @@ def iter_weights(
                     continue
                 t = dequantize_fp8_block(t, s, block, dtype)
             yield name, t.to(torch.float32 if keeps_fp32(name) else dtype)
-        _, _, want_head = resolve_parts(cfg, layers, embed, head)
-        if want_head and cfg.tie_word_embeddings:
+        _, want_embed, want_head = resolve_parts(cfg, layers, embed, head)
+        if want_head and not want_embed and cfg.tie_word_embeddings:
             yield "lm_head.weight", r.get("model.embed_tokens.weight").to(dtype)
     finally:
         if own:

@@ -62,6 +62,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size) if self.has_head else None
         self.rotary = RotaryEmbedding(cfg)
         self.full_layers = [i for i in self.layer_range if cfg.is_full_indexer(i)]
+        self.tie_weights()
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -90,6 +91,17 @@ class CausalLM(nn.Module):
                 m.use_triton = use_triton
 
     # ---- weights -----------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """With `tie_word_embeddings`, a model holding both the embedding and lm_head gives lm_head the
+        embedding's parameter itself (one matrix in memory, one set of gradients in training, and the
+        checkpoint's names: `named_parameters` lists it once, as the embedding). A stage with lm_head
+        alone loads its own copy (`iter_weights` yields it under lm_head's name). Called again wherever
+        either parameter is replaced: loading, and tensor parallelism's resize to a vocabulary shard."""
+        if self.cfg.tie_word_embeddings and self.model.embed_tokens is not None and self.lm_head is not None:
+            w = self.model.embed_tokens.weight
+            assert isinstance(w, nn.Parameter)
+            self.lm_head.weight = w
+
     @staticmethod
     def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
         """The reference keeps the router and the indexer's head weights in fp32."""
@@ -131,6 +143,7 @@ class CausalLM(nn.Module):
             mod = self.get_submodule(name.rsplit(".", 1)[0])
             assert isinstance(mod, Linear)
             mod.set_fp8(w, scales.pop(name), self.block)
+        self.tie_weights()
         missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -277,7 +277,7 @@ def loaded_weight_bytes(cfg: ModelConfig, layers: range, itemsize: int, fp8: boo
     block-quantised weights kept in fp8 with their scales (a TP shard cut inside a block dequantised);
     `KEPT_FP32` in fp32; the embedding and lm_head vocab-parallel (`longctx.stages.tp`: ceil(vocab / tp)
     rows on the most loaded rank, the last, which also holds the widest of every other shard; a tied
-    lm_head is a copy of the embedding's rows); and what `CausalLM.finalize` derives: the absorbed
+    lm_head is the embedding's own rows where the range holds both, else a copy of them); and what `CausalLM.finalize` derives: the absorbed
     W_UK / W_UV (kv_b_proj's rows again in the model dtype) and, in the stacked x projections, a
     model-dtype copy of the fp32 weights_proj."""
     ws = [w for i in layers for w in layer_weights(cfg, i)]
@@ -285,7 +285,7 @@ def loaded_weight_bytes(cfg: ModelConfig, layers: range, itemsize: int, fp8: boo
         ws += embed_weights(cfg)
     if layers.stop == cfg.num_hidden_layers:
         ws += head_weights(cfg)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and layers.start != 0:  # (with the embedding: the same parameter)
             ws.append(Weight("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "lm_head", "vocab"))
     block = cfg.quant_block or (128, 128)
     kind = "fp8" if fp8 else "bf16"

@@ -29,6 +29,7 @@ from longctx.config import ModelConfig
 from longctx.errors import ConfigError
 from longctx.model.params import (
     PLAN_ITEMSIZE,
+    embed_weights,
     head_weights,
     kv_bytes_of_layers,
     kv_kinds,
@@ -115,6 +116,8 @@ def head_cost(
     """Last-stage extra: final norm + lm_head (its vocabulary rows on this rank) + sampling."""
     cm = model or CostModel.for_weights(weight_dtype)
     wbytes = weights_nbytes(head_weights(cfg), cfg, weight_dtype, tp)
+    if cfg.tie_word_embeddings:  # a tied lm_head: no parameter of its own, but its GEMM reads the rows
+        wbytes += weights_nbytes(embed_weights(cfg), cfg, weight_dtype, tp)
     vocab = -(-cfg.vocab_size // tp)
     flops = cm.batch * 2.0 * cfg.hidden_size * vocab
     sample_bytes = cm.batch * cfg.vocab_size * 4 * 3  # fp32 logits: softmax, top-p, draw

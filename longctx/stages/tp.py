@@ -10,8 +10,8 @@ What each of `tp` ranks holds (heads h = H / tp, rank r):
   heads; `n_heads = h` (the absorbed W_UK / W_UV come from the sharded kv_b_proj in `finalize`).
   o_proj's output is a partial sum over heads -> all-reduce (hook on o_proj).
 - embedding and lm_head, vocab-parallel: the rows of vocabulary [v0, v1) = `shard_range(vocab, r,
-  tp)` (shards differ by one row when tp does not divide the vocabulary; a tied lm_head, the
-  loader's copy of the embedding, takes the same rows). The embedding looks up its own ids and
+  tp)` (shards differ by one row when tp does not divide the vocabulary; a tied lm_head is the
+  embedding's shard itself where the stage holds both, else the loader's copy cut to the same rows). The embedding looks up its own ids and
   gives zero rows for the others, then all-reduces (exactly one rank adds a non-zero row: the sum is
   the replicated lookup bit for bit). lm_head computes the logits of its rows; a hook all-gathers
   them (padded to the widest shard) into the whole [n, vocab] on every rank, each column exactly as
@@ -51,7 +51,7 @@ from longctx.stages.collectives import Gather, Reduce
 
 __all__ = ["Gather", "Reduce", "TPShard", "shard_range"]
 
-_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # (a tied lm_head too: the loader's copy)
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # (tied: lm_head alone on a stage)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -176,6 +176,7 @@ class TPShard:
             _resize(model.lm_head, out=v1 - v0)
             sizes = [b - a for a, b in (shard_range(self.cfg.vocab_size, r, self.tp) for r in range(self.tp))]
             model.lm_head.register_forward_hook(_vocab_gather_hook(sizes, gather))
+        model.tie_weights()  # (a tied lm_head: the embedding's shard again, not a second one)
         for i, layer in model.model.layers.items():
             if not any(p.is_meta for p in layer.parameters()):
                 raise ConfigError(f"layer {i}: shard_model needs the meta-built model, before loading")
