@@ -365,6 +365,12 @@ def is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def int_text(text: object) -> int:
+    """An integer as a user types one on a command line ("1_000" and "1,000" read as 1000); ValueError for
+    other text."""
+    return int(str(text).replace("_", "").replace(",", ""))
+
+
 def is_real(v: object) -> TypeGuard[float]:
     """A finite int or float, not a bool."""
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -11,15 +10,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from longctx.config import SELECTION_FIELDS, check_kv_dtype
+from longctx.config import SELECTION_FIELDS, check_kv_dtype, int_text
 from longctx.engine.args import skip_layers_arg
-from longctx.errors import LongctxError
-from longctx.seeds import SEED_RANGE, is_seed
-
-
-class UsageError(LongctxError):
-    """A bad command-line argument (one line, exit code 2)."""
-
+from longctx.errors import LongctxError, UsageError
 
 DEFAULT_MAX_CONTEXT = 1_048_576  # the embedded Engine's default max_context
 # the embedded engine's flags (Engine keywords) that change how the same weights select or store, so
@@ -88,27 +81,15 @@ def model_context(model_dir: str) -> int:
 
 
 def int_arg(name: str, text: str | None, lo: float = 1) -> int:
-    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`
-    (-math.inf: any, for a caller that says its own range)."""
+    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000: `int_text`), at
+    least `lo`."""
     try:
-        v = int(str(text).replace("_", "").replace(",", ""))
+        v = int_text(text)
     except ValueError:
         raise UsageError.about(name, repr(text), "must be an integer") from None
     if v < lo:
         raise UsageError.about(name, text, f"must be >= {lo}")
     return v
-
-
-def seed_arg(name: str, text: str | None) -> int:
-    """The seed flag of dest `name` given as `text`: an integer as `int_arg` reads one, in [0, 2**63)
-    (`longctx.seeds`); other text is refused with that range too, as a number out of it is."""
-    try:
-        seed = int_arg(name, text, lo=-math.inf)
-    except UsageError:
-        raise UsageError.about(name, repr(text), f"must be {SEED_RANGE}") from None
-    if not is_seed(seed):
-        raise UsageError.about(name, seed, f"must be {SEED_RANGE}")
-    return seed
 
 
 def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
