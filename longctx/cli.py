@@ -35,6 +35,8 @@ def said_as(parser: argparse.ArgumentParser, told: Mapping[str, str] | None = No
     """How a command line names a setting (an Engine keyword, a config field) in an error
     (`LongctxError.named`): as `told` says, else by the flag whose dest is the setting (`--kl-rows`), else by
     the setting itself. Each flag's dest is thus the name of the setting it sets."""
+    # (argparse has no public list of a parser's actions; an `add_argument` override would miss the flags
+    # added through argument groups, ruler's --model among them, which add through the private _add_action)
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     told = told or {}
     return lambda name: told.get(name) or flags.get(name, name)

@@ -365,6 +365,12 @@ def is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def int_text(text: object) -> int:
+    """An integer as a user types one on a command line ("1_000" and "1,000" read as 1000); ValueError for
+    other text."""
+    return int(str(text).replace("_", "").replace(",", ""))
+
+
 def is_real(v: object) -> TypeGuard[float]:
     """A finite int or float, not a bool."""
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
@@ -422,6 +428,18 @@ def check_topk_long(cfg: ModelConfig) -> None:
 
 # the config fields (and Engine keywords) that change how the same weights select: `with_selection`
 SELECTION_FIELDS = ("index_topk", "index_local_window", "index_topk_long", "index_topk_long_from")
+# the least of each a command line takes: a top-k of one token at least; 0 turns the others off
+SELECTION_MIN = {"index_topk": 1, "index_local_window": 0, "index_topk_long": 0, "index_topk_long_from": 0}
+
+
+def check_selection_min(name: str, value: int, shown: object = None) -> None:
+    """A selection flag's integer (`name` one of SELECTION_FIELDS) at least its SELECTION_MIN, as `serve` and
+    the workloads' embedded engine check their flags before any model is read, one message for both
+    (`index_topk 0: must be >= 1`; the value as `shown`, the text typed, where given). `with_selection`
+    checks the rest against the checkpoint."""
+    lo = SELECTION_MIN[name]
+    if value < lo:
+        raise ConfigError.about(name, value if shown is None else shown, f"must be >= {lo}")
 
 
 def with_selection(

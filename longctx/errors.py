@@ -49,6 +49,10 @@ def _said(
     return f"{name(setting)}{shown}: {problem.format(*map(name, others)) if others else problem}"
 
 
+class UsageError(LongctxError):
+    """A bad command-line argument (one line, exit code 2)."""
+
+
 class ConfigError(LongctxError, ValueError):
     """A config.json longctx cannot run."""
 

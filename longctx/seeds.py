@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import TypeGuard
 
+from longctx.config import int_text
+from longctx.errors import UsageError
+
 SEED_RANGE = "an integer in [0, 2**63)"  # (for messages)
 MASK63 = 2**63 - 1
 _MASK64 = 2**64 - 1
@@ -17,6 +20,19 @@ _MASK64 = 2**64 - 1
 def is_seed(v: object) -> TypeGuard[int]:
     """An int (not a bool) in [0, 2**63)."""
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MASK63
+
+
+def seed_arg(name: str, text: str | None) -> int:
+    """The seed flag of dest `name` given as `text` (ruler's and init-model's --seed): an integer as
+    `int_text` reads one, in [0, 2**63); other text is refused with that range too, as a number out of it
+    is."""
+    try:
+        seed = int_text(text)
+    except ValueError:
+        raise UsageError.about(name, repr(text), f"must be {SEED_RANGE}") from None
+    if not is_seed(seed):
+        raise UsageError.about(name, seed, f"must be {SEED_RANGE}")
+    return seed
 
 
 def generator_seed(seed: int) -> int:

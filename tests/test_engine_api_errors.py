@@ -74,6 +74,27 @@ def test_bad_sampling_arguments_are_request_errors(eng, kw, says):
     assert eng.num_waiting() == eng.num_running() == 0
 
 
+def test_sampling_params_are_checked_once_on_each_public_path(eng, monkeypatch):
+    """generate and add_request refuse the same bad params with the same message, and each checks a
+    request's params once (generate once for all its prompts): not again in add_request or the scheduler."""
+    bad = SamplingParams(max_new_tokens=2, top_p=0.0)
+    says = r"^top_p 0.0: must be in \(0, 1\]$"
+    with pytest.raises(RequestError, match=says):
+        eng.generate([[1, 2, 3]], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(RequestError, match=says):
+        eng.add_request(Request("bad", [1, 2, 3], bad))
+    assert eng.num_waiting() == eng.num_running() == 0
+    calls = []
+    real = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: (calls.append(self), real(self))[1])
+    eng.generate([[1, 2, 3], [4, 5], [6]], max_new_tokens=2, seed=1)
+    assert len(calls) == 1
+    eng.add_request(Request("one", [1, 2, 3], SamplingParams(max_new_tokens=2)))
+    assert len(calls) == 2
+    while eng.has_work():
+        eng.step()
+
+
 def test_a_seed_past_the_http_servers_limit_is_taken(eng):
     """The server's seed + choice index (n > 1) may pass its own limit of 2**63 - 1: generators take a
     seed modulo 2**63, so the seed past it draws what seed 0 does."""
@@ -146,8 +167,8 @@ def test_a_bare_stop_string_is_one_stop_string(eng, monkeypatch):
     """As in vLLM and OpenAI's API (it was split into one stop string per character); a bare token id is
     one stop token. SamplingParams itself refuses a bare string."""
     seen = []
-    real = eng.add_request
-    monkeypatch.setattr(eng, "add_request", lambda r: (seen.append(r.params), real(r)))
+    real = eng._add
+    monkeypatch.setattr(eng, "_add", lambda r: (seen.append(r.params), real(r)))
     eng.generate([[1, 2, 3]], max_new_tokens=1, stop="ab")
     eng.generate([[1, 2, 3]], max_new_tokens=1, stop=7)
     assert (seen[0].stop, seen[0].stop_token_ids, seen[1].stop, seen[1].stop_token_ids) == (

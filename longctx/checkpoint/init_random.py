@@ -30,6 +30,7 @@ from longctx.config import DTYPE_NAMES, ModelConfig, dtype_arg, dtype_name, reso
 from longctx.errors import CheckpointError, ConfigError
 from longctx.memory import available_memory, check_room
 from longctx.paths import nearest_existing
+from longctx.seeds import seed_arg
 
 if TYPE_CHECKING:
     import torch
@@ -234,8 +235,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from longctx.workloads.cli_args import seed_arg
-
     cfg = resolve_config(args.config)
     # read as `ruler --seed` reads its (`x` was argparse's usage error; any integer would do here: one range
     # for every seed a user gives)

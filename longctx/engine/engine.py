@@ -410,6 +410,12 @@ class Engine:
         if not isinstance(req.params, SamplingParams):
             raise RequestError(f"a request's params must be SamplingParams, got {type(req.params).__name__}")
         req.params.validate()
+        self._add(req)
+
+    def _add(self, req: Request) -> None:
+        """A request whose params are valid (`add_request` checked them, or `generate` once for all its
+        prompts) into the scheduler, after the checks that need the model: its token ids, its stop strings'
+        tokenizer."""
         check_token_ids(req, self.cfg.vocab_size)
         if req.params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer (tokenizer.json)", "stop")
@@ -628,7 +634,7 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        params.validate()  # before any prompt is read (each request's are checked again as it is added)
+        params.validate()  # before any prompt is read, once for every prompt (seed + i stays valid)
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
@@ -682,13 +688,15 @@ class Engine:
     def _run_to_completion(
         self, reqs: list[Request], desc: str
     ) -> dict[str, tuple[list[TokenLogprob], list[TokenLogprob]]]:
-        """Step until `reqs` finish; each one's (logprobs, prompt logprobs) as the steps reported them.
-        If it raises (a rejected request, a failed step, an interrupt), the requests of `reqs` still in
-        the engine are aborted first, so nothing of this call stays queued or holds pages."""
+        """Step until `reqs` (the engine's own, their params already valid) finish; each one's (logprobs,
+        prompt logprobs) as the steps reported them. If it raises (a rejected request, a failed step, an
+        interrupt), the requests of `reqs` still in the engine are aborted first, so nothing of this call
+        stays queued or holds pages."""
+        self._check_open()
         pending: set[str] = set()
         try:
             for r in reqs:
-                self.add_request(r)
+                self._add(r)
                 pending.add(r.rid)
             return self._step_until_done(reqs, pending, desc)
         except BaseException:

@@ -68,7 +68,8 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        req.params.validate()
+        """Queue `req`, or refuse it for its size, a full queue or a duplicate id. Its params are taken as
+        valid: `SamplingParams.validate` runs once on the engine's public paths before this."""
         n = len(req.prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt", "empty_prompt")

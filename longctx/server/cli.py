@@ -60,13 +60,11 @@ def _check_selection(args: argparse.Namespace, cfg: ModelConfig | None) -> None:
     one message whichever engine serves; then, given the model's config (the fake engine has none), as
     `with_selection` takes them over the checkpoint's, and --hisparse-device-tokens against the top-k that
     leaves."""
-    from longctx.cli import CLIError
-    from longctx.config import SELECTION_FIELDS, check_device_tokens, with_selection
+    from longctx.config import SELECTION_FIELDS, check_device_tokens, check_selection_min, with_selection
 
     for name in SELECTION_FIELDS:
-        value, lo = getattr(args, name), 1 if name == "index_topk" else 0
-        if value is not None and value < lo:
-            raise CLIError.about(name, value, f"must be >= {lo}")
+        if (value := getattr(args, name)) is not None:
+            check_selection_min(name, value)
     if cfg is not None:
         check_device_tokens(with_selection(cfg, **selection_kwargs(args)), args.hisparse_device_tokens)
 

@@ -82,7 +82,6 @@ class FakeEngine:
             raise RequestError(
                 f"prompt has {len(req.prompt_ids)} tokens, more than max_context {self.max_context}"
             )
-        req.params.validate()
         check_token_ids(req, self.opts.vocab_size)
         seed = req.params.seed if req.params.seed is not None else hash(req.rid)
         need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // PAGE)

@@ -11,15 +11,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from longctx.config import SELECTION_FIELDS, check_kv_dtype
+from longctx.config import SELECTION_FIELDS, check_kv_dtype, check_selection_min, int_text
 from longctx.engine.args import skip_layers_arg
-from longctx.errors import LongctxError
-from longctx.seeds import SEED_RANGE, is_seed
-
-
-class UsageError(LongctxError):
-    """A bad command-line argument (one line, exit code 2)."""
-
+from longctx.errors import LongctxError, UsageError
 
 DEFAULT_MAX_CONTEXT = 1_048_576  # the embedded Engine's default max_context
 # the embedded engine's flags (Engine keywords) that change how the same weights select or store, so
@@ -88,27 +82,15 @@ def model_context(model_dir: str) -> int:
 
 
 def int_arg(name: str, text: str | None, lo: float = 1) -> int:
-    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000), at least `lo`
-    (-math.inf: any, for a caller that says its own range)."""
+    """The integer flag of dest `name` given as `text` ("1_000" and "1,000" read as 1000: `int_text`), at
+    least `lo` (-math.inf: any, for a caller that checks its own range)."""
     try:
-        v = int(str(text).replace("_", "").replace(",", ""))
+        v = int_text(text)
     except ValueError:
         raise UsageError.about(name, repr(text), "must be an integer") from None
     if v < lo:
         raise UsageError.about(name, text, f"must be >= {lo}")
     return v
-
-
-def seed_arg(name: str, text: str | None) -> int:
-    """The seed flag of dest `name` given as `text`: an integer as `int_arg` reads one, in [0, 2**63)
-    (`longctx.seeds`); other text is refused with that range too, as a number out of it is."""
-    try:
-        seed = int_arg(name, text, lo=-math.inf)
-    except UsageError:
-        raise UsageError.about(name, repr(text), f"must be {SEED_RANGE}") from None
-    if not is_seed(seed):
-        raise UsageError.about(name, seed, f"must be {SEED_RANGE}")
-    return seed
 
 
 def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
@@ -150,16 +132,20 @@ def add_embedded_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="embedded engine device: auto, cpu or cuda")
 
 
+def _selection_arg(name: str, text: str) -> int:
+    """A selection flag's integer, at least its least value (`check_selection_min`, as `serve` checks its)."""
+    v = int_arg(name, text, lo=-math.inf)
+    check_selection_min(name, v, shown=text)
+    return v
+
+
 def embedded_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`add_embedded_engine_args`' flags as Engine keywords (each only when given); they are refused
     without --model, since a server runs with the engine it was started with."""
     kw: dict[str, Any] = {"device": args.device}
     parsers: dict[str, Callable[[str, str], Any]] = {
         "hisparse_device_tokens": partial(int_arg, lo=1),
-        "index_topk": partial(int_arg, lo=1),
-        "index_local_window": partial(int_arg, lo=0),
-        "index_topk_long": partial(int_arg, lo=0),
-        "index_topk_long_from": partial(int_arg, lo=0),
+        **dict.fromkeys(SELECTION_FIELDS, _selection_arg),
         "kv_dtype": lambda _, text: check_kv_dtype(text),
         "kv_fp8_skip_layers": lambda _, text: skip_layers_arg(text),
     }

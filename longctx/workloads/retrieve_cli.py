@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from longctx.errors import UsageError
 from longctx.paths import nearest_existing
 from longctx.workloads.cli_args import (
     DEFAULT_MAX_CONTEXT,
-    UsageError,
     add_embedded_engine_args,
     embedded_engine_kwargs,
     int_arg,

@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from longctx.errors import UsageError
+from longctx.seeds import seed_arg
 from longctx.workloads.cli_args import (
     DEFAULT_MAX_CONTEXT,
-    UsageError,
     add_embedded_engine_args,
     embedded_engine_kwargs,
     int_arg,
     model_context,
     model_settings,
-    seed_arg,
     served_client,
 )
 from longctx.workloads.jsonl import check_settings
