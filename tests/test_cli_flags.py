@@ -187,6 +187,30 @@ def test_serve_refuses_a_selection_flag_alike_with_the_fake_engine(
         assert capsys.readouterr().err.strip().splitlines() == [f"longctx serve: error: {want}"]
 
 
+@pytest.mark.parametrize(
+    ("options", "want"),
+    [
+        ('{"bogus": 1}', 'unknown option "bogus" (known: total_pages, prefill_chunk, step_delay_s, prefill_s_per_token, vocab_size, eos_token_id, poison_token, poison_after)'),
+        ('{"total_pages": "x"}', 'total_pages "x": must be an integer'),
+        ('{"total_pages": 0}', "total_pages 0: must be >= 1"),
+        ('{"poison_after": true}', "poison_after true: must be an integer"),
+        ('{"step_delay_s": -1}', "step_delay_s -1: must be in [0, 60] seconds"),
+        ('{"step_delay_s": 1e300}', "step_delay_s 1e+300: must be in [0, 60] seconds"),
+        ('{"prefill_s_per_token": "fast"}', 'prefill_s_per_token "fast": must be a number of seconds'),
+        ('{"eos_token_id": 1.5}', "eos_token_id 1.5: must be a token id or null"),
+        ('{"vocab_size": 10}', "eos_token_id 257: must be in [0, vocab_size 10)"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_a_bad_fake_engine_option_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: str, want: str
+) -> None:
+    """A bad `--fake-engine` option is one line naming it, exit code 2, before the port is bound: the engine
+    process built the options with a traceback (`unexpected keyword argument`, `'<' not supported`), or
+    served with them (a step's sleep of 1e300 s overflows)."""
+    assert main(["serve", "--model", str(tmp_path), "--port", "0", "--fake-engine", options]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"longctx serve: error: --fake-engine: {want}"]
+
+
 def test_a_flag_not_for_a_server_names_both_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ruler", "--base-url", "http://127.0.0.1:9", "--out", "x", "--index-topk", "5"]) == 2
     err = capsys.readouterr().err.strip()

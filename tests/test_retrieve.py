@@ -484,6 +484,32 @@ def test_the_embedded_engines_flags_are_part_of_the_record(repo, tmp_path, monke
     assert len(read_rows(out)) == 3
 
 
+def test_a_flag_equal_to_the_models_own_value_is_the_flag_left_out(repo, tmp_path, monkeypatch, capsys):
+    """`--index-topk 16` on a model whose own index_topk is 16 resumes a run that gave no flag, and the other
+    way round (compared as the engine takes them, not as given: `jsonl.check_settings`); another top-k is
+    still refused in the same words."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "configs" / "tiny.json", model / "config.json")
+    monkeypatch.setattr(clients, "EngineClient", lambda model_dir, **kw: FakeEngine("See src/app.py"))
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    out = tmp_path / "a.jsonl"
+    argv = ["retrieve", "--repo", str(repo), "--queries", str(tmp_path / "q.jsonl"), "--out", str(out)]
+    argv += ["--model", str(model), "--no-git", "--max-new-tokens", "16"]
+    assert main(argv) == 0
+    for flags in (["--index-topk", "16"], [], ["--index-topk", "16", "--kv-dtype", "auto"]):
+        out.write_text("".join(json.dumps(r) + "\n" for r in read_rows(out)[:2]))  # (a run that stopped)
+        capsys.readouterr()
+        assert main([*argv, *flags]) == 0, capsys.readouterr().err
+        assert len(read_rows(out)) == 3
+    capsys.readouterr()
+    assert main([*argv, "--index-topk", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"longctx retrieve: error: {out} holds rows written with other settings: index_topk 16 (now 8); "
+        f"give another --out for this run (or remove {out} to start over)"
+    )  # (not kv_dtype "auto" (now null): the engine's default)
+
+
 # ---- CLI ---------------------------------------------------------------------------------------------
 
 

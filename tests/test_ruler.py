@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from longctx.cli import main
 from longctx.errors import LongctxError
-from longctx.workloads import clients, jsonl
+from longctx.workloads import cli_args, clients, jsonl
 from longctx.workloads.clients import Client, GenRequest, GenResult
 from longctx.workloads.fit import LengthError
 from longctx.workloads.prose import essay_sentences
@@ -732,6 +732,55 @@ def test_the_embedded_engines_flags_are_part_of_the_record(tmp_path, monkeypatch
     gen = RulerGenerator(ByteCounter(), seed=0)
     with pytest.raises(LongctxError, match=r'model ".*" \(now "/else"\)'):
         run_samples(gen, OracleClient(answers), keys, out, make_request(gen), settings={"model": "/else"})
+
+
+def test_a_flag_equal_to_the_models_own_value_is_the_flag_left_out(tmp_path, monkeypatch, capsys):
+    """The record compares the engine flags as they take effect: `--index-topk 16` on a model whose own
+    index_topk is 16 was refused as other than a run that gave no flag (`index_topk null (now 16)`), and the
+    other way round; likewise `--kv-dtype auto` (the engine's default), `model` where auto is the model dtype
+    (the CPU), and `--kv-fp8-skip-layers none` on a model that keeps no layer out of fp8. A real difference is
+    still refused, in the same words."""
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = tiny_config(index_local_window=4)
+    (model / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    answers = oracle_answers(0, plan_keys(RunPlan(("niah_single_1",), (2048,), 2)))
+    monkeypatch.setattr(clients, "EngineClient", lambda model_dir, **kw: OracleClient(answers))
+    argv = ["ruler", "--model", str(model), "--tasks", "niah_single_1", "--lengths", "2k", "--samples", "2"]
+    argv += ["--seed", "0", "--device", "cpu", "--out", str(tmp_path / "out")]
+    record = tmp_path / "out" / "results.jsonl.run.json"
+    own = ["--index-topk", "16", "--index-local-window", "4", "--index-topk-long", "0"]
+    own += ["--kv-dtype", "auto", "--kv-fp8-skip-layers", "none"]
+    assert main(argv) == 0
+    assert json.loads(record.read_text())["index_topk"] is None
+    for flags in ([*own[:2]], own, ["--kv-dtype", "model"], [], own, own[2:4], []):
+        capsys.readouterr()
+        assert main([*argv, *flags]) == 0, (flags, capsys.readouterr().err)
+        assert json.loads(record.read_text())["index_topk"] == (16 if "--index-topk" in flags else None)
+    path = tmp_path / "out" / "results.jsonl"
+    for flags, differs in [
+        (["--index-topk", "8"], "index_topk null (now 8)"),
+        (["--index-local-window", "0"], "index_local_window null (now 0)"),
+        (["--kv-dtype", "bf16"], 'kv_dtype null (now "bf16")'),
+        (["--kv-fp8-skip-layers", "1"], "kv_fp8_skip_layers null (now [1])"),
+    ]:
+        assert main([*argv, *flags]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"longctx ruler: error: {path} holds rows written with other settings: {differs}; "
+            f"give another --out for this run (or remove {path} to start over)"
+        )
+    assert main([*argv, *own[:2]]) == 0  # (recorded as given: 16)
+    capsys.readouterr()
+    assert main([*argv, "--index-topk", "8"]) == 2
+    assert "index_topk 16 (now 8)" in capsys.readouterr().err
+    # run_samples itself compares them so too (under its lock, for callers other than the CLI)
+    gen = RulerGenerator(ByteCounter(), seed=0)
+    keys = plan_keys(RunPlan(("niah_single_1",), (2048,), 2))
+    settings = {**json.loads(record.read_text()), "index_topk": None}
+    with pytest.raises(LongctxError, match=r"index_topk 16 \(now null\)"):
+        run_samples(gen, OracleClient(answers), keys, tmp_path / "out", make_request(gen), settings=settings)
+    effective = cli_args.settings_in_effect(str(model))
+    run_samples(gen, OracleClient(answers), keys, tmp_path / "out", make_request(gen), 1, settings, effective)
 
 
 def test_a_refused_rerun_writes_no_dump(tmp_path, monkeypatch, capsys):

@@ -644,3 +644,51 @@ def test_a_wrong_method_says_which_are_allowed(server):
     assert r.headers["allow"] == "POST"
     r = httpx.post(server.url + "/v1/documents/no-such-id")  # two routes of one path: GET and DELETE
     assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
+
+
+def test_every_route_is_served_with_one_trailing_slash(server):
+    """`POST /v1/documents/` was Starlette's 307 redirect to `/v1/documents`, which many HTTP clients do not
+    follow for a POST: every route answers with or without one trailing slash, as it does without; a path of
+    no route stays the 404 every other unknown path gets, and a wrong method the 405 naming the right ones."""
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as h:
+        asked: set[tuple[str, str]] = set()
+
+        def call(method: str, path: str, route: str, **kw) -> httpx.Response:
+            asked.add((method, route))
+            r = h.request(method, path + "/", **kw)
+            assert r.status_code == 200, (method, path, r.status_code, r.text[:200])
+            return r
+
+        call("POST", C, C, json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        call("POST", CH, CH, json=chat)
+        assert call("POST", "/tokenize", "/tokenize", json={"prompt": "ab"}).json()["tokens"] == [97, 98]
+        call("POST", "/detokenize", "/detokenize", json={"tokens": [97, 98]})
+        doc = call("POST", D, D, json={"text": "a short document"}).json()["id"]
+        assert doc in [d["id"] for d in call("GET", D, D).json()["data"]]
+        one = D + "/{doc_id}"
+        assert call("GET", f"{D}/{doc}", one).json()["id"] == doc
+        call("POST", f"{D}/{doc}/ask", one + "/ask", json={"question": "?", "max_tokens": 2})
+        assert call("DELETE", f"{D}/{doc}", one).json()["deleted"] is True
+        assert call("GET", "/v1/models", "/v1/models").json()["data"][0]["id"] == "fake"
+        assert call("GET", "/v1/models/fake", "/v1/models/{model_id:path}").json()["id"] == "fake"
+        assert call("GET", "/health", "/health").json()["status"] == "ok"
+        call("HEAD", "/health", "/health")
+        call("GET", "/metrics", "/metrics")
+        call("GET", "/v1/stats", "/v1/stats")
+
+        from longctx.server.app import create_app, route_leaves
+        from longctx.server.engine_proc import EngineSpec
+        from longctx.server.state import ServerSettings
+
+        settings = ServerSettings(spec=EngineSpec(model_dir="x", fake={}), served_model_name="fake")
+        routes = {(m, r.path) for r in route_leaves(create_app(settings).routes) for m in r.methods}
+        assert routes == asked  # (a route added later is asked here too)
+
+        unknown = h.get("/v1/nothing-here")
+        assert unknown.status_code == 404
+        for path in ("/v1/nothing-here/", C + "//", D + "/x/ask/more/", "/"):
+            r = h.post(path) if path != "/" else h.get(path)
+            assert (r.status_code, r.json()) == (404, unknown.json()), (path, r.text)
+        r = h.get(C + "/")
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.text

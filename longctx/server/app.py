@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from longctx.server import messages as m
 from longctx.server.protocol import ApiError, error_body, retry_headers, validation_error
@@ -39,22 +40,42 @@ async def require_api_key(request: Request) -> None:
         )
 
 
+def route_leaves(routes: list[Any]) -> Iterator[Any]:
+    """Every route of `routes`, included routers walked into: FastAPI keeps them whole (`original_router`)
+    since 0.16x, as plain routes before."""
+    for r in routes:
+        inner = getattr(r, "original_router", None)
+        yield from route_leaves(inner.routes) if inner is not None else (r,)
+
+
 def allowed_methods(app: FastAPI, request: Request) -> list[str]:
     """The methods some route of `request`'s path answers (Starlette's 405 names only the first route's,
-    so GET /v1/documents/{id}'s DELETE went unsaid). Included routers are walked into: FastAPI keeps them
-    whole (`original_router`) since 0.16x, as plain routes before."""
-
-    def leaves(routes: list[Any]) -> Iterator[Any]:
-        for r in routes:
-            inner = getattr(r, "original_router", None)
-            yield from leaves(inner.routes) if inner is not None else (r,)
-
+    so GET /v1/documents/{id}'s DELETE went unsaid)."""
     methods: set[str] = set()
-    for route in leaves(app.router.routes):
+    for route in route_leaves(app.router.routes):
         match, _ = route.matches(request.scope)
         if match != Match.NONE:
             methods |= getattr(route, "methods", None) or set()
     return sorted(methods)
+
+
+class OneTrailingSlash:
+    """Every route served with or without one trailing slash (`POST /v1/documents/` is `POST /v1/documents`):
+    Starlette answered a 307 redirect to the path without it, which many HTTP clients do not follow for a POST.
+    One slash is dropped before routing (`/v1/models/x/` asks for the model `x`); a path that names no route
+    either way stays a 404 as any other (the app's `redirect_slashes` is off: nothing is redirected)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path[:-1]}
+            raw = scope.get("raw_path")
+            if isinstance(raw, bytes) and raw.endswith(b"/"):
+                scope["raw_path"] = raw[:-1]
+        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -99,7 +120,15 @@ def create_app(
             state.draining = True
             await state.client.close()
 
-    app = FastAPI(title="longctx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="longctx",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    app.add_middleware(OneTrailingSlash)
     app.state.longctx = state
 
     @app.exception_handler(ApiError)

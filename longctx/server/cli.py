@@ -121,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--fake-engine: not JSON: {e}") from None
         if not isinstance(fake, dict):
             raise CLIError("--fake-engine: expected a JSON object")
+        from longctx.errors import LongctxError
+        from longctx.server.fake_engine import fake_options
+
+        try:
+            fake_options(fake)
+        except LongctxError as e:
+            raise CLIError(f"--fake-engine: {e}") from None
     elif not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model}: no config.json there")
     for name in ("pp", "tp", "max_queue", "max_context", "hisparse_device_tokens"):

@@ -11,15 +11,17 @@ Selected with `longctx serve --fake-engine '{"step_delay_s": 0.002, ...}'`.
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob, check_token_ids
-from longctx.errors import RequestError
+from longctx.errors import LongctxError, RequestError
 
 PAGE = 64
 
@@ -47,6 +49,48 @@ class FakeEngineOptions:
     poison_after: int = 0
 
 
+_AT_LEAST_1 = ("total_pages", "prefill_chunk", "vocab_size")
+_TOKENS = ("eos_token_id", "poison_token")  # a token id or null
+_SECONDS = ("step_delay_s", "prefill_s_per_token")
+MAX_DELAY_S = 60.0  # (one step's or one token's simulated cost; time.sleep overflows on a huge one)
+
+
+def fake_options(options: Mapping[str, Any]) -> FakeEngineOptions:
+    """`FakeEngineOptions` from the `--fake-engine` JSON object, each option checked: an unknown name, a value
+    of the wrong type or out of range is a one-line `LongctxError` naming the option (`serve` checks them
+    before anything starts; the engine process built them with a TypeError traceback, or not at all)."""
+    known = [f.name for f in fields(FakeEngineOptions)]
+    for name, value in options.items():
+        shown = _shown(value)
+        if name not in known:
+            raise LongctxError(f"unknown option {_shown(name)} (known: {', '.join(known)})")
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name in _SECONDS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise LongctxError(f"{name} {shown}: must be a number of seconds")
+            if not 0 <= value <= MAX_DELAY_S:
+                raise LongctxError(f"{name} {shown}: must be in [0, {MAX_DELAY_S:g}] seconds")
+        elif name in _TOKENS:
+            if value is not None and not is_int:
+                raise LongctxError(f"{name} {shown}: must be a token id or null")
+        elif not is_int:
+            raise LongctxError(f"{name} {shown}: must be an integer")
+        elif value < (1 if name in _AT_LEAST_1 else 0):
+            raise LongctxError(f"{name} {shown}: must be >= {1 if name in _AT_LEAST_1 else 0}")
+    opts = FakeEngineOptions(**options)
+    for name in _TOKENS:
+        token = getattr(opts, name)
+        if token is not None and not 0 <= token < opts.vocab_size:
+            raise LongctxError(f"{name} {_shown(token)}: must be in [0, vocab_size {opts.vocab_size})")
+    return opts
+
+
+def _shown(value: object) -> str:
+    """A value as the JSON said it (true, "x"), a long one cut."""
+    shown = json.dumps(value, default=repr)
+    return shown if len(shown) <= 40 else shown[:40] + "..."
+
+
 @dataclass
 class _Live:
     req: Request
@@ -58,7 +102,7 @@ class FakeEngine:
     """Deterministic, compute-free engine with the serving API of `longctx.Engine`."""
 
     def __init__(self, max_context: int = 1_048_576, **options: Any) -> None:
-        self.opts = FakeEngineOptions(**options)
+        self.opts = fake_options(options)
         self.max_context = max_context
         self.config = FakeConfig(self.opts.vocab_size, self.opts.eos_token_id, max_context)
         self.tokenizer = None

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,43 @@ def model_settings(
         env = selection_env()
         out.update((k, env.get(k)) for k in SELECTION_ENV)  # (None: unset)
     return out
+
+
+def settings_in_effect(model_dir: str) -> Callable[[Mapping[str, Any]], dict[str, Any]] | None:
+    """How the embedded engine of `model_dir` takes a record's engine flags (`model_settings`), for
+    `jsonl.check_settings` to compare: a selection flag left out (null) as the model's own value and one given
+    as `with_selection` takes it, `kv_fp8_skip_layers` likewise (the layers, in order), `kv_dtype` as the pool
+    kind it gives on the recorded device (`auto` is `fp8_e4m3` on CUDA). So `--index-topk 256` on a model whose
+    own index_topk is 256 is the flag left out, both ways. A value the model does not take (a record of another
+    model's flags, one edited by hand) is compared as given; None when the model's config cannot be read
+    (everything compared as given: the engine says what is wrong with it)."""
+    from longctx.config import ModelConfig, with_selection
+    from longctx.kv_kinds import resolve_kv_kind
+
+    try:
+        cfg = ModelConfig.from_json(model_dir)
+    except Exception:
+        return None
+
+    def in_effect(settings: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        # (a value the model does not take, or of the wrong type: left as given)
+        with contextlib.suppress(LongctxError, TypeError, ValueError, AttributeError):
+            if all(k in settings for k in SELECTION_FIELDS):
+                sel = with_selection(cfg, **{k: settings[k] for k in SELECTION_FIELDS})
+                out.update((k, getattr(sel, k)) for k in SELECTION_FIELDS)
+        if "kv_fp8_skip_layers" in settings:
+            skip = settings["kv_fp8_skip_layers"]
+            skip = cfg.kv_fp8_skip_layers if skip is None else skip
+            if isinstance(skip, (list, tuple)) and all(isinstance(x, int) for x in skip):
+                out["kv_fp8_skip_layers"] = sorted(skip)
+        with contextlib.suppress(LongctxError, TypeError, ValueError, AttributeError):
+            if "kv_dtype" in settings:
+                device = str(settings.get("device"))
+                out["kv_dtype"] = resolve_kv_kind(settings["kv_dtype"] or "auto", device)
+        return out
+
+    return in_effect
 
 
 def served_client(args: argparse.Namespace, command: str, chat: bool) -> Any:

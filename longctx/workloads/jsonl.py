@@ -7,7 +7,7 @@ import contextlib
 import fcntl
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -85,12 +85,19 @@ def settings_record(target: Path) -> Path:
     return target.with_name(target.name + ".run.json")
 
 
-def check_settings(target: Path, settings: dict[str, Any]) -> bool:
+# the settings as they take effect, from the settings as given (a record's or a run's): each key's value as the
+# engine takes it (a flag left out: the model's own), for the keys it knows; the others as given
+Effective = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
+def check_settings(target: Path, settings: dict[str, Any], effective: Effective | None = None) -> bool:
     """Whether a run under `settings` may append to `target`: True when its rows were written under the
     same ones (as their record says) or it has none; a LongctxError naming what differs when they were
     not, since a resumed run would mix rows of two models (or of two settings) in one file; False for rows
     without a record (written before records were kept), let through as unknown. Only the keys both
-    hold are compared, so a record that names fewer settings still counts."""
+    hold are compared, so a record that names fewer settings still counts. With `effective`, a setting is
+    compared as it takes effect (a flag equal to the model's own value is the flag left out, both ways), and
+    one that differs is named with its values as given."""
     record = settings_record(target)
     if not has_rows(target):
         return True
@@ -101,8 +108,11 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
     if not isinstance(old, dict):
         return False
     now = json.loads(json.dumps(settings))  # (as the record holds them: tuples as lists)
+    old_in_effect, now_in_effect = (_in_effect(s, effective) for s in (old, now))
     differ = [
-        f"{k} {json.dumps(old[k])} (now {json.dumps(v)})" for k, v in now.items() if k in old and old[k] != v
+        f"{k} {json.dumps(old[k])} (now {json.dumps(v)})"
+        for k, v in now.items()
+        if k in old and old_in_effect[k] != now_in_effect[k]
     ]
     if differ:
         raise LongctxError(
@@ -112,10 +122,20 @@ def check_settings(target: Path, settings: dict[str, Any]) -> bool:
     return True
 
 
-def claim_settings(target: Path, settings: dict[str, Any], command: str) -> None:
+def _in_effect(settings: dict[str, Any], effective: Effective | None) -> dict[str, Any]:
+    """`settings` (as the record holds them) as they take effect: `effective`'s values, as JSON holds them,
+    over those given."""
+    if effective is None:
+        return settings
+    return {**settings, **json.loads(json.dumps(dict(effective(settings))))}
+
+
+def claim_settings(
+    target: Path, settings: dict[str, Any], command: str, effective: Effective | None = None
+) -> None:
     """`check_settings`, then `record_settings`: what a run does under its lock before it appends to
     `target`. Rows without a record are resumed as this run's, said once on stderr (by `command`)."""
-    if not check_settings(target, settings):
+    if not check_settings(target, settings, effective):
         print(
             f"{command}: {target} does not record the model and settings its rows came from (written "
             "before records were kept); resuming it as this run's",

@@ -24,6 +24,7 @@ from typing import Any
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, HTTPClient, run_parallel
 from longctx.workloads.jsonl import (
+    Effective,
     claim_settings,
     open_append,
     read_rows,
@@ -167,6 +168,7 @@ def run_retrieve(
     concurrency: int = 4,
     prompting: Prompting | None = None,
     settings: dict[str, Any] | None = None,
+    effective: Effective | None = None,
 ) -> dict:
     """Answer every query over the packed repository; write JSONL rows; return a summary.
 
@@ -174,12 +176,13 @@ def run_retrieve(
     answers only the queries it does not answer yet. At the end the file holds every row in the
     input order. `settings` (what the answers depend on besides the queries: the model, the repository,
     packing and engine flags) are recorded beside the file, and a rerun under other ones is refused
-    before anything is asked: it would mix two models' answers in one file."""
+    before anything is asked: it would mix two models' answers in one file (compared as they take effect,
+    with `effective`: `jsonl.check_settings`)."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with sole_writer(lock_file(out), out):  # (a second run into it is refused)
         if settings is not None:
-            claim_settings(out, settings, "longctx retrieve")
+            claim_settings(out, settings, "longctx retrieve", effective)
         results = _answer_all(
             pack, queries, client, counter, out, max_new_tokens, concurrency, prompting or Prompting()
         )

@@ -26,6 +26,7 @@ from longctx.workloads.cli_args import (
     model_context,
     model_settings,
     served_client,
+    settings_in_effect,
 )
 from longctx.workloads.jsonl import check_settings
 
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(args, model, max_context, max_new, max_file, counter.name, engine_kw)
         # rows of other settings in --out are refused before the long part (run_retrieve checks again
         # under its lock, and records these)
-        check_settings(Path(args.out), settings)
+        effective = settings_in_effect(args.model) if args.model else None
+        check_settings(Path(args.out), settings, effective)
         written = files_written(Path(args.out)) + ([Path(args.pack_report)] if args.pack_report else [])
         pack = pack_repo(
             args.repo,
@@ -184,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             client = EngineClient(args.model, **engine_kw)
         try:
             s = run_retrieve(
-                pack, queries, client, counter, args.out, max_new, concurrency, prompting, settings
+                pack, queries, client, counter, args.out, max_new, concurrency, prompting, settings, effective
             )
         except ClientError as e:
             raise ClientError(

@@ -24,6 +24,7 @@ from longctx.workloads.cli_args import (
     model_context,
     model_settings,
     served_client,
+    settings_in_effect,
 )
 from longctx.workloads.jsonl import check_settings
 from longctx.workloads.ruler_tasks import (
@@ -270,12 +271,13 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(args, model, counter.name, engine_kw, seed, scale)
         # rows of other settings in --out are refused before anything is written (the dump too) or the model
         # loads (run_samples checks again under its lock, and records these)
-        check_settings(out / rr.RESULTS, settings)
+        effective = settings_in_effect(args.model) if args.model else None
+        check_settings(out / rr.RESULTS, settings, effective)
         dump()
         if client is None:
             client = EngineClient(args.model, **engine_kw)
         try:
-            ran = rr.run_samples(gen, client, keys, out, make_request, concurrency, settings)
+            ran = rr.run_samples(gen, client, keys, out, make_request, concurrency, settings, effective)
         except ClientError as e:
             raise ClientError(
                 f"{e}; the samples done are kept in {out}, and the same command resumes"

@@ -21,7 +21,7 @@ from typing import Any
 
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, run_parallel
-from longctx.workloads.jsonl import claim_settings, open_append, read_rows, sole_writer
+from longctx.workloads.jsonl import Effective, claim_settings, open_append, read_rows, sole_writer
 from longctx.workloads.ruler_tasks import TASKS, RulerGenerator, Sample
 from longctx.workloads.scoring import EFFECTIVE_THRESHOLD, METRICS, effective_length
 
@@ -134,15 +134,16 @@ def run_samples(
     make_request: RequestMaker,
     concurrency: int = 1,
     settings: dict[str, Any] | None = None,
+    effective: Effective | None = None,
 ) -> int:
     """Run every key not yet in `out_dir/results.jsonl`; returns how many ran now. `settings` (what the
     rows depend on besides their keys: the model, seed, prompt form, engine flags) are recorded beside
     the file, and a rerun under other ones is refused before anything runs: it would mix two models'
-    scores in one report."""
+    scores in one report (compared as they take effect, with `effective`: `jsonl.check_settings`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with sole_writer(out_dir / ".ruler.lock", out_dir):
         if settings is not None:
-            claim_settings(out_dir / RESULTS, settings, "longctx ruler")
+            claim_settings(out_dir / RESULTS, settings, "longctx ruler", effective)
         return _run_unlocked(gen, client, keys, out_dir, make_request, concurrency)
 
 
