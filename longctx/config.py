@@ -454,8 +454,9 @@ def with_selection(
     if index_topk is not None:
         # every full layer selects this many tokens (a trade of attention work for what a long context
         # keeps in view)
-        if not is_int(index_topk) or index_topk < 1:
-            raise ConfigError.about("index_topk", repr(index_topk), "must be a positive int")
+        if not is_int(index_topk):
+            raise ConfigError.about("index_topk", repr(index_topk), "must be an int")
+        check_selection_min("index_topk", index_topk)  # (serve's and the workloads' message too)
         cfg = replace(cfg, index_topk=index_topk)
     if index_local_window is not None:
         cfg = replace(cfg, index_local_window=index_local_window)

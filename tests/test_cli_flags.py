@@ -65,7 +65,7 @@ BAD_FLAGS = [
     ("generate", ["--hisparse-device-tokens", "256"], "--hisparse-device-tokens 256: must be more than --index-topk (256), the tokens a full layer selects"),
     ("generate", ["--index-topk", "192", "--hisparse-device-tokens", "150"], "--hisparse-device-tokens 150: must be more than --index-topk (192), the tokens a full layer selects"),
     ("generate", ["--hisparse-device-tokens", "0"], "--hisparse-device-tokens 0: must be a positive integer"),
-    ("generate", ["--index-topk", "0"], "--index-topk 0: must be a positive int"),
+    ("generate", ["--index-topk", "0"], "--index-topk 0: must be >= 1"),
     (  # (its [tokens, index_topk] buffers were allocated: a traceback)
         "generate",
         ["--index-topk", str(2**40), "--index-topk-long", "0"],
