@@ -19,7 +19,7 @@ SEEDS = {"tiny": 11, "dense-full": 12, "shared-groups": 13}
 CONFIGS = {
     # the default tiny: F S F S S F, dense + MoE, 2 groups
     "tiny": dict(index_n_heads=16),
-    # dense-heavy, all full indexers, one expert group, wider heads
+    # dense-heavy, all full indexers, one expert group, wider heads, tied embeddings
     "dense-full": dict(
         num_hidden_layers=4,
         indexer_types=("full",) * 4,
@@ -30,6 +30,7 @@ CONFIGS = {
         index_n_heads=16,
         index_topk=24,
         norm_topk_prob=False,
+        tie_word_embeddings=True,  # lm_head is the embedding (one parameter here, transformers' tying there)
     ),
     # many shared layers, 4 groups pick 2, more experts, larger rope
     "shared-groups": dict(
