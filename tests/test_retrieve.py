@@ -177,6 +177,14 @@ def test_read_queries(tmp_path):
         read_queries(q)
 
 
+def test_read_queries_takes_a_byte_order_mark(tmp_path):
+    """A queries file saved "UTF-8 with BOM" (Notepad, PowerShell's Out-File) reads as the same rows; its
+    first line was refused as not JSON."""
+    q = tmp_path / "q.jsonl"
+    q.write_bytes(b'\xef\xbb\xbf{"query": "a?", "id": 1}\n"b?"\n')
+    assert read_queries(q) == [{"query": "a?", "id": 1}, {"query": "b?"}]
+
+
 # ---- answering -------------------------------------------------------------------------------------
 
 

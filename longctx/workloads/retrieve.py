@@ -50,7 +50,7 @@ def read_queries(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise QueryFileError(f"no queries file {path}")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # (a byte order mark, as some editors write, is no row)
     except UnicodeDecodeError as e:
         raise QueryFileError(f"{path} is not valid UTF-8 (byte {e.start})") from None
     rows = []
