@@ -185,6 +185,15 @@ def test_read_queries_takes_a_byte_order_mark(tmp_path):
     assert read_queries(q) == [{"query": "a?", "id": 1}, {"query": "b?"}]
 
 
+def test_read_queries_refuses_half_a_surrogate_pair(tmp_path):
+    """JSON can escape a lone surrogate ("\\ud800"), which no tokenizer takes: one line naming the row, not
+    a TypeError from the tokenizer after the model was loaded."""
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"query": "fine"}\n{"query": "bad \\ud800 half"}\n')
+    with pytest.raises(LongctxError, match=r":2: the query is not valid Unicode"):
+        read_queries(q)
+
+
 # ---- answering -------------------------------------------------------------------------------------
 
 
