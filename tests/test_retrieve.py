@@ -74,6 +74,31 @@ def test_gitignore_patterns(pattern, path, is_dir, ignored):
     assert is_ignored(path, is_dir, parse_gitignore(pattern)) is ignored
 
 
+@pytest.mark.parametrize(
+    "pattern, path, ignored",
+    [
+        # bracket expressions as git's wildmatch reads them (checked against `git ls-files --exclude-standard`);
+        # a range running backwards was a re.error traceback, a POSIX class a set that matched other names
+        ("[z-a]", "z", True),  # (its first character only)
+        ("[z-a]", "a", False),
+        ("[a-\\]]", "a", True),  # (a range to an escaped "]": backwards, so "a" alone)
+        ("[[:alpha:]].c", "x.c", True),
+        ("[[:alpha:]].c", "1.c", False),
+        ("[[:digit:]x]-1", "7-1", True),
+        ("[[:bogus:]]", "b", False),  # an unknown class: the pattern matches nothing
+        ("[[:bogus:]]", ":", False),
+        ("[[:alpha]b:]", "pb:]", True),  # no ':]' before the ']': the '[' is a member
+        ("[a-c-e]", "-", True),
+        ("[!]]b", "]b", False),
+        ("[\\]]b", "]b", True),
+        ("x[a-]1", "x-1", True),
+        ("a[b", "a[b", True),  # never closed: a literal '[', as fnmatch(3) has it (git's own matches nothing)
+    ],
+)
+def test_gitignore_brackets(pattern, path, ignored):
+    assert is_ignored(path, False, parse_gitignore(pattern)) is ignored
+
+
 def test_nested_gitignore_applies_below_its_directory():
     rules = parse_gitignore("*.py", "sub")
     assert is_ignored("sub/a.py", False, rules) and is_ignored("sub/x/a.py", False, rules)
