@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -155,6 +156,26 @@ def test_huge_files_are_skipped(repo):
     reasons = {s.path: s.reason for s in pack.skipped}
     assert reasons["README.md"] == "too large" and reasons["src/app.py"] == "too large"
     assert "src/util/generated_keep.py" in pack.paths
+
+
+def test_fifos_and_sockets_are_skipped_not_read(repo):
+    """A FIFO in the tree blocked the run forever in open() (and a device such as /dev/zero never ended):
+    only regular files are read, the others are left out as "not a regular file" (git lists none)."""
+    import socket
+
+    os.mkfifo(repo / "src" / "pipe")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(repo / "sock"))
+        done: list = []
+        worker = threading.Thread(
+            target=lambda: done.append(pack_repo(repo, ByteCounter(), 100_000, use_git=False)), daemon=True
+        )
+        worker.start()
+        worker.join(10)
+    assert done, "packing blocked on the FIFO"
+    reasons = {s.path: s.reason for s in done[0].skipped}
+    assert reasons["src/pipe"] == reasons["sock"] == "not a regular file"
+    assert done[0].paths == PACKABLE
 
 
 def test_truncation_when_the_context_is_small(repo):

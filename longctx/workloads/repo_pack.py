@@ -9,7 +9,8 @@ Layout (byte-cheap, since the default tokenizer spends one token per byte):
     1|     2| ...
 
 Files come in path order. Skipped, with the reason reported: binaries (a NUL byte), non-UTF-8
-text, files over `max_file_bytes`, symlinks, unreadable files, and — once the token budget is
+text, files over `max_file_bytes`, symlinks, what is not a regular file (a FIFO, a socket, a
+device), unreadable files, and — once the token budget is
 spent — every file after the first that does not fit ("context full"). Ignored files (by git or
 .gitignore) are not listed, only counted when that is cheap; nor are the files a caller excludes
 (its own output).
@@ -17,6 +18,7 @@ spent — every file after the first that does not fit ("context full"). Ignored
 
 from __future__ import annotations
 
+import stat
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ class PackedFile:
 @dataclass(frozen=True)
 class Skipped:
     path: str
-    reason: str  # binary | not utf-8 | too large | symlink | unreadable | context full
+    reason: str  # binary | not utf-8 | too large | symlink | not a regular file | unreadable | context full
 
 
 @dataclass(frozen=True)
@@ -100,16 +102,22 @@ def format_file(path: str, text: str) -> str:
 
 
 def read_text(path: Path, max_file_bytes: int) -> tuple[str | None, str | None]:
-    """(text, None) for a packable file, or (None, reason)."""
-    if path.is_symlink():
-        return None, "symlink"
+    """(text, None) for a packable file, or (None, reason). Only regular files are read: a FIFO would
+    block the run forever and a device such as /dev/zero never ends (git lists neither)."""
     try:
-        size = path.stat().st_size
-        if size > max_file_bytes:
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            return None, "symlink"
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file"
+        if st.st_size > max_file_bytes:
             return None, "too large"
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(max_file_bytes + 1)  # (a file growing meanwhile is read no further)
     except OSError:
         return None, "unreadable"
+    if len(data) > max_file_bytes:
+        return None, "too large"
     if b"\0" in data:
         return None, "binary"
     try:
