@@ -178,6 +178,30 @@ def test_fifos_and_sockets_are_skipped_not_read(repo):
     assert done[0].paths == PACKABLE
 
 
+@pytest.mark.parametrize("use_git", [False, True])
+def test_odd_file_names_are_quoted_as_git_quotes_them(repo, use_git):
+    """A file name that is not UTF-8 was a UnicodeEncodeError traceback when its header was counted, and
+    a newline in a name broke its header line in two: such names show quoted, as git quotes them."""
+    if use_git and shutil.which("git") is None:
+        pytest.skip("git not installed")
+    names = {b"caf\xe9.py": '"caf\\351.py"', b"new\nline.py": '"new\\nline.py"', b"tab\t.py": '"tab\\t.py"'}
+    try:
+        for raw in names:
+            (repo / os.fsdecode(raw)).write_text("x = 1\n")
+    except OSError:
+        pytest.skip("the file system takes no such names")
+    odd = repo.parent / os.fsdecode(b"r\xe9po\n")
+    repo.rename(odd)
+    if use_git:
+        subprocess.run(["git", "init", "-q", str(odd)], check=True)
+    pack = pack_repo(odd, ByteCounter(), budget=100_000, use_git=use_git)
+    assert set(names.values()) <= set(pack.paths)
+    assert '=== "new\\nline.py" (lines 1-1) ===\n1| x = 1\n' in pack.text
+    assert pack.text.startswith('Repository "r\\351po\\n". ')
+    pack.text.encode("utf-8")
+    json.dumps(pack.to_json(), ensure_ascii=False).encode("utf-8")
+
+
 def test_truncation_when_the_context_is_small(repo):
     full = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
     budget = full.tokens // 2

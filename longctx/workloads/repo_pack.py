@@ -101,6 +101,30 @@ def format_file(path: str, text: str) -> str:
     return f"=== {path} (lines 1-{len(lines)}) ===\n{body}\n"
 
 
+_C_ESCAPES = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r"}
+
+
+def shown_path(rel: str) -> str:
+    """`rel` as the pack shows it: as it is, or, for a name a header line cannot hold (a newline or other
+    control character in it, or bytes that are not UTF-8: os.fsdecode's surrogates), quoted as git quotes
+    one (`"new\\nline.txt"`, `"caf\\351.txt"`)."""
+    if not any(ord(c) < 0x20 or c == "\x7f" or "\udc80" <= c <= "\udcff" for c in rel):
+        return rel
+    out = []
+    for c in rel:
+        if c in _C_ESCAPES:
+            out.append(_C_ESCAPES[c])
+        elif c in '"\\':
+            out.append("\\" + c)
+        elif ord(c) < 0x20 or c == "\x7f":
+            out.append(f"\\{ord(c):03o}")
+        elif "\udc80" <= c <= "\udcff":  # (a byte that is not UTF-8)
+            out.append(f"\\{ord(c) - 0xDC00:03o}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def read_text(path: Path, max_file_bytes: int) -> tuple[str | None, str | None]:
     """(text, None) for a packable file, or (None, reason). Only regular files are read: a FIFO would
     block the run forever and a device such as /dev/zero never ends (git lists neither)."""
@@ -144,29 +168,30 @@ def pack_repo(
         p.relative_to(top).as_posix() for p in (Path(e).resolve() for e in exclude) if p.is_relative_to(top)
     }
     files = [rel for rel in files if rel not in own]
-    head = preamble(top.name)
+    head = preamble(shown_path(top.name))
     used = counter.count(head)
     blocks: list[str] = []
     packed: list[PackedFile] = []
     skipped: list[Skipped] = []
     full = False
     for rel in files:
+        name = shown_path(rel)
         if full:
-            skipped.append(Skipped(rel, "context full"))
+            skipped.append(Skipped(name, "context full"))
             continue
         text, reason = read_text(root / rel, max_file_bytes)
         if text is None:
-            skipped.append(Skipped(rel, reason or "unreadable"))
+            skipped.append(Skipped(name, reason or "unreadable"))
             continue
-        block = format_file(rel, text)
+        block = format_file(name, text)
         n = counter.count(block)
         if used + n > budget:
             full = True  # stop here: later files would silently reorder the repository
-            skipped.append(Skipped(rel, "context full"))
+            skipped.append(Skipped(name, "context full"))
             continue
         used += n
         blocks.append(block)
-        packed.append(PackedFile(rel, len(text.splitlines()), n))
+        packed.append(PackedFile(name, len(text.splitlines()), n))
     body = head + "".join(blocks)
     total = counter.count(body)
     # Per-block counts can differ from the whole by merges across block boundaries; trim to fit.
