@@ -113,6 +113,16 @@ def test_walk_respects_gitignore_nested_and_negations(repo):
     assert ignored == 4
 
 
+def test_no_git_entry_is_listed(repo):
+    """Neither a .git directory nor a .git file (a worktree's or submodule's "gitdir: ..." link, which
+    was packed) is listed, at any depth."""
+    (repo / ".git").write_text("gitdir: /elsewhere/.git/worktrees/x\n")
+    (repo / "src" / ".git").write_text("gitdir: ../.git/modules/src\n")
+    (repo / "data" / ".git").mkdir()
+    (repo / "data" / ".git" / "config").write_text("[core]\n")
+    assert walk_files(repo) == (KEPT, 4)
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 def test_git_listing_agrees_with_the_rules(repo):
     subprocess.run(["git", "init", "-q", str(repo)], check=True)

@@ -217,6 +217,8 @@ def walk_files(root: str | Path) -> tuple[list[str], int]:
                 keep.append(d)
         dirnames[:] = keep
         for f in sorted(filenames):
+            if f == ".git":
+                continue  # a worktree's or submodule's link to its repository ("gitdir: ..."): git lists none
             rel = f"{rel_dir}/{f}" if rel_dir else f
             if is_ignored(rel, False, rules):
                 ignored += 1
