@@ -71,7 +71,9 @@ def read_queries(path: str | Path) -> list[dict]:
         try:  # (JSON may escape half a surrogate pair, "\\ud800": no text a tokenizer takes)
             q.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise QueryFileError(f"{path}:{i}: the query is not valid Unicode ({e.reason} at {e.start})") from None
+            raise QueryFileError(
+                f"{path}:{i}: the query is not valid Unicode ({e.reason} at {e.start})"
+            ) from None
         row = {k: v for k, v in row.items() if k != "question"}
         row["query"] = q
         rows.append(row)
