@@ -212,6 +212,31 @@ def test_odd_file_names_are_quoted_as_git_quotes_them(repo, use_git):
     json.dumps(pack.to_json(), ensure_ascii=False).encode("utf-8")
 
 
+def test_unreadable_directories_and_files_are_reported(repo, monkeypatch):
+    """A directory without read permission was dropped in silence with every file under it (os.walk
+    swallows the error): it is left out as "unreadable", as git warns of it and goes on; so is a file
+    that cannot be opened. (Simulated: root reads through chmod 000.)"""
+    real_scandir, real_open = os.scandir, Path.open
+
+    def scandir(path):
+        if Path(path) == repo / "src" / "util":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    def open_(self, *args, **kw):
+        if self == repo / "README.md":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(Path, "open", open_)
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    reasons = {s.path: s.reason for s in pack.skipped}
+    assert reasons["src/util/"] == reasons["README.md"] == "unreadable"
+    assert pack.paths == [".gitignore", "keep.log", "src/app.py"]
+    assert "src/util/: unreadable" in pack.report()
+
+
 def test_truncation_when_the_context_is_small(repo):
     full = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
     budget = full.tokens // 2

@@ -186,9 +186,17 @@ def is_ignored(rel: str, is_dir: bool, rules: list[Rule]) -> bool:
     return verdict
 
 
-def walk_files(root: str | Path) -> tuple[list[str], int]:
-    """(files not ignored, number of ignored entries) under root by .gitignore rules, sorted."""
+def walk_files(root: str | Path, unreadable: list[str] | None = None) -> tuple[list[str], int]:
+    """(files not ignored, number of ignored entries) under root by .gitignore rules, sorted. The
+    directories that cannot be listed (no read permission) are appended to `unreadable` ("dir/", "./"
+    for the root), as git warns of them and goes on."""
     root = Path(root)
+
+    def cannot_list(e: OSError) -> None:
+        if unreadable is not None and e.filename is not None:
+            rel = Path(e.filename).relative_to(root).as_posix()
+            unreadable.append(f"{rel}/")
+
     base_rules: list[Rule] = []
     exclude = root / ".git" / "info" / "exclude"
     if exclude.is_file():
@@ -196,7 +204,7 @@ def walk_files(root: str | Path) -> tuple[list[str], int]:
     files: list[str] = []
     ignored = 0
     rules_of: dict[str, list[Rule]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=cannot_list):
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         rel_dir = "" if rel_dir == "." else rel_dir
         rules = list(rules_of[Path(rel_dir).parent.as_posix()] if rel_dir else base_rules)
@@ -254,10 +262,13 @@ def git_files(root: str | Path) -> list[str] | None:
     return sorted({p for p in names if (Path(root) / p).is_file()})
 
 
-def list_files(root: str | Path, use_git: bool | None = None) -> tuple[list[str], int | None, str]:
+def list_files(
+    root: str | Path, use_git: bool | None = None, unreadable: list[str] | None = None
+) -> tuple[list[str], int | None, str]:
     """(files, ignored count or None when unknown, method) for a repository root.
 
-    use_git: None tries git and falls back to the rules; False always uses the rules.
+    use_git: None tries git and falls back to the rules; False always uses the rules. `unreadable`
+    gathers the directories the rules' walk could not list (`walk_files`).
     """
     if use_git is not False:
         files = git_files(root)
@@ -267,5 +278,5 @@ def list_files(root: str | Path, use_git: bool | None = None) -> tuple[list[str]
             from longctx.errors import LongctxError
 
             raise LongctxError(f"{root} is not a git work tree")
-    files, ignored = walk_files(root)
+    files, ignored = walk_files(root, unreadable)
     return files, ignored, "gitignore"

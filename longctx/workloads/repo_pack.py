@@ -162,7 +162,8 @@ def pack_repo(
     names are left out where `root` holds them, unlisted as ignored files are (a run's own output, which
     changes between the halves of a resumed run)."""
     root = Path(root)
-    files, ignored, method = list_files(root, use_git)
+    unlisted: list[str] = []  # (directories that could not be listed)
+    files, ignored, method = list_files(root, use_git, unlisted)
     top = root.resolve()
     own = {
         p.relative_to(top).as_posix() for p in (Path(e).resolve() for e in exclude) if p.is_relative_to(top)
@@ -172,7 +173,7 @@ def pack_repo(
     used = counter.count(head)
     blocks: list[str] = []
     packed: list[PackedFile] = []
-    skipped: list[Skipped] = []
+    skipped = [Skipped(shown_path(d), "unreadable") for d in unlisted]
     full = False
     for rel in files:
         name = shown_path(rel)
