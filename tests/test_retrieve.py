@@ -722,6 +722,31 @@ def test_cli_out_is_checked_before_packing(out, repo, tmp_path, capsys, monkeypa
     assert "\n" not in err
 
 
+def test_a_repository_whose_first_file_does_not_fit_says_so(tmp_path, monkeypatch, capsys):
+    """With a context too small for even the first file the run said "nothing to pack in REPO", as for an
+    empty one: it names the file and the room there was, and what to change."""
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, [])))
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "big.py").write_text("x = 1\n" * 300)
+    (tmp_path / "repo" / "small.py").write_text("y = 2\n")
+    (tmp_path / "q.jsonl").write_text('{"query": "x?"}\n')
+    argv = ["retrieve", "--repo", str(tmp_path / "repo"), "--queries", str(tmp_path / "q.jsonl")]
+    argv += ["--out", str(tmp_path / "a.jsonl"), "--base-url", "http://srv", "--max-context", "1000"]
+    assert main([*argv, "--max-new-tokens", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"longctx retrieve: error: nothing of {re.escape(str(tmp_path / 'repo'))} fits: its first file, big\.py, "
+        r"needs more than the [\d,]+ tokens a context of 1,000 leaves for the repository after the longest "
+        r"question and --max-new-tokens; give a larger --max-context \(or --max-file-bytes to leave it out\)",
+        err,
+    ), err
+    (tmp_path / "empty").mkdir()
+    assert main([*argv[:2], str(tmp_path / "empty"), *argv[3:]]) == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1].endswith(f"nothing to pack in {tmp_path / 'empty'}")
+    )
+
+
 def test_cli_missing_inputs(tmp_path, capsys):
     assert main(["retrieve", "--queries", "q", "--out", "o", "--base-url", "http://x"]) == 2
     assert (
