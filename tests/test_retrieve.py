@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -74,6 +75,31 @@ def test_gitignore_patterns(pattern, path, is_dir, ignored):
     assert is_ignored(path, is_dir, parse_gitignore(pattern)) is ignored
 
 
+@pytest.mark.parametrize(
+    "pattern, path, ignored",
+    [
+        # bracket expressions as git's wildmatch reads them (checked against `git ls-files --exclude-standard`);
+        # a range running backwards was a re.error traceback, a POSIX class a set that matched other names
+        ("[z-a]", "z", True),  # (its first character only)
+        ("[z-a]", "a", False),
+        ("[a-\\]]", "a", True),  # (a range to an escaped "]": backwards, so "a" alone)
+        ("[[:alpha:]].c", "x.c", True),
+        ("[[:alpha:]].c", "1.c", False),
+        ("[[:digit:]x]-1", "7-1", True),
+        ("[[:bogus:]]", "b", False),  # an unknown class: the pattern matches nothing
+        ("[[:bogus:]]", ":", False),
+        ("[[:alpha]b:]", "pb:]", True),  # no ':]' before the ']': the '[' is a member
+        ("[a-c-e]", "-", True),
+        ("[!]]b", "]b", False),
+        ("[\\]]b", "]b", True),
+        ("x[a-]1", "x-1", True),
+        ("a[b", "a[b", True),  # never closed: a literal '[', as fnmatch(3) has it (git's own matches nothing)
+    ],
+)
+def test_gitignore_brackets(pattern, path, ignored):
+    assert is_ignored(path, False, parse_gitignore(pattern)) is ignored
+
+
 def test_nested_gitignore_applies_below_its_directory():
     rules = parse_gitignore("*.py", "sub")
     assert is_ignored("sub/a.py", False, rules) and is_ignored("sub/x/a.py", False, rules)
@@ -85,6 +111,16 @@ def test_walk_respects_gitignore_nested_and_negations(repo):
     assert files == KEPT
     # debug.log, secrets.env, build/ (one directory), src/util/generated_code.py
     assert ignored == 4
+
+
+def test_no_git_entry_is_listed(repo):
+    """Neither a .git directory nor a .git file (a worktree's or submodule's "gitdir: ..." link, which
+    was packed) is listed, at any depth."""
+    (repo / ".git").write_text("gitdir: /elsewhere/.git/worktrees/x\n")
+    (repo / "src" / ".git").write_text("gitdir: ../.git/modules/src\n")
+    (repo / "data" / ".git").mkdir()
+    (repo / "data" / ".git" / "config").write_text("[core]\n")
+    assert walk_files(repo) == (KEPT, 4)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
@@ -132,6 +168,75 @@ def test_huge_files_are_skipped(repo):
     assert "src/util/generated_keep.py" in pack.paths
 
 
+def test_fifos_and_sockets_are_skipped_not_read(repo):
+    """A FIFO in the tree blocked the run forever in open() (and a device such as /dev/zero never ended):
+    only regular files are read, the others are left out as "not a regular file" (git lists none)."""
+    import socket
+
+    os.mkfifo(repo / "src" / "pipe")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(repo / "sock"))
+        done: list = []
+        worker = threading.Thread(
+            target=lambda: done.append(pack_repo(repo, ByteCounter(), 100_000, use_git=False)), daemon=True
+        )
+        worker.start()
+        worker.join(10)
+    assert done, "packing blocked on the FIFO"
+    reasons = {s.path: s.reason for s in done[0].skipped}
+    assert reasons["src/pipe"] == reasons["sock"] == "not a regular file"
+    assert done[0].paths == PACKABLE
+
+
+@pytest.mark.parametrize("use_git", [False, True])
+def test_odd_file_names_are_quoted_as_git_quotes_them(repo, use_git):
+    """A file name that is not UTF-8 was a UnicodeEncodeError traceback when its header was counted, and
+    a newline in a name broke its header line in two: such names show quoted, as git quotes them."""
+    if use_git and shutil.which("git") is None:
+        pytest.skip("git not installed")
+    names = {b"caf\xe9.py": '"caf\\351.py"', b"new\nline.py": '"new\\nline.py"', b"tab\t.py": '"tab\\t.py"'}
+    try:
+        for raw in names:
+            (repo / os.fsdecode(raw)).write_text("x = 1\n")
+    except OSError:
+        pytest.skip("the file system takes no such names")
+    odd = repo.parent / os.fsdecode(b"r\xe9po\n")
+    repo.rename(odd)
+    if use_git:
+        subprocess.run(["git", "init", "-q", str(odd)], check=True)
+    pack = pack_repo(odd, ByteCounter(), budget=100_000, use_git=use_git)
+    assert set(names.values()) <= set(pack.paths)
+    assert '=== "new\\nline.py" (lines 1-1) ===\n1| x = 1\n' in pack.text
+    assert pack.text.startswith('Repository "r\\351po\\n". ')
+    pack.text.encode("utf-8")
+    json.dumps(pack.to_json(), ensure_ascii=False).encode("utf-8")
+
+
+def test_unreadable_directories_and_files_are_reported(repo, monkeypatch):
+    """A directory without read permission was dropped in silence with every file under it (os.walk
+    swallows the error): it is left out as "unreadable", as git warns of it and goes on; so is a file
+    that cannot be opened. (Simulated: root reads through chmod 000.)"""
+    real_scandir, real_open = os.scandir, Path.open
+
+    def scandir(path):
+        if Path(path) == repo / "src" / "util":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    def open_(self, *args, **kw):
+        if self == repo / "README.md":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kw)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(Path, "open", open_)
+    pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
+    reasons = {s.path: s.reason for s in pack.skipped}
+    assert reasons["src/util/"] == reasons["README.md"] == "unreadable"
+    assert pack.paths == [".gitignore", "keep.log", "src/app.py"]
+    assert "src/util/: unreadable" in pack.report()
+
+
 def test_truncation_when_the_context_is_small(repo):
     full = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
     budget = full.tokens // 2
@@ -174,6 +279,23 @@ def test_read_queries(tmp_path):
         read_queries(q)
     q.write_text('{"id": 1}\n')
     with pytest.raises(LongctxError):
+        read_queries(q)
+
+
+def test_read_queries_takes_a_byte_order_mark(tmp_path):
+    """A queries file saved "UTF-8 with BOM" (Notepad, PowerShell's Out-File) reads as the same rows; its
+    first line was refused as not JSON."""
+    q = tmp_path / "q.jsonl"
+    q.write_bytes(b'\xef\xbb\xbf{"query": "a?", "id": 1}\n"b?"\n')
+    assert read_queries(q) == [{"query": "a?", "id": 1}, {"query": "b?"}]
+
+
+def test_read_queries_refuses_half_a_surrogate_pair(tmp_path):
+    """JSON can escape a lone surrogate ("\\ud800"), which no tokenizer takes: one line naming the row, not
+    a TypeError from the tokenizer after the model was loaded."""
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"query": "fine"}\n{"query": "bad \\ud800 half"}\n')
+    with pytest.raises(LongctxError, match=r":2: the query is not valid Unicode"):
         read_queries(q)
 
 
@@ -598,6 +720,31 @@ def test_cli_out_is_checked_before_packing(out, repo, tmp_path, capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"longctx retrieve: error: --out {out}: not a file that can be written")
     assert "\n" not in err
+
+
+def test_a_repository_whose_first_file_does_not_fit_says_so(tmp_path, monkeypatch, capsys):
+    """With a context too small for even the first file the run said "nothing to pack in REPO", as for an
+    empty one: it names the file and the room there was, and what to change."""
+    monkeypatch.setattr(clients, "HTTPClient", partial(HTTPClient, transport=_server(True, [])))
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "big.py").write_text("x = 1\n" * 300)
+    (tmp_path / "repo" / "small.py").write_text("y = 2\n")
+    (tmp_path / "q.jsonl").write_text('{"query": "x?"}\n')
+    argv = ["retrieve", "--repo", str(tmp_path / "repo"), "--queries", str(tmp_path / "q.jsonl")]
+    argv += ["--out", str(tmp_path / "a.jsonl"), "--base-url", "http://srv", "--max-context", "1000"]
+    assert main([*argv, "--max-new-tokens", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"longctx retrieve: error: nothing of {re.escape(str(tmp_path / 'repo'))} fits: its first file, big\.py, "
+        r"needs more than the [\d,]+ tokens a context of 1,000 leaves for the repository after the longest "
+        r"question and --max-new-tokens; give a larger --max-context \(or --max-file-bytes to leave it out\)",
+        err,
+    ), err
+    (tmp_path / "empty").mkdir()
+    assert main([*argv[:2], str(tmp_path / "empty"), *argv[3:]]) == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1].endswith(f"nothing to pack in {tmp_path / 'empty'}")
+    )
 
 
 def test_cli_missing_inputs(tmp_path, capsys):

@@ -56,22 +56,12 @@ def _translate(pat: str) -> str:
         elif c == "?":
             out.append("[^/]")
         elif c == "[":
-            j = i + 1
-            if j < n and pat[j] in "!^":
-                j += 1
-            if j < n and pat[j] == "]":
-                j += 1
-            while j < n and pat[j] != "]":
-                j += 1
-            if j >= n:
+            bracket = _bracket(pat, i)
+            if bracket is None:
                 out.append(re.escape(c))  # no closing bracket: a literal '['
             else:
-                body = pat[i + 1 : j]
-                if body[:1] in ("!", "^"):
-                    body = "^" + body[1:]
-                body = body.replace("\\", "\\\\")
-                out.append(f"(?!/)[{body}]")
-                i = j
+                out.append(bracket[0])
+                i = bracket[1]
         elif c == "\\" and i + 1 < n:
             i += 1
             out.append(re.escape(pat[i]))
@@ -79,6 +69,74 @@ def _translate(pat: str) -> str:
             out.append(re.escape(c))
         i += 1
     return "".join(out)
+
+
+# POSIX classes inside a bracket, as git's wildmatch reads them (ASCII, the C locale)
+_CLASSES = {
+    "alnum": "0-9A-Za-z",
+    "alpha": "A-Za-z",
+    "blank": " \t",
+    "cntrl": "\x00-\x1f\x7f",
+    "digit": "0-9",
+    "graph": "!-~",
+    "lower": "a-z",
+    "print": " -~",
+    "punct": "!-/:-@\\[-`{-~",
+    "space": " \t\n\r\x0b\x0c",
+    "upper": "A-Z",
+    "xdigit": "0-9A-Fa-f",
+}
+_NOTHING = "(?!)"  # a regex that matches nothing
+
+
+def _bracket(pat: str, start: int) -> tuple[str, int] | None:
+    """The bracket expression opening at `pat[start]` ('[') as a regex, and the index of its ']'; None when
+    it never closes (the '[' is then a literal character, as fnmatch(3) has it). Read as git's wildmatch
+    reads one: '!' or '^' negates, a ']' first is a member, '\\' escapes, 'a-z' is a range (one running
+    backwards, 'z-a', holds its first character only), '[:alpha:]' is a class (an unknown one makes the pattern match nothing); it
+    never matches '/'."""
+    n = len(pat)
+    j = start + 1
+    negate = j < n and pat[j] in "!^"
+    if negate:
+        j += 1
+    members: list[str] = []
+    nothing = False
+    first = True
+    while j < n and (first or pat[j] != "]"):
+        first = False
+        if pat.startswith("[:", j):
+            end = pat.find("]", j + 2)
+            if end > j + 2 and pat[end - 1] == ":":  # (else the '[' is a member)
+                cls = _CLASSES.get(pat[j + 2 : end - 1])
+                if cls is None:
+                    nothing = True
+                else:
+                    members.append(cls)
+                j = end + 1
+                continue
+        ch = pat[j]
+        if ch == "\\" and j + 1 < n:
+            j += 1
+            ch = pat[j]
+        j += 1
+        if j + 1 < n and pat[j] == "-" and pat[j + 1] != "]":
+            hi = pat[j + 1]
+            j += 2
+            if hi == "\\" and j < n:
+                hi = pat[j]
+                j += 1
+            # (one running backwards holds its first character only, as in git)
+            members.append(f"{re.escape(ch)}-{re.escape(hi)}" if ch <= hi else re.escape(ch))
+            continue
+        members.append(re.escape(ch))
+    if j >= n:
+        return None
+    if nothing:
+        return _NOTHING, j
+    if not members:
+        return ("[^/]" if negate else _NOTHING), j
+    return ("(?!/)[" + ("^" if negate else "") + "".join(members) + "]"), j
 
 
 def parse_gitignore(text: str, base: str = "") -> list[Rule]:
@@ -128,9 +186,17 @@ def is_ignored(rel: str, is_dir: bool, rules: list[Rule]) -> bool:
     return verdict
 
 
-def walk_files(root: str | Path) -> tuple[list[str], int]:
-    """(files not ignored, number of ignored entries) under root by .gitignore rules, sorted."""
+def walk_files(root: str | Path, unreadable: list[str] | None = None) -> tuple[list[str], int]:
+    """(files not ignored, number of ignored entries) under root by .gitignore rules, sorted. The
+    directories that cannot be listed (no read permission) are appended to `unreadable` ("dir/", "./"
+    for the root), as git warns of them and goes on."""
     root = Path(root)
+
+    def cannot_list(e: OSError) -> None:
+        if unreadable is not None and e.filename is not None:
+            rel = Path(e.filename).relative_to(root).as_posix()
+            unreadable.append(f"{rel}/")
+
     base_rules: list[Rule] = []
     exclude = root / ".git" / "info" / "exclude"
     if exclude.is_file():
@@ -138,7 +204,7 @@ def walk_files(root: str | Path) -> tuple[list[str], int]:
     files: list[str] = []
     ignored = 0
     rules_of: dict[str, list[Rule]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=cannot_list):
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         rel_dir = "" if rel_dir == "." else rel_dir
         rules = list(rules_of[Path(rel_dir).parent.as_posix()] if rel_dir else base_rules)
@@ -159,6 +225,8 @@ def walk_files(root: str | Path) -> tuple[list[str], int]:
                 keep.append(d)
         dirnames[:] = keep
         for f in sorted(filenames):
+            if f == ".git":
+                continue  # a worktree's or submodule's link to its repository ("gitdir: ..."): git lists none
             rel = f"{rel_dir}/{f}" if rel_dir else f
             if is_ignored(rel, False, rules):
                 ignored += 1
@@ -194,10 +262,13 @@ def git_files(root: str | Path) -> list[str] | None:
     return sorted({p for p in names if (Path(root) / p).is_file()})
 
 
-def list_files(root: str | Path, use_git: bool | None = None) -> tuple[list[str], int | None, str]:
+def list_files(
+    root: str | Path, use_git: bool | None = None, unreadable: list[str] | None = None
+) -> tuple[list[str], int | None, str]:
     """(files, ignored count or None when unknown, method) for a repository root.
 
-    use_git: None tries git and falls back to the rules; False always uses the rules.
+    use_git: None tries git and falls back to the rules; False always uses the rules. `unreadable`
+    gathers the directories the rules' walk could not list (`walk_files`).
     """
     if use_git is not False:
         files = git_files(root)
@@ -207,5 +278,5 @@ def list_files(root: str | Path, use_git: bool | None = None) -> tuple[list[str]
             from longctx.errors import LongctxError
 
             raise LongctxError(f"{root} is not a git work tree")
-    files, ignored = walk_files(root)
+    files, ignored = walk_files(root, unreadable)
     return files, ignored, "gitignore"

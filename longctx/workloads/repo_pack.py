@@ -9,7 +9,8 @@ Layout (byte-cheap, since the default tokenizer spends one token per byte):
     1|     2| ...
 
 Files come in path order. Skipped, with the reason reported: binaries (a NUL byte), non-UTF-8
-text, files over `max_file_bytes`, symlinks, unreadable files, and — once the token budget is
+text, files over `max_file_bytes`, symlinks, what is not a regular file (a FIFO, a socket, a
+device), unreadable files, and — once the token budget is
 spent — every file after the first that does not fit ("context full"). Ignored files (by git or
 .gitignore) are not listed, only counted when that is cheap; nor are the files a caller excludes
 (its own output).
@@ -17,6 +18,7 @@ spent — every file after the first that does not fit ("context full"). Ignored
 
 from __future__ import annotations
 
+import stat
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ class PackedFile:
 @dataclass(frozen=True)
 class Skipped:
     path: str
-    reason: str  # binary | not utf-8 | too large | symlink | unreadable | context full
+    reason: str  # binary | not utf-8 | too large | symlink | not a regular file | unreadable | context full
 
 
 @dataclass(frozen=True)
@@ -99,17 +101,47 @@ def format_file(path: str, text: str) -> str:
     return f"=== {path} (lines 1-{len(lines)}) ===\n{body}\n"
 
 
+_C_ESCAPES = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r"}
+
+
+def shown_path(rel: str) -> str:
+    """`rel` as the pack shows it: as it is, or, for a name a header line cannot hold (a newline or other
+    control character in it, or bytes that are not UTF-8: os.fsdecode's surrogates), quoted as git quotes
+    one (`"new\\nline.txt"`, `"caf\\351.txt"`)."""
+    if not any(ord(c) < 0x20 or c == "\x7f" or "\udc80" <= c <= "\udcff" for c in rel):
+        return rel
+    out = []
+    for c in rel:
+        if c in _C_ESCAPES:
+            out.append(_C_ESCAPES[c])
+        elif c in '"\\':
+            out.append("\\" + c)
+        elif ord(c) < 0x20 or c == "\x7f":
+            out.append(f"\\{ord(c):03o}")
+        elif "\udc80" <= c <= "\udcff":  # (a byte that is not UTF-8)
+            out.append(f"\\{ord(c) - 0xDC00:03o}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def read_text(path: Path, max_file_bytes: int) -> tuple[str | None, str | None]:
-    """(text, None) for a packable file, or (None, reason)."""
-    if path.is_symlink():
-        return None, "symlink"
+    """(text, None) for a packable file, or (None, reason). Only regular files are read: a FIFO would
+    block the run forever and a device such as /dev/zero never ends (git lists neither)."""
     try:
-        size = path.stat().st_size
-        if size > max_file_bytes:
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            return None, "symlink"
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file"
+        if st.st_size > max_file_bytes:
             return None, "too large"
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(max_file_bytes + 1)  # (a file growing meanwhile is read no further)
     except OSError:
         return None, "unreadable"
+    if len(data) > max_file_bytes:
+        return None, "too large"
     if b"\0" in data:
         return None, "binary"
     try:
@@ -130,35 +162,37 @@ def pack_repo(
     names are left out where `root` holds them, unlisted as ignored files are (a run's own output, which
     changes between the halves of a resumed run)."""
     root = Path(root)
-    files, ignored, method = list_files(root, use_git)
+    unlisted: list[str] = []  # (directories that could not be listed)
+    files, ignored, method = list_files(root, use_git, unlisted)
     top = root.resolve()
     own = {
         p.relative_to(top).as_posix() for p in (Path(e).resolve() for e in exclude) if p.is_relative_to(top)
     }
     files = [rel for rel in files if rel not in own]
-    head = preamble(top.name)
+    head = preamble(shown_path(top.name))
     used = counter.count(head)
     blocks: list[str] = []
     packed: list[PackedFile] = []
-    skipped: list[Skipped] = []
+    skipped = [Skipped(shown_path(d), "unreadable") for d in unlisted]
     full = False
     for rel in files:
+        name = shown_path(rel)
         if full:
-            skipped.append(Skipped(rel, "context full"))
+            skipped.append(Skipped(name, "context full"))
             continue
         text, reason = read_text(root / rel, max_file_bytes)
         if text is None:
-            skipped.append(Skipped(rel, reason or "unreadable"))
+            skipped.append(Skipped(name, reason or "unreadable"))
             continue
-        block = format_file(rel, text)
+        block = format_file(name, text)
         n = counter.count(block)
         if used + n > budget:
             full = True  # stop here: later files would silently reorder the repository
-            skipped.append(Skipped(rel, "context full"))
+            skipped.append(Skipped(name, "context full"))
             continue
         used += n
         blocks.append(block)
-        packed.append(PackedFile(rel, len(text.splitlines()), n))
+        packed.append(PackedFile(name, len(text.splitlines()), n))
     body = head + "".join(blocks)
     total = counter.count(body)
     # Per-block counts can differ from the whole by merges across block boundaries; trim to fit.

@@ -50,7 +50,7 @@ def read_queries(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise QueryFileError(f"no queries file {path}")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # (a byte order mark, as some editors write, is no row)
     except UnicodeDecodeError as e:
         raise QueryFileError(f"{path} is not valid UTF-8 (byte {e.start})") from None
     rows = []
@@ -68,6 +68,12 @@ def read_queries(path: str | Path) -> list[dict]:
         q = row.get("query", row.get("question"))
         if not isinstance(q, str) or not q.strip():
             raise QueryFileError(f'{path}:{i}: no "query" string')
+        try:  # (JSON may escape half a surrogate pair, "\\ud800": no text a tokenizer takes)
+            q.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise QueryFileError(
+                f"{path}:{i}: the query is not valid Unicode ({e.reason} at {e.start})"
+            ) from None
         row = {k: v for k, v in row.items() if k != "question"}
         row["query"] = q
         rows.append(row)

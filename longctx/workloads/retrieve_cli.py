@@ -181,6 +181,13 @@ def run(args: argparse.Namespace) -> int:
         if args.pack_report:
             Path(args.pack_report).write_text(json.dumps(pack.to_json(), indent=2) + "\n")
         if not pack.files:
+            cut = [f.path for f in pack.skipped if f.reason == "context full"]
+            if cut:  # (packing stops at the first file that does not fit: this one)
+                raise UsageError(
+                    f"nothing of {args.repo} fits: its first file, {cut[0]}, needs more than the {budget:,} "
+                    f"tokens a context of {max_context:,} leaves for the repository after the longest question "
+                    "and --max-new-tokens; give a larger --max-context (or --max-file-bytes to leave it out)"
+                )
             raise UsageError(f"nothing to pack in {args.repo}")
         if client is None:
             client = EngineClient(args.model, **engine_kw)
