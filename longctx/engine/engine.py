@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -158,7 +159,13 @@ class LocalRunner:
 
 
 class Engine:
-    """Load a checkpoint and serve it. See DESIGN.md "Public surface"."""
+    """Load a checkpoint and serve it. See DESIGN.md "Public surface".
+
+    Safe to share between threads: one caller at a time drives the scheduler and the stages (a lock
+    held for a step, not for a whole call), and blocking calls (`generate`, `score`) made from
+    several threads at once run batched together, each step delivering every call's outputs to it
+    whichever thread ran the step. `pin_document` holds the engine for its whole prefill.
+    """
 
     def __init__(
         self,
@@ -238,6 +245,9 @@ class Engine:
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
         self._closed = False
+        self._lock = threading.RLock()  # one thread at a time in the scheduler, the stages, `_pending`
+        # a running blocking call's request id -> its outputs another thread's step produced, not yet read
+        self._mail: dict[str, list[StepOutput]] = {}
 
         num_pages = self._default_pages(max_context, pp, tp) if kv_pages is None else kv_pages
         self._check_room(num_pages, kv_pages is None, pp, tp, max_running, layer_split)
@@ -410,7 +420,8 @@ class Engine:
         if not isinstance(req.params, SamplingParams):
             raise RequestError(f"a request's params must be SamplingParams, got {type(req.params).__name__}")
         req.params.validate()
-        self._add(req)
+        with self._lock:
+            self._add(req)
 
     def _add(self, req: Request) -> None:
         """A request whose params are valid (`add_request` checked them, or `generate` once for all its
@@ -423,9 +434,10 @@ class Engine:
         self._requests[req.rid] = req
 
     def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
-        self._requests.pop(rid, None)
-        self._release([rid])
+        with self._lock:
+            self.scheduler.abort(rid)
+            self._requests.pop(rid, None)
+            self._release([rid])
 
     @property
     def context_capacity(self) -> int:
@@ -438,21 +450,25 @@ class Engine:
         KV and sampling state it may have left half-written) and forget any step launched or deferred
         beside it; returns their ids. Waiting requests were in no step: they stay queued, and their
         prefix-cache pages are only pages a finished step computed."""
-        self._pending = None
-        self._deferred = None
-        rids = [req.rid for req in self.scheduler.running]
-        for rid in rids:
-            self.abort(rid)
-        return rids
+        with self._lock:
+            self._pending = None
+            self._deferred = None
+            rids = [req.rid for req in self.scheduler.running]
+            for rid in rids:
+                self.abort(rid)
+            return rids
 
     def has_work(self) -> bool:
-        return self._pending is not None or self.scheduler.has_work()
+        with self._lock:
+            return self._pending is not None or self.scheduler.has_work()
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        with self._lock:
+            return len(self.scheduler.waiting)
 
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        with self._lock:
+            return len(self.scheduler.running)
 
     def step(self) -> list[StepOutput]:
         """One scheduler iteration; outputs for every request that progressed.
@@ -460,11 +476,19 @@ class Engine:
         Outputs of requests added through `add_request` that progressed while a blocking call
         (`generate`, `score`, `pin_document`) was stepping the engine are delivered here first.
         """
-        self._check_open()
-        if self._held:
-            held, self._held = self._held, []
-            return held
-        return self._step()
+        with self._lock:
+            self._check_open()
+            if self._held:
+                held, self._held = self._held, []
+                return held
+            return [o for o in self._step() if not self._post(o)]
+
+    def _post(self, o: StepOutput) -> bool:
+        """Put `o` in the mailbox of the blocking call waiting for its request, if one is; whether it was."""
+        box = self._mail.get(o.rid)
+        if box is not None:
+            box.append(o)
+        return box is not None
 
     def _step(self) -> list[StepOutput]:
         if not self.overlap:
@@ -565,24 +589,29 @@ class Engine:
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
         """Prefill a document once and pin its pages in the prefix cache."""
         ids = as_token_ids(token_ids, "token_ids")
-        rid = self._new_rid("doc")
-        req = Request(rid, ids, SamplingParams(max_new_tokens=0))
-        self._run_to_completion([req], desc="document")
-        # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
-        self._documents[rid] = self.prefix_cache.pin_prefix(ids)
-        return rid, len(ids)
+        with (
+            self._lock
+        ):  # (held throughout: another thread's step between the last one and the pin could evict)
+            rid = self._new_rid("doc")
+            req = Request(rid, ids, SamplingParams(max_new_tokens=0))
+            self._run_to_completion([req], desc="document")
+            # released into the prefix cache by the last step; nothing ran since, so nothing was evicted
+            self._documents[rid] = self.prefix_cache.pin_prefix(ids)
+            return rid, len(ids)
 
     def unpin_document(self, doc_id: str) -> None:
-        keys = self._documents.pop(doc_id, None)
-        if keys is None:
-            raise RequestError(f"no document {doc_id!r}")
-        self.prefix_cache.unpin_keys(keys)
+        with self._lock:
+            keys = self._documents.pop(doc_id, None)
+            if keys is None:
+                raise RequestError(f"no document {doc_id!r}")
+            self.prefix_cache.unpin_keys(keys)
 
     # ---- public API ------------------------------------------------------------------------------
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every position of `token_ids`, through the paged sparse path."""
         ids = as_token_ids(token_ids, "token_ids")
-        req = Request(self._new_rid("score"), ids, SamplingParams(max_new_tokens=0), return_logits=True)
+        with self._lock:
+            req = Request(self._new_rid("score"), ids, SamplingParams(max_new_tokens=0), return_logits=True)
         self._run_to_completion([req], desc="score")
         return torch.cat([t.float() for t in req.logits], dim=0)
 
@@ -639,7 +668,8 @@ class Engine:
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
             one = params if seed is None else dataclasses.replace(params, seed=seed + i)
-            reqs.append(Request(self._new_rid("gen"), ids, one))
+            with self._lock:
+                reqs.append(Request(self._new_rid("gen"), ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 
@@ -692,22 +722,31 @@ class Engine:
         prompt logprobs) as the steps reported them. If it raises (a rejected request, a failed step, an
         interrupt), the requests of `reqs` still in the engine are aborted first, so nothing of this call
         stays queued or holds pages."""
-        self._check_open()
         pending: set[str] = set()
         try:
-            for r in reqs:
-                self._add(r)
-                pending.add(r.rid)
+            with self._lock:
+                self._check_open()
+                for r in reqs:
+                    self._add(r)
+                    pending.add(r.rid)
+                    self._mail[r.rid] = []
             return self._step_until_done(reqs, pending, desc)
         except BaseException:
-            for rid in pending:
-                try:
-                    self.abort(rid)
-                except EngineDeadError:
-                    pass  # its stages are gone, and what they held for the request with them
-                except Exception as e:  # (a closed engine): the error being raised is the one that matters
-                    log.warning("could not abort %s after a failed %s: %s", rid, desc, e)
+            with self._lock:
+                for rid in pending:
+                    try:
+                        self.abort(rid)
+                    except EngineDeadError:
+                        pass  # its stages are gone, and what they held for the request with them
+                    except (
+                        Exception
+                    ) as e:  # (a closed engine): the error being raised is the one that matters
+                        log.warning("could not abort %s after a failed %s: %s", rid, desc, e)
             raise
+        finally:
+            with self._lock:
+                for r in reqs:
+                    self._mail.pop(r.rid, None)
 
     def _step_until_done(
         self, reqs: list[Request], pending: set[str], desc: str
@@ -718,26 +757,39 @@ class Engine:
         done: dict[str, int] = {}
         with tqdm(total=total, desc=f"{desc} prefill", unit="tok", disable=not show, leave=False) as bar:
             while pending:
-                self._check_open()
-                outs = self._step()
-                if not outs and not self.has_work():
-                    break
+                with self._lock:  # (released between steps: other threads' calls step, and batch with these)
+                    self._check_open()
+                    outs = [o for rid in sorted(pending) for o in self._mail[rid]]  # what their steps made
+                    for rid in pending:
+                        self._mail[rid].clear()
+                    if not outs:
+                        stepped = self._step()
+                        if not stepped and not self.has_work():
+                            break
+                        for o in stepped:
+                            if o.rid in pending:
+                                outs.append(o)
+                            elif not self._post(o):  # another blocking call's, else a step-API request's:
+                                self._held.append(o)  # kept for step()
+                if len(self._mail) > len(pending):  # other threads' calls wait: let one take the lock
+                    time.sleep(0)
                 for o in outs:
-                    if o.rid not in pending:
-                        self._held.append(o)  # another caller's request: keep it for step()
-                    else:
-                        bar.update(o.prompt_done - done.get(o.rid, 0))
-                        done[o.rid] = o.prompt_done
-                        lps[o.rid][0].extend(o.logprobs)
-                        lps[o.rid][1].extend(o.prompt_logprobs)
-                        if o.finished:
-                            pending.discard(o.rid)
-                            if o.error:
-                                raise RequestError(o.error)
+                    bar.update(o.prompt_done - done.get(o.rid, 0))
+                    done[o.rid] = o.prompt_done
+                    lps[o.rid][0].extend(o.logprobs)
+                    lps[o.rid][1].extend(o.prompt_logprobs)
+                    if o.finished:
+                        pending.discard(o.rid)
+                        if o.error:
+                            raise RequestError(o.error)
         return lps
 
     # ---- introspection / lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         s: dict[str, Any] = {
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
@@ -768,10 +820,11 @@ class Engine:
             raise RequestError("the engine is closed")
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pending = None  # a launched step nobody will read
-            self.runner.close()
+        with self._lock:  # (after the step another thread runs: its next one finds the engine closed)
+            if not self._closed:
+                self._closed = True
+                self._pending = None  # a launched step nobody will read
+                self.runner.close()
 
     def __enter__(self) -> Engine:
         return self

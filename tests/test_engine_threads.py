@@ -1,0 +1,149 @@
+"""One Engine shared by several threads: blocking calls made at once batch together and each gets exactly
+its own results; the step API and a close from another thread stay coherent."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from longctx import Engine
+from longctx.engine.request import Request, SamplingParams
+from longctx.errors import RequestError
+from tests.conftest import rand_ids, rel
+
+
+def _together(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]:
+    """Run `fns` in threads started at the same moment; their results (an exception re-raised)."""
+    start = threading.Barrier(len(fns))
+    out: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = ("ok", fns[i]())
+        except BaseException as e:  # re-raised in the test's thread
+            out[i] = ("err", e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a call never returned"
+    for kind, v in out:
+        if kind == "err":
+            raise v
+    return [v for _, v in out]
+
+
+def _running_peak(eng: Engine) -> list[int]:
+    """Record the number of running requests after each step (the batch the threads share)."""
+    peak = [0]
+    step = eng._step
+
+    def counting() -> list:
+        outs = step()
+        peak[0] = max(peak[0], len(eng.scheduler.running))
+        return outs
+
+    eng._step = counting  # type: ignore[method-assign]
+    return peak
+
+
+def test_threads_generating_at_once_batch_and_get_their_own_tokens(tiny_dir) -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    prompts = [rand_ids(int(torch.randint(5, 90, (), generator=g)), 100 + i) for i in range(6)]
+    news = [int(torch.randint(3, 14, (), generator=g)) for _ in prompts]
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as eng:
+        alone = [
+            eng.generate([p], max_new_tokens=n, ignore_eos=True)[0].token_ids
+            for p, n in zip(prompts, news, strict=True)
+        ]
+        peak = _running_peak(eng)
+        calls = [
+            (lambda p=p, n=n: eng.generate([p], max_new_tokens=n, ignore_eos=True)[0].token_ids)
+            for p, n in zip(prompts, news, strict=True)
+        ]
+        got = _together(calls)
+        assert got == alone
+        assert peak[0] >= 2  # the threads' requests ran in shared steps, not one call after another
+        assert eng.num_running() == eng.num_waiting() == 0 and not eng._mail and not eng._held
+
+
+def test_score_generate_and_the_step_api_from_threads(tiny_dir) -> None:
+    """A score, two generates and a step-API caller (add_request + step) at once: each gets its own
+    outputs (the step-API caller every token of its request, none of the blocking calls')."""
+    ids = rand_ids(70, 7)
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as eng:
+        want_score = eng.score(ids)
+        want_a = eng.generate([ids[:30]], max_new_tokens=9, ignore_eos=True)[0].token_ids
+        want_b = eng.generate([ids[20:]], max_new_tokens=5, ignore_eos=True)[0].token_ids
+        want_c = eng.generate([ids[5:50]], max_new_tokens=8, ignore_eos=True)[0].token_ids
+
+        def stepper() -> list[int]:
+            eng.add_request(Request("api-0", ids[5:50], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+            toks: list[int] = []
+            for _ in range(10_000):
+                for o in eng.step():
+                    assert o.rid == "api-0", o.rid  # never a blocking call's output
+                    toks += o.new_token_ids
+                    if o.finished:
+                        return toks
+            raise AssertionError("the step-API request never finished")
+
+        s, a, b, c = _together(
+            [
+                lambda: eng.score(ids),
+                lambda: eng.generate([ids[:30]], max_new_tokens=9, ignore_eos=True)[0].token_ids,
+                lambda: eng.generate([ids[20:]], max_new_tokens=5, ignore_eos=True)[0].token_ids,
+                stepper,
+            ]
+        )
+    assert rel(s, want_score) <= 1e-5
+    assert (a, b, c) == (want_a, want_b, want_c)
+
+
+def test_a_failing_call_in_one_thread_leaves_the_others_running(tiny_dir) -> None:
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as eng:
+        p = rand_ids(40, 3)
+        want = eng.generate([p], max_new_tokens=6, ignore_eos=True)[0].token_ids
+
+        def bad() -> None:
+            eng.generate([[10**9]], max_new_tokens=3)
+
+        calls = [lambda: eng.generate([p], max_new_tokens=6, ignore_eos=True)[0].token_ids] * 3
+        results = _together([*calls, lambda: pytest.raises(RequestError, bad)])
+        assert results[:3] == [want] * 3
+        assert eng.num_running() == eng.num_waiting() == 0 and not eng._mail
+
+
+def test_close_from_another_thread_ends_a_running_generate_with_an_error(tiny_dir) -> None:
+    eng = Engine(tiny_dir, device="cpu", chunk_size=29)
+    started = threading.Event()
+    step = eng._step
+
+    def marking() -> list:
+        started.set()
+        return step()
+
+    eng._step = marking  # type: ignore[method-assign]
+
+    def long_generate() -> str:
+        try:
+            eng.generate([rand_ids(60, 1)], max_new_tokens=100_000 // 100, ignore_eos=True)
+        except RequestError as e:
+            return str(e)
+        return "finished"
+
+    def closer() -> None:
+        assert started.wait(60)
+        eng.close()
+
+    msg, _ = _together([long_generate, closer])
+    assert msg == "the engine is closed"
+    with pytest.raises(RequestError, match="closed"):
+        eng.score([1, 2, 3])
