@@ -147,3 +147,40 @@ def test_close_from_another_thread_ends_a_running_generate_with_an_error(tiny_di
     assert msg == "the engine is closed"
     with pytest.raises(RequestError, match="closed"):
         eng.score([1, 2, 3])
+
+
+def test_a_failed_step_fails_every_request_it_held_and_the_engine_goes_on(tiny_dir) -> None:
+    """A step that raises in one thread's call fails the requests of every call in it (their KV may be
+    half-written): each thread's call raises the step's error, a step-API request gets a finished output
+    carrying it, nothing stays queued, and the next calls run as on a fresh engine."""
+    with Engine(tiny_dir, device="cpu", chunk_size=29) as eng:
+        p, q = rand_ids(80, 1), rand_ids(70, 2)
+        want = [eng.generate([x], max_new_tokens=6, ignore_eos=True)[0].token_ids for x in (p, q)]
+        run, raised = eng.runner.run, [False]
+        both = threading.Barrier(2)
+
+        def failing(plan):  # type: ignore[no-untyped-def]
+            gens = [r for r in eng.scheduler.running if r.rid.startswith("gen-")]
+            if len(gens) == 2 and not raised[0]:  # the first step holding both threads' requests
+                raised[0] = True
+                raise RuntimeError("device fault")
+            return run(plan)
+
+        eng.runner.run = failing
+        eng.add_request(Request("api-0", q, SamplingParams(max_new_tokens=50, ignore_eos=True)))
+
+        def call(x: list[int]) -> str:
+            both.wait()
+            try:
+                eng.generate([x], max_new_tokens=50, ignore_eos=True)
+            except (RuntimeError, RequestError) as e:
+                return str(e)
+            return "finished"
+
+        got = _together([lambda: call(p), lambda: call(q)])
+        assert all(g.endswith("device fault") for g in got), got  # (the other thread's: "RuntimeError: ...")
+        api = [o for o in eng.step() if o.rid == "api-0"]
+        assert api and api[-1].finished and api[-1].error == "RuntimeError: device fault"
+        assert eng.num_running() == eng.num_waiting() == 0 and not eng._mail
+        eng.runner.run = run
+        assert [eng.generate([x], max_new_tokens=6, ignore_eos=True)[0].token_ids for x in (p, q)] == want

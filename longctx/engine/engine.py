@@ -763,7 +763,11 @@ class Engine:
                     for rid in pending:
                         self._mail[rid].clear()
                     if not outs:
-                        stepped = self._step()
+                        try:
+                            stepped = self._step()
+                        except Exception as e:
+                            self._fail_others(e, pending)
+                            raise
                         if not stepped and not self.has_work():
                             break
                         for o in stepped:
@@ -783,6 +787,22 @@ class Engine:
                         if o.error:
                             raise RequestError(o.error)
         return lps
+
+    def _fail_others(self, e: Exception, pending: set[str]) -> None:
+        """After a step a blocking call ran raised: every request the step held is aborted (its KV and
+        sampling state may be half-written), as the server's engine process fails a step's requests;
+        another thread's call raises the step's error, a step-API request gets a finished output with it.
+        The call's own requests (`pending`) it aborts itself as it raises."""
+        try:
+            failed = self.fail_step()
+        except Exception:  # (a dead stage: every later step fails with it anyway)
+            return
+        err = one_line(e)
+        for rid in failed:
+            if rid not in pending:
+                o = StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err)
+                if not self._post(o):
+                    self._held.append(o)
 
     # ---- introspection / lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
