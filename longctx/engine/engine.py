@@ -589,9 +589,8 @@ class Engine:
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
         """Prefill a document once and pin its pages in the prefix cache."""
         ids = as_token_ids(token_ids, "token_ids")
-        with (
-            self._lock
-        ):  # (held throughout: another thread's step between the last one and the pin could evict)
+        # the lock held throughout: another thread's step between the last one and the pin could evict
+        with self._lock:
             rid = self._new_rid("doc")
             req = Request(rid, ids, SamplingParams(max_new_tokens=0))
             self._run_to_completion([req], desc="document")
@@ -738,9 +737,7 @@ class Engine:
                         self.abort(rid)
                     except EngineDeadError:
                         pass  # its stages are gone, and what they held for the request with them
-                    except (
-                        Exception
-                    ) as e:  # (a closed engine): the error being raised is the one that matters
+                    except Exception as e:  # (a closed engine): the error raised is the one that matters
                         log.warning("could not abort %s after a failed %s: %s", rid, desc, e)
             raise
         finally:
