@@ -320,3 +320,35 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line():
     assert peer_lost(nccl) == "remote process exited"
     assert peer_lost(RuntimeError("shape mismatch: [2, 3] vs [3, 2]")) is None
     assert peer_lost(OSError("Connection reset by peer")) is None  # not a collective's error
+
+
+def test_a_lost_peer_report_gives_way_to_the_one_naming_the_cause() -> None:
+    """`StageRuntime._cause`: when the first report is a consequence (a rank that saw its peer vanish on
+    a collective) and the report naming the cause (under torchrun: rank 0's receiver thread of the
+    vanished rank) comes after it, within the settle time, the cause is what is reported; a cause seen
+    first stays; a consequence alone is reported once the longer settle time passes."""
+    import types
+
+    from longctx.stages.messages import Failed
+    from longctx.stages.runtime import StageRuntime
+
+    def cause(first: Failed, later: list[Failed], after: float) -> tuple[str, float]:
+        t0 = time.monotonic()
+
+        def get(timeout: float):  # type: ignore[no-untyped-def]
+            return later.pop(0) if later and time.monotonic() - t0 >= after else None
+
+        fake = types.SimpleNamespace(
+            _p=types.SimpleNamespace(get=get, dead=lambda skip=(): None), _where=lambda r: f"rank {r}"
+        )
+        why = StageRuntime._cause(fake, first)  # type: ignore[arg-type]
+        return why, time.monotonic() - t0
+
+    lost = Failed(0, 0, 0, "lost a peer rank: Connection reset by peer", consequence=True)
+    broke = Failed(1, 1, 0, "its link to rank 0 broke: Connection closed by peer")
+    why, _ = cause(lost, [broke], after=0.5)  # (later than the plain settle time)
+    assert why == "rank 1 failed: its link to rank 0 broke: Connection closed by peer"
+    why, _ = cause(broke, [lost], after=0.0)
+    assert why.startswith("rank 1 failed: its link")
+    why, took = cause(lost, [], after=0.0)
+    assert why == "rank 0 failed: lost a peer rank: Connection reset by peer" and took < 10

@@ -99,3 +99,5 @@ class Failed:
     stage: int
     tp_rank: int
     message: str
+    # the failure is a peer's loss seen on a collective (a consequence: another rank's report names the cause)
+    consequence: bool = False

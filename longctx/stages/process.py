@@ -311,7 +311,7 @@ def stage_main(spec: StageSpec, transport: Transport, exit_process: bool = False
             message = one_line(e)
             if not isinstance(e, LongctxError):  # bad input / config says what is wrong in its message
                 traceback.print_exc(file=sys.stderr)
-        transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, message))
+        transport.put(Failed(spec.rank, spec.stage, spec.tp_rank, message, consequence=lost is not None))
     finally:
         try:
             if proc is not None and code == 0:

@@ -59,6 +59,7 @@ POLL_S = 0.1
 SHUTDOWN_GRACE_S = 5.0
 # after a stage's failure report: how long to look for a silently dead peer that caused it
 FAILURE_SETTLE_S = 0.3
+CONSEQUENCE_SETTLE = 10  # times FAILURE_SETTLE_S, when the only reports are of a lost peer
 # set by `longctx.stages.launch` under torchrun: the next StageRuntime drives those ranks
 _ATTACHED: list[Any] = []
 
@@ -305,18 +306,23 @@ class StageRuntime:
         whichever of them reaches the driver first. A stage that fails reports before it exits, so
         for a short while the reports are drained and a dead rank that sent none is looked for."""
         reported = {failed.rank}
-        deadline = time.monotonic() + FAILURE_SETTLE_S
+        start = time.monotonic()
         while True:
             while (m := self._p.get(0.0)) is not None:
                 if isinstance(m, Failed):
                     reported.add(m.rank)
+                    if failed.consequence and not m.consequence:  # (a peer's loss seen first: the cause)
+                        failed = m
             gone = self._p.dead(skip=reported)
             if gone is not None:
                 return (
                     f"{self._where(gone[0])} exited with code {gone[1]}"
                     f" (then {self._where(failed.rank)} failed: {failed.message})"
                 )
-            if time.monotonic() >= deadline:
+            # a consequence alone waits longer for the report naming the cause (under torchrun a vanished
+            # rank's receiver thread on rank 0 reports it, racing rank 0's stage on the same broken link)
+            settle = FAILURE_SETTLE_S * (CONSEQUENCE_SETTLE if failed.consequence else 1)
+            if time.monotonic() - start >= settle:
                 return f"{self._where(failed.rank)} failed: {failed.message}"
             time.sleep(0.02)
 
