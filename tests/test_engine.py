@@ -39,6 +39,22 @@ def test_batch_equals_alone(eng):
     assert [c.token_ids for c in batch] == [c.token_ids for c in alone]
 
 
+def test_one_prompt_given_bare_is_a_batch_of_one(eng):
+    """A string or a token-id list alone is one prompt (SGLang's / vLLM's calling form): a list of one
+    Completion, the same as the prompt in a list."""
+    p = rand_ids(int(torch.randint(5, 60, ())), 4)
+    one = eng.generate(p, max_new_tokens=5, ignore_eos=True)
+    assert len(one) == 1
+    assert one[0].token_ids == eng.generate([p], max_new_tokens=5, ignore_eos=True)[0].token_ids
+    assert eng.generate(tuple(p), max_new_tokens=5, ignore_eos=True)[0].token_ids == one[0].token_ids
+    assert eng.tokenizer is not None  # (the tiny checkpoint's byte-level tokenizer)
+    text = eng.generate("The needle is", max_new_tokens=4, ignore_eos=True)
+    assert len(text) == 1
+    assert (
+        text[0].token_ids == eng.generate(["The needle is"], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    )
+
+
 def test_prefix_cache_reuse_gives_same_tokens(eng):
     doc = rand_ids(200, 3)
     a = eng.generate([doc + [1, 2, 3]], max_new_tokens=6, ignore_eos=True)[0]

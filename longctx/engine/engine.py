@@ -616,7 +616,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: list[list[int]] | list[str],
+        prompts: list[list[int]] | list[str] | list[int] | str,
         max_new_tokens: int = 16,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -633,10 +633,15 @@ class Engine:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
     ) -> list[Completion]:
-        """Generate for a batch of prompts (token-id lists or strings); one Completion each. The
-        penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
+        """Generate for a batch of prompts (token-id lists or strings), or for one prompt (a string or a
+        token-id list, as SGLang's Engine and vLLM's LLM take it); one Completion each, a list either way.
+        The penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
         top-N alternatives of each generated / prompt token) are `SamplingParams`'."""
-        if not isinstance(prompts, list | tuple) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list | tuple) and prompts and all(is_int(t) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[assignment]
+        if not isinstance(prompts, list | tuple):
             raise RequestError("prompts must be a list of prompts (token-id lists or strings)", "prompt")
         # a bare string is one stop string, as in vLLM and OpenAI's API (it was one per character)
         stops: Any = [stop] if isinstance(stop, str | int) else stop or []
