@@ -282,6 +282,17 @@ def test_read_queries(tmp_path):
         read_queries(q)
 
 
+@pytest.mark.parametrize("field", ["answer", "cited_files", "latency_s"])
+def test_a_query_row_with_a_field_the_answers_write_is_refused(tmp_path, field):
+    """A gold "answer" (or another field the answer row writes) in a query row was overwritten by the
+    model's in the answers file, and resuming matched rows without it: refused on its line, before any
+    model loads, naming the field and what to do."""
+    q = tmp_path / "q.jsonl"
+    q.write_text(f'{{"query": "a?"}}\n{{"query": "b?", "{field}": "x"}}\n')
+    with pytest.raises(LongctxError, match=rf':2: "{field}" is a field the answers file writes .*rename it'):
+        read_queries(q)
+
+
 def test_read_queries_takes_a_byte_order_mark(tmp_path):
     """A queries file saved "UTF-8 with BOM" (Notepad, PowerShell's Out-File) reads as the same rows; its
     first line was refused as not JSON."""

@@ -65,6 +65,12 @@ def read_queries(path: str | Path) -> list[dict]:
             row = {"query": row}
         if not isinstance(row, dict):
             raise QueryFileError(f'{path}:{i}: expected an object with a "query"')
+        taken = [k for k in RESULT_KEYS if k in row]
+        if taken:  # (the answer row would overwrite it, and resuming could not tell such rows apart)
+            raise QueryFileError(
+                f'{path}:{i}: "{taken[0]}" is a field the answers file writes ({", ".join(RESULT_KEYS)}); '
+                'rename it (e.g. "expected")'
+            )
         q = row.get("query", row.get("question"))
         if not isinstance(q, str) or not q.strip():
             raise QueryFileError(f'{path}:{i}: no "query" string')
