@@ -490,6 +490,12 @@ class Engine:
             box.append(o)
         return box is not None
 
+    def _deliver(self, o: StepOutput) -> None:
+        """An output of a request not the stepping call's: to the blocking call waiting for it, else (a
+        step-API request's) kept for `step()`."""
+        if not self._post(o):
+            self._held.append(o)
+
     def _step(self) -> list[StepOutput]:
         if not self.overlap:
             plan = self.scheduler.schedule()
@@ -581,9 +587,10 @@ class Engine:
     def _new_rid(self, kind: str) -> str:
         """An id for a blocking call's request that no request in the engine has (a step-API caller's
         "gen-0" made generate() fail as a duplicate)."""
-        while (rid := f"{kind}-{next(self._ids)}") in self._requests:
-            pass
-        return rid
+        with self._lock:  # (`_requests` changes under another thread's step)
+            while (rid := f"{kind}-{next(self._ids)}") in self._requests:
+                pass
+            return rid
 
     # ---- documents (long-document QA) ----------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:
@@ -609,8 +616,7 @@ class Engine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every position of `token_ids`, through the paged sparse path."""
         ids = as_token_ids(token_ids, "token_ids")
-        with self._lock:
-            req = Request(self._new_rid("score"), ids, SamplingParams(max_new_tokens=0), return_logits=True)
+        req = Request(self._new_rid("score"), ids, SamplingParams(max_new_tokens=0), return_logits=True)
         self._run_to_completion([req], desc="score")
         return torch.cat([t.float() for t in req.logits], dim=0)
 
@@ -672,8 +678,7 @@ class Engine:
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
             one = params if seed is None else dataclasses.replace(params, seed=seed + i)
-            with self._lock:
-                reqs.append(Request(self._new_rid("gen"), ids, one))
+            reqs.append(Request(self._new_rid("gen"), ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
         return [self._completion(r, *lps[r.rid]) for r in reqs]
 
@@ -775,8 +780,8 @@ class Engine:
                         for o in stepped:
                             if o.rid in pending:
                                 outs.append(o)
-                            elif not self._post(o):  # another blocking call's, else a step-API request's:
-                                self._held.append(o)  # kept for step()
+                            else:
+                                self._deliver(o)
                 if len(self._mail) > len(pending):  # other threads' calls wait: let one take the lock
                     time.sleep(0)
                 for o in outs:
@@ -802,9 +807,7 @@ class Engine:
         err = one_line(e)
         for rid in failed:
             if rid not in pending:
-                o = StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err)
-                if not self._post(o):
-                    self._held.append(o)
+                self._deliver(StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
 
     # ---- introspection / lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
