@@ -12,7 +12,6 @@ Selected with `longctx serve --fake-engine '{"step_delay_s": 0.002, ...}'`.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections import deque
@@ -20,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from longctx.config import is_int, is_real
 from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob, check_token_ids
 from longctx.errors import LongctxError, RequestError
 
@@ -64,16 +64,15 @@ def fake_options(options: Mapping[str, Any]) -> FakeEngineOptions:
         shown = _shown(value)
         if name not in known:
             raise LongctxError(f"unknown option {_shown(name)} (known: {', '.join(known)})")
-        is_int = isinstance(value, int) and not isinstance(value, bool)
         if name in _SECONDS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not is_real(value):
                 raise LongctxError(f"{name} {shown}: must be a number of seconds")
             if not 0 <= value <= MAX_DELAY_S:
                 raise LongctxError(f"{name} {shown}: must be in [0, {MAX_DELAY_S:g}] seconds")
         elif name in _TOKENS:
-            if value is not None and not is_int:
+            if value is not None and not is_int(value):
                 raise LongctxError(f"{name} {shown}: must be a token id or null")
-        elif not is_int:
+        elif not is_int(value):
             raise LongctxError(f"{name} {shown}: must be an integer")
         elif value < (1 if name in _AT_LEAST_1 else 0):
             raise LongctxError(f"{name} {shown}: must be >= {1 if name in _AT_LEAST_1 else 0}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longctx.config import is_int
 from longctx.errors import LongctxError
 from longctx.workloads.clients import Client, GenRequest, GenResult, run_parallel
 from longctx.workloads.jsonl import Effective, claim_settings, open_append, read_rows, sole_writer
@@ -69,14 +70,11 @@ def read_results(path: Path) -> list[dict]:
 
 
 def _names_a_sample(row: dict) -> bool:
-    def integer(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     score = row.get("score", 0)
     return (
         isinstance(row.get("task"), str)
-        and integer(row.get("length"))
-        and integer(row.get("index"))
+        and is_int(row.get("length"))
+        and is_int(row.get("index"))
         and isinstance(score, (int, float))
         and not isinstance(score, bool)
     )
