@@ -277,9 +277,9 @@ def loaded_weight_bytes(cfg: ModelConfig, layers: range, itemsize: int, fp8: boo
     block-quantised weights kept in fp8 with their scales (a TP shard cut inside a block dequantised);
     `KEPT_FP32` in fp32; the embedding and lm_head vocab-parallel (`longctx.stages.tp`: ceil(vocab / tp)
     rows on the most loaded rank, the last, which also holds the widest of every other shard; a tied
-    lm_head is the embedding's own rows where the range holds both, else a copy of them); and what `CausalLM.finalize` derives: the absorbed
-    W_UK / W_UV (kv_b_proj's rows again in the model dtype) and, in the stacked x projections, a
-    model-dtype copy of the fp32 weights_proj."""
+    lm_head is the embedding's own rows where the range holds both, else a copy of them); and what
+    `CausalLM.finalize` derives: the absorbed W_UK / W_UV (kv_b_proj's rows again in the model dtype)
+    and, in the stacked x projections, a model-dtype copy of the fp32 weights_proj."""
     ws = [w for i in layers for w in layer_weights(cfg, i)]
     if layers.start == 0:
         ws += embed_weights(cfg)

@@ -11,14 +11,14 @@ What each of `tp` ranks holds (heads h = H / tp, rank r):
   o_proj's output is a partial sum over heads -> all-reduce (hook on o_proj).
 - embedding and lm_head, vocab-parallel: the rows of vocabulary [v0, v1) = `shard_range(vocab, r,
   tp)` (shards differ by one row when tp does not divide the vocabulary; a tied lm_head is the
-  embedding's shard itself where the stage holds both, else the loader's copy cut to the same rows). The embedding looks up its own ids and
-  gives zero rows for the others, then all-reduces (exactly one rank adds a non-zero row: the sum is
-  the replicated lookup bit for bit). lm_head computes the logits of its rows; a hook all-gathers
-  them (padded to the widest shard) into the whole [n, vocab] on every rank, each column exactly as
-  its rank computed it (a BLAS may round a column of a narrower product otherwise than the whole
-  matrix's: ~1 ulp of fp32 seen on the CPU). Every rank of the last stage therefore runs the same
-  lm_head calls (`StageWorker.finish_async(sample=False)` on all but rank 0, which samples and
-  reports).
+  embedding's shard itself where the stage holds both, else the loader's copy cut to the same rows).
+  The embedding looks up its own ids and gives zero rows for the others, then all-reduces (exactly
+  one rank adds a non-zero row: the sum is the replicated lookup bit for bit). lm_head computes the
+  logits of its rows; a hook all-gathers them (padded to the widest shard) into the whole [n, vocab]
+  on every rank, each column exactly as its rank computed it (a BLAS may round a column of a narrower
+  product otherwise than the whole matrix's: ~1 ulp of fp32 seen on the CPU). Every rank of the last
+  stage therefore runs the same lm_head calls (`StageWorker.finish_async(sample=False)` on all but
+  rank 0, which samples and reports).
 - replicated: q_a / kv_a projections and their norms, the indexer (every rank needs the same top-k),
   the router, the layer norms and the final norm.
 - dense MLP and shared experts: gate/up rows and down columns of intermediate [r I/tp, (r+1) I/tp).

@@ -93,8 +93,8 @@ def _bracket(pat: str, start: int) -> tuple[str, int] | None:
     """The bracket expression opening at `pat[start]` ('[') as a regex, and the index of its ']'; None when
     it never closes (the '[' is then a literal character, as fnmatch(3) has it). Read as git's wildmatch
     reads one: '!' or '^' negates, a ']' first is a member, '\\' escapes, 'a-z' is a range (one running
-    backwards, 'z-a', holds its first character only), '[:alpha:]' is a class (an unknown one makes the pattern match nothing); it
-    never matches '/'."""
+    backwards, 'z-a', holds its first character only), '[:alpha:]' is a class (an unknown one makes the
+    pattern match nothing); it never matches '/'."""
     n = len(pat)
     j = start + 1
     negate = j < n and pat[j] in "!^"
