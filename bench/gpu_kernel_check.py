@@ -196,6 +196,20 @@ def case_topk(n: int, batch: int) -> float:
     )
 
 
+def case_gumbel(batch: int, vocab: int, ids: bool) -> float:
+    """The seeded Gumbel-max draw against its torch reference: the fraction of rows drawing another token
+    (Triton's fp32 log is not torch's, so a near-tie at a row's top may go the other way)."""
+    from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
+
+    x = torch.randn(batch, vocab, device="cuda") * 3
+    keys = torch.randint(0, 2**62, (batch,), device="cuda")
+    order = torch.argsort(x, dim=1, descending=True) if ids else None
+    xs = x.gather(1, order) if ids else x
+    got = gumbel_argmax(xs, keys, order, backend="triton")
+    want = gumbel_argmax_ref(xs, keys, order)
+    return float((got != want).float().mean())
+
+
 def case_topk_window(n: int, batch: int, k: int, window: int) -> float:
     """The decode step's top-k with `index_local_window` (the write pass stores the window): rows before
     and after k + window, at the retrieval model's 192 + 64."""
@@ -704,6 +718,9 @@ CASES = {
     "topk_5k_b8": (case_topk, (5000, 8), 0.0),
     "topk_window_128k_b4": (case_topk_window, (131_072, 4, 192, 64), 0.0),
     "topk_window_5k_b8": (case_topk_window, (5000, 8, 192, 64), 0.0),
+    "gumbel_b1_154k": (case_gumbel, (1, 154_880, False), 0.0),
+    "gumbel_b32_154k": (case_gumbel, (32, 154_880, False), 0.04),
+    "gumbel_ids_b8_5k": (case_gumbel, (8, 5000, True), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),
     "swap_pages": (case_swap, (64,), 0.0),
     "mla_fp8_b1": (case_sparse_mla, ("fp8", 1), 2e-2),

@@ -368,3 +368,35 @@ def test_every_bit_of_a_seed_counts_on_the_cpu() -> None:
     assert draws(2**63 + 5) == draws(5)
     for seed in (0, 5, 2**32 - 1):
         assert _token_seed(seed, 3) == (seed * 1_000_003 + 3 * _MIX) & (2**63 - 1)
+
+
+def test_top_k_keeps_exactly_k_tokens_lower_ids_first_among_equals():
+    """top_k 3 over equal logits draws only tokens 0-2 (the k likeliest, of equal logits the lower ids);
+    over distinct logits only the three largest."""
+    flat = torch.zeros(VOCAB)
+    assert {int(_sample(flat, 1.0, 1.0, 3, 11, s)) for s in range(200)} == {0, 1, 2}
+    x = torch.randn(VOCAB, generator=torch.Generator().manual_seed(4))
+    top3 = set(torch.topk(x, 3).indices.tolist())
+    assert {int(_sample(x, 5.0, 1.0, 3, 11, s)) for s in range(200)} == top3
+
+
+def test_sampled_and_greedy_rows_of_one_batch():
+    """Greedy rows keep their argmax, sampled rows draw what `draw_rows` draws for them alone, and
+    different steps of one seed draw different tokens over a flat row."""
+    from longctx.engine.sampling import draw_rows
+
+    g = torch.Generator().manual_seed(9)
+    rows = [
+        _row("a"),
+        _row("b", temperature=1.0, seed=5, step=0),
+        _row("c", temperature=0.5, top_k=4, seed=6, step=2),
+        _row("d", temperature=1e-6),
+    ]
+    logits = torch.randn(4, VOCAB, generator=g) * 3
+    toks = sample_rows_device(logits, rows)
+    assert int(toks[0]) == int(logits[0].argmax()) and int(toks[3]) == int(logits[3].argmax())
+    for i in (1, 2):
+        assert int(toks[i]) == int(draw_rows(logits[i : i + 1], [rows[i]])[0])
+    flat = torch.zeros(1, VOCAB)
+    drawn = {int(draw_rows(flat, [_row("e", temperature=1.0, seed=1, step=s)])[0]) for s in range(40)}
+    assert len(drawn) > 20

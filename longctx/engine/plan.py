@@ -22,7 +22,7 @@ class RowPlan:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    step: int = 0  # index of the token being sampled (seeds the per-token generator)
+    step: int = 0  # index of the token being sampled (with seed, keys the draw's noise)
     logprobs: int | None = None
     # penalties (SamplingParams'); `penalty_prompt`: the prompt's distinct token ids, sent with a
     # repetition-penalised request's first sampling row only (the last stage keeps them until release)

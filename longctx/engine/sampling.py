@@ -1,8 +1,10 @@
 """Token sampling: logit bias and min_tokens, penalties, greedy, temperature, min-p, top-k, top-p, seeded
 per request and per token.
 
-The generator for token n of a request is seeded from (request seed, n), so a request samples the
-same tokens whatever it is batched with and whichever process samples it.
+Every sampled row of a step draws at once (`draw_rows`): the masks batched, then one Gumbel-max
+kernel (`longctx.kernels.gumbel`) whose noise for token n of a request is hashed from (request
+seed, n) and the token id, so a request samples the same tokens whatever it is batched with and
+whichever process samples it. `_sample` is the one-row reference.
 
 Penalties (`Penalties`) change the logits a token is drawn from, greedy ones included; logprobs stay
 the model's own distribution. The last stage keeps, per penalised request, the tokens it sampled by
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
 from longctx.seeds import MASK63, generator_seed
 
 _MIX = 0x9E3779B97F4A7C15
@@ -30,11 +33,14 @@ def _token_seed(seed: int, step: int) -> int:
     return (generator_seed(seed & MASK63) * 1_000_003 + step * _MIX) & MASK63
 
 
-def sample_rows_device(logits: torch.Tensor, rows: list, penalties: Penalties | None = None) -> torch.Tensor:
+def sample_rows_device(
+    logits: torch.Tensor, rows: list, penalties: Penalties | None = None, backend: str = "auto"
+) -> torch.Tensor:
     """logits [R, vocab] -> one token per row (rows carry temperature/top_p/top_k/seed/step and the
     penalties), as an int64 tensor on logits' device. Nothing is read back here: the caller reads the
     whole batch with one transfer, the step's only host synchronisation (`StageWorker.resolve`).
-    Penalised rows need `penalties`, which records the tokens drawn for them."""
+    Penalised rows need `penalties`, which records the tokens drawn for them. The sampled rows draw
+    together (`draw_rows`; `backend` picks its Gumbel kernel's implementation)."""
     shaped = [i for i, r in enumerate(rows) if r.shaped]
     if shaped:
         logits = shape_logits(logits, rows, shaped)
@@ -44,9 +50,12 @@ def sample_rows_device(logits: torch.Tensor, rows: list, penalties: Penalties | 
             raise ValueError("penalised rows need the last stage's Penalties")
         logits = penalties.apply(logits, rows, penalised)
     toks = torch.argmax(logits, dim=-1)
-    for i, r in enumerate(rows):
-        if r.temperature > 0.0:
-            toks[i] = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
+    drawn = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
+    if len(drawn) == len(rows):
+        toks = draw_rows(logits, rows, backend)
+    elif drawn:
+        at = _on(logits.device, drawn, torch.int64)
+        toks.index_copy_(0, at, draw_rows(logits.index_select(0, at), [rows[i] for i in drawn], backend))
     if penalised:
         assert penalties is not None
         penalties.record(toks, rows, penalised)
@@ -180,33 +189,77 @@ def _sample(
     step: int,
     min_p: float = 0.0,
 ) -> torch.Tensor:
-    """A 0-d tensor on logits' device: argmax when temperature is 0 (below GREEDY_BELOW), else a seeded draw
-    (min_p, then top-k, then top-p, as vLLM applies them)."""
+    """The reference for one row of `draw_rows`, mask by mask: a 0-d tensor on logits' device, argmax when
+    temperature is 0 (below GREEDY_BELOW), else a seeded draw (min_p, then top-k, then top-p, as vLLM
+    applies them; the draw is the Gumbel-max of `longctx.kernels.gumbel` over every token)."""
     if temperature < GREEDY_BELOW:
         return torch.argmax(logits)
-    x = logits.float() / temperature
-    # (a tiny repetition penalty divides the seen tokens' positive logits to +inf: those tokens, equally,
-    # instead of NaN probabilities; every token suppressed, min_tokens with the whole vocabulary in
-    # stop_token_ids: a uniform draw)
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
-    x = torch.where(torch.isneginf(x).all(), torch.zeros_like(x), x)
+    x = _scaled(
+        logits.float()[None], torch.tensor([[temperature]], dtype=torch.float32, device=logits.device)
+    )[0]
     if min_p > 0.0:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_k and top_k < x.numel():
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+    if top_k and top_k < x.numel():  # the k likeliest tokens (of equal logits, the lower ids)
+        sorted_x, order = torch.sort(x, descending=True, stable=True)
+        x = torch.full_like(x, float("-inf")).scatter(0, order[:top_k], sorted_x[:top_k])
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, descending=True, stable=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop = probs.cumsum(-1) - probs >= top_p
         drop[0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    gen = torch.Generator(device=probs.device).manual_seed(_token_seed(seed, step))
-    return torch.multinomial(probs, 1, generator=gen)[0]
+    key = torch.tensor([_token_seed(seed, step)], dtype=torch.int64, device=x.device)
+    return gumbel_argmax_ref(x[None], key)[0]
+
+
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [D, V] float32 over temperature [D, 1], made drawable: NaN never drawn; a row with +inf
+    logits (a tiny repetition penalty divides the seen tokens' positive logits to +inf) draws among
+    those tokens, equally; a row with every token at -inf (min_tokens with the whole vocabulary in
+    stop_token_ids) draws uniformly."""
+    x = torch.nan_to_num(logits / temperature, nan=float("-inf"))
+    big = torch.isposinf(x)
+    x = torch.where(big.any(dim=1, keepdim=True), torch.where(big, 0.0, float("-inf")), x)
+    return torch.where(torch.isneginf(x).all(dim=1, keepdim=True), torch.zeros_like(x), x)
+
+
+def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
+    """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW), all rows
+    at once: temperature, min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of
+    `longctx.kernels.gumbel` keyed by (seed, step). Rows with top-k or top-p are sorted once (both
+    masks cut a suffix of the sorted row; top-k keeps exactly k tokens, of equal logits the lower
+    ids); when every row has a top-k, only the first max(k) sorted columns are drawn from. The noise belongs to token ids, so a row draws the same token in any batch and on
+    either side of that choice. int64 [D] on logits' device, nothing read back."""
+    dev = logits.device
+    d, vocab = logits.shape
+    x = _scaled(logits.float(), _on(dev, [r.temperature for r in rows], torch.float32)[:, None])
+    keys = _on(dev, [_token_seed(r.seed, r.step) for r in rows], torch.int64)
+    min_p = [r.min_p for r in rows]
+    if any(m > 0.0 for m in min_p):
+        probs = torch.softmax(x, dim=-1)
+        cut = _on(dev, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < cut, float("-inf"))
+    top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
+    top_p = [r.top_p for r in rows]
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return gumbel_argmax(x, keys, backend=backend)
+    sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    if any(top_k):
+        k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
+        sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= k, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        p = _on(dev, top_p, torch.float32)[:, None]
+        probs = torch.softmax(sx, dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
+        drop[:, 0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
+        sx = sx.masked_fill(drop, float("-inf"))
+    # every row with a top-k: only the first max(k) sorted columns can hold a candidate
+    width = max(top_k) if all(top_k) else vocab
+    col = gumbel_argmax(sx[:, :width].contiguous(), keys, order[:, :width].contiguous(), backend=backend)
+    return order.gather(1, col[:, None])[:, 0]
 
 
 def logprobs_row(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:

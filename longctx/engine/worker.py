@@ -232,7 +232,12 @@ class StageWorker:
             else:
                 last_logits = take_rows(last_logits, last)
             if sample:
-                toks = sample_rows_device(last_logits, [plan.rows[i] for i in last], self.penalties)
+                toks = sample_rows_device(
+                    last_logits,
+                    [plan.rows[i] for i in last],
+                    self.penalties,
+                    "triton" if self.use_triton else "torch",
+                )
         pending = PendingRows(plan, out, last, toks, last_logits, prompt_lps=prompt_lps)
         if toks is not None and toks.is_cuda:
             # Start the tokens' way to the host now, behind this step's work only: a continuation

@@ -1,0 +1,178 @@
+"""Seeded Gumbel-max draws for a batch of rows: one pass over the (temperature-scaled, masked) logits.
+
+A draw from softmax(x) is the argmax of x + g with g_i ~ Gumbel(0, 1) independent. The noise here
+comes from a counter-based hash of (row key, token id), not from a generator's stream, so
+
+- every row of a batch draws in the same launch (the per-row path made a generator and a dozen
+  kernels per row: ~15 launches a sampled row, hundreds a step at batch 32);
+- a row's draw depends on its key and its own logits only, not on what it is batched with;
+- a row restricted to candidates (top-k's sorted prefix) draws the token it would draw over the
+  whole vocabulary, since the noise belongs to the token id, not to its column.
+
+The hash is a 32-bit integer mixer (two rounds over the id, keyed by the key's halves); g is built
+from 23 of a second mix's bits, in float32. Ties of x + g (the 23-bit grid makes them possible on
+flat rows) go to the larger first hash, which is distinct per id, so the winner is one token
+whichever columns hold the candidates and in whatever order.
+
+    gumbel_argmax(x [D, W] float32, keys [D] int64, ids [D, W] int64 | None) -> [D] int64 columns
+
+`ids` None: column c is token c. Keys are non-negative below 2**63 (`longctx.seeds.MASK63`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check, jit, next_pow2, num_sms, tl, use_triton
+
+M32 = 0xFFFFFFFF
+MIX_A, MIX_B = 0x21F0AAAD, 0x735A2D97  # the mixer's multipliers (shifts 16, 15, 15)
+SECOND = 0x9E3779B9  # xor before the second mix (the noise's bits)
+UNIT = 2.0**-23
+
+
+def _s32(c: int) -> int:
+    """A 32-bit constant as the int32 with its bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def mix32_ref(x: torch.Tensor) -> torch.Tensor:
+    """A bijective mixer of 32-bit values held in int32 (the bits; products wrap modulo 2**32 on CPU and
+    CUDA alike, and the shifts are made logical by masking the sign's copies)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _s32(MIX_A)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _s32(MIX_B)
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
+def gumbel_noise_ref(keys: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g float32 [D, W], h int32 [D, W]): row d's noise for token ids[d, w] (ids below 2**31), and the
+    first hash's bits (the tie-break, distinct per id within a row; compare them as unsigned)."""
+    a32 = _as_s32(keys & M32)[:, None]
+    b32 = _as_s32((keys >> 32) & M32)[:, None]
+    h = mix32_ref(mix32_ref(ids.to(torch.int32) ^ a32) ^ b32)
+    v = mix32_ref(h ^ _s32(SECOND))
+    u = (((v >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * UNIT  # in (0, 1), exact in float32
+    return -torch.log(-torch.log(u)), h
+
+
+def _as_s32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 with the same bits."""
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def gumbel_argmax_ref(x: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The column of each row's largest x + g (ties: the larger first hash, as unsigned)."""
+    if ids is None:
+        ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+    g, h = gumbel_noise_ref(keys, ids)
+    s = x.float() + g
+    top = s == s.max(dim=1, keepdim=True).values
+    return torch.where(top, h.to(torch.int64) & M32, -1).argmax(dim=1)
+
+
+@jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@jit
+def _gumbel_argmax_kernel(
+    x_ptr,
+    keys_ptr,
+    ids_ptr,
+    bs_ptr,
+    bh_ptr,
+    bc_ptr,
+    W,
+    CHUNK,
+    sx,
+    si,
+    S,
+    HAS_IDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    d = tl.program_id(0).to(tl.int64)
+    s_id = tl.program_id(1)
+    key = tl.load(keys_ptr + d)
+    a = (key & 0xFFFFFFFF).to(tl.uint32)
+    b = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    best_s = tl.full([], float("-inf"), tl.float32)
+    best_h = tl.full([], -1, tl.int64)
+    best_c = tl.full([], 0, tl.int64)
+    lo = s_id * CHUNK
+    hi = tl.minimum(lo + CHUNK, W)
+    for c0 in range(lo, hi, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = cols < hi
+        xv = tl.load(x_ptr + d * sx + cols, mask=m, other=float("-inf")).to(tl.float32)
+        if HAS_IDS:
+            ids = tl.load(ids_ptr + d * si + cols, mask=m, other=0)
+        else:
+            ids = cols.to(tl.int64)
+        h = _mix32(_mix32(ids.to(tl.uint32) ^ a) ^ b)
+        v = _mix32(h ^ 0x9E3779B9)
+        u = ((v >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+        s = xv - tl.log(-tl.log(u))
+        s = tl.where(m, s, float("-inf"))
+        h64 = tl.where(m, h.to(tl.int64), -1)
+        bm = tl.max(s, axis=0)
+        hm = tl.max(tl.where(s == bm, h64, -1), axis=0)
+        cm = tl.max(tl.where((s == bm) & (h64 == hm), cols.to(tl.int64), -1), axis=0)
+        take = (bm > best_s) | ((bm == best_s) & (hm > best_h))
+        best_s = tl.where(take, bm, best_s)
+        best_h = tl.where(take, hm, best_h)
+        best_c = tl.where(take, cm, best_c)
+    tl.store(bs_ptr + d * S + s_id, best_s)
+    tl.store(bh_ptr + d * S + s_id, best_h)
+    tl.store(bc_ptr + d * S + s_id, best_c)
+
+
+def gumbel_argmax(
+    x: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
+    """`gumbel_argmax_ref`: each row split over programs (a batch of one still spreads over the SMs),
+    each keeping its best (score, hash, column); one small reduction picks the row's winner."""
+    check(
+        x.dim() == 2 and x.dtype == torch.float32,
+        f"gumbel_argmax: x must be float32 [D, W], got {x.dtype} {tuple(x.shape)}",
+    )
+    d, w = x.shape
+    check(w > 0, "gumbel_argmax: a row needs at least one column")
+    check(
+        keys.shape == (d,) and keys.dtype == torch.int64 and keys.device == x.device,
+        f"gumbel_argmax: keys must be int64 [{d}] on x's device, got {keys.dtype} {tuple(keys.shape)}",
+    )
+    if ids is not None:
+        check(
+            ids.shape == x.shape and ids.dtype == torch.int64 and ids.device == x.device,
+            f"gumbel_argmax: ids must be int64 {tuple(x.shape)} on x's device, got {ids.dtype} {tuple(ids.shape)}",
+        )
+    if not use_triton(backend, x.device):
+        return gumbel_argmax_ref(x, keys, ids)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if ids is not None and ids.stride(1) != 1:
+        ids = ids.contiguous()
+    block = min(1024, next_pow2(w))
+    # enough programs per row to fill the SMs at batch 1, each at least a few blocks long
+    s = max(1, min(-(-w // (4 * block)), -(-2 * num_sms(x.device) // d)))
+    chunk = -(-w // s)
+    chunk = -(-chunk // block) * block
+    s = -(-w // chunk)
+    bs = torch.empty(d, s, dtype=torch.float32, device=x.device)
+    bh = torch.empty(d, s, dtype=torch.int64, device=x.device)
+    bc = torch.empty(d, s, dtype=torch.int64, device=x.device)
+    if d:
+        _gumbel_argmax_kernel[(d, s)](
+            x, keys, x if ids is None else ids, bs, bh, bc, w, chunk, x.stride(0),
+            0 if ids is None else ids.stride(0), s, HAS_IDS=ids is not None, BLOCK=block,
+        )  # fmt: skip
+    best = bs.max(dim=1, keepdim=True).values
+    pick = torch.where(bs == best, bh, -1).argmax(dim=1, keepdim=True)
+    return bc.gather(1, pick)[:, 0]

@@ -1,0 +1,142 @@
+"""The seeded Gumbel-max draw (`kernels.gumbel`): the Triton kernel against its torch reference under the
+interpreter (rows split over programs, masked and flat rows, candidate ids in any order), the int64-held
+32-bit mixer against Python's integers, and the draws' frequencies against softmax."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest
+import torch
+from longctx.kernels.gumbel import MIX_A, MIX_B, _as_s32, gumbel_argmax, gumbel_argmax_ref, mix32_ref
+
+from longctx.errors import KernelInputError
+
+pytest.importorskip("triton")
+
+
+def _mix32_py(x: int) -> int:
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * MIX_A) & m
+    x ^= x >> 15
+    x = (x * MIX_B) & m
+    return x ^ (x >> 15)
+
+
+def test_the_mixer_is_the_32_bit_one_and_a_bijection():
+    """The int32 reference (wrapping products, masked shifts) equals the mixer over Python's integers on
+    values with the top bit set and not, 2,004 of them (the vector loops and their scalar tails)."""
+    rng = random.Random(1)
+    xs = [0, 1, 0xFFFFFFFF, 0x80000000] + [rng.getrandbits(32) for _ in range(2000)]
+    got = (mix32_ref(_as_s32(torch.tensor(xs, dtype=torch.int64))).long() & 0xFFFFFFFF).tolist()
+    assert got == [_mix32_py(x) for x in xs]
+    dense = mix32_ref(torch.arange(1 << 16, dtype=torch.int32))
+    assert dense.unique().numel() == 1 << 16
+
+
+@pytest.mark.parametrize("d,w", [(1, 1), (1, 5), (3, 1000), (2, 4097), (7, 3000), (1, 20000)])
+def test_the_kernel_draws_the_references_token(d, w):
+    """Random rows with a third of their tokens masked to -inf, and the same rows with their columns
+    permuted and the ids passed (a sorted candidate prefix): every draw is the reference's token."""
+    g = torch.Generator().manual_seed(d * 7919 + w)
+    x = torch.randn(d, w, generator=g) * 3
+    x[:, torch.randperm(w, generator=g)[: w // 3]] = float("-inf")
+    keys = torch.randint(0, 2**63 - 1, (d,), generator=g)
+    want = gumbel_argmax_ref(x, keys)
+    assert torch.equal(gumbel_argmax(x, keys, backend="triton"), want)
+    assert torch.isfinite(x.gather(1, want[:, None])).all()
+    ids = torch.stack([torch.randperm(w, generator=g) for _ in range(d)])
+    col = gumbel_argmax(x.gather(1, ids), keys, ids, backend="triton")
+    assert torch.equal(ids.gather(1, col[:, None])[:, 0], want)
+    assert torch.equal(ids.gather(1, gumbel_argmax_ref(x.gather(1, ids), keys, ids)[:, None])[:, 0], want)
+
+
+def test_flat_rows_break_ties_the_same_way_in_any_column_order():
+    """Equal logits (a uniform draw): on the 23-bit grid of the noise several tokens can tie; the larger
+    first hash wins, so the kernel, the reference and a permuted row agree, and different keys spread."""
+    x = torch.zeros(6, 50_000)
+    keys = torch.arange(6, dtype=torch.int64) * 1_000_003
+    want = gumbel_argmax_ref(x, keys)
+    assert torch.equal(gumbel_argmax(x, keys, backend="triton"), want)
+    ids = torch.randperm(50_000).expand(6, -1).contiguous()
+    assert torch.equal(ids.gather(1, gumbel_argmax_ref(x, keys, ids)[:, None])[:, 0], want)
+    assert want.unique().numel() == 6
+
+
+def test_draws_follow_softmax():
+    """20,000 keys over 8 tokens: each token's count within 5 sigma of softmax(x) * n."""
+    x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
+    n = 20_000
+    keys = torch.randint(0, 2**63 - 1, (n,), generator=torch.Generator().manual_seed(5))
+    got = torch.bincount(gumbel_argmax_ref(x.expand(n, -1), keys), minlength=8).tolist()
+    p = torch.softmax(x, dim=0).tolist()
+    for c, q in zip(got, p):
+        assert abs(c - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1, (got, p)
+    assert got[6] == 0
+
+
+def test_bad_shapes_are_refused():
+    x = torch.zeros(2, 8)
+    with pytest.raises(KernelInputError, match="float32"):
+        gumbel_argmax(x.double(), torch.zeros(2, dtype=torch.int64), backend="triton")
+    with pytest.raises(KernelInputError, match="keys"):
+        gumbel_argmax(x, torch.zeros(3, dtype=torch.int64), backend="triton")
+    with pytest.raises(KernelInputError, match="ids"):
+        gumbel_argmax(
+            x, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 7, dtype=torch.int64), backend="triton"
+        )
+
+
+def _rows(rng: random.Random, n: int, vocab: int, all_top_k: bool = False) -> list:
+    from longctx.engine.plan import RowPlan
+
+    rows = []
+    for i in range(n):
+        rows.append(
+            RowPlan(
+                rid=f"r{i}",
+                token_ids=(0,),
+                start=0,
+                pages=(),
+                temperature=rng.choice([1e-5, 0.3, 0.7, 1.0, 1.8]),
+                top_k=rng.choice([1, 3, 17, vocab - 1])
+                if all_top_k
+                else rng.choice([0, 0, 1, 5, 40, vocab, 10**9]),
+                top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 1e-320]),
+                min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+                seed=rng.getrandbits(64),
+                step=rng.randrange(0, 1000),
+            )  # fmt: skip
+        )
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_batched_draws_are_the_per_row_references(seed, backend):
+    """`draw_rows` over a batch of rows with mixed temperature / top-k / top-p / min-p (a batch where every
+    row has a top-k draws from the sorted prefix only) equals `_sample` row by row, and a row draws the
+    same token alone as in the batch."""
+    from longctx.engine.sampling import _sample, draw_rows
+
+    rng = random.Random(seed)
+    vocab = 300
+    g = torch.Generator().manual_seed(seed)
+    for all_top_k in (False, True):
+        rows = _rows(rng, 9, vocab, all_top_k)
+        logits = torch.randn(len(rows), vocab, generator=g) * 4
+        logits[0, :50] = float("-inf")
+        logits[1, 7] = float("inf")
+        logits[1, 9] = float("inf")
+        logits[2] = float("-inf")
+        got = draw_rows(logits, rows, backend=backend)
+        for i, r in enumerate(rows):
+            want = _sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
+            assert int(got[i]) == int(want), (i, r)
+            assert int(draw_rows(logits[i : i + 1], [r], backend=backend)[0]) == int(want)
+        assert int(got[1]) in (7, 9)
