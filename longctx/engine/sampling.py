@@ -134,33 +134,50 @@ class Penalties:
         return len(self._out.keys() | self._prompt.keys())
 
     def apply(self, logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> torch.Tensor:
-        """A float32 copy of logits [R, vocab] with rows `which` penalised (their tokens 0..step-1)."""
+        """A float32 copy of logits [R, vocab] with rows `which` penalised (their tokens 0..step-1), every
+        such row at once: the counts of all of them in one scatter, the penalties as [P, 1] columns."""
         x = logits.float().clone()
-        vocab = x.shape[1]
-        for i in which:
-            r = rows[i]
+        which = list(which)
+        if not which:
+            return x
+        dev, vocab = x.device, x.shape[1]
+        sel = [rows[i] for i in which]
+        hist: list[torch.Tensor] = []  # each row's tokens so far, in row order
+        lens: list[int] = []
+        for r in sel:
             if r.penalty_prompt:
-                mask = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-                mask[torch.tensor(r.penalty_prompt, dtype=torch.int64).to(x.device)] = True
+                mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                mask[_on(dev, r.penalty_prompt, torch.int64)] = True
                 self._prompt[r.rid] = mask
             out = self._out.get(r.rid)
             have = 0 if out is None else min(r.step, out.numel())
             if have < r.step:
                 raise ValueError(f"request {r.rid}: sampling token {r.step} but only {have} were recorded")
-            counts = torch.bincount(out[: r.step], minlength=vocab) if out is not None and r.step else None
-            row = x[i]
-            if r.repetition_penalty != 1.0:
-                seen = self._prompt.get(r.rid)
-                if seen is None:
-                    raise ValueError(f"request {r.rid}: a repetition penalty without the prompt's tokens")
-                if counts is not None:
-                    seen = seen | (counts > 0)
-                hit = torch.where(row > 0, row / r.repetition_penalty, row * r.repetition_penalty)
-                row = torch.where(seen, hit, row)
-            if counts is not None:
-                row = row - r.frequency_penalty * counts - r.presence_penalty * (counts > 0).float()
-            x[i] = row
-        return x
+            if r.repetition_penalty != 1.0 and r.rid not in self._prompt:
+                raise ValueError(f"request {r.rid}: a repetition penalty without the prompt's tokens")
+            if out is not None and r.step:
+                hist.append(out[: r.step])
+            lens.append(r.step if out is not None else 0)
+        p = len(sel)
+        counts = torch.zeros(p, vocab, dtype=torch.float32, device=dev)
+        total = sum(lens)
+        if total:
+            at_row = torch.repeat_interleave(
+                torch.arange(p, device=dev), _on(dev, lens, torch.int64), output_size=total
+            )
+            counts.index_put_((at_row, torch.cat(hist)), torch.ones(total, device=dev), accumulate=True)
+        at = _on(dev, which, torch.int64)
+        sub = x.index_select(0, at)
+        if any(r.repetition_penalty != 1.0 for r in sel):
+            none = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            seen = torch.stack([self._prompt.get(r.rid, none) for r in sel]) | (counts > 0)
+            rep = _on(dev, [r.repetition_penalty for r in sel], torch.float32)[:, None]
+            hit = torch.where(sub > 0, sub / rep, sub * rep)
+            sub = torch.where(seen & (rep != 1.0), hit, sub)
+        freq = _on(dev, [r.frequency_penalty for r in sel], torch.float32)[:, None]
+        pres = _on(dev, [r.presence_penalty for r in sel], torch.float32)[:, None]
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        return x.index_copy_(0, at, sub)
 
     def record(self, toks: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> None:
         """Keep row i's sampled token toks[i] as its request's token `step` (device to device)."""
