@@ -3,17 +3,22 @@
 `_sample` runs each row on its own (a sort, softmaxes and the Gumbel draw per row: the launches the
 engine spent per sampled row before `draw_rows`); `sample_rows_device` draws every row together
 (`draw_rows`: one sort for the rows with top-k / top-p, one Gumbel kernel). Timed with CUDA events
-(`bench.common.time_cuda`, host time included: launch-bound work is the point) at a GLM vocabulary
-for batch 1, 8 and 32 and three kinds of rows; the tokens of both paths are compared first.
+(`bench.common.time_cuda`, host time included: launch-bound work is the point; on the CPU the median
+of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the
+penalties (`Penalties.apply` over every row, 100 tokens of history each; batched only, its per-row
+form is gone); the tokens of both paths are compared first.
 
-    python -m bench.sampling [--vocab 154880] [--out DIR]
+    python -m bench.sampling [--device cuda|cpu] [--vocab 154880] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,18 +33,36 @@ KINDS = {
 }
 
 
+def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    if device == "cuda":
+        return time_cuda
+
+    def wall(fn: Callable[[], Any], iters: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
+
+    return wall
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--vocab", type=int, default=154_880)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.sampling: needs CUDA")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench.sampling: no CUDA device (--device cpu times the CPU)")
         return 2
     from longctx.engine.plan import RowPlan
-    from longctx.engine.sampling import _sample, sample_rows_device
+    from longctx.engine.sampling import Penalties, _sample, sample_rows_device
 
-    res: dict = {"env": environment(), "vocab": args.vocab, "rows": []}
+    dev, timed = args.device, _timer(args.device)
+    res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
         "| rows | batch | per-row ms | batched ms | speed-up | same tokens |",
         "|---|---|---|---|---|---|",
@@ -50,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), seed=i, step=7, **kw)
                 for i in range(batch)
             ]
-            x = torch.randn(batch, args.vocab, device="cuda") * 3
+            x = torch.randn(batch, args.vocab, device=dev) * 3
 
             def per_row(x: torch.Tensor = x, rows: list = rows) -> torch.Tensor:
                 return torch.stack(
@@ -64,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 return sample_rows_device(x, rows, backend="auto")
 
             same = float((per_row() == batched()).float().mean())
-            t_row, t_batch = time_cuda(per_row), time_cuda(batched)
+            t_row, t_batch = timed(per_row), timed(batched)
             res["rows"].append(
                 {
                     "rows": name,
@@ -77,10 +100,26 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(
                 f"| {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | {t_row / t_batch:.1f}x | {same:.3f} |"
             )
+    lines += ["", "| penalties, rows | history | batched ms |", "|---|---|---|"]
+    pen_kw = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    for batch in (1, 8, 32):
+        pen = Penalties()
+        first = [RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), penalty_prompt=tuple(range(i, i + 500)), **pen_kw) for i in range(batch)]  # fmt: skip
+        x = torch.randn(batch, args.vocab, device=dev)
+        pen.apply(x, first, range(batch))
+        for step in range(100):
+            now = [RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), step=step) for i in range(batch)]
+            pen.record(torch.randint(0, args.vocab, (batch,), device=dev), now, range(batch))
+        rows = [
+            RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), step=100, **pen_kw) for i in range(batch)
+        ]
+        t = timed(lambda pen=pen, x=x, rows=rows: pen.apply(x, rows, range(len(rows))))
+        res["penalties"].append({"batch": batch, "history": 100, "batched_ms": t * 1e3})
+        lines.append(f"| {batch} | 100 | {t * 1e3:.3f} |")
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:
-        write_json_md(args.out, "sampling", res, md)
+        write_json_md(args.out, f"sampling-{dev}", res, md)
     return 0
 
 
