@@ -180,7 +180,10 @@ class Penalties:
         return x.index_copy_(0, at, sub)
 
     def record(self, toks: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> None:
-        """Keep row i's sampled token toks[i] as its request's token `step` (device to device)."""
+        """Keep row i's sampled token toks[i] as its request's token `step` (device to device; every row's
+        copy in one multi-tensor launch)."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for i in which:
             r = rows[i]
             out = self._out.get(r.rid)
@@ -189,7 +192,10 @@ class Penalties:
                 if out is not None:
                     grown[: out.numel()] = out
                 self._out[r.rid] = out = grown
-            out[r.step : r.step + 1] = toks[i : i + 1]
+            dst.append(out[r.step : r.step + 1])
+            src.append(toks[i : i + 1])
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def release(self, rids: Iterable[str]) -> None:
         for rid in rids:
