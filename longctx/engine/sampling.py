@@ -49,13 +49,14 @@ def sample_rows_device(
         if penalties is None:
             raise ValueError("penalised rows need the last stage's Penalties")
         logits = penalties.apply(logits, rows, penalised)
-    toks = torch.argmax(logits, dim=-1)
     drawn = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
     if len(drawn) == len(rows):
         toks = draw_rows(logits, rows, backend)
-    elif drawn:
-        at = _on(logits.device, drawn, torch.int64)
-        toks.index_copy_(0, at, draw_rows(logits.index_select(0, at), [rows[i] for i in drawn], backend))
+    else:
+        toks = torch.argmax(logits, dim=-1)
+        if drawn:
+            at = _on(logits.device, drawn, torch.int64)
+            toks.index_copy_(0, at, draw_rows(logits.index_select(0, at), [rows[i] for i in drawn], backend))
     if penalised:
         assert penalties is not None
         penalties.record(toks, rows, penalised)
