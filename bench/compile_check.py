@@ -1,5 +1,5 @@
-"""Compile the HiSparse placement kernels (kernels/lru_place.py) for an sm_90 GPU on a machine without
-one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
+"""Compile the HiSparse placement kernels (kernels/lru_place.py) and the sampler's Gumbel draw
+(kernels/gumbel.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
 with and without the parallel passes or the step's candidates, the passes' three phases, with and
@@ -28,12 +28,15 @@ _PTR = {
     "cnt_ptr": "*i64", "scr_ptr": "*i64", "slow_ptr": "*i32", "ws_ptr": "*i32", "pc_ptr": "*i32",
     "cum_ptr": "*i32", "hscr_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*i64", "ks_ptr": "*i64",
     "kk_ptr": "*i64", "km_ptr": "*i64", "rb_ptr": "*i64",
+    # the sampler's Gumbel-max draw (kernels/gumbel.py)
+    "x_ptr": "*fp32", "keys_ptr": "*i64", "ids_ptr": "*i64", "bs_ptr": "*fp32", "bh_ptr": "*i64", "bc_ptr": "*i64",
 }  # fmt: skip
 # the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
 _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
     "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False, "KEEP": False, "NFW": 256, "BYTES": True,
+    "HAS_IDS": False, "BLOCK": 1024,
 }  # fmt: skip
 
 
@@ -98,6 +101,12 @@ def variants() -> list[tuple[str, dict]]:
     ]
     out += [("_par_pass_kernel", {"PHASE": ph, "FIXED": True, "BLOCK_M": 512}) for ph in (0, 1, 2)]
     out.append(("_place_hits_kernel", {"BLOCK_M": 2048}))
+    # the sampler's draw: over token ids or a sorted prefix's ids, a GLM vocabulary's blocks and a top-k's
+    out += [
+        ("_gumbel_argmax_kernel", {"HAS_IDS": ids, "BLOCK": b, "num_warps": 4})
+        for ids in (False, True)
+        for b in (64, 1024)
+    ]
     return out
 
 
@@ -117,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     if "nvidia" not in backends:
         print("compile_check: this triton has no nvidia backend")
         return 2
-    from longctx.kernels import lru_place
+    from longctx.kernels import gumbel, lru_place
 
     failed = 0
     for name, over in variants():
         try:
-            smem = compile_kernel(getattr(lru_place, name), args.arch, **over)
+            smem = compile_kernel(getattr(gumbel if "gumbel" in name else lru_place, name), args.arch, **over)
             print(f"ok   {name} {over} ({smem} B shared)")
         except Exception as e:  # noqa: BLE001  (report every variant, then fail)
             failed += 1

@@ -1,6 +1,6 @@
-"""The placement kernels compile for an sm_90 GPU on this CPU machine (bench/compile_check.py, in a
-subprocess without the interpreter): what the interpreted tests cannot see, a kernel the compiler
-rejects, fails here and not in a device session."""
+"""The placement kernels and the sampler's Gumbel draw compile for an sm_90 GPU on this CPU machine
+(bench/compile_check.py, in a subprocess without the interpreter): what the interpreted tests cannot see, a
+kernel the compiler rejects, fails here and not in a device session."""
 
 from __future__ import annotations
 
