@@ -95,6 +95,17 @@ def test_gemm_shapes_lists_the_decode_projections_on_cpu(tmp_path: Path) -> None
     assert {"cublas_us_m1", "gemv_us_m1", "fp8_gemm_us_m1", "gemv_fp8_us_m1"} <= set(kinds["lm_head"])
 
 
+def test_sampling_bench_on_cpu(tmp_path: Path) -> None:
+    """bench.sampling's CPU path: both paths draw the same tokens for every kind of row and batch, and the
+    penalties are timed at each batch."""
+    from bench.sampling import main
+
+    assert main(["--device", "cpu", "--vocab", "3000", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "sampling-cpu.json").read_text())
+    assert len(d["rows"]) == 9 and all(r["same"] == 1.0 and r["batched_ms"] > 0 for r in d["rows"])
+    assert [p["batch"] for p in d["penalties"]] == [1, 8, 32]
+
+
 def test_step_profile_groups_kernels_by_model_part() -> None:
     from bench.step_profile import kernel_groups
 
