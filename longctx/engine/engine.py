@@ -109,6 +109,54 @@ def _device_fed(p: PendingRows) -> bool:
     )
 
 
+class TurnLock:
+    """A reentrant lock whose holder, having stepped and released it, lets the threads waiting for it take
+    it before it steps again (`give_way`). A released lock goes back to the thread that released it far
+    more often than to one waiting to be woken, so a thread stepping in a loop (a long `generate`,
+    AsyncEngine's driver) kept another thread's call from adding its requests, or reading outputs its
+    steps had made, for hundreds of steps."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._turn = threading.Condition(threading.Lock())
+        self._waiting = 0  # threads blocked in acquire
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self) -> bool:
+        if not self._lock.acquire(blocking=False):
+            with self._turn:
+                self._waiting += 1
+            try:
+                self._lock.acquire()
+            finally:
+                with self._turn:
+                    self._waiting -= 1
+                    self._turn.notify_all()
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    def release(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def give_way(self, timeout: float = 0.005) -> None:
+        """Wait (at most `timeout` seconds) until the threads waiting for the lock have taken it; nothing
+        to wait for while this thread still holds it (`pin_document` steps holding it throughout)."""
+        if self._waiting and self._owner != threading.get_ident():
+            with self._turn:
+                self._turn.wait_for(lambda: not self._waiting, timeout)
+
+
 class LocalRunner:
     """pp=1, tp=1: the one stage runs in this process."""
 
@@ -245,7 +293,7 @@ class Engine:
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
         self._closed = False
-        self._lock = threading.RLock()  # one thread at a time in the scheduler, the stages, `_pending`
+        self._lock = TurnLock()  # one thread at a time in the scheduler, the stages, `_pending`
         # a running blocking call's request id -> its outputs another thread's step produced, not yet read
         self._mail: dict[str, list[StepOutput]] = {}
 
@@ -782,8 +830,7 @@ class Engine:
                                 outs.append(o)
                             else:
                                 self._deliver(o)
-                if len(self._mail) > len(pending):  # other threads' calls wait: let one take the lock
-                    time.sleep(0)
+                self._lock.give_way()  # other threads wait for the lock (their calls, a stream's driver)
                 for o in outs:
                     bar.update(o.prompt_done - done.get(o.rid, 0))
                     done[o.rid] = o.prompt_done
