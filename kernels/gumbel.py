@@ -29,6 +29,7 @@ M32 = 0xFFFFFFFF
 MIX_A, MIX_B = 0x21F0AAAD, 0x735A2D97  # the mixer's multipliers (shifts 16, 15, 15)
 SECOND = 0x9E3779B9  # xor before the second mix (the noise's bits)
 UNIT = 2.0**-23
+REF_BLOCK_ELEMS = 1 << 18  # the CPU reference's rows per pass: about this many elements
 
 
 def _s32(c: int) -> int:
@@ -154,7 +155,23 @@ def gumbel_argmax(
             f"gumbel_argmax: ids must be int64 {tuple(x.shape)} on x's device, got {ids.dtype} {tuple(ids.shape)}",
         )
     if not use_triton(backend, x.device):
-        return gumbel_argmax_ref(x, keys, ids)
+        if x.device.type != "cpu":
+            return gumbel_argmax_ref(x, keys, ids)
+        # on the CPU a few rows at a time: a block's dozen passes then run in cache (2x faster at 32 rows
+        # of a GLM vocabulary than all rows at once)
+        step = max(1, REF_BLOCK_ELEMS // w)
+        return (
+            torch.cat(
+                [
+                    gumbel_argmax_ref(
+                        x[a : a + step], keys[a : a + step], None if ids is None else ids[a : a + step]
+                    )
+                    for a in range(0, d, step)
+                ]
+            )
+            if d
+            else torch.empty(0, dtype=torch.int64)
+        )
     if x.stride(1) != 1:
         x = x.contiguous()
     if ids is not None and ids.stride(1) != 1:

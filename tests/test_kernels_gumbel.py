@@ -140,3 +140,14 @@ def test_batched_draws_are_the_per_row_references(seed, backend):
             assert int(got[i]) == int(want), (i, r)
             assert int(draw_rows(logits[i : i + 1], [r], backend=backend)[0]) == int(want)
         assert int(got[1]) in (7, 9)
+
+
+def test_the_cpu_reference_path_in_row_blocks_is_the_whole_references():
+    """On the CPU `gumbel_argmax(backend="torch")` draws a few rows at a time (in cache); same tokens."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 100_000, generator=g)
+    keys = torch.randint(0, 2**63 - 1, (5,), generator=g)
+    ids = torch.stack([torch.randperm(100_000, generator=g) for _ in range(5)])
+    assert torch.equal(gumbel_argmax(x, keys, backend="torch"), gumbel_argmax_ref(x, keys))
+    assert torch.equal(gumbel_argmax(x, keys, ids, backend="torch"), gumbel_argmax_ref(x, keys, ids))
+    assert gumbel_argmax(x[:0], keys[:0], backend="torch").shape == (0,)
