@@ -92,7 +92,7 @@ def test_bad_shapes_are_refused():
         )
 
 
-def _rows(rng: random.Random, n: int, vocab: int, all_top_k: bool = False) -> list:
+def _rows(rng: random.Random, n: int, vocab: int, all_top_k: bool = False, no_top_p: bool = False) -> list:
     from longctx.engine.plan import RowPlan
 
     rows = []
@@ -107,7 +107,7 @@ def _rows(rng: random.Random, n: int, vocab: int, all_top_k: bool = False) -> li
                 top_k=rng.choice([1, 3, 17, vocab - 1])
                 if all_top_k
                 else rng.choice([0, 0, 1, 5, 40, vocab, 10**9]),
-                top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 1e-320]),
+                top_p=1.0 if no_top_p else rng.choice([1.0, 1.0, 0.9, 0.5, 1e-320]),
                 min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
                 seed=rng.getrandbits(64),
                 step=rng.randrange(0, 1000),
@@ -120,15 +120,15 @@ def _rows(rng: random.Random, n: int, vocab: int, all_top_k: bool = False) -> li
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_batched_draws_are_the_per_row_references(seed, backend):
     """`draw_rows` over a batch of rows with mixed temperature / top-k / top-p / min-p (a batch where every
-    row has a top-k draws from the sorted prefix only) equals `_sample` row by row, and a row draws the
-    same token alone as in the batch."""
+    row has a top-k draws from the sorted prefix only; one without top-p keeps its top-k by a select, no
+    sort) equals `_sample` row by row, and a row draws the same token alone as in the batch."""
     from longctx.engine.sampling import _sample, draw_rows
 
     rng = random.Random(seed)
     vocab = 300
     g = torch.Generator().manual_seed(seed)
-    for all_top_k in (False, True):
-        rows = _rows(rng, 9, vocab, all_top_k)
+    for all_top_k, no_top_p in ((False, False), (True, False), (False, True), (True, True)):
+        rows = _rows(rng, 9, vocab, all_top_k, no_top_p)
         logits = torch.randn(len(rows), vocab, generator=g) * 4
         logits[0, :50] = float("-inf")
         logits[1, 7] = float("inf")
@@ -151,3 +151,24 @@ def test_the_cpu_reference_path_in_row_blocks_is_the_whole_references():
     assert torch.equal(gumbel_argmax(x, keys, backend="torch"), gumbel_argmax_ref(x, keys))
     assert torch.equal(gumbel_argmax(x, keys, ids, backend="torch"), gumbel_argmax_ref(x, keys, ids))
     assert gumbel_argmax(x[:0], keys[:0], backend="torch").shape == (0,)
+
+
+def test_top_k_by_select_keeps_the_lower_ids_among_equal_logits():
+    """Without top-p the top-k is a select and a tie rank: over equal logits (and a row with fewer finite
+    logits than k) it keeps the sort's set, lower ids first."""
+    from longctx.engine.plan import RowPlan
+    from longctx.engine.sampling import _keep_top_k, draw_rows
+
+    x = torch.zeros(3, 40)
+    x[1, 5:] = float("-inf")  # 5 finite, k 8
+    x[2, [3, 9, 30]] = 2.0  # three above, then ties
+    kept = _keep_top_k(x, [3, 8, 5])
+    assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [0, 1, 2]
+    assert torch.isfinite(kept[1]).nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert torch.isfinite(kept[2]).nonzero().flatten().tolist() == [0, 1, 3, 9, 30]
+    assert torch.equal(_keep_top_k(x, [0, 0, 0]), x)
+    rows = [
+        RowPlan(rid="a", token_ids=(0,), start=0, pages=(), temperature=1.0, top_k=3, seed=1, step=s)
+        for s in range(60)
+    ]
+    assert set(draw_rows(torch.zeros(60, 40), rows).tolist()) == {0, 1, 2}

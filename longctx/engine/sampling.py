@@ -250,13 +250,34 @@ def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(x).all(dim=1, keepdim=True), torch.zeros_like(x), x)
 
 
+# top-k without top-p up to this k: a select and a tie rank over the row instead of sorting it
+TOP_K_SELECT_MAX = 1024
+
+
+def _keep_top_k(x: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """x [D, V] with each row's tokens outside its top_k (0: off) at -inf, the sort's set without a
+    sort: the tokens above the row's kth value, then as many equal to it as are left, lower ids first."""
+    if not any(top_k):
+        return x
+    dev = x.device
+    has = _on(dev, [bool(k) for k in top_k], torch.bool)[:, None]
+    k = _on(dev, [k or 1 for k in top_k], torch.int64)[:, None]
+    kth = torch.topk(x, max(top_k), dim=1).values.gather(1, k - 1)
+    above = x > kth
+    tie = x == kth
+    keep = above | (tie & (tie.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
+    return x.masked_fill(has & ~keep, float("-inf"))
+
+
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
     """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW), all rows
     at once: temperature, min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of
-    `longctx.kernels.gumbel` keyed by (seed, step). Rows with top-k or top-p are sorted once (both
-    masks cut a suffix of the sorted row; top-k keeps exactly k tokens, of equal logits the lower
-    ids); when every row has a top-k, only the first max(k) sorted columns are drawn from. The noise belongs to token ids, so a row draws the same token in any batch and on
-    either side of that choice. int64 [D] on logits' device, nothing read back."""
+    `longctx.kernels.gumbel` keyed by (seed, step). top-k keeps exactly k tokens, of equal logits the
+    lower ids: without top-p in the batch, by a select (`_keep_top_k`); with it, rows are sorted once
+    (both masks cut a suffix of the sorted row) and, when every row has a top-k, only the first
+    max(k) sorted columns are drawn from. The noise belongs to token ids, so a row draws the same
+    token in any batch and whichever way its masks were made. int64 [D] on logits' device, nothing
+    read back."""
     dev = logits.device
     d, vocab = logits.shape
     x = _scaled(logits.float(), _on(dev, [r.temperature for r in rows], torch.float32)[:, None])
@@ -268,8 +289,11 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         x = x.masked_fill(probs < cut, float("-inf"))
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     top_p = [r.top_p for r in rows]
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return gumbel_argmax(x, keys, backend=backend)
+    if all(p >= 1.0 for p in top_p):
+        if any(top_k) and max(top_k) <= TOP_K_SELECT_MAX:
+            x = _keep_top_k(x, top_k)
+        if not any(top_k) or max(top_k) <= TOP_K_SELECT_MAX:
+            return gumbel_argmax(x, keys, backend=backend)
     sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
     if any(top_k):
         k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
