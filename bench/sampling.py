@@ -30,6 +30,7 @@ KINDS = {
     "temperature 0.7": dict(temperature=0.7),
     "+ top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "+ top_k 50": dict(temperature=0.7, top_k=50),
+    "+ top_k 50, top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
 }
 
 
@@ -104,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     pen_kw = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
     for batch in (1, 8, 32):
         pen = Penalties()
-        first = [RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), penalty_prompt=tuple(range(i, i + 500)), **pen_kw) for i in range(batch)]  # fmt: skip
+        prompt = [tuple(range(i, i + 500)) for i in range(batch)]
+        first = [
+            RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), penalty_prompt=prompt[i], **pen_kw)
+            for i in range(batch)
+        ]
         x = torch.randn(batch, args.vocab, device=dev)
         pen.apply(x, first, range(batch))
         for step in range(100):

@@ -269,15 +269,28 @@ def _keep_top_k(x: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     return x.masked_fill(has & ~keep, float("-inf"))
 
 
+def _top_k_sorted(x: torch.Tensor, top_k: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, token ids) [D, max(k)] of each row's top k (every row has one) in the stable descending
+    sort's order, and -inf past k: what sorting the whole row and cutting it at k gives, from a select
+    of max(k) over `_keep_top_k`'s exact set and two sorts of the candidates alone (by id, then stably
+    by value)."""
+    kept = _keep_top_k(x, top_k)
+    vals, ids = torch.topk(kept, max(top_k), dim=1)
+    by_id = torch.argsort(ids, dim=1)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    by_val = torch.sort(vals, dim=1, descending=True, stable=True).indices
+    return vals.gather(1, by_val), ids.gather(1, by_val)
+
+
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
     """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW), all rows
     at once: temperature, min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of
     `longctx.kernels.gumbel` keyed by (seed, step). top-k keeps exactly k tokens, of equal logits the
-    lower ids: without top-p in the batch, by a select (`_keep_top_k`); with it, rows are sorted once
-    (both masks cut a suffix of the sorted row) and, when every row has a top-k, only the first
-    max(k) sorted columns are drawn from. The noise belongs to token ids, so a row draws the same
-    token in any batch and whichever way its masks were made. int64 [D] on logits' device, nothing
-    read back."""
+    lower ids. When every row has a top-k (<= TOP_K_SELECT_MAX), only its candidates are sorted and
+    drawn from (`_top_k_sorted`); else without top-p the top-k is a mask (`_keep_top_k`) and the draw
+    runs over the vocabulary; else each row is sorted once (both masks cut a suffix of the sorted
+    row). The noise belongs to token ids, so a row draws the same token in any batch and whichever
+    way its masks were made. int64 [D] on logits' device, nothing read back."""
     dev = logits.device
     d, vocab = logits.shape
     x = _scaled(logits.float(), _on(dev, [r.temperature for r in rows], torch.float32)[:, None])
@@ -289,15 +302,16 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         x = x.masked_fill(probs < cut, float("-inf"))
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     top_p = [r.top_p for r in rows]
-    if all(p >= 1.0 for p in top_p):
-        if any(top_k) and max(top_k) <= TOP_K_SELECT_MAX:
-            x = _keep_top_k(x, top_k)
-        if not any(top_k) or max(top_k) <= TOP_K_SELECT_MAX:
-            return gumbel_argmax(x, keys, backend=backend)
-    sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    selectable = any(top_k) and max(top_k) <= TOP_K_SELECT_MAX
+    if selectable and all(top_k):  # every row's candidates are its top k: sort those, not the row
+        sx, order = _top_k_sorted(x, top_k)
+    else:
+        if all(p >= 1.0 for p in top_p) and (selectable or not any(top_k)):
+            return gumbel_argmax(_keep_top_k(x, top_k), keys, backend=backend)
+        sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
     if any(top_k):
         k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
-        sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= k, float("-inf"))
+        sx = sx.masked_fill(torch.arange(sx.shape[1], device=dev)[None] >= k, float("-inf"))
     if any(p < 1.0 for p in top_p):
         p = _on(dev, top_p, torch.float32)[:, None]
         probs = torch.softmax(sx, dim=-1)
@@ -305,7 +319,7 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         drop[:, 0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
         sx = sx.masked_fill(drop, float("-inf"))
     # every row with a top-k: only the first max(k) sorted columns can hold a candidate
-    width = max(top_k) if all(top_k) else vocab
+    width = min(max(top_k), sx.shape[1]) if all(top_k) else vocab
     col = gumbel_argmax(sx[:, :width].contiguous(), keys, order[:, :width].contiguous(), backend=backend)
     return order.gather(1, col[:, None])[:, 0]
 
