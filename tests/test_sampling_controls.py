@@ -400,3 +400,20 @@ def test_sampled_and_greedy_rows_of_one_batch():
     flat = torch.zeros(1, VOCAB)
     drawn = {int(draw_rows(flat, [_row("e", temperature=1.0, seed=1, step=s)])[0]) for s in range(40)}
     assert len(drawn) > 20
+
+
+def test_logprobs_of_several_rows_at_once_are_each_rows():
+    """`logprobs_rows` (the step's logprob rows, one log-softmax and two reads) equals `logprobs_row` row by
+    row, each row with its own top-n (0 included) and any subset of rows."""
+    from longctx.engine.sampling import logprobs_row, logprobs_rows
+
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(6, VOCAB, generator=g) * 3
+    rows, ns = [0, 2, 3, 5], [0, 5, 1, 20]
+    toks = [int(torch.randint(0, VOCAB, (1,), generator=g)) for _ in rows]
+    got = logprobs_rows(logits, rows, toks, ns)
+    for (lp, top), r, t, n in zip(got, rows, toks, ns):
+        want_lp, want_top = logprobs_row(logits[r], t, n)
+        assert abs(lp - want_lp) <= 1e-5 and [a for a, _ in top] == [a for a, _ in want_top]
+        assert all(abs(b - c) <= 1e-5 for (_, b), (_, c) in zip(top, want_top)) and len(top) == n
+    assert [top for _, top in logprobs_rows(logits, [1], [3], [0])] == [()]

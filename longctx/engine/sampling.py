@@ -325,13 +325,31 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
 
 
 def logprobs_row(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """Log-probability of `token` under the model's distribution, and the top-n alternatives."""
+    """Log-probability of `token` under the model's distribution, and the top-n alternatives (the
+    reference for one row of `logprobs_rows`)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     top: tuple[tuple[int, float], ...] = ()
     if n:
         v, i = torch.topk(lp, n)
         top = tuple((int(a), float(b)) for a, b in zip(i.tolist(), v.tolist()))
     return float(lp[token].item()), top
+
+
+def logprobs_rows(
+    logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], ns: Sequence[int]
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """`logprobs_row` for rows `rows` of logits [R, vocab] (their tokens, their top-n) at once: one
+    log-softmax, one top-max(n), and two reads back for all of them (per row, three reads were three
+    host synchronisations)."""
+    lp = torch.log_softmax(logits.index_select(0, _on(logits.device, rows, torch.int64)).float(), dim=-1)
+    chosen = lp.gather(1, _on(lp.device, tokens, torch.int64)[:, None])[:, 0]
+    width = max(ns, default=0)
+    if not width:
+        return [(c, ()) for c in chosen.tolist()]
+    top = torch.topk(lp, width, dim=-1)
+    vals = torch.cat([chosen[:, None], top.values], dim=1).tolist()
+    ids = top.indices.tolist()
+    return [(v[0], tuple(zip(i[:n], v[1 : n + 1]))) for v, i, n in zip(vals, ids, ns)]
 
 
 # positions whose full-vocabulary logits exist at once (a 2K chunk of a GLM vocabulary would be 1.2 GB)

@@ -20,7 +20,7 @@ from longctx.config import ModelConfig
 from longctx.engine.plan import BatchPlan, RowPlan, RowResult
 from longctx.engine.sampling import (
     Penalties,
-    logprobs_row,
+    logprobs_rows,
     prompt_logprobs_device,
     prompt_logprobs_host,
     sample_rows_device,
@@ -266,11 +266,16 @@ class StageWorker:
             toks = p.toks_host.tolist()
         else:
             toks = p.toks.tolist()
-        for i, tok, lg in zip(p.last, toks, p.last_logits):
+        want: list[int] = []  # positions in p.last of the rows that asked for logprobs
+        for j, (i, tok) in enumerate(zip(p.last, toks)):
             p.out[i].token_id = tok
-            r = p.plan.rows[i]
-            if r.logprobs is not None:
-                p.out[i].logprob, p.out[i].top_logprobs = logprobs_row(lg, tok, r.logprobs)
+            if p.plan.rows[i].logprobs is not None:
+                want.append(j)
+        if want:
+            ns = [p.plan.rows[p.last[j]].logprobs or 0 for j in want]
+            got = logprobs_rows(p.last_logits, want, [toks[j] for j in want], ns)
+            for j, (lp, top) in zip(want, got):
+                p.out[p.last[j]].logprob, p.out[p.last[j]].top_logprobs = lp, top
         return p.out
 
 
