@@ -306,9 +306,7 @@ def cuda_paths(d2: Path, ids: list[int], tmp: Path, res: dict) -> None:
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
                 shutil.copy(f, big / f.name)
         root = Path(__file__).resolve().parents[1]
-        (big / "config.json").write_text(
-            json.dumps(json.loads((root / "configs" / "glm-5.3.json").read_text()))
-        )
+        shutil.copy(root / "configs" / "glm-5.3.json", big / "config.json")
         msg, grew = refused(model_dir=big, device="cuda", max_context=131072)
         r["big_model_refused"], r["big_model_allocated_bytes"] = msg, grew
 
