@@ -268,7 +268,6 @@ def cuda_paths(d2: Path, ids: list[int], tmp: Path, res: dict) -> None:
       leave, at most two max_context requests);
     - the room check against the GPU's free memory: kv_pages=10**9, and GLM-5.3's config (~750 GB of
       weights), are refused with the one line before anything is allocated on the GPU."""
-    import json
     import shutil
 
     from longctx import Engine
