@@ -136,23 +136,34 @@ def graph_vs_eager(d2: Path, ids: list[int], res: dict) -> None:
     from longctx import Engine
 
     # decode through CUDA graphs, overlapped with device-fed continuations == eager decode one step
-    # at a time: same greedy tokens for a ragged batch (bf16, fp8 KV)
+    # at a time: same greedy tokens for a ragged batch (bf16, fp8 KV), and the same seeded draws (the
+    # sampler's Gumbel kernel, top_p and top_k + min_p)
     prompts = [ids[:n] for n in (37, 100, 211, 300)]
-    toks = {}
+    toks, drawn = {}, {}
+    sampled = ({"top_p": 0.9}, {"top_k": 40, "min_p": 0.02})
+    draw = {"temperature": 0.8, "seed": 7}
     for graphs in (True, False):
         with Engine(
             d2, device="cuda", dtype="bfloat16", kv_pages=256, cuda_graphs=graphs, overlap=graphs
         ) as e:
             toks[graphs] = [o.token_ids for o in e.generate(prompts, max_new_tokens=24, ignore_eos=True)]
+            drawn[graphs] = [
+                [o.token_ids for o in e.generate(prompts, max_new_tokens=24, ignore_eos=True, **draw, **kw)]
+                for kw in sampled
+            ]
             replays = e.runner.graphs.replays if graphs and e.runner.graphs is not None else 0
             if graphs:
                 res["graph_vs_eager"] = {
                     "replays": replays,
                     "device_fed_steps": e.stats()["device_fed_steps"],
                 }
-    same = toks[True] == toks[False]
+    same, same_drawn = toks[True] == toks[False], drawn[True] == drawn[False]
     g = res["graph_vs_eager"]
-    g.update(tokens_match=same, ok=same and g["replays"] > 0 and g["device_fed_steps"] > 0)
+    g.update(
+        tokens_match=same,
+        sampled_tokens_match=same_drawn,
+        ok=same and same_drawn and g["replays"] > 0 and g["device_fed_steps"] > 0,
+    )
     print(res["graph_vs_eager"])
 
 
