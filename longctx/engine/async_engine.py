@@ -328,19 +328,17 @@ class AsyncEngine:
             return
         log.error("engine step failed:\n%s", traceback.format_exc())
         err = one_line(e)
-        try:
-            failed = eng.fail_step()
-        except Exception:  # (every later step fails with it anyway: fail ours now)
-            log.error("could not tell the failed step's requests apart:\n%s", traceback.format_exc())
+        failed = eng._fail_others(e, set(self._live))  # (other threads' requests: their mailboxes)
+        if failed is None:  # (every later step fails with it anyway: fail ours now)
+            log.error("could not tell the failed step's requests apart")
             failed = list(self._live)
+            for rid in failed:
+                with contextlib.suppress(Exception):
+                    eng.abort(rid)
         for rid in failed:
             s = self._live.pop(rid, None)
-            if s is None:
-                eng._deliver(StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
-                continue
-            with contextlib.suppress(Exception):
-                eng.abort(rid)  # (fail_step did, unless it failed itself)
-            self._put(s, StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
+            if s is not None:
+                self._put(s, StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
 
     def _end(self, error: Callable[[], Exception]) -> None:
         """No request can be added any more: every stream in flight or asked for ends with `error()`."""

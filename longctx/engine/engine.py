@@ -842,19 +842,21 @@ class Engine:
                             raise RequestError(o.error)
         return lps
 
-    def _fail_others(self, e: Exception, pending: set[str]) -> None:
+    def _fail_others(self, e: Exception, pending: set[str]) -> list[str] | None:
         """After a step a blocking call ran raised: every request the step held is aborted (its KV and
         sampling state may be half-written), as the server's engine process fails a step's requests;
         another thread's call raises the step's error, a step-API request gets a finished output with it.
-        The call's own requests (`pending`) it aborts itself as it raises."""
+        The caller's own requests (`pending`) are left to it. Returns the failed requests' ids, None when
+        telling them apart failed itself (a dead stage: every later step fails with it anyway)."""
         try:
             failed = self.fail_step()
-        except Exception:  # (a dead stage: every later step fails with it anyway)
-            return
+        except Exception:
+            return None
         err = one_line(e)
         for rid in failed:
             if rid not in pending:
                 self._deliver(StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
+        return failed
 
     # ---- introspection / lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
