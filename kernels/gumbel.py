@@ -119,8 +119,7 @@ def _gumbel_argmax_kernel(
         h = _mix32(_mix32(ids.to(tl.uint32) ^ a) ^ b)
         v = _mix32(h ^ 0x9E3779B9)
         u = ((v >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-        s = xv - tl.log(-tl.log(u))
-        s = tl.where(m, s, float("-inf"))
+        s = xv - tl.log(-tl.log(u))  # (-inf past the row: xv's `other`)
         h64 = tl.where(m, h.to(tl.int64), -1)
         bm = tl.max(s, axis=0)
         hm = tl.max(tl.where(s == bm, h64, -1), axis=0)
@@ -154,23 +153,22 @@ def gumbel_argmax(
             ids.shape == x.shape and ids.dtype == torch.int64 and ids.device == x.device,
             f"gumbel_argmax: ids must be int64 {tuple(x.shape)} on x's device, got {ids.dtype} {tuple(ids.shape)}",
         )
+    if not d:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
     if not use_triton(backend, x.device):
         if x.device.type != "cpu":
             return gumbel_argmax_ref(x, keys, ids)
         # on the CPU a few rows at a time: a block's dozen passes then run in cache (2x faster at 32 rows
         # of a GLM vocabulary than all rows at once)
         step = max(1, REF_BLOCK_ELEMS // w)
-        return (
-            torch.cat(
-                [
-                    gumbel_argmax_ref(
-                        x[a : a + step], keys[a : a + step], None if ids is None else ids[a : a + step]
-                    )
-                    for a in range(0, d, step)
-                ]
-            )
-            if d
-            else torch.empty(0, dtype=torch.int64)
+        blocks = range(0, d, step)
+        return torch.cat(
+            [
+                gumbel_argmax_ref(
+                    x[a : a + step], keys[a : a + step], None if ids is None else ids[a : a + step]
+                )
+                for a in blocks
+            ]
         )
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -185,11 +183,10 @@ def gumbel_argmax(
     bs = torch.empty(d, s, dtype=torch.float32, device=x.device)
     bh = torch.empty(d, s, dtype=torch.int64, device=x.device)
     bc = torch.empty(d, s, dtype=torch.int64, device=x.device)
-    if d:
-        _gumbel_argmax_kernel[(d, s)](
-            x, keys, x if ids is None else ids, bs, bh, bc, w, chunk, x.stride(0),
-            0 if ids is None else ids.stride(0), s, HAS_IDS=ids is not None, BLOCK=block,
-        )  # fmt: skip
+    _gumbel_argmax_kernel[(d, s)](
+        x, keys, x if ids is None else ids, bs, bh, bc, w, chunk, x.stride(0),
+        0 if ids is None else ids.stride(0), s, HAS_IDS=ids is not None, BLOCK=block,
+    )  # fmt: skip
     best = bs.max(dim=1, keepdim=True).values
     pick = torch.where(bs == best, bh, -1).argmax(dim=1, keepdim=True)
     return bc.gather(1, pick)[:, 0]

@@ -303,15 +303,17 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     top_p = [r.top_p for r in rows]
     selectable = any(top_k) and max(top_k) <= TOP_K_SELECT_MAX
-    if selectable and all(top_k):  # every row's candidates are its top k: sort those, not the row
+    if selectable and all(
+        top_k
+    ):  # every row's candidates are its top k (-inf past k): sort those, not the row
         sx, order = _top_k_sorted(x, top_k)
     else:
         if all(p >= 1.0 for p in top_p) and (selectable or not any(top_k)):
             return gumbel_argmax(_keep_top_k(x, top_k), keys, backend=backend)
         sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    if any(top_k):
-        k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
-        sx = sx.masked_fill(torch.arange(sx.shape[1], device=dev)[None] >= k, float("-inf"))
+        if any(top_k):
+            k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
+            sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= k, float("-inf"))
     if any(p < 1.0 for p in top_p):
         p = _on(dev, top_p, torch.float32)[:, None]
         probs = torch.softmax(sx, dim=-1)
@@ -319,7 +321,7 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         drop[:, 0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
         sx = sx.masked_fill(drop, float("-inf"))
     # every row with a top-k: only the first max(k) sorted columns can hold a candidate
-    width = min(max(top_k), sx.shape[1]) if all(top_k) else vocab
+    width = max(top_k) if all(top_k) else vocab
     col = gumbel_argmax(sx[:, :width].contiguous(), keys, order[:, :width].contiguous(), backend=backend)
     return order.gather(1, col[:, None])[:, 0]
 
