@@ -137,6 +137,18 @@ def measure_ceilings(
     return out
 
 
+def time_wall(fn: Callable[[], Any], iters: int = 5, warmup: int = 1) -> float:
+    """Median wall-clock seconds per call (`time_cuda`'s CPU form)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
 def write_json_md(out_dir: Path, name: str, data: Any, md: str, **json_kw: Any) -> None:
     """out_dir/<name>.json (indent 1) and out_dir/<name>.md, for the benches that write only to --out."""
     out_dir.mkdir(parents=True, exist_ok=True)

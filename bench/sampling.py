@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import environment, time_cuda, write_json_md  # noqa: E402
+from bench.common import environment, time_cuda, time_wall, write_json_md  # noqa: E402
 
 KINDS = {
     "temperature 0.7": dict(temperature=0.7),
@@ -32,22 +29,6 @@ KINDS = {
     "+ top_k 50": dict(temperature=0.7, top_k=50),
     "+ top_k 50, top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
 }
-
-
-def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
-    if device == "cuda":
-        return time_cuda
-
-    def wall(fn: Callable[[], Any], iters: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[len(times) // 2]
-
-    return wall
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from longctx.engine.plan import RowPlan
     from longctx.engine.sampling import Penalties, _sample, sample_rows_device
 
-    dev, timed = args.device, _timer(args.device)
+    dev = args.device
+    timed = time_cuda if dev == "cuda" else time_wall
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
         "| rows | batch | per-row ms | batched ms | speed-up | same tokens |",
