@@ -6,7 +6,10 @@ engine spent per sampled row before `draw_rows`); `sample_rows_device` draws eve
 (`bench.common.time_cuda`, host time included: launch-bound work is the point; on the CPU the median
 of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the
 penalties (`Penalties.apply` over every row, 100 tokens of history each; batched only, its per-row
-form is gone); the tokens of both paths are compared first.
+form is gone); the tokens of both paths are compared first. Two kinds of logits: `flat` (N(0, 3^2):
+top-p 0.9 keeps tens of thousands of tokens) and `peaked` (a Zipf law over a random order of the
+vocabulary, logit -log(rank): top-p 0.9 keeps a few hundred, as a language model's usually does). The
+greedy rows (one argmax) are the floor a sampled step is compared with.
 
     python -m bench.sampling [--device cuda|cpu] [--vocab 154880] [--out DIR]
 """
@@ -30,6 +33,16 @@ KINDS = {
     "+ top_k 50, top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
 }
 
+DISTS = ("flat", "peaked")
+
+
+def logits_of(dist: str, batch: int, vocab: int, dev: str) -> torch.Tensor:
+    """[batch, vocab] fp32 logits: `flat` N(0, 3^2); `peaked` -log(rank) over a random order per row."""
+    if dist == "flat":
+        return torch.randn(batch, vocab, device=dev) * 3
+    rank = torch.rand(batch, vocab, device=dev).argsort(dim=1).float() + 1
+    return -torch.log(rank)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
@@ -47,16 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     timed = time_cuda if dev == "cuda" else time_wall
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
-        "| rows | batch | per-row ms | batched ms | speed-up | same tokens |",
+        "| logits: rows | batch | per-row ms | batched ms | speed-up | same tokens |",
         "|---|---|---|---|---|---|",
     ]
-    for name, kw in KINDS.items():
+    for dist, name, kw in [(d, n, k) for d in DISTS for n, k in KINDS.items()]:
         for batch in (1, 8, 32):
             rows = [
                 RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), seed=i, step=7, **kw)
                 for i in range(batch)
             ]
-            x = torch.randn(batch, args.vocab, device=dev) * 3
+            x = logits_of(dist, batch, args.vocab, dev)
 
             def per_row(x: torch.Tensor = x, rows: list = rows) -> torch.Tensor:
                 return torch.stack(
@@ -74,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             res["rows"].append(
                 {
                     "rows": name,
+                    "logits": dist,
                     "batch": batch,
                     "per_row_ms": t_row * 1e3,
                     "batched_ms": t_batch * 1e3,
@@ -81,8 +95,14 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             lines.append(
-                f"| {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | {t_row / t_batch:.1f}x | {same:.3f} |"
+                f"| {dist}: {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | {t_row / t_batch:.1f}x | {same:.3f} |"
             )
+    lines += ["", "| greedy (argmax), rows | ms |", "|---|---|"]
+    for batch in (1, 8, 32):
+        x = logits_of("peaked", batch, args.vocab, dev)
+        t = timed(lambda x=x: torch.argmax(x, dim=-1))
+        res.setdefault("greedy", []).append({"batch": batch, "ms": t * 1e3})
+        lines.append(f"| {batch} | {t * 1e3:.3f} |")
     lines += ["", "| penalties, rows | history | batched ms |", "|---|---|---|"]
     pen_kw = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
     for batch in (1, 8, 32):
