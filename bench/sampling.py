@@ -6,7 +6,9 @@ engine spent per sampled row before `draw_rows`); `sample_rows_device` draws eve
 (`bench.common.time_cuda`, host time included: launch-bound work is the point; on the CPU the median
 of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the
 penalties (`Penalties.apply` over every row, 100 tokens of history each; batched only, its per-row
-form is gone); the tokens of both paths are compared first. Two kinds of logits: `flat` (N(0, 3^2):
+form is gone); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
+draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold top_p of its mass, one
+host synchronisation to know) and with whole rows sorted (`TOP_P_CANDIDATES = 0`). Two kinds of logits: `flat` (N(0, 3^2):
 top-p 0.9 keeps tens of thousands of tokens) and `peaked` (a Zipf law over a random order of the
 vocabulary, logit -log(rank): top-p 0.9 keeps a few hundred, as a language model's usually does). The
 greedy rows (one argmax) are the floor a sampled step is compared with.
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench.sampling: no CUDA device (--device cpu times the CPU)")
         return 2
+    from longctx.engine import sampling
     from longctx.engine.plan import RowPlan
     from longctx.engine.sampling import Penalties, _sample, sample_rows_device
 
@@ -60,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     timed = time_cuda if dev == "cuda" else time_wall
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
-        "| logits: rows | batch | per-row ms | batched ms | speed-up | same tokens |",
-        "|---|---|---|---|---|---|",
+        "| logits: rows | batch | per-row ms | batched ms | batched, rows sorted ms | speed-up | same tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     for dist, name, kw in [(d, n, k) for d in DISTS for n, k in KINDS.items()]:
         for batch in (1, 8, 32):
@@ -84,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
 
             same = float((per_row() == batched()).float().mean())
             t_row, t_batch = timed(per_row), timed(batched)
+            t_sort = None
+            if "top_p" in kw:  # the same rows with whole rows sorted (no candidates first)
+                keep, sampling.TOP_P_CANDIDATES = sampling.TOP_P_CANDIDATES, 0
+                try:
+                    same = min(same, float((per_row() == batched()).float().mean()))
+                    t_sort = timed(batched)
+                finally:
+                    sampling.TOP_P_CANDIDATES = keep
             res["rows"].append(
                 {
                     "rows": name,
@@ -91,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                     "batch": batch,
                     "per_row_ms": t_row * 1e3,
                     "batched_ms": t_batch * 1e3,
+                    "batched_sort_ms": None if t_sort is None else t_sort * 1e3,
                     "same": same,
                 }
             )
             lines.append(
-                f"| {dist}: {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | {t_row / t_batch:.1f}x | {same:.3f} |"
+                f"| {dist}: {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | "
+                f"{'' if t_sort is None else f'{t_sort * 1e3:.3f}'} | {t_row / t_batch:.1f}x | {same:.3f} |"
             )
     lines += ["", "| greedy (argmax), rows | ms |", "|---|---|"]
     for batch in (1, 8, 32):

@@ -172,3 +172,40 @@ def test_top_k_by_select_keeps_the_lower_ids_among_equal_logits():
         for s in range(60)
     ]
     assert set(draw_rows(torch.zeros(60, 40), rows).tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_top_p_rows_draw_from_their_likeliest_candidates_or_sort(backend, monkeypatch):
+    """A batch of top-p rows (some with a top-k too) draws from each row's likeliest TOP_P_CANDIDATES tokens
+    when those hold top_p of its mass (peaked rows), and sorts whole rows when one row's do not (a flat
+    row): the per-row reference's tokens either way."""
+    from longctx.engine import sampling
+    from longctx.engine.plan import RowPlan
+
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 16)
+    vocab = 500
+    g = torch.Generator().manual_seed(3)
+    taken: list[bool] = []
+    real = sampling._top_p_candidates
+
+    def spy(*a):
+        out = real(*a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sampling, "_top_p_candidates", spy)
+    for flat_row in (None, 2):
+        rank = torch.rand(6, vocab, generator=g).argsort(dim=1).float() + 1
+        logits = -2.5 * torch.log(rank)  # peaked: the top 16 hold ~0.95 of the mass
+        if flat_row is not None:
+            logits[flat_row] = torch.randn(vocab, generator=g) * 0.1
+        logits[4, 10:] = float("-inf")  # (fewer finite tokens than candidates)
+        rows = [
+            RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), temperature=t, top_p=p, top_k=k, seed=i * 31, step=i)
+            for i, (t, p, k) in enumerate([(1.0, 0.9, 0), (0.7, 0.8, 0), (1.0, 0.6, 0), (1.0, 0.9, 5), (1.0, 0.5, 0), (1.3, 0.95, 16)])
+        ]  # fmt: skip
+        got = sampling.draw_rows(logits, rows, backend=backend)
+        assert taken[-1] is (flat_row is None)
+        for i, r in enumerate(rows):
+            want = sampling._sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
+            assert int(got[i]) == int(want), (flat_row, i)

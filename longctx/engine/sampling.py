@@ -282,15 +282,63 @@ def _top_k_sorted(x: torch.Tensor, top_k: Sequence[int]) -> tuple[torch.Tensor, 
     return vals.gather(1, by_val), ids.gather(1, by_val)
 
 
+# top-p rows (without a top-k, or with one up to it): first try drawing from this many candidates, the
+# likeliest; a step whose top-p rows need more (their first TOP_P_CANDIDATES tokens hold less than top_p of
+# the mass) sorts whole rows instead. 0: always sort.
+TOP_P_CANDIDATES = 1024
+
+
+def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+    """sorted logits sx [D, W] (descending, stable) with each row's tokens past its top-p prefix at -inf:
+    the smallest prefix whose mass (probs, the row's probabilities in the same order) reaches top_p."""
+    p = _on(sx.device, top_p, torch.float32)[:, None]
+    drop = (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
+    drop[:, 0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
+    return sx.masked_fill(drop, float("-inf"))
+
+
+def _top_p_candidates(
+    x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a batch with top-p rows where every row has a top-p or a top-k <= TOP_P_CANDIDATES: the
+    (values, token ids) [D, W] of each row's kept tokens in sorted order (-inf past them), from its
+    likeliest W = TOP_P_CANDIDATES tokens (or its top k) alone, when those hold at least top_p of each
+    top-p row's mass; else None (a row needs more: the caller sorts whole rows). The one host
+    synchronisation of a step that takes it, where it avoids a sort of every row."""
+    cap = min(TOP_P_CANDIDATES, x.shape[1] - 1)
+    if cap <= 0 or all(p >= 1.0 for p in top_p):
+        return None
+    if any(not (0 < k <= cap or (not k and p < 1.0)) for k, p in zip(top_k, top_p)):
+        return None
+    kk = [k or cap for k in top_k]
+    sx, order = _top_k_sorted(x, kk)
+    # each row's probabilities under its own normaliser: over its top k (the sort's -inf past k), or over
+    # the whole row for a top-p row without one
+    has_k = _on(x.device, [bool(k) for k in top_k], torch.bool)[:, None]
+    top = sx[:, :1]  # (each row's largest logit; softmax's shift, which keeps huge magnitudes finite)
+    e = torch.exp(sx - top)
+    z = torch.where(has_k, e.sum(dim=1, keepdim=True), torch.exp(x - top).sum(dim=1, keepdim=True))
+    probs = e / z
+    cut = _cut_top_p(sx, probs, top_p)
+    # a top-p row is covered when its last candidate is dropped already (its prefix reached top_p before it;
+    # every later token would be dropped too); a top-k row always is
+    if not bool((has_k[:, 0] | torch.isneginf(cut[:, -1]) | torch.isneginf(sx[:, -1])).all()):
+        return None
+    return cut, order
+
+
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
     """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW), all rows
     at once: temperature, min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of
     `longctx.kernels.gumbel` keyed by (seed, step). top-k keeps exactly k tokens, of equal logits the
     lower ids. When every row has a top-k (<= TOP_K_SELECT_MAX), only its candidates are sorted and
     drawn from (`_top_k_sorted`); else without top-p the top-k is a mask (`_keep_top_k`) and the draw
-    runs over the vocabulary; else each row is sorted once (both masks cut a suffix of the sorted
-    row). The noise belongs to token ids, so a row draws the same token in any batch and whichever
-    way its masks were made. int64 [D] on logits' device, nothing read back."""
+    runs over the vocabulary; else, when every row has a top-p or a top-k <= TOP_P_CANDIDATES and each
+    top-p row's likeliest TOP_P_CANDIDATES tokens hold top_p of its mass, from those candidates
+    (`_top_p_candidates`: one host synchronisation to know); else each row is sorted once (both masks
+    cut a suffix of the sorted row). The noise belongs to token ids, so a row draws the same token in
+    any batch and whichever way its masks were made. int64 [D] on logits' device, nothing read back
+    but that one flag."""
     dev = logits.device
     d, vocab = logits.shape
     x = _scaled(logits.float(), _on(dev, [r.temperature for r in rows], torch.float32)[:, None])
@@ -303,10 +351,15 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     top_p = [r.top_p for r in rows]
     selectable = any(top_k) and max(top_k) <= TOP_K_SELECT_MAX
+    cut = False  # whether sx has its top-p cut already
     if selectable and all(
         top_k
     ):  # every row's candidates are its top k (-inf past k): sort those, not the row
         sx, order = _top_k_sorted(x, top_k)
+        width = max(top_k)
+    elif (cands := _top_p_candidates(x, top_k, top_p)) is not None:  # each row's likeliest tokens suffice
+        (sx, order), cut = cands, True
+        width = sx.shape[1]
     else:
         if all(p >= 1.0 for p in top_p) and (selectable or not any(top_k)):
             return gumbel_argmax(_keep_top_k(x, top_k), keys, backend=backend)
@@ -314,14 +367,10 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         if any(top_k):
             k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
             sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= k, float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        p = _on(dev, top_p, torch.float32)[:, None]
-        probs = torch.softmax(sx, dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
-        drop[:, 0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
-        sx = sx.masked_fill(drop, float("-inf"))
-    # every row with a top-k: only the first max(k) sorted columns can hold a candidate
-    width = max(top_k) if all(top_k) else vocab
+        # every row with a top-k: only the first max(k) sorted columns can hold a candidate
+        width = max(top_k) if all(top_k) else vocab
+    if not cut and any(p < 1.0 for p in top_p):
+        sx = _cut_top_p(sx, torch.softmax(sx, dim=-1), top_p)
     col = gumbel_argmax(sx[:, :width].contiguous(), keys, order[:, :width].contiguous(), backend=backend)
     return order.gather(1, col[:, None])[:, 0]
 
