@@ -5,9 +5,13 @@ torch references and with the Triton kernels (logits rel <= 1e-3, identical gree
 with fp8 KV through Triton against the torch path on a smooth model; decode through CUDA graphs against
 eager decode (plain, HiSparse-capped, with `index_local_window`, and with `index_topk_long` too); and the
 engine's CUDA-only set-up paths (`cuda_paths`: `cuda:N`, the default pool's size, the room check against
-the GPU's free memory). Writes gpu-check.json.
+the GPU's free memory). `sampled_decode` times decode (graphs, overlapped) of the tiny model with a GLM
+vocabulary, greedy and top-p sampled, with top-p's candidates first and with whole rows sorted
+(`sampling.TOP_P_CANDIDATES = 0`), at two temperatures: one where the candidates hold top_p of the
+mass, one where they do not. Writes gpu-check.json.
 
-    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window,topk_long,mixed_kv,cuda_paths]
+    python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window,topk_long,mixed_kv,cuda_paths,
+        sampled_decode]
         [--out $OUT]
 """
 
@@ -29,7 +33,9 @@ if TYPE_CHECKING:
     from longctx.config import ModelConfig
 
 
-CHECKS = {"fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long", "mixed_kv", "cuda_paths"}
+CHECKS = {
+    "fp32", "bf16", "graphs", "hisparse_graphs", "window", "topk_long", "mixed_kv", "cuda_paths", "sampled_decode"
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default=None,
         help="comma-separated checks of fp32, bf16, graphs, hisparse_graphs, window, topk_long, mixed_kv, "
-        "cuda_paths (default: all)",
+        "cuda_paths, sampled_decode (default: all)",
     )
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -91,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         topk_long_graph_vs_eager(d2, long_prompts, res)
     if want("mixed_kv"):
         mixed_kv(d2, ids, long_prompts, res)
+    if want("sampled_decode"):
+        sampled_decode(base, tmp, ids, res)
     if want("cuda_paths"):
         cuda_paths(d2, ids, tmp, res)
     write_results("gpu-check", res, "\n".join(f"{k}: {v}" for k, v in res.items()), args.out)
@@ -130,6 +138,45 @@ def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict
             "ok": rel <= 1e-3 and toks == x[100:],
         }
         print(backend, res[f"fp32_{backend}"], flush=True)
+
+
+def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, device: str = "cuda") -> None:
+    """ms per decode step, greedy against top_p 0.9 with and without the candidates route, batch 1 and 8."""
+    import time
+
+    from longctx import Engine
+    from longctx.checkpoint.init_random import init_random_checkpoint
+    from longctx.engine import sampling
+
+    cfg = dataclasses.replace(base, vocab_size=154_880)
+    d = init_random_checkpoint(cfg, tmp / "vocab", seed=2, dtype="bfloat16", std=0.08)
+    out: dict = {}
+    with Engine(d, device=device, dtype="bfloat16", kv_pages=512) as e:
+        std = float(e.score(ids[:64]).std())
+        # temperatures that put ~0.97 of the mass in the top 1,024 (peaked) and far less (flat)
+        temps = {"peaked": std / 6.0, "flat": 1.0}
+        for batch in (1, 8):
+            prompts = [ids[i : i + 40] for i in range(batch)]
+
+            def per_step(prompts: list[list[int]] = prompts, **kw: float) -> float:
+                e.generate(prompts, max_new_tokens=8, ignore_eos=True, **kw)  # (graphs captured)
+                t0 = time.perf_counter()
+                e.generate(prompts, max_new_tokens=64, ignore_eos=True, **kw)
+                return (time.perf_counter() - t0) / 64 * 1e3
+
+            row = {"greedy_ms": per_step()}
+            for name, t in temps.items():
+                kw = dict(temperature=t, top_p=0.9, seed=3)
+                row[f"top_p_{name}_ms"] = per_step(**kw)
+                keep, sampling.TOP_P_CANDIDATES = sampling.TOP_P_CANDIDATES, 0
+                try:
+                    row[f"top_p_{name}_sorted_ms"] = per_step(**kw)
+                finally:
+                    sampling.TOP_P_CANDIDATES = keep
+            out[f"batch_{batch}"] = row
+            print("sampled_decode", batch, {k: round(v, 3) for k, v in row.items()}, flush=True)
+    out.update(logit_std=std, temperatures=temps, ok=True)
+    res["sampled_decode"] = out
 
 
 def graph_vs_eager(d2: Path, ids: list[int], res: dict) -> None:

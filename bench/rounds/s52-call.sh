@@ -7,7 +7,7 @@ source bench/rounds/prelude.sh
 if [ "${SAMPLER:-0}" = 1 ]; then
   python3 -m bench.gpu_kernel_check --only gumbel --out $OUT/sampler/gk
   python3 -m bench.sampling --out $OUT/sampler/sampling
-  python3 -m bench.gpu_check --only graphs --out $OUT/sampler/gc
+  python3 -m bench.gpu_check --only graphs,sampled_decode --out $OUT/sampler/gc
   pack sampler sampler
 fi
 case "${MODE:-u}" in
