@@ -96,14 +96,17 @@ def test_gemm_shapes_lists_the_decode_projections_on_cpu(tmp_path: Path) -> None
 
 
 def test_sampling_bench_on_cpu(tmp_path: Path) -> None:
-    """bench.sampling's CPU path: both paths draw the same tokens for every kind of row and batch, and the
-    penalties are timed at each batch."""
+    """bench.sampling's CPU path: both paths draw the same tokens for every kind of row, logits and batch
+    (top-p rows with and without the candidates route, which times them twice), and the penalties and
+    the greedy floor are timed at each batch."""
     from bench.sampling import main
 
     assert main(["--device", "cpu", "--vocab", "3000", "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "sampling-cpu.json").read_text())
-    assert len(d["rows"]) == 12 and all(r["same"] == 1.0 and r["batched_ms"] > 0 for r in d["rows"])
-    assert [p["batch"] for p in d["penalties"]] == [1, 8, 32]
+    assert len(d["rows"]) == 24 and all(r["same"] == 1.0 and r["batched_ms"] > 0 for r in d["rows"])
+    assert {r["logits"] for r in d["rows"]} == {"flat", "peaked"}
+    assert all((r["batched_sort_ms"] is not None) == ("top_p" in r["rows"]) for r in d["rows"])
+    assert [p["batch"] for p in d["penalties"]] == [1, 8, 32] == [g["batch"] for g in d["greedy"]]
 
 
 def test_step_profile_groups_kernels_by_model_part() -> None:
