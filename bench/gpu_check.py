@@ -141,21 +141,32 @@ def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict
 
 
 def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, device: str = "cuda") -> None:
-    """ms per decode step, greedy against top_p 0.9 with and without the candidates route, batch 1 and 8."""
+    """ms per decode step, greedy against top_p 0.9 with and without the candidates route, batch 1, 8 and
+    32 (on CUDA small-1m's first four layers with a GLM vocabulary, else `base`'s)."""
     import time
 
     from longctx import Engine
     from longctx.checkpoint.init_random import init_random_checkpoint
+    from longctx.config import ModelConfig
     from longctx.engine import sampling
 
+    if device == "cuda":  # a GPU-bound step (~0.7 ms): small-1m's first 4 layers
+        big = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "configs" / "small-1m.json")
+        n = 4
+        base = dataclasses.replace(
+            big,
+            num_hidden_layers=n,
+            indexer_types=big.indexer_types[:n],
+            mlp_layer_types=big.mlp_layer_types[:n],
+        )
     cfg = dataclasses.replace(base, vocab_size=154_880)
-    d = init_random_checkpoint(cfg, tmp / "vocab", seed=2, dtype="bfloat16", std=0.08)
+    d = init_random_checkpoint(cfg, tmp / "vocab", seed=2, dtype="bfloat16", std=0.02)
     out: dict = {}
     with Engine(d, device=device, dtype="bfloat16", kv_pages=512) as e:
         std = float(e.score(ids[:64]).std())
         # temperatures that put ~0.97 of the mass in the top 1,024 (peaked) and far less (flat)
         temps = {"peaked": std / 6.0, "flat": 1.0}
-        for batch in (1, 8):
+        for batch in (1, 8, 32):
             prompts = [ids[i : i + 40] for i in range(batch)]
 
             def per_step(prompts: list[list[int]] = prompts, **kw: float) -> float:
