@@ -162,6 +162,7 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
     cfg = dataclasses.replace(base, vocab_size=154_880)
     d = init_random_checkpoint(cfg, tmp / "vocab", seed=2, dtype="bfloat16", std=0.02)
     out: dict = {}
+    on_cuda, sampling.TOP_P_CANDIDATES_CUDA = sampling.TOP_P_CANDIDATES_CUDA, True  # (off by default there)
     with Engine(d, device=device, dtype="bfloat16", kv_pages=512) as e:
         std = float(e.score(ids[:64]).std())
         # temperatures that put ~0.97 of the mass in the top 1,024 (peaked) and far less (flat)
@@ -186,6 +187,7 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
                     sampling.TOP_P_CANDIDATES = keep
             out[f"batch_{batch}"] = row
             print("sampled_decode", batch, {k: round(v, 3) for k, v in row.items()}, flush=True)
+    sampling.TOP_P_CANDIDATES_CUDA = on_cuda
     out.update(logit_std=std, temperatures=temps, ok=True)
     res["sampled_decode"] = out
 

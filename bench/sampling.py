@@ -8,7 +8,8 @@ of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of
 penalties (`Penalties.apply` over every row, 100 tokens of history each; batched only, its per-row
 form is gone); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
 draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold top_p of its mass, one
-host synchronisation to know) and with whole rows sorted (`TOP_P_CANDIDATES = 0`). Two kinds of logits: `flat` (N(0, 3^2):
+host synchronisation to know; on CUDA the engine takes it only with `TOP_P_CANDIDATES_CUDA`, which this
+bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`). Two kinds of logits: `flat` (N(0, 3^2):
 top-p 0.9 keeps tens of thousands of tokens) and `peaked` (a Zipf law over a random order of the
 vocabulary, logit -log(rank): top-p 0.9 keeps a few hundred, as a language model's usually does). The
 greedy rows (one argmax) are the floor a sampled step is compared with.
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     from longctx.engine.sampling import Penalties, _sample, sample_rows_device
 
     dev = args.device
+    sampling.TOP_P_CANDIDATES_CUDA = (
+        True  # (the candidates route timed on CUDA too, where it is off by default)
+    )
     timed = time_cuda if dev == "cuda" else time_wall
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [

@@ -284,8 +284,11 @@ def _top_k_sorted(x: torch.Tensor, top_k: Sequence[int]) -> tuple[torch.Tensor, 
 
 # top-p rows (without a top-k, or with one up to it): first try drawing from this many candidates, the
 # likeliest; a step whose top-p rows need more (their first TOP_P_CANDIDATES tokens hold less than top_p of
-# the mass) sorts whole rows instead. 0: always sort.
+# the mass) sorts whole rows instead. 0: always sort. On CUDA only with TOP_P_CANDIDATES_CUDA: knowing
+# whether the candidates suffice reads a flag back, which makes the host wait for the step's forward, and
+# an overlapped decode (step n+1 launched while step n runs) loses its overlap; on the CPU nothing overlaps.
 TOP_P_CANDIDATES = 1024
+TOP_P_CANDIDATES_CUDA = False
 
 
 def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
@@ -306,7 +309,7 @@ def _top_p_candidates(
     top-p row's mass; else None (a row needs more: the caller sorts whole rows). The one host
     synchronisation of a step that takes it, where it avoids a sort of every row."""
     cap = min(TOP_P_CANDIDATES, x.shape[1] - 1)
-    if cap <= 0 or all(p >= 1.0 for p in top_p):
+    if cap <= 0 or all(p >= 1.0 for p in top_p) or (x.is_cuda and not TOP_P_CANDIDATES_CUDA):
         return None
     if any(not (0 < k <= cap or (not k and p < 1.0)) for k, p in zip(top_k, top_p)):
         return None
@@ -346,19 +349,17 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
     min_p = [r.min_p for r in rows]
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(x, dim=-1)
-        cut = _on(dev, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
-        x = x.masked_fill(probs < cut, float("-inf"))
+        floor = _on(dev, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < floor, float("-inf"))
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     top_p = [r.top_p for r in rows]
     selectable = any(top_k) and max(top_k) <= TOP_K_SELECT_MAX
-    cut = False  # whether sx has its top-p cut already
-    if selectable and all(
-        top_k
-    ):  # every row's candidates are its top k (-inf past k): sort those, not the row
+    p_cut = False  # whether sx has its top-p cut already
+    if selectable and all(top_k):  # every row's candidates are its top k (-inf past k): sort those alone
         sx, order = _top_k_sorted(x, top_k)
         width = max(top_k)
     elif (cands := _top_p_candidates(x, top_k, top_p)) is not None:  # each row's likeliest tokens suffice
-        (sx, order), cut = cands, True
+        (sx, order), p_cut = cands, True
         width = sx.shape[1]
     else:
         if all(p >= 1.0 for p in top_p) and (selectable or not any(top_k)):
@@ -369,7 +370,7 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
             sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= k, float("-inf"))
         # every row with a top-k: only the first max(k) sorted columns can hold a candidate
         width = max(top_k) if all(top_k) else vocab
-    if not cut and any(p < 1.0 for p in top_p):
+    if not p_cut and any(p < 1.0 for p in top_p):
         sx = _cut_top_p(sx, torch.softmax(sx, dim=-1), top_p)
     col = gumbel_argmax(sx[:, :width].contiguous(), keys, order[:, :width].contiguous(), backend=backend)
     return order.gather(1, col[:, None])[:, 0]
