@@ -428,3 +428,47 @@ def test_streams_and_blocking_calls_of_other_threads_run_together(tiny_dir) -> N
 
         steps = seen["steps"]
         assert _run(beside_a_stream()) <= 15  # (9 or 10: its prefill and 5 tokens; 10 to over 100 before)
+
+
+def test_a_stalled_driver_sleeps_until_the_engine_changes(tiny_dir, monkeypatch) -> None:
+    """A stream whose request waits for pages a blocking call of another thread holds (a pinned document)
+    costs no steps while nothing changes: the driver sleeps until the engine reports a change
+    (`Engine.watch`: here an `Engine.abort` and an `unpin_document` from other threads), not on a timer.
+    Polling every 2 ms, as it did before, took over 200 steps in the half second below."""
+    from longctx.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "_STALLED_WAIT_S", 30.0)  # (the safety net out of the way)
+    doc, p, q = rand_ids(192, 9), rand_ids(100, 3), rand_ids(90, 4)
+    # 4 pages: the document pins 3, and a first prefill chunk of 90 or 100 tokens needs 2
+    with Engine(tiny_dir, device="cpu", chunk_size=128, kv_pages=4) as eng:
+        want = eng.generate([p], max_new_tokens=5, ignore_eos=True)[0].token_ids
+        steps = [0]
+        step = eng.step
+
+        def counting() -> list:
+            steps[0] += 1
+            return step()
+
+        eng.step = counting  # type: ignore[method-assign]
+
+        async def main() -> None:
+            async with AsyncEngine(eng, close_engine=False) as aeng:
+                doc_id, _ = await asyncio.to_thread(eng.pin_document, doc)
+                # aborted through Engine.abort by another thread: the stream ends at once
+                lost = asyncio.create_task(aeng.complete(q, GREEDY, request_id="q"))
+                await _until(lambda: eng.num_waiting() == 1)
+                await asyncio.to_thread(eng.abort, "q")
+                assert (await asyncio.wait_for(lost, 10)).finish_reason == "abort"
+
+                task = asyncio.create_task(
+                    aeng.complete(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
+                )
+                await _until(lambda: eng.num_waiting() == 1)
+                before = steps[0]
+                await asyncio.sleep(0.5)
+                assert steps[0] - before <= 2  # (the step that found it stalled, if it came after `before`)
+                assert not task.done()
+                await asyncio.to_thread(eng.unpin_document, doc_id)  # its pages can be evicted now
+                assert (await asyncio.wait_for(task, 10)).token_ids == want
+
+        _run(main())

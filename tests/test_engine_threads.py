@@ -184,3 +184,65 @@ def test_a_failed_step_fails_every_request_it_held_and_the_engine_goes_on(tiny_d
         assert eng.num_running() == eng.num_waiting() == 0 and not eng._mail
         eng.runner.run = run
         assert [eng.generate([x], max_new_tokens=6, ignore_eos=True)[0].token_ids for x in (p, q)] == want
+
+
+def test_the_step_api_drivers_contract(tiny_dir, caplog) -> None:
+    """What AsyncEngine relies on beyond the public API: `admit` draws ids and refuses as `add_request`
+    does, `has_held_outputs` and `lost` tell what the engine still holds of step-API requests (a finished
+    one's last output kept for `step()` included), and `watch` calls after a step that ran, an abort, an
+    unpin and close, not after a step that found nothing to run."""
+    p, q = rand_ids(40, 1), rand_ids(30, 2)
+    eng = Engine(tiny_dir, device="cpu", chunk_size=29)
+    calls = [0]
+
+    def count() -> None:
+        calls[0] += 1
+
+    def failing() -> None:
+        raise RuntimeError("a watcher's bug")
+
+    eng.watch(count)
+    eng.watch(failing)  # (logged; the steps it is called from go on)
+    assert eng.step() == [] and calls[0] == 0  # nothing to run: nothing changed
+
+    # admit: an id drawn for the kind, none the engine has; refusals leave nothing behind
+    eng.add_request(Request("api-0", p, SamplingParams(max_new_tokens=2, ignore_eos=True)))
+    drawn = Request("", q, SamplingParams(max_new_tokens=2))
+    eng.admit(drawn, "api")
+    assert drawn.rid.startswith("api-") and drawn.rid != "api-0"
+    with pytest.raises(RequestError, match="duplicate request id 'api-0'"):
+        eng.admit(Request("api-0", q, SamplingParams()))
+    with pytest.raises(RequestError, match="is outside the vocabulary"):
+        eng.admit(Request("bad", [10**9], SamplingParams()), "bad")
+    assert eng.num_waiting() == 2
+    eng.abort(drawn.rid)
+    assert calls[0] == 1
+
+    # a blocking call steps api-0 to its end: its outputs are held for step(), so it is not lost
+    assert not eng.has_held_outputs()
+    eng.generate([q], max_new_tokens=6, ignore_eos=True)
+    assert calls[0] > 1 and "a watcher's bug" in caplog.text
+    assert eng.has_held_outputs() and "api-0" not in eng._requests
+    assert eng.lost(["api-0", drawn.rid, "never"]) == [drawn.rid, "never"]
+    outs = eng.step()  # (the held outputs, without a step)
+    assert outs[-1].rid == "api-0" and outs[-1].finished
+    assert not eng.has_held_outputs() and eng.lost(["api-0"]) == ["api-0"]
+
+    eng.add_request(Request("api-1", p, SamplingParams(max_new_tokens=50)))
+    assert eng.lost(["api-1"]) == []
+    n = calls[0]
+    with eng.turn():  # (reentrant: the engine's own calls inside take it again)
+        eng.abort("api-1")
+    assert eng.lost(["api-1"]) == ["api-1"] and calls[0] == n + 1
+    doc, _ = eng.pin_document(p)
+    n = calls[0]
+    eng.unpin_document(doc)
+    assert calls[0] == n + 1
+    eng.unwatch(failing)
+    assert not eng.closed
+    eng.close()
+    assert eng.closed and calls[0] == n + 2
+    with pytest.raises(RequestError, match="the engine is closed"):
+        eng.admit(Request("late", q, SamplingParams()))
+    eng.unwatch(count)
+    eng.unwatch(count)  # (one not watching: ignored)

@@ -1,17 +1,22 @@
 """`AsyncEngine`: an asyncio API over one `Engine` (what vLLM's AsyncLLM and SGLang's async_generate give).
 
 One background thread drives `Engine.step()` while any of its requests is in flight and sleeps on a
-condition while none is. Requests enter and leave the engine on that thread, between steps, so no
-coroutine ever waits for the engine's lock (held for a whole step): the event loop is never blocked by
-a step. Each request's outputs go to its own `asyncio.Queue`, on the loop that asked for it, through
-`loop.call_soon_threadsafe`. Leaving a stream early (`break`, `aclose`, a cancelled task) aborts its
-request, so it stops holding a batch row and KV pages.
+condition while none is, or, after a step that moved none of them (their pages held by other threads'
+requests, say), until the engine reports a change that could let them move (`Engine.watch`). Requests
+enter and leave the engine on that thread, between steps, so no coroutine ever waits for the engine's
+lock (held for a whole step): the event loop is never blocked by a step. Each request's outputs go to
+its own `asyncio.Queue`, on the loop that asked for it, through `loop.call_soon_threadsafe`. Leaving a
+stream early (`break`, `aclose`, a cancelled task) aborts its request, so it stops holding a batch row and
+KV pages.
 
 Blocking calls (`Engine.generate`, `score`, `pin_document`) made from other threads keep working beside
 the driver: whichever thread runs a step, the engine posts a blocking call's outputs to that call's
 mailbox and keeps the step-API requests' (the driver's) for the driver's next `step()`. The one thing
 that cannot share an engine with an AsyncEngine is another step-API consumer: its `step()` would take
 the driver's outputs (and the driver its).
+
+Of the engine it uses the public API and the step-API driver's contract (`Engine.turn`, `give_way`,
+`admit`, `has_held_outputs`, `lost`, `fail_others`, `completion`, `closed`, `watch`), nothing else.
 """
 
 from __future__ import annotations
@@ -34,13 +39,14 @@ from longctx.errors import EngineDeadError, RequestError, one_line
 
 log = logging.getLogger("longctx.async_engine")
 
-# How long the driver waits before stepping again after a step that moved none of its requests (their
-# pages are held by another thread's requests, say): short, and cut short by any new request or abort.
-_STALLED_WAIT_S = 0.002
+# The longest the driver waits before stepping again after a step that moved none of its requests: a
+# safety net only, as the wait ends at the engine's next change (`Engine.watch`: another thread's step,
+# an abort, an unpinned document) or a new request or abort of this API.
+_STALLED_WAIT_S = 0.1
 
 
 def _closed() -> Exception:
-    return RequestError("the engine is closed")  # (the sync path's words: `Engine._check_open`)
+    return RequestError("the engine is closed")  # (the words of the engine's own calls once closed)
 
 
 @dataclass(eq=False)
@@ -50,7 +56,7 @@ class _Stream:
     req: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[StepOutput | BaseException]
-    kind: str | None  # the request id is drawn by the engine (`Engine._new_rid(kind)`) as it is added
+    kind: str | None  # the request id is drawn by the engine (`Engine.admit(req, kind)`) as it is added
 
 
 class AsyncEngine:
@@ -79,7 +85,9 @@ class AsyncEngine:
         self._inbox: list[tuple[str, Any]] = []
         self._closing = False
         self._ended: Callable[[], Exception] | None = None
+        self._changed = False  # guarded by _cond: the engine changed since the driver's last step
         self._live: dict[str, _Stream] = {}  # the driver thread's: requests in the engine, by id
+        engine.watch(self._wake)
         self._thread = threading.Thread(target=self._drive, name="longctx-async-engine", daemon=True)
         self._thread.start()
 
@@ -116,7 +124,7 @@ class AsyncEngine:
         async for o in self._stream(req, None if request_id else "async"):
             lps.extend(o.logprobs)
             prompt_lps.extend(o.prompt_logprobs)
-        return self.engine._completion(req, lps, prompt_lps)
+        return self.engine.completion(req, lps, prompt_lps)
 
     async def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every position of `token_ids`, as `Engine.score` (cancelling aborts)."""
@@ -165,7 +173,7 @@ class AsyncEngine:
         self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None
     ) -> Request:
         """The request of one call, its params checked once (before its prompt is read, as `Engine.generate`
-        checks them); the checks that need the engine's state (`Engine._add`) run on the driver."""
+        checks them); the checks that need the engine's state (`Engine.admit`) run on the driver."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -207,6 +215,12 @@ class AsyncEngine:
             arg.queue.put_nowait(ended())
 
     # ---- the driver thread --------------------------------------------------------------------------
+    def _wake(self) -> None:
+        """`Engine.watch`'s call (in the turn of the thread that changed the engine): wake the driver."""
+        with self._cond:
+            self._changed = True
+            self._cond.notify()
+
     def _drive(self) -> None:
         try:
             self._run()
@@ -214,6 +228,8 @@ class AsyncEngine:
             log.error("the async engine's driver failed:\n%s", traceback.format_exc())
             err = one_line(e)
             self._end(lambda: RequestError(f"the async engine failed: {err}"))
+        finally:
+            self.engine.unwatch(self._wake)
 
     def _run(self) -> None:
         eng = self.engine
@@ -222,12 +238,14 @@ class AsyncEngine:
             with self._cond:
                 while not (self._inbox or self._closing or self._live):
                     self._cond.wait()
-                if stalled and not (self._inbox or self._closing):
-                    self._cond.wait(_STALLED_WAIT_S)
+                if stalled:  # until something could let its requests move (the timeout: a safety net)
+                    self._cond.wait_for(
+                        lambda: self._inbox or self._closing or self._changed, _STALLED_WAIT_S
+                    )
                 inbox, self._inbox = self._inbox, []
                 closing = self._closing
             if inbox:
-                with eng._lock:
+                with eng.turn():
                     for what, arg in inbox:
                         if what == "add":
                             self._add(arg, closing)
@@ -236,7 +254,7 @@ class AsyncEngine:
                         else:
                             self._abort_id(arg)
             if closing:
-                with eng._lock:
+                with eng.turn():
                     for rid in self._live:
                         with contextlib.suppress(Exception):
                             eng.abort(rid)
@@ -244,20 +262,17 @@ class AsyncEngine:
                 return
             if self._live:
                 stalled = not self._step()
-                eng._lock.give_way()  # (blocking calls of other threads waiting for the lock go first)
+                eng.give_way()  # (blocking calls of other threads waiting for the lock go first)
 
     def _add(self, s: _Stream, closing: bool) -> None:
         """Into the engine (under its lock), or the error why not into the stream."""
         eng, req = self.engine, s.req
         try:
-            if closing:
+            if closing or eng.closed:
                 raise _closed()
-            eng._check_open()
-            if s.kind is not None:
-                req.rid = eng._new_rid(s.kind)
-            elif req.rid in self._live:  # (finished in the engine, its last output not out of step() yet)
+            if s.kind is None and req.rid in self._live:  # (finished in the engine, not out of step() yet)
                 raise RequestError(f"duplicate request id {req.rid!r}")
-            eng._add(req)
+            eng.admit(req, s.kind)
         except Exception as e:
             self._put(s, e)
             return
@@ -282,12 +297,12 @@ class AsyncEngine:
         """One engine step, its outputs to their streams; whether any of this engine's requests moved."""
         eng = self.engine
         moved = False
-        # the lock held through a failure's handling, as a blocking call's step holds it: no other thread
+        # one turn through a failure's handling, as a blocking call's step holds the lock: no other thread
         # steps over the failed step's half-written requests before they are failed
-        with eng._lock:
+        with eng.turn():
             # what another thread's step kept for this one comes out of `step()` without a step: then step
             # too, or a blocking call in another thread would run every step while this thread only read
-            for _ in range(2 if eng._held else 1):
+            for _ in range(2 if eng.has_held_outputs() else 1):
                 try:
                     outs = eng.step()
                 except Exception as e:
@@ -303,22 +318,22 @@ class AsyncEngine:
                     self._put(s, o)
             if not moved:
                 self._end_lost()
+            with self._cond:  # (what changes the engine from here on is another thread's turn)
+                self._changed = False
         return moved
 
     def _end_lost(self) -> None:
         """After a step that moved none of them: end the streams whose request the engine no longer has and
         will report nothing more of (aborted through `Engine.abort` by someone else) with an abort output."""
-        eng = self.engine
-        held = {o.rid for o in eng._held}
-        for rid in [r for r in self._live if r not in eng._requests and r not in held]:
+        for rid in self.engine.lost(self._live):
             self._put(self._live.pop(rid), StepOutput(rid, finished=True, finish_reason=FinishReason.ABORT))
 
     def _step_failed(self, e: Exception) -> None:
-        """`Engine._fail_others` for the driver's step (under the engine's lock): the requests the step held
-        are aborted, this engine's streams among them end with the step's error, other threads' blocking
-        calls get it in their mailboxes. The requests still waiting stay queued."""
+        """`Engine.fail_others` for the driver's step (in its turn): the requests the step held are aborted,
+        this engine's streams among them end with the step's error, other threads' blocking calls get it in
+        their mailboxes. The requests still waiting stay queued."""
         eng = self.engine
-        if eng._closed:  # (Engine.close from another thread: no step will run again)
+        if eng.closed:  # (Engine.close from another thread: no step will run again)
             self._end(_closed)
             return
         if isinstance(e, EngineDeadError):
@@ -328,7 +343,7 @@ class AsyncEngine:
             return
         log.error("engine step failed:\n%s", traceback.format_exc())
         err = one_line(e)
-        failed = eng._fail_others(e, set(self._live))  # (other threads' requests: their mailboxes)
+        failed = eng.fail_others(e, set(self._live))  # (other threads' requests: their mailboxes)
         if failed is None:  # (every later step fails with it anyway: fail ours now)
             log.error("could not tell the failed step's requests apart")
             failed = list(self._live)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +213,10 @@ class Engine:
     held for a step, not for a whole call), and blocking calls (`generate`, `score`) made from
     several threads at once run batched together, each step delivering every call's outputs to it
     whichever thread ran the step. `pin_document` holds the engine for its whole prefill.
+
+    A thread that drives `step()` for callers of its own (AsyncEngine) uses the public API and the
+    driver's contract below it (`closed`, `turn`, `give_way`, `admit`, `has_held_outputs`, `lost`,
+    `fail_others`, `completion`, `watch` / `unwatch`), nothing else of the engine's.
     """
 
     def __init__(
@@ -294,6 +298,8 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._lock = TurnLock()  # one thread at a time in the scheduler, the stages, `_pending`
+        self._watchers: tuple[Callable[[], None], ...] = ()  # `watch`; replaced whole under _watch_lock
+        self._watch_lock = threading.Lock()
         # a running blocking call's request id -> its outputs another thread's step produced, not yet read
         self._mail: dict[str, list[StepOutput]] = {}
 
@@ -486,6 +492,7 @@ class Engine:
             self.scheduler.abort(rid)
             self._requests.pop(rid, None)
             self._release([rid])
+            self._notify_watchers()
 
     @property
     def context_capacity(self) -> int:
@@ -544,6 +551,90 @@ class Engine:
         if not self._post(o):
             self._held.append(o)
 
+    # ---- the step-API driver's contract --------------------------------------------------------
+    # What a thread driving `step()` for callers of its own (AsyncEngine) needs beyond the public API, and
+    # all of the engine it may use: turns at the engine, admission of requests it checked, what the engine
+    # still holds of them, the recovery from a failed step, a call when something changed that could let a
+    # stalled step move; and a finished request's Completion (`completion`, beside `generate`).
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran: every call and step after it raises RequestError("the engine is closed")."""
+        return self._closed
+
+    def turn(self) -> contextlib.AbstractContextManager[bool]:
+        """`with engine.turn():` the calls made inside (adds, aborts, a step and the handling of its
+        failure) run as one turn of this thread at the engine: no other thread steps, adds or aborts between
+        them. Reentrant (the engine's own calls inside take it again); it waits for a step another thread
+        is running (and for the whole of a `pin_document`)."""
+        return self._lock
+
+    def give_way(self) -> None:
+        """After a turn, out of it: let the threads waiting for the engine (blocking calls) take their turns
+        before this thread's next one, waiting for them a few milliseconds at most. A thread stepping in a
+        loop calls it after each step (`TurnLock`)."""
+        self._lock.give_way()
+
+    def admit(self, req: Request, kind: str | None = None) -> None:
+        """`add_request` for a request whose params the caller has already validated (once, at its call):
+        into the engine after the checks that need its state (the engine open, token ids, the stop strings'
+        tokenizer, the request's size, the queue, a duplicate id). `kind`: `req.rid` is replaced by a drawn
+        id "<kind>-<n>" that no request in the engine has. Raises RequestError; nothing is added then."""
+        with self._lock:
+            self._check_open()
+            if kind is not None:
+                req.rid = self._new_rid(kind)
+            self._add(req)
+
+    def has_held_outputs(self) -> bool:
+        """Whether the next `step()` returns outputs that other threads' steps made for step-API requests
+        (it returns them at once, without stepping)."""
+        with self._lock:
+            return bool(self._held)
+
+    def lost(self, rids: Iterable[str]) -> list[str]:
+        """Those of `rids` (step-API requests) the engine will report nothing more of: neither in it nor
+        with an output waiting for `step()`, aborted through `abort` (by another thread, say)."""
+        with self._lock:
+            held = {o.rid for o in self._held}
+            return [rid for rid in rids if rid not in self._requests and rid not in held]
+
+    def fail_others(self, e: Exception, pending: set[str]) -> list[str] | None:
+        """After a step raised (`e`), in the turn that ran it: every request the step held is aborted (its
+        KV and sampling state may be half-written), as the server's engine process fails a step's requests;
+        another thread's blocking call raises the step's error, a step-API request gets a finished output
+        with it. The caller's own requests (`pending`) are left to it. Returns the failed requests' ids,
+        None when telling them apart failed itself (a dead stage: every later step fails with it anyway)."""
+        try:
+            failed = self.fail_step()
+        except Exception:
+            return None
+        err = one_line(e)
+        for rid in failed:
+            if rid not in pending:
+                self._deliver(StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
+        return failed
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` after anything that could let a step that moved none of a driver's requests move
+        them: a step ran (its requests moved or finished, pages taken and freed, outputs kept for `step()`),
+        a request was aborted, a document unpinned, the engine closed. A step that found nothing to run
+        calls nothing. `fn` runs in the turn of the thread that made the change: it must be quick, must not
+        raise and must not wait for another thread (wake the driver, as a condition's notify does)."""
+        with self._watch_lock:
+            self._watchers = (*self._watchers, fn)
+
+    def unwatch(self, fn: Callable[[], None]) -> None:
+        """Stop calling `fn` (`watch`); one not watching is ignored."""
+        with self._watch_lock:
+            self._watchers = tuple(w for w in self._watchers if w != fn)
+
+    def _notify_watchers(self) -> None:
+        for fn in self._watchers:
+            try:
+                fn()
+            except Exception:  # (a watcher's bug must not fail the step that called it)
+                log.error("an engine watcher failed:\n%s", traceback.format_exc())
+
     def _step(self) -> list[StepOutput]:
         if not self.overlap:
             plan = self.scheduler.schedule()
@@ -591,6 +682,7 @@ class Engine:
         outs = self.scheduler.update(plan, result)
         outs = [self._apply_stop_strings_to_one(o) for o in outs]
         self._release([o.rid for o in outs if o.finished])
+        self._notify_watchers()
         return outs
 
     def _release(self, rids: list[str]) -> None:
@@ -659,6 +751,7 @@ class Engine:
             if keys is None:
                 raise RequestError(f"no document {doc_id!r}")
             self.prefix_cache.unpin_keys(keys)
+            self._notify_watchers()  # (its pages can be evicted for a waiting request now)
 
     # ---- public API ------------------------------------------------------------------------------
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -728,7 +821,7 @@ class Engine:
             one = params if seed is None else dataclasses.replace(params, seed=seed + i)
             reqs.append(Request(self._new_rid("gen"), ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
-        return [self._completion(r, *lps[r.rid]) for r in reqs]
+        return [self.completion(r, *lps[r.rid]) for r in reqs]
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -748,9 +841,11 @@ class Engine:
             )
         return self.tokenizer.encode(text).ids
 
-    def _completion(
+    def completion(
         self, req: Request, logprobs: list[TokenLogprob], prompt_logprobs: list[TokenLogprob]
     ) -> Completion:
+        """The Completion of a finished request, as `generate` returns it (its text cut at its first stop
+        string), with the logprobs its outputs carried."""
         text = None
         if self.tokenizer is not None:
             text, cut = self._stop_in(req, 0)
@@ -821,7 +916,7 @@ class Engine:
                         try:
                             stepped = self._step()
                         except Exception as e:
-                            self._fail_others(e, pending)
+                            self.fail_others(e, pending)
                             raise
                         if not stepped and not self.has_work():
                             break
@@ -841,22 +936,6 @@ class Engine:
                         if o.error:
                             raise RequestError(o.error)
         return lps
-
-    def _fail_others(self, e: Exception, pending: set[str]) -> list[str] | None:
-        """After a step a blocking call ran raised: every request the step held is aborted (its KV and
-        sampling state may be half-written), as the server's engine process fails a step's requests;
-        another thread's call raises the step's error, a step-API request gets a finished output with it.
-        The caller's own requests (`pending`) are left to it. Returns the failed requests' ids, None when
-        telling them apart failed itself (a dead stage: every later step fails with it anyway)."""
-        try:
-            failed = self.fail_step()
-        except Exception:
-            return None
-        err = one_line(e)
-        for rid in failed:
-            if rid not in pending:
-                self._deliver(StepOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=err))
-        return failed
 
     # ---- introspection / lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -899,6 +978,7 @@ class Engine:
                 self._closed = True
                 self._pending = None  # a launched step nobody will read
                 self.runner.close()
+                self._notify_watchers()
 
     def __enter__(self) -> Engine:
         return self
