@@ -335,7 +335,7 @@ def cuda_paths(d2: Path, ids: list[int], tmp: Path, res: dict) -> None:
     """The engine's set-up paths that only run on CUDA (the CPU suite cannot reach them):
     - `device="cuda:0"` gives `device="cuda"`'s greedy tokens; `cuda:<count>` is refused in one line;
     - the default pool (`kv_pages=None`) takes no more than half the free memory and the pages the
-      engine's rule gives (`Engine._default_pages`: half the free memory, at most 80% of what the weights
+      engine's rule gives (`sizing.default_pages`: half the free memory, at most 80% of what the weights
       leave, at most two max_context requests);
     - the room check against the GPU's free memory: kv_pages=10**9, and GLM-5.3's config (~750 GB of
       weights), are refused with the one line before anything is allocated on the GPU."""
@@ -343,7 +343,7 @@ def cuda_paths(d2: Path, ids: list[int], tmp: Path, res: dict) -> None:
 
     from longctx import Engine
     from longctx.config import ModelConfig
-    from longctx.engine.engine import PAGE_SIZE
+    from longctx.engine.sizing import PAGE_SIZE
     from longctx.errors import ConfigError
 
     r: dict = {}

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from longctx import Engine
-from longctx.engine.engine import resolve_device
 from longctx.engine.request import Request, SamplingParams
+from longctx.engine.sizing import resolve_device
 from longctx.errors import ConfigError, RequestError
 from tests.conftest import rand_ids
 
@@ -250,13 +250,13 @@ def test_dtypes_are_taken_by_their_short_names(tiny_dir):
 
 def refuse_building(monkeypatch, what: str) -> None:
     """Make building the model or the stage processes fail the test: `what` must be refused first."""
-    import longctx.engine.engine as engine_mod
+    import longctx.engine.runner
     import longctx.stages.runtime
 
     def built(*a, **k):
         raise AssertionError(f"built before {what} was checked")
 
-    monkeypatch.setattr(engine_mod, "build_model", built)
+    monkeypatch.setattr(longctx.engine.runner, "build_model", built)
     monkeypatch.setattr(longctx.stages.runtime, "StageRuntime", built)
 
 
@@ -313,12 +313,12 @@ def test_the_room_check_counts_the_weights_and_the_pool_it_allocates(tiny_dir, m
     memory available the engine starts, with a byte less it is refused; a stage runtime's ranks each hold
     their share of the weights, their stage's pool and its host pool; without kv_pages the line says the
     model does not fit."""
-    import longctx.engine.engine as engine_mod
+    import longctx.engine.sizing as sizing
 
     with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
         kv = e.stats()["stages"][0]["kv_bytes_device"]
     need = _weight_bytes(tiny_dir) + kv
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need - 1)
+    monkeypatch.setattr(sizing, "available_memory", lambda device=None: need - 1)
     with pytest.raises(
         ConfigError,
         match=rf"^kv_pages=40: the weights \(.+\) and the KV cache \(.+\) need at least {need / 1e9:.1f} GB",
@@ -328,7 +328,7 @@ def test_the_room_check_counts_the_weights_and_the_pool_it_allocates(tiny_dir, m
         ConfigError, match=r"^the model does not fit: the weights \(.+\) and the default KV cache \(.+\) need"
     ):
         Engine(tiny_dir, device="cpu")
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: need)
+    monkeypatch.setattr(sizing, "available_memory", lambda device=None: need)
     Engine(tiny_dir, device="cpu", kv_pages=40).close()
     with pytest.raises(ConfigError, match="kv_pages=40"):  # 2 TP ranks' pools and a host pool
         Engine(tiny_dir, device="cpu", kv_pages=40, tp=2)
@@ -337,7 +337,7 @@ def test_the_room_check_counts_the_weights_and_the_pool_it_allocates(tiny_dir, m
 def test_weights_the_machine_cannot_hold_are_refused_before_any_is_read(tiny_dir, monkeypatch):
     """Weights alone past the available memory: refused in one line before a tensor is read (they died
     mid-load on a GPU with an out-of-memory traceback)."""
-    import longctx.engine.engine as engine_mod
+    import longctx.engine.sizing as sizing
     import longctx.engine.worker
 
     def read(*a, **k):
@@ -345,11 +345,27 @@ def test_weights_the_machine_cannot_hold_are_refused_before_any_is_read(tiny_dir
 
     monkeypatch.setattr(longctx.engine.worker, "iter_weights", read)
     weights = _weight_bytes(tiny_dir)
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: weights - 1)
+    monkeypatch.setattr(sizing, "available_memory", lambda device=None: weights - 1)
     with pytest.raises(
         ConfigError, match=r"^kv_pages=1: the weights \(.+\) and the KV cache .+ GB available$"
     ):
         Engine(tiny_dir, device="cpu", kv_pages=1)
+
+
+def _check_room(e, num_pages, default, pp, tp, max_running):
+    """The room check of an engine's `__init__`, on `e`'s model, device, dtype and KV kinds."""
+    from longctx.engine.sizing import check_engine_room
+
+    engine = {"max_context": e.max_context, "hisparse_device_tokens": e.hisparse_device_tokens}
+    asked = {"num_pages": num_pages, "default": default, "pp": pp, "tp": tp, "max_running": max_running}
+    check_engine_room(e.cfg, e.device, e.dtype, e.kv_kinds, **engine, **asked)
+
+
+def _default_pages(e, max_context, pp=1, tp=1):
+    """The KV pages an engine on `e`'s model, device, dtype and KV kinds allocates without kv_pages."""
+    from longctx.engine.sizing import default_pages
+
+    return default_pages(e.cfg, e.device, e.dtype, e.kv_kinds, max_context, pp, tp)
 
 
 def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch):
@@ -357,7 +373,7 @@ def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch)
     (per GPU under pp or tp > 1: each stage its own layers' weights and pool, each TP rank its shard of
     the weights and the stage's whole pool), the host pools against the host's RAM. (Run on a CPU engine
     with its device and memory figures patched: CI has no GPU.)"""
-    import longctx.engine.engine as engine_mod
+    import longctx.engine.sizing as sizing
     from longctx.kv_kinds import kv_bytes_per_token
     from longctx.stages.runtime import stage_layers
 
@@ -368,14 +384,14 @@ def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
         free = {"cuda": need, "cpu": 10 * need}
         monkeypatch.setattr(
-            engine_mod, "available_memory", lambda device=None: free[getattr(device, "type", "cpu")]
+            sizing, "available_memory", lambda device=None: free[getattr(device, "type", "cpu")]
         )
-        e._check_room(40, False, 1, 1, 64)  # no host pool: all of it on the GPU
+        _check_room(e, 40, False, 1, 1, 64)  # no host pool: all of it on the GPU
         free["cuda"] = need - 1
         with pytest.raises(
             ConfigError, match=r"^kv_pages=40: the weights .+ need at least .+ of GPU memory, "
         ):
-            e._check_room(40, False, 1, 1, 64)
+            _check_room(e, 40, False, 1, 1, 64)
         # two stages: each GPU its stage's layers; the more loaded one decides
         (a, b), (c, d) = stage_layers(e.cfg, 2, 1, 40, 64, None)
 
@@ -385,27 +401,27 @@ def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch)
 
         free["cuda"] = max(stage(a, b), stage(c, d))
         assert free["cuda"] < need
-        e._check_room(40, False, 2, 1, 64)
+        _check_room(e, 40, False, 2, 1, 64)
         free["cuda"] -= 1
         with pytest.raises(ConfigError, match=r"GPU memory per GPU"):
-            e._check_room(40, False, 2, 1, 64)
+            _check_room(e, 40, False, 2, 1, 64)
         free["cuda"] = stage(0, e.cfg.num_hidden_layers, tp=2)  # two TP ranks: a shard of the weights each
         assert free["cuda"] < need
-        e._check_room(40, False, 1, 2, 64)
+        _check_room(e, 40, False, 1, 2, 64)
         free["cuda"] -= 1
         with pytest.raises(ConfigError, match=r"GPU memory per GPU"):  # (and the whole pool on each)
-            e._check_room(40, False, 1, 2, 64)
+            _check_room(e, 40, False, 1, 2, 64)
         free.update(cuda=need, cpu=0)
-        e._check_room(40, False, 1, 1, 64)  # (one stage has no host pool)
+        _check_room(e, 40, False, 1, 1, 64)  # (one stage has no host pool)
         with pytest.raises(ConfigError, match=r"of host memory, 0.0 GB available$"):  # the stages' host pools
-            e._check_room(40, False, 2, 1, 64)
+            _check_room(e, 40, False, 2, 1, 64)
 
 
 def test_the_default_pages_on_cuda_leave_the_weights_their_room(tiny_dir, monkeypatch):
     """On CUDA the default pool takes half the free memory, and no more than 80% of what the weights leave:
     weights past half the GPU would otherwise have the room check refuse the default pool. (A CPU engine
     with its device and memory figures patched: CI has no GPU.)"""
-    import longctx.engine.engine as engine_mod
+    import longctx.engine.sizing as sizing
     from longctx.kvstore.pool import PagedKVPool
 
     with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
@@ -414,15 +430,15 @@ def test_the_default_pages_on_cuda_leave_the_weights_their_room(tiny_dir, monkey
         weights = _weight_bytes(tiny_dir)
         assert weights > 20 * page  # (so that below, half the free memory is more than the weights leave)
         free = {"cuda": 0}
-        monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: free["cuda"])
+        monkeypatch.setattr(sizing, "available_memory", lambda device=None: free["cuda"])
         huge = 1 << 40  # (a max_context that does not cap the pages)
         free["cuda"] = 10 * weights + 1000 * page  # small weights: half the free memory
-        assert e._default_pages(huge) == free["cuda"] // 2 // page
+        assert _default_pages(e, huge) == free["cuda"] // 2 // page
         free["cuda"] = weights + 30 * page  # weights past half: what they leave, 80% of it
-        assert e._default_pages(huge) == int(30 * page * 0.8) // page == 24
-        assert e._default_pages(huge, pp=2) == free["cuda"] // 2 // page  # (a stage's half of them: half)
+        assert _default_pages(e, huge) == int(30 * page * 0.8) // page == 24
+        assert _default_pages(e, huge, pp=2) == free["cuda"] // 2 // page  # (a stage's half of them: half)
         free["cuda"] = weights  # nothing left: the floor of 16 pages, for the room check to refuse
-        assert e._default_pages(huge) == 16
+        assert _default_pages(e, huge) == 16
 
 
 @pytest.mark.parametrize(

@@ -414,8 +414,7 @@ def test_planner_weights_are_what_the_room_check_counts(name: str, monkeypatch: 
     feasible could be refused."""
     import torch
 
-    import longctx.engine.engine as engine_mod
-    from longctx.engine.engine import Engine
+    import longctx.engine.sizing as sizing
     from longctx.kv_kinds import resolve_kv_kinds
 
     cfg = ModelConfig.from_json(CONFIGS / f"{name}.json")
@@ -426,22 +425,32 @@ def test_planner_weights_are_what_the_room_check_counts(name: str, monkeypatch: 
         counted.append((layers, n))
         return n
 
-    monkeypatch.setattr(engine_mod, "loaded_weight_bytes", loaded)
-    monkeypatch.setattr(engine_mod, "available_memory", lambda device=None: 1 << 62)
+    monkeypatch.setattr(sizing, "loaded_weight_bytes", loaded)
+    monkeypatch.setattr(sizing, "available_memory", lambda device=None: 1 << 62)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     pages = 4096
     context = min(pages * 64, cfg.max_position_embeddings)
-    # a CUDA engine's fields as `_check_room` reads them, without a checkpoint (CI has no GPU)
-    engine = Engine.__new__(Engine)
-    engine.cfg, engine.hisparse_device_tokens, engine.max_context = cfg, None, context
-    engine.device, engine.dtype = torch.device("cuda", 0), torch.bfloat16
-    engine.kv_kinds = resolve_kv_kinds("auto", "cuda", cfg.kv_fp8_skip_layers)
+    # a CUDA engine's model, dtype and KV kinds, without a checkpoint (CI has no GPU)
+    cuda, dtype = torch.device("cuda", 0), torch.bfloat16
+    kv_kinds = resolve_kv_kinds("auto", "cuda", cfg.kv_fp8_skip_layers)
     layouts = [(pp, tp) for pp in (1, 2, 3, 4, 8) for tp in (1, 2, 4)]
     layouts = [
         (pp, tp) for pp, tp in layouts if pp <= cfg.num_hidden_layers and cfg.num_attention_heads % tp == 0
     ]
     for pp, tp in layouts:
         counted.clear()
-        engine._check_room(pages, False, pp, tp, 1)
+        sizing.check_engine_room(
+            cfg,
+            cuda,
+            dtype,
+            kv_kinds,
+            num_pages=pages,
+            default=False,
+            pp=pp,
+            tp=tp,
+            max_running=1,
+            max_context=context,
+            hisparse_device_tokens=None,
+        )
         plans = partition(cfg, pp, context, tp=tp, gpus_per_node=pp * tp)
         assert [(p.layers, p.weight_bytes) for p in plans] == [((r.start, r.stop), n) for r, n in counted]

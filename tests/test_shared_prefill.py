@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 
 from longctx import Engine
-from longctx.engine.engine import PAGE_SIZE
 from longctx.engine.plan import BatchResult, RowResult
 from longctx.engine.request import Request, SamplingParams
 from longctx.engine.scheduler import Scheduler, common_full_pages
+from longctx.engine.sizing import PAGE_SIZE
 from longctx.kvstore.allocator import PageAllocator
 from longctx.kvstore.prefix_cache import PrefixCache
 from tests.conftest import rand_ids

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from longctx.config import ModelConfig, canonical_dtype, with_selection
-from longctx.engine.engine import resolve_device  # (the benches import it from here too)
+from longctx.engine.sizing import resolve_device  # (the benches import it from here too)
 from longctx.errors import ConfigError
 from longctx.seeds import MASK63, SEED_RANGE, generator_seed, is_seed
 from longctx.train.checkpoint import (

@@ -44,7 +44,7 @@ def model_settings(
         "tokenizer": tokenizer if tokenizer == "bytes" else str(Path(tokenizer).resolve()),
     }
     if args.model:
-        from longctx.engine.engine import resolve_device
+        from longctx.engine.sizing import resolve_device
 
         out["device"] = resolve_device(engine_kw["device"]).type
         out.update((k, engine_kw.get(k)) for k in SELECTION_ENGINE_KW)  # (None: the model's)
