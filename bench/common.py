@@ -4,12 +4,13 @@ the prompts they share."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,23 @@ def measure_ceilings(
             out["fp8_gemm_error"] = str(e).splitlines()[0]
     torch.cuda.empty_cache()
     return out
+
+
+@contextlib.contextmanager
+def top_p_route(candidates: int | None = None) -> Iterator[None]:
+    """The sampler's top-p rows for a timing: the candidates route on CUDA too (`TOP_P_CANDIDATES_CUDA`,
+    off there by default), with `candidates` of them (0: whole rows sorted; None: the default); both
+    settings restored after."""
+    from longctx.engine import sampling
+
+    keep = sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA
+    sampling.TOP_P_CANDIDATES_CUDA = True
+    if candidates is not None:
+        sampling.TOP_P_CANDIDATES = candidates
+    try:
+        yield
+    finally:
+        sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA = keep
 
 
 def time_wall(fn: Callable[[], Any], iters: int = 5, warmup: int = 1) -> float:

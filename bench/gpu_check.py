@@ -5,10 +5,10 @@ torch references and with the Triton kernels (logits rel <= 1e-3, identical gree
 with fp8 KV through Triton against the torch path on a smooth model; decode through CUDA graphs against
 eager decode (plain, HiSparse-capped, with `index_local_window`, and with `index_topk_long` too); and the
 engine's CUDA-only set-up paths (`cuda_paths`: `cuda:N`, the default pool's size, the room check against
-the GPU's free memory). `sampled_decode` times decode (graphs, overlapped) of the tiny model with a GLM
-vocabulary, greedy and top-p sampled, with top-p's candidates first and with whole rows sorted
-(`sampling.TOP_P_CANDIDATES = 0`), at two temperatures: one where the candidates hold top_p of the
-mass, one where they do not. Writes gpu-check.json.
+the GPU's free memory). `sampled_decode` times decode (graphs, overlapped) of small-1m's first four
+layers with a GLM vocabulary, greedy and top-p sampled, with top-p's candidates first and with whole
+rows sorted (`sampling.TOP_P_CANDIDATES = 0`), at two temperatures: one where the candidates hold top_p
+of the mass, one where they do not. Writes gpu-check.json.
 
     python -m bench.gpu_check [--only fp32,bf16,graphs,hisparse_graphs,window,topk_long,mixed_kv,cuda_paths,
         sampled_decode]
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import scratch_dir  # noqa: E402
+from bench.common import scratch_dir, top_p_route  # noqa: E402
 
 if TYPE_CHECKING:
     from longctx.config import ModelConfig
@@ -141,14 +141,14 @@ def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict
 
 
 def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, device: str = "cuda") -> None:
-    """ms per decode step, greedy against top_p 0.9 with and without the candidates route, batch 1, 8 and
-    32 (on CUDA small-1m's first four layers with a GLM vocabulary, else `base`'s)."""
+    """ms per generated token (64 after a 40-token prompt, its prefill included), greedy against top_p 0.9
+    with and without the candidates route, batch 1, 8 and 32 (on CUDA small-1m's first four layers with a
+    GLM vocabulary, else `base`'s)."""
     import time
 
     from longctx import Engine
     from longctx.checkpoint.init_random import init_random_checkpoint
     from longctx.config import ModelConfig
-    from longctx.engine import sampling
 
     if device == "cuda":  # a GPU-bound step (~0.7 ms): small-1m's first 4 layers
         big = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "configs" / "small-1m.json")
@@ -162,10 +162,10 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
     cfg = dataclasses.replace(base, vocab_size=154_880)
     d = init_random_checkpoint(cfg, tmp / "vocab", seed=2, dtype="bfloat16", std=0.02)
     out: dict = {}
-    on_cuda, sampling.TOP_P_CANDIDATES_CUDA = sampling.TOP_P_CANDIDATES_CUDA, True  # (off by default there)
     with Engine(d, device=device, dtype="bfloat16", kv_pages=512) as e:
         std = float(e.score(ids[:64]).std())
-        # temperatures that put ~0.97 of the mass in the top 1,024 (peaked) and far less (flat)
+        # a temperature that scales the logits to a standard deviation of 6 (peaked: the likeliest 1,024 tokens
+        # hold most of the mass) and 1 (flat, for random weights: they do not)
         temps = {"peaked": std / 6.0, "flat": 1.0}
         for batch in (1, 8, 32):
             prompts = [ids[i : i + 40] for i in range(batch)]
@@ -179,15 +179,12 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
             row = {"greedy_ms": per_step()}
             for name, t in temps.items():
                 kw = dict(temperature=t, top_p=0.9, seed=3)
-                row[f"top_p_{name}_ms"] = per_step(**kw)
-                keep, sampling.TOP_P_CANDIDATES = sampling.TOP_P_CANDIDATES, 0
-                try:
+                with top_p_route():
+                    row[f"top_p_{name}_ms"] = per_step(**kw)
+                with top_p_route(0):
                     row[f"top_p_{name}_sorted_ms"] = per_step(**kw)
-                finally:
-                    sampling.TOP_P_CANDIDATES = keep
             out[f"batch_{batch}"] = row
             print("sampled_decode", batch, {k: round(v, 3) for k, v in row.items()}, flush=True)
-    sampling.TOP_P_CANDIDATES_CUDA = on_cuda
     out.update(logit_std=std, temperatures=temps, ok=True)
     res["sampled_decode"] = out
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import environment, time_cuda, time_wall, write_json_md  # noqa: E402
+from bench.common import environment, time_cuda, time_wall, top_p_route, write_json_md  # noqa: E402
 
 KINDS = {
     "temperature 0.7": dict(temperature=0.7),
@@ -56,14 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench.sampling: no CUDA device (--device cpu times the CPU)")
         return 2
-    from longctx.engine import sampling
     from longctx.engine.plan import RowPlan
     from longctx.engine.sampling import Penalties, _sample, sample_rows_device
 
     dev = args.device
-    sampling.TOP_P_CANDIDATES_CUDA = (
-        True  # (the candidates route timed on CUDA too, where it is off by default)
-    )
     timed = time_cuda if dev == "cuda" else time_wall
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
@@ -89,16 +85,15 @@ def main(argv: list[str] | None = None) -> int:
             def batched(x: torch.Tensor = x, rows: list = rows) -> torch.Tensor:
                 return sample_rows_device(x, rows, backend="auto")
 
-            same = float((per_row() == batched()).float().mean())
-            t_row, t_batch = timed(per_row), timed(batched)
+            t_row = timed(per_row)
+            with top_p_route():
+                same = float((per_row() == batched()).float().mean())
+                t_batch = timed(batched)
             t_sort = None
             if "top_p" in kw:  # the same rows with whole rows sorted (no candidates first)
-                keep, sampling.TOP_P_CANDIDATES = sampling.TOP_P_CANDIDATES, 0
-                try:
+                with top_p_route(0):
                     same = min(same, float((per_row() == batched()).float().mean()))
                     t_sort = timed(batched)
-                finally:
-                    sampling.TOP_P_CANDIDATES = keep
             res["rows"].append(
                 {
                     "rows": name,
