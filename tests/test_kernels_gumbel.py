@@ -4,6 +4,7 @@ interpreter (rows split over programs, masked and flat rows, candidate ids in an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -209,3 +210,67 @@ def test_top_p_rows_draw_from_their_likeliest_candidates_or_sort(backend, monkey
         for i, r in enumerate(rows):
             want = sampling._sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
             assert int(got[i]) == int(want), (flat_row, i)
+
+
+def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
+    """Every column a draw needs (temperatures, seeds, min_p, top-k, top-p and the widths derived from
+    them) reaches the device through one buffer (`_all_on`), on every route, and so do a step's penalty
+    and logit-bias columns: one transfer each instead of one per column. The packing round-trips mixed
+    dtypes and odd lengths exactly (int64 seeds near 2**63, bool after float32)."""
+    from longctx.engine import sampling
+    from longctx.engine.plan import RowPlan
+
+    cols = [
+        ([1.5, -2.25, 3e38, 1e39], torch.float32),
+        ([2**63 - 1, -(2**62), 7], torch.int64),
+        ([True, False], torch.bool),
+    ]
+    for got, (want, dt) in zip(sampling._all_on(torch.device("cpu"), *cols, ([], torch.int64)), cols):
+        assert got.dtype == dt and torch.equal(got, torch.tensor(want, dtype=dt))
+    calls = {"on": 0, "all": 0}
+    real_all, real_on = sampling._all_on, sampling._on
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(sampling, "_all_on", counted("all", real_all))
+    monkeypatch.setattr(sampling, "_on", counted("on", real_on))
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 16)
+    g = torch.Generator().manual_seed(5)
+    vocab = 300
+    peaked = -2.5 * torch.log(torch.rand(4, vocab, generator=g).argsort(dim=1).float() + 1)
+    flat = torch.randn(4, vocab, generator=g) * 0.1
+    batches = {
+        "top-k": [dict(top_k=5), dict(top_k=9, min_p=0.05), dict(top_k=3), dict(top_k=40)],
+        "top-p, candidates": [dict(top_p=0.8), dict(top_p=0.6, top_k=7), dict(top_p=0.9), dict(top_k=4)],
+        "top-p, sorted": [dict(top_p=0.8), dict(top_p=0.6, top_k=700), dict(top_p=0.9, min_p=0.01), {}],
+        "temperature only": [{}, dict(min_p=0.1), {}, {}],
+    }
+    for name, kws in batches.items():
+        for logits in (peaked, flat):
+            rows = [
+                RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), temperature=0.8, seed=i, step=3, **kw)
+                for i, kw in enumerate(kws)
+            ]
+            calls.update(on=0, all=0)
+            got = sampling.draw_rows(logits, rows)
+            assert calls == {"on": 0, "all": 1}, name
+            for i, r in enumerate(rows):
+                want = sampling._sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
+                assert int(got[i]) == int(want), (name, i)
+    pen = sampling.Penalties()
+    rows = [
+        RowPlan(rid="p", token_ids=(0,), start=0, pages=(), step=0, presence_penalty=0.5, repetition_penalty=1.3,
+                penalty_prompt=(1, 2), logit_bias=((3, 2.0),), suppress=(4,)),
+        RowPlan(rid="q", token_ids=(0,), start=0, pages=(), step=0, frequency_penalty=0.4, penalty_prompt=(5,)),
+    ]  # fmt: skip
+    pen.apply(peaked[:2], rows, [0, 1])  # (a request's first step copies its prompt's token set too)
+    rows = [dataclasses.replace(r, penalty_prompt=()) for r in rows]  # (as the steps after it come)
+    calls.update(on=0, all=0)
+    sampling.shape_logits(peaked[:2], rows, [0])
+    pen.apply(peaked[:2], rows, [0, 1])
+    assert calls == {"on": 0, "all": 2}

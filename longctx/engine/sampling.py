@@ -76,11 +76,14 @@ def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]
         bias_at += [i * vocab + t for t, _ in r.logit_bias]
         bias += [b for _, b in r.logit_bias]
         off += [i * vocab + t for t in r.suppress]
+    if not bias_at and not off:
+        return x
     flat = x.view(-1)
+    at, values = _all_on(x.device, ([*bias_at, *off], torch.int64), (bias, torch.float32))
     if bias_at:
-        flat.index_add_(0, _on(x.device, bias_at, torch.int64), _on(x.device, bias, torch.float32))
+        flat.index_add_(0, at[: len(bias_at)], values)
     if off:
-        flat.index_fill_(0, _on(x.device, off, torch.int64), float("-inf"))
+        flat.index_fill_(0, at[len(bias_at) :], float("-inf"))
     return x
 
 
@@ -88,6 +91,26 @@ def _on(device: torch.device, values: Sequence[Any], dtype: torch.dtype) -> torc
     """`values` as a tensor on `device`, copied from pinned memory so the step does not wait for it."""
     cuda = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
+def _all_on(device: torch.device, *cols: tuple[Sequence[Any], torch.dtype]) -> list[torch.Tensor]:
+    """Each (values, dtype) as a 1-D tensor on `device`, all through one buffer: on CUDA one copy from
+    pinned memory for every column (a sampled step's per-row numbers: temperatures, seeds, top-k, top-p,
+    ...), where `_on` per column was a pinned allocation and a copy each. Each column starts at a multiple
+    of 8 bytes of the buffer, so its view has its dtype's alignment. The CPU packs the same way (one code
+    path, tested there)."""
+    host = [torch.tensor(v, dtype=dt) for v, dt in cols]
+    offs: list[int] = []
+    size = 0
+    for h in host:
+        offs.append(size)
+        size += -(-h.numel() * h.element_size() // 8) * 8
+    cuda = device.type == "cuda"
+    buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    for h, o in zip(host, offs):
+        buf[o : o + h.numel() * h.element_size()].copy_(h.view(torch.uint8))
+    dev = buf.to(device, non_blocking=cuda)
+    return [dev[o : o + h.numel() * h.element_size()].view(h.dtype) for h, o in zip(host, offs)]
 
 
 def shape_ref(
@@ -160,23 +183,23 @@ class Penalties:
                 hist.append(out[: r.step])
             lens.append(r.step if out is not None else 0)
         p = len(sel)
+        per_row = [r.repetition_penalty for r in sel] + [r.frequency_penalty for r in sel]
+        ints, floats = _all_on(
+            dev, ([*lens, *which], torch.int64), (per_row + [r.presence_penalty for r in sel], torch.float32)
+        )  # (one copy for every column)
+        rep, freq, pres = (c[:, None] for c in floats.view(3, p))
         counts = torch.zeros(p, vocab, dtype=torch.float32, device=dev)
         total = sum(lens)
         if total:
-            at_row = torch.repeat_interleave(
-                torch.arange(p, device=dev), _on(dev, lens, torch.int64), output_size=total
-            )
+            at_row = torch.repeat_interleave(torch.arange(p, device=dev), ints[:p], output_size=total)
             counts.index_put_((at_row, torch.cat(hist)), torch.ones(total, device=dev), accumulate=True)
-        at = _on(dev, which, torch.int64)
+        at = ints[p:]
         sub = x.index_select(0, at)
         if any(r.repetition_penalty != 1.0 for r in sel):
             none = torch.zeros(vocab, dtype=torch.bool, device=dev)
             seen = torch.stack([self._prompt.get(r.rid, none) for r in sel]) | (counts > 0)
-            rep = _on(dev, [r.repetition_penalty for r in sel], torch.float32)[:, None]
             hit = torch.where(sub > 0, sub / rep, sub * rep)
             sub = torch.where(seen & (rep != 1.0), hit, sub)
-        freq = _on(dev, [r.frequency_penalty for r in sel], torch.float32)[:, None]
-        pres = _on(dev, [r.presence_penalty for r in sel], torch.float32)[:, None]
         sub = sub - freq * counts - pres * (counts > 0).float()
         return x.index_copy_(0, at, sub)
 
@@ -254,27 +277,29 @@ def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 TOP_K_SELECT_MAX = 1024
 
 
-def _keep_top_k(x: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+def _keep_top_k(x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor | None = None) -> torch.Tensor:
     """x [D, V] with each row's tokens outside its top_k (0: off) at -inf, the sort's set without a
-    sort: the tokens above the row's kth value, then as many equal to it as are left, lower ids first."""
+    sort: the tokens above the row's kth value, then as many equal to it as are left, lower ids first.
+    `k`: top_k already on x's device (int64 [D, 1]), else copied there."""
     if not any(top_k):
         return x
-    dev = x.device
-    has = _on(dev, [bool(k) for k in top_k], torch.bool)[:, None]
-    k = _on(dev, [k or 1 for k in top_k], torch.int64)[:, None]
-    kth = torch.topk(x, max(top_k), dim=1).values.gather(1, k - 1)
+    if k is None:
+        k = _on(x.device, top_k, torch.int64)[:, None]
+    kth = torch.topk(x, max(top_k), dim=1).values.gather(1, (k - 1).clamp_min(0))
     above = x > kth
     tie = x == kth
     keep = above | (tie & (tie.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
-    return x.masked_fill(has & ~keep, float("-inf"))
+    return x.masked_fill((k > 0) & ~keep, float("-inf"))
 
 
-def _top_k_sorted(x: torch.Tensor, top_k: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_k_sorted(
+    x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, token ids) [D, max(k)] of each row's top k (every row has one) in the stable descending
     sort's order, and -inf past k: what sorting the whole row and cutting it at k gives, from a select
     of max(k) over `_keep_top_k`'s exact set and two sorts of the candidates alone (by id, then stably
-    by value)."""
-    kept = _keep_top_k(x, top_k)
+    by value). `k` as `_keep_top_k`'s."""
+    kept = _keep_top_k(x, top_k, k)
     vals, ids = torch.topk(kept, max(top_k), dim=1)
     by_id = torch.argsort(ids, dim=1)
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
@@ -291,43 +316,79 @@ TOP_P_CANDIDATES = 1024
 TOP_P_CANDIDATES_CUDA = False
 
 
-def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """sorted logits sx [D, W] (descending, stable) with each row's tokens past its top-p prefix at -inf:
-    the smallest prefix whose mass (probs, the row's probabilities in the same order) reaches top_p."""
-    p = _on(sx.device, top_p, torch.float32)[:, None]
+    the smallest prefix whose mass (probs, the row's probabilities in the same order) reaches top_p
+    (p: float32 [D, 1] on sx's device)."""
     drop = (probs.cumsum(dim=-1) - probs >= p) & (p < 1.0)
     drop[:, 0] = False  # (a top_p that is 0 in fp32, 1e-320, would drop the first too)
     return sx.masked_fill(drop, float("-inf"))
 
 
+def _candidates_width(vocab: int) -> int:
+    return min(TOP_P_CANDIDATES, vocab - 1)
+
+
 def _top_p_candidates(
-    x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+    x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], cols: _DrawColumns | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For a batch with top-p rows where every row has a top-p or a top-k <= TOP_P_CANDIDATES: the
     (values, token ids) [D, W] of each row's kept tokens in sorted order (-inf past them), from its
     likeliest W = TOP_P_CANDIDATES tokens (or its top k) alone, when those hold at least top_p of each
     top-p row's mass; else None (a row needs more: the caller sorts whole rows). The one host
-    synchronisation of a step that takes it, where it avoids a sort of every row."""
-    cap = min(TOP_P_CANDIDATES, x.shape[1] - 1)
+    synchronisation of a step that takes it, where it avoids a sort of every row. `cols`: the draw's
+    columns on the device (made here if not given)."""
+    cap = _candidates_width(x.shape[1])
     if cap <= 0 or all(p >= 1.0 for p in top_p) or (x.is_cuda and not TOP_P_CANDIDATES_CUDA):
         return None
     if any(not (0 < k <= cap or (not k and p < 1.0)) for k, p in zip(top_k, top_p)):
         return None
-    kk = [k or cap for k in top_k]
-    sx, order = _top_k_sorted(x, kk)
+    if cols is None:
+        cols = _DrawColumns.of(x.device, x.shape[1], top_k=top_k, top_p=top_p)
+    sx, order = _top_k_sorted(x, [k or cap for k in top_k], cols.k_or_cap)
     # each row's probabilities under its own normaliser: over its top k (the sort's -inf past k), or over
     # the whole row for a top-p row without one
-    has_k = _on(x.device, [bool(k) for k in top_k], torch.bool)[:, None]
+    has_k = cols.top_k > 0
     top = sx[:, :1]  # (each row's largest logit; softmax's shift, which keeps huge magnitudes finite)
     e = torch.exp(sx - top)
     z = torch.where(has_k, e.sum(dim=1, keepdim=True), torch.exp(x - top).sum(dim=1, keepdim=True))
     probs = e / z
-    cut = _cut_top_p(sx, probs, top_p)
+    cut = _cut_top_p(sx, probs, cols.top_p)
     # a top-p row is covered when its last candidate is dropped already (its prefix reached top_p before it;
     # every later token would be dropped too); a top-k row always is
     if not bool((has_k[:, 0] | torch.isneginf(cut[:, -1]) | torch.isneginf(sx[:, -1])).all()):
         return None
     return cut, order
+
+
+class _DrawColumns:
+    """A draw's per-row numbers on the device, as [D, 1] columns (keys [D]): copied there together, in one
+    transfer (`_all_on`). top_k is 0 where off; k_or_cap / k_or_vocab put the candidates' width
+    (`_candidates_width`) / the vocabulary there instead."""
+
+    def __init__(self, cols: list[torch.Tensor]) -> None:
+        f, i = cols
+        d = i.numel() // 4
+        self.temperature, self.min_p, self.top_p = (c[:, None] for c in f.view(3, d))
+        self.keys = i[:d]
+        self.top_k, self.k_or_cap, self.k_or_vocab = (c[:, None] for c in i[d:].view(3, d))
+
+    @classmethod
+    def of(
+        cls,
+        device: torch.device,
+        vocab: int,
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        temperature: Sequence[float] = (),
+        min_p: Sequence[float] = (),
+        keys: Sequence[int] = (),
+    ) -> _DrawColumns:
+        d = len(top_k)
+        cap = _candidates_width(vocab)
+        floats = [*(temperature or [1.0] * d), *(min_p or [0.0] * d), *top_p]
+        ints = [*(keys or [0] * d), *top_k, *(k or cap for k in top_k), *(k or vocab for k in top_k)]
+        return cls(_all_on(device, (floats, torch.float32), (ints, torch.int64)))
 
 
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
@@ -344,34 +405,41 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
     but that one flag."""
     dev = logits.device
     d, vocab = logits.shape
-    x = _scaled(logits.float(), _on(dev, [r.temperature for r in rows], torch.float32)[:, None])
-    keys = _on(dev, [_token_seed(r.seed, r.step) for r in rows], torch.int64)
     min_p = [r.min_p for r in rows]
-    if any(m > 0.0 for m in min_p):
-        probs = torch.softmax(x, dim=-1)
-        floor = _on(dev, min_p, torch.float32)[:, None] * probs.max(dim=-1, keepdim=True).values
-        x = x.masked_fill(probs < floor, float("-inf"))
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     top_p = [r.top_p for r in rows]
+    cols = _DrawColumns.of(
+        dev,
+        vocab,
+        top_k,
+        top_p,
+        [r.temperature for r in rows],
+        min_p,
+        [_token_seed(r.seed, r.step) for r in rows],
+    )
+    keys = cols.keys
+    x = _scaled(logits.float(), cols.temperature)
+    if any(m > 0.0 for m in min_p):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < cols.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     selectable = any(top_k) and max(top_k) <= TOP_K_SELECT_MAX
     p_cut = False  # whether sx has its top-p cut already
     if selectable and all(top_k):  # every row's candidates are its top k (-inf past k): sort those alone
-        sx, order = _top_k_sorted(x, top_k)
+        sx, order = _top_k_sorted(x, top_k, cols.top_k)
         width = max(top_k)
-    elif (cands := _top_p_candidates(x, top_k, top_p)) is not None:  # each row's likeliest tokens suffice
+    elif (cands := _top_p_candidates(x, top_k, top_p, cols)) is not None:  # the likeliest tokens suffice
         (sx, order), p_cut = cands, True
         width = sx.shape[1]
     else:
         if all(p >= 1.0 for p in top_p) and (selectable or not any(top_k)):
-            return gumbel_argmax(_keep_top_k(x, top_k), keys, backend=backend)
+            return gumbel_argmax(_keep_top_k(x, top_k, cols.top_k), keys, backend=backend)
         sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
         if any(top_k):
-            k = _on(dev, [k or vocab for k in top_k], torch.int64)[:, None]
-            sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= k, float("-inf"))
+            sx = sx.masked_fill(torch.arange(vocab, device=dev)[None] >= cols.k_or_vocab, float("-inf"))
         # every row with a top-k: only the first max(k) sorted columns can hold a candidate
         width = max(top_k) if all(top_k) else vocab
     if not p_cut and any(p < 1.0 for p in top_p):
-        sx = _cut_top_p(sx, torch.softmax(sx, dim=-1), top_p)
+        sx = _cut_top_p(sx, torch.softmax(sx, dim=-1), cols.top_p)
     col = gumbel_argmax(sx[:, :width].contiguous(), keys, order[:, :width].contiguous(), backend=backend)
     return order.gather(1, col[:, None])[:, 0]
 
