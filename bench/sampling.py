@@ -34,6 +34,9 @@ KINDS = {
     "+ top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "+ top_k 50": dict(temperature=0.7, top_k=50),
     "+ top_k 50, top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+    # a server's batch: most requests with a temperature alone, every fourth with a top-p too (drawn as two
+    # groups: only the top-p rows are sorted or take their candidates)
+    "mixed: top_p 0.9 every 4th row": lambda i: dict(temperature=0.7, top_p=0.9 if i % 4 == 0 else 1.0),
 }
 
 DISTS = ("flat", "peaked")
@@ -69,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     for dist, name, kw in [(d, n, k) for d in DISTS for n, k in KINDS.items()]:
         for batch in (1, 8, 32):
             rows = [
-                RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), seed=i, step=7, **kw)
+                RowPlan(
+                    rid=str(i),
+                    token_ids=(0,),
+                    start=0,
+                    pages=(),
+                    seed=i,
+                    step=7,
+                    **(kw(i) if callable(kw) else kw),
+                )
                 for i in range(batch)
             ]
             x = logits_of(dist, batch, args.vocab, dev)
@@ -90,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 same = float((per_row() == batched()).float().mean())
                 t_batch = timed(batched)
             t_sort = None
-            if "top_p" in kw:  # the same rows with whole rows sorted (no candidates first)
+            if any(r.top_p < 1.0 for r in rows):  # the same rows with whole rows sorted (no candidates first)
                 with top_p_route(0):
                     same = min(same, float((per_row() == batched()).float().mean()))
                     t_sort = timed(batched)

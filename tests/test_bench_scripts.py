@@ -103,7 +103,7 @@ def test_sampling_bench_on_cpu(tmp_path: Path) -> None:
 
     assert main(["--device", "cpu", "--vocab", "3000", "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "sampling-cpu.json").read_text())
-    assert len(d["rows"]) == 24 and all(r["same"] == 1.0 and r["batched_ms"] > 0 for r in d["rows"])
+    assert len(d["rows"]) == 30 and all(r["same"] == 1.0 and r["batched_ms"] > 0 for r in d["rows"])
     assert {r["logits"] for r in d["rows"]} == {"flat", "peaked"}
     assert all((r["batched_sort_ms"] is not None) == ("top_p" in r["rows"]) for r in d["rows"])
     assert [p["batch"] for p in d["penalties"]] == [1, 8, 32] == [g["batch"] for g in d["greedy"]]

@@ -215,7 +215,9 @@ def test_top_p_rows_draw_from_their_likeliest_candidates_or_sort(backend, monkey
 def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
     """Every column a draw needs (temperatures, seeds, min_p, top-k, top-p and the widths derived from
     them) reaches the device through one buffer (`_all_on`), on every route, and so do a step's penalty
-    and logit-bias columns: one transfer each instead of one per column. The packing round-trips mixed
+    and logit-bias columns: one transfer each instead of one per column. A batch mixing rows drawn over
+    the whole row with top-p rows draws the two groups apart (only the second sorts), in the same one
+    transfer, each row's token the reference's. The packing round-trips mixed
     dtypes and odd lengths exactly (int64 seeds near 2**63, bool after float32)."""
     from longctx.engine import sampling
     from longctx.engine.plan import RowPlan
@@ -247,9 +249,27 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
     batches = {
         "top-k": [dict(top_k=5), dict(top_k=9, min_p=0.05), dict(top_k=3), dict(top_k=40)],
         "top-p, candidates": [dict(top_p=0.8), dict(top_p=0.6, top_k=7), dict(top_p=0.9), dict(top_k=4)],
-        "top-p, sorted": [dict(top_p=0.8), dict(top_p=0.6, top_k=700), dict(top_p=0.9, min_p=0.01), {}],
+        "top-p and temperature only": [
+            dict(top_p=0.8),
+            dict(top_p=0.6, top_k=700),
+            dict(top_p=0.9, min_p=0.01),
+            {},
+        ],
         "temperature only": [{}, dict(min_p=0.1), {}, {}],
+        "mixed": [dict(top_p=0.7), {}, dict(top_k=5, min_p=0.02), dict(top_p=0.9, top_k=6)],
     }
+    groups = {
+        "top-k": [4],
+        "top-p, candidates": [4],
+        "top-p and temperature only": [1, 3],
+        "temperature only": [4],
+        "mixed": [1, 3],
+    }
+    drawn: list[int] = []
+    real_draw = sampling._draw
+    monkeypatch.setattr(
+        sampling, "_draw", lambda x, rows, *a: drawn.append(len(rows)) or real_draw(x, rows, *a)
+    )
     for name, kws in batches.items():
         for logits in (peaked, flat):
             rows = [
@@ -257,8 +277,10 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
                 for i, kw in enumerate(kws)
             ]
             calls.update(on=0, all=0)
+            drawn.clear()
             got = sampling.draw_rows(logits, rows)
             assert calls == {"on": 0, "all": 1}, name
+            assert drawn == groups[name], name  # (a mixed batch sorts only the rows that need it)
             for i, r in enumerate(rows):
                 want = sampling._sample(logits[i], r.temperature, r.top_p, r.top_k, r.seed, r.step, r.min_p)
                 assert int(got[i]) == int(want), (name, i)

@@ -373,50 +373,89 @@ class _DrawColumns:
         self.keys = i[:d]
         self.top_k, self.k_or_cap, self.k_or_vocab = (c[:, None] for c in i[d:].view(3, d))
 
-    @classmethod
-    def of(
-        cls,
-        device: torch.device,
+    @staticmethod
+    def spec(
         vocab: int,
         top_k: Sequence[int],
         top_p: Sequence[float],
         temperature: Sequence[float] = (),
         min_p: Sequence[float] = (),
         keys: Sequence[int] = (),
-    ) -> _DrawColumns:
+    ) -> tuple[tuple[list[float], torch.dtype], tuple[list[int], torch.dtype]]:
+        """The two `_all_on` columns the constructor takes (defaults: temperature 1, no min_p, key 0)."""
         d = len(top_k)
         cap = _candidates_width(vocab)
         floats = [*(temperature or [1.0] * d), *(min_p or [0.0] * d), *top_p]
         ints = [*(keys or [0] * d), *top_k, *(k or cap for k in top_k), *(k or vocab for k in top_k)]
-        return cls(_all_on(device, (floats, torch.float32), (ints, torch.int64)))
+        return (floats, torch.float32), (ints, torch.int64)
+
+    @classmethod
+    def of(
+        cls, device: torch.device, vocab: int, top_k: Sequence[int], top_p: Sequence[float]
+    ) -> _DrawColumns:
+        return cls(_all_on(device, *cls.spec(vocab, top_k, top_p)))
+
+
+def _top_k_of(r: Any, vocab: int) -> int:
+    return r.top_k if 0 < r.top_k < vocab else 0
+
+
+def _spec_of(rows: Sequence[Any], vocab: int) -> tuple[tuple[list[Any], torch.dtype], ...]:
+    return _DrawColumns.spec(
+        vocab,
+        [_top_k_of(r, vocab) for r in rows],
+        [r.top_p for r in rows],
+        [r.temperature for r in rows],
+        [r.min_p for r in rows],
+        [_token_seed(r.seed, r.step) for r in rows],
+    )
 
 
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
-    """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW), all rows
-    at once: temperature, min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of
-    `longctx.kernels.gumbel` keyed by (seed, step). top-k keeps exactly k tokens, of equal logits the
-    lower ids. When every row has a top-k (<= TOP_K_SELECT_MAX), only its candidates are sorted and
-    drawn from (`_top_k_sorted`); else without top-p the top-k is a mask (`_keep_top_k`) and the draw
-    runs over the vocabulary; else, when every row has a top-p or a top-k <= TOP_P_CANDIDATES and each
-    top-p row's likeliest TOP_P_CANDIDATES tokens hold top_p of its mass, from those candidates
-    (`_top_p_candidates`: one host synchronisation to know); else each row is sorted once (both masks
-    cut a suffix of the sorted row). The noise belongs to token ids, so a row draws the same token in
-    any batch and whichever way its masks were made. int64 [D] on logits' device, nothing read back
-    but that one flag."""
+    """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW): temperature,
+    min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of `longctx.kernels.gumbel`
+    keyed by (seed, step). A batch that mixes rows of a temperature alone (no top-p, no top-k: drawn
+    over the whole row) with rows that need their tokens in order (top-p, a top-k above
+    TOP_K_SELECT_MAX) draws the two groups apart, so only the second sorts or takes its candidates
+    (`_draw`; with the first in it, `_top_p_candidates` would refuse and every row be sorted); every
+    row's numbers and the groups' row indices reach the device in one transfer. The noise belongs to
+    token ids, so a row draws the same token in any batch and whichever way its masks were made. int64
+    [D] on logits' device."""
     dev = logits.device
     d, vocab = logits.shape
-    min_p = [r.min_p for r in rows]
-    top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
-    top_p = [r.top_p for r in rows]
-    cols = _DrawColumns.of(
+    plain = [i for i, r in enumerate(rows) if r.top_p >= 1.0 and not _top_k_of(r, vocab)]
+    ordered = any(r.top_p < 1.0 or _top_k_of(r, vocab) > TOP_K_SELECT_MAX for r in rows)
+    if not plain or len(plain) == d or not ordered:
+        return _draw(logits, rows, _DrawColumns(_all_on(dev, *_spec_of(rows, vocab))), backend)
+    chosen = set(plain)
+    groups = [plain, [i for i in range(d) if i not in chosen]]
+    at, *cols = _all_on(
         dev,
-        vocab,
-        top_k,
-        top_p,
-        [r.temperature for r in rows],
-        min_p,
-        [_token_seed(r.seed, r.step) for r in rows],
+        (groups[0] + groups[1], torch.int64),
+        *(c for g in groups for c in _spec_of([rows[i] for i in g], vocab)),
     )
+    toks = torch.empty(d, dtype=torch.int64, device=dev)
+    for n, (g, c) in enumerate(zip(groups, (cols[:2], cols[2:]))):
+        at_g = at[: len(plain)] if n == 0 else at[len(plain) :]
+        toks.index_copy_(
+            0, at_g, _draw(logits.index_select(0, at_g), [rows[i] for i in g], _DrawColumns(c), backend)
+        )
+    return toks
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[Any], cols: _DrawColumns, backend: str) -> torch.Tensor:
+    """`draw_rows` for one group of rows, all at once, `cols` their numbers on the device. When every row
+    has a top-k (<= TOP_K_SELECT_MAX), only its candidates are sorted and drawn from (`_top_k_sorted`);
+    else without top-p the top-k is a mask (`_keep_top_k`) and the draw runs over the vocabulary; else,
+    when every row has a top-p or a top-k <= TOP_P_CANDIDATES and each top-p row's likeliest
+    TOP_P_CANDIDATES tokens hold top_p of its mass, from those candidates (`_top_p_candidates`: one host
+    synchronisation to know); else each row is sorted once (both masks cut a suffix of the sorted row).
+    Nothing is read back but that one flag."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    min_p = [r.min_p for r in rows]
+    top_k = [_top_k_of(r, vocab) for r in rows]
+    top_p = [r.top_p for r in rows]
     keys = cols.keys
     x = _scaled(logits.float(), cols.temperature)
     if any(m > 0.0 for m in min_p):
