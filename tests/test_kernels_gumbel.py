@@ -217,7 +217,7 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
     them) reaches the device through one buffer (`_all_on`), on every route, and so do a step's penalty
     and logit-bias columns: one transfer each instead of one per column. A batch mixing rows drawn over
     the whole row with top-p rows draws the two groups apart (only the second sorts), in the same one
-    transfer, each row's token the reference's. The packing round-trips mixed
+    transfer (with greedy rows too), each row's token the reference's. The packing round-trips mixed
     dtypes and odd lengths exactly (int64 seeds near 2**63, bool after float32)."""
     from longctx.engine import sampling
     from longctx.engine.plan import RowPlan
@@ -257,6 +257,7 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
         ],
         "temperature only": [{}, dict(min_p=0.1), {}, {}],
         "mixed": [dict(top_p=0.7), {}, dict(top_k=5, min_p=0.02), dict(top_p=0.9, top_k=6)],
+        "with greedy": [dict(temperature=0.0), dict(top_p=0.8), {}, dict(top_k=3)],
     }
     groups = {
         "top-k": [4],
@@ -264,6 +265,7 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
         "top-p and temperature only": [1, 3],
         "temperature only": [4],
         "mixed": [1, 3],
+        "with greedy": [1, 2],
     }
     drawn: list[int] = []
     real_draw = sampling._draw
@@ -273,12 +275,20 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
     for name, kws in batches.items():
         for logits in (peaked, flat):
             rows = [
-                RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), temperature=0.8, seed=i, step=3, **kw)
+                RowPlan(
+                    rid=str(i),
+                    token_ids=(0,),
+                    start=0,
+                    pages=(),
+                    seed=i,
+                    step=3,
+                    **{"temperature": 0.8, **kw},
+                )
                 for i, kw in enumerate(kws)
             ]
             calls.update(on=0, all=0)
             drawn.clear()
-            got = sampling.draw_rows(logits, rows)
+            got = sampling.sample_rows_device(logits, rows)
             assert calls == {"on": 0, "all": 1}, name
             assert drawn == groups[name], name  # (a mixed batch sorts only the rows that need it)
             for i, r in enumerate(rows):

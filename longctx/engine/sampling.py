@@ -49,14 +49,7 @@ def sample_rows_device(
         if penalties is None:
             raise ValueError("penalised rows need the last stage's Penalties")
         logits = penalties.apply(logits, rows, penalised)
-    drawn = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
-    if len(drawn) == len(rows):
-        toks = draw_rows(logits, rows, backend)
-    else:
-        toks = torch.argmax(logits, dim=-1)
-        if drawn:
-            at = _on(logits.device, drawn, torch.int64)
-            toks.index_copy_(0, at, draw_rows(logits.index_select(0, at), [rows[i] for i in drawn], backend))
+    toks = draw_rows(logits, rows, backend)
     if penalised:
         assert penalties is not None
         penalties.record(toks, rows, penalised)
@@ -412,34 +405,48 @@ def _spec_of(rows: Sequence[Any], vocab: int) -> tuple[tuple[list[Any], torch.dt
 
 
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
-    """One seeded draw per row of logits [D, V] (every row's temperature >= GREEDY_BELOW): temperature,
-    min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of `longctx.kernels.gumbel`
-    keyed by (seed, step). A batch that mixes rows of a temperature alone (no top-p, no top-k: drawn
-    over the whole row) with rows that need their tokens in order (top-p, a top-k above
-    TOP_K_SELECT_MAX) draws the two groups apart, so only the second sorts or takes its candidates
-    (`_draw`; with the first in it, `_top_p_candidates` would refuse and every row be sorted); every
-    row's numbers and the groups' row indices reach the device in one transfer. The noise belongs to
-    token ids, so a row draws the same token in any batch and whichever way its masks were made. int64
-    [D] on logits' device."""
+    """One token per row of logits [D, V]: the argmax for a temperature below GREEDY_BELOW, else a seeded
+    draw (temperature, min_p, top-k, top-p masks as `_sample` applies them, then the Gumbel-max of
+    `longctx.kernels.gumbel` keyed by (seed, step)). The rows go in up to three groups, each done at
+    once: greedy rows; rows of a temperature alone (no top-p, no top-k: drawn over the whole row); and
+    rows that need their tokens in order (top-p, a top-k above TOP_K_SELECT_MAX), which alone sort or
+    take their candidates (`_draw`; a temperature-alone row among them would make `_top_p_candidates`
+    refuse and every row be sorted). Rows of a top-k up to TOP_K_SELECT_MAX without top-p join the
+    second group, or the third when there is one. Every drawn row's numbers and the groups' row indices
+    reach the device in one transfer. The noise belongs to token ids, so a row draws the same token in
+    any batch and whichever way its masks were made. int64 [D] on logits' device."""
     dev = logits.device
     d, vocab = logits.shape
-    plain = [i for i, r in enumerate(rows) if r.top_p >= 1.0 and not _top_k_of(r, vocab)]
+    greedy = [i for i, r in enumerate(rows) if r.temperature < GREEDY_BELOW]
+    if len(greedy) == d:
+        return torch.argmax(logits, dim=-1)
     ordered = any(r.top_p < 1.0 or _top_k_of(r, vocab) > TOP_K_SELECT_MAX for r in rows)
-    if not plain or len(plain) == d or not ordered:
+    plain: list[int] = []
+    rest: list[int] = []
+    for i, r in enumerate(rows):
+        if r.temperature < GREEDY_BELOW:
+            continue
+        (plain if ordered and r.top_p >= 1.0 and not _top_k_of(r, vocab) else rest).append(i)
+    groups = [g for g in (plain, rest) if g]
+    if not greedy and len(groups) == 1:
         return _draw(logits, rows, _DrawColumns(_all_on(dev, *_spec_of(rows, vocab))), backend)
-    chosen = set(plain)
-    groups = [plain, [i for i in range(d) if i not in chosen]]
     at, *cols = _all_on(
         dev,
-        (groups[0] + groups[1], torch.int64),
+        (sum(groups, []), torch.int64),
         *(c for g in groups for c in _spec_of([rows[i] for i in g], vocab)),
     )
-    toks = torch.empty(d, dtype=torch.int64, device=dev)
-    for n, (g, c) in enumerate(zip(groups, (cols[:2], cols[2:]))):
-        at_g = at[: len(plain)] if n == 0 else at[len(plain) :]
-        toks.index_copy_(
-            0, at_g, _draw(logits.index_select(0, at_g), [rows[i] for i in g], _DrawColumns(c), backend)
+    if greedy:
+        toks = torch.argmax(logits, dim=-1)
+    else:
+        toks = torch.empty(d, dtype=torch.int64, device=dev)
+    a = 0
+    for n, g in enumerate(groups):
+        at_g = at[a : a + len(g)]
+        a += len(g)
+        picked = _draw(
+            logits.index_select(0, at_g), [rows[i] for i in g], _DrawColumns(cols[2 * n : 2 * n + 2]), backend
         )
+        toks.index_copy_(0, at_g, picked)
     return toks
 
 
