@@ -237,6 +237,37 @@ def test_unreadable_directories_and_files_are_reported(repo, monkeypatch):
     assert "src/util/: unreadable" in pack.report()
 
 
+def test_an_untracked_directory_git_cannot_list_is_reported(repo, monkeypatch):
+    """In a git work tree, `git ls-files --others` leaves out an untracked directory it cannot open and
+    only warns on stderr ("warning: could not open directory 'src/util/': Permission denied"): the pack
+    reported nothing of it. It is now left out as "unreadable" as on the rules' walk. As root, whom
+    chmod 000 does not stop, git's output is made what it is for another user (checked by hand with
+    `su nobody`): the directory's files gone, the warning on stderr."""
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    util = repo / "src" / "util"
+    if os.geteuid() != 0:
+        util.chmod(0)
+    else:
+        real_run = subprocess.run
+
+        def run(cmd, *a, **kw):
+            res = real_run(cmd, *a, **kw)
+            if "ls-files" in cmd:
+                kept = [p for p in res.stdout.split(b"\0") if p and not p.startswith(b"src/util/")]
+                warn = b"warning: could not open directory 'src/util/': Permission denied\n"
+                res = subprocess.CompletedProcess(res.args, res.returncode, b"\0".join(kept) + b"\0", warn)
+            return res
+
+        monkeypatch.setattr(subprocess, "run", run)
+    try:
+        pack = pack_repo(repo, ByteCounter(), budget=100_000, use_git=True)
+    finally:
+        util.chmod(0o755)
+    assert {s.path: s.reason for s in pack.skipped}["src/util/"] == "unreadable"
+    assert not any(p.startswith("src/util/") for p in pack.paths) and "src/app.py" in pack.paths
+    assert "src/util/: unreadable" in pack.report()
+
+
 def test_truncation_when_the_context_is_small(repo):
     full = pack_repo(repo, ByteCounter(), budget=100_000, use_git=False)
     budget = full.tokens // 2

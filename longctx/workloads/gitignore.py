@@ -235,8 +235,15 @@ def walk_files(root: str | Path, unreadable: list[str] | None = None) -> tuple[l
     return sorted(files), ignored
 
 
-def git_files(root: str | Path) -> list[str] | None:
-    """Files git would commit under root (tracked + untracked-not-ignored), or None if not a git tree."""
+# git's warning for a directory it cannot list (dir.c), which it leaves out and goes on; the path is the
+# work tree's, with its trailing slash
+_GIT_UNLISTED = re.compile(r"^warning: could not open directory '(.*)': ", re.MULTILINE)
+
+
+def git_files(root: str | Path, unreadable: list[str] | None = None) -> list[str] | None:
+    """Files git would commit under root (tracked + untracked-not-ignored), or None if not a git tree.
+    The untracked directories git could not list (no read permission; it warns and goes on) are
+    appended to `unreadable`, as `walk_files` does."""
     git = shutil.which("git")
     if git is None:
         return None
@@ -253,12 +260,16 @@ def git_files(root: str | Path) -> list[str] | None:
             [git, "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
             capture_output=True,
             timeout=300,
+            env={**os.environ, "LC_ALL": "C"},  # (its warnings in English, to be read)
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if res.returncode != 0:
         return None
     names = [p for p in res.stdout.decode("utf-8", errors="surrogateescape").split("\0") if p]
+    if unreadable is not None:
+        warned = res.stderr.decode("utf-8", errors="surrogateescape")
+        unreadable += [d if d.endswith("/") else f"{d}/" for d in _GIT_UNLISTED.findall(warned)]
     return sorted({p for p in names if (Path(root) / p).is_file()})
 
 
@@ -268,10 +279,10 @@ def list_files(
     """(files, ignored count or None when unknown, method) for a repository root.
 
     use_git: None tries git and falls back to the rules; False always uses the rules. `unreadable`
-    gathers the directories the rules' walk could not list (`walk_files`).
+    gathers the directories that could not be listed (`walk_files`, `git_files`).
     """
     if use_git is not False:
-        files = git_files(root)
+        files = git_files(root, unreadable)
         if files is not None:
             return files, None, "git"
         if use_git:
