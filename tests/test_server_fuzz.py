@@ -478,3 +478,39 @@ def test_an_unknown_model_name_is_repeated_on_one_short_line(srv, name, shown):
     r = httpx.post(srv.url + "/v1/completions", json={"model": name, "prompt": "a"}, headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     assert r.json()["error"]["message"] == f"The model {shown} does not exist; this server serves `fake`"
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ],
+)
+def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body):
+    """JSON mode, tool calls and vLLM's guided decoding were ignored as unknown fields: the client got free
+    text it had not asked for and no word of it. They are a 400 naming the field; the forms that change
+    nothing (a "text" response_format, tools the model may not call, empty lists) are served."""
+    refused = {
+        "response_format": {"response_format": {"type": "json_object"}},
+        "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice": {"tool_choice": "required"},
+        "functions": {"functions": [{"name": "f"}], "function_call": "auto"},
+        "guided_json": {"guided_json": {"type": "object"}},
+        "guided_choice": {"guided_choice": ["yes", "no"]},
+        "structured_outputs": {"structured_outputs": {"regex": "a+"}},
+    }
+    for param, extra in refused.items():
+        r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and "not supported" in err["message"], r.text
+    served = [
+        {"response_format": {"type": "text"}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+        {"tools": [], "tool_choice": "auto"},
+        {"functions": [{"name": "f"}], "function_call": "none"},
+        {"guided_json": None},
+    ]
+    for extra in served:
+        r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
+        assert r.status_code == 200, (extra, r.text)

@@ -1,7 +1,9 @@
 """OpenAI-compatible request schemas and error bodies.
 
 Validation is strict about types (no "5" for 5, no true for 1.0) and ranges; unknown fields are
-ignored so newer clients still work. Every rejection is an `ApiError`, rendered as
+ignored so newer clients still work, except the known ones that ask for output longctx does not make
+(JSON mode and schemas, tool calls, vLLM's guided decoding): those are refused, naming the field, since
+ignoring them would hand back text the client did not ask for. Every rejection is an `ApiError`, rendered as
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -11,7 +13,15 @@ import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from longctx.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from longctx.errors import clipped
@@ -170,6 +180,50 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS
     )
+
+    # Known fields asking for output longctx does not make: refused (a 400 naming the field), not ignored.
+    # What leaves the output unchanged passes: a "text" response_format, tools the model may not call
+    # (tool_choice "none"), an empty tools / functions list.
+    response_format: Any = None
+    tool_choice: Any = None  # (before tools: their check reads it)
+    tools: Any = Field(None, validate_default=True)
+    function_call: Any = None
+    functions: Any = Field(None, validate_default=True)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
+            raise ValueError('JSON mode and JSON schemas are not supported; only {"type": "text"} is')
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_forced_call(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError('tool calling is not supported; only "none" is')
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        choice = info.data.get("tool_choice" if info.field_name == "tools" else "function_call")
+        if v and choice != "none":  # (OpenAI's default with tools is "auto")
+            which = "tool_choice" if info.field_name == "tools" else "function_call"
+            raise ValueError(f'tool calling is not supported (send none, or {which} "none")')
+        return v
+
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    @classmethod
+    def _no_guides(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("structured output (guided decoding) is not supported")
+        return v
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
