@@ -139,20 +139,23 @@ def measure_ceilings(
 
 
 @contextlib.contextmanager
-def top_p_route(candidates: int | None = None) -> Iterator[None]:
+def top_p_route(candidates: int | None = None, split: bool | None = None) -> Iterator[None]:
     """The sampler's top-p rows for a timing: the candidates route on CUDA too (`TOP_P_CANDIDATES_CUDA`,
-    off there by default), with `candidates` of them (0: whole rows sorted; None: the default); both
-    settings restored after."""
+    off there by default), with `candidates` of them (0: whole rows sorted; None: the default), and
+    temperature-only rows drawn apart from top-p rows on CUDA or not (`SPLIT_PLAIN_CUDA`; None: the
+    default); every setting restored after."""
     from longctx.engine import sampling
 
-    keep = sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA
+    keep = sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA, sampling.SPLIT_PLAIN_CUDA
     sampling.TOP_P_CANDIDATES_CUDA = True
     if candidates is not None:
         sampling.TOP_P_CANDIDATES = candidates
+    if split is not None:
+        sampling.SPLIT_PLAIN_CUDA = split
     try:
         yield
     finally:
-        sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA = keep
+        sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA, sampling.SPLIT_PLAIN_CUDA = keep
 
 
 def time_wall(fn: Callable[[], Any], iters: int = 5, warmup: int = 1) -> float:

@@ -9,7 +9,9 @@ penalties (`Penalties.apply` over every row, 100 tokens of history each; batched
 form is gone); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
 draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold top_p of its mass, one
 host synchronisation to know; on CUDA the engine takes it only with `TOP_P_CANDIDATES_CUDA`, which this
-bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`). Two kinds of logits: `flat` (N(0, 3^2):
+bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`); a mixed batch (temperature-only and top-p
+rows) a third time with its temperature-only rows drawn apart on CUDA too (`SPLIT_PLAIN_CUDA`; the CPU always
+splits). Two kinds of logits: `flat` (N(0, 3^2):
 top-p 0.9 keeps tens of thousands of tokens) and `peaked` (a Zipf law over a random order of the
 vocabulary, logit -log(rank): top-p 0.9 keeps a few hundred, as a language model's usually does). The
 greedy rows (one argmax) are the floor a sampled step is compared with.
@@ -66,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     timed = time_cuda if dev == "cuda" else time_wall
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
-        "| logits: rows | batch | per-row ms | batched ms | batched, rows sorted ms | speed-up | same tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| logits: rows | batch | per-row ms | batched ms | batched, rows sorted ms | batched, rows sorted, split ms "
+        "| speed-up | same tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for dist, name, kw in [(d, n, k) for d in DISTS for n, k in KINDS.items()]:
         for batch in (1, 8, 32):
@@ -105,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                 with top_p_route(0):
                     same = min(same, float((per_row() == batched()).float().mean()))
                     t_sort = timed(batched)
+            t_split = None
+            if any(r.top_p < 1.0 for r in rows) and any(r.top_p >= 1.0 for r in rows):  # a mixed batch
+                with top_p_route(0, split=True):  # (temperature-only rows drawn apart on CUDA too)
+                    same = min(same, float((per_row() == batched()).float().mean()))
+                    t_split = timed(batched)
             res["rows"].append(
                 {
                     "rows": name,
@@ -113,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                     "per_row_ms": t_row * 1e3,
                     "batched_ms": t_batch * 1e3,
                     "batched_sort_ms": None if t_sort is None else t_sort * 1e3,
+                    "batched_sort_split_ms": None if t_split is None else t_split * 1e3,
                     "same": same,
                 }
             )
             lines.append(
                 f"| {dist}: {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | "
-                f"{'' if t_sort is None else f'{t_sort * 1e3:.3f}'} | {t_row / t_batch:.1f}x | {same:.3f} |"
+                f"{'' if t_sort is None else f'{t_sort * 1e3:.3f}'} | "
+                f"{'' if t_split is None else f'{t_split * 1e3:.3f}'} | {t_row / t_batch:.1f}x | {same:.3f} |"
             )
     lines += ["", "| greedy (argmax), rows | ms |", "|---|---|"]
     for batch in (1, 8, 32):
