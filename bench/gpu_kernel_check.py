@@ -210,6 +210,26 @@ def case_gumbel(batch: int, vocab: int, ids: bool) -> float:
     return float((got != want).float().mean())
 
 
+def case_gumbel_t(batch: int, vocab: int, dtype: str) -> float:
+    """The Gumbel-max draw scaling raw logits itself (`temperature=`) against the reference over
+    `scale_logits_ref`'s rows: the fraction of rows drawing another token. Rows: ordinary, with NaNs, with
+    +inf tokens, all -inf, all NaN, a temperature that overflows them to +inf."""
+    from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref, scale_logits_ref
+
+    x = (torch.randn(batch, vocab, device="cuda") * 3).to(getattr(torch, dtype))
+    t = torch.rand(batch, device="cuda") + 0.2
+    x[0, ::97] = float("nan")
+    if batch > 4:
+        x[1, ::5000] = float("inf")
+        x[2] = float("-inf")
+        x[3] = float("nan")
+        t[4] = 1e-38
+    keys = torch.randint(0, 2**62, (batch,), device="cuda")
+    got = gumbel_argmax(x, keys, temperature=t, backend="triton")
+    want = gumbel_argmax_ref(scale_logits_ref(x, t[:, None]), keys)
+    return float((got != want).float().mean())
+
+
 def case_topk_window(n: int, batch: int, k: int, window: int) -> float:
     """The decode step's top-k with `index_local_window` (the write pass stores the window): rows before
     and after k + window, at the retrieval model's 192 + 64."""
@@ -721,6 +741,8 @@ CASES = {
     "gumbel_b1_154k": (case_gumbel, (1, 154_880, False), 0.0),
     "gumbel_b32_154k": (case_gumbel, (32, 154_880, False), 0.04),
     "gumbel_ids_b8_5k": (case_gumbel, (8, 5000, True), 0.0),
+    "gumbel_t_b1_154k": (case_gumbel_t, (1, 154_880, "float32"), 0.0),
+    "gumbel_t_b32_154k_bf16": (case_gumbel_t, (32, 154_880, "bfloat16"), 0.04),
     "swap_rows": (case_swap, (1,), 0.0),
     "swap_pages": (case_swap, (64,), 0.0),
     "mla_fp8_b1": (case_sparse_mla, ("fp8", 1), 2e-2),

@@ -14,9 +14,15 @@ from 23 of a second mix's bits, in float32. Ties of x + g (the 23-bit grid makes
 flat rows) go to the larger first hash, which is distinct per id, so the winner is one token
 whichever columns hold the candidates and in whatever order.
 
-    gumbel_argmax(x [D, W] float32, keys [D] int64, ids [D, W] int64 | None) -> [D] int64 columns
+    gumbel_argmax(x [D, W] float32, keys [D] int64, ids [D, W] int64 | None,
+                  temperature [D] float32 | None) -> [D] int64 columns
 
 `ids` None: column c is token c. Keys are non-negative below 2**63 (`longctx.seeds.MASK63`).
+`temperature`: x is the raw logits (float32, bfloat16 or float16) and the kernel scales them itself
+(`scale_logits_ref`'s rules), so a temperature-only draw is this one launch instead of a handful of
+elementwise passes over the rows first. In the kernel a NaN token has level 0 and score g, any other
+level 1 and score x / t + g (the quotient correctly rounded, +-inf held at the largest finite floats);
+the highest level a row holds wins, then the score: the draw over the scaled row, without writing it.
 """
 
 from __future__ import annotations
@@ -58,6 +64,17 @@ def gumbel_noise_ref(keys: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tenso
     return -torch.log(-torch.log(u)), h
 
 
+def scale_logits_ref(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [D, V] over temperature [D, 1] in float32, made drawable. +-inf become the largest finite
+    floats, whose sums with any noise stay there: a row with +inf logits (a tiny temperature or
+    repetition penalty overflows the largest ones) draws among those tokens, their scores tie and the
+    larger hash wins, so each equally often over seeds; a row with every token at -inf (min_tokens with
+    the whole vocabulary in stop_token_ids) likewise among all. NaN becomes -inf, never drawn, and a row
+    all NaN draws uniformly."""
+    x = torch.nan_to_num(logits.float() / temperature, nan=float("-inf"))
+    return torch.where(torch.isneginf(x).all(dim=1, keepdim=True), torch.zeros_like(x), x)
+
+
 def _as_s32(x: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2**32) -> int32 with the same bits."""
     return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
@@ -87,6 +104,8 @@ def _gumbel_argmax_kernel(
     x_ptr,
     keys_ptr,
     ids_ptr,
+    t_ptr,
+    bl_ptr,
     bs_ptr,
     bh_ptr,
     bc_ptr,
@@ -96,6 +115,7 @@ def _gumbel_argmax_kernel(
     si,
     S,
     HAS_IDS: tl.constexpr,
+    HAS_T: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     d = tl.program_id(0).to(tl.int64)
@@ -103,6 +123,9 @@ def _gumbel_argmax_kernel(
     key = tl.load(keys_ptr + d)
     a = (key & 0xFFFFFFFF).to(tl.uint32)
     b = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    if HAS_T:
+        t = tl.load(t_ptr + d)
+    best_l = tl.full([], -1, tl.int32)  # (HAS_T: the level of the best so far)
     best_s = tl.full([], float("-inf"), tl.float32)
     best_h = tl.full([], -1, tl.int64)
     best_c = tl.full([], 0, tl.int64)
@@ -119,30 +142,60 @@ def _gumbel_argmax_kernel(
         h = _mix32(_mix32(ids.to(tl.uint32) ^ a) ^ b)
         v = _mix32(h ^ 0x9E3779B9)
         u = ((v >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-        s = xv - tl.log(-tl.log(u))  # (-inf past the row: xv's `other`)
+        g = -tl.log(-tl.log(u))
         h64 = tl.where(m, h.to(tl.int64), -1)
+        if HAS_T:
+            xs = tl.math.div_rn(xv, t)  # (torch's division: correctly rounded)
+            lvl = tl.where(m, tl.where(xs != xs, 0, 1), -1)  # (before the clamp, which may drop NaN)
+            xs = tl.minimum(tl.maximum(xs, -3.4028234663852886e38), 3.4028234663852886e38)
+            s = tl.where(lvl == 1, xs + g, g)
+            lm = tl.max(lvl, axis=0)
+            s = tl.where(lvl == lm, s, float("-inf"))
+            h64 = tl.where(lvl == lm, h64, -1)
+        else:
+            s = xv + g  # (-inf past the row: xv's `other`)
         bm = tl.max(s, axis=0)
         hm = tl.max(tl.where(s == bm, h64, -1), axis=0)
         cm = tl.max(tl.where((s == bm) & (h64 == hm), cols.to(tl.int64), -1), axis=0)
         take = (bm > best_s) | ((bm == best_s) & (hm > best_h))
+        if HAS_T:
+            take = (lm > best_l) | ((lm == best_l) & take)
+            best_l = tl.where(take, lm, best_l)
         best_s = tl.where(take, bm, best_s)
         best_h = tl.where(take, hm, best_h)
         best_c = tl.where(take, cm, best_c)
+    if HAS_T:
+        tl.store(bl_ptr + d * S + s_id, best_l)
     tl.store(bs_ptr + d * S + s_id, best_s)
     tl.store(bh_ptr + d * S + s_id, best_h)
     tl.store(bc_ptr + d * S + s_id, best_c)
 
 
 def gumbel_argmax(
-    x: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None, *, backend: str = "auto"
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    *,
+    temperature: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """`gumbel_argmax_ref`: each row split over programs (a batch of one still spreads over the SMs),
-    each keeping its best (score, hash, column); one small reduction picks the row's winner."""
+    """`gumbel_argmax_ref` (of `scale_logits_ref(x, temperature)` with a temperature): each row split
+    over programs (a batch of one still spreads over the SMs), each keeping its best (level, score,
+    hash, column); one small reduction picks the row's winner."""
+    floats = (torch.float32, torch.bfloat16, torch.float16) if temperature is not None else (torch.float32,)
     check(
-        x.dim() == 2 and x.dtype == torch.float32,
-        f"gumbel_argmax: x must be float32 [D, W], got {x.dtype} {tuple(x.shape)}",
+        x.dim() == 2 and x.dtype in floats,
+        f"gumbel_argmax: x must be float32 [D, W] (or 16-bit with a temperature), got {x.dtype} {tuple(x.shape)}",
     )
     d, w = x.shape
+    if temperature is not None:
+        check(
+            temperature.shape == (d,)
+            and temperature.dtype == torch.float32
+            and temperature.device == x.device,
+            f"gumbel_argmax: temperature must be float32 [{d}] on x's device, got {temperature.dtype} "
+            f"{tuple(temperature.shape)}",
+        )
     check(w > 0, "gumbel_argmax: a row needs at least one column")
     check(
         keys.shape == (d,) and keys.dtype == torch.int64 and keys.device == x.device,
@@ -156,6 +209,8 @@ def gumbel_argmax(
     if not d:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     if not use_triton(backend, x.device):
+        if temperature is not None:
+            x = scale_logits_ref(x, temperature[:, None])
         if x.device.type != "cpu":
             return gumbel_argmax_ref(x, keys, ids)
         # on the CPU a few rows at a time: a block's dozen passes then run in cache (2x faster at 32 rows
@@ -174,19 +229,25 @@ def gumbel_argmax(
         x = x.contiguous()
     if ids is not None and ids.stride(1) != 1:
         ids = ids.contiguous()
+    if temperature is not None:
+        temperature = temperature.contiguous()
     block = min(1024, next_pow2(w))
     # enough programs per row to fill the SMs at batch 1, each at least a few blocks long
     s = max(1, min(-(-w // (4 * block)), -(-2 * num_sms(x.device) // d)))
     chunk = -(-w // s)
     chunk = -(-chunk // block) * block
     s = -(-w // chunk)
+    bl = torch.empty(d, s, dtype=torch.int32, device=x.device) if temperature is not None else keys
     bs = torch.empty(d, s, dtype=torch.float32, device=x.device)
     bh = torch.empty(d, s, dtype=torch.int64, device=x.device)
     bc = torch.empty(d, s, dtype=torch.int64, device=x.device)
     _gumbel_argmax_kernel[(d, s)](
-        x, keys, x if ids is None else ids, bs, bh, bc, w, chunk, x.stride(0),
-        0 if ids is None else ids.stride(0), s, HAS_IDS=ids is not None, BLOCK=block,
+        x, keys, x if ids is None else ids, keys if temperature is None else temperature, bl, bs, bh, bc, w,
+        chunk, x.stride(0), 0 if ids is None else ids.stride(0), s, HAS_IDS=ids is not None,
+        HAS_T=temperature is not None, BLOCK=block,
     )  # fmt: skip
+    if temperature is not None and s > 1:  # the programs' bests below the row's highest level: out
+        bs = torch.where(bl == bl.max(dim=1, keepdim=True).values, bs, float("-inf"))
     best = bs.max(dim=1, keepdim=True).values
     pick = torch.where(bs == best, bh, -1).argmax(dim=1, keepdim=True)
     return bc.gather(1, pick)[:, 0]

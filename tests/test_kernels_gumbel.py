@@ -13,7 +13,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import pytest
 import torch
-from longctx.kernels.gumbel import MIX_A, MIX_B, _as_s32, gumbel_argmax, gumbel_argmax_ref, mix32_ref
+from longctx.kernels.gumbel import (
+    MIX_A,
+    MIX_B,
+    _as_s32,
+    gumbel_argmax,
+    gumbel_argmax_ref,
+    mix32_ref,
+    scale_logits_ref,
+)
 
 from longctx.errors import KernelInputError
 
@@ -55,6 +63,40 @@ def test_the_kernel_draws_the_references_token(d, w):
     col = gumbel_argmax(x.gather(1, ids), keys, ids, backend="triton")
     assert torch.equal(ids.gather(1, col[:, None])[:, 0], want)
     assert torch.equal(ids.gather(1, gumbel_argmax_ref(x.gather(1, ids), keys, ids)[:, None])[:, 0], want)
+
+
+@pytest.mark.parametrize("d,w", [(1, 7), (4, 1000), (2, 4097), (1, 20000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered in divide:RuntimeWarning"
+)  # (the interpreter's numpy)
+def test_the_kernel_scales_raw_logits_as_the_reference_does(d, w, dtype):
+    """With a temperature the kernel takes the raw logits and draws what the reference draws over
+    `scale_logits_ref`'s rows: ordinary rows, a row with NaNs, a row whose +inf tokens alone are drawn
+    (one of them in each program's share), a row all -inf, a row all NaN (uniform), temperatures tiny
+    enough to overflow finite logits to +inf, bf16 logits; rows split over several programs (w 4097,
+    20000)."""
+    g = torch.Generator().manual_seed(d * 31 + w)
+    x = (torch.randn(d, w, generator=g) * 4).to(dtype)
+    x[0, torch.randperm(w, generator=g)[: w // 4]] = float("-inf")
+    t = torch.rand(d, generator=g) * 1.5 + 0.1
+    if d > 1:
+        x[1, :: max(1, w // 5)] = float("inf")
+        x[1, 1] = float("nan")
+    if d > 2:
+        x[2] = float("-inf")
+        t[3] = 1e-38  # (finite logits over it overflow to +inf: those draw alone)
+        x[3, : w // 2] = float("nan")
+    if d == 1 and w == 7:
+        x[0] = float("nan")
+    keys = torch.randint(0, 2**63 - 1, (d,), generator=g)
+    want = gumbel_argmax_ref(scale_logits_ref(x, t[:, None]), keys)
+    assert torch.equal(gumbel_argmax(x, keys, temperature=t, backend="triton"), want)
+    assert torch.equal(gumbel_argmax(x, keys, temperature=t, backend="torch"), want)
+    if d > 1:
+        assert bool(torch.isposinf(x[1, want[1]].float()))
+    with pytest.raises(KernelInputError, match="temperature"):
+        gumbel_argmax(x, keys, temperature=t[:1].double(), backend="triton")
 
 
 def test_flat_rows_break_ties_the_same_way_in_any_column_order():

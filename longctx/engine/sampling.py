@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
+from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref, scale_logits_ref
 from longctx.seeds import MASK63, generator_seed
 
 _MIX = 0x9E3779B97F4A7C15
@@ -234,7 +234,7 @@ def _sample(
     applies them; the draw is the Gumbel-max of `longctx.kernels.gumbel` over every token)."""
     if temperature < GREEDY_BELOW:
         return torch.argmax(logits)
-    x = _scaled(
+    x = scale_logits_ref(
         logits.float()[None], torch.tensor([[temperature]], dtype=torch.float32, device=logits.device)
     )[0]
     if min_p > 0.0:
@@ -253,17 +253,6 @@ def _sample(
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     key = torch.tensor([_token_seed(seed, step)], dtype=torch.int64, device=x.device)
     return gumbel_argmax_ref(x[None], key)[0]
-
-
-def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits [D, V] float32 over temperature [D, 1], made drawable: NaN never drawn; a row with +inf
-    logits (a tiny repetition penalty divides the seen tokens' positive logits to +inf) draws among
-    those tokens, equally; a row with every token at -inf (min_tokens with the whole vocabulary in
-    stop_token_ids) draws uniformly."""
-    x = torch.nan_to_num(logits / temperature, nan=float("-inf"))
-    big = torch.isposinf(x)
-    x = torch.where(big.any(dim=1, keepdim=True), torch.where(big, 0.0, float("-inf")), x)
-    return torch.where(torch.isneginf(x).all(dim=1, keepdim=True), torch.zeros_like(x), x)
 
 
 # top-k without top-p up to this k: a select and a tie rank over the row instead of sorting it
@@ -471,7 +460,10 @@ def _draw(logits: torch.Tensor, rows: Sequence[Any], cols: _DrawColumns, backend
     top_k = [_top_k_of(r, vocab) for r in rows]
     top_p = [r.top_p for r in rows]
     keys = cols.keys
-    x = _scaled(logits.float(), cols.temperature)
+    if not any(top_k) and all(p >= 1.0 for p in top_p) and not any(m > 0.0 for m in min_p):
+        # a temperature alone: the kernel scales the logits itself (one launch, nothing written first)
+        return gumbel_argmax(logits, keys, temperature=cols.temperature[:, 0], backend=backend)
+    x = scale_logits_ref(logits, cols.temperature)
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < cols.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
