@@ -139,23 +139,26 @@ def measure_ceilings(
 
 
 @contextlib.contextmanager
-def top_p_route(candidates: int | None = None, split: bool | None = None) -> Iterator[None]:
-    """The sampler's top-p rows for a timing: the candidates route on CUDA too (`TOP_P_CANDIDATES_CUDA`,
-    off there by default), with `candidates` of them (0: whole rows sorted; None: the default), and
-    temperature-only rows drawn apart from top-p rows on CUDA or not (`SPLIT_PLAIN_CUDA`; None: the
-    default); every setting restored after."""
+def sampler_route(
+    candidates: int | None = None, split: bool | None = None, scale_in_kernel: bool | None = None
+) -> Iterator[None]:
+    """The sampler's routes for a timing: top-p rows take the candidates route on CUDA too
+    (`TOP_P_CANDIDATES_CUDA`, off there by default), with `candidates` of them (0: whole rows sorted);
+    temperature-only rows drawn apart from top-p rows on CUDA or not (`SPLIT_PLAIN_CUDA`); the Gumbel
+    kernel scaling raw logits itself on CUDA or not (`SCALE_IN_KERNEL_CUDA`). None: the default. Every
+    setting restored after."""
     from longctx.engine import sampling
 
-    keep = sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA, sampling.SPLIT_PLAIN_CUDA
-    sampling.TOP_P_CANDIDATES_CUDA = True
-    if candidates is not None:
-        sampling.TOP_P_CANDIDATES = candidates
-    if split is not None:
-        sampling.SPLIT_PLAIN_CUDA = split
+    names = ("TOP_P_CANDIDATES", "TOP_P_CANDIDATES_CUDA", "SPLIT_PLAIN_CUDA", "SCALE_IN_KERNEL_CUDA")
+    keep = {n: getattr(sampling, n) for n in names}
+    for n, v in zip(names, (candidates, True, split, scale_in_kernel)):
+        if v is not None:
+            setattr(sampling, n, v)
     try:
         yield
     finally:
-        sampling.TOP_P_CANDIDATES, sampling.TOP_P_CANDIDATES_CUDA, sampling.SPLIT_PLAIN_CUDA = keep
+        for n, v in keep.items():
+            setattr(sampling, n, v)
 
 
 def time_wall(fn: Callable[[], Any], iters: int = 5, warmup: int = 1) -> float:

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import scratch_dir, top_p_route  # noqa: E402
+from bench.common import sampler_route, scratch_dir  # noqa: E402
 
 if TYPE_CHECKING:
     from longctx.config import ModelConfig
@@ -179,9 +179,9 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
             row = {"greedy_ms": per_step()}
             for name, t in temps.items():
                 kw = dict(temperature=t, top_p=0.9, seed=3)
-                with top_p_route():
+                with sampler_route():
                     row[f"top_p_{name}_ms"] = per_step(**kw)
-                with top_p_route(0):
+                with sampler_route(0):
                     row[f"top_p_{name}_sorted_ms"] = per_step(**kw)
             out[f"batch_{batch}"] = row
             print("sampled_decode", batch, {k: round(v, 3) for k, v in row.items()}, flush=True)

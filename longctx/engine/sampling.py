@@ -301,6 +301,10 @@ TOP_P_CANDIDATES_CUDA = False
 # 82); on CUDA, where a sort of 32 rows costs less than the launches of a second group, only with
 # SPLIT_PLAIN_CUDA (H100, bench.sampling: a mixed batch of 8 split 1.11 ms, 8 top-p rows sorted 0.77).
 SPLIT_PLAIN_CUDA = False
+# A temperature-only group draws in one launch of the Gumbel kernel on the raw logits (it scales them
+# itself) instead of scaling them first. On CUDA only with SCALE_IN_KERNEL_CUDA until that kernel form has
+# been checked on a GPU (bench.gpu_kernel_check --only gumbel_t); the interpreter checks it in CI.
+SCALE_IN_KERNEL_CUDA = False
 
 
 def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -460,7 +464,8 @@ def _draw(logits: torch.Tensor, rows: Sequence[Any], cols: _DrawColumns, backend
     top_k = [_top_k_of(r, vocab) for r in rows]
     top_p = [r.top_p for r in rows]
     keys = cols.keys
-    if not any(top_k) and all(p >= 1.0 for p in top_p) and not any(m > 0.0 for m in min_p):
+    alone = not any(top_k) and all(p >= 1.0 for p in top_p) and not any(m > 0.0 for m in min_p)
+    if alone and (not logits.is_cuda or SCALE_IN_KERNEL_CUDA):
         # a temperature alone: the kernel scales the logits itself (one launch, nothing written first)
         return gumbel_argmax(logits, keys, temperature=cols.temperature[:, 0], backend=backend)
     x = scale_logits_ref(logits, cols.temperature)
