@@ -74,17 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for dist, name, kw in [(d, n, k) for d in DISTS for n, k in KINDS.items()]:
         for batch in (1, 8, 32):
+            one = dict(token_ids=(0,), start=0, pages=(), step=7)  # (a one-token row, no pages)
             rows = [
-                RowPlan(
-                    rid=str(i),
-                    token_ids=(0,),
-                    start=0,
-                    pages=(),
-                    seed=i,
-                    step=7,
-                    **(kw(i) if callable(kw) else kw),
-                )
-                for i in range(batch)
+                RowPlan(rid=str(i), seed=i, **one, **(kw(i) if callable(kw) else kw)) for i in range(batch)
             ]
             x = logits_of(dist, batch, args.vocab, dev)
 

@@ -317,15 +317,7 @@ def test_a_draw_copies_its_rows_numbers_to_the_device_once(monkeypatch):
     for name, kws in batches.items():
         for logits in (peaked, flat):
             rows = [
-                RowPlan(
-                    rid=str(i),
-                    token_ids=(0,),
-                    start=0,
-                    pages=(),
-                    seed=i,
-                    step=3,
-                    **{"temperature": 0.8, **kw},
-                )
+                RowPlan(str(i), (0,), 0, (), seed=i, step=3, **{"temperature": 0.8, **kw})
                 for i, kw in enumerate(kws)
             ]
             calls.update(on=0, all=0)
