@@ -30,13 +30,14 @@ _PTR = {
     "kk_ptr": "*i64", "km_ptr": "*i64", "rb_ptr": "*i64",
     # the sampler's Gumbel-max draw (kernels/gumbel.py)
     "x_ptr": "*fp32", "keys_ptr": "*i64", "ids_ptr": "*i64", "bs_ptr": "*fp32", "bh_ptr": "*i64", "bc_ptr": "*i64",
+    "t_ptr": "*fp32", "bl_ptr": "*i32",
 }  # fmt: skip
 # the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
 _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
     "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False, "KEEP": False, "NFW": 256, "BYTES": True,
-    "HAS_IDS": False, "BLOCK": 1024,
+    "HAS_IDS": False, "HAS_T": False, "BLOCK": 1024,
 }  # fmt: skip
 
 
@@ -50,7 +51,7 @@ def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no
     cons: dict[str, object] = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in _PTR:
-            sig[name] = _PTR[name]
+            sig[name] = str(over.get(name, _PTR[name]))
         elif name in _CONST:
             sig[name] = "constexpr"
             cons[name] = over.get(name, _CONST[name])
@@ -106,6 +107,11 @@ def variants() -> list[tuple[str, dict]]:
         ("_gumbel_argmax_kernel", {"HAS_IDS": ids, "BLOCK": b, "num_warps": 4})
         for ids in (False, True)
         for b in (64, 1024)
+    ]
+    # scaling the raw logits itself (a temperature-only draw over the vocabulary; fp32 or bf16 logits)
+    out += [
+        ("_gumbel_argmax_kernel", {"HAS_T": True, "BLOCK": 1024, "num_warps": 4, "x_ptr": x})
+        for x in ("*fp32", "*bf16")
     ]
     return out
 
