@@ -410,9 +410,10 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
     rows that need their tokens in order (top-p, a top-k above TOP_K_SELECT_MAX), which alone sort or
     take their candidates (`_draw`; a temperature-alone row among them would make `_top_p_candidates`
     refuse and every row be sorted; on CUDA only with SPLIT_PLAIN_CUDA). Rows of a top-k up to
-    TOP_K_SELECT_MAX without top-p join the second group, or the third when there is one. Every drawn row's numbers and the groups' row indices
-    reach the device in one transfer. The noise belongs to token ids, so a row draws the same token in
-    any batch and whichever way its masks were made. int64 [D] on logits' device."""
+    TOP_K_SELECT_MAX without top-p join the second group, or the third when there is one. Every drawn
+    row's numbers and the groups' row indices reach the device in one transfer. The noise belongs to
+    token ids, so a row draws the same token in any batch and whichever way its masks were made. int64
+    [D] on logits' device."""
     dev = logits.device
     d, vocab = logits.shape
     greedy = [i for i, r in enumerate(rows) if r.temperature < GREEDY_BELOW]
