@@ -279,6 +279,8 @@ def _check_against_score(eng: Engine, prompt: list[int], lps: list, n: int) -> N
     assert torch.allclose(torch.tensor([x.logprob for x in lps]), want, atol=1e-4)
     for i, x in enumerate(lps):
         assert len(x.top) == n
+        # its rank: 1 + the tokens likelier than it (within score's 1e-4 of the engine's logprob)
+        assert 1 + int((ref[i] > want[i] + 1e-4).sum()) <= x.rank <= 1 + int((ref[i] > want[i] - 1e-4).sum())
         v, ids = torch.topk(ref[i], n)
         assert [t for t, _ in x.top] == ids.tolist() and torch.allclose(
             torch.tensor([p for _, p in x.top]), v, atol=1e-4
@@ -294,6 +296,7 @@ def test_prompt_logprobs_match_score_across_chunks_and_the_prefix_cache(eng):
     (lps,) = _prompt_lps(eng, [p], [SamplingParams(max_new_tokens=3, prompt_logprobs=2)])
     assert eng.stats()["prefix_cache"]["hit_tokens"] == before  # (computed again, not matched)
     _check_against_score(eng, p, lps, 2)
+    assert any(x.rank > 1 for x in lps) and all(x.rank >= 1 for x in lps)
     _run(eng, [p], [SamplingParams(max_new_tokens=2)])
     assert eng.stats()["prefix_cache"]["hit_tokens"] > before  # (the pages were cached: a plain request hits)
     (lps0,) = _prompt_lps(eng, [p[:40]], [SamplingParams(max_new_tokens=0, prompt_logprobs=0)])

@@ -257,6 +257,38 @@ def test_echo_repeats_the_prompt_with_its_logprobs(client, server):
         assert [o for c in mine if c.logprobs for o in c.logprobs.text_offset] == [0, 1, 2, 3, 4, 5]
 
 
+def test_prompt_logprobs_in_every_choice(server):
+    """vLLM's prompt_logprobs: each choice carries its prompt's logprobs (None for the first token, then the
+    prompt token and its top-N alternatives by token id, each with logprob, rank and decoded_token), in
+    completions (n choices, several prompts) and chat; with echo + logprobs the echoed prompt keeps its own
+    top-N; streamed it is refused, naming the field."""
+    body = {"prompt": ["abc", "xy"], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    j = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert len(j["choices"]) == 4
+    for c in j["choices"]:
+        plp = c["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == (3 if c["index"] < 2 else 2)
+        for tok, entry in zip(("bc" if c["index"] < 2 else "y"), plp[1:]):
+            mine = entry[str(ord(tok))]  # (the fake codec: one byte a token)
+            assert mine == {"logprob": -0.25, "rank": 1, "decoded_token": tok}
+            assert sorted(v["rank"] for v in entry.values()) == [1, 2]  # (itself first, then one more)
+    assert (
+        "prompt_logprobs"
+        not in httpx.post(server.url + "/v1/completions", json={"prompt": "ab"}).json()["choices"][0]
+    )
+    body = {"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 3}
+    c = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    assert [len(t) for t in c["logprobs"]["top_logprobs"][1:]] == [1, 1] and len(c["prompt_logprobs"][1]) == 3
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}
+    c = httpx.post(server.url + "/v1/chat/completions", json=chat).json()["choices"][0]
+    assert c["prompt_logprobs"][0] is None and all(len(e) == 1 for e in c["prompt_logprobs"][1:])
+    for route, b in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", chat)):
+        r = httpx.post(server.url + route, json={**b, "prompt_logprobs": 1, "stream": True})
+        assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "ab", "prompt_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_tokenize_and_detokenize(client, server):
     """/tokenize gives the ids a completions or chat request sends the engine (their count is its usage's
     prompt_tokens) and the context limit; /detokenize turns ids back into text; bad bodies are 400s."""

@@ -115,6 +115,7 @@ CHAT_ONLY: dict[str, list[Any]] = {
     "top_logprobs": [0, 20, 21, -1],
     "add_generation_prompt": [True, False, "no"],
     "continue_final_message": [True, False, 1],
+    "prompt_logprobs": [0, 20, 21, -1, True, "1"],
 }
 PROMPTS: list[Any] = [
     "hi", "", " ", "\u0000", "\U0001f600" * 5, [1, 2, 3], [], [[]], [[1], [2, 3]], ["a", "b"], ["a", ""],
@@ -127,6 +128,7 @@ COMPLETION_ONLY: dict[str, list[Any]] = {
     "echo": [True, False, "yes"],
     "suffix": ["", "s", 5],
     "best_of": [1, 2, 3, 0, 2**70],
+    "prompt_logprobs": [0, 20, 21, -1, True, "1"],
 }
 # route -> (valid body, fields with their edge values)
 BODIES: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {

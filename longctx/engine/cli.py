@@ -73,11 +73,14 @@ def _parse_logit_bias(spec: str | None) -> dict[int, float]:
 
 
 def _lp_json(x: TokenLogprob) -> dict:
-    return {
+    out = {
         "token_id": x.token_id,
         "logprob": round(x.logprob, 6),
         "top": [[t, round(p, 6)] for t, p in x.top],
     }
+    if x.rank is not None:  # (a prompt token's)
+        out["rank"] = x.rank
+    return out
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -80,8 +80,8 @@ class RowResult:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     logits: object | None = None  # [n, vocab] fp32 tensor (logits == "all")
-    # (token, logprob, top alternatives) of each of the row's `prompt_lp_targets`
-    prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
+    # (token, logprob, top alternatives, rank) of each of the row's `prompt_lp_targets`
+    prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...], int], ...] = ()
 
 
 @dataclass

@@ -257,6 +257,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # (prompt logprobs) 1 + how many tokens are likelier than token_id
 
 
 @dataclass(frozen=True)

@@ -529,29 +529,32 @@ PROMPT_LP_ROWS = 256
 
 def prompt_logprobs_device(
     to_logits: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: Sequence[int], n: int
-) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of `targets` (the next token of position i, whose hidden row is h[i]) with their top-n
-    alternatives, left on the device: (targets, chosen [m], top values [m, n], top ids [m, n]).
-    `to_logits` (the lm head) runs PROMPT_LP_ROWS positions at a time."""
+    alternatives and their ranks (1 + the tokens likelier than it), left on the device: (targets, chosen
+    [m], top values [m, n], top ids [m, n], rank [m]). `to_logits` (the lm head) runs PROMPT_LP_ROWS
+    positions at a time."""
     parts = []
     for a in range(0, len(targets), PROMPT_LP_ROWS):
         b = min(a + PROMPT_LP_ROWS, len(targets))
         lp = torch.log_softmax(to_logits(h[a:b]).float(), dim=-1)
         chosen = lp.gather(1, _on(lp.device, targets[a:b], torch.int64)[:, None])[:, 0]
+        rank = (lp > chosen[:, None]).sum(dim=-1) + 1
         if n:
             top = torch.topk(lp, n, dim=-1)
-            parts.append((chosen, top.values, top.indices))
+            parts.append((chosen, top.values, top.indices, rank))
         else:
-            parts.append((chosen, lp.new_empty(b - a, 0), lp.new_empty(b - a, 0, dtype=torch.int64)))
+            parts.append((chosen, lp.new_empty(b - a, 0), lp.new_empty(b - a, 0, dtype=torch.int64), rank))
     return list(targets), *(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]
 
 
 def prompt_logprobs_host(
-    targets: list[int], chosen: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor
-) -> tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...]:
-    """`prompt_logprobs_device`'s result as (token, logprob, ((alternative, logprob), ...)) per target."""
+    targets: list[int], chosen: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, rank: torch.Tensor
+) -> tuple[tuple[int, float, tuple[tuple[int, float], ...], int], ...]:
+    """`prompt_logprobs_device`'s result as (token, logprob, ((alternative, logprob), ...), rank) per
+    target."""
     vals, ids = top_v.tolist(), top_i.tolist()
     return tuple(
-        (t, float(c), tuple((int(a), float(b)) for a, b in zip(ii, vv)))
-        for t, c, vv, ii in zip(targets, chosen.tolist(), vals, ids)
+        (t, float(c), tuple((int(a), float(b)) for a, b in zip(ii, vv)), int(k))
+        for t, c, vv, ii, k in zip(targets, chosen.tolist(), vals, ids, rank.tolist())
     )

@@ -370,10 +370,10 @@ class Scheduler:
         if res is None or not res.prompt_logprobs:
             return ()
         out = []
-        for i, (tok, lp, top) in enumerate(res.prompt_logprobs):
+        for i, (tok, lp, top, rank) in enumerate(res.prompt_logprobs):
             idx = row.start + 1 + i  # the prompt token this entry is for
             if idx > req.prompt_lp_upto:
-                out.append(TokenLogprob(tok, lp, top))
+                out.append(TokenLogprob(tok, lp, top, rank))
                 req.prompt_lp_upto = idx
         return tuple(out)
 

@@ -82,7 +82,12 @@ def _eos_ids(cfg: Any) -> tuple[int, ...]:
 
 def _wire_logprobs(lps: Any) -> tuple[m.WireLogprob, ...]:
     return tuple(
-        m.WireLogprob(int(lp.token_id), float(lp.logprob), tuple((int(t), float(p)) for t, p in lp.top))
+        m.WireLogprob(
+            int(lp.token_id),
+            float(lp.logprob),
+            tuple((int(t), float(p)) for t, p in lp.top),
+            None if lp.rank is None else int(lp.rank),
+        )
         for lp in lps
     )
 

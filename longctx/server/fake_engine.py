@@ -16,7 +16,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from longctx.config import is_int, is_real
@@ -251,7 +251,7 @@ class FakeEngine:
         upto = min(req.num_computed, len(req.prompt_ids)) - 1
         new = req.prompt_ids[req.prompt_lp_upto + 1 : upto + 1]
         req.prompt_lp_upto = max(req.prompt_lp_upto, upto)
-        return self._logprobs(new, n)
+        return tuple(replace(lp, rank=1) for lp in self._logprobs(new, n))  # (its own top)
 
     # ---- documents --------------------------------------------------------------------------
     def pin_document(self, token_ids: list[int]) -> tuple[str, int]:

@@ -168,6 +168,7 @@ class WireLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # (prompt logprobs) 1 + how many tokens are likelier
 
 
 @message("out")

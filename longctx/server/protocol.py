@@ -256,7 +256,19 @@ class _SamplingFields(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_SamplingFields):
+class _PromptLogprobs(_Strict):
+    # vLLM's: each prompt token's logprob, rank and top-N alternatives (the first token has none), in
+    # every choice as `prompt_logprobs`; not with stream=true (vLLM's rule too)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _not_streamed(self) -> _PromptLogprobs:
+        if self.prompt_logprobs is not None and getattr(self, "stream", False):
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        return self
+
+
+class CompletionRequest(_SamplingFields, _PromptLogprobs):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0, le=I64)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -302,7 +314,7 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0, le=I64)
     max_completion_tokens: int | None = Field(None, ge=0, le=I64)

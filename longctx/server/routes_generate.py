@@ -39,12 +39,28 @@ class Shape:
     n: int = 1  # choices per prompt (generation i is prompt i // n's choice i % n)
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, when asked)
     continuous_usage: bool = False  # vLLM's: every streamed chunk carries its choice's usage so far
+    prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's logprobs, top-N
 
     @classmethod
     def of(cls, req: _SamplingFields, chat: bool, logprobs: int | None, echo: bool = False) -> Shape:
         so = req.stream_options
         usage = bool(so and so.include_usage)
-        return cls(chat, logprobs, usage, req.n, echo, usage and bool(so and so.continuous_usage_stats))
+        return cls(
+            chat,
+            logprobs,
+            usage,
+            req.n,
+            echo,
+            usage and bool(so and so.continuous_usage_stats),
+            getattr(req, "prompt_logprobs", None),
+        )
+
+
+def with_prompt_logprobs(params: m.WireSamplingParams, *wants: int | None) -> m.WireSamplingParams:
+    """params asking the engine for the prompt's logprobs with the widest top-N of `wants` (echo's
+    logprobs, vLLM's prompt_logprobs; None: not asked), or params as they are when none asks."""
+    asked = [w for w in wants if w is not None]
+    return dataclasses.replace(params, prompt_logprobs=max(asked)) if asked else params
 
 
 def sampling(
@@ -258,19 +274,28 @@ def _final(
     choices: list[fmt.Choice] = []
     for g, d in zip(gens, dones):
         if shape.echo:
-            lp = None if shape.logprobs is None else _echo_logprobs(st, g, d.logprobs)
+            lp = None if shape.logprobs is None else _echo_logprobs(st, g, d.logprobs, shape.logprobs)
             choices.append((g.echo_text + d.text, d.finish_reason, lp))
         else:
             choices.append((d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)))
-    return (fmt.chat_completion if shape.chat else fmt.completion)(
-        rid, model, choices, _usage(dones, shape.n)
-    )
+    out = (fmt.chat_completion if shape.chat else fmt.completion)(rid, model, choices, _usage(dones, shape.n))
+    if shape.prompt_logprobs is not None:
+        for choice, g in zip(out["choices"], gens):
+            choice["prompt_logprobs"] = fmt.prompt_logprobs(
+                st.codec, g.prompt_ids, g.prompt_logprobs, shape.prompt_logprobs
+            )
+    return out
 
 
-def _echo_logprobs(st: ServerState, g: Generation, lps: list[m.WireLogprob]) -> dict[str, Any]:
-    """Completions logprobs of the prompt (its first token has none: null) followed by `lps`."""
+def _echo_logprobs(st: ServerState, g: Generation, lps: list[m.WireLogprob], top_n: int) -> dict[str, Any]:
+    """Completions logprobs of the prompt (its first token has none: null) followed by `lps`; the prompt's
+    alternatives cut to `top_n` (the engine computed as many as the widest of echo's and prompt_logprobs')."""
     first = m.WireLogprob(g.prompt_ids[0], 0.0)
-    out = fmt.completion_logprobs(st.codec, [first, *g.prompt_logprobs, *lps])
+    prompt = [
+        lp if len(lp.top) <= top_n else dataclasses.replace(lp, top=lp.top[:top_n])
+        for lp in g.prompt_logprobs
+    ]
+    out = fmt.completion_logprobs(st.codec, [first, *prompt, *lps])
     out["token_logprobs"][0] = out["top_logprobs"][0] = None
     return out
 
@@ -327,7 +352,7 @@ async def _stream(
             if not echoed[i]:  # (the prompt's logprobs are all in by its first token, or its end)
                 echoed[i] = True
                 g = gens[i]
-                lp = None if shape.logprobs is None else _echo_logprobs(st, g, [])
+                lp = None if shape.logprobs is None else _echo_logprobs(st, g, [], shape.logprobs)
                 yield fmt.sse(fmt.completion_chunk(rid, model, g.echo_text, None, lp, usage=u, index=i))
                 text_pos[i] = len(g.echo_text)
             if isinstance(ev, Delta):
@@ -381,8 +406,8 @@ async def completions(request: Request) -> Response:
         else:
             ids = _in_vocab(st, prompt, "prompt", "prompt token ids")
         params = sampling(st, req, len(ids), req.max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:  # (the prompt's own logprobs, with the same top-N)
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        # (the prompt's own logprobs: echo's, with logprobs' top-N, and / or vLLM's prompt_logprobs)
+        params = with_prompt_logprobs(params, req.logprobs if req.echo else None, req.prompt_logprobs)
         prompts.append((ids, params))
         texts.append(prompt if isinstance(prompt, str) else st.codec.decode(ids))
     rid = new_rid("cmpl")
@@ -401,7 +426,7 @@ async def chat_completions(request: Request) -> Response:
     text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message)
     ids = await prompt_ids_with_documents(st, text)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling(st, req, len(ids), req.limit(), logprobs)
+    params = with_prompt_logprobs(sampling(st, req, len(ids), req.limit(), logprobs), req.prompt_logprobs)
     rid = new_rid("chatcmpl")
     gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
     return await serve(request, st, rid, gens, Shape.of(req, True, logprobs), req.stream)
