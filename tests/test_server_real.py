@@ -192,6 +192,20 @@ def test_echo_logprobs_score_the_prompt_like_engine_score(client, server, tiny_d
     assert len(lp.token_logprobs) == len(ids)
     assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4)
     assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])  # (a dict by text: two ids may decode alike)
+    # vLLM's prompt_logprobs: the same logprobs, by token id, with each token's rank among the model's
+    body = {"model": "tiny", "prompt": text, "max_tokens": 0, "prompt_logprobs": 1}
+    plp = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0][
+        "prompt_logprobs"
+    ]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i, (tok, entry) in enumerate(zip(ids[1:], plp[1:])):
+        mine = entry[str(tok)]
+        assert abs(mine["logprob"] - float(want[i])) <= 1e-4 and isinstance(mine["decoded_token"], str)
+        assert (
+            1 + int((ref[i] > want[i] + 1e-4).sum())
+            <= mine["rank"]
+            <= 1 + int((ref[i] > want[i] - 1e-4).sum())
+        )
     # n = 2: choice 0 computes the prompt's logprobs for both; choice 1 takes the prompt from the cache
     before = stats(server)["prefix_cache_hit_tokens"]
     r = client.completions.create(model="tiny", prompt=text, max_tokens=2, echo=True, logprobs=1, n=2)
