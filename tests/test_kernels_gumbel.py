@@ -205,11 +205,11 @@ def test_top_k_by_select_keeps_the_lower_ids_among_equal_logits():
     x = torch.zeros(3, 40)
     x[1, 5:] = float("-inf")  # 5 finite, k 8
     x[2, [3, 9, 30]] = 2.0  # three above, then ties
-    kept = _keep_top_k(x, [3, 8, 5])
+    kept = _keep_top_k(x, [3, 8, 5], torch.tensor([[3], [8], [5]]))
     assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [0, 1, 2]
     assert torch.isfinite(kept[1]).nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
     assert torch.isfinite(kept[2]).nonzero().flatten().tolist() == [0, 1, 3, 9, 30]
-    assert torch.equal(_keep_top_k(x, [0, 0, 0]), x)
+    assert torch.equal(_keep_top_k(x, [0, 0, 0], torch.zeros(3, 1, dtype=torch.int64)), x)
     rows = [
         RowPlan(rid="a", token_ids=(0,), start=0, pages=(), temperature=1.0, top_k=3, seed=1, step=s)
         for s in range(60)

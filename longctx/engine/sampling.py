@@ -176,10 +176,9 @@ class Penalties:
                 hist.append(out[: r.step])
             lens.append(r.step if out is not None else 0)
         p = len(sel)
-        per_row = [r.repetition_penalty for r in sel] + [r.frequency_penalty for r in sel]
-        ints, floats = _all_on(
-            dev, ([*lens, *which], torch.int64), (per_row + [r.presence_penalty for r in sel], torch.float32)
-        )  # (one copy for every column)
+        rep_freq_pres = [r.repetition_penalty for r in sel] + [r.frequency_penalty for r in sel]
+        rep_freq_pres += [r.presence_penalty for r in sel]
+        ints, floats = _all_on(dev, ([*lens, *which], torch.int64), (rep_freq_pres, torch.float32))
         rep, freq, pres = (c[:, None] for c in floats.view(3, p))
         counts = torch.zeros(p, vocab, dtype=torch.float32, device=dev)
         total = sum(lens)
@@ -259,14 +258,12 @@ def _sample(
 TOP_K_SELECT_MAX = 1024
 
 
-def _keep_top_k(x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor | None = None) -> torch.Tensor:
+def _keep_top_k(x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor) -> torch.Tensor:
     """x [D, V] with each row's tokens outside its top_k (0: off) at -inf, the sort's set without a
     sort: the tokens above the row's kth value, then as many equal to it as are left, lower ids first.
-    `k`: top_k already on x's device (int64 [D, 1]), else copied there."""
+    `k`: top_k on x's device (int64 [D, 1])."""
     if not any(top_k):
         return x
-    if k is None:
-        k = _on(x.device, top_k, torch.int64)[:, None]
     kth = torch.topk(x, max(top_k), dim=1).values.gather(1, (k - 1).clamp_min(0))
     above = x > kth
     tie = x == kth
@@ -275,7 +272,7 @@ def _keep_top_k(x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor | None = 
 
 
 def _top_k_sorted(
-    x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor | None = None
+    x: torch.Tensor, top_k: Sequence[int], k: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, token ids) [D, max(k)] of each row's top k (every row has one) in the stable descending
     sort's order, and -inf past k: what sorting the whole row and cutting it at k gives, from a select
@@ -321,21 +318,19 @@ def _candidates_width(vocab: int) -> int:
 
 
 def _top_p_candidates(
-    x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], cols: _DrawColumns | None = None
+    x: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], cols: _DrawColumns
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For a batch with top-p rows where every row has a top-p or a top-k <= TOP_P_CANDIDATES: the
     (values, token ids) [D, W] of each row's kept tokens in sorted order (-inf past them), from its
     likeliest W = TOP_P_CANDIDATES tokens (or its top k) alone, when those hold at least top_p of each
     top-p row's mass; else None (a row needs more: the caller sorts whole rows). The one host
     synchronisation of a step that takes it, where it avoids a sort of every row. `cols`: the draw's
-    columns on the device (made here if not given)."""
+    columns on the device."""
     cap = _candidates_width(x.shape[1])
     if cap <= 0 or all(p >= 1.0 for p in top_p) or (x.is_cuda and not TOP_P_CANDIDATES_CUDA):
         return None
     if any(not (0 < k <= cap or (not k and p < 1.0)) for k, p in zip(top_k, top_p)):
         return None
-    if cols is None:
-        cols = _DrawColumns.of(x.device, x.shape[1], top_k=top_k, top_p=top_p)
     sx, order = _top_k_sorted(x, [k or cap for k in top_k], cols.k_or_cap)
     # each row's probabilities under its own normaliser: over its top k (the sort's -inf past k), or over
     # the whole row for a top-p row without one
@@ -365,41 +360,18 @@ class _DrawColumns:
         self.top_k, self.k_or_cap, self.k_or_vocab = (c[:, None] for c in i[d:].view(3, d))
 
     @staticmethod
-    def spec(
-        vocab: int,
-        top_k: Sequence[int],
-        top_p: Sequence[float],
-        temperature: Sequence[float] = (),
-        min_p: Sequence[float] = (),
-        keys: Sequence[int] = (),
-    ) -> tuple[tuple[list[float], torch.dtype], tuple[list[int], torch.dtype]]:
-        """The two `_all_on` columns the constructor takes (defaults: temperature 1, no min_p, key 0)."""
-        d = len(top_k)
+    def spec(rows: Sequence[Any], vocab: int) -> tuple[tuple[list[Any], torch.dtype], ...]:
+        """The two `_all_on` columns of `rows` the constructor takes."""
+        top_k = [_top_k_of(r, vocab) for r in rows]
         cap = _candidates_width(vocab)
-        floats = [*(temperature or [1.0] * d), *(min_p or [0.0] * d), *top_p]
-        ints = [*(keys or [0] * d), *top_k, *(k or cap for k in top_k), *(k or vocab for k in top_k)]
+        floats = [r.temperature for r in rows] + [r.min_p for r in rows] + [r.top_p for r in rows]
+        ints = [_token_seed(r.seed, r.step) for r in rows] + top_k
+        ints += [k or cap for k in top_k] + [k or vocab for k in top_k]
         return (floats, torch.float32), (ints, torch.int64)
-
-    @classmethod
-    def of(
-        cls, device: torch.device, vocab: int, top_k: Sequence[int], top_p: Sequence[float]
-    ) -> _DrawColumns:
-        return cls(_all_on(device, *cls.spec(vocab, top_k, top_p)))
 
 
 def _top_k_of(r: Any, vocab: int) -> int:
     return r.top_k if 0 < r.top_k < vocab else 0
-
-
-def _spec_of(rows: Sequence[Any], vocab: int) -> tuple[tuple[list[Any], torch.dtype], ...]:
-    return _DrawColumns.spec(
-        vocab,
-        [_top_k_of(r, vocab) for r in rows],
-        [r.top_p for r in rows],
-        [r.temperature for r in rows],
-        [r.min_p for r in rows],
-        [_token_seed(r.seed, r.step) for r in rows],
-    )
 
 
 def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") -> torch.Tensor:
@@ -416,25 +388,28 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
     [D] on logits' device."""
     dev = logits.device
     d, vocab = logits.shape
-    greedy = [i for i, r in enumerate(rows) if r.temperature < GREEDY_BELOW]
-    if len(greedy) == d:
-        return torch.argmax(logits, dim=-1)
     ordered = (not logits.is_cuda or SPLIT_PLAIN_CUDA) and any(
         r.top_p < 1.0 or _top_k_of(r, vocab) > TOP_K_SELECT_MAX for r in rows
     )
+    greedy: list[int] = []
     plain: list[int] = []
     rest: list[int] = []
     for i, r in enumerate(rows):
         if r.temperature < GREEDY_BELOW:
-            continue
-        (plain if ordered and r.top_p >= 1.0 and not _top_k_of(r, vocab) else rest).append(i)
+            greedy.append(i)
+        elif ordered and r.top_p >= 1.0 and not _top_k_of(r, vocab):
+            plain.append(i)
+        else:
+            rest.append(i)
+    if len(greedy) == d:
+        return torch.argmax(logits, dim=-1)
     groups = [g for g in (plain, rest) if g]
     if not greedy and len(groups) == 1:
-        return _draw(logits, rows, _DrawColumns(_all_on(dev, *_spec_of(rows, vocab))), backend)
+        return _draw(logits, rows, _DrawColumns(_all_on(dev, *_DrawColumns.spec(rows, vocab))), backend)
     at, *cols = _all_on(
         dev,
         (sum(groups, []), torch.int64),
-        *(c for g in groups for c in _spec_of([rows[i] for i in g], vocab)),
+        *(c for g in groups for c in _DrawColumns.spec([rows[i] for i in g], vocab)),
     )
     if greedy:
         toks = torch.argmax(logits, dim=-1)
