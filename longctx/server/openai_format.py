@@ -80,9 +80,7 @@ def chat_logprobs(codec: TextCodec, lps: list[m.WireLogprob], top_n: int) -> dic
     }
 
 
-def prompt_logprobs(
-    codec: TextCodec, prompt_ids: list[int], lps: list[m.WireLogprob], top_n: int
-) -> list[dict[str, Any] | None]:
+def prompt_logprobs(codec: TextCodec, lps: list[m.WireLogprob], top_n: int) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per token a map of token id
     (as a string) -> {"logprob", "rank", "decoded_token"} holding the prompt's token (its rank: 1 + the
     tokens likelier than it) and its top_n alternatives (ranks 1..top_n)."""
@@ -90,7 +88,7 @@ def prompt_logprobs(
     def entry(tid: int, p: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": p, "rank": rank, "decoded_token": codec.decode([tid])}
 
-    out: list[dict[str, Any] | None] = [None] if prompt_ids else []
+    out: list[dict[str, Any] | None] = [None]  # (a prompt has at least one token: empty ones are refused)
     for lp in lps:
         d = {str(t): entry(t, p, j + 1) for j, (t, p) in enumerate(lp.top[:top_n])}
         d[str(lp.token_id)] = entry(lp.token_id, lp.logprob, lp.rank)

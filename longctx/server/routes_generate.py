@@ -282,7 +282,7 @@ def _final(
     if shape.prompt_logprobs is not None:
         for choice, g in zip(out["choices"], gens):
             choice["prompt_logprobs"] = fmt.prompt_logprobs(
-                st.codec, g.prompt_ids, g.prompt_logprobs, shape.prompt_logprobs
+                st.codec, g.prompt_logprobs, shape.prompt_logprobs
             )
     return out
 
