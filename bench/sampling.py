@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +52,11 @@ def logits_of(dist: str, batch: int, vocab: int, dev: str) -> torch.Tensor:
         return torch.randn(batch, vocab, device=dev) * 3
     rank = torch.rand(batch, vocab, device=dev).argsort(dim=1).float() + 1
     return -torch.log(rank)
+
+
+def _ms(t: float | None) -> str:
+    """A table cell: seconds as ms, or empty where not timed."""
+    return "" if t is None else f"{t * 1e3:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,24 +98,29 @@ def main(argv: list[str] | None = None) -> int:
             def batched(x: torch.Tensor = x, rows: list = rows) -> torch.Tensor:
                 return sample_rows_device(x, rows, backend="auto")
 
+            sames: list[float] = []
+
+            def routed(
+                per_row: Callable = per_row, batched: Callable = batched, sames: list = sames, **route: Any
+            ) -> float:
+                """The batched draw timed under `sampler_route(**route)`, its tokens compared first."""
+                with sampler_route(**route):
+                    sames.append(float((per_row() == batched()).float().mean()))
+                    return timed(batched)
+
             t_row = timed(per_row)
-            with sampler_route():
-                same = float((per_row() == batched()).float().mean())
-                t_batch = timed(batched)
-            t_sort = None
-            if any(r.top_p < 1.0 for r in rows):  # the same rows with whole rows sorted (no candidates first)
-                with sampler_route(0):
-                    same = min(same, float((per_row() == batched()).float().mean()))
-                    t_sort = timed(batched)
-            t_split = None
-            if not any(r.top_p < 1.0 or r.top_k or r.min_p for r in rows):  # temperature alone
-                with sampler_route(scale_in_kernel=True):  # (the Gumbel kernel scales the logits on CUDA too)
-                    same = min(same, float((per_row() == batched()).float().mean()))
-                    t_split = timed(batched)
-            if any(r.top_p < 1.0 for r in rows) and any(r.top_p >= 1.0 for r in rows):  # a mixed batch
-                with sampler_route(0, split=True):  # (temperature-only rows drawn apart on CUDA too)
-                    same = min(same, float((per_row() == batched()).float().mean()))
-                    t_split = timed(batched)
+            t_batch = routed()
+            has_p = [r.top_p < 1.0 for r in rows]
+            # the same rows with whole rows sorted (no candidates first)
+            t_sort = routed(candidates=0) if any(has_p) else None
+            t_split = t_in_kernel = None
+            if any(has_p) and not all(has_p):  # a mixed batch: temperature-only rows drawn apart on CUDA too
+                t_split = routed(candidates=0, split=True)
+            if not any(p or r.top_k or r.min_p for p, r in zip(has_p, rows)):  # temperature alone
+                t_in_kernel = routed(
+                    scale_in_kernel=True
+                )  # (the Gumbel kernel scaling the logits on CUDA too)
+            same = min(sames)
             res["rows"].append(
                 {
                     "rows": name,
@@ -117,15 +129,15 @@ def main(argv: list[str] | None = None) -> int:
                     "per_row_ms": t_row * 1e3,
                     "batched_ms": t_batch * 1e3,
                     "batched_sort_ms": None if t_sort is None else t_sort * 1e3,
-                    # (temperature-only rows: the Gumbel kernel scaling the raw logits, SCALE_IN_KERNEL_CUDA)
                     "batched_sort_split_ms": None if t_split is None else t_split * 1e3,
+                    "batched_in_kernel_ms": None if t_in_kernel is None else t_in_kernel * 1e3,
                     "same": same,
                 }
             )
             lines.append(
                 f"| {dist}: {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | "
-                f"{'' if t_sort is None else f'{t_sort * 1e3:.3f}'} | "
-                f"{'' if t_split is None else f'{t_split * 1e3:.3f}'} | {t_row / t_batch:.1f}x | {same:.3f} |"
+                f"{_ms(t_sort)} | "
+                f"{_ms(t_split if t_in_kernel is None else t_in_kernel)} | {t_row / t_batch:.1f}x | {same:.3f} |"
             )
     lines += ["", "| greedy (argmax), rows | ms |", "|---|---|"]
     for batch in (1, 8, 32):
