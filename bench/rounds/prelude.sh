@@ -3,7 +3,7 @@
 # directories under $OUT by one archive (the device returns at most 8 files a call).
 set -u
 export TRITON_CACHE_DIR=/tmp/t/triton-cache PYTHONUNBUFFERED=1
-mkdir -p /tmp/t && tar -xzf .cache/triton-cache.tgz -C /tmp/t
+mkdir -p /tmp/t && { [ ! -f .cache/triton-cache.tgz ] || tar -xzf .cache/triton-cache.tgz -C /tmp/t; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 pack() {  # pack NAME DIR...: $OUT/NAME.tgz from the directories under $OUT, which are then removed
   local name=$1; shift
