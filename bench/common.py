@@ -140,18 +140,27 @@ def measure_ceilings(
 
 @contextlib.contextmanager
 def sampler_route(
-    candidates: int | None = None, split: bool | None = None, scale_in_kernel: bool | None = None
+    candidates: int | None = None,
+    split: bool | None = None,
+    scale_in_kernel: bool | None = None,
+    penalties_kernel: bool | None = None,
 ) -> Iterator[None]:
     """The sampler's routes for a timing: top-p rows take the candidates route on CUDA too
     (`TOP_P_CANDIDATES_CUDA`, off there by default), with `candidates` of them (0: whole rows sorted);
     temperature-only rows drawn apart from top-p rows on CUDA or not (`SPLIT_PLAIN_CUDA`); the Gumbel
-    kernel scaling raw logits itself on CUDA or not (`SCALE_IN_KERNEL_CUDA`). None: the default. Every
-    setting restored after."""
+    kernel scaling raw logits itself on CUDA or not (`SCALE_IN_KERNEL_CUDA`); the penalties in one kernel
+    on CUDA or not (`PENALTIES_KERNEL_CUDA`). None: the default. Every setting restored after."""
     from longctx.engine import sampling
 
-    names = ("TOP_P_CANDIDATES", "TOP_P_CANDIDATES_CUDA", "SPLIT_PLAIN_CUDA", "SCALE_IN_KERNEL_CUDA")
+    names = (
+        "TOP_P_CANDIDATES",
+        "TOP_P_CANDIDATES_CUDA",
+        "SPLIT_PLAIN_CUDA",
+        "SCALE_IN_KERNEL_CUDA",
+        "PENALTIES_KERNEL_CUDA",
+    )
     keep = {n: getattr(sampling, n) for n in names}
-    for n, v in zip(names, (candidates, True, split, scale_in_kernel)):
+    for n, v in zip(names, (candidates, True, split, scale_in_kernel, penalties_kernel)):
         if v is not None:
             setattr(sampling, n, v)
     try:

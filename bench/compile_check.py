@@ -1,5 +1,5 @@
-"""Compile the HiSparse placement kernels (kernels/lru_place.py) and the sampler's Gumbel draw
-(kernels/gumbel.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
+"""Compile the HiSparse placement kernels (kernels/lru_place.py), the sampler's Gumbel draw
+(kernels/gumbel.py) and its penalties (kernels/penalties.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
 with and without the parallel passes or the step's candidates, the passes' three phases, with and
@@ -31,6 +31,9 @@ _PTR = {
     # the sampler's Gumbel-max draw (kernels/gumbel.py)
     "x_ptr": "*fp32", "keys_ptr": "*i64", "ids_ptr": "*i64", "bs_ptr": "*fp32", "bh_ptr": "*i64", "bc_ptr": "*i64",
     "t_ptr": "*fp32", "bl_ptr": "*i32",
+    # the sampler's penalties (kernels/penalties.py)
+    "lx_ptr": "*fp32", "po_ptr": "*fp32", "pslot_ptr": "*i32", "pcnt_ptr": "*i32", "pmask_ptr": "*u8",
+    "rep_ptr": "*fp32", "freq_ptr": "*fp32", "pres_ptr": "*fp32",
 }  # fmt: skip
 # the trained model's decode shape: top-256 into 13,107 slots (7 blocks of 2,048), 11-bit digits
 _CONST = {
@@ -64,7 +67,10 @@ def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no
         triton.compile(
             src,
             target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": over.get("num_warps", 8)},
+            options={
+                "num_warps": over.get("num_warps", 8),
+                "enable_fp_fusion": over.get("enable_fp_fusion", True),
+            },
         ).metadata.shared
     )
 
@@ -113,6 +119,11 @@ def variants() -> list[tuple[str, dict]]:
         ("_gumbel_argmax_kernel", {"HAS_T": True, "BLOCK": 1024, "num_warps": 4, "x_ptr": x})
         for x in ("*fp32", "*bf16")
     ]
+    # the penalties over a GLM vocabulary's blocks, fp32 or bf16 logits
+    out += [
+        ("_penalise_kernel", {"BLOCK": 2048, "num_warps": 4, "lx_ptr": x, "enable_fp_fusion": False})
+        for x in ("*fp32", "*bf16")
+    ]
     return out
 
 
@@ -132,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     if "nvidia" not in backends:
         print("compile_check: this triton has no nvidia backend")
         return 2
-    from longctx.kernels import gumbel, lru_place
+    from longctx.kernels import gumbel, lru_place, penalties
+
+    modules = {"_gumbel_argmax_kernel": gumbel, "_penalise_kernel": penalties}
 
     failed = 0
     for name, over in variants():
         try:
-            smem = compile_kernel(getattr(gumbel if "gumbel" in name else lru_place, name), args.arch, **over)
+            smem = compile_kernel(getattr(modules.get(name, lru_place), name), args.arch, **over)
             print(f"ok   {name} {over} ({smem} B shared)")
         except Exception as e:  # noqa: BLE001  (report every variant, then fail)
             failed += 1

@@ -230,6 +230,35 @@ def case_gumbel_t(batch: int, vocab: int, dtype: str) -> float:
     return float((got != want).float().mean())
 
 
+def case_penalise(rows: int, vocab: int, dtype: str) -> float:
+    """The penalties pass against its torch reference on the GPU: 0 when every value is the same bit for
+    bit (NaN where NaN), else the largest difference (inf where only one side is infinite). Rows of
+    several slots, unpenalised rows between them, -inf / +inf / NaN logits."""
+    from longctx.kernels.penalties import penalise, penalise_ref
+
+    x = (torch.randn(rows, vocab, device="cuda") * 5).to(getattr(torch, dtype))
+    x[0, ::97] = float("nan")
+    x[-1, ::1001] = float("-inf")
+    x[-1, 5::3001] = float("inf")
+    slots = 4
+    slot = torch.randint(-1, slots, (rows,), device="cuda", dtype=torch.int32)
+    slot[-1] = 0
+    counts = torch.randint(1, 5, (slots, vocab), device="cuda") * (
+        torch.rand(slots, vocab, device="cuda") < 0.2
+    )
+    prompt = (torch.rand(slots, vocab, device="cuda") < 0.1).to(torch.uint8)
+    rep = torch.rand(rows, device="cuda") * 2 + 0.25
+    rep[::3] = 1.0
+    freq, pres = torch.randn(rows, device="cuda"), torch.randn(rows, device="cuda")
+    args = (x, slot, counts.to(torch.int32), prompt, rep, freq, pres)
+    got, want = penalise(*args, backend="triton"), penalise_ref(*args)
+    if torch.equal(got.nan_to_num(0.0, 1.0, -1.0), want.nan_to_num(0.0, 1.0, -1.0)) and torch.equal(
+        got.isnan(), want.isnan()
+    ):
+        return 0.0
+    return float((got - want).abs().nan_to_num(float("inf")).max())
+
+
 def case_topk_window(n: int, batch: int, k: int, window: int) -> float:
     """The decode step's top-k with `index_local_window` (the write pass stores the window): rows before
     and after k + window, at the retrieval model's 192 + 64."""
@@ -743,6 +772,9 @@ CASES = {
     "gumbel_ids_b8_5k": (case_gumbel, (8, 5000, True), 0.0),
     "gumbel_t_b1_154k": (case_gumbel_t, (1, 154_880, "float32"), 0.0),
     "gumbel_t_b32_154k_bf16": (case_gumbel_t, (32, 154_880, "bfloat16"), 0.04),
+    "penalise_b1_154k": (case_penalise, (1, 154_880, "float32"), 0.0),
+    "penalise_b32_154k": (case_penalise, (32, 154_880, "float32"), 0.0),
+    "penalise_b8_154k_bf16": (case_penalise, (8, 154_880, "bfloat16"), 0.0),
     "swap_rows": (case_swap, (1,), 0.0),
     "swap_pages": (case_swap, (64,), 0.0),
     "mla_fp8_b1": (case_sparse_mla, ("fp8", 1), 2e-2),

@@ -5,8 +5,9 @@ engine spent per sampled row before `draw_rows`); `sample_rows_device` draws eve
 (`draw_rows`: one sort for the rows with top-k / top-p, one Gumbel kernel). Timed with CUDA events
 (`bench.common.time_cuda`, host time included: launch-bound work is the point; on the CPU the median
 of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the
-penalties (`Penalties.apply` over every row, 100 tokens of history each; batched only, its per-row
-form is gone); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
+penalties (`Penalties.apply` over every row, 100 tokens of history each: its torch form, its kernel
+(`PENALTIES_KERNEL_CUDA`, output compared bit for bit with the torch form's), and a step's apply + record
+with the kernel); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
 draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold top_p of its mass, one
 host synchronisation to know; on CUDA the engine takes it only with `TOP_P_CANDIDATES_CUDA`, which this
 bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`); a mixed batch (temperature-only and top-p
@@ -145,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         t = timed(lambda x=x: torch.argmax(x, dim=-1))
         res.setdefault("greedy", []).append({"batch": batch, "ms": t * 1e3})
         lines.append(f"| {batch} | {t * 1e3:.3f} |")
-    lines += ["", "| penalties, rows | history | batched ms |", "|---|---|---|"]
+    lines += [
+        "",
+        "| penalties, rows | history | batched ms | in one kernel ms | apply + record (a step's), kernel ms |",
+        "|---|---|---|---|---|",
+    ]
     pen_kw = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
     for batch in (1, 8, 32):
         pen = Penalties()
@@ -162,9 +167,32 @@ def main(argv: list[str] | None = None) -> int:
         rows = [
             RowPlan(rid=str(i), token_ids=(0,), start=0, pages=(), step=100, **pen_kw) for i in range(batch)
         ]
-        t = timed(lambda pen=pen, x=x, rows=rows: pen.apply(x, rows, range(len(rows))))
-        res["penalties"].append({"batch": batch, "history": 100, "batched_ms": t * 1e3})
-        lines.append(f"| {batch} | 100 | {t * 1e3:.3f} |")
+        toks = torch.randint(0, args.vocab, (batch,), device=dev)
+        with sampler_route(penalties_kernel=False):
+            want = pen.apply(x, rows, range(batch), "torch")
+            t = timed(lambda pen=pen, x=x, rows=rows: pen.apply(x, rows, range(len(rows))))
+        with sampler_route(penalties_kernel=True):
+            same = torch.equal(pen.apply(x, rows, range(batch)), want)
+            t_k = timed(lambda pen=pen, x=x, rows=rows: pen.apply(x, rows, range(len(rows))))
+
+            def step_of(pen=pen, x=x, rows=rows, toks=toks) -> None:  # (records step 100 again and again)
+                pen.apply(x, rows, range(len(rows)))
+                pen.record(toks, rows, range(len(rows)))
+
+            t_step = timed(step_of)
+        res["penalties"].append(
+            {
+                "batch": batch,
+                "history": 100,
+                "batched_ms": t * 1e3,
+                "kernel_ms": t_k * 1e3,
+                "apply_record_kernel_ms": t_step * 1e3,
+                "kernel_equals_torch": same,
+            }
+        )
+        lines.append(
+            f"| {batch} | 100 | {t * 1e3:.3f} | {t_k * 1e3:.3f}{'' if same else ' (differs!)'} | {t_step * 1e3:.3f} |"
+        )
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:

@@ -107,6 +107,7 @@ def test_sampling_bench_on_cpu(tmp_path: Path) -> None:
     assert {r["logits"] for r in d["rows"]} == {"flat", "peaked"}
     assert all((r["batched_sort_ms"] is not None) == ("top_p" in r["rows"]) for r in d["rows"])
     assert [p["batch"] for p in d["penalties"]] == [1, 8, 32] == [g["batch"] for g in d["greedy"]]
+    assert all(p["kernel_equals_torch"] and p["apply_record_kernel_ms"] > 0 for p in d["penalties"])
 
 
 def test_step_profile_groups_kernels_by_model_part() -> None:

@@ -40,15 +40,17 @@ def test_triton_bf16_matches_torch_bf16(tmp_path, kv_dtype, skip):
 
 
 def test_triton_sampling_draws_the_torch_paths_tokens(tiny_dir):
-    """Seeded sampling through the engine with the Gumbel kernel (interpreted) gives the torch path's tokens:
-    three prompts batched (seeds 3, 4, 5), plain, with top_p, and with top_k and min_p."""
+    """Seeded sampling through the engine with the Gumbel and penalties kernels (interpreted) gives the torch
+    path's tokens: three prompts batched (seeds 3, 4, 5), plain, with top_p, with top_k and min_p, and with
+    every penalty."""
     prompts = [rand_ids(10 + 3 * i, 40 + i) for i in range(3)]
-    controls = [{}, {"top_p": 0.9}, {"top_k": 20, "min_p": 0.02}]
+    pen = {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3}
+    controls = [{}, {"top_p": 0.9}, {"top_k": 20, "min_p": 0.02}, pen]
     got = {}
     for backend in ("torch", "triton"):
         with Engine(tiny_dir, device="cpu", backend=backend) as e:
             got[backend] = [
-                [c.token_ids for c in e.generate(prompts, max_new_tokens=3, temperature=1.0, seed=3, ignore_eos=True, **kw)]
+                [c.token_ids for c in e.generate(prompts, max_new_tokens=4, temperature=1.0, seed=3, ignore_eos=True, **kw)]
                 for kw in controls
             ]  # fmt: skip
     assert got["triton"] == got["torch"]

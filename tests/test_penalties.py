@@ -25,10 +25,12 @@ def _row(rid: str, step: int, prompt: list[int] = (), **kw) -> RowPlan:  # type:
     return RowPlan(rid=rid, token_ids=(0,), start=0, pages=(), step=step, penalty_prompt=tuple(prompt), **kw)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_penalties_match_the_reference(seed):
+@pytest.mark.parametrize("seed,backend", [(0, "torch"), (1, "torch"), (2, "torch"), (3, "triton")])
+def test_penalties_match_the_reference(seed, backend):
     """Rows of several requests, each with its own penalties and history, over many steps (a step
-    sampled twice keeps the second token): the penalised logits equal `penalise_ref` on each row."""
+    sampled twice keeps the second token; halfway a request is rewound two steps and samples them anew):
+    the penalised logits equal `penalise_ref` on each row, through the torch form and the kernel
+    (interpreted)."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     pen = Penalties()
@@ -39,19 +41,24 @@ def test_penalties_match_the_reference(seed):
     }
     prompts = {rid: [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))] for rid in reqs}
     outs: dict[str, list[int]] = {rid: [] for rid in reqs}
-    for step in range(12):
-        rows = [_row(rid, step, prompts[rid] if step == 0 else (), **kw) for rid, kw in reqs.items()]
+    steps = {rid: 0 for rid in reqs}
+    for it in range(12):
+        if it == 7:  # "b" takes back its last two tokens
+            steps["b"] -= 2
+            del outs["b"][-2:]
+        rows = [_row(rid, steps[rid], prompts[rid] if it == 0 else (), **kw) for rid, kw in reqs.items()]
         logits = torch.randn(len(rows), VOCAB, generator=g) * 3
-        got = pen.apply(logits, rows, range(len(rows)))
+        got = pen.apply(logits, rows, range(len(rows)), backend)
         for i, rid in enumerate(reqs):
             want = penalise_ref(logits[i], prompts[rid], outs[rid], **reqs[rid])
-            assert torch.allclose(got[i], want, atol=1e-5), (rid, step)
+            assert torch.allclose(got[i], want, atol=1e-5), (rid, it)
         toks = torch.tensor([rng.randrange(VOCAB) for _ in rows])
-        if step == 5:  # the same step sampled again: the second token replaces the first
+        if it == 5:  # the same step sampled again: the second token replaces the first
             pen.record(torch.tensor([rng.randrange(VOCAB) for _ in rows]), rows, range(len(rows)))
         pen.record(toks, rows, range(len(rows)))
         for rid, t in zip(reqs, toks.tolist()):
             outs[rid].append(t)
+            steps[rid] += 1
     assert len(pen) == 3
     pen.release(["a", "b", "c"])
     assert len(pen) == 0
@@ -170,3 +177,34 @@ def test_penalties_with_overlapped_decode_and_graphs(tiny_dir, eng, graphs):
         for c in eng.generate(prompts, stop=[stop], temperature=0.7, seed=3, **kw)
     ]
     assert got == want and a == b
+
+
+def test_slots_are_reused_clean_and_the_pools_grow():
+    """Requests come and go, more at once than the pools first hold: a request in a freed slot starts
+    from no history and no prompt set, and every row stays equal to the reference."""
+    g = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    pen = Penalties()
+    live: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (prompt, output)
+    kw = dict(presence_penalty=0.4, frequency_penalty=0.9, repetition_penalty=1.6)
+    for it in range(10):
+        for _ in range(rng.randrange(0, 5)):
+            live[f"r{it}-{len(live)}"] = ([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))], [])
+        if not live:
+            continue
+        rids = list(live)
+        rows = [_row(rid, len(live[rid][1]), live[rid][0] if not live[rid][1] else (), **kw) for rid in rids]
+        logits = torch.randn(len(rows), VOCAB, generator=g)
+        got = pen.apply(logits, rows, range(len(rows)))
+        for i, rid in enumerate(rids):
+            want = penalise_ref(logits[i], live[rid][0], live[rid][1], **kw)
+            assert torch.allclose(got[i], want, atol=1e-5), (rid, it, (got[i] - want).abs().max())
+        toks = torch.tensor([rng.randrange(VOCAB) for _ in rows])
+        pen.record(toks, rows, range(len(rows)))
+        for rid, t in zip(rids, toks.tolist()):
+            live[rid][1].append(t)
+        done = [rid for rid in rids if rng.random() < 0.4]
+        pen.release(done)
+        for rid in done:
+            del live[rid]
+        assert len(pen) == len(live)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref, scale_logits_ref
+from longctx.kernels.penalties import penalise
 from longctx.seeds import MASK63, generator_seed
 
 _MIX = 0x9E3779B97F4A7C15
@@ -48,7 +49,7 @@ def sample_rows_device(
     if penalised:
         if penalties is None:
             raise ValueError("penalised rows need the last stage's Penalties")
-        logits = penalties.apply(logits, rows, penalised)
+        logits = penalties.apply(logits, rows, penalised, backend)
     toks = draw_rows(logits, rows, backend)
     if penalised:
         assert penalties is not None
@@ -140,83 +141,129 @@ def penalise_ref(
 
 
 class Penalties:
-    """Per-request device state of the penalties (the last stage's): the tokens sampled so far, by
-    index, and the prompt's token set. Freed by `release`."""
+    """Per-request device state of the penalties (the last stage's). Each request holds a slot of two pools:
+    the counts of the tokens it has sampled (int32 [S, vocab], kept up to date as tokens are recorded, so a
+    step reads them instead of counting its history again) and its prompt's token set (uint8 [S, vocab]);
+    and its tokens by step, to replace a step sampled again and to take back steps a rewound request
+    samples anew. Freed by `release`."""
 
     def __init__(self) -> None:
         self._out: dict[str, torch.Tensor] = {}  # rid -> int64 [capacity] tokens by step index
-        self._prompt: dict[str, torch.Tensor] = {}  # rid -> bool [vocab]
+        self._n: dict[str, int] = {}  # rid -> steps recorded (those the counts hold)
+        self._slot: dict[str, int] = {}  # rid -> its row of the pools
+        self._free: list[int] = []
+        self._prompted: set[str] = set()  # requests whose prompt set was given
+        self._counts = torch.zeros(0, 0, dtype=torch.int32)
+        self._prompt = torch.zeros(0, 0, dtype=torch.uint8)
 
     def __len__(self) -> int:
-        return len(self._out.keys() | self._prompt.keys())
+        return len(self._slot)
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> torch.Tensor:
+    def apply(
+        self, logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int], backend: str = "auto"
+    ) -> torch.Tensor:
         """A float32 copy of logits [R, vocab] with rows `which` penalised (their tokens 0..step-1), every
-        such row at once: the counts of all of them in one scatter, the penalties as [P, 1] columns."""
-        x = logits.float().clone()
+        row in one pass (`longctx.kernels.penalties.penalise`; on CUDA its kernel only with
+        PENALTIES_KERNEL_CUDA)."""
         which = list(which)
         if not which:
-            return x
-        dev, vocab = x.device, x.shape[1]
+            return logits.float().clone()
+        dev, vocab = logits.device, logits.shape[1]
         sel = [rows[i] for i in which]
-        hist: list[torch.Tensor] = []  # each row's tokens so far, in row order
-        lens: list[int] = []
-        for r in sel:
-            if r.penalty_prompt:
-                mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
-                mask[_on(dev, r.penalty_prompt, torch.int64)] = True
-                self._prompt[r.rid] = mask
-            out = self._out.get(r.rid)
-            have = 0 if out is None else min(r.step, out.numel())
-            if have < r.step:
-                raise ValueError(f"request {r.rid}: sampling token {r.step} but only {have} were recorded")
-            if r.repetition_penalty != 1.0 and r.rid not in self._prompt:
+        for r in sel:  # (checked before anything changes)
+            if self._n.get(r.rid, 0) < r.step:
+                raise ValueError(
+                    f"request {r.rid}: sampling token {r.step} but only {self._n.get(r.rid, 0)} were recorded"
+                )
+            if r.repetition_penalty != 1.0 and r.rid not in self._prompted and not r.penalty_prompt:
                 raise ValueError(f"request {r.rid}: a repetition penalty without the prompt's tokens")
-            if out is not None and r.step:
-                hist.append(out[: r.step])
-            lens.append(r.step if out is not None else 0)
-        p = len(sel)
-        rep_freq_pres = [r.repetition_penalty for r in sel] + [r.frequency_penalty for r in sel]
-        rep_freq_pres += [r.presence_penalty for r in sel]
-        ints, floats = _all_on(dev, ([*lens, *which], torch.int64), (rep_freq_pres, torch.float32))
-        rep, freq, pres = (c[:, None] for c in floats.view(3, p))
-        counts = torch.zeros(p, vocab, dtype=torch.float32, device=dev)
-        total = sum(lens)
-        if total:
-            at_row = torch.repeat_interleave(torch.arange(p, device=dev), ints[:p], output_size=total)
-            counts.index_put_((at_row, torch.cat(hist)), torch.ones(total, device=dev), accumulate=True)
-        at = ints[p:]
-        sub = x.index_select(0, at)
-        if any(r.repetition_penalty != 1.0 for r in sel):
-            none = torch.zeros(vocab, dtype=torch.bool, device=dev)
-            seen = torch.stack([self._prompt.get(r.rid, none) for r in sel]) | (counts > 0)
-            hit = torch.where(sub > 0, sub / rep, sub * rep)
-            sub = torch.where(seen & (rep != 1.0), hit, sub)
-        sub = sub - freq * counts - pres * (counts > 0).float()
-        return x.index_copy_(0, at, sub)
+        self._make_room(sel, vocab, dev)
+        for r in sel:
+            slot = self._slot[r.rid]
+            if r.penalty_prompt:
+                self._prompt[slot].zero_()
+                self._prompt[slot].index_fill_(0, _on(dev, r.penalty_prompt, torch.int64), 1)
+                self._prompted.add(r.rid)
+            n = self._n.get(r.rid, 0)
+            if n > r.step:  # steps past this one were taken back: their tokens leave the counts
+                gone = self._out[r.rid][r.step : n]
+                self._counts[slot].index_put_((gone,), torch.full_like(gone, -1, dtype=torch.int32), True)
+                self._n[r.rid] = r.step
+        slots = [-1] * len(rows)
+        rep, freq, pres = [1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows)
+        for i, r in zip(which, sel):
+            slots[i] = self._slot[r.rid]
+            rep[i], freq[i], pres[i] = r.repetition_penalty, r.frequency_penalty, r.presence_penalty
+        slot_col, floats = _all_on(dev, (slots, torch.int32), ([*rep, *freq, *pres], torch.float32))
+        if logits.is_cuda and not PENALTIES_KERNEL_CUDA:
+            backend = "torch"
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        return penalise(logits, slot_col, self._counts, self._prompt, *floats.view(3, -1), backend=backend)
+
+    def _make_room(self, sel: Sequence[Any], vocab: int, dev: torch.device) -> None:
+        """A slot (zeroed) for each request of `sel` without one, the pools grown (doubled) to hold them."""
+        new = [r.rid for r in sel if r.rid not in self._slot]
+        if self._counts.device != dev or self._counts.shape[1] != vocab:
+            if self._slot:
+                raise ValueError(f"penalties: logits of {vocab} tokens on {dev} after other ones")
+            self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=dev)
+            self._prompt = torch.zeros(0, vocab, dtype=torch.uint8, device=dev)
+        have = self._counts.shape[0]
+        if len(new) > len(self._free):
+            grow = max(4, have, len(new) - len(self._free))
+            self._counts = torch.cat([self._counts, self._counts.new_zeros(grow, vocab)])
+            self._prompt = torch.cat([self._prompt, self._prompt.new_zeros(grow, vocab)])
+            self._free += range(have + grow - 1, have - 1, -1)
+        for rid in new:
+            slot = self._slot[rid] = self._free.pop()
+            self._counts[slot].zero_()
+            self._prompt[slot].zero_()
 
     def record(self, toks: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> None:
-        """Keep row i's sampled token toks[i] as its request's token `step` (device to device; every row's
-        copy in one multi-tensor launch)."""
+        """Keep row i's sampled token toks[i] as its request's token `step` and count it (device to device:
+        the tokens by step in one multi-tensor copy, the counts in one scatter; a step sampled again
+        gives back its earlier token's count first)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        at_slot: list[int] = []  # the counts' changes: (slot, token, +-1), the tokens on the device
+        tok: list[torch.Tensor] = []
+        sign: list[int] = []
         for i in which:
             r = rows[i]
+            n = self._n.get(r.rid, 0)
+            assert r.step <= n, (r.rid, r.step, n)
             out = self._out.get(r.rid)
             if out is None or out.numel() <= r.step:
                 grown = torch.zeros(max(16, 2 * (r.step + 1)), dtype=torch.int64, device=toks.device)
                 if out is not None:
                     grown[: out.numel()] = out
                 self._out[r.rid] = out = grown
+            slot = self._slot[r.rid]
+            if r.step < n:  # (read before the copy below replaces it: same stream)
+                at_slot.append(slot)
+                tok.append(out[r.step : r.step + 1])
+                sign.append(-1)
+            at_slot.append(slot)
+            tok.append(toks[i : i + 1])
+            sign.append(1)
+            self._n[r.rid] = max(n, r.step + 1)
             dst.append(out[r.step : r.step + 1])
             src.append(toks[i : i + 1])
-        if dst:
-            torch._foreach_copy_(dst, src)
+        if not dst:
+            return
+        at, change = _all_on(toks.device, (at_slot, torch.int64), (sign, torch.int32))
+        self._counts.index_put_((at, torch.cat(tok)), change, accumulate=True)
+        torch._foreach_copy_(dst, src)
 
     def release(self, rids: Iterable[str]) -> None:
         for rid in rids:
             self._out.pop(rid, None)
-            self._prompt.pop(rid, None)
+            self._n.pop(rid, None)
+            self._prompted.discard(rid)
+            slot = self._slot.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
 
 
 def _sample(
@@ -302,6 +349,10 @@ SPLIT_PLAIN_CUDA = False
 # itself) instead of scaling them first. On CUDA only with SCALE_IN_KERNEL_CUDA until that kernel form has
 # been checked on a GPU (bench.gpu_kernel_check --only gumbel_t); the interpreter checks it in CI.
 SCALE_IN_KERNEL_CUDA = False
+# The penalties in one launch of `longctx.kernels.penalties` (the interpreter checks it in CI); on CUDA only
+# with PENALTIES_KERNEL_CUDA until a GPU has checked it (bench.gpu_kernel_check --only penalise), else the
+# same pools through its torch form.
+PENALTIES_KERNEL_CUDA = False
 
 
 def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
