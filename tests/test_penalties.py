@@ -13,7 +13,7 @@ import torch
 from longctx import Engine
 from longctx.engine.plan import RowPlan
 from longctx.engine.request import SamplingParams
-from longctx.engine.sampling import Penalties, penalise_ref, sample_rows_device
+from longctx.engine.sampling import Penalties, penalise_row_ref, sample_rows_device
 from longctx.errors import RequestError
 from tests.conftest import rand_ids
 
@@ -29,7 +29,7 @@ def _row(rid: str, step: int, prompt: list[int] = (), **kw) -> RowPlan:  # type:
 def test_penalties_match_the_reference(seed, backend):
     """Rows of several requests, each with its own penalties and history, over many steps (a step
     sampled twice keeps the second token; halfway a request is rewound two steps and samples them anew):
-    the penalised logits equal `penalise_ref` on each row, through the torch form and the kernel
+    the penalised logits equal `penalise_row_ref` on each row, through the torch form and the kernel
     (interpreted)."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -50,7 +50,7 @@ def test_penalties_match_the_reference(seed, backend):
         logits = torch.randn(len(rows), VOCAB, generator=g) * 3
         got = pen.apply(logits, rows, range(len(rows)), backend)
         for i, rid in enumerate(reqs):
-            want = penalise_ref(logits[i], prompts[rid], outs[rid], **reqs[rid])
+            want = penalise_row_ref(logits[i], prompts[rid], outs[rid], **reqs[rid])
             assert torch.allclose(got[i], want, atol=1e-5), (rid, it)
         toks = torch.tensor([rng.randrange(VOCAB) for _ in rows])
         if it == 5:  # the same step sampled again: the second token replaces the first
@@ -70,7 +70,7 @@ def test_rows_without_penalties_are_untouched_and_penalised_rows_need_state():
     pen = Penalties()
     toks = sample_rows_device(logits, rows, pen)
     assert toks[0] == logits[0].argmax()
-    assert toks[1] == penalise_ref(logits[1], [1, 2], [], 0.0, 0.0, 2.0).argmax()
+    assert toks[1] == penalise_row_ref(logits[1], [1, 2], [], 0.0, 0.0, 2.0).argmax()
     with pytest.raises(ValueError, match="need the last stage"):
         sample_rows_device(logits, rows)
     with pytest.raises(ValueError, match="only 0 were recorded"):  # a step with no history before it
@@ -82,7 +82,7 @@ def _reference_greedy(eng: Engine, prompt: list[int], n: int, **kw) -> list[int]
     out: list[int] = []
     for _ in range(n):
         last = eng.score(prompt + out)[-1]
-        out.append(int(penalise_ref(last, prompt, out, **kw).argmax()))
+        out.append(int(penalise_row_ref(last, prompt, out, **kw).argmax()))
     return out
 
 
@@ -197,7 +197,7 @@ def test_slots_are_reused_clean_and_the_pools_grow():
         logits = torch.randn(len(rows), VOCAB, generator=g)
         got = pen.apply(logits, rows, range(len(rows)))
         for i, rid in enumerate(rids):
-            want = penalise_ref(logits[i], live[rid][0], live[rid][1], **kw)
+            want = penalise_row_ref(logits[i], live[rid][0], live[rid][1], **kw)
             assert torch.allclose(got[i], want, atol=1e-5), (rid, it, (got[i] - want).abs().max())
         toks = torch.tensor([rng.randrange(VOCAB) for _ in rows])
         pen.record(toks, rows, range(len(rows)))

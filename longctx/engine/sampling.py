@@ -119,7 +119,7 @@ def shape_ref(
     return x
 
 
-def penalise_ref(
+def penalise_row_ref(
     logits: torch.Tensor,
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
