@@ -27,6 +27,15 @@ def test_generate_text_batch_and_json(capsys) -> None:
     with Engine(WIP, device="cpu") as eng:  # the CLI's greedy text is the engine's
         (want,) = eng.generate([prompt], max_new_tokens=6)
     assert rows[0]["text"] == want.text and rows[0]["token_ids"] == want.token_ids
+    # --include-stop: the text keeps the stop string that ended it
+    assert len(want.text) >= 3, want.text
+    stop = want.text[1:3]
+    assert (
+        main(["generate", *CPU, "--max-new-tokens", "6", "--json", "--stop", stop, "--include-stop", prompt])
+        == 0
+    )
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["text"] == want.text[: want.text.index(stop) + 2] and row["finish_reason"] == "stop"
     # token ids in, plain text out; a selection flag passes through to the engine
     ids = ",".join(str(b) for b in prompt.encode())
     assert (

@@ -95,6 +95,10 @@ def test_stop_tokens_and_strings(eng):
         s = text[2:4]
         out = eng.generate([p], max_new_tokens=10, stop=[s], ignore_eos=True)[0]
         assert out.finish_reason == "stop" and s not in out.text
+        kept = eng.generate(
+            [p], max_new_tokens=10, stop=[s], ignore_eos=True, include_stop_str_in_output=True
+        )[0]
+        assert kept.token_ids == out.token_ids and kept.text == out.text + s
 
 
 def test_string_prompts_round_trip(eng):

@@ -92,6 +92,7 @@ def test_extreme_controls_draw_a_token_instead_of_nan():
         (dict(logit_bias=((-2, 1.0),)), "non-negative"),
         (dict(logit_bias=((3, 1.0), (3, 2.0))), "twice"),
         (dict(logit_bias=tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))), "at most"),
+        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output 'yes': must be True or False"),
     ],
 )
 def test_bad_controls_are_rejected(kw, msg):
@@ -105,6 +106,12 @@ def test_find_stop_ignores_matches_ending_within_the_floor():
     assert find_stop("ab.cd.ef", ["."], floor=3) == 5
     assert find_stop("ab.cd.ef", ["b.c"], floor=3) == 1  # begins inside, ends after: a match
     assert find_stop("ab.cd.ef", ["."], start=6) is None
+    # include_stop_str_in_output: after the first stop string to complete
+    assert find_stop("ab.cd.ef", [".", "cd"], include=True) == 3
+    assert find_stop("ab.cd.ef", ["b.cd", "cd"], include=True) == 5  # two end together
+    assert find_stop("xabcd", ["abcd", "bc"], include=True) == 4  # "bc" completes first
+    assert find_stop("ab.cd.ef", ["."], floor=3, include=True) == 6
+    assert find_stop("ab.cd.ef", ["zz"], include=True) is None
 
 
 def test_logit_bias_steers_greedy_and_sampled_tokens(eng):

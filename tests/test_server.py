@@ -115,6 +115,33 @@ def test_stop_strings_and_logprobs(client):
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == "abcd"
+    # vLLM's include_stop_str_in_output: the text ends after the stop string, streamed or not, chat too
+    keep = {"include_stop_str_in_output": True}
+    r = client.completions.create(
+        model="fake", prompt="abcdefgh", max_tokens=8, temperature=0, stop=["de", "zz"], extra_body=keep
+    )
+    assert r.choices[0].text == "abcde" and r.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(
+            model="fake",
+            prompt="abcdefgh",
+            max_tokens=8,
+            temperature=0,
+            stop="ef",
+            stream=True,
+            extra_body=keep,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == "abcdef"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    msgs = [{"role": "user", "content": "abcdefgh"}]
+    plain = client.chat.completions.create(model="fake", messages=msgs, max_tokens=40, temperature=0)
+    text = plain.choices[0].message.content
+    stop = text[3:5]
+    r = client.chat.completions.create(
+        model="fake", messages=msgs, max_tokens=40, temperature=0, stop=[stop], extra_body=keep
+    )
+    assert r.choices[0].message.content == text[: text.index(stop) + 2]
     r = client.completions.create(model="fake", prompt="abc", max_tokens=3, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert lp.tokens == ["a", "b", "c"] and len(lp.top_logprobs[0]) == 2 and lp.text_offset == [0, 1, 2]

@@ -100,6 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        include_stop_str_in_output=args.include_stop,
     ).validate()
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise LongctxError("--logprobs / --prompt-logprobs need --json")
@@ -112,6 +113,7 @@ def run_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             stop=args.stop or None,
+            include_stop_str_in_output=args.include_stop,
             seed=args.seed,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
@@ -202,6 +204,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --json: each prompt token's, top N",
     )
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--include-stop", action="store_true", help="the text keeps the stop string that ended it")
     g.add_argument("--json", action="store_true", help="one JSON object per completion")
     g.set_defaults(func=run_generate)
 

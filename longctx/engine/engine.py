@@ -110,11 +110,13 @@ class Engine(EngineCore):
         logit_bias: dict[int, float] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        include_stop_str_in_output: bool = False,
     ) -> list[Completion]:
         """Generate for a batch of prompts (token-id lists or strings), or for one prompt (a string or a
         token-id list, as SGLang's Engine and vLLM's LLM take it); one Completion each, a list either way.
         The penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
-        top-N alternatives of each generated / prompt token) are `SamplingParams`'."""
+        top-N alternatives of each generated / prompt token) and include_stop_str_in_output (the text keeps
+        the stop string that ended it) are `SamplingParams`'."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list | tuple) and prompts and all(is_int(t) for t in prompts)
         ):
@@ -144,6 +146,7 @@ class Engine(EngineCore):
             logit_bias=tuple((logit_bias or {}).items()),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         params.validate()  # before any prompt is read, once for every prompt (seed + i stays valid)
         reqs = []

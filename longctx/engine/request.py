@@ -48,6 +48,8 @@ class SamplingParams:
     min_p: float = 0.0
     # (token id, bias) pairs added to the logits before anything else, greedy rows included (OpenAI's)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the output text keeps the stop string that ended it (vLLM's include_stop_str_in_output)
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> None:
         """RequestError `about` the first bad field (`min_p 2.0: must be in [0, 1]`; of a wrong type too: a
@@ -87,8 +89,9 @@ class SamplingParams:
                 f"must be an integer between 0 and {{}} ({self.max_new_tokens})",
                 "max_new_tokens",
             )
-        if not isinstance(self.ignore_eos, bool):  # ("no" was read as True)
-            raise RequestError.about("ignore_eos", repr(self.ignore_eos), "must be True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # ("no" was read as True)
+                raise RequestError.about(name, repr(getattr(self, name)), "must be True or False")
         if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise RequestError.about("min_p", repr(self.min_p), "must be in [0, 1]")
         if isinstance(self.stop, str):  # (it was read as one stop string per character)
@@ -175,14 +178,20 @@ def _token_id(t: Any, name: str) -> int:
         raise RequestError(f"{name}: token id {t!r} is not an integer", "prompt") from None
 
 
-def find_stop(text: str, stops: Sequence[str], start: int = 0, floor: int = 0) -> int | None:
-    """Earliest index at or after `start` where a stop string begins and ends after `floor` (the length of
-    the text no stop string may end within: that of a request's first min_tokens tokens). None: no match."""
+def find_stop(
+    text: str, stops: Sequence[str], start: int = 0, floor: int = 0, include: bool = False
+) -> int | None:
+    """Where the text is cut for its stop strings: the earliest index at or after `start` where a stop
+    string begins and ends after `floor` (the length of the text no stop string may end within: that of a
+    request's first min_tokens tokens). `include` (vLLM's include_stop_str_in_output): the earliest end of
+    such a match instead, so the text keeps the first stop string to complete (the one that ended the
+    generation). None: no match."""
     best: int | None = None
     for s in stops:
         i = text.find(s, max(0, start, floor - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0:
+            cut = i + len(s) if include else i
+            best = cut if best is None else min(best, cut)
     return best
 
 

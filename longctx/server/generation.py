@@ -133,7 +133,10 @@ class Generation:
                     text += detok.flush()
                     if reason == "abort":
                         raise ApiError(503, "request aborted by the server", "server_error")
-                cut = None if floor is None else find_stop(text, self.stop, emitted - holdback, floor)
+                cut = None
+                if floor is not None:
+                    include = self.params.include_stop_str_in_output
+                    cut = find_stop(text, self.stop, emitted - holdback, floor, include)
                 if cut is not None:
                     text = text[:cut]
                     reason = "stop"

@@ -93,6 +93,7 @@ class WireSamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
 
 
 @message("add")

@@ -105,6 +105,7 @@ def sampling(
         min_p=float(req.min_p or 0.0),
         logit_bias=req.bias_pairs(),
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 
