@@ -65,6 +65,9 @@ def test_a_device_that_is_not_cpu_or_an_existing_gpu_is_refused(monkeypatch):
         ({"stop": [None]}, "stop"),  # (dropped)
         ({"stop": [True]}, "stop"),  # (token 1)
         ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+        ({"allowed_token_ids": {5}}, "allowed_token_ids"),
     ],
 )
 def test_bad_sampling_arguments_are_request_errors(eng, kw, says):

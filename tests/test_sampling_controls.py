@@ -25,24 +25,33 @@ def _row(rid: str, **kw) -> RowPlan:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_shaping_matches_the_reference(seed):
-    """Rows with their own biases and suppressed tokens (some rows neither) equal `shape_ref` row by row;
-    greedy picks the shaped argmax and never a suppressed token."""
+    """Rows with their own biases, suppressed tokens and allowed tokens (some rows none of them) equal
+    `shape_ref` row by row; greedy and seeded draws pick only allowed tokens, never a suppressed one, and
+    greedy picks the shaped argmax."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     rows = []
-    for i in range(6):
+    for i in range(8):
         bias = tuple((t, rng.uniform(-100, 100)) for t in rng.sample(range(VOCAB), rng.randrange(0, 8)))
         sup = tuple(sorted(rng.sample(range(VOCAB), rng.randrange(0, 5))))
-        rows.append(_row(f"r{i}", logit_bias=bias, suppress=sup))
+        allowed = tuple(rng.sample(range(VOCAB), rng.randrange(1, 12))) if i % 2 else ()
+        rows.append(_row(f"r{i}", logit_bias=bias, suppress=sup, allowed=allowed))
     logits = torch.randn(len(rows), VOCAB, generator=g) * 4
     which = [i for i, r in enumerate(rows) if r.shaped]
     got = shape_logits(logits, rows, which)
     for i, r in enumerate(rows):
-        want = shape_ref(logits[i], r.logit_bias, r.suppress) if r.shaped else logits[i]
+        want = shape_ref(logits[i], r.logit_bias, r.suppress, r.allowed) if r.shaped else logits[i]
         assert torch.equal(got[i], want.float()), i
     toks = sample_rows_device(logits, rows)
     for i, r in enumerate(rows):
         assert int(toks[i]) == int(got[i].argmax()) and int(toks[i]) not in r.suppress
+        assert not r.allowed or int(toks[i]) in r.allowed
+    hot = [dataclasses.replace(r, temperature=2.0, seed=k, step=k) for k, r in enumerate(rows)]
+    for _ in range(5):
+        toks = sample_rows_device(logits, hot).tolist()
+        assert all(not r.allowed or t in r.allowed for r, t in zip(rows, toks))
+        assert all(t not in r.suppress for r, t in zip(rows, toks))
+        hot = [dataclasses.replace(r, step=r.step + 1) for r in hot]
 
 
 def test_min_p_keeps_only_tokens_near_the_likeliest():
@@ -93,6 +102,8 @@ def test_extreme_controls_draw_a_token_instead_of_nan():
         (dict(logit_bias=((3, 1.0), (3, 2.0))), "twice"),
         (dict(logit_bias=tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))), "at most"),
         (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output 'yes': must be True or False"),
+        (dict(allowed_token_ids=5), "allowed_token_ids: must be a list of token ids"),
+        (dict(allowed_token_ids=tuple(range(MAX_LOGIT_BIAS + 1))), "at most"),
     ],
 )
 def test_bad_controls_are_rejected(kw, msg):
@@ -231,6 +242,11 @@ def test_engine_rejects_out_of_vocabulary_controls(eng):
         eng.generate([rand_ids(10, 6)], max_new_tokens=2, logit_bias={5000: 1.0})
     with pytest.raises(RequestError, match="stop_token_ids: token id 999 is outside"):
         eng.generate([rand_ids(10, 6)], max_new_tokens=2, stop=[999])
+    with pytest.raises(RequestError, match="allowed_token_ids: token id 320 is outside"):
+        eng.generate([rand_ids(10, 6)], max_new_tokens=2, allowed_token_ids=[5, 320])
+    eos = eng.cfg.eos_ids()[0]
+    with pytest.raises(RequestError, match="allowed_token_ids: every allowed token ends the generation"):
+        eng.generate([rand_ids(10, 6)], max_new_tokens=4, allowed_token_ids=[eos, 7], stop=[7], min_tokens=2)
     assert eng.generate([rand_ids(10, 6)], max_new_tokens=2)[0].token_ids  # (the engine goes on)
 
 

@@ -75,6 +75,7 @@ SAMPLING: dict[str, list[Any]] = {
     "repetition_penalty": [0, 1e-300, 100, 100.5, -1],
     "ignore_eos": [True, "no", 0],
     "include_stop_str_in_output": [True, False, "yes", 1],
+    "allowed_token_ids": [[5], [97, 98], [], [-1], [2**63], [319], [320], "7", [True], list(range(1025))],
     "user": ["u", 5],
     "min_tokens": [0, 1, 2, 3, 2**63, -1],
     "min_p": [0, 1, 1.01, -0.01],

@@ -173,6 +173,24 @@ def test_sampling_controls_reach_the_real_engine(client, tiny_dir):
     assert len(want.token_ids) == 5 and want.token_ids[-1] == eos and want.finish_reason == "stop"
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 5
+    # vLLM's allowed_token_ids: only those are drawn, greedy or sampled, as Engine.generate draws them
+    allowed = [72, 105, 33]  # "H", "i", "!"
+    for temp in (0.0, 1.5):
+        with Engine(str(tiny_dir), device="cpu") as e:
+            want = e.generate(
+                [prompt],
+                max_new_tokens=6,
+                temperature=temp,
+                seed=5,
+                allowed_token_ids=allowed,
+                ignore_eos=True,
+            )[0]
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=temp, seed=5,
+            extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+        )  # fmt: skip
+        assert set(want.token_ids) <= set(allowed) and len(want.token_ids) == 6
+        assert r.choices[0].text == want.text
 
 
 def test_echo_logprobs_score_the_prompt_like_engine_score(client, server, tiny_dir):

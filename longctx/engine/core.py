@@ -210,7 +210,7 @@ class EngineCore:
         """A request whose params are valid (`add_request` checked them, or `generate` once for all its
         prompts) into the scheduler, after the checks that need the model: its token ids, its stop strings'
         tokenizer."""
-        check_token_ids(req, self.cfg.vocab_size)
+        check_token_ids(req, self.cfg.vocab_size, self.cfg.eos_ids())
         if req.params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer (tokenizer.json)", "stop")
         self.scheduler.add(req)

@@ -31,9 +31,11 @@ class RowPlan:
     repetition_penalty: float = 1.0
     penalty_prompt: tuple[int, ...] = ()
     # logits shaping before the penalties: `logit_bias` (token, bias) pairs added, `suppress` tokens never
-    # drawn (a request's EOS and stop tokens while it has fewer than min_tokens); `min_p` (after temperature)
+    # drawn (a request's EOS and stop tokens while it has fewer than min_tokens), `allowed` the only tokens
+    # drawn (empty: all); `min_p` (after temperature)
     logit_bias: tuple[tuple[int, float], ...] = ()
     suppress: tuple[int, ...] = ()
+    allowed: tuple[int, ...] = ()
     min_p: float = 0.0
     # prompt logprobs: the prompt tokens this row's positions predict (position start + i predicts
     # prompt_lp_targets[i]), each reported with its top-`prompt_logprobs` alternatives
@@ -53,7 +55,7 @@ class RowPlan:
 
     @property
     def shaped(self) -> bool:
-        return bool(self.logit_bias or self.suppress)
+        return bool(self.logit_bias or self.suppress or self.allowed)
 
     def pages_extend(self, epoch: int, n: int) -> bool:
         """Whether a copy of this request's first `n` pages taken at `epoch` is still a prefix of

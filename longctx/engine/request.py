@@ -50,6 +50,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # the output text keeps the stop string that ended it (vLLM's include_stop_str_in_output)
     include_stop_str_in_output: bool = False
+    # only these tokens are drawn, greedy rows included (vLLM's allowed_token_ids; empty: every token)
+    allowed_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
         """RequestError `about` the first bad field (`min_p 2.0: must be in [0, 1]`; of a wrong type too: a
@@ -97,7 +99,12 @@ class SamplingParams:
         if isinstance(self.stop, str):  # (it was read as one stop string per character)
             raise RequestError.about("stop", repr(self.stop), "must be a list of strings, not one string")
         # (a container of another type failed as a TypeError in add_request, or in the step)
-        for name, what in (("stop", "strings"), ("stop_token_ids", "token ids"), ("logit_bias", "pairs")):
+        for name, what in (
+            ("stop", "strings"),
+            ("stop_token_ids", "token ids"),
+            ("logit_bias", "pairs"),
+            ("allowed_token_ids", "token ids"),
+        ):
             v = getattr(self, name)
             if not isinstance(v, tuple | list):
                 raise RequestError.about(name, None, f"must be a list of {what}, got {type(v).__name__}")
@@ -124,11 +131,18 @@ class SamplingParams:
                 )
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise RequestError.about("logit_bias", None, "a token appears twice")
+        if len(self.allowed_token_ids) > MAX_LOGIT_BIAS:
+            raise RequestError.about(
+                "allowed_token_ids",
+                None,
+                f"has {len(self.allowed_token_ids)} entries, at most {MAX_LOGIT_BIAS}",
+            )
 
 
-def check_token_ids(req: Request, vocab_size: int) -> None:
-    """Every token id a request names (prompt, stop tokens, logit_bias) an int (not a bool) inside
-    [0, vocab_size)."""
+def check_token_ids(req: Request, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
+    """Every token id a request names (prompt, stop tokens, logit_bias, allowed tokens) an int (not a bool)
+    inside [0, vocab_size); allowed tokens that min_tokens would all hold back (each an EOS, `eos_ids`, or a
+    stop token) are refused, since no token could be drawn."""
     if not isinstance(req.prompt_ids, list):  # (a tuple failed in the step joining it to the output)
         raise RequestError(f"prompt_ids must be a list, got {type(req.prompt_ids).__name__}", "prompt")
     p = req.params
@@ -136,6 +150,7 @@ def check_token_ids(req: Request, vocab_size: int) -> None:
         ("prompt", req.prompt_ids),
         ("stop_token_ids", p.stop_token_ids),
         ("logit_bias", [t for t, _ in p.logit_bias]),
+        ("allowed_token_ids", p.allowed_token_ids),
     ):
         for t in ids:
             if type(t) is not int:  # (not a bool; as fast as isinstance)
@@ -148,6 +163,16 @@ def check_token_ids(req: Request, vocab_size: int) -> None:
                 raise RequestError(problem, param)
             e = RequestError.about(param, None, problem)  # (`logit_bias: token id 5000 is outside ...`)
             e.param = param
+            raise e
+    if p.allowed_token_ids and p.min_tokens:
+        held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+        if set(p.allowed_token_ids) <= held:
+            e = RequestError.about(
+                "allowed_token_ids",
+                None,
+                "every allowed token ends the generation, which min_tokens holds back",
+            )
+            e.param = "allowed_token_ids"
             raise e
 
 

@@ -58,26 +58,38 @@ def sample_rows_device(
 
 
 def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> torch.Tensor:
-    """A float32 copy of logits [R, vocab] with rows `which` shaped: each row's logit_bias added and its
-    `suppress` tokens set to -inf (before the penalties, as vLLM orders its logits processors)."""
+    """A float32 copy of logits [R, vocab] with rows `which` shaped: each row's logit_bias added, its
+    `suppress` tokens set to -inf, and with `allowed` tokens every other one too (before the penalties, as
+    vLLM orders its logits processors)."""
     x = logits.float().clone()
     vocab = x.shape[1]
     bias_at: list[int] = []  # flat indices into x (row * vocab + token): one copy and one launch a step
     bias: list[float] = []
     off: list[int] = []
+    keep_rows: list[int] = []  # rows with allowed tokens, and those tokens' flat indices
+    keep: list[int] = []
     for i in which:
         r = rows[i]
         bias_at += [i * vocab + t for t, _ in r.logit_bias]
         bias += [b for _, b in r.logit_bias]
         off += [i * vocab + t for t in r.suppress]
-    if not bias_at and not off:
+        if r.allowed:
+            keep_rows.append(i)
+            keep += [i * vocab + t for t in r.allowed]
+    if not bias_at and not off and not keep:
         return x
     flat = x.view(-1)
-    at, values = _all_on(x.device, ([*bias_at, *off], torch.int64), (bias, torch.float32))
+    ints = [*bias_at, *off, *keep, *keep_rows]
+    at, values = _all_on(x.device, (ints, torch.int64), (bias, torch.float32))
+    nb, no, nk = len(bias_at), len(off), len(keep)
     if bias_at:
-        flat.index_add_(0, at[: len(bias_at)], values)
+        flat.index_add_(0, at[:nb], values)
     if off:
-        flat.index_fill_(0, at[len(bias_at) :], float("-inf"))
+        flat.index_fill_(0, at[nb : nb + no], float("-inf"))
+    if keep:  # the allowed tokens' values kept, their rows' other tokens -inf
+        kept = flat.index_select(0, at[nb + no : nb + no + nk])
+        x.index_fill_(0, at[nb + no + nk :], float("-inf"))
+        flat.index_copy_(0, at[nb + no : nb + no + nk], kept)
     return x
 
 
@@ -108,7 +120,10 @@ def _all_on(device: torch.device, *cols: tuple[Sequence[Any], torch.dtype]) -> l
 
 
 def shape_ref(
-    logits: torch.Tensor, logit_bias: Sequence[tuple[int, float]] = (), suppress: Sequence[int] = ()
+    logits: torch.Tensor,
+    logit_bias: Sequence[tuple[int, float]] = (),
+    suppress: Sequence[int] = (),
+    allowed: Sequence[int] = (),
 ) -> torch.Tensor:
     """Reference for one row's logits [vocab], token by token."""
     x = logits.float().clone()
@@ -116,6 +131,10 @@ def shape_ref(
         x[t] += b
     for t in suppress:
         x[t] = float("-inf")
+    if allowed:
+        for t in range(x.numel()):
+            if t not in allowed:
+                x[t] = float("-inf")
     return x
 
 

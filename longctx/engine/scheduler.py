@@ -252,6 +252,7 @@ class Scheduler:
             penalty_prompt=self._penalty_prompt(req) if mode == "last" and not req.output_ids else (),
             logit_bias=p.logit_bias,
             suppress=self._suppress(req, len(req.output_ids)) if mode == "last" else (),
+            allowed=p.allowed_token_ids if mode == "last" else (),
             min_p=p.min_p,
             prompt_lp_targets=targets,
             prompt_logprobs=p.prompt_logprobs or 0,

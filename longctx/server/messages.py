@@ -94,6 +94,7 @@ class WireSamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: tuple[int, ...] = ()
 
 
 @message("add")

@@ -180,8 +180,11 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS
     )
-    # vLLM's: the text keeps the stop string that ended it
+    # vLLM's: the text keeps the stop string that ended it; only these tokens are drawn
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=I64)]] | None = Field(
+        None, min_length=1, max_length=MAX_LOGIT_BIAS
+    )
 
     # Known fields asking for output longctx does not make: refused (a 400 naming the field), not ignored.
     # What leaves the output unchanged passes: a "text" response_format, tools the model may not call

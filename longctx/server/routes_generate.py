@@ -106,6 +106,7 @@ def sampling(
         logit_bias=req.bias_pairs(),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,
+        allowed_token_ids=tuple(req.allowed_token_ids or ()),
     )
 
 
