@@ -6,7 +6,8 @@ with fp8 KV through Triton against the torch path on a smooth model; decode thro
 eager decode (plain, HiSparse-capped, with `index_local_window`, and with `index_topk_long` too); and the
 engine's CUDA-only set-up paths (`cuda_paths`: `cuda:N`, the default pool's size, the room check against
 the GPU's free memory). `sampled_decode` times decode (graphs, overlapped) of small-1m's first four
-layers with a GLM vocabulary, greedy and top-p sampled, with top-p's candidates first and with whole
+layers with a GLM vocabulary, greedy, greedy with penalties, temperature-only and top-p sampled (each
+CUDA-gated sampler route on and off), with top-p's candidates first and with whole
 rows sorted (`sampling.TOP_P_CANDIDATES = 0`), at two temperatures: one where the candidates hold top_p
 of the mass, one where they do not. Writes gpu-check.json.
 
@@ -141,9 +142,10 @@ def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict
 
 
 def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, device: str = "cuda") -> None:
-    """ms per generated token (64 after a 40-token prompt, its prefill included), greedy against top_p 0.9
-    with and without the candidates route, batch 1, 8 and 32 (on CUDA small-1m's first four layers with a
-    GLM vocabulary, else `base`'s)."""
+    """ms per generated token (64 after a 40-token prompt, its prefill included), greedy against temperature
+    alone (scaled in the Gumbel kernel or first), greedy with penalties (their kernel or torch form) and
+    top_p 0.9 with and without the candidates route, batch 1, 8 and 32 (on CUDA small-1m's first four
+    layers with a GLM vocabulary, else `base`'s)."""
     import time
 
     from longctx import Engine
@@ -177,6 +179,18 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
                 return (time.perf_counter() - t0) / 64 * 1e3
 
             row = {"greedy_ms": per_step()}
+            # temperature alone: the Gumbel kernel scaling the raw logits itself, or the logits scaled first
+            plain = dict(temperature=temps["peaked"], seed=3)
+            with sampler_route(scale_in_kernel=True):
+                row["temperature_ms"] = per_step(**plain)
+            with sampler_route(scale_in_kernel=False):
+                row["temperature_scaled_first_ms"] = per_step(**plain)
+            # greedy with every penalty: the penalties kernel, or its torch form
+            pen = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+            with sampler_route(penalties_kernel=True):
+                row["penalties_ms"] = per_step(**pen)
+            with sampler_route(penalties_kernel=False):
+                row["penalties_torch_ms"] = per_step(**pen)
             for name, t in temps.items():
                 kw = dict(temperature=t, top_p=0.9, seed=3)
                 with sampler_route():

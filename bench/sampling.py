@@ -7,7 +7,7 @@ engine spent per sampled row before `draw_rows`); `sample_rows_device` draws eve
 of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the
 penalties (`Penalties.apply` over every row, 100 tokens of history each: its torch form, its kernel
 (`PENALTIES_KERNEL_CUDA`, output compared bit for bit with the torch form's), and a step's apply + record
-with the kernel); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
+with the kernel, one step after another); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
 draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold top_p of its mass, one
 host synchronisation to know; on CUDA the engine takes it only with `TOP_P_CANDIDATES_CUDA`, which this
 bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`); a mixed batch (temperature-only and top-p
@@ -23,6 +23,7 @@ greedy rows (one argmax) are the floor a sampled step is compared with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -175,9 +176,15 @@ def main(argv: list[str] | None = None) -> int:
             same = torch.equal(pen.apply(x, rows, range(batch)), want)
             t_k = timed(lambda pen=pen, x=x, rows=rows: pen.apply(x, rows, range(len(rows))))
 
-            def step_of(pen=pen, x=x, rows=rows, toks=toks) -> None:  # (records step 100 again and again)
-                pen.apply(x, rows, range(len(rows)))
-                pen.record(toks, rows, range(len(rows)))
+            # a step as the engine takes it: penalise at step s, record token s, then s + 1 (each call's
+            # rows built beforehand, as the scheduler builds them)
+            ahead = [[dataclasses.replace(r, step=100 + k) for r in rows] for k in range(64)]
+            at = iter(ahead)
+
+            def step_of(pen=pen, x=x, toks=toks, at=at) -> None:
+                now = next(at)
+                pen.apply(x, now, range(len(now)))
+                pen.record(toks, now, range(len(now)))
 
             t_step = timed(step_of)
         res["penalties"].append(

@@ -197,6 +197,8 @@ class Penalties:
             if r.repetition_penalty != 1.0 and r.rid not in self._prompted and not r.penalty_prompt:
                 raise ValueError(f"request {r.rid}: a repetition penalty without the prompt's tokens")
         self._make_room(sel, vocab, dev)
+        gone: list[torch.Tensor] = []  # tokens of steps taken back (past the one sampled now), by slot
+        gone_slots: list[int] = []
         for r in sel:
             slot = self._slot[r.rid]
             if r.penalty_prompt:
@@ -204,10 +206,12 @@ class Penalties:
                 self._prompt[slot].index_fill_(0, _on(dev, r.penalty_prompt, torch.int64), 1)
                 self._prompted.add(r.rid)
             n = self._n.get(r.rid, 0)
-            if n > r.step:  # steps past this one were taken back: their tokens leave the counts
-                gone = self._out[r.rid][r.step : n]
-                self._counts[slot].index_put_((gone,), torch.full_like(gone, -1, dtype=torch.int32), True)
+            if n > r.step:  # they leave the counts
+                gone.append(self._out[r.rid][r.step : n])
+                gone_slots += [slot] * (n - r.step)
                 self._n[r.rid] = r.step
+        if gone:
+            self._count(torch.cat(gone), gone_slots, [-1] * len(gone_slots))
         slots = [-1] * len(rows)
         rep, freq, pres = [1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows)
         for i, r in zip(which, sel):
@@ -239,6 +243,12 @@ class Penalties:
             self._counts[slot].zero_()
             self._prompt[slot].zero_()
 
+    def _count(self, tokens: torch.Tensor, slots: list[int], signs: list[int]) -> None:
+        """counts[slots[j], tokens[j]] += signs[j] for every j, in one atomic scatter (exact: integers)."""
+        at, change = _all_on(tokens.device, (slots, torch.int64), (signs, torch.int32))
+        flat = torch.add(tokens, at, alpha=self._counts.shape[1])
+        self._counts.view(-1).index_add_(0, flat, change)
+
     def record(self, toks: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> None:
         """Keep row i's sampled token toks[i] as its request's token `step` and count it (device to device:
         the tokens by step in one multi-tensor copy, the counts in one scatter; a step sampled again
@@ -263,16 +273,16 @@ class Penalties:
                 at_slot.append(slot)
                 tok.append(out[r.step : r.step + 1])
                 sign.append(-1)
+            new = toks[i : i + 1]
             at_slot.append(slot)
-            tok.append(toks[i : i + 1])
+            tok.append(new)
             sign.append(1)
             self._n[r.rid] = max(n, r.step + 1)
             dst.append(out[r.step : r.step + 1])
-            src.append(toks[i : i + 1])
+            src.append(new)
         if not dst:
             return
-        at, change = _all_on(toks.device, (at_slot, torch.int64), (sign, torch.int32))
-        self._counts.index_put_((at, torch.cat(tok)), change, accumulate=True)
+        self._count(torch.cat(tok), at_slot, sign)
         torch._foreach_copy_(dst, src)
 
     def release(self, rids: Iterable[str]) -> None:
@@ -365,13 +375,16 @@ TOP_P_CANDIDATES_CUDA = False
 # SPLIT_PLAIN_CUDA (H100, bench.sampling: a mixed batch of 8 split 1.11 ms, 8 top-p rows sorted 0.77).
 SPLIT_PLAIN_CUDA = False
 # A temperature-only group draws in one launch of the Gumbel kernel on the raw logits (it scales them
-# itself) instead of scaling them first. On CUDA only with SCALE_IN_KERNEL_CUDA until that kernel form has
-# been checked on a GPU (bench.gpu_kernel_check --only gumbel_t); the interpreter checks it in CI.
-SCALE_IN_KERNEL_CUDA = False
-# The penalties in one launch of `longctx.kernels.penalties` (the interpreter checks it in CI); on CUDA only
-# with PENALTIES_KERNEL_CUDA until a GPU has checked it (bench.gpu_kernel_check --only penalise), else the
-# same pools through its torch form.
-PENALTIES_KERNEL_CUDA = False
+# itself) instead of scaling them first (False: scaled first, on CUDA). Checked on an H100
+# (bench.gpu_kernel_check --only gumbel_t: the reference's tokens) and faster there at batch 1, 8 and 32
+# (bench.sampling, fifty-fourth session: 0.32-0.41 ms against 0.38-0.65, peaked rows); the interpreter
+# checks it in CI.
+SCALE_IN_KERNEL_CUDA = True
+# The penalties in one launch of `longctx.kernels.penalties` (False: the same pools through its torch form,
+# on CUDA). Checked on an H100 (bench.gpu_kernel_check --only penalise: bit for bit) and 3.5x faster there
+# (bench.sampling, fifty-fourth session: 0.12-0.15 ms against 0.43-0.54 at batch 1-32); the interpreter
+# checks it in CI.
+PENALTIES_KERNEL_CUDA = True
 
 
 def _cut_top_p(sx: torch.Tensor, probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
