@@ -48,6 +48,9 @@ def test_generate_text_batch_and_json(capsys) -> None:
     assert main([*argv, "--logit-bias", "88:100, 257:50", "--min-tokens", "3"]) == 0
     (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert row["token_ids"] == [88, 88, 88, 88, 88] and row["finish_reason"] == "length"
+    assert main([*argv, "--allowed-token-ids", "70, 71", "--temperature", "1.5", "--seed", "2"]) == 0
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert set(row["token_ids"]) <= {70, 71} and len(row["token_ids"]) == 5
     # logprobs of the generated and the prompt tokens, as Engine.generate gives them
     assert main(["generate", *CPU, "--json", "--token-ids", ids, "--max-new-tokens", "3", "--logprobs", "2",
                  "--prompt-logprobs", "1"]) == 0  # fmt: skip

@@ -52,6 +52,8 @@ BAD_FLAGS = [
     ("generate", ["--logit-bias", "5:200"], "--logit-bias: token 5's bias must be in [-100, 100], got 200.0"),
     ("generate", ["--logit-bias", "5000:1"], "--logit-bias: token id 5000 is outside the vocabulary [0, 320)"),
     ("generate", ["--token-ids", "1,x"], "--token-ids '1,x': expected integers separated by commas or spaces"),
+    ("generate", ["--allowed-token-ids", "1;2"], "--allowed-token-ids '1;2': expected integers separated by commas or spaces"),
+    ("generate", ["--allowed-token-ids", "5,320"], "--allowed-token-ids: token id 320 is outside the vocabulary [0, 320)"),
     ("generate", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
     ("generate", ["--dtype", "int8"], "--dtype 'int8': must be one of auto, bfloat16, float16, float32 (or bf16, fp16, half, fp32, float)"),
     ("generate", ["--kv-dtype", "int8"], "--kv-dtype 'int8': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"),

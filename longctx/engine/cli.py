@@ -29,13 +29,7 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
     if args.token_ids and (args.prompt or args.prompt_file):
         raise LongctxError("give the prompt as text (PROMPT or --prompt-file) or as --token-ids, not both")
     if args.token_ids:
-        try:
-            ids = [int(x) for x in args.token_ids.replace(",", " ").split()]
-        except ValueError:
-            raise LongctxError.about(
-                "token_ids", repr(args.token_ids), "expected integers separated by commas or spaces"
-            ) from None
-        return [ids]
+        return [_parse_ids("token_ids", args.token_ids)]
     if args.prompt_file:
         p = Path(args.prompt_file)
         if not p.is_file():
@@ -51,6 +45,16 @@ def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:
     if not sys.stdin.isatty():
         return [sys.stdin.read()]
     raise LongctxError("give a prompt: PROMPT, --prompt-file, --token-ids or stdin")
+
+
+def _parse_ids(name: str, spec: str) -> list[int]:
+    """'1,2,3' (or spaces) -> [1, 2, 3]."""
+    try:
+        return [int(x) for x in spec.replace(",", " ").split()]
+    except ValueError:
+        raise LongctxError.about(
+            name, repr(spec), "expected integers separated by commas or spaces"
+        ) from None
 
 
 def _parse_logit_bias(spec: str | None) -> dict[int, float]:
@@ -85,6 +89,7 @@ def _lp_json(x: TokenLogprob) -> dict:
 
 def run_generate(args: argparse.Namespace) -> int:
     bias = _parse_logit_bias(args.logit_bias)
+    allowed = tuple(_parse_ids("allowed_token_ids", args.allowed_token_ids or ""))
     SamplingParams(  # the sampling flags checked before the model loads
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -101,6 +106,7 @@ def run_generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
         include_stop_str_in_output=args.include_stop,
+        allowed_token_ids=allowed,
     ).validate()
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise LongctxError("--logprobs / --prompt-logprobs need --json")
@@ -114,6 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             stop=args.stop or None,
             include_stop_str_in_output=args.include_stop,
+            allowed_token_ids=list(allowed),
             seed=args.seed,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
@@ -193,6 +200,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--min-p", type=float, default=0.0, help="drop tokens under min_p x the likeliest one's probability"
     )
     g.add_argument("--logit-bias", help="biases added to the logits: 'ID:BIAS,ID:BIAS' (BIAS in [-100, 100])")
+    g.add_argument("--allowed-token-ids", help="the only tokens drawn: 'ID,ID,...'")
     g.add_argument(
         "--logprobs", type=int, default=None, metavar="N", help="with --json: each token's logprob, top N"
     )
