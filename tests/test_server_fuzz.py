@@ -76,6 +76,10 @@ SAMPLING: dict[str, list[Any]] = {
     "ignore_eos": [True, "no", 0],
     "include_stop_str_in_output": [True, False, "yes", 1],
     "allowed_token_ids": [[5], [97, 98], [], [-1], [2**63], [319], [320], "7", [True], list(range(1025))],
+    "use_beam_search": [False, True, "no"],
+    "logits_processors": [[], ["pkg.Proc"], "x"],
+    "bad_words": [[], ["bad"], None],
+    "truncate_prompt_tokens": [-1, 0, 1, 3, -2, 2**63, 1.5],
     "user": ["u", 5],
     "min_tokens": [0, 1, 2, 3, 2**63, -1],
     "min_p": [0, 1, 1.01, -0.01],
@@ -492,8 +496,8 @@ def test_an_unknown_model_name_is_repeated_on_one_short_line(srv, name, shown):
     ],
 )
 def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body):
-    """JSON mode, tool calls and vLLM's guided decoding were ignored as unknown fields: the client got free
-    text it had not asked for and no word of it. They are a 400 naming the field; the forms that change
+    """JSON mode, tool calls, vLLM's guided decoding, beam search, logits processors and bad words were
+    ignored as unknown fields: the client got free text it had not asked for and no word of it. They are a 400 naming the field; the forms that change
     nothing (a "text" response_format, tools the model may not call, empty lists) are served."""
     refused = {
         "response_format": {"response_format": {"type": "json_object"}},
@@ -503,6 +507,9 @@ def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body
         "guided_json": {"guided_json": {"type": "object"}},
         "guided_choice": {"guided_choice": ["yes", "no"]},
         "structured_outputs": {"structured_outputs": {"regex": "a+"}},
+        "use_beam_search": {"use_beam_search": True},
+        "logits_processors": {"logits_processors": ["pkg.Proc"]},
+        "bad_words": {"bad_words": ["bad"]},
     }
     for param, extra in refused.items():
         r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
@@ -514,6 +521,7 @@ def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body
         {"tools": [], "tool_choice": "auto"},
         {"functions": [{"name": "f"}], "function_call": "none"},
         {"guided_json": None},
+        {"use_beam_search": False, "logits_processors": [], "bad_words": []},
     ]
     for extra in served:
         r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)

@@ -273,6 +273,25 @@ def test_max_tokens_defaults_to_what_the_kv_pool_holds(tmp_path):
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
         assert "what the KV pool holds; --max-context 1048576" in s.log()
+        # vLLM's truncate_prompt_tokens: the prompt's last k tokens instead (-1: the context limit's)
+        body = {"prompt": [i % 300 + 1 for i in range(600)], "max_tokens": 1, "truncate_prompt_tokens": 100}
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 100
+        body = {"prompt": "xy" * 400 + "END", "max_tokens": 0, "truncate_prompt_tokens": 5, "echo": True}
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xyEND", r.text
+        r = httpx.post(
+            s.url + "/v1/completions",
+            json={"prompt": [1] * 600, "max_tokens": 0, "truncate_prompt_tokens": -1},
+        )
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 512, r.text
+        msgs = [{"role": "user", "content": "z" * 2000}]
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            json={"messages": msgs, "max_tokens": 1, "truncate_prompt_tokens": 50},
+        )
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50, r.text
 
 
 def test_tokenising_a_long_prompt_does_not_freeze_the_server(tmp_path):

@@ -199,6 +199,11 @@ class _SamplingFields(_Strict):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    use_beam_search: bool = False  # (vLLM's: only false passes)
+    logits_processors: Any = None
+    bad_words: Any = None
+    # vLLM's: the prompt cut to its last k tokens (-1: to the context limit) instead of refused as too long
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=I64)
 
     @field_validator("response_format")
     @classmethod
@@ -229,6 +234,35 @@ class _SamplingFields(_Strict):
         if v is not None:
             raise ValueError("structured output (guided decoding) is not supported")
         return v
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beams(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("beam search is not supported")
+        return v
+
+    @field_validator("logits_processors", "bad_words")
+    @classmethod
+    def _none_of_these(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:  # (an empty list changes nothing)
+            raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be at least 1, or -1 for the context limit")
+        return v
+
+    def truncated(self, ids: list[int], max_context: int) -> list[int]:
+        """The prompt's token ids cut to its last `truncate_prompt_tokens` (-1: the context limit's)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_context if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:

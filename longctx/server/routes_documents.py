@@ -210,7 +210,11 @@ async def ask_document(doc_id: str, request: Request) -> Response:
     st.check_model(req.model)
     doc = _doc(st, doc_id)
     _, tail = st.codec.document_frame()
-    ids = doc.ids + await st.encode(DOCUMENT_QUESTION_SEPARATOR + req.question + tail, param="question")
+    fits = req.truncate_prompt_tokens is None
+    ids = doc.ids + await st.encode(
+        DOCUMENT_QUESTION_SEPARATOR + req.question + tail, param="question", fits=fits
+    )
+    ids = req.truncated(ids, st.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling(st, req, len(ids), req.max_tokens, logprobs)
     rid = new_rid("chatcmpl")

@@ -404,14 +404,16 @@ async def completions(request: Request) -> Response:
     prompts, texts = [], []
     for prompt in req.prompt_list():
         if isinstance(prompt, str):
-            ids = await st.encode(prompt, add_special_tokens=True)
+            ids = await st.encode(prompt, add_special_tokens=True, fits=req.truncate_prompt_tokens is None)
         else:
             ids = _in_vocab(st, prompt, "prompt", "prompt token ids")
+        whole = len(ids)
+        ids = req.truncated(ids, st.max_context)
         params = sampling(st, req, len(ids), req.max_tokens, req.logprobs)
         # (the prompt's own logprobs: echo's, with logprobs' top-N, and / or vLLM's prompt_logprobs)
         params = with_prompt_logprobs(params, req.logprobs if req.echo else None, req.prompt_logprobs)
         prompts.append((ids, params))
-        texts.append(prompt if isinstance(prompt, str) else st.codec.decode(ids))
+        texts.append(prompt if isinstance(prompt, str) and len(ids) == whole else st.codec.decode(ids))
     rid = new_rid("cmpl")
     gens = generations(st, rid, prompts, req.stop_list(), req.n)
     for i, g in enumerate(gens):
@@ -426,7 +428,8 @@ async def chat_completions(request: Request) -> Response:
     req = await read_json(request, ChatCompletionRequest)
     st.check_model(req.model)
     text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message)
-    ids = await prompt_ids_with_documents(st, text)
+    ids = await prompt_ids_with_documents(st, text, fits=req.truncate_prompt_tokens is None)
+    ids = req.truncated(ids, st.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = with_prompt_logprobs(sampling(st, req, len(ids), req.limit(), logprobs), req.prompt_logprobs)
     rid = new_rid("chatcmpl")
@@ -487,7 +490,7 @@ def _in_vocab(st: ServerState, ids: list[int], param: str, what: str) -> list[in
     return list(ids)
 
 
-async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:
+async def prompt_ids_with_documents(st: ServerState, text: str, fits: bool = True) -> list[int]:
     """Tokenise a rendered prompt; one that starts with a pinned document reuses its exact tokens.
 
     Tokenising the whole text could merge tokens across the document's end, so the prompt would
@@ -496,5 +499,5 @@ async def prompt_ids_with_documents(st: ServerState, text: str) -> list[int]:
     matches = [d for d in st.documents.values() if text.startswith(d.prefix_text)]
     best = max(matches, key=lambda d: len(d.prefix_text), default=None)
     if best is None:
-        return await st.encode(text, param="messages")
-    return best.ids + await st.encode(text[len(best.prefix_text) :], param="messages")
+        return await st.encode(text, param="messages", fits=fits)
+    return best.ids + await st.encode(text[len(best.prefix_text) :], param="messages", fits=fits)

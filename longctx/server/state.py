@@ -108,11 +108,14 @@ class ServerState:
                 code="queue_full",
             )
 
-    async def encode(self, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
-        """`text`'s tokens; a text that cannot fit the context whatever its tokens is a 400 at once."""
+    async def encode(
+        self, text: str, add_special_tokens: bool = False, param: str = "prompt", fits: bool = True
+    ) -> list[int]:
+        """`text`'s tokens; with `fits` (no truncation asked for) a text that cannot fit the context
+        whatever its tokens is a 400 at once."""
         if len(text) <= BIG_TEXT:
             return self.codec.encode(text, add_special_tokens)
-        if (least := self.codec.min_tokens(text)) > self.max_context:
+        if fits and (least := self.codec.min_tokens(text)) > self.max_context:
             raise ApiError(
                 400,
                 f"the {param} has at least {least} tokens, more than the maximum context of {self.max_context}",
