@@ -101,6 +101,24 @@ def test_stop_tokens_and_strings(eng):
         assert kept.token_ids == out.token_ids and kept.text == out.text + s
 
 
+def test_bad_words_are_never_generated(eng):
+    """vLLM's bad_words: a word the free greedy output holds is not generated; the output is the free one
+    up to the token that would complete the word (byte-level: one token per ASCII character), then differs
+    there; a one-token word is never drawn at all. (The output is kept to five letters, so it is ASCII.)"""
+    p = rand_ids(30, 11)
+    kw = dict(max_new_tokens=12, ignore_eos=True, allowed_token_ids=[97, 98, 99, 100, 101])
+    free = eng.generate([p], **kw)[0]
+    text = free.text
+    assert len(text) == len(free.token_ids) == 12, text  # (text positions are tokens)
+    word = text[2:5]
+    i = text.index(word)  # (its first place: the output differs from the free one there)
+    got = eng.generate([p], **kw, bad_words=[word])[0]
+    assert word not in got.text
+    assert got.token_ids[: i + 2] == free.token_ids[: i + 2] and got.token_ids[i + 2] != free.token_ids[i + 2]
+    one = eng.generate([p], **kw, bad_words=[text[0]])[0]
+    assert text[0] not in one.text
+
+
 def test_string_prompts_round_trip(eng):
     out = eng.generate(["hello wörld"], max_new_tokens=4, ignore_eos=True)[0]
     assert len(out.token_ids) == 4 and isinstance(out.text, str)

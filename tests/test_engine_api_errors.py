@@ -68,6 +68,9 @@ def test_a_device_that_is_not_cpu_or_an_existing_gpu_is_refused(monkeypatch):
         ({"allowed_token_ids": 5}, "allowed_token_ids"),
         ({"allowed_token_ids": [True]}, "allowed_token_ids"),
         ({"allowed_token_ids": {5}}, "allowed_token_ids"),
+        ({"bad_words": "word"}, "bad_words"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": [5]}, "bad_words"),
     ],
 )
 def test_bad_sampling_arguments_are_request_errors(eng, kw, says):

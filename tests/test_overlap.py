@@ -75,6 +75,19 @@ def test_stop_strings_and_context_limit(tiny_dir):
         assert a == b  # PROMPTS[2] (130 tokens) also hits max_context 140 on the way
 
 
+def test_bad_words_under_overlap(tiny_dir):
+    """Bad words of several tokens plan no continuation (what step n+1 may not draw depends on step n's
+    token) and give the tokens of the engine without overlap."""
+    base, ov = _engines(tiny_dir)
+    with base, ov:
+        letters = dict(max_new_tokens=10, ignore_eos=True, allowed_token_ids=[97, 98, 99, 100])
+        free = base.generate(PROMPTS[:1], **letters)[0]
+        kw = dict(letters, bad_words=[free.text[3:5]])
+        a = [o.token_ids for o in base.generate(PROMPTS, **kw)]
+        b = [o.token_ids for o in ov.generate(PROMPTS, **kw)]
+        assert a == b and a[0] != free.token_ids
+
+
 def _drive(eng: Engine) -> dict[str, list]:
     """Step API: requests arrive while others decode; one is aborted mid-way."""
     got: dict[str, list] = {}

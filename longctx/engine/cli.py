@@ -107,6 +107,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt_logprobs=args.prompt_logprobs,
         include_stop_str_in_output=args.include_stop,
         allowed_token_ids=allowed,
+        bad_words=tuple(args.bad_word or ()),
     ).validate()
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise LongctxError("--logprobs / --prompt-logprobs need --json")
@@ -121,6 +122,7 @@ def run_generate(args: argparse.Namespace) -> int:
             stop=args.stop or None,
             include_stop_str_in_output=args.include_stop,
             allowed_token_ids=list(allowed),
+            bad_words=args.bad_word,
             seed=args.seed,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
@@ -201,6 +203,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--logit-bias", help="biases added to the logits: 'ID:BIAS,ID:BIAS' (BIAS in [-100, 100])")
     g.add_argument("--allowed-token-ids", help="the only tokens drawn: 'ID,ID,...'")
+    g.add_argument("--bad-word", action="append", help="a word never generated (repeatable)")
     g.add_argument(
         "--logprobs", type=int, default=None, metavar="N", help="with --json: each token's logprob, top N"
     )

@@ -31,7 +31,14 @@ from longctx.config import (
     with_selection,
 )
 from longctx.engine.plan import BatchPlan, BatchResult
-from longctx.engine.request import FinishReason, Request, SamplingParams, StepOutput, check_token_ids
+from longctx.engine.request import (
+    FinishReason,
+    Request,
+    SamplingParams,
+    StepOutput,
+    bad_word_ids,
+    check_token_ids,
+)
 from longctx.engine.runner import LocalRunner, build_runner, device_fed
 from longctx.engine.scheduler import Scheduler
 from longctx.engine.sizing import PAGE_SIZE, check_engine_room, check_sizes, default_pages, resolve_device
@@ -213,6 +220,13 @@ class EngineCore:
         check_token_ids(req, self.cfg.vocab_size, self.cfg.eos_ids())
         if req.params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer (tokenizer.json)", "stop")
+        if req.params.bad_words:
+            if self.tokenizer is None:
+                raise RequestError("bad_words need the model's tokenizer (tokenizer.json)", "bad_words")
+            tok = self.tokenizer
+            req.bad_ids = bad_word_ids(
+                lambda w: tok.encode(w, add_special_tokens=False).ids, req.params.bad_words
+            )
         self.scheduler.add(req)
         self._requests[req.rid] = req
 

@@ -112,12 +112,14 @@ class Engine(EngineCore):
         prompt_logprobs: int | None = None,
         include_stop_str_in_output: bool = False,
         allowed_token_ids: list[int] | None = None,
+        bad_words: list[str] | None = None,
     ) -> list[Completion]:
         """Generate for a batch of prompts (token-id lists or strings), or for one prompt (a string or a
         token-id list, as SGLang's Engine and vLLM's LLM take it); one Completion each, a list either way.
         The penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
         top-N alternatives of each generated / prompt token), include_stop_str_in_output (the text keeps
-        the stop string that ended it) and allowed_token_ids (the only tokens drawn) are `SamplingParams`'."""
+        the stop string that ended it), allowed_token_ids (the only tokens drawn) and bad_words (words never
+        generated) are `SamplingParams`'."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list | tuple) and prompts and all(is_int(t) for t in prompts)
         ):
@@ -148,10 +150,8 @@ class Engine(EngineCore):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=include_stop_str_in_output,
-            # (another type than a list stays itself: `validate` refuses it, naming the argument)
-            allowed_token_ids=tuple(allowed_token_ids)
-            if isinstance(allowed_token_ids, list)
-            else allowed_token_ids or (),
+            allowed_token_ids=_as_tuple(allowed_token_ids),
+            bad_words=_as_tuple(bad_words),
         )
         params.validate()  # before any prompt is read, once for every prompt (seed + i stays valid)
         reqs = []
@@ -264,3 +264,9 @@ class Engine(EngineCore):
                         if o.error:
                             raise RequestError(o.error)
         return lps
+
+
+def _as_tuple(v: Any) -> Any:
+    """A list argument as a tuple, None as (); anything else as it is, for `SamplingParams.validate` to
+    refuse naming it."""
+    return tuple(v) if isinstance(v, list) else () if v is None else v

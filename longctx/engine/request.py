@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,7 @@ from longctx.config import is_int, is_real
 from longctx.errors import RequestError
 
 MAX_REPETITION_PENALTY = 100.0
+MAX_BAD_WORDS = 64  # a request's bad_words (each is checked against the output's tail every step)
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias (OpenAI's values are in [-100, 100])
 
 
@@ -52,6 +53,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # only these tokens are drawn, greedy rows included (vLLM's allowed_token_ids; empty: every token)
     allowed_token_ids: tuple[int, ...] = ()
+    # words never generated (vLLM's bad_words): the last token of a word's tokens is never drawn right after
+    # the output's last tokens are the rest of them (a one-token word: never drawn)
+    bad_words: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """RequestError `about` the first bad field (`min_p 2.0: must be in [0, 1]`; of a wrong type too: a
@@ -104,6 +108,7 @@ class SamplingParams:
             ("stop_token_ids", "token ids"),
             ("logit_bias", "pairs"),
             ("allowed_token_ids", "token ids"),
+            ("bad_words", "strings"),
         ):
             v = getattr(self, name)
             if not isinstance(v, tuple | list):
@@ -131,6 +136,13 @@ class SamplingParams:
                 )
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise RequestError.about("logit_bias", None, "a token appears twice")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise RequestError.about("bad_words", repr(w), "must be a word (a string that is not blank)")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise RequestError.about(
+                "bad_words", None, f"has {len(self.bad_words)} entries, at most {MAX_BAD_WORDS}"
+            )
         if len(self.allowed_token_ids) > MAX_LOGIT_BIAS:
             raise RequestError.about(
                 "allowed_token_ids",
@@ -220,6 +232,20 @@ def find_stop(
     return best
 
 
+def bad_word_ids(encode: Callable[[str], list[int]], words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequence, as vLLM forms them: the word (without leading spaces), and the word
+    after a space too where that space joins the word's first token (the same number of tokens, another
+    first token: a word inside the text, for tokenizers that merge a space into the word)."""
+    out: list[tuple[int, ...]] = []
+    for w in words:
+        bare = tuple(encode(w.lstrip()))
+        spaced = tuple(encode(" " + w.lstrip()))
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(s for s in out if s)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS / stop token / stop string
     LENGTH = "length"  # max_new_tokens or the context limit
@@ -249,6 +275,16 @@ class Request:
     prompt_lp_upto: int = 0  # prompt tokens 1..prompt_lp_upto have had their logprobs reported
     # a running request's rid -> the full prompt pages the two have in common (Scheduler._waits_for_prefill)
     shared_pages: dict[str, int] = field(default_factory=dict)
+    bad_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words' token sequences (`bad_word_ids`)
+
+    def banned(self, step: int) -> set[int]:
+        """The tokens token `step` may not be for its bad words, given the output before it."""
+        out: set[int] = set()
+        for seq in self.bad_ids:
+            k = len(seq) - 1
+            if k == 0 or (step >= k and self.output_ids[step - k : step] == list(seq[:-1])):
+                out.add(seq[-1])
+        return out
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -260,11 +260,13 @@ class Scheduler:
 
     def _suppress(self, req: Request, step: int) -> tuple[int, ...]:
         """The tokens token `step` of `req` may not be: its EOS (unless ignore_eos) and stop tokens while
-        it has fewer than min_tokens."""
+        it has fewer than min_tokens, and its bad words' last tokens where the output before it ends with
+        the rest of them."""
         p = req.params
-        if step >= p.min_tokens:
-            return ()
-        return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))))
+        out = req.banned(step) if req.bad_ids else set()
+        if step < p.min_tokens:
+            out |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        return tuple(sorted(out))
 
     @staticmethod
     def _penalty_prompt(req: Request) -> tuple[int, ...]:
@@ -279,7 +281,8 @@ class Scheduler:
         """Step n+1 of a pure decode batch, planned while step n runs (its tokens still unknown).
 
         Only when nothing else could change the batch: no request waiting, every running request
-        decoding in `plan`, none about to reach its token or context limit, pages free for all.
+        decoding in `plan`, none about to reach its token or context limit, pages free for all, none with
+        bad words of several tokens (the tokens step n+1 may not draw depend on step n's).
         The rows carry placeholder tokens; `confirm_continuation` fills them after `update` and
         drops requests that finished at step n (their pages, this extra slot included, are freed
         by the release that finished them).
@@ -296,6 +299,7 @@ class Scheduler:
                 or row.end != req.num_tokens  # the row samples the request's next token
                 or len(req.output_ids) + 2 > req.params.max_new_tokens
                 or row.end + 1 >= self.max_context
+                or any(len(s) > 1 for s in req.bad_ids)  # (what step n+1 may not draw needs step n's token)
             ):
                 return None
         if not self._make_room(sum(max(0, self.pages[r.rid].pages_missing(1)) for r in plan.rows)):

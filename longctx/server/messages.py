@@ -95,6 +95,7 @@ class WireSamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
 
 
 @message("add")

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from longctx.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
+from longctx.engine.request import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from longctx.errors import clipped
 
 I64 = 2**63 - 1
@@ -185,6 +185,8 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=I64)]] | None = Field(
         None, min_length=1, max_length=MAX_LOGIT_BIAS
     )
+    # vLLM's: words never generated
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     # Known fields asking for output longctx does not make: refused (a 400 naming the field), not ignored.
     # What leaves the output unchanged passes: a "text" response_format, tools the model may not call
@@ -201,7 +203,6 @@ class _SamplingFields(_Strict):
     structured_outputs: Any = None
     use_beam_search: bool = False  # (vLLM's: only false passes)
     logits_processors: Any = None
-    bad_words: Any = None
     # vLLM's: the prompt cut to its last k tokens (-1: to the context limit) instead of refused as too long
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=I64)
 
@@ -242,11 +243,18 @@ class _SamplingFields(_Strict):
             raise ValueError("beam search is not supported")
         return v
 
-    @field_validator("logits_processors", "bad_words")
+    @field_validator("logits_processors")
     @classmethod
-    def _none_of_these(cls, v: Any, info: ValidationInfo) -> Any:
+    def _no_processors(cls, v: Any) -> Any:
         if v:  # (an empty list changes nothing)
-            raise ValueError(f"{info.field_name} is not supported")
+            raise ValueError("logits_processors is not supported")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, v: list[str] | None) -> list[str] | None:
+        if v and any(not w.strip() for w in v):
+            raise ValueError("bad words must not be blank")
         return v
 
     @field_validator("truncate_prompt_tokens")
