@@ -54,6 +54,7 @@ BAD_FLAGS = [
     ("generate", ["--token-ids", "1,x"], "--token-ids '1,x': expected integers separated by commas or spaces"),
     ("generate", ["--allowed-token-ids", "1;2"], "--allowed-token-ids '1;2': expected integers separated by commas or spaces"),
     ("generate", ["--allowed-token-ids", "5,320"], "--allowed-token-ids: token id 320 is outside the vocabulary [0, 320)"),
+    ("generate", ["--bad-word", " "], "--bad-word ' ': must be a word (a string that is not blank)"),
     ("generate", ["--device", "tpu"], "--device 'tpu': must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')"),
     ("generate", ["--dtype", "int8"], "--dtype 'int8': must be one of auto, bfloat16, float16, float32 (or bf16, fp16, half, fp32, float)"),
     ("generate", ["--kv-dtype", "int8"], "--kv-dtype 'int8': must be one of auto, model, bf16, fp8_e4m3 (or fp8, bfloat16)"),

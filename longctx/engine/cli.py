@@ -105,9 +105,9 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
-        include_stop_str_in_output=args.include_stop,
+        include_stop_str_in_output=args.include_stop_str_in_output,
         allowed_token_ids=allowed,
-        bad_words=tuple(args.bad_word or ()),
+        bad_words=tuple(args.bad_words or ()),
     ).validate()
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise LongctxError("--logprobs / --prompt-logprobs need --json")
@@ -120,9 +120,9 @@ def run_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             stop=args.stop or None,
-            include_stop_str_in_output=args.include_stop,
+            include_stop_str_in_output=args.include_stop_str_in_output,
             allowed_token_ids=list(allowed),
-            bad_words=args.bad_word,
+            bad_words=args.bad_words,
             seed=args.seed,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
@@ -203,7 +203,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--logit-bias", help="biases added to the logits: 'ID:BIAS,ID:BIAS' (BIAS in [-100, 100])")
     g.add_argument("--allowed-token-ids", help="the only tokens drawn: 'ID,ID,...'")
-    g.add_argument("--bad-word", action="append", help="a word never generated (repeatable)")
+    g.add_argument(
+        "--bad-word", action="append", dest="bad_words", help="a word never generated (repeatable)"
+    )
     g.add_argument(
         "--logprobs", type=int, default=None, metavar="N", help="with --json: each token's logprob, top N"
     )
@@ -215,7 +217,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --json: each prompt token's, top N",
     )
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--include-stop", action="store_true", help="the text keeps the stop string that ended it")
+    g.add_argument(
+        "--include-stop",
+        action="store_true",
+        dest="include_stop_str_in_output",
+        help="the text keeps the stop string that ended it",
+    )
     g.add_argument("--json", action="store_true", help="one JSON object per completion")
     g.set_defaults(func=run_generate)
 
