@@ -40,7 +40,7 @@ _CONST = {
     "PAGE": 64, "FORCE": False, "IB": 14, "BLOCK_M": 256, "BLOCK_N": 2048, "NB": 2048, "SPLIT": False,
     "PAR": True, "WS": 8 + 2 * 2048, "HAS_VALID": True, "HAS_BELOW": True, "DB": 11, "BLOCK_C": 8,
     "PHASE": 0, "CH": 256, "CAND": False, "FIXED": False, "KEEP": False, "NFW": 256, "BYTES": True,
-    "HAS_IDS": False, "HAS_T": False, "BLOCK": 1024,
+    "HAS_IDS": False, "HAS_T": False, "BLOCK": 1024, "BLOCK_S": 512,
 }  # fmt: skip
 
 
@@ -119,6 +119,8 @@ def variants() -> list[tuple[str, dict]]:
         ("_gumbel_argmax_kernel", {"HAS_T": True, "BLOCK": 1024, "num_warps": 4, "x_ptr": x})
         for x in ("*fp32", "*bf16")
     ]
+    # the draw's second stage: each row's winner over its programs' bests (up to 2 x 132 SMs of them)
+    out += [("_gumbel_pick_kernel", {"HAS_T": t, "BLOCK_S": 512, "num_warps": 1}) for t in (False, True)]
     # the penalties over a GLM vocabulary's blocks, fp32 or bf16 logits
     out += [
         ("_penalise_kernel", {"BLOCK": 2048, "num_warps": 4, "lx_ptr": x, "enable_fp_fusion": False})
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from longctx.kernels import gumbel, lru_place, penalties
 
-    modules = {"_gumbel_argmax_kernel": gumbel, "_penalise_kernel": penalties}
+    modules = {"_gumbel_argmax_kernel": gumbel, "_gumbel_pick_kernel": gumbel, "_penalise_kernel": penalties}
 
     failed = 0
     for name, over in variants():

@@ -171,6 +171,26 @@ def _gumbel_argmax_kernel(
     tl.store(bc_ptr + d * S + s_id, best_c)
 
 
+@jit
+def _gumbel_pick_kernel(
+    bl_ptr, bs_ptr, bh_ptr, bc_ptr, out_ptr, S, HAS_T: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    """Row d's winner over its S programs' bests: the highest level (HAS_T), then the score, then the hash;
+    of programs tied on all three (none: hashes are distinct per token) the first."""
+    d = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_S)
+    m = i < S
+    bs = tl.load(bs_ptr + d * S + i, mask=m, other=float("-inf"))
+    bh = tl.load(bh_ptr + d * S + i, mask=m, other=-2)
+    if HAS_T:
+        bl = tl.load(bl_ptr + d * S + i, mask=m, other=-2)
+        bs = tl.where(bl == tl.max(bl, axis=0), bs, float("-inf"))
+    best = tl.max(bs, axis=0)
+    h = tl.max(tl.where(m & (bs == best), bh, -2), axis=0)
+    at = tl.min(tl.where(m & (bs == best) & (bh == h), i, BLOCK_S), axis=0)
+    tl.store(out_ptr + d, tl.load(bc_ptr + d * S + at))
+
+
 def gumbel_argmax(
     x: torch.Tensor,
     keys: torch.Tensor,
@@ -181,7 +201,8 @@ def gumbel_argmax(
 ) -> torch.Tensor:
     """`gumbel_argmax_ref` (of `scale_logits_ref(x, temperature)` with a temperature): each row split
     over programs (a batch of one still spreads over the SMs), each keeping its best (level, score,
-    hash, column); one small reduction picks the row's winner."""
+    hash, column); a second kernel of one program per row picks the row's winner (it was five torch
+    ops)."""
     floats = (torch.float32, torch.bfloat16, torch.float16) if temperature is not None else (torch.float32,)
     check(
         x.dim() == 2 and x.dtype in floats,
@@ -246,8 +267,10 @@ def gumbel_argmax(
         chunk, x.stride(0), 0 if ids is None else ids.stride(0), s, HAS_IDS=ids is not None,
         HAS_T=temperature is not None, BLOCK=block,
     )  # fmt: skip
-    if temperature is not None and s > 1:  # the programs' bests below the row's highest level: out
-        bs = torch.where(bl == bl.max(dim=1, keepdim=True).values, bs, float("-inf"))
-    best = bs.max(dim=1, keepdim=True).values
-    pick = torch.where(bs == best, bh, -1).argmax(dim=1, keepdim=True)
-    return bc.gather(1, pick)[:, 0]
+    if s == 1:
+        return bc[:, 0]
+    out = torch.empty(d, dtype=torch.int64, device=x.device)  # (the programs' bests reduced in one launch)
+    _gumbel_pick_kernel[(d,)](
+        bl, bs, bh, bc, out, s, HAS_T=temperature is not None, BLOCK_S=next_pow2(s), num_warps=1
+    )
+    return out
