@@ -144,12 +144,16 @@ def sampler_route(
     split: bool | None = None,
     scale_in_kernel: bool | None = None,
     penalties_kernel: bool | None = None,
+    pick_kernel: bool | None = None,
 ) -> Iterator[None]:
     """The sampler's routes for a timing: top-p rows take the candidates route on CUDA too
     (`TOP_P_CANDIDATES_CUDA`, off there by default), with `candidates` of them (0: whole rows sorted);
     temperature-only rows drawn apart from top-p rows on CUDA or not (`SPLIT_PLAIN_CUDA`); the Gumbel
     kernel scaling raw logits itself on CUDA or not (`SCALE_IN_KERNEL_CUDA`); the penalties in one kernel
-    on CUDA or not (`PENALTIES_KERNEL_CUDA`). None: the default. Every setting restored after."""
+    on CUDA or not (`PENALTIES_KERNEL_CUDA`); the Gumbel draw's winner picked by its second kernel on CUDA
+    or not (`kernels.gumbel.PICK_KERNEL_CUDA`). None: the default. Every setting restored after."""
+    from longctx.kernels import gumbel
+
     from longctx.engine import sampling
 
     names = (
@@ -163,11 +167,15 @@ def sampler_route(
     for n, v in zip(names, (candidates, True, split, scale_in_kernel, penalties_kernel)):
         if v is not None:
             setattr(sampling, n, v)
+    pick = gumbel.PICK_KERNEL_CUDA
+    if pick_kernel is not None:
+        gumbel.PICK_KERNEL_CUDA = pick_kernel
     try:
         yield
     finally:
         for n, v in keep.items():
             setattr(sampling, n, v)
+        gumbel.PICK_KERNEL_CUDA = pick
 
 
 def time_wall(fn: Callable[[], Any], iters: int = 5, warmup: int = 1) -> float:

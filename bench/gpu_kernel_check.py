@@ -199,8 +199,10 @@ def case_topk(n: int, batch: int) -> float:
 def case_gumbel(batch: int, vocab: int, ids: bool) -> float:
     """The seeded Gumbel-max draw against its torch reference: the fraction of rows drawing another token
     (Triton's fp32 log is not torch's, so a near-tie at a row's top may go the other way)."""
+    from longctx.kernels import gumbel
     from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
 
+    gumbel.PICK_KERNEL_CUDA = True  # (the draw's second kernel too: a process per case)
     x = torch.randn(batch, vocab, device="cuda") * 3
     keys = torch.randint(0, 2**62, (batch,), device="cuda")
     order = torch.argsort(x, dim=1, descending=True) if ids else None
@@ -214,8 +216,10 @@ def case_gumbel_t(batch: int, vocab: int, dtype: str) -> float:
     """The Gumbel-max draw scaling raw logits itself (`temperature=`) against the reference over
     `scale_logits_ref`'s rows: the fraction of rows drawing another token. Rows: ordinary, with NaNs, with
     +inf tokens, all -inf, all NaN, a temperature that overflows them to +inf."""
+    from longctx.kernels import gumbel
     from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref, scale_logits_ref
 
+    gumbel.PICK_KERNEL_CUDA = True  # (the draw's second kernel too: a process per case)
     x = (torch.randn(batch, vocab, device="cuda") * 3).to(getattr(torch, dtype))
     t = torch.rand(batch, device="cuda") + 0.2
     x[0, ::97] = float("nan")

@@ -12,7 +12,8 @@ draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold t
 host synchronisation to know; on CUDA the engine takes it only with `TOP_P_CANDIDATES_CUDA`, which this
 bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`); a mixed batch (temperature-only and top-p
 rows) a third time with its temperature-only rows drawn apart on CUDA too (`SPLIT_PLAIN_CUDA`; the CPU always
-splits). Two kinds of logits: `flat` (N(0, 3^2):
+splits); temperature-only rows with the logits scaled before the Gumbel kernel (`SCALE_IN_KERNEL_CUDA` off);
+every kind with the draw's winner picked by its second kernel (`kernels.gumbel.PICK_KERNEL_CUDA`). Two kinds of logits: `flat` (N(0, 3^2):
 top-p 0.9 keeps tens of thousands of tokens) and `peaked` (a Zipf law over a random order of the
 vocabulary, logit -log(rank): top-p 0.9 keeps a few hundred, as a language model's usually does). The
 greedy rows (one argmax) are the floor a sampled step is compared with.
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"env": environment(), "device": dev, "vocab": args.vocab, "rows": [], "penalties": []}
     lines = [
         "| logits: rows | batch | per-row ms | batched ms | batched, rows sorted ms | batched, rows sorted, split ms "
-        "(temperature alone: scaled in the kernel) | speed-up | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "(temperature alone: scaled first) | batched, draw's pick kernel ms | speed-up | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for dist, name, kw in [(d, n, k) for d in DISTS for n, k in KINDS.items()]:
         for batch in (1, 8, 32):
@@ -115,13 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             has_p = [r.top_p < 1.0 for r in rows]
             # the same rows with whole rows sorted (no candidates first)
             t_sort = routed(candidates=0) if any(has_p) else None
-            t_split = t_in_kernel = None
+            t_split = t_scaled = None
             if any(has_p) and not all(has_p):  # a mixed batch: temperature-only rows drawn apart on CUDA too
                 t_split = routed(candidates=0, split=True)
             if not any(p or r.top_k or r.min_p for p, r in zip(has_p, rows)):  # temperature alone
-                t_in_kernel = routed(
-                    scale_in_kernel=True
-                )  # (the Gumbel kernel scaling the logits on CUDA too)
+                t_scaled = routed(scale_in_kernel=False)  # (the logits scaled before the Gumbel kernel)
+            t_pick = routed(pick_kernel=True)  # (the draw's winner picked by one kernel on CUDA too)
             same = min(sames)
             res["rows"].append(
                 {
@@ -132,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                     "batched_ms": t_batch * 1e3,
                     "batched_sort_ms": None if t_sort is None else t_sort * 1e3,
                     "batched_sort_split_ms": None if t_split is None else t_split * 1e3,
-                    "batched_in_kernel_ms": None if t_in_kernel is None else t_in_kernel * 1e3,
+                    "batched_scaled_first_ms": None if t_scaled is None else t_scaled * 1e3,
+                    "batched_pick_kernel_ms": t_pick * 1e3,
                     "same": same,
                 }
             )
             lines.append(
                 f"| {dist}: {name} | {batch} | {t_row * 1e3:.3f} | {t_batch * 1e3:.3f} | "
                 f"{_ms(t_sort)} | "
-                f"{_ms(t_split if t_in_kernel is None else t_in_kernel)} | {t_row / t_batch:.1f}x | {same:.3f} |"
+                f"{_ms(t_split if t_scaled is None else t_scaled)} | {_ms(t_pick)} | {t_row / t_batch:.1f}x | "
+                f"{same:.3f} |"
             )
     lines += ["", "| greedy (argmax), rows | ms |", "|---|---|"]
     for batch in (1, 8, 32):

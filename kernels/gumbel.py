@@ -36,6 +36,10 @@ MIX_A, MIX_B = 0x21F0AAAD, 0x735A2D97  # the mixer's multipliers (shifts 16, 15,
 SECOND = 0x9E3779B9  # xor before the second mix (the noise's bits)
 UNIT = 2.0**-23
 REF_BLOCK_ELEMS = 1 << 18  # the CPU reference's rows per pass: about this many elements
+# The row's winner over its programs' bests picked by `_gumbel_pick_kernel` (one launch) on CUDA, else by
+# five torch ops there; the interpreter runs the kernel in CI. Off on CUDA until a GPU has checked it
+# (bench.gpu_kernel_check --only gumbel turns it on).
+PICK_KERNEL_CUDA = False
 
 
 def _s32(c: int) -> int:
@@ -201,8 +205,8 @@ def gumbel_argmax(
 ) -> torch.Tensor:
     """`gumbel_argmax_ref` (of `scale_logits_ref(x, temperature)` with a temperature): each row split
     over programs (a batch of one still spreads over the SMs), each keeping its best (level, score,
-    hash, column); a second kernel of one program per row picks the row's winner (it was five torch
-    ops)."""
+    hash, column); a second kernel of one program per row picks the row's winner (five torch ops on
+    CUDA unless PICK_KERNEL_CUDA)."""
     floats = (torch.float32, torch.bfloat16, torch.float16) if temperature is not None else (torch.float32,)
     check(
         x.dim() == 2 and x.dtype in floats,
@@ -269,6 +273,12 @@ def gumbel_argmax(
     )  # fmt: skip
     if s == 1:
         return bc[:, 0]
+    if x.is_cuda and not PICK_KERNEL_CUDA:
+        if temperature is not None:  # the programs' bests below the row's highest level: out
+            bs = torch.where(bl == bl.max(dim=1, keepdim=True).values, bs, float("-inf"))
+        best = bs.max(dim=1, keepdim=True).values
+        pick = torch.where(bs == best, bh, -1).argmax(dim=1, keepdim=True)
+        return bc.gather(1, pick)[:, 0]
     out = torch.empty(d, dtype=torch.int64, device=x.device)  # (the programs' bests reduced in one launch)
     _gumbel_pick_kernel[(d,)](
         bl, bs, bh, bc, out, s, HAS_T=temperature is not None, BLOCK_S=next_pow2(s), num_warps=1
