@@ -208,3 +208,5 @@ def test_slots_are_reused_clean_and_the_pools_grow():
         for rid in done:
             del live[rid]
         assert len(pen) == len(live)
+    pen.release(list(live))
+    assert len(pen) == 0 and pen._counts.numel() == pen._prompt.numel() == 0  # (the pools go with the last)
