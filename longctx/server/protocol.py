@@ -2,9 +2,9 @@
 
 Validation is strict about types (no "5" for 5, no true for 1.0) and ranges; unknown fields are
 ignored so newer clients still work, except the known ones that ask for output longctx does not make
-(JSON mode and schemas, tool calls, vLLM's guided decoding): those are refused, naming the field, since
-ignoring them would hand back text the client did not ask for. Every rejection is an `ApiError`, rendered as
-`{"error": {"message", "type", "param", "code"}}`.
+(JSON mode and schemas, tool calls, vLLM's guided decoding, beam search and logits processors): those
+are refused, naming the field, since ignoring them would hand back text the client did not ask for.
+Every rejection is an `ApiError`, rendered as `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
