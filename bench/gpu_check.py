@@ -178,25 +178,27 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
                 e.generate(prompts, max_new_tokens=64, ignore_eos=True, **kw)
                 return (time.perf_counter() - t0) / 64 * 1e3
 
-            row = {"greedy_ms": per_step()}
-            # temperature alone: the Gumbel kernel scaling the raw logits itself, or the logits scaled first
+            # (key, sampler route, generate's sampling arguments): temperature alone with the Gumbel kernel
+            # scaling the raw logits itself or the logits scaled first; greedy with every penalty through
+            # their kernel or its torch form; top_p with its candidates first or whole rows sorted
             plain = dict(temperature=temps["peaked"], seed=3)
-            with sampler_route(scale_in_kernel=True):
-                row["temperature_ms"] = per_step(**plain)
-            with sampler_route(scale_in_kernel=False):
-                row["temperature_scaled_first_ms"] = per_step(**plain)
-            # greedy with every penalty: the penalties kernel, or its torch form
             pen = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
-            with sampler_route(penalties_kernel=True):
-                row["penalties_ms"] = per_step(**pen)
-            with sampler_route(penalties_kernel=False):
-                row["penalties_torch_ms"] = per_step(**pen)
+            runs: list[tuple[str, dict, dict]] = [
+                ("temperature_ms", {"scale_in_kernel": True}, plain),
+                ("temperature_scaled_first_ms", {"scale_in_kernel": False}, plain),
+                ("penalties_ms", {"penalties_kernel": True}, pen),
+                ("penalties_torch_ms", {"penalties_kernel": False}, pen),
+            ]
             for name, t in temps.items():
-                kw = dict(temperature=t, top_p=0.9, seed=3)
-                with sampler_route():
-                    row[f"top_p_{name}_ms"] = per_step(**kw)
-                with sampler_route(0):
-                    row[f"top_p_{name}_sorted_ms"] = per_step(**kw)
+                top_p = dict(temperature=t, top_p=0.9, seed=3)
+                runs += [
+                    (f"top_p_{name}_ms", {}, top_p),
+                    (f"top_p_{name}_sorted_ms", {"candidates": 0}, top_p),
+                ]
+            row = {"greedy_ms": per_step()}
+            for key, route, kw in runs:
+                with sampler_route(**route):
+                    row[key] = per_step(**kw)
             out[f"batch_{batch}"] = row
             print("sampled_decode", batch, {k: round(v, 3) for k, v in row.items()}, flush=True)
     out.update(logit_std=std, temperatures=temps, ok=True)

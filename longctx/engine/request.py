@@ -118,10 +118,13 @@ class SamplingParams:
                 raise RequestError.about("stop", repr(s), "is not a string")
             if not s:  # (it would end every generation at once, as vLLM refuses it)
                 raise RequestError.about("stop", repr(s), "stop strings must not be empty")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise RequestError.about(
-                "logit_bias", None, f"has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}"
-            )
+        for name, cap in (
+            ("logit_bias", MAX_LOGIT_BIAS),
+            ("allowed_token_ids", MAX_LOGIT_BIAS),
+            ("bad_words", MAX_BAD_WORDS),
+        ):
+            if len(getattr(self, name)) > cap:
+                raise RequestError.about(name, None, f"has {len(getattr(self, name))} entries, at most {cap}")
         for pair in self.logit_bias:
             if not (isinstance(pair, tuple | list) and len(pair) == 2):
                 raise RequestError.about("logit_bias", None, f"must be (token id, bias) pairs, got {pair!r}")
@@ -139,16 +142,6 @@ class SamplingParams:
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise RequestError.about("bad_words", repr(w), "must be a word (a string that is not blank)")
-        if len(self.bad_words) > MAX_BAD_WORDS:
-            raise RequestError.about(
-                "bad_words", None, f"has {len(self.bad_words)} entries, at most {MAX_BAD_WORDS}"
-            )
-        if len(self.allowed_token_ids) > MAX_LOGIT_BIAS:
-            raise RequestError.about(
-                "allowed_token_ids",
-                None,
-                f"has {len(self.allowed_token_ids)} entries, at most {MAX_LOGIT_BIAS}",
-            )
 
 
 def check_token_ids(req: Request, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:

@@ -225,7 +225,8 @@ class Penalties:
         return penalise(logits, slot_col, self._counts, self._prompt, *floats.view(3, -1), backend=backend)
 
     def _make_room(self, sel: Sequence[Any], vocab: int, dev: torch.device) -> None:
-        """A slot (zeroed) for each request of `sel` without one, the pools grown (doubled) to hold them."""
+        """A slot for each request of `sel` without one, the pools grown (doubled) to hold them; its counts
+        zeroed (its prompt row is read only under a repetition penalty, whose first `apply` sets it)."""
         new = [r.rid for r in sel if r.rid not in self._slot]
         if self._counts.device != dev or self._counts.shape[1] != vocab:
             if self._slot:
@@ -241,7 +242,6 @@ class Penalties:
         for rid in new:
             slot = self._slot[rid] = self._free.pop()
             self._counts[slot].zero_()
-            self._prompt[slot].zero_()
 
     def _count(self, tokens: torch.Tensor, slots: list[int], signs: list[int]) -> None:
         """counts[slots[j], tokens[j]] += signs[j] for every j, in one atomic scatter (exact: integers)."""
@@ -269,16 +269,16 @@ class Penalties:
                     grown[: out.numel()] = out
                 self._out[r.rid] = out = grown
             slot = self._slot[r.rid]
+            cell, new = out[r.step : r.step + 1], toks[i : i + 1]
             if r.step < n:  # (read before the copy below replaces it: same stream)
                 at_slot.append(slot)
-                tok.append(out[r.step : r.step + 1])
+                tok.append(cell)
                 sign.append(-1)
-            new = toks[i : i + 1]
             at_slot.append(slot)
             tok.append(new)
             sign.append(1)
             self._n[r.rid] = max(n, r.step + 1)
-            dst.append(out[r.step : r.step + 1])
+            dst.append(cell)
             src.append(new)
         if not dst:
             return
