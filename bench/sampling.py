@@ -4,19 +4,20 @@
 engine spent per sampled row before `draw_rows`); `sample_rows_device` draws every row together
 (`draw_rows`: one sort for the rows with top-k / top-p, one Gumbel kernel). Timed with CUDA events
 (`bench.common.time_cuda`, host time included: launch-bound work is the point; on the CPU the median
-of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the
-penalties (`Penalties.apply` over every row, 100 tokens of history each: its torch form, its kernel
+of wall-clock runs) at a GLM vocabulary for batch 1, 8 and 32 and three kinds of rows, and the penalties
+(`Penalties.apply` over every row, 100 tokens of history each: its torch form, its kernel
 (`PENALTIES_KERNEL_CUDA`, output compared bit for bit with the torch form's), and a step's apply + record
-with the kernel, one step after another); the tokens of both paths are compared first. Top-p rows are timed twice: as the engine
-draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold top_p of its mass, one
-host synchronisation to know; on CUDA the engine takes it only with `TOP_P_CANDIDATES_CUDA`, which this
-bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`); a mixed batch (temperature-only and top-p
-rows) a third time with its temperature-only rows drawn apart on CUDA too (`SPLIT_PLAIN_CUDA`; the CPU always
-splits); temperature-only rows with the logits scaled before the Gumbel kernel (`SCALE_IN_KERNEL_CUDA` off);
-every kind with the draw's winner picked by its second kernel (`kernels.gumbel.PICK_KERNEL_CUDA`). Two kinds of logits: `flat` (N(0, 3^2):
-top-p 0.9 keeps tens of thousands of tokens) and `peaked` (a Zipf law over a random order of the
-vocabulary, logit -log(rank): top-p 0.9 keeps a few hundred, as a language model's usually does). The
-greedy rows (one argmax) are the floor a sampled step is compared with.
+with the kernel, one step after another); the tokens of both paths are compared first. Top-p rows are
+timed twice: as the engine draws them (from each row's likeliest `TOP_P_CANDIDATES` tokens when they hold
+top_p of its mass, one host synchronisation to know; on CUDA the engine takes it only with
+`TOP_P_CANDIDATES_CUDA`, which this bench sets) and with whole rows sorted (`TOP_P_CANDIDATES = 0`); a
+mixed batch (temperature-only and top-p rows) a third time with its temperature-only rows drawn apart on
+CUDA too (`SPLIT_PLAIN_CUDA`; the CPU always splits); temperature-only rows with the logits scaled before
+the Gumbel kernel (`SCALE_IN_KERNEL_CUDA` off); every kind with the draw's winner picked by its second
+kernel (`kernels.gumbel.PICK_KERNEL_CUDA`). Two kinds of logits: `flat` (N(0, 3^2): top-p 0.9 keeps tens
+of thousands of tokens) and `peaked` (a Zipf law over a random order of the vocabulary, logit -log(rank):
+top-p 0.9 keeps a few hundred, as a language model's usually does). The greedy rows (one argmax) are the
+floor a sampled step is compared with.
 
     python -m bench.sampling [--device cuda|cpu] [--vocab 154880] [--out DIR]
 """
