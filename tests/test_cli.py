@@ -51,6 +51,16 @@ def test_generate_text_batch_and_json(capsys) -> None:
     assert main([*argv, "--allowed-token-ids", "70, 71", "--temperature", "1.5", "--seed", "2"]) == 0
     (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert set(row["token_ids"]) <= {70, 71} and len(row["token_ids"]) == 5
+    # guided decoding: one of the choices, a JSON object
+    assert (
+        main([*argv, "--guided-choice", "yes", "--guided-choice", "no", "--temperature", "1", "--seed", "1"])
+        == 0
+    )
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["text"] in ("yes", "no") and row["finish_reason"] == "stop"
+    assert main([*argv, "--json-object", "--max-new-tokens", "40"]) == 0
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["finish_reason"] == "length" or isinstance(json.loads(row["text"]), dict)
     # logprobs of the generated and the prompt tokens, as Engine.generate gives them
     assert main(["generate", *CPU, "--json", "--token-ids", ids, "--max-new-tokens", "3", "--logprobs", "2",
                  "--prompt-logprobs", "1"]) == 0  # fmt: skip

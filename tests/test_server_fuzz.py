@@ -496,26 +496,45 @@ def test_an_unknown_model_name_is_repeated_on_one_short_line(srv, name, shown):
     ],
 )
 def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body):
-    """JSON mode, tool calls, vLLM's guided decoding, beam search and logits processors were
-    ignored as unknown fields: the client got free text it had not asked for and no word of it. They are a 400 naming the field; the forms that change
-    nothing (a "text" response_format, tools the model may not call, empty lists) are served."""
+    """Tool calls, grammar-guided decoding, beam search and logits processors were ignored as unknown fields:
+    the client got free text it had not asked for and no word of it. They are a 400 naming the field; the
+    forms that change nothing (a "text" response_format, tools the model may not call, empty lists) and the
+    guides longctx makes (JSON mode and schemas, vLLM's regex / choice / json) are served."""
     refused = {
-        "response_format": {"response_format": {"type": "json_object"}},
-        "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        "tool_choice": {"tool_choice": "required"},
-        "functions": {"functions": [{"name": "f"}], "function_call": "auto"},
-        "guided_json": {"guided_json": {"type": "object"}},
-        "guided_choice": {"guided_choice": ["yes", "no"]},
-        "structured_outputs": {"structured_outputs": {"regex": "a+"}},
-        "use_beam_search": {"use_beam_search": True},
-        "logits_processors": {"logits_processors": ["pkg.Proc"]},
+        "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
+        "tool_choice": ({"tool_choice": "required"}, "not supported"),
+        "functions": ({"functions": [{"name": "f"}], "function_call": "auto"}, "not supported"),
+        "guided_grammar": ({"guided_grammar": "root ::= 'a'"}, "not supported"),
+        "structured_outputs": (
+            {"structured_outputs": {"grammar": "root ::= 'a'"}},
+            "grammar is not supported",
+        ),
+        "use_beam_search": ({"use_beam_search": True}, "not supported"),
+        "logits_processors": ({"logits_processors": ["pkg.Proc"]}, "not supported"),
+        "response_format": ({"response_format": {"type": "xml"}}, 'type must be "text"'),
+        "guided_regex": ({"guided_regex": 5}, "must be a string"),
+        "guided_choice": ({"guided_choice": "yes"}, "must be a list of strings"),
+        "guided_json": ({"guided_json": 3}, "must be a JSON schema"),
     }
-    for param, extra in refused.items():
+    for param, (extra, words) in refused.items():
         r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
         err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == param and "not supported" in err["message"], r.text
+        assert r.status_code == 400 and err["param"] == param and words in err["message"], r.text
+    # two guides at once
+    r = httpx.post(srv.url + route, json={**body, "guided_regex": "a+", "guided_choice": ["a"]}, headers=AUTH)
+    assert r.status_code == 400 and "at most one guide" in r.json()["error"]["message"], r.text
     served = [
         {"response_format": {"type": "text"}},
+        {"response_format": {"type": "json_object"}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            }
+        },
+        {"guided_json": {"type": "object"}},
+        {"guided_choice": ["yes", "no"]},
+        {"structured_outputs": {"regex": "a+"}},
         {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
         {"tools": [], "tool_choice": "auto"},
         {"functions": [{"name": "f"}], "function_call": "none"},

@@ -193,6 +193,61 @@ def test_sampling_controls_reach_the_real_engine(client, tiny_dir):
         assert r.choices[0].text == want.text
 
 
+def test_guided_decoding_reaches_the_real_engine(client, server, tiny_dir):
+    """JSON schemas (OpenAI's response_format), JSON mode and vLLM's guides (guided_choice, guided_regex,
+    structured_outputs) give the text Engine.generate gives with the same guide, streamed or not."""
+    import re
+
+    from longctx import Engine
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+    }
+    msgs = [{"role": "user", "content": "give me JSON"}]
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=60, temperature=0.7, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"n", "ok"} and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=200, temperature=0.7, seed=3, response_format={"type": "json_object"}
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "length" or isinstance(
+        json.loads(r.choices[0].message.content), dict
+    )
+    prompt = "colour: "
+    with Engine(str(tiny_dir), device="cpu") as e:
+        want = e.generate(
+            [prompt], max_new_tokens=10, temperature=1.0, seed=4, guided_choice=["red", "blue"]
+        )[0]
+        regex = r"[0-9]{3}-[a-z]{2}"
+        want_re = e.generate([prompt], max_new_tokens=10, guided_regex=regex)[0]
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, seed=4, extra_body={"guided_choice": ["red", "blue"]}
+    )  # fmt: skip
+    assert r.choices[0].text == want.text and want.text in ("red", "blue")
+    for body in ({"guided_regex": regex}, {"structured_outputs": {"regex": regex}}):
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body=body
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == want_re.text and re.fullmatch(regex, text)
+    # a pattern the engine cannot compile is a 400 naming the field; the server goes on
+    bad = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "a", "guided_regex": "(?=x)"}, timeout=60
+    )
+    err = bad.json()["error"]
+    assert bad.status_code == 400 and err["param"] == "guided_regex" and "lookarounds" in err["message"], (
+        bad.text
+    )
+    assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text is not None
+
+
 def test_echo_logprobs_score_the_prompt_like_engine_score(client, server, tiny_dir):
     """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) on the real engine: the prompt's token
     logprobs are `Engine.score`'s, even for a prompt whose pages the prefix cache holds."""

@@ -9,6 +9,7 @@ predictable (a token count is a byte count).
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def byte_to_unicode() -> dict[int, str]:
 
 
 @cache
-def _unicode_to_byte() -> dict[str, int]:
+def unicode_to_byte() -> dict[str, int]:
     return {c: b for b, c in byte_to_unicode().items()}
 
 
@@ -95,7 +96,7 @@ def decode_bytes(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = Fal
 
     Special tokens are emitted as their UTF-8 text unless `skip_special_tokens`.
     """
-    u2b = _unicode_to_byte()
+    u2b = unicode_to_byte()
     added = tok.get_added_tokens_decoder()  # id -> AddedToken: text as is, not byte-level chars
     out = bytearray()
     for i in ids:
@@ -132,3 +133,23 @@ def save_tokenizer(cfg: ModelConfig, out_dir: str | Path) -> None:
     make_tokenizer(cfg).save(str(out / "tokenizer.json"))
     text = json.dumps(tokenizer_config(cfg, DEFAULT_CHAT_TEMPLATE), indent=2, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(text + "\n")
+
+
+def token_bytes_table(tok: Tokenizer, size: int) -> list[bytes | None]:
+    """Each token id's bytes below `size` (a model's vocabulary may pass its tokenizer's): a byte-level
+    piece read back through GPT-2's alphabet, a `<0xNN>` byte-fallback piece as its byte, another piece
+    as its UTF-8 text (SentencePiece's '▁' a space); None for special tokens and ids without a piece."""
+    u2b = unicode_to_byte()
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    out: list[bytes | None] = []
+    for i in range(size):
+        piece = None if i in special else tok.id_to_token(i)
+        if not piece:
+            out.append(None)
+        elif m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            out.append(bytes([int(m.group(1), 16)]))
+        elif all(c in u2b for c in piece):
+            out.append(bytes(u2b[c] for c in piece))
+        else:
+            out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return out

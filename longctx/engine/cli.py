@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from longctx.engine.args import add_engine_args, engine_kwargs
+from longctx.engine.guided import guide_of
 from longctx.engine.request import SamplingParams, TokenLogprob
 from longctx.errors import LongctxError
 
@@ -87,6 +88,11 @@ def _lp_json(x: TokenLogprob) -> dict:
     return out
 
 
+def _guide(args: argparse.Namespace) -> tuple[str, ...]:
+    names = ("--guided-regex", "--guided-choice", "--guided-json", "--json-object")
+    return guide_of(args.guided_regex, args.guided_choice, args.guided_json, args.json_object, names)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     bias = _parse_logit_bias(args.logit_bias)
     allowed = tuple(_parse_ids("allowed_token_ids", args.allowed_token_ids or ""))
@@ -108,6 +114,7 @@ def run_generate(args: argparse.Namespace) -> int:
         include_stop_str_in_output=args.include_stop_str_in_output,
         allowed_token_ids=allowed,
         bad_words=tuple(args.bad_words or ()),
+        guided=_guide(args),
     ).validate()
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         raise LongctxError("--logprobs / --prompt-logprobs need --json")
@@ -123,6 +130,10 @@ def run_generate(args: argparse.Namespace) -> int:
             include_stop_str_in_output=args.include_stop_str_in_output,
             allowed_token_ids=list(allowed),
             bad_words=args.bad_words,
+            guided_regex=args.guided_regex,
+            guided_choice=args.guided_choice,
+            guided_json=args.guided_json,
+            guided_json_object=args.json_object,
             seed=args.seed,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
@@ -206,6 +217,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--bad-word", action="append", dest="bad_words", help="a word never generated (repeatable)"
     )
+    g.add_argument("--guided-regex", metavar="PATTERN", help="the output matches this regular expression")
+    g.add_argument(
+        "--guided-choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)"
+    )
+    g.add_argument(
+        "--guided-json", metavar="SCHEMA", help="the output is JSON valid against this JSON schema"
+    )
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     g.add_argument(
         "--logprobs", type=int, default=None, metavar="N", help="with --json: each token's logprob, top N"
     )

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from longctx.checkpoint.tokenizer import load_tokenizer
+from longctx.checkpoint.tokenizer import load_tokenizer, token_bytes_table
 from longctx.config import (
     ModelConfig,
     check_device_tokens,
@@ -30,6 +30,7 @@ from longctx.config import (
     dtype_name,
     with_selection,
 )
+from longctx.engine.guided import GuideCache, GuideState, VocabBytes
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
     FinishReason,
@@ -135,6 +136,7 @@ class EngineCore:
             )
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._guides: GuideCache | None = None
         self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
@@ -227,8 +229,19 @@ class EngineCore:
             req.bad_ids = bad_word_ids(
                 lambda w: tok.encode(w, add_special_tokens=False).ids, req.params.bad_words
             )
+        if req.params.guided:
+            req.guide = GuideState(self._guide_cache().get(*req.params.guided))
         self.scheduler.add(req)
         self._requests[req.rid] = req
+
+    def _guide_cache(self) -> GuideCache:
+        """Compiled guides over this model's vocabulary (made on the first guided request)."""
+        if self._guides is None:
+            if self.tokenizer is None:
+                raise RequestError("guided decoding needs the model's tokenizer (tokenizer.json)", "guided")
+            pieces = token_bytes_table(self.tokenizer, self.cfg.vocab_size)
+            self._guides = GuideCache(VocabBytes.build(pieces, self.cfg.eos_ids()))
+        return self._guides
 
     def abort(self, rid: str) -> None:
         with self._lock:

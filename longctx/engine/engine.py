@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from longctx.config import is_int
 from longctx.engine.core import EngineCore
+from longctx.engine.guided import guide_of
 from longctx.engine.request import (
     FinishReason,
     Request,
@@ -113,13 +114,18 @@ class Engine(EngineCore):
         include_stop_str_in_output: bool = False,
         allowed_token_ids: list[int] | None = None,
         bad_words: list[str] | None = None,
+        guided_regex: str | None = None,
+        guided_choice: list[str] | None = None,
+        guided_json: dict | str | None = None,
+        guided_json_object: bool = False,
     ) -> list[Completion]:
         """Generate for a batch of prompts (token-id lists or strings), or for one prompt (a string or a
         token-id list, as SGLang's Engine and vLLM's LLM take it); one Completion each, a list either way.
         The penalties, min_tokens, min_p, logit_bias (token id -> bias), logprobs and prompt_logprobs (the
         top-N alternatives of each generated / prompt token), include_stop_str_in_output (the text keeps
         the stop string that ended it), allowed_token_ids (the only tokens drawn) and bad_words (words never
-        generated) are `SamplingParams`'."""
+        generated) are `SamplingParams`'. At most one guide holds the output to a regex, one of a list of
+        choices, a JSON schema's instances or any JSON object (vLLM's guided decoding, `engine.guided`)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list | tuple) and prompts and all(is_int(t) for t in prompts)
         ):
@@ -152,6 +158,7 @@ class Engine(EngineCore):
             include_stop_str_in_output=include_stop_str_in_output,
             allowed_token_ids=_as_tuple(allowed_token_ids),
             bad_words=_as_tuple(bad_words),
+            guided=guide_of(guided_regex, guided_choice, guided_json, guided_json_object),
         )
         params.validate()  # before any prompt is read, once for every prompt (seed + i stays valid)
         reqs = []

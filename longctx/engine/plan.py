@@ -36,6 +36,9 @@ class RowPlan:
     logit_bias: tuple[tuple[int, float], ...] = ()
     suppress: tuple[int, ...] = ()
     allowed: tuple[int, ...] = ()
+    # guided decoding: the tokens this row may draw as a bit mask (`guided.Guide.mask`; empty: any),
+    # applied after the shaping above
+    guide_mask: bytes = b""
     min_p: float = 0.0
     # prompt logprobs: the prompt tokens this row's positions predict (position start + i predicts
     # prompt_lp_targets[i]), each reported with its top-`prompt_logprobs` alternatives
@@ -55,7 +58,7 @@ class RowPlan:
 
     @property
     def shaped(self) -> bool:
-        return bool(self.logit_bias or self.suppress or self.allowed)
+        return bool(self.logit_bias or self.suppress or self.allowed or self.guide_mask)
 
     def pages_extend(self, epoch: int, n: int) -> bool:
         """Whether a copy of this request's first `n` pages taken at `epoch` is still a prefix of

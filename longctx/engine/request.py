@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from longctx.config import is_int, is_real
+from longctx.engine.guided import KINDS as GUIDE_KINDS
+from longctx.engine.guided import GuideState
 from longctx.errors import RequestError
 
 MAX_REPETITION_PENALTY = 100.0
@@ -56,6 +58,10 @@ class SamplingParams:
     # words never generated (vLLM's bad_words): the last token of a word's tokens is never drawn right after
     # the output's last tokens are the rest of them (a one-token word: never drawn)
     bad_words: tuple[str, ...] = ()
+    # guided decoding, (kind, spec): the output held to a regex, one of a JSON list of choices, a JSON
+    # schema's instances or any JSON object (`longctx.engine.guided`; kinds "regex" / "choice" / "json" /
+    # "json_object"); empty: unguided
+    guided: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """RequestError `about` the first bad field (`min_p 2.0: must be in [0, 1]`; of a wrong type too: a
@@ -142,6 +148,25 @@ class SamplingParams:
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise RequestError.about("bad_words", repr(w), "must be a word (a string that is not blank)")
+        if self.guided:
+            self._validate_guided()
+
+    def _validate_guided(self) -> None:
+        g = self.guided
+        if not (isinstance(g, tuple | list) and len(g) == 2 and all(isinstance(x, str) for x in g)):
+            raise RequestError.about("guided", None, "must be a (kind, spec) pair of strings")
+        if g[0] not in GUIDE_KINDS:
+            raise RequestError.about("guided", g[0], f"must be one of {', '.join(GUIDE_KINDS)}")
+        # what would leave a guided row with no token to draw: tokens held back or banned that the
+        # guide needs next (EOS included), or its EOS ignored
+        for name, bad in (
+            ("min_tokens", self.min_tokens > 0),
+            ("ignore_eos", self.ignore_eos),
+            ("allowed_token_ids", bool(self.allowed_token_ids)),
+            ("bad_words", bool(self.bad_words)),
+        ):
+            if bad:
+                raise RequestError.about(name, None, "cannot be combined with guided decoding")
 
 
 def check_token_ids(req: Request, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
@@ -269,6 +294,7 @@ class Request:
     # a running request's rid -> the full prompt pages the two have in common (Scheduler._waits_for_prefill)
     shared_pages: dict[str, int] = field(default_factory=dict)
     bad_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words' token sequences (`bad_word_ids`)
+    guide: GuideState | None = None  # params.guided compiled (`EngineCore._add`)
 
     def banned(self, step: int) -> set[int]:
         """The tokens token `step` may not be for its bad words, given the output before it."""

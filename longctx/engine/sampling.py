@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from longctx.engine.guided import unpack_mask
 from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref, scale_logits_ref
 from longctx.kernels.penalties import penalise
 from longctx.seeds import MASK63, generator_seed
@@ -60,7 +62,7 @@ def sample_rows_device(
 def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]) -> torch.Tensor:
     """A float32 copy of logits [R, vocab] with rows `which` shaped: each row's logit_bias added, its
     `suppress` tokens set to -inf, and with `allowed` tokens every other one too (before the penalties, as
-    vLLM orders its logits processors)."""
+    vLLM orders its logits processors); then a guided row's tokens outside its `guide_mask` -inf."""
     x = logits.float().clone()
     vocab = x.shape[1]
     bias_at: list[int] = []  # flat indices into x (row * vocab + token): one copy and one launch a step
@@ -68,6 +70,7 @@ def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]
     off: list[int] = []
     keep_rows: list[int] = []  # rows with allowed tokens, and those tokens' flat indices
     keep: list[int] = []
+    guided: list[int] = []
     for i in which:
         r = rows[i]
         bias_at += [i * vocab + t for t, _ in r.logit_bias]
@@ -76,20 +79,28 @@ def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]
         if r.allowed:
             keep_rows.append(i)
             keep += [i * vocab + t for t in r.allowed]
-    if not bias_at and not off and not keep:
+        if r.guide_mask:
+            guided.append(i)
+    if not bias_at and not off and not keep and not guided:
         return x
     flat = x.view(-1)
-    ints = [*bias_at, *off, *keep, *keep_rows]
+    ints = [*bias_at, *off, *keep, *keep_rows, *guided]
     at, values = _all_on(x.device, (ints, torch.int64), (bias, torch.float32))
-    nb, no, nk = len(bias_at), len(off), len(keep)
+    nb, no, nk, nr = len(bias_at), len(off), len(keep), len(keep_rows)
     if bias_at:
         flat.index_add_(0, at[:nb], values)
     if off:
         flat.index_fill_(0, at[nb : nb + no], float("-inf"))
     if keep:  # the allowed tokens' values kept, their rows' other tokens -inf
         kept = flat.index_select(0, at[nb + no : nb + no + nk])
-        x.index_fill_(0, at[nb + no + nk :], float("-inf"))
+        x.index_fill_(0, at[nb + no + nk : nb + no + nk + nr], float("-inf"))
         flat.index_copy_(0, at[nb + no : nb + no + nk], kept)
+    if guided:
+        g_at = at[nb + no + nk + nr :]
+        masks = torch.from_numpy(np.stack([unpack_mask(rows[i].guide_mask, vocab) for i in guided]))
+        cuda = x.is_cuda
+        ok = (masks.pin_memory() if cuda else masks).to(x.device, non_blocking=cuda)
+        x.index_copy_(0, g_at, x.index_select(0, g_at).masked_fill_(~ok, float("-inf")))
     return x
 
 

@@ -253,6 +253,7 @@ class Scheduler:
             logit_bias=p.logit_bias,
             suppress=self._suppress(req, len(req.output_ids)) if mode == "last" else (),
             allowed=p.allowed_token_ids if mode == "last" else (),
+            guide_mask=req.guide.mask(req.output_ids) if mode == "last" and req.guide is not None else b"",
             min_p=p.min_p,
             prompt_lp_targets=targets,
             prompt_logprobs=p.prompt_logprobs or 0,
@@ -282,7 +283,7 @@ class Scheduler:
 
         Only when nothing else could change the batch: no request waiting, every running request
         decoding in `plan`, none about to reach its token or context limit, pages free for all, none with
-        bad words of several tokens (the tokens step n+1 may not draw depend on step n's).
+        bad words of several tokens or a guide (the tokens step n+1 may draw depend on step n's).
         The rows carry placeholder tokens; `confirm_continuation` fills them after `update` and
         drops requests that finished at step n (their pages, this extra slot included, are freed
         by the release that finished them).
@@ -300,6 +301,7 @@ class Scheduler:
                 or len(req.output_ids) + 2 > req.params.max_new_tokens
                 or row.end + 1 >= self.max_context
                 or any(len(s) > 1 for s in req.bad_ids)  # (what step n+1 may not draw needs step n's token)
+                or req.guide is not None  # (so does a guided request's)
             ):
                 return None
         if not self._make_room(sum(max(0, self.pages[r.rid].pages_missing(1)) for r in plan.rows)):
@@ -389,6 +391,8 @@ class Scheduler:
         stoppable = tok is not None and len(req.output_ids) > p.min_tokens
         if stoppable and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
             req.finish_reason = FinishReason.STOP
+        elif tok is not None and req.guide is not None and req.guide.complete(req.output_ids):
+            req.finish_reason = FinishReason.STOP  # a whole match nothing can extend: no step for its EOS
         elif req.pending > 1 or (req.pending == 1 and not req.output_ids):
             return  # still prefilling
         elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.max_context:

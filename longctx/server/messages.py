@@ -96,6 +96,7 @@ class WireSamplingParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()
+    guided: tuple[str, ...] = ()
 
 
 @message("add")

@@ -2,8 +2,9 @@
 
 Validation is strict about types (no "5" for 5, no true for 1.0) and ranges; unknown fields are
 ignored so newer clients still work, except the known ones that ask for output longctx does not make
-(JSON mode and schemas, tool calls, vLLM's guided decoding, beam search and logits processors): those
-are refused, naming the field, since ignoring them would hand back text the client did not ask for.
+(tool calls, grammar-guided decoding, beam search and logits processors): those are refused, naming the
+field, since ignoring them would hand back text the client did not ask for. JSON mode, JSON schemas and
+vLLM's regex / choice / json guides are served (`_SamplingFields.guided`, `longctx.engine.guided`).
 Every rejection is an `ApiError`, rendered as `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -23,8 +24,9 @@ from pydantic import (
     model_validator,
 )
 
+from longctx.engine.guided import guide_of
 from longctx.engine.request import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
-from longctx.errors import clipped
+from longctx.errors import RequestError, clipped
 
 I64 = 2**63 - 1
 MAX_STOPS = 16
@@ -149,6 +151,15 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # (vLLM's) with include_usage: usage in every chunk too
 
 
+def _guide(keyed: bool, regex: Any, choice: Any, json_schema: Any, json_object: bool = False) -> None:
+    """guide_of's checks of one guide's shape, as the ValueError a field validator raises (`keyed`: the
+    guide is a key of the field's object, which the message names)."""
+    try:
+        guide_of(regex, choice, json_schema, json_object, ("regex", "choice", "json", "json_object"))
+    except RequestError as e:
+        raise ValueError(str(e) if keyed else e.problem) from None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by every generating endpoint."""
 
@@ -188,9 +199,10 @@ class _SamplingFields(_Strict):
     # vLLM's: words never generated
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
 
-    # Known fields asking for output longctx does not make: refused (a 400 naming the field), not ignored.
-    # What leaves the output unchanged passes: a "text" response_format, tools the model may not call
-    # (tool_choice "none"), an empty tools / functions list.
+    # Guides (`guided`): OpenAI's response_format, vLLM's guided_* and structured_outputs. Known fields
+    # asking for output longctx does not make: refused (a 400 naming the field), not ignored. What leaves
+    # the output unchanged passes: tools the model may not call (tool_choice "none"), an empty tools /
+    # functions list.
     response_format: Any = None
     tool_choice: Any = None  # (before tools: their check reads it)
     tools: Any = Field(None, validate_default=True)
@@ -208,10 +220,77 @@ class _SamplingFields(_Strict):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
-            raise ValueError('JSON mode and JSON schemas are not supported; only {"type": "text"} is')
+    def _response_format(cls, v: Any) -> Any:
+        kind = v.get("type") if isinstance(v, dict) else None
+        if v is not None and kind not in ("text", "json_object", "json_schema"):
+            raise ValueError('type must be "text", "json_object" or "json_schema"')
+        if kind == "json_schema":
+            js = v.get("json_schema")
+            if not (isinstance(js, dict) and isinstance(js.get("schema"), dict | bool)):
+                raise ValueError('"json_schema" needs {"json_schema": {"schema": {...}}}')
         return v
+
+    @field_validator("guided_grammar")
+    @classmethod
+    def _no_grammar(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("grammar-guided decoding is not supported (regex, choice and json guides are)")
+        return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, dict):
+            raise ValueError("must be an object")
+        for key in ("grammar", "structural_tag"):
+            if v.get(key) is not None:
+                raise ValueError(f"{key} is not supported (regex, choice, json and json_object are)")
+        _guide(True, v.get("regex"), v.get("choice"), v.get("json"), bool(v.get("json_object")))
+        return v
+
+    @field_validator("guided_regex", "guided_choice", "guided_json")
+    @classmethod
+    def _guide_shape(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            k = ("guided_regex", "guided_choice", "guided_json").index(info.field_name or "")
+            regex, choice, schema = (v if i == k else None for i in range(3))
+            _guide(False, regex, choice, schema)
+        return v
+
+    def guided(self) -> tuple[str, ...]:
+        """SamplingParams.guided of the request's guide: vLLM's guided_regex / guided_choice / guided_json,
+        its structured_outputs ({"regex" | "choice" | "json" | "json_object": ...}) or OpenAI's
+        response_format ("json_object", or "json_schema" with its "schema"); () for none. Each field's shape
+        is checked by its validator and that at most one guide is given by `_one_guide`."""
+        rf = self.response_format
+        if isinstance(rf, dict) and rf.get("type") == "json_object":
+            return ("json_object", "")
+        if isinstance(rf, dict) and rf.get("type") == "json_schema":
+            return guide_of(json_schema=rf["json_schema"]["schema"])
+        so = self.structured_outputs
+        if so:
+            return guide_of(so.get("regex"), so.get("choice"), so.get("json"), bool(so.get("json_object")))
+        return guide_of(self.guided_regex, self.guided_choice, self.guided_json)
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> _SamplingFields:
+        rf = self.response_format
+        given = [
+            name
+            for name, v in (
+                ("response_format", rf if isinstance(rf, dict) and rf.get("type") != "text" else None),
+                ("guided_regex", self.guided_regex),
+                ("guided_choice", self.guided_choice),
+                ("guided_json", self.guided_json),
+                ("structured_outputs", self.structured_outputs or None),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: cannot be combined with {given[0]} (at most one guide)")
+        return self
 
     @field_validator("tool_choice", "function_call")
     @classmethod
@@ -227,13 +306,6 @@ class _SamplingFields(_Strict):
         if v and choice != "none":  # (OpenAI's default with tools is "auto")
             which = "tool_choice" if info.field_name == "tools" else "function_call"
             raise ValueError(f'tool calling is not supported (send none, or {which} "none")')
-        return v
-
-    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-    @classmethod
-    def _no_guides(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("structured output (guided decoding) is not supported")
         return v
 
     @field_validator("use_beam_search")

@@ -108,6 +108,7 @@ def sampling(
         include_stop_str_in_output=req.include_stop_str_in_output,
         allowed_token_ids=tuple(req.allowed_token_ids or ()),
         bad_words=tuple(req.bad_words or ()),
+        guided=req.guided(),
     )
 
 

@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import logging
 import re
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from longctx.checkpoint.chat_template import apply_chat_template, load_chat_template
-from longctx.checkpoint.tokenizer import byte_to_unicode, load_tokenizer, make_tokenizer
+from longctx.checkpoint.tokenizer import load_tokenizer, make_tokenizer, unicode_to_byte
 from longctx.errors import LongctxError
 
 log = logging.getLogger("longctx.server")
 
 _SENTINEL = "\u2063LONGCTX_DOCUMENT\u2063"
 NORMALISER_SLACK = 4
-
-
-@cache
-def _unicode_to_byte() -> dict[str, int]:
-    return {c: b for b, c in byte_to_unicode().items()}
 
 
 class TextCodec:
@@ -68,7 +62,7 @@ class TextCodec:
         piece = self.tok.id_to_token(tid) or ""
         if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
             return bytes([int(m.group(1), 16)])
-        table = _unicode_to_byte()
+        table = unicode_to_byte()
         if piece and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return text.encode("utf-8")

@@ -1,0 +1,438 @@
+"""Guided decoding: outputs held to a regular expression, a list of choices or a JSON schema (vLLM's
+`guided_regex` / `guided_choice` / `guided_json`, OpenAI's `response_format`).
+
+A guide is a DFA over UTF-8 bytes (`regex_dfa`). Its state after the output so far decides which tokens
+may come next: a token is allowed when its bytes lead the automaton to a state from which a match can
+still be completed; the model's EOS tokens when the output so far is a whole match. The scheduler sends
+each guided row's allowed tokens to the last stage as a bit mask (`Guide.mask`, cached per state), which
+`sampling.shape_logits` applies after the other shaping (greedy rows too; logprobs stay the model's own).
+An output that is a match from which nothing can follow finishes there (`finish_reason` "stop") without
+a step for its EOS. A state that no token of the vocabulary can leave (the pattern needs bytes no token
+has) allows the EOS tokens alone, so a generation never draws from an empty row.
+
+Every guide is a regular expression underneath:
+  * `("regex", pattern)`;
+  * `("choice", json list of strings)`: exactly one of the strings;
+  * `("json", json schema)`: a JSON text valid against the schema (`schema_regex`: the subset below);
+  * `("json_object", "")`: any JSON object, nested up to JSON_OBJECT_DEPTH levels.
+
+JSON is written compactly or lightly spaced: at most JSON_WS whitespace characters between tokens.
+Schemas: `type` (one or a list), `enum`, `const`, `anyOf` / `oneOf`, `allOf` of one schema, local `$ref`s
+(`#/$defs/...`, `#/definitions/...`, nested up to MAX_SCHEMA_DEPTH), objects' `properties` in their
+order with `required` (every other property optional; `additionalProperties` allows what is listed),
+arrays' `items` with `minItems` / `maxItems`, strings' `minLength` / `maxLength` / `pattern` / `format`
+(date, time, date-time, uuid); annotation keywords are ignored. Other validation keywords (`minimum`,
+`multipleOf`, `uniqueItems`, `not`, ...) are refused by name, as a schema longctx would not enforce.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from longctx.engine.regex_dfa import DFA, RegexError, compile_regex
+from longctx.errors import RequestError
+
+KINDS = ("regex", "choice", "json", "json_object")
+FIELD = {
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "json": "guided_json",
+    "json_object": "response_format",
+}
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+JSON_WS = 8  # whitespace characters allowed between JSON tokens
+JSON_OBJECT_DEPTH = 3
+MAX_SCHEMA_DEPTH = 6
+MAX_OPTIONAL = 16  # optional properties of one object (the regex grows with their square)
+CACHED_GUIDES = 32
+CACHED_MASKS = 4096  # per guide
+
+_WS = f"[ \\t\\n]{{0,{JSON_WS}}}"
+_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+_STRING = f'"{_STRING_CHAR}*"'
+_INTEGER = r"-?(?:0|[1-9][0-9]*)"
+_NUMBER = _INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_FORMATS = {
+    "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
+    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+}
+_FORMATS["date-time"] = _FORMATS["date"] + "T" + _FORMATS["time"]
+# keywords that only describe (no effect on what is valid), and those this module enforces
+_ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties", "discriminator"}  # fmt: skip
+_HANDLED = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required", "items",
+            "minItems", "maxItems", "minLength", "maxLength", "pattern", "format"}  # fmt: skip
+
+
+def _error(field: str, value: object, problem: str) -> RequestError:
+    """RequestError.about `field`, naming it as the request field at fault too (an HTTP 400's param)."""
+    e = RequestError.about(field, value, problem)
+    e.param = field
+    return e
+
+
+def _lit(text: str) -> str:
+    """A regex matching exactly `text` (re.escape's output is inside this module's syntax)."""
+    return re.escape(text)
+
+
+def _join(parts: Sequence[str]) -> str:
+    return "(?:" + "|".join(parts) + ")" if len(parts) != 1 else parts[0]
+
+
+def _count(unit: str, lo: int, hi: int | None) -> str:
+    return f"(?:{unit}){{{lo},{'' if hi is None else hi}}}"
+
+
+class _Schema:
+    """JSON schema -> regex (the subset in the module docstring)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+
+    def error(self, what: str) -> RequestError:
+        return _error("guided_json", None, what)
+
+    def regex(self, s: Any, depth: int = 0) -> str:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise self.error(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (a recursive $ref?)")
+        if s is True or s == {}:
+            return self.any_value(JSON_OBJECT_DEPTH)
+        if not isinstance(s, dict):
+            raise self.error(f"a schema must be an object, got {json.dumps(s)[:60]}")
+        unknown = sorted(set(s) - _ANNOTATIONS - _HANDLED)
+        if unknown:
+            raise self.error(f"the keyword {unknown[0]!r} is not supported by guided decoding")
+        if "$ref" in s:
+            return self.regex(self.resolve(s["$ref"]), depth + 1)
+        if "const" in s:
+            return _lit(json.dumps(s["const"], ensure_ascii=False))
+        if "enum" in s:
+            if not isinstance(s["enum"], list) or not s["enum"]:
+                raise self.error("enum must be a non-empty list")
+            return _join([_lit(json.dumps(v, ensure_ascii=False)) for v in s["enum"]])
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                if not isinstance(s[key], list) or not s[key]:
+                    raise self.error(f"{key} must be a non-empty list")
+                return _join([self.regex(x, depth + 1) for x in s[key]])
+        if "allOf" in s:
+            if not isinstance(s["allOf"], list) or len(s["allOf"]) != 1:
+                raise self.error("allOf is supported with one schema only")
+            return self.regex(s["allOf"][0], depth + 1)
+        t = s.get("type")
+        if t is None:
+            t = "object" if "properties" in s else "array" if "items" in s else None
+        if t is None:
+            return self.any_value(JSON_OBJECT_DEPTH)
+        if isinstance(t, list):
+            return _join([self.regex({**s, "type": x}, depth) for x in t])
+        if t == "string":
+            return self.string(s)
+        if t in ("integer", "number"):
+            return _INTEGER if t == "integer" else _NUMBER
+        if t == "boolean":
+            return "(?:true|false)"
+        if t == "null":
+            return "null"
+        if t == "array":
+            return self.array(s, depth)
+        if t == "object":
+            return self.object(s, depth)
+        raise self.error(f"unknown type {t!r}")
+
+    def resolve(self, ref: Any) -> Any:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise self.error(f"only local $refs (#/...) are supported, got {ref!r}")
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                raise self.error(f"$ref {ref!r} points nowhere")
+            node = node[part]
+        return node
+
+    @staticmethod
+    def _bound(s: dict, name: str) -> int | None:
+        v = s.get(name)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise _error("guided_json", None, f"{name} must be a non-negative integer")
+        return v
+
+    def string(self, s: dict) -> str:
+        if "pattern" in s:
+            p = s["pattern"]
+            if not isinstance(p, str):
+                raise self.error("pattern must be a string")
+            return f'"{p.removeprefix("^").removesuffix("$")}"'
+        fmt = s.get("format")
+        if fmt in _FORMATS:
+            return f'"{_FORMATS[fmt]}"'
+        lo, hi = self._bound(s, "minLength") or 0, self._bound(s, "maxLength")
+        if lo == 0 and hi is None:
+            return _STRING
+        return f'"{_count(_STRING_CHAR, lo, hi)}"'
+
+    def array(self, s: dict, depth: int) -> str:
+        item = self.regex(s.get("items", True), depth + 1)
+        lo, hi = self._bound(s, "minItems") or 0, self._bound(s, "maxItems")
+        if hi is not None and hi < lo:
+            raise self.error("maxItems is below minItems")
+        sep = f"{_WS},{_WS}"
+        if hi == 0:
+            return f"\\[{_WS}\\]"
+        rest = _count(sep + item, max(lo - 1, 0), None if hi is None else hi - 1)
+        body = f"{item}{rest}"
+        return f"\\[{_WS}{body if lo else f'(?:{body})?'}{_WS}\\]"
+
+    def object(self, s: dict, depth: int) -> str:
+        props = s.get("properties", {})
+        if not isinstance(props, dict):
+            raise self.error("properties must be an object")
+        required = s.get("required", [])
+        if not isinstance(required, list) or any(r not in props for r in required):
+            missing = [r for r in required if r not in props] if isinstance(required, list) else required
+            raise self.error(f"required names properties the schema does not have: {missing!r}")
+        names = list(props)
+        opt = [n for n in names if n not in required]
+        if len(opt) > MAX_OPTIONAL:
+            raise self.error(f"an object with more than {MAX_OPTIONAL} optional properties")
+        items = [
+            f"{_lit(json.dumps(n, ensure_ascii=False))}{_WS}:{_WS}{self.regex(props[n], depth + 1)}"
+            for n in names
+        ]
+        sep = f"{_WS},{_WS}"
+        # the first property written is some i up to the first required one; after it every later property
+        # follows a comma, the optional ones each optional
+        first_req = next((i for i, n in enumerate(names) if n in required), len(names))
+        starts = []
+        for i in range(min(first_req + 1, len(names))):
+            tail = "".join(
+                sep + items[j] if names[j] in required else f"(?:{sep}{items[j]})?"
+                for j in range(i + 1, len(names))
+            )
+            starts.append(items[i] + tail)
+        body = _join(starts) if starts else ""
+        if starts and first_req == len(names):  # nothing required: the object may be empty
+            body = f"(?:{body})?"
+        return f"\\{{{_WS}{body}{_WS}\\}}"
+
+    def any_value(self, depth: int) -> str:
+        """Any JSON value with objects and arrays nested up to `depth` levels."""
+        scalars = [_STRING, _NUMBER, "true", "false", "null"]
+        if depth <= 0:
+            return _join(scalars)
+        inner = self.any_value(depth - 1)
+        return _join(
+            [*scalars, self.any_object(depth, inner), f"\\[{_WS}(?:{inner}(?:{_WS},{_WS}{inner})*)?{_WS}\\]"]
+        )
+
+    @staticmethod
+    def any_object(depth: int, inner: str) -> str:
+        member = f"{_STRING}{_WS}:{_WS}{inner}"
+        return f"\\{{{_WS}(?:{member}(?:{_WS},{_WS}{member})*)?{_WS}\\}}"
+
+
+def guide_regex(kind: str, spec: str) -> str:
+    """The regular expression of a guide (RequestError naming the request's field when it has none)."""
+    name = FIELD.get(kind, "guided")
+    if kind not in KINDS:
+        raise _error("guided", kind, f"must be one of {', '.join(KINDS)}")
+    if not isinstance(spec, str) or len(spec) > MAX_SPEC_CHARS:
+        raise _error(name, None, f"must be a string of at most {MAX_SPEC_CHARS} characters")
+    if kind == "regex":
+        return spec
+    if kind == "json_object":
+        sch = _Schema({})
+        return sch.any_object(JSON_OBJECT_DEPTH, sch.any_value(JSON_OBJECT_DEPTH - 1))
+    try:
+        value = json.loads(spec)
+    except ValueError as e:
+        raise _error(name, None, f"is not JSON ({e})") from None
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise _error(name, None, "must be a non-empty list of non-empty strings")
+        if len(value) > MAX_CHOICES:
+            raise _error(name, None, f"has {len(value)} choices, at most {MAX_CHOICES}")
+        return "|".join(_lit(c) for c in value)
+    return _Schema(value).regex(value)
+
+
+@dataclass(frozen=True)
+class VocabBytes:
+    """A vocabulary's token bytes laid out for walking every token through an automaton at once: the
+    tokens that have bytes, longest first (`order`, their ids), their bytes in `table` [n, longest]
+    (zero padded), `active[j]` tokens longer than j; `eos` the ids allowed where the output may end."""
+
+    size: int
+    order: np.ndarray
+    table: np.ndarray
+    active: np.ndarray
+    eos: tuple[int, ...]
+    of: tuple[bytes | None, ...]  # token id -> its bytes (None: a special token, never allowed)
+
+    @classmethod
+    def build(cls, pieces: Sequence[bytes | None], eos: Sequence[int]) -> VocabBytes:
+        ids = [i for i, b in enumerate(pieces) if b]
+        ids.sort(key=lambda i: -len(pieces[i]))  # type: ignore[arg-type]
+        longest = len(pieces[ids[0]]) if ids else 0  # type: ignore[arg-type]
+        table = np.zeros((len(ids), longest), dtype=np.uint8)
+        lens = np.zeros(len(ids), dtype=np.int64)
+        for r, i in enumerate(ids):
+            b = pieces[i]
+            assert b is not None
+            table[r, : len(b)] = np.frombuffer(b, dtype=np.uint8)
+            lens[r] = len(b)
+        active = np.array([int((lens > j).sum()) for j in range(longest)], dtype=np.int64)
+        eos_ids = tuple(sorted({e for e in eos if 0 <= e < len(pieces)}))
+        return cls(len(pieces), np.array(ids, dtype=np.int64), table, active, eos_ids, tuple(pieces))
+
+
+@dataclass
+class Guide:
+    """One compiled guide over one vocabulary: allowed-token masks per automaton state, cached."""
+
+    dfa: DFA
+    vocab: VocabBytes
+    masks: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
+
+    def advance(self, state: int, token: int) -> int:
+        b = self.vocab.of[token] if 0 <= token < self.vocab.size else None
+        return -1 if b is None or state < 0 else self.dfa.walk(state, b)
+
+    def complete(self, state: int) -> bool:
+        """A whole match that nothing can extend: the output ends here."""
+        return state >= 0 and bool(self.dfa.accept[state]) and not bool((self.dfa.trans[state] >= 0).any())
+
+    def allowed(self, state: int) -> np.ndarray:
+        """bool [vocab]: the tokens that may follow `state` (EOS where it accepts, or where nothing else can)."""
+        v = self.vocab
+        ok = np.zeros(v.size, dtype=bool)
+        if state >= 0:
+            cur = np.full(len(v.order), state, dtype=np.int32)
+            trans = self.dfa.trans
+            for j, k in enumerate(v.active):
+                sub = cur[:k]
+                nxt = trans[np.maximum(sub, 0), v.table[:k, j]]
+                cur[:k] = np.where(sub >= 0, nxt, -1)
+            ok[v.order[cur >= 0]] = True
+        if state < 0 or bool(self.dfa.accept[state]) or not ok.any():
+            ok[list(v.eos)] = True
+        return ok
+
+    def mask(self, state: int) -> bytes:
+        """`allowed(state)` packed into bits (little-endian within each byte), as a plan row carries it."""
+        got = self.masks.get(state)
+        if got is None:
+            got = np.packbits(self.allowed(state), bitorder="little").tobytes()
+            self.masks[state] = got
+            if len(self.masks) > CACHED_MASKS:
+                self.masks.popitem(last=False)
+        else:
+            self.masks.move_to_end(state)
+        return got
+
+
+def unpack_mask(packed: bytes, vocab: int) -> np.ndarray:
+    """bool [vocab] of a `Guide.mask`."""
+    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
+    if bits.shape[0] < vocab:
+        raise ValueError(f"a guide mask of {bits.shape[0]} bits for a vocabulary of {vocab}")
+    return bits[:vocab].astype(bool)
+
+
+@dataclass
+class GuideState:
+    """A request's place in its guide: the automaton state after each prefix of its output."""
+
+    guide: Guide
+    states: list[int] = field(default_factory=lambda: [0])
+    walked: list[int] = field(default_factory=list)
+
+    def at(self, output_ids: Sequence[int], step: int | None = None) -> int:
+        """The state after output_ids[:step] (all of it by default)."""
+        n = len(output_ids) if step is None else step
+        k = len(self.walked)
+        while k and (k > n or self.walked[k - 1] != output_ids[k - 1]):  # (taken back or replaced)
+            k -= 1
+        del self.walked[k:], self.states[k + 1 :]
+        for t in output_ids[k:n]:
+            self.states.append(self.guide.advance(self.states[-1], t))
+            self.walked.append(t)
+        return self.states[n]
+
+    def mask(self, output_ids: Sequence[int]) -> bytes:
+        return self.guide.mask(self.at(output_ids))
+
+    def complete(self, output_ids: Sequence[int]) -> bool:
+        return self.guide.complete(self.at(output_ids))
+
+
+class GuideCache:
+    """Compiled guides by (kind, spec), least recently used dropped past CACHED_GUIDES (requests already
+    holding one keep it)."""
+
+    def __init__(self, vocab: VocabBytes) -> None:
+        self.vocab = vocab
+        self.guides: OrderedDict[tuple[str, str], Guide] = OrderedDict()
+
+    def get(self, kind: str, spec: str) -> Guide:
+        key = (kind, spec)
+        g = self.guides.get(key)
+        if g is not None:
+            self.guides.move_to_end(key)
+            return g
+        pattern = guide_regex(kind, spec)
+        try:
+            dfa = compile_regex(pattern)
+        except RegexError as e:
+            raise _error(FIELD[kind], None, str(e)) from None
+        if not dfa.accept.any() and not (dfa.trans[0] >= 0).any():
+            raise _error(FIELD[kind], None, "matches no text")
+        g = self.guides[key] = Guide(dfa, self.vocab)
+        if len(self.guides) > CACHED_GUIDES:
+            self.guides.popitem(last=False)
+        return g
+
+
+def guide_of(
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    json_schema: Any = None,
+    json_object: bool = False,
+    names: tuple[str, str, str, str] = ("guided_regex", "guided_choice", "guided_json", "guided_json_object"),
+) -> tuple[str, ...]:
+    """SamplingParams.guided of at most one of a regex, a list of choices, a JSON schema (a dict, or its
+    JSON text) and any JSON object; () for none. `names` are the caller's for them, said in errors."""
+    given = [
+        (n, k, v)
+        for n, k, v in zip(names, KINDS, (regex, choice, json_schema, json_object or None), strict=True)
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise _error(given[1][0], None, f"cannot be combined with {given[0][0]}: at most one guide")
+    if not given:
+        return ()
+    name, kind, v = given[0]
+    if kind == "regex" and not isinstance(v, str):
+        raise _error(name, None, "must be a string")
+    if kind == "choice":
+        if isinstance(v, str) or not isinstance(v, Sequence) or not all(isinstance(c, str) for c in v):
+            raise _error(name, None, "must be a list of strings")
+        return ("choice", json.dumps(list(v), ensure_ascii=False))
+    if kind == "json":
+        if isinstance(v, str):
+            return ("json", v)
+        if not isinstance(v, dict | bool):
+            raise _error(name, None, "must be a JSON schema (an object or its JSON text)")
+        return ("json", json.dumps(v, ensure_ascii=False))
+    return (kind, "" if kind == "json_object" else v)
