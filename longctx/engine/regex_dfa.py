@@ -34,6 +34,7 @@ from longctx.errors import LongctxError
 MAX_NFA_STATES = 200_000
 MAX_DFA_STATES = 20_000
 MAX_REPEAT = 10_000  # a counted repetition's bound
+MINIMISE_ROUNDS = 64
 ASCII = (1 << 128) - 1
 NEWLINE = 1 << 10
 MAX_CODEPOINT = 0x10FFFF
@@ -448,14 +449,16 @@ def compile_regex(pattern: str) -> DFA:
             row[k] = j
         rows.append(row)
     accept = np.array([final in s for s in sets], dtype=bool)
-    by_class = np.array(rows, dtype=np.int32).reshape(len(sets), len(classes))
+    # pruned and minimised over byte classes, then spread over the 256 bytes
+    keep, by_class = _minimise(
+        _prune(np.array(rows, dtype=np.int32).reshape(len(sets), len(classes)), accept), accept
+    )
     byte_class = np.zeros(256, dtype=np.int64)
     for k, c in enumerate(classes):
         for b in range(256):
             if c >> b & 1:
                 byte_class[b] = k
-    trans = by_class[:, byte_class]
-    return _minimise(_prune(trans, accept), accept)
+    return DFA(np.ascontiguousarray(by_class[:, byte_class]), accept[keep])
 
 
 def _prune(trans: np.ndarray, accept: np.ndarray) -> np.ndarray:
@@ -476,25 +479,32 @@ def _prune(trans: np.ndarray, accept: np.ndarray) -> np.ndarray:
     return out
 
 
-def _minimise(trans: np.ndarray, accept: np.ndarray) -> DFA:
-    """The equivalent DFA with the fewest states (Moore's refinement: states split while some byte sends
-    them to different blocks), start state kept at 0."""
-    _, block = np.unique(accept, return_inverse=True)
-    block = block.reshape(-1).astype(np.int64)
-    count = int(block.max()) + 1
-    while True:
-        succ = np.where(trans >= 0, block[np.maximum(trans, 0)], -1)
-        _, nxt = np.unique(np.concatenate([block[:, None], succ], axis=1), axis=0, return_inverse=True)
-        nxt = nxt.reshape(-1)
-        if len(np.unique(nxt)) == count:
+def _minimise(trans: np.ndarray, accept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the states kept, their transitions renumbered): one state per class of equivalent states (Moore's
+    refinement: states split while some input sends them to different blocks), start state kept at 0.
+    Refinement that has not settled after MINIMISE_ROUNDS rounds (long chains of distinct states, which
+    merge little) keeps the DFA as it is."""
+    n = trans.shape[0]
+    block = [int(a) for a in accept]
+    count = len(set(block))
+    rows = trans.tolist()
+    for _ in range(MINIMISE_ROUNDS):
+        ids: dict[tuple[int, ...], int] = {}
+        nxt = [
+            ids.setdefault((block[s], *(block[t] if t >= 0 else -1 for t in rows[s])), len(ids))
+            for s in range(n)
+        ]
+        if len(ids) == count:
             break
-        block, count = nxt, len(np.unique(nxt))
-    # renumber blocks in order of first appearance so the start state's block is 0
-    _, first = np.unique(block, return_index=True)
-    order = np.argsort(first)
-    new_id = np.empty(len(order), dtype=np.int64)
-    new_id[order] = np.arange(len(order))
-    reps = first[order]
-    small = trans[reps]
-    out = np.where(small >= 0, new_id[block[np.maximum(small, 0)]], -1).astype(np.int32)
-    return DFA(out, accept[reps])
+        block, count = nxt, len(ids)
+    else:
+        return np.arange(n), trans
+    # renumber blocks in order of first appearance (the start state's block is 0); one state stands for each
+    first: dict[int, int] = {}
+    for s, b in enumerate(block):
+        first.setdefault(b, s)
+    new_id = {b: i for i, b in enumerate(first)}
+    keep = np.array(list(first.values()), dtype=np.int64)
+    ren = np.array([new_id[b] for b in block], dtype=np.int32)
+    small = trans[keep]
+    return keep, np.where(small >= 0, ren[np.maximum(small, 0)], -1).astype(np.int32)
