@@ -318,13 +318,18 @@ class Guide:
         v = self.vocab
         ok = np.zeros(v.size, dtype=bool)
         if state >= 0:
+            # the tokens still alive (rows of v.table, ascending: longest first) and their states; a row
+            # that runs out of bytes alive is allowed, one that meets -1 drops out
+            idx = np.arange(len(v.order))
             cur = np.full(len(v.order), state, dtype=np.int32)
             trans = self.dfa.trans
             for j, k in enumerate(v.active):
-                sub = cur[:k]
-                nxt = trans[np.maximum(sub, 0), v.table[:k, j]]
-                cur[:k] = np.where(sub >= 0, nxt, -1)
-            ok[v.order[cur >= 0]] = True
+                m = int(np.searchsorted(idx, k))
+                ok[v.order[idx[m:]]] = True  # (their j bytes are all walked)
+                nxt = trans[cur[:m], v.table[idx[:m], j]]
+                keep = nxt >= 0
+                idx, cur = idx[:m][keep], nxt[keep]
+            ok[v.order[idx]] = True
         if state < 0 or bool(self.dfa.accept[state]) or not ok.any():
             ok[list(v.eos)] = True
         return ok
