@@ -440,3 +440,33 @@ def test_bad_guided_requests_are_refused_and_the_engine_goes_on(eng, kw, words):
     with pytest.raises(RequestError, match=re.escape(words)):
         eng.generate("p", **{"max_new_tokens": 4, **kw})
     assert eng.generate("p", max_new_tokens=2, ignore_eos=True)[0].token_ids
+
+
+@pytest.mark.parametrize("vocab", [8, 13, 300])
+def test_shape_logits_applies_each_guided_rows_mask_after_the_other_shaping(vocab):
+    import torch
+
+    from longctx.engine.plan import RowPlan
+    from longctx.engine.sampling import shape_logits
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g)
+    masks = torch.rand(4, vocab, generator=g) < 0.5
+    masks[:, 0] = True
+    packed = [np.packbits(m.numpy(), bitorder="little").tobytes() for m in masks]
+    rows = [
+        RowPlan("a", (1,), 0, (0,), guide_mask=packed[0]),
+        RowPlan("b", (1,), 0, (0,)),  # unguided, unshaped
+        RowPlan("c", (1,), 0, (0,), guide_mask=packed[2], logit_bias=((0, 5.0),), suppress=(1,)),
+        RowPlan("d", (1,), 0, (0,), logit_bias=((2 % vocab, -3.0),)),
+    ]
+    got = shape_logits(logits, rows, [i for i, r in enumerate(rows) if r.shaped])
+    want = logits.clone()
+    want[2, 0] += 5.0
+    want[2, 1] = float("-inf")
+    want[3, 2 % vocab] -= 3.0
+    for i in (0, 2):
+        want[i] = want[i].masked_fill(~masks[i], float("-inf"))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="guide mask of 8 bits"):
+        shape_logits(torch.zeros(1, 9), [RowPlan("e", (1,), 0, (0,), guide_mask=b"\xff")], [0])
