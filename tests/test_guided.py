@@ -318,6 +318,7 @@ def test_json_object_and_choice_walks(byte_vocab):
         ("json", '{"$ref": "#"}', "nests deeper"),
         ("json", '{"type": "object", "properties": {"a": {}}, "required": ["b"]}', "required names"),
         ("json", '{"type": "tuple"}', "unknown type"),
+        ("json", '{"type": "string", "pattern": "a+", "maxLength": 3}', "minLength / maxLength together"),
         ("regex", "[^\\s\\S]", "matches no text"),
         ("xml", "", "must be one of"),
     ],

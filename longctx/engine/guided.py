@@ -169,6 +169,8 @@ class _Schema:
         return v
 
     def string(self, s: dict) -> str:
+        if ("pattern" in s or s.get("format") in _FORMATS) and ("minLength" in s or "maxLength" in s):
+            raise self.error("minLength / maxLength together with a pattern or a format are not supported")
         if "pattern" in s:
             p = s["pattern"]
             if not isinstance(p, str):
