@@ -471,3 +471,17 @@ def test_shape_logits_applies_each_guided_rows_mask_after_the_other_shaping(voca
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="guide mask of 8 bits"):
         shape_logits(torch.zeros(1, 9), [RowPlan("e", (1,), 0, (0,), guide_mask=b"\xff")], [0])
+
+
+def test_mask_caches_are_bounded_in_states_and_bytes(monkeypatch):
+    import longctx.engine.guided as guided
+
+    pieces: list[bytes | None] = [bytes([b]) for b in range(256)] + [None] * 3000  # 409-byte masks
+    g = GuideCache(VocabBytes.build(pieces, eos=[256])).get("regex", "[a-z]{0,50}")
+    monkeypatch.setattr(guided, "MASK_BYTES_PER_GUIDE", 409 * 10)
+    for s in range(30):
+        g.mask(s)
+    assert len(g.masks) == 10 and list(g.masks) == list(range(20, 30))
+    g.mask(25)  # a hit moves to the newest end
+    g.mask(40)
+    assert list(g.masks)[-2:] == [25, 40] and 20 not in g.masks

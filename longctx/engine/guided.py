@@ -53,7 +53,8 @@ JSON_OBJECT_DEPTH = 3
 MAX_SCHEMA_DEPTH = 6
 MAX_OPTIONAL = 16  # optional properties of one object (the regex grows with their square)
 CACHED_GUIDES = 32
-CACHED_MASKS = 4096  # per guide
+CACHED_MASKS = 4096  # per guide, and no more than MASK_BYTES_PER_GUIDE of them
+MASK_BYTES_PER_GUIDE = 8 << 20  # (412 masks of a 154K-token vocabulary; 256 MiB for CACHED_GUIDES guides)
 
 _WS = f"[ \\t\\n]{{0,{JSON_WS}}}"
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -342,7 +343,7 @@ class Guide:
         if got is None:
             got = np.packbits(self.allowed(state), bitorder="little").tobytes()
             self.masks[state] = got
-            if len(self.masks) > CACHED_MASKS:
+            if len(self.masks) > min(CACHED_MASKS, max(1, MASK_BYTES_PER_GUIDE // len(got))):
                 self.masks.popitem(last=False)
         else:
             self.masks.move_to_end(state)
