@@ -129,3 +129,18 @@ def byte_level_counter():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return HFCounter(tok, "byte-level")
+
+
+def run_requests(eng, prompts, params) -> list[tuple[list[int], str]]:
+    """Requests with their own SamplingParams through the step API (as the server drives the engine), run
+    to the end together: each one's (output ids, finish reason)."""
+    import random
+
+    from longctx.engine.request import Request
+
+    reqs = [Request(f"rr-{i}-{random.random()}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work():
+        eng.step()
+    return [(list(r.output_ids), r.finish_reason.value if r.finish_reason else "") for r in reqs]

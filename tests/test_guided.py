@@ -23,6 +23,7 @@ from longctx.engine.guided import (
 )
 from longctx.engine.regex_dfa import MAX_DFA_STATES, RegexError, compile_regex
 from longctx.errors import RequestError
+from tests.conftest import run_requests
 
 PATTERNS = [
     r"abc",
@@ -344,17 +345,6 @@ def test_guide_of_takes_at_most_one_guide():
 
 
 # ---- through the engine ----------------------------------------------------------------------------------
-def _run(eng, prompts, params):
-    from longctx.engine.request import Request
-
-    reqs = [Request(f"g-{i}-{random.random()}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work():
-        eng.step()
-    return [(list(r.output_ids), r.finish_reason.value if r.finish_reason else "") for r in reqs]
-
-
 REGEX = r"[a-f]{2,4}@\d{1,3}\.(com|org)"
 
 
@@ -406,9 +396,9 @@ def test_a_guided_request_leaves_its_batch_neighbours_alone(eng):
 
     p, q = eng.encode("zz"), eng.encode("hello world")
     plain = SamplingParams(max_new_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
-    alone = _run(eng, [q], [plain])
+    alone = run_requests(eng, [q], [plain])
     guided = SamplingParams(max_new_tokens=12, temperature=0.9, seed=4, guided=("regex", REGEX))
-    got = _run(eng, [p, q], [guided, plain])
+    got = run_requests(eng, [p, q], [guided, plain])
     assert got[1] == alone[0]
     assert re.fullmatch(REGEX, bytes(got[0][0]).decode()) and got[0][1] == "stop"
 

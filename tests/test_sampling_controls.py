@@ -14,7 +14,7 @@ from longctx.engine.plan import RowPlan
 from longctx.engine.request import MAX_LOGIT_BIAS, SamplingParams, find_stop
 from longctx.engine.sampling import _MIX, _sample, _token_seed, sample_rows_device, shape_logits, shape_ref
 from longctx.errors import RequestError
-from tests.conftest import rand_ids
+from tests.conftest import rand_ids, run_requests
 
 VOCAB = 64
 
@@ -140,22 +140,10 @@ def test_logit_bias_steers_greedy_and_sampled_tokens(eng):
     assert [c.token_ids for c in both] == [forced, forced]
 
 
-def _run(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], str]]:
-    """Requests with their own params through the step API (as the server drives the engine)."""
-    from longctx.engine.request import Request
-
-    reqs = [Request(f"sc-{i}-{random.random()}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work():
-        eng.step()
-    return [(list(r.output_ids), r.finish_reason.value if r.finish_reason else "") for r in reqs]
-
-
 def test_per_request_bias_is_batch_independent(eng):
     p, q = rand_ids(25, 2), rand_ids(41, 3)
-    alone = _run(eng, [q], [SamplingParams(max_new_tokens=8, ignore_eos=True)])
-    got = _run(
+    alone = run_requests(eng, [q], [SamplingParams(max_new_tokens=8, ignore_eos=True)])
+    got = run_requests(
         eng,
         [p, q],
         [
@@ -170,13 +158,13 @@ def test_extreme_sampling_values_do_not_fail_the_batch(eng):
     """A request with a temperature, top_p or repetition penalty at the edge of what validates, batched with
     an ordinary one: both finish with their tokens (a NaN draw used to fail the whole step)."""
     p, q = rand_ids(25, 5), rand_ids(41, 6)
-    alone = _run(eng, [q], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+    alone = run_requests(eng, [q], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
     for kw in (
         dict(temperature=1e-45),
         dict(temperature=1.0, top_p=1e-320),
         dict(temperature=1.0, repetition_penalty=1e-40),
     ):
-        got = _run(
+        got = run_requests(
             eng,
             [p, q],
             [
@@ -187,7 +175,7 @@ def test_extreme_sampling_values_do_not_fail_the_batch(eng):
         assert got[1] == alone[0], kw
         assert len(got[0][0]) == 6 and got[0][1] == "length", kw
     everything = tuple(range(eng.cfg.vocab_size))  # (held back for 3 tokens, then the 4th stops it)
-    got = _run(
+    got = run_requests(
         eng,
         [p, q],
         [
@@ -314,13 +302,13 @@ def test_prompt_logprobs_match_score_across_chunks_and_the_prefix_cache(eng):
     """Prompt logprobs (longer than a prefill chunk) equal `Engine.score`'s, with the top-n; a prompt whose
     pages are in the prefix cache is computed again (a cached position has no logits); max_new_tokens 0."""
     p = rand_ids(150, 20)  # (chunks of 29; 2 full pages cached by the first request)
-    _run(eng, [p], [SamplingParams(max_new_tokens=2)])
+    run_requests(eng, [p], [SamplingParams(max_new_tokens=2)])
     before = eng.stats()["prefix_cache"]["hit_tokens"]
     (lps,) = _prompt_lps(eng, [p], [SamplingParams(max_new_tokens=3, prompt_logprobs=2)])
     assert eng.stats()["prefix_cache"]["hit_tokens"] == before  # (computed again, not matched)
     _check_against_score(eng, p, lps, 2)
     assert any(x.rank > 1 for x in lps) and all(x.rank >= 1 for x in lps)
-    _run(eng, [p], [SamplingParams(max_new_tokens=2)])
+    run_requests(eng, [p], [SamplingParams(max_new_tokens=2)])
     assert eng.stats()["prefix_cache"]["hit_tokens"] > before  # (the pages were cached: a plain request hits)
     (lps0,) = _prompt_lps(eng, [p[:40]], [SamplingParams(max_new_tokens=0, prompt_logprobs=0)])
     _check_against_score(eng, p[:40], lps0, 0)
