@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -143,9 +143,9 @@ def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict
 
 def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, device: str = "cuda") -> None:
     """ms per generated token (64 after a 40-token prompt, its prefill included), greedy against temperature
-    alone (scaled in the Gumbel kernel or first), greedy with penalties (their kernel or torch form) and
-    top_p 0.9 with and without the candidates route, batch 1, 8 and 32 (on CUDA small-1m's first four
-    layers with a GLM vocabulary, else `base`'s)."""
+    alone (scaled in the Gumbel kernel or first), greedy with penalties (their kernel or torch form), top_p
+    0.9 with and without the candidates route and greedy held to a regex (guided decoding), batch 1, 8 and
+    32 (on CUDA small-1m's first four layers with a GLM vocabulary, else `base`'s)."""
     import time
 
     from longctx import Engine
@@ -172,10 +172,12 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
         for batch in (1, 8, 32):
             prompts = [ids[i : i + 40] for i in range(batch)]
 
-            def per_step(prompts: list[list[int]] = prompts, **kw: float) -> float:
-                e.generate(prompts, max_new_tokens=8, ignore_eos=True, **kw)  # (graphs captured)
+            def per_step(prompts: list[list[int]] = prompts, **kw: Any) -> float:
+                kw.setdefault("ignore_eos", True)  # (a guide is refused with it; its pattern holds EOS back)
+                e.generate(prompts, max_new_tokens=8, **kw)  # (graphs captured)
                 t0 = time.perf_counter()
-                e.generate(prompts, max_new_tokens=64, ignore_eos=True, **kw)
+                got = e.generate(prompts, max_new_tokens=64, **kw)
+                assert all(len(c.token_ids) == 64 for c in got), [len(c.token_ids) for c in got]
                 return (time.perf_counter() - t0) / 64 * 1e3
 
             # (key, sampler route, generate's sampling arguments): temperature alone with the Gumbel kernel
@@ -188,6 +190,8 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
                 ("temperature_scaled_first_ms", {"scale_in_kernel": False}, plain),
                 ("penalties_ms", {"penalties_kernel": True}, pen),
                 ("penalties_torch_ms", {"penalties_kernel": False}, pen),
+                # greedy held to a regex (200 letters: no EOS before them): its masks and no overlapped step
+                ("guided_regex_ms", {}, dict(guided_regex="[a-z ]{200}", ignore_eos=False)),
             ]
             for name, t in temps.items():
                 top_p = dict(temperature=t, top_p=0.9, seed=3)
