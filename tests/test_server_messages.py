@@ -199,3 +199,51 @@ def test_loop_signalled_alone_exits_after_its_grace(loop):
     t0 = time.monotonic()
     el.run()
     assert 0.2 <= time.monotonic() - t0 < 10 and not el.eng.has_work()
+
+
+def test_loop_compiles_a_new_guide_off_the_step_loop(eng, monkeypatch):
+    """A request's new guide compiles on a worker thread: the running requests go on stepping meanwhile, the
+    request is added once its guide is ready, a bad guide ends it with the field at fault, and an abort while it
+    compiles ends it at once."""
+    import random
+    import re
+    import threading
+
+    from longctx.engine.guided import GuideCache
+
+    gate = threading.Event()
+    real = GuideCache._compile
+    monkeypatch.setattr(GuideCache, "_compile", staticmethod(lambda k, s: (gate.wait(10), real(k, s))[1]))
+    lp = _Loop(eng)
+    try:
+        tag = random.randrange(1 << 30)
+        pattern = f"(?P<t{tag}>[a-f]{{3}})"  # (a new guide to this engine: a group name of its own)
+        lp.send(m.AddRequest("plain", (104, 105), m.WireSamplingParams(max_new_tokens=40, ignore_eos=True)))
+        lp.send(m.AddRequest("g", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", pattern))))
+        lp.send(m.AddRequest("bad", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", "(?=y)"))))
+        lp.send(m.AddRequest("gone", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", pattern + "z"))))
+        outs, _ = lp.run(4)
+        assert {"g", "bad", "gone"} <= set(lp.loop.compiling) and "plain" in lp.loop.live
+        assert sum(len(o.new_token_ids) for o in outs if o.rid == "plain") >= 3  # (stepping while it compiles)
+        assert not [o for o in outs if o.rid != "plain"]
+        lp.send(m.AbortRequest("gone"))
+        outs, _ = lp.run(1)
+        assert [(o.rid, o.finish_reason) for o in outs if o.rid == "gone"] == [("gone", "abort")]
+        gate.set()
+        by: dict[str, list] = {}
+        for _ in range(200):
+            outs, _ = lp.run(1)
+            for o in outs:
+                by.setdefault(o.rid, []).append(o)
+            if by.get("g") and by["g"][-1].finished and by.get("bad"):
+                break
+        (bad,) = by["bad"]
+        assert bad.finish_reason == "error" and bad.error_param == "guided_regex" and "lookarounds" in bad.error
+        text = bytes(t for o in by["g"] for t in o.new_token_ids).decode()
+        assert re.fullmatch(pattern, text) and by["g"][-1].finish_reason == "stop", text
+        assert "gone" not in by and not lp.loop.compiling
+    finally:
+        gate.set()
+        lp.close()
+        while eng.has_work():
+            eng.step()

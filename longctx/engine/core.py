@@ -137,6 +137,7 @@ class EngineCore:
         self.max_context = max_context
         self.tokenizer = load_tokenizer(self.model_dir)
         self._guides: GuideCache | None = None
+        self._guides_lock = threading.Lock()
         self.chunk_size = chunk_size or (8192 if self.device.type == "cuda" else 512)
         self.hisparse_device_tokens = hisparse_device_tokens
         self._ids = itertools.count()
@@ -236,12 +237,27 @@ class EngineCore:
 
     def _guide_cache(self) -> GuideCache:
         """Compiled guides over this model's vocabulary (made on the first guided request)."""
-        if self._guides is None:
-            if self.tokenizer is None:
-                raise RequestError("guided decoding needs the model's tokenizer (tokenizer.json)", "guided")
-            pieces = token_bytes_table(self.tokenizer, self.cfg.vocab_size)
-            self._guides = GuideCache(VocabBytes.build(pieces, self.cfg.eos_ids()))
-        return self._guides
+        with self._guides_lock:
+            if self._guides is None:
+                if self.tokenizer is None:
+                    raise RequestError(
+                        "guided decoding needs the model's tokenizer (tokenizer.json)", "guided"
+                    )
+                pieces = token_bytes_table(self.tokenizer, self.cfg.vocab_size)
+                self._guides = GuideCache(VocabBytes.build(pieces, self.cfg.eos_ids()))
+            return self._guides
+
+    def guide_ready(self, guided: Sequence[str]) -> bool:
+        """Whether SamplingParams.guided `guided` is compiled (a request with it is added without compiling)."""
+        return self._guides is not None and tuple(guided) in self._guides
+
+    def prepare_guide(self, guided: Sequence[str]) -> None:
+        """Compile a guide (SamplingParams.guided) into the engine's cache, RequestError for a bad one. Safe to
+        call from another thread while the engine steps: the server's loop compiles a request's new guide
+        so, and adds the request when it is ready, instead of stalling every running request meanwhile."""
+        if not (isinstance(guided, tuple | list) and len(guided) == 2):
+            raise RequestError.about("guided", None, "must be a (kind, spec) pair of strings")
+        self._guide_cache().get(*guided)
 
     def abort(self, rid: str) -> None:
         with self._lock:

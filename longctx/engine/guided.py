@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -392,13 +393,30 @@ class GuideCache:
     def __init__(self, vocab: VocabBytes) -> None:
         self.vocab = vocab
         self.guides: OrderedDict[tuple[str, str], Guide] = OrderedDict()
+        self._lock = threading.Lock()  # (a server compiles off its step loop: `EngineCore.prepare_guide`)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self.guides
 
     def get(self, kind: str, spec: str) -> Guide:
+        """The guide of (kind, spec), compiled now unless cached (RequestError naming the request's field
+        for a bad one). Safe across threads; two threads asking for one new guide may both compile it."""
         key = (kind, spec)
-        g = self.guides.get(key)
-        if g is not None:
-            self.guides.move_to_end(key)
-            return g
+        with self._lock:
+            g = self.guides.get(key)
+            if g is not None:
+                self.guides.move_to_end(key)
+                return g
+        g = Guide(self._compile(kind, spec), self.vocab)
+        with self._lock:
+            self.guides[key] = g
+            if len(self.guides) > CACHED_GUIDES:
+                self.guides.popitem(last=False)
+        return g
+
+    @staticmethod
+    def _compile(kind: str, spec: str) -> DFA:
         pattern = guide_regex(kind, spec)
         try:
             dfa = compile_regex(pattern)
@@ -406,10 +424,7 @@ class GuideCache:
             raise _error(FIELD[kind], None, str(e)) from None
         if not dfa.accept.any() and not (dfa.trans[0] >= 0).any():
             raise _error(FIELD[kind], None, "matches no text")
-        g = self.guides[key] = Guide(dfa, self.vocab)
-        if len(self.guides) > CACHED_GUIDES:
-            self.guides.popitem(last=False)
-        return g
+        return dfa
 
 
 def guide_of(

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from longctx.server import messages as m
 log = logging.getLogger("longctx.engine_proc")
 
 STATS_EVERY_S = 0.25  # how often queue/page stats ride along with the outputs
+COMPILE_POLL_MS = 2  # an idle loop's wait for messages while a guide compiles
 
 
 @dataclass(frozen=True)
@@ -145,31 +147,26 @@ class EngineLoop:
         # term_grace_s later
         self.term_at = term_at if term_at is not None else []
         self.term_grace_s = term_grace_s
+        # requests waiting for their guide to compile (rid -> (the compile, the request)), and the thread
+        self.compiling: dict[str, tuple[Future, m.AddRequest]] = {}
+        self._compiler: ThreadPoolExecutor | None = None
 
     def _handle(self, msg: Any, outs: list[m.TokenOutput]) -> None:
         if isinstance(msg, m.AddRequest):
-            p = msg.params
+            if msg.params.guided and self._compile_first(msg):
+                return
             try:
-                params = sampling_params(p)
+                params = sampling_params(msg.params)
                 req = Request(
                     msg.rid, list(msg.prompt_ids), params, arrival=time.time(), pin_prefix=msg.pin_prefix
                 )
                 self.eng.add_request(req)
                 self.live.add(msg.rid)
-            except LongctxError as e:
-                outs.append(
-                    m.TokenOutput(
-                        msg.rid,
-                        finished=True,
-                        finish_reason="error",
-                        error=str(e),
-                        error_code=e.code,
-                        error_param=e.param,
-                    )
-                )
             except Exception as e:
-                log.error("add_request %s failed:\n%s", msg.rid, traceback.format_exc())
-                outs.append(m.TokenOutput(msg.rid, finished=True, finish_reason="error", error=one_line(e)))
+                self._add_failed(msg.rid, e, outs)
+        elif isinstance(msg, m.AbortRequest) and msg.rid in self.compiling:
+            del self.compiling[msg.rid]  # (its guide still goes into the cache)
+            outs.append(m.TokenOutput(msg.rid, finished=True, finish_reason="abort"))
         elif isinstance(msg, m.AbortRequest):
             if msg.rid in self.live:
                 self.live.discard(msg.rid)
@@ -212,6 +209,48 @@ class EngineLoop:
             self.stop = True
         else:
             log.error("unknown message %r", type(msg).__name__)
+
+    @staticmethod
+    def _add_failed(rid: str, e: Exception, outs: list[m.TokenOutput]) -> None:
+        """A request that could not be added ends at once: the request's fault (a LongctxError) with its code
+        and field, any other with its type and first line."""
+        if isinstance(e, LongctxError):
+            err = m.TokenOutput(
+                rid,
+                finished=True,
+                finish_reason="error",
+                error=str(e),
+                error_code=e.code,
+                error_param=e.param,
+            )
+        else:
+            log.error("add_request %s failed:\n%s", rid, "".join(traceback.format_exception(e)))
+            err = m.TokenOutput(rid, finished=True, finish_reason="error", error=one_line(e))
+        outs.append(err)
+
+    # ---- guides ---------------------------------------------------------------------------------
+    # A new guide's automaton takes the engine from a few ms to a second or two to compile (JSON mode
+    # 0.25 s). Compiled in `_handle`, it stalled every running request that long; here a worker thread
+    # compiles it and the request is added when it is ready (`_admit_compiled`, each loop turn).
+    def _compile_first(self, msg: m.AddRequest) -> bool:
+        """Whether `msg` waits for its guide: one this engine compiles and has not yet."""
+        ready = getattr(self.eng, "guide_ready", None)
+        if ready is None or ready(msg.params.guided):
+            return False
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="guide-compile")
+        self.compiling[msg.rid] = (self._compiler.submit(self.eng.prepare_guide, msg.params.guided), msg)
+        return True
+
+    def _admit_compiled(self, outs: list[m.TokenOutput]) -> None:
+        for rid, (fut, msg) in list(self.compiling.items()):
+            if fut.done():
+                del self.compiling[rid]
+                exc = fut.exception()
+                if exc is None:
+                    self._handle(msg, outs)  # (added now: its guide is cached)
+                else:
+                    self._add_failed(rid, exc if isinstance(exc, Exception) else RuntimeError(exc), outs)
 
     # ---- documents ----------------------------------------------------------------------------
     # `Engine.pin_document` runs its own step loop, which would swallow other requests' outputs
@@ -267,7 +306,8 @@ class EngineLoop:
 
     def run_once(self, idle_timeout_ms: int = 50) -> None:
         outs: list[m.TokenOutput] = []
-        timeout = 0 if self.eng.has_work() else idle_timeout_ms
+        self._admit_compiled(outs)
+        timeout = 0 if self.eng.has_work() else COMPILE_POLL_MS if self.compiling else idle_timeout_ms
         if self.pull.poll(timeout):
             while True:
                 try:
@@ -357,6 +397,8 @@ class EngineLoop:
         for rid in list(self.live):
             with contextlib.suppress(Exception):
                 self.eng.abort(rid)
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
 
 
 def main(
