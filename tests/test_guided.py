@@ -469,9 +469,21 @@ def test_mask_caches_are_bounded_in_states_and_bytes(monkeypatch):
     pieces: list[bytes | None] = [bytes([b]) for b in range(256)] + [None] * 3000  # 409-byte masks
     g = GuideCache(VocabBytes.build(pieces, eos=[256])).get("regex", "[a-z]{0,50}")
     monkeypatch.setattr(guided, "MASK_BYTES_PER_GUIDE", 409 * 10)
+    g.masks.clear()  # (those made as it was compiled)
     for s in range(30):
         g.mask(s)
     assert len(g.masks) == 10 and list(g.masks) == list(range(20, 30))
     g.mask(25)  # a hit moves to the newest end
     g.mask(40)
     assert list(g.masks)[-2:] == [25, 40] and 20 not in g.masks
+
+
+def test_a_new_guide_has_the_masks_of_its_first_states_breadth_first(byte_vocab):
+    g = GuideCache(byte_vocab).get("regex", "ab(c|d)e{0,9}")
+    assert len(g.masks) == g.dfa.num_states  # (fewer than WARM_STATES: every one)
+    g.masks.clear()
+    g.warm(5)
+    walked = [g.dfa.walk(0, t) for t in (b"", b"a", b"ab", b"abc", b"abce")]
+    assert list(g.masks) == walked  # (c and d lead to one state)
+    for s, packed in g.masks.items():
+        assert np.array_equal(unpack_mask(packed, byte_vocab.size), g.allowed(s))

@@ -221,10 +221,16 @@ def test_loop_compiles_a_new_guide_off_the_step_loop(eng, monkeypatch):
         lp.send(m.AddRequest("plain", (104, 105), m.WireSamplingParams(max_new_tokens=40, ignore_eos=True)))
         lp.send(m.AddRequest("g", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", pattern))))
         lp.send(m.AddRequest("bad", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", "(?=y)"))))
-        lp.send(m.AddRequest("gone", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", pattern + "z"))))
+        lp.send(
+            m.AddRequest(
+                "gone", (97,), m.WireSamplingParams(max_new_tokens=8, guided=("regex", pattern + "z"))
+            )
+        )
         outs, _ = lp.run(4)
         assert {"g", "bad", "gone"} <= set(lp.loop.compiling) and "plain" in lp.loop.live
-        assert sum(len(o.new_token_ids) for o in outs if o.rid == "plain") >= 3  # (stepping while it compiles)
+        assert (
+            sum(len(o.new_token_ids) for o in outs if o.rid == "plain") >= 3
+        )  # (stepping while it compiles)
         assert not [o for o in outs if o.rid != "plain"]
         lp.send(m.AbortRequest("gone"))
         outs, _ = lp.run(1)
@@ -238,7 +244,9 @@ def test_loop_compiles_a_new_guide_off_the_step_loop(eng, monkeypatch):
             if by.get("g") and by["g"][-1].finished and by.get("bad"):
                 break
         (bad,) = by["bad"]
-        assert bad.finish_reason == "error" and bad.error_param == "guided_regex" and "lookarounds" in bad.error
+        assert (
+            bad.finish_reason == "error" and bad.error_param == "guided_regex" and "lookarounds" in bad.error
+        )
         text = bytes(t for o in by["g"] for t in o.new_token_ids).decode()
         assert re.fullmatch(pattern, text) and by["g"][-1].finish_reason == "stop", text
         assert "gone" not in by and not lp.loop.compiling

@@ -54,6 +54,7 @@ JSON_OBJECT_DEPTH = 3
 MAX_SCHEMA_DEPTH = 6
 MAX_OPTIONAL = 16  # optional properties of one object (the regex grows with their square)
 CACHED_GUIDES = 32
+WARM_STATES = 64  # masks a new guide makes as it is compiled (`Guide.warm`)
 CACHED_MASKS = 4096  # per guide, and no more than MASK_BYTES_PER_GUIDE of them
 MASK_BYTES_PER_GUIDE = 8 << 20  # (412 masks of a 154K-token vocabulary; 256 MiB for CACHED_GUIDES guides)
 
@@ -308,6 +309,9 @@ class Guide:
     dfa: DFA
     vocab: VocabBytes
     masks: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(
+        default_factory=threading.Lock, repr=False
+    )  # (masks: warmed on another thread)
 
     def advance(self, state: int, token: int) -> int:
         b = self.vocab.of[token] if 0 <= token < self.vocab.size else None
@@ -340,15 +344,31 @@ class Guide:
 
     def mask(self, state: int) -> bytes:
         """`allowed(state)` packed into bits (little-endian within each byte), as a plan row carries it."""
-        got = self.masks.get(state)
-        if got is None:
-            got = np.packbits(self.allowed(state), bitorder="little").tobytes()
+        with self.lock:
+            got = self.masks.get(state)
+            if got is not None:
+                self.masks.move_to_end(state)
+                return got
+        got = np.packbits(self.allowed(state), bitorder="little").tobytes()
+        with self.lock:
             self.masks[state] = got
             if len(self.masks) > min(CACHED_MASKS, max(1, MASK_BYTES_PER_GUIDE // len(got))):
                 self.masks.popitem(last=False)
-        else:
-            self.masks.move_to_end(state)
         return got
+
+    def warm(self, limit: int = WARM_STATES) -> None:
+        """The masks of the first `limit` states breadth-first from the start (those outputs reach first), made
+        now rather than in the steps that reach them."""
+        order, seen = [0], {0}
+        for s in order:
+            if len(order) >= limit:
+                break
+            for t in np.unique(self.dfa.trans[s]).tolist():
+                if t >= 0 and t not in seen:
+                    seen.add(t)
+                    order.append(t)
+        for s in order[:limit]:
+            self.mask(s)
 
 
 def unpack_mask(packed: bytes, vocab: int) -> np.ndarray:
@@ -409,6 +429,7 @@ class GuideCache:
                 self.guides.move_to_end(key)
                 return g
         g = Guide(self._compile(kind, spec), self.vocab)
+        g.warm()
         with self._lock:
             self.guides[key] = g
             if len(self.guides) > CACHED_GUIDES:
