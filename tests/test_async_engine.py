@@ -472,3 +472,37 @@ def test_a_stalled_driver_sleeps_until_the_engine_changes(tiny_dir, monkeypatch)
                 assert (await asyncio.wait_for(task, 10)).token_ids == want
 
         _run(main())
+
+
+def test_a_new_guide_compiles_off_the_driver_while_other_streams_step(tiny_dir, monkeypatch) -> None:
+    """A stream with a guide the engine has not compiled waits for it on a worker thread; the driver steps the
+    other streams meanwhile, the guided stream then gets Engine.generate's tokens, and a bad guide raises."""
+    import re
+
+    from longctx.engine.guided import GuideCache
+
+    gate = threading.Event()
+    real = GuideCache._compile
+    monkeypatch.setattr(GuideCache, "_compile", staticmethod(lambda k, s: (gate.wait(10), real(k, s))[1]))
+    regex = "[a-f]{4}"
+    guided = SamplingParams(max_new_tokens=12, temperature=0.8, seed=5, guided=("regex", regex))
+    with Engine(tiny_dir, device="cpu") as eng:
+        seen = _counting(eng)
+
+        async def main() -> list[int]:
+            async with AsyncEngine(eng) as aeng:
+                plain = asyncio.ensure_future(_tokens(aeng, rand_ids(9, 1), LONG))
+                g = asyncio.ensure_future(_tokens(aeng, "key: ", guided))
+                await _until(lambda: seen["steps"] >= 5)  # (stepping while the guide is held)
+                assert not g.done() and eng.num_running() == 1
+                gate.set()
+                got = await g
+                with pytest.raises(RequestError, match="lookarounds"):
+                    await _tokens(aeng, "x", SamplingParams(guided=("regex", "(?=a)")))
+                plain.cancel()
+                return got
+
+        got = _run(main())
+    with Engine(tiny_dir, device="cpu") as eng:  # (the async engine closed the first)
+        want = eng.generate("key: ", max_new_tokens=12, temperature=0.8, seed=5, guided_regex=regex)[0]
+    assert got == want.token_ids and re.fullmatch(regex, bytes(got).decode())

@@ -187,6 +187,11 @@ class AsyncEngine:
         return Request(request_id or "", ids, params)
 
     async def _stream(self, req: Request, kind: str | None) -> AsyncIterator[StepOutput]:
+        guided = req.params.guided
+        if guided and not self.engine.guide_ready(guided):
+            # a new guide compiles on a worker thread, not in the driver's turn (it would stall every
+            # running request meanwhile)
+            await asyncio.to_thread(self.engine.prepare_guide, guided)
         s = _Stream(req, asyncio.get_running_loop(), asyncio.Queue(), kind)
         self._post("add", s)
         done = False
