@@ -496,13 +496,14 @@ def test_an_unknown_model_name_is_repeated_on_one_short_line(srv, name, shown):
     ],
 )
 def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body):
-    """Tool calls, grammar-guided decoding, beam search and logits processors were ignored as unknown fields:
-    the client got free text it had not asked for and no word of it. They are a 400 naming the field; the
-    forms that change nothing (a "text" response_format, tools the model may not call, empty lists) and the
-    guides longctx makes (JSON mode and schemas, vLLM's regex / choice / json) are served."""
+    """Tool calls the model chooses itself, grammar-guided decoding, beam search and logits processors were
+    ignored as unknown fields: the client got free text it had not asked for and no word of it. They are a 400
+    naming the field; the forms that change nothing (a "text" response_format, tools the model may not call,
+    empty lists) and the guides longctx makes (JSON mode and schemas, vLLM's regex / choice / json, tool calls
+    by name or "required") are served. Tool calls are a chat's: completions refuse them."""
     refused = {
         "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
-        "tool_choice": ({"tool_choice": "required"}, "not supported"),
+        "tool_choice": ({"tool_choice": "any"}, 'must be "none", "auto", "required"'),
         "functions": ({"functions": [{"name": "f"}], "function_call": "auto"}, "not supported"),
         "guided_grammar": ({"guided_grammar": "root ::= 'a'"}, "not supported"),
         "structured_outputs": (
@@ -544,3 +545,14 @@ def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body
     for extra in served:
         r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
         assert r.status_code == 200, (extra, r.text)
+    # tool calls by name or "required": a chat's (the fake engine's output is no call: it comes back as text)
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": choice}
+        r = httpx.post(srv.url + route, json={**body, **tools}, headers=AUTH)
+        if "chat" in route:
+            assert r.status_code == 200, r.text
+        else:
+            err = r.json()["error"]
+            assert (
+                r.status_code == 400 and err["param"] == "tools" and "for chat completions" in err["message"]
+            )

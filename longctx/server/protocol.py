@@ -10,8 +10,9 @@ Every rejection is an `ApiError`, rendered as `{"error": {"message", "type", "pa
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (
@@ -24,9 +25,10 @@ from pydantic import (
     model_validator,
 )
 
-from longctx.engine.guided import guide_of
+from longctx.engine.guided import guide_of, guide_regex
 from longctx.engine.request import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from longctx.errors import RequestError, clipped
+from longctx.server.tools import MAX_TOOLS, tool_guide
 
 I64 = 2**63 - 1
 MAX_STOPS = 16
@@ -163,6 +165,8 @@ def _guide(keyed: bool, regex: Any, choice: Any, json_schema: Any, json_object: 
 class _SamplingFields(_Strict):
     """Fields shared by every generating endpoint."""
 
+    TOOLS_SERVED: ClassVar[bool] = False  # (tool calls are a chat completion's)
+
     model: str | None = None
     temperature: Float | None = Field(None, ge=0.0, le=100.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
@@ -264,6 +268,8 @@ class _SamplingFields(_Strict):
         its structured_outputs ({"regex" | "choice" | "json" | "json_object": ...}) or OpenAI's
         response_format ("json_object", or "json_schema" with its "schema"); () for none. Each field's shape
         is checked by its validator and that at most one guide is given by `_one_guide`."""
+        if self.calls_tools():
+            return tool_guide(self.tools, self.tool_choice)
         rf = self.response_format
         if isinstance(rf, dict) and rf.get("type") == "json_object":
             return ("json_object", "")
@@ -274,12 +280,17 @@ class _SamplingFields(_Strict):
             return guide_of(so.get("regex"), so.get("choice"), so.get("json"), bool(so.get("json_object")))
         return guide_of(self.guided_regex, self.guided_choice, self.guided_json)
 
+    def calls_tools(self) -> bool:
+        """Whether the output is tool calls (a named tool_choice or "required", with tools)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
     @model_validator(mode="after")
     def _one_guide(self) -> _SamplingFields:
         rf = self.response_format
         given = [
             name
             for name, v in (
+                ("tool_choice", self.tool_choice if self.calls_tools() else None),
                 ("response_format", rf if isinstance(rf, dict) and rf.get("type") != "text" else None),
                 ("guided_regex", self.guided_regex),
                 ("guided_choice", self.guided_choice),
@@ -292,20 +303,77 @@ class _SamplingFields(_Strict):
             raise ValueError(f"{given[1]}: cannot be combined with {given[0]} (at most one guide)")
         return self
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
+        if v in (None, "none", "auto", "required") or (named and isinstance(v["function"].get("name"), str)):
+            return v
+        raise ValueError(
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
+
+    @field_validator("function_call")
     @classmethod
     def _no_forced_call(cls, v: Any) -> Any:
         if v not in (None, "none", "auto"):
-            raise ValueError('tool calling is not supported; only "none" is')
+            raise ValueError('the legacy function calling is not supported; only "none" is (send tools)')
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
-        choice = info.data.get("tool_choice" if info.field_name == "tools" else "function_call")
-        if v and choice != "none":  # (OpenAI's default with tools is "auto")
-            which = "tool_choice" if info.field_name == "tools" else "function_call"
-            raise ValueError(f'tool calling is not supported (send none, or {which} "none")')
+    def _no_functions(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and info.data.get("function_call") != "none":  # (OpenAI's default with functions is "auto")
+            raise ValueError(
+                'the legacy function calling is not supported (send none, or function_call "none")'
+            )
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: Any, info: ValidationInfo) -> Any:
+        choice = info.data.get("tool_choice")
+        if not v:  # (none, or an empty list: nothing to call)
+            if choice not in (None, "none", "auto"):
+                raise ValueError(f"tool_choice {choice!r} needs tools")
+            return v
+        if choice == "none":
+            return v
+        if choice in (None, "auto"):  # (OpenAI's default with tools is "auto")
+            raise ValueError(
+                'tool_choice "auto" (the default with tools) is not supported: it needs a parser of the '
+                'model\'s own tool-call format; send "required", a named function or "none"'
+            )
+        if not cls.TOOLS_SERVED:
+            raise ValueError('tool calling is for chat completions (send none, or tool_choice "none")')
+        if not isinstance(v, list) or len(v) > MAX_TOOLS:
+            raise ValueError(f"must be a list of at most {MAX_TOOLS} tools")
+        names: set[str] = set()
+        for i, t in enumerate(v):
+            f = t.get("function") if isinstance(t, dict) else None
+            if not (
+                isinstance(t, dict)
+                and t.get("type") == "function"
+                and isinstance(f, dict)
+                and isinstance(f.get("name"), str)
+                and f["name"]
+            ):
+                raise ValueError(
+                    f'{i}: must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}'
+                )
+            if f["name"] in names:
+                raise ValueError(f"{i}: the name {f['name']!r} appears twice")
+            names.add(f["name"])
+            if not isinstance(f.get("parameters", {}), dict):
+                raise ValueError(f"{i}: function.parameters must be a JSON schema (an object)")
+            try:  # (the schema checked here, before the engine compiles it: its keywords in longctx's subset)
+                guide_regex("json", json.dumps(f.get("parameters") or {"type": "object"}))
+            except RequestError as e:
+                raise ValueError(f"{i}: function.parameters: {e.problem or e}") from None
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise ValueError(
+                f"tool_choice names {choice['function']['name']!r}, which is not one of the tools"
+            )
         return v
 
     @field_validator("use_beam_search")
@@ -424,6 +492,9 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an assistant turn's calls and a tool turn's answer to one, for chat templates that render them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -434,6 +505,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
+    TOOLS_SERVED: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0, le=I64)
     max_completion_tokens: int | None = Field(None, ge=0, le=I64)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from longctx.server import messages as m
 from longctx.server import openai_format as fmt
+from longctx.server import tools
 from longctx.server.generation import Delta, Done, Generation, Keepalive, Progress, new_rid
 from longctx.server.protocol import (
     ApiError,
@@ -40,6 +41,7 @@ class Shape:
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, when asked)
     continuous_usage: bool = False  # vLLM's: every streamed chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's logprobs, top-N
+    tool_choice: Any = None  # chat: a named tool_choice or "required" (the output is tool calls), else None
 
     @classmethod
     def of(cls, req: _SamplingFields, chat: bool, logprobs: int | None, echo: bool = False) -> Shape:
@@ -283,6 +285,11 @@ def _final(
         else:
             choices.append((d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)))
     out = (fmt.chat_completion if shape.chat else fmt.completion)(rid, model, choices, _usage(dones, shape.n))
+    if shape.tool_choice is not None:  # the guided output read as tool calls
+        for choice, d in zip(out["choices"], dones):
+            choice["message"], choice["finish_reason"] = tools.tool_message(
+                shape.tool_choice, d.text, d.finish_reason
+            )
     if shape.prompt_logprobs is not None:
         for choice, g in zip(out["choices"], gens):
             choice["prompt_logprobs"] = fmt.prompt_logprobs(
@@ -329,6 +336,7 @@ async def _stream(
     ntok = [0] * n  # each choice's tokens so far (continuous usage)
     text_pos = [0] * n
     dones: list[Done | None] = [None] * n
+    calls = [tools.ToolStream(shape.tool_choice) for _ in gens] if shape.tool_choice is not None else None
     status = "200"
 
     async def all_events() -> AsyncIterator[tuple[int, Any]]:
@@ -363,7 +371,11 @@ async def _stream(
                 if not ev.text and shape.logprobs is None:
                     continue
                 lp = _logprobs(st, shape, ev.logprobs, text_pos[i])
-                if shape.chat:
+                if calls is not None:  # tool calls: a named call's arguments now, "required"'s at the end
+                    delta = calls[i].delta(ev.text)
+                    if delta is not None or lp is not None:
+                        yield fmt.sse(fmt.chat_chunk(rid, model, delta or {}, None, lp, usage=u, index=i))
+                elif shape.chat:
                     yield fmt.sse(
                         fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp, usage=u, index=i)
                     )
@@ -372,7 +384,12 @@ async def _stream(
                 text_pos[i] += len(ev.text)
             elif isinstance(ev, Done):
                 dones[i] = ev
-                if shape.chat:
+                if calls is not None:
+                    delta, finish = calls[i].end(ev.finish_reason)
+                    if delta is not None:
+                        yield fmt.sse(fmt.chat_chunk(rid, model, delta, None, usage=u, index=i))
+                    yield fmt.sse(fmt.chat_chunk(rid, model, {}, finish, usage=u, index=i))
+                elif shape.chat:
                     yield fmt.sse(fmt.chat_chunk(rid, model, {}, ev.finish_reason, usage=u, index=i))
                 else:
                     yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason, usage=u, index=i))
@@ -429,14 +446,17 @@ async def chat_completions(request: Request) -> Response:
     st = get_state(request)
     req = await read_json(request, ChatCompletionRequest)
     st.check_model(req.model)
-    text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message)
+    text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
     ids = await prompt_ids_with_documents(st, text, fits=req.truncate_prompt_tokens is None)
     ids = req.truncated(ids, st.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = with_prompt_logprobs(sampling(st, req, len(ids), req.limit(), logprobs), req.prompt_logprobs)
     rid = new_rid("chatcmpl")
     gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
-    return await serve(request, st, rid, gens, Shape.of(req, True, logprobs), req.stream)
+    shape = Shape.of(req, True, logprobs)
+    if req.calls_tools():
+        shape = dataclasses.replace(shape, tool_choice=req.tool_choice)
+    return await serve(request, st, rid, gens, shape, req.stream)
 
 
 def chat_text(
@@ -444,16 +464,23 @@ def chat_text(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The chat template's text for `messages` (OpenAI's "developer" role is its newer name for "system")."""
+    """The chat template's text for `messages` (OpenAI's "developer" role is its newer name for "system"), with
+    `tools` as the template's `tools` and each message's tool calls / call id, as transformers passes them."""
     msgs = [
         {"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
         | ({"name": msg.name} if msg.name else {})
+        | ({"tool_calls": msg.tool_calls} if msg.tool_calls else {})
+        | ({"tool_call_id": msg.tool_call_id} if msg.tool_call_id else {})
         for msg in messages
     ]
     try:
         return st.codec.render_chat(
-            msgs, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+            msgs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools or None,
         )
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None

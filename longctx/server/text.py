@@ -76,6 +76,7 @@ class TextCodec:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat template's text for `messages` (raises ValueError on a template error).
 
@@ -84,7 +85,8 @@ class TextCodec:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            text = apply_chat_template(messages, add_generation_prompt, template=self.chat_template)
+            kw: dict[str, Any] = {"tools": tools} if tools else {}
+            text = apply_chat_template(messages, add_generation_prompt, template=self.chat_template, **kw)
         except LongctxError as e:
             raise ValueError(str(e)) from None
         if not continue_final_message:
