@@ -13,7 +13,7 @@ has) allows the EOS tokens alone, so a generation never draws from an empty row.
 Every guide is a regular expression underneath:
   * `("regex", pattern)`;
   * `("choice", json list of strings)`: exactly one of the strings;
-  * `("json", json schema)`: a JSON text valid against the schema (`schema_regex`: the subset below);
+  * `("json", json schema)`: a JSON text valid against the schema (`_Schema`: the subset below);
   * `("json_object", "")`: any JSON object, nested up to JSON_OBJECT_DEPTH levels.
 
 JSON is written compactly or lightly spaced: at most JSON_WS whitespace characters between tokens.
@@ -21,7 +21,7 @@ Schemas: `type` (one or a list), `enum`, `const`, `anyOf` / `oneOf`, `allOf` of 
 (`#/$defs/...`, `#/definitions/...`, nested up to MAX_SCHEMA_DEPTH), objects' `properties` in their
 order with `required` (every other property optional; `additionalProperties` allows what is listed),
 arrays' `items` with `minItems` / `maxItems`, strings' `minLength` / `maxLength` / `pattern` / `format`
-(date, time, date-time, uuid); annotation keywords are ignored. Other validation keywords (`minimum`,
+(date, time, date-time, uuid; a length bound with neither); annotation keywords are ignored. Other validation keywords (`minimum`,
 `multipleOf`, `uniqueItems`, `not`, ...) are refused by name, as a schema longctx would not enforce.
 """
 

@@ -19,7 +19,9 @@ MAX_NFA_STATES / MAX_DFA_STATES.
 
 `compile_regex(pattern)` gives a `DFA`: `trans` int32 [S, 256] (next state by byte, -1 where the output
 could no longer match: states from which no match can be completed are pruned to -1 too), `accept` bool
-[S] (the bytes so far are a match), start state 0.
+[S] (the bytes so far are a match), start state 0. It is built by subset construction over byte classes
+(the bytes no part of the pattern tells apart move together), then minimised (Moore's refinement, when it
+settles within MINIMISE_ROUNDS rounds).
 """
 
 from __future__ import annotations
