@@ -105,6 +105,8 @@ def test_dead_ends_are_pruned_and_the_dfa_is_minimal():
         ("a{100000}", "repetition bound"),
         (r"\xZZ", "bad escape"),
         ("[z-a]", "bad character range"),
+        ("(" * 3000 + "a" + ")" * 3000, "groups nested more than 100 deep"),
+        ("(?:" * 101 + "a" + ")" * 101, "groups nested more than 100 deep"),
     ],
 )
 def test_patterns_a_dfa_cannot_hold_are_refused_in_one_line(pattern, words):
@@ -314,6 +316,7 @@ def test_json_object_and_choice_walks(byte_vocab):
         ("choice", "[]", "non-empty list"),
         ("choice", '["a", 3]', "non-empty list"),
         ("choice", "nope", "is not JSON"),
+        ("json", "[" * 30_000 + "]" * 30_000, "nests too deep"),
         ("json", '{"type": "integer", "minimum": 3}', "'minimum' is not supported"),
         ("json", '{"$ref": "#/$defs/missing"}', "points nowhere"),
         ("json", '{"$ref": "#"}', "nests deeper"),

@@ -263,6 +263,8 @@ def guide_regex(kind: str, spec: str) -> str:
         value = json.loads(spec)
     except ValueError as e:
         raise _error(name, None, f"is not JSON ({e})") from None
+    except RecursionError:
+        raise _error(name, None, "nests too deep") from None
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
             raise _error(name, None, "must be a non-empty list of non-empty strings")

@@ -14,8 +14,8 @@ hold or what needs a text position rather than bytes:
   * `^` at the start and `$` at the end (a match is always whole).
 
 Refused with a `RegexError` saying what: backreferences, lookarounds, word boundaries, inline flags,
-possessive quantifiers, a negated class naming non-ASCII characters, and patterns whose automaton passes
-MAX_NFA_STATES / MAX_DFA_STATES.
+possessive quantifiers, a negated class naming non-ASCII characters, groups nested past MAX_GROUP_DEPTH, and
+patterns whose automaton passes MAX_NFA_STATES / MAX_DFA_STATES.
 
 `compile_regex(pattern)` gives a `DFA`: `trans` int32 [S, 256] (next state by byte, -1 where the output
 could no longer match: states from which no match can be completed are pruned to -1 too), `accept` bool
@@ -37,6 +37,7 @@ MAX_NFA_STATES = 200_000
 MAX_DFA_STATES = 20_000
 MAX_REPEAT = 10_000  # a counted repetition's bound
 MINIMISE_ROUNDS = 64
+MAX_GROUP_DEPTH = 100  # groups within groups (the parser and the automaton builder recurse through them)
 ASCII = (1 << 128) - 1
 NEWLINE = 1 << 10
 MAX_CODEPOINT = 0x10FFFF
@@ -172,6 +173,7 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.p = pattern
         self.i = 0
+        self.depth = 0  # groups open
 
     def error(self, what: str, at: int | None = None) -> RegexError:
         return RegexError(f"{what} at position {self.i if at is None else at} of the pattern")
@@ -243,6 +245,9 @@ class _Parser:
     def atom(self) -> Node:
         ch = self.take()
         if ch == "(":
+            self.depth += 1
+            if self.depth > MAX_GROUP_DEPTH:
+                raise self.error(f"groups nested more than {MAX_GROUP_DEPTH} deep")
             if self.p.startswith("?:", self.i):
                 self.i += 2
             elif self.p.startswith("?P<", self.i) or (
@@ -258,6 +263,7 @@ class _Parser:
             if self.peek() != ")":
                 raise self.error("missing ')'")
             self.i += 1
+            self.depth -= 1
             return node
         if ch == "[":
             return self.char_class()
