@@ -490,3 +490,25 @@ def test_a_new_guide_has_the_masks_of_its_first_states_breadth_first(byte_vocab)
     assert list(g.masks) == walked  # (c and d lead to one state)
     for s, packed in g.masks.items():
         assert np.array_equal(unpack_mask(packed, byte_vocab.size), g.allowed(s))
+
+
+def test_random_specs_compile_or_are_request_errors(byte_vocab):
+    """Arbitrary patterns and JSON as guides: each compiles (and its start state's mask is made) or is a
+    RequestError; nothing else escapes (a RecursionError did, for groups nested thousands deep)."""
+    from tests.test_server_fuzz import json_value
+
+    rng = random.Random(17)
+    alphabet = [*"ab()[]{}|*+?.^$\\-,:09dDwWsSxuU<>P=!é\n", "\\d", "[a-", "(?:", "(?P<n>", "{2,3}", "\\x4"]
+    compiled = 0
+    for _ in range(300):
+        kind = rng.choice(["regex", "regex", "json", "choice"])
+        if kind == "regex":
+            spec = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        else:
+            spec = json.dumps(json_value(rng), allow_nan=True)
+        try:
+            GuideCache(byte_vocab).get(kind, spec).mask(0)
+            compiled += 1
+        except RequestError as e:
+            assert "\n" not in str(e) and e.param in ("guided_regex", "guided_json", "guided_choice")
+    assert compiled > 20
