@@ -103,7 +103,7 @@ def test_dead_ends_are_pruned_and_the_dfa_is_minimal():
         ("\\", "cannot end with a backslash"),
         ("a^", "'^' is only supported at the start"),
         ("a{100000}", "repetition bound"),
-        (r"\xZZ", "bad escape"),
+        (r"\xZZ", "bad escape '\\\\xZZ'"),
         ("[z-a]", "bad character range"),
         ("(" * 3000 + "a" + ")" * 3000, "groups nested more than 100 deep"),
         ("(?:" * 101 + "a" + ")" * 101, "groups nested more than 100 deep"),

@@ -302,11 +302,11 @@ class _Parser:
         if width is not None:
             digits = self.p[self.i : self.i + width]
             if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
-                raise self.error(f"bad escape \\{ch}{digits}", at)
+                raise self.error(f"bad escape {chr(92) + ch + digits!r}", at)
             self.i += width
             cp = int(digits, 16)
             if cp > MAX_CODEPOINT:
-                raise self.error(f"bad escape \\{ch}{digits}", at)
+                raise self.error(f"bad escape {chr(92) + ch + digits!r}", at)
             return chr(cp)
         if ch.isalnum():
             raise self.error(f"the escape \\{ch} is not supported", at)
