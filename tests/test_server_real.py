@@ -248,6 +248,57 @@ def test_guided_decoding_reaches_the_real_engine(client, server, tiny_dir):
     assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text is not None
 
 
+def test_tool_calls_on_the_real_engine(client, server):
+    """Tool calls by name or "required" (tests/test_server_tools.py: their guides and reading), whole and
+    streamed; a tool schema outside the guide subset and tool_choice auto are 400s naming the tools."""
+    from .test_server_tools import NAMED, TOOLS
+
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    named = dict(model="tiny", messages=msgs, tools=TOOLS, tool_choice=NAMED, max_tokens=300, temperature=0)
+    r = client.chat.completions.create(**named)  # (greedy: the same call streamed below)
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert (
+        call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+    )
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=200,
+        temperature=0.8,
+        seed=1,
+    )
+    if r.choices[0].finish_reason != "length":
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+        for c in r.choices[0].message.tool_calls:
+            assert c.function.name in ("get_weather", "now") and isinstance(
+                json.loads(c.function.arguments), dict
+            )
+    # streamed: the named call's arguments as they come, joined they are the whole call's
+    chunks = list(client.chat.completions.create(**named, stream=True))
+    deltas = [d for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+    assert deltas[0].tool_calls[0].function.name == "get_weather" and deltas[0].tool_calls[0].id
+    text = "".join(d.tool_calls[0].function.arguments for d in deltas)
+    assert text == call.function.arguments and chunks[-1].choices[0].finish_reason == "stop"
+    # a schema outside longctx's subset, and auto, are 400s naming the tools
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 0}}}]
+    for body in ({"tools": bad, "tool_choice": "required"}, {"tools": TOOLS}):
+        r2 = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, **body}, timeout=60)
+        err = r2.json()["error"]
+        assert r2.status_code == 400 and err["param"] == "tools", r2.text
+    assert (
+        "'minimum' is not supported"
+        in httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": msgs, "tools": bad, "tool_choice": "required"},
+            timeout=60,
+        ).json()["error"]["message"]
+    )
+
+
 def test_echo_logprobs_score_the_prompt_like_engine_score(client, server, tiny_dir):
     """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) on the real engine: the prompt's token
     logprobs are `Engine.score`'s, even for a prompt whose pages the prefix cache holds."""

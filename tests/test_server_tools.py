@@ -1,13 +1,9 @@
-"""Tool calling by name or "required": the guide a request's tools make, the calls read back from its output,
-whole and streamed, and the HTTP route on the real engine (the tiny random model on CPU)."""
+"""Tool calling by name or "required": the guide a request's tools make and the calls read back from its
+output, whole and streamed (the HTTP route on the real engine: tests/test_server_real.py)."""
 
 from __future__ import annotations
 
-import json
 import re
-
-import httpx
-import pytest
 
 from longctx.engine.guided import guide_regex
 from longctx.server import tools
@@ -92,68 +88,3 @@ def test_streamed_calls():
     cut = tools.ToolStream("required")
     cut.delta('[{"name": "no')
     assert cut.end("length") == ({"content": '[{"name": "no'}, "length")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir):
-    from longctx.server.testing import ServerProcess
-
-    with ServerProcess(
-        str(tiny_dir), "--device", "cpu", "--max-context", "2048", "--served-model-name", "tiny"
-    ) as s:
-        yield s
-
-
-def test_tool_calls_on_the_real_engine(server):
-    from .server_helpers import openai_client
-
-    client = openai_client(server)
-    msgs = [{"role": "user", "content": "weather in Paris?"}]
-    r = client.chat.completions.create(
-        model="tiny", messages=msgs, tools=TOOLS, tool_choice=NAMED, max_tokens=80
-    )
-    (call,) = r.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    assert (
-        call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
-    )
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None
-    r = client.chat.completions.create(
-        model="tiny",
-        messages=msgs,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=200,
-        temperature=0.8,
-        seed=1,
-    )
-    if r.choices[0].finish_reason != "length":
-        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
-        for c in r.choices[0].message.tool_calls:
-            assert c.function.name in ("get_weather", "now") and isinstance(
-                json.loads(c.function.arguments), dict
-            )
-    # streamed: the named call's arguments as they come, joined they are the whole call's
-    chunks = list(
-        client.chat.completions.create(
-            model="tiny", messages=msgs, tools=TOOLS, tool_choice=NAMED, max_tokens=80, stream=True
-        )
-    )
-    deltas = [d for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
-    assert deltas[0].tool_calls[0].function.name == "get_weather" and deltas[0].tool_calls[0].id
-    text = "".join(d.tool_calls[0].function.arguments for d in deltas)
-    assert set(json.loads(text)) == {"city", "unit"} and chunks[-1].choices[0].finish_reason == "stop"
-    # a schema outside longctx's subset, and auto, are 400s naming the tools
-    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 0}}}]
-    for body in ({"tools": bad, "tool_choice": "required"}, {"tools": TOOLS}):
-        r2 = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, **body}, timeout=60)
-        err = r2.json()["error"]
-        assert r2.status_code == 400 and err["param"] == "tools", r2.text
-    assert (
-        "'minimum' is not supported"
-        in httpx.post(
-            server.url + "/v1/chat/completions",
-            json={"messages": msgs, "tools": bad, "tool_choice": "required"},
-            timeout=60,
-        ).json()["error"]["message"]
-    )
