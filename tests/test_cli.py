@@ -27,6 +27,10 @@ def test_generate_text_batch_and_json(capsys) -> None:
     with Engine(WIP, device="cpu") as eng:  # the CLI's greedy text is the engine's
         (want,) = eng.generate([prompt], max_new_tokens=6)
     assert rows[0]["text"] == want.text and rows[0]["token_ids"] == want.token_ids
+    # the trained model held to a number's form answers with the needle's number, and stops right after it
+    assert main(["generate", *CPU, "--json", "--guided-regex", " ?[0-9]{4}", prompt]) == 0
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["text"] == " 4721" and row["finish_reason"] == "stop"
     # --include-stop: the text keeps the stop string that ended it
     assert len(want.text) >= 3, want.text
     stop = want.text[1:3]
