@@ -37,9 +37,10 @@ SECOND = 0x9E3779B9  # xor before the second mix (the noise's bits)
 UNIT = 2.0**-23
 REF_BLOCK_ELEMS = 1 << 18  # the CPU reference's rows per pass: about this many elements
 # The row's winner over its programs' bests picked by `_gumbel_pick_kernel` (one launch) on CUDA, else by
-# five torch ops there; the interpreter runs the kernel in CI. Off on CUDA until a GPU has checked it
-# (bench.gpu_kernel_check --only gumbel turns it on).
-PICK_KERNEL_CUDA = False
+# five torch ops there; the interpreter runs the kernel in CI. On: checked on an H100 in the fifty-fifth
+# session (bench.gpu_kernel_check --only gumbel, every case err 0), and a temperature-alone draw took
+# 0.20-0.42 ms against 0.32-0.63 with the torch ops, the same tokens (bench/results/sampling-s55-h100.md).
+PICK_KERNEL_CUDA = True
 
 
 def _s32(c: int) -> int:
@@ -206,7 +207,7 @@ def gumbel_argmax(
     """`gumbel_argmax_ref` (of `scale_logits_ref(x, temperature)` with a temperature): each row split
     over programs (a batch of one still spreads over the SMs), each keeping its best (level, score,
     hash, column); a second kernel of one program per row picks the row's winner (five torch ops on
-    CUDA unless PICK_KERNEL_CUDA)."""
+    CUDA when PICK_KERNEL_CUDA is off)."""
     floats = (torch.float32, torch.bfloat16, torch.float16) if temperature is not None else (torch.float32,)
     check(
         x.dim() == 2 and x.dtype in floats,
