@@ -1112,6 +1112,18 @@ def test_host_step_measures_a_decode_step_without_the_model() -> None:
     assert all(v > 0 for v in m.values())
 
 
+def test_guided_cost_times_each_guide(tmp_path: Path) -> None:
+    import json
+
+    from bench.guided_cost import main
+
+    assert main(["--vocab", "600", "--states", "3", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "guided-cost-cpu.json").read_text())["rows"]
+    assert [r["guide"] for r in rows] == ["regex", "json", "json_object"]
+    assert all(r["states"] > 1 and r["compile_s"] > 0 and r["mask_ms"] > 0 for r in rows)
+    assert "| json_object |" in (tmp_path / "guided-cost-cpu.md").read_text()
+
+
 def test_session_stop_kills_its_lanes_and_nothing_else(tmp_path: Path) -> None:
     import os
     import subprocess
