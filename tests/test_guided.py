@@ -462,6 +462,11 @@ def test_shape_logits_applies_each_guided_rows_mask_after_the_other_shaping(voca
     for i in (0, 2):
         want[i] = want[i].masked_fill(~masks[i], float("-inf"))
     assert torch.equal(got, want)
+    # every row guided (shaped in place), and a batch of one
+    every = [RowPlan(f"r{i}", (1,), 0, (0,), guide_mask=packed[i]) for i in range(4)]
+    assert torch.equal(shape_logits(logits, every, range(4)), logits.masked_fill(~masks, float("-inf")))
+    one = shape_logits(logits[2:3], every[2:3], [0])
+    assert torch.equal(one, logits[2:3].masked_fill(~masks[2:3], float("-inf")))
     with pytest.raises(ValueError, match="guide mask of 8 bits"):
         shape_logits(torch.zeros(1, 9), [RowPlan("e", (1,), 0, (0,), guide_mask=b"\xff")], [0])
 

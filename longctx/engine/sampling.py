@@ -84,7 +84,13 @@ def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]
         return x
     flat = x.view(-1)
     ints = [*bias_at, *off, *keep, *keep_rows, *guided]
-    at, values = _all_on(x.device, (ints, torch.int64), (bias, torch.float32))
+    cols: list[tuple[Any, torch.dtype]] = [(ints, torch.int64), (bias, torch.float32)]
+    if guided:  # the packed masks ride the same copy (8x fewer bytes than bools) and are unpacked there
+        packed = np.stack([np.frombuffer(rows[i].guide_mask, dtype=np.uint8) for i in guided])
+        if packed.shape[1] * 8 < vocab:
+            raise ValueError(f"a guide mask of {packed.shape[1] * 8} bits for a vocabulary of {vocab}")
+        cols.append((torch.from_numpy(packed).view(-1), torch.uint8))
+    at, values, *masks = _all_on(x.device, *cols)
     nb, no, nk, nr = len(bias_at), len(off), len(keep), len(keep_rows)
     if bias_at:
         flat.index_add_(0, at[:nb], values)
@@ -94,18 +100,26 @@ def shape_logits(logits: torch.Tensor, rows: Sequence[Any], which: Iterable[int]
         kept = flat.index_select(0, at[nb + no : nb + no + nk])
         x.index_fill_(0, at[nb + no + nk : nb + no + nk + nr], float("-inf"))
         flat.index_copy_(0, at[nb + no : nb + no + nk], kept)
-    if guided:  # the packed masks go to the device as they are (8x fewer bytes) and are unpacked there
-        g_at = at[nb + no + nk + nr :]
-        packed = np.stack([np.frombuffer(rows[i].guide_mask, dtype=np.uint8) for i in guided])
-        if packed.shape[1] * 8 < vocab:
-            raise ValueError(f"a guide mask of {packed.shape[1] * 8} bits for a vocabulary of {vocab}")
-        cuda = x.is_cuda
-        host = torch.from_numpy(packed)
-        dev = (host.pin_memory() if cuda else host).to(x.device, non_blocking=cuda)
-        bits = torch.arange(8, dtype=torch.uint8, device=x.device)
-        ok = ((dev[:, :, None] >> bits) & 1).view(len(guided), -1)[:, :vocab].bool()
-        x.index_copy_(0, g_at, x.index_select(0, g_at).masked_fill_(~ok, float("-inf")))
+    if guided:  # each mask byte's 8 tokens looked up as "not allowed" bits: one gather
+        off_bits = _not_allowed(x.device)[masks[0].long()].view(len(guided), -1)[:, :vocab]
+        if guided == list(range(x.shape[0])):  # (every row guided: shaped in place)
+            x.masked_fill_(off_bits, float("-inf"))
+        else:
+            g_at = at[nb + no + nk + nr :]
+            x.index_copy_(0, g_at, x.index_select(0, g_at).masked_fill_(off_bits, float("-inf")))
     return x
+
+
+_NOT_ALLOWED: dict[torch.device, torch.Tensor] = {}
+
+
+def _not_allowed(device: torch.device) -> torch.Tensor:
+    """bool [256, 8] on `device`: byte -> its 8 bits (least significant first, `Guide.mask`'s order) negated,
+    the tokens a mask byte does not allow (made once per device: a copy each step would wait for the host)."""
+    t = _NOT_ALLOWED.get(device)
+    if t is None:
+        t = _NOT_ALLOWED[device] = (((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0).to(device)
+    return t
 
 
 def _on(device: torch.device, values: Sequence[Any], dtype: torch.dtype) -> torch.Tensor:
@@ -114,13 +128,14 @@ def _on(device: torch.device, values: Sequence[Any], dtype: torch.dtype) -> torc
     return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
-def _all_on(device: torch.device, *cols: tuple[Sequence[Any], torch.dtype]) -> list[torch.Tensor]:
-    """Each (values, dtype) as a 1-D tensor on `device`, all through one buffer: on CUDA one copy from
+def _all_on(device: torch.device, *cols: tuple[Any, torch.dtype]) -> list[torch.Tensor]:
+    """Each (values, dtype) as a 1-D tensor on `device` (values: a sequence, or a 1-D host tensor of that
+    dtype), all through one buffer: on CUDA one copy from
     pinned memory for every column (a sampled step's per-row numbers: temperatures, seeds, top-k, top-p,
     ...), where `_on` per column was a pinned allocation and a copy each. Each column starts at a multiple
     of 8 bytes of the buffer, so its view has its dtype's alignment. The CPU packs the same way (one code
     path, tested there)."""
-    host = [torch.tensor(v, dtype=dt) for v, dt in cols]
+    host = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=dt) for v, dt in cols]
     offs: list[int] = []
     size = 0
     for h in host:
