@@ -19,7 +19,6 @@ from longctx.engine.guided import (
     VocabBytes,
     guide_of,
     guide_regex,
-    unpack_mask,
 )
 from longctx.engine.regex_dfa import MAX_DFA_STATES, RegexError, compile_regex
 from longctx.errors import RequestError
@@ -121,6 +120,13 @@ def test_an_automaton_past_the_state_cap_is_refused():
 
 
 # ---- guides over a vocabulary ----------------------------------------------------------------------------
+def unpack_mask(packed: bytes, vocab: int) -> np.ndarray:
+    """bool [vocab] of a `Guide.mask` (bits little-endian within each byte)."""
+    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
+    assert bits.shape[0] >= vocab
+    return bits[:vocab].astype(bool)
+
+
 @pytest.fixture(scope="module")
 def byte_vocab():
     return VocabBytes.build(token_bytes_table(make_tokenizer(), 300), eos=[257])

@@ -30,7 +30,7 @@ from longctx.config import (
     dtype_name,
     with_selection,
 )
-from longctx.engine.guided import GuideCache, GuideState, VocabBytes
+from longctx.engine.guided import GuideCache, GuideState, VocabBytes, check_guided
 from longctx.engine.plan import BatchPlan, BatchResult
 from longctx.engine.request import (
     FinishReason,
@@ -255,8 +255,7 @@ class EngineCore:
         """Compile a guide (SamplingParams.guided) into the engine's cache, RequestError for a bad one. Safe to
         call from another thread while the engine steps: the server's loop compiles a request's new guide
         so, and adds the request when it is ready, instead of stalling every running request meanwhile."""
-        if not (isinstance(guided, tuple | list) and len(guided) == 2):
-            raise RequestError.about("guided", None, "must be a (kind, spec) pair of strings")
+        check_guided(guided)
         self._guide_cache().get(*guided)
 
     def abort(self, rid: str) -> None:

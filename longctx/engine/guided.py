@@ -21,8 +21,9 @@ Schemas: `type` (one or a list), `enum`, `const`, `anyOf` / `oneOf`, `allOf` of 
 (`#/$defs/...`, `#/definitions/...`, nested up to MAX_SCHEMA_DEPTH), objects' `properties` in their
 order with `required` (every other property optional; `additionalProperties` allows what is listed),
 arrays' `items` with `minItems` / `maxItems`, strings' `minLength` / `maxLength` / `pattern` / `format`
-(date, time, date-time, uuid; a length bound with neither); annotation keywords are ignored. Other validation keywords (`minimum`,
-`multipleOf`, `uniqueItems`, `not`, ...) are refused by name, as a schema longctx would not enforce.
+(date, time, date-time, uuid; a length bound with neither); annotation keywords are ignored. Other
+validation keywords (`minimum`, `multipleOf`, `uniqueItems`, `not`, ...) are refused by name, as a schema
+longctx would not enforce.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ CACHED_MASKS = 4096  # per guide, and no more than MASK_BYTES_PER_GUIDE of them
 MASK_BYTES_PER_GUIDE = 8 << 20  # (412 masks of a 154K-token vocabulary; 256 MiB for CACHED_GUIDES guides)
 
 _WS = f"[ \\t\\n]{{0,{JSON_WS}}}"
+_SEP = f"{_WS},{_WS}"  # between a JSON array's items or an object's members
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 _STRING = f'"{_STRING_CHAR}*"'
 _INTEGER = r"-?(?:0|[1-9][0-9]*)"
@@ -164,11 +166,10 @@ class _Schema:
             node = node[part]
         return node
 
-    @staticmethod
-    def _bound(s: dict, name: str) -> int | None:
+    def _bound(self, s: dict, name: str) -> int | None:
         v = s.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
-            raise _error("guided_json", None, f"{name} must be a non-negative integer")
+            raise self.error(f"{name} must be a non-negative integer")
         return v
 
     def string(self, s: dict) -> str:
@@ -192,10 +193,9 @@ class _Schema:
         lo, hi = self._bound(s, "minItems") or 0, self._bound(s, "maxItems")
         if hi is not None and hi < lo:
             raise self.error("maxItems is below minItems")
-        sep = f"{_WS},{_WS}"
         if hi == 0:
             return f"\\[{_WS}\\]"
-        rest = _count(sep + item, max(lo - 1, 0), None if hi is None else hi - 1)
+        rest = _count(_SEP + item, max(lo - 1, 0), None if hi is None else hi - 1)
         body = f"{item}{rest}"
         return f"\\[{_WS}{body if lo else f'(?:{body})?'}{_WS}\\]"
 
@@ -215,14 +215,13 @@ class _Schema:
             f"{_lit(json.dumps(n, ensure_ascii=False))}{_WS}:{_WS}{self.regex(props[n], depth + 1)}"
             for n in names
         ]
-        sep = f"{_WS},{_WS}"
         # the first property written is some i up to the first required one; after it every later property
         # follows a comma, the optional ones each optional
         first_req = next((i for i, n in enumerate(names) if n in required), len(names))
         starts = []
         for i in range(min(first_req + 1, len(names))):
             tail = "".join(
-                sep + items[j] if names[j] in required else f"(?:{sep}{items[j]})?"
+                _SEP + items[j] if names[j] in required else f"(?:{_SEP}{items[j]})?"
                 for j in range(i + 1, len(names))
             )
             starts.append(items[i] + tail)
@@ -238,21 +237,30 @@ class _Schema:
             return _join(scalars)
         inner = self.any_value(depth - 1)
         return _join(
-            [*scalars, self.any_object(depth, inner), f"\\[{_WS}(?:{inner}(?:{_WS},{_WS}{inner})*)?{_WS}\\]"]
+            [*scalars, self.any_object(depth, inner), f"\\[{_WS}(?:{inner}(?:{_SEP}{inner})*)?{_WS}\\]"]
         )
 
     @staticmethod
     def any_object(depth: int, inner: str) -> str:
         member = f"{_STRING}{_WS}:{_WS}{inner}"
-        return f"\\{{{_WS}(?:{member}(?:{_WS},{_WS}{member})*)?{_WS}\\}}"
+        return f"\\{{{_WS}(?:{member}(?:{_SEP}{member})*)?{_WS}\\}}"
+
+
+def check_guided(guided: Any) -> None:
+    """SamplingParams.guided's shape: a (kind, spec) pair of strings, the kind one of KINDS (RequestError)."""
+    if not (
+        isinstance(guided, tuple | list) and len(guided) == 2 and all(isinstance(x, str) for x in guided)
+    ):
+        raise _error("guided", None, "must be a (kind, spec) pair of strings")
+    if guided[0] not in KINDS:
+        raise _error("guided", guided[0], f"must be one of {', '.join(KINDS)}")
 
 
 def guide_regex(kind: str, spec: str) -> str:
     """The regular expression of a guide (RequestError naming the request's field when it has none)."""
-    name = FIELD.get(kind, "guided")
-    if kind not in KINDS:
-        raise _error("guided", kind, f"must be one of {', '.join(KINDS)}")
-    if not isinstance(spec, str) or len(spec) > MAX_SPEC_CHARS:
+    check_guided((kind, spec))
+    name = FIELD[kind]
+    if len(spec) > MAX_SPEC_CHARS:
         raise _error(name, None, f"must be a string of at most {MAX_SPEC_CHARS} characters")
     if kind == "regex":
         return spec
@@ -371,14 +379,6 @@ class Guide:
                     order.append(t)
         for s in order[:limit]:
             self.mask(s)
-
-
-def unpack_mask(packed: bytes, vocab: int) -> np.ndarray:
-    """bool [vocab] of a `Guide.mask`."""
-    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
-    if bits.shape[0] < vocab:
-        raise ValueError(f"a guide mask of {bits.shape[0]} bits for a vocabulary of {vocab}")
-    return bits[:vocab].astype(bool)
 
 
 @dataclass

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from longctx.config import is_int, is_real
-from longctx.engine.guided import KINDS as GUIDE_KINDS
-from longctx.engine.guided import GuideState
+from longctx.engine.guided import GuideState, check_guided
 from longctx.errors import RequestError
 
 MAX_REPETITION_PENALTY = 100.0
@@ -152,11 +151,7 @@ class SamplingParams:
             self._validate_guided()
 
     def _validate_guided(self) -> None:
-        g = self.guided
-        if not (isinstance(g, tuple | list) and len(g) == 2 and all(isinstance(x, str) for x in g)):
-            raise RequestError.about("guided", None, "must be a (kind, spec) pair of strings")
-        if g[0] not in GUIDE_KINDS:
-            raise RequestError.about("guided", g[0], f"must be one of {', '.join(GUIDE_KINDS)}")
+        check_guided(self.guided)
         # what would leave a guided row with no token to draw: tokens held back or banned that the
         # guide needs next (EOS included), or its EOS ignored
         for name, bad in (

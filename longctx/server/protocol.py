@@ -28,7 +28,7 @@ from pydantic import (
 from longctx.engine.guided import guide_of, guide_regex
 from longctx.engine.request import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from longctx.errors import RequestError, clipped
-from longctx.server.tools import MAX_TOOLS, tool_guide
+from longctx.server.tools import MAX_TOOLS, parameters_of, tool_guide
 
 I64 = 2**63 - 1
 MAX_STOPS = 16
@@ -367,7 +367,7 @@ class _SamplingFields(_Strict):
             if not isinstance(f.get("parameters", {}), dict):
                 raise ValueError(f"{i}: function.parameters must be a JSON schema (an object)")
             try:  # (the schema checked here, before the engine compiles it: its keywords in longctx's subset)
-                guide_regex("json", json.dumps(f.get("parameters") or {"type": "object"}))
+                guide_regex("json", json.dumps(parameters_of(t)))
             except RequestError as e:
                 raise ValueError(f"{i}: function.parameters: {e.problem or e}") from None
         if isinstance(choice, dict) and choice["function"]["name"] not in names:

@@ -34,14 +34,14 @@ def tool_guide(tools: list[dict[str, Any]], choice: Any) -> tuple[str, ...]:
         items = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+                "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters_of(t)},
                 "required": ["name", "parameters"],
             }
             for t in tools
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         return guide_of(json_schema=schema)
-    return guide_of(json_schema=_parameters(named_tool(tools, choice)))
+    return guide_of(json_schema=parameters_of(named_tool(tools, choice)))
 
 
 def named_tool(tools: list[dict[str, Any]], choice: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +49,8 @@ def named_tool(tools: list[dict[str, Any]], choice: dict[str, Any]) -> dict[str,
     return next(t for t in tools if t["function"]["name"] == name)
 
 
-def _parameters(tool: dict[str, Any]) -> Any:
+def parameters_of(tool: dict[str, Any]) -> Any:
+    """A tool's parameters schema (none given: an empty object)."""
     p = tool["function"].get("parameters")
     return {"type": "object", "properties": {}} if p is None else p
 
@@ -58,8 +59,8 @@ def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _call(name: str, arguments: str, cid: str | None = None) -> dict[str, Any]:
-    return {"id": cid or call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def tool_calls(choice: Any, text: str) -> list[dict[str, Any]] | None:
@@ -117,12 +118,10 @@ class ToolStream:
         back when it is not whole calls (cut by max_tokens)."""
         if isinstance(self.choice, dict):
             return None, finish
-        calls = tool_calls(self.choice, self.text) if finish == "stop" else None
-        if calls is None:
-            return ({"content": self.text} if self.text else None), finish
-        return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, finish_reason(
-            self.choice, finish
-        )
+        msg, finish = tool_message(self.choice, self.text, finish)
+        if "tool_calls" in msg:
+            return {"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]}, finish
+        return ({"content": self.text} if self.text else None), finish
 
 
 def tool_message(choice: Any, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
