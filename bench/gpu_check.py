@@ -190,7 +190,8 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
                 ("temperature_scaled_first_ms", {"scale_in_kernel": False}, plain),
                 ("penalties_ms", {"penalties_kernel": True}, pen),
                 ("penalties_torch_ms", {"penalties_kernel": False}, pen),
-                # greedy held to a regex (200 letters: no EOS before them): its masks and no overlapped step
+                # greedy held to a regex (200 letters: no EOS before them): its masks, and each step's draw
+                # queued behind its forward once the step before is read (the forward stays overlapped)
                 ("guided_regex_ms", {}, dict(guided_regex="[a-z ]{200}", ignore_eos=False)),
             ]
             for name, t in temps.items():
@@ -228,6 +229,11 @@ def graph_vs_eager(d2: Path, ids: list[int], res: dict) -> None:
                 [o.token_ids for o in e.generate(prompts, max_new_tokens=24, ignore_eos=True, **draw, **kw)]
                 for kw in sampled
             ]
+            # guided draws (overlapped: each step's forward launched device-fed, its masked draw queued
+            # once the step before is read)
+            drawn[graphs].append(
+                [o.token_ids for o in e.generate(prompts, max_new_tokens=24, guided_regex="[a-z ]{5,40}", **draw)]
+            )
             replays = e.runner.graphs.replays if graphs and e.runner.graphs is not None else 0
             if graphs:
                 res["graph_vs_eager"] = {

@@ -414,12 +414,25 @@ def test_a_guided_request_leaves_its_batch_neighbours_alone(eng):
 
 def test_guided_tokens_are_the_same_overlapped_with_graphs_and_over_stages(tiny_dir, eng):
     from longctx import Engine
+    from longctx.engine.request import SamplingParams
 
     prompts = ["one", "two two", "three three three"]
     kw = dict(max_new_tokens=16, temperature=0.8, seed=9, guided_regex=REGEX)
     want = [(c.token_ids, c.finish_reason) for c in eng.generate(prompts, **kw)]
     with Engine(tiny_dir, device="cpu", overlap=True, cuda_graphs=True) as ov:
         assert [(c.token_ids, c.finish_reason) for c in ov.generate(prompts, **kw)] == want
+        # guided rows keep the overlap: step n+1's forward is launched before step n's tokens are read
+        assert ov.stats()["device_fed_steps"] > 0
+        # guided requests decoding beside plain ones, one finishing mid-way: each as without overlap
+        ids = [eng.encode(q) for q in prompts]
+        params = [
+            SamplingParams(max_new_tokens=12, temperature=0.9, seed=4, guided=("regex", REGEX)),
+            SamplingParams(max_new_tokens=10, temperature=0.7, seed=5, ignore_eos=True),
+            SamplingParams(max_new_tokens=6, guided=("choice", json.dumps(["yes", "no", "maybe so"]))),
+        ]
+        fed = ov.stats()["device_fed_steps"]
+        assert run_requests(ov, ids, params) == run_requests(eng, ids, params)
+        assert ov.stats()["device_fed_steps"] > fed
     with Engine(tiny_dir, device="cpu", kv_pages=16, chunk_size=29, pp=2) as e:
         assert [(c.token_ids, c.finish_reason) for c in e.generate(prompts, **kw)] == want
 

@@ -75,10 +75,12 @@ def test_stop_strings_and_context_limit(tiny_dir):
         assert a == b  # PROMPTS[2] (130 tokens) also hits max_context 140 on the way
 
 
-def test_bad_words_under_overlap(tiny_dir):
-    """Bad words of several tokens plan no continuation (what step n+1 may not draw depends on step n's
-    token) and give the tokens of the engine without overlap."""
-    base, ov = _engines(tiny_dir)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bad_words_under_overlap(tiny_dir, graphs):
+    """Bad words of several tokens: what step n+1 may not draw depends on step n's token, so the
+    continuation's forward is launched device-fed and its draw waits for step n's tokens; the tokens
+    are the engine's without overlap."""
+    base, ov = _engines(tiny_dir, cuda_graphs=graphs)
     with base, ov:
         letters = dict(max_new_tokens=10, ignore_eos=True, allowed_token_ids=[97, 98, 99, 100])
         free = base.generate(PROMPTS[:1], **letters)[0]
@@ -86,6 +88,26 @@ def test_bad_words_under_overlap(tiny_dir):
         a = [o.token_ids for o in base.generate(PROMPTS, **kw)]
         b = [o.token_ids for o in ov.generate(PROMPTS, **kw)]
         assert a == b and a[0] != free.token_ids
+        assert ov.stats()["device_fed_steps"] > 0
+
+
+def test_a_failed_late_draw_keeps_the_finished_steps_outputs(tiny_dir, monkeypatch):
+    """A continuation whose draw was queued late (a guided row) and failed: step n's outputs are
+    delivered, the next step raises, and the engine serves the next request."""
+    with Engine(tiny_dir, device="cpu", overlap=True) as eng:
+        p = SamplingParams(max_new_tokens=8, guided=("regex", "[a-z]{8}"))
+        eng.add_request(Request("a", PROMPTS[0], p))
+        assert eng.step()[0].new_token_ids  # prefill
+        assert eng.step()[0].new_token_ids  # a decode step; its continuation is launched
+        monkeypatch.setattr(eng.runner, "sample", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("lost")))
+        second = eng.step()
+        assert second and second[0].new_token_ids
+        with pytest.raises(RuntimeError, match="lost"):
+            eng.step()
+        assert eng.fail_step() == ["a"]
+        monkeypatch.undo()
+        out = eng.generate([PROMPTS[1]], max_new_tokens=8, guided_regex="[a-z]{8}")[0]
+        assert len(out.token_ids) == 8 and out.finish_reason == "stop"
 
 
 def _drive(eng: Engine) -> dict[str, list]:
@@ -137,7 +159,7 @@ def test_a_failed_launch_keeps_the_finished_steps_outputs(tiny_dir, monkeypatch)
         assert eng._pending is not None
         real = eng.runner.launch
 
-        def boom(plan, tokens=None):
+        def boom(plan, tokens=None, sample=True):
             raise RuntimeError("device lost")
 
         monkeypatch.setattr(eng.runner, "launch", boom)

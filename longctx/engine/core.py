@@ -418,7 +418,9 @@ class EngineCore:
         # then read step n's tokens (the one synchronisation) and update. Rows whose request
         # finishes at step n compute one token nobody reads (their pages hold the slot until the
         # release). With logprobs the logits of step n must be read before the next replay
-        # overwrites them: then n+1 is launched after the read, with the host's tokens.
+        # overwrites them: then n+1 is launched after the read, with the host's tokens. Guided rows
+        # (and rows with bad words of several tokens) may draw only what step n's token allows: then
+        # n+1's forward is launched at once and its draw queued behind it once step n is read.
         if self._deferred is not None:  # launching the last continuation failed: report it now
             err, self._deferred = self._deferred, None
             raise err
@@ -430,16 +432,24 @@ class EngineCore:
             pending = self.runner.launch(plan)
         nxt = self.scheduler.plan_continuation(pending.plan)
         early: PendingRows | None = None
+        late = False  # rows whose shaping needs step n's tokens: step n+1 draws after they are read
         if nxt is not None and device_fed(pending):
+            late = self.scheduler.shapes_late(nxt)
             try:
-                early = self.runner.launch(nxt, tokens=pending.toks)
+                early = self.runner.launch(nxt, tokens=pending.toks, sample=not late)
             except Exception as e:  # step n's outputs go back first
                 self._deferred, nxt = e, None
         outs = self._finish_step(pending.plan, self.runner.resolve(pending))
         if early is not None and nxt is not None:
-            self.scheduler.confirm_continuation(nxt)  # checks and counts; finished rows are skipped at update
+            # checks and counts; finished rows are skipped at update
+            full = self.scheduler.confirm_continuation(nxt, keep_finished=True)
             self._pending = early
             self.device_fed_steps += 1
+            if late and full is not None:
+                try:  # queued behind step n+1's forward, which ran while the host read step n
+                    self.runner.sample(early, full)
+                except Exception as e:  # step n's outputs are already applied: deliver them first
+                    self._deferred, self._pending = e, None
         elif nxt is not None:
             nxt = self.scheduler.confirm_continuation(nxt)
             if nxt is not None:

@@ -48,12 +48,18 @@ class LocalRunner:
     def run(self, plan: BatchPlan) -> BatchResult:
         return self.resolve(self.launch(plan))
 
-    def launch(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> PendingRows:
+    def launch(self, plan: BatchPlan, tokens: torch.Tensor | None = None, sample: bool = True) -> PendingRows:
         """Queue the step on the device; its sampled tokens stay there until `resolve`. `tokens`:
-        the rows' input tokens as a device tensor (the previous step's samples, not yet read)."""
+        the rows' input tokens as a device tensor (the previous step's samples, not yet read).
+        `sample=False` queues the forward and the logits only; `sample` draws the tokens later."""
         if self.graphs is not None and self.graphs.bucket(plan) is not None:
-            return self.worker.finish_async(plan, None, self.graphs.run(plan, tokens))
-        return self.worker.finish_async(plan, self.worker.forward(plan, tokens=tokens))
+            return self.worker.finish_async(plan, None, self.graphs.run(plan, tokens), sample=sample)
+        return self.worker.finish_async(plan, self.worker.forward(plan, tokens=tokens), sample=sample)
+
+    def sample(self, pending: PendingRows, plan: BatchPlan) -> None:
+        """Draw the tokens of a step launched with `sample=False`, its rows shaped as `plan` says (the
+        same rows, with what each may draw now known)."""
+        self.worker.sample_async(pending, plan)
 
     def resolve(self, pending: PendingRows) -> BatchResult:
         """Wait for a launched step and read its tokens back (the step's one host synchronisation)."""

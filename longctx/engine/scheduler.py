@@ -282,11 +282,12 @@ class Scheduler:
         """Step n+1 of a pure decode batch, planned while step n runs (its tokens still unknown).
 
         Only when nothing else could change the batch: no request waiting, every running request
-        decoding in `plan`, none about to reach its token or context limit, pages free for all, none with
-        bad words of several tokens or a guide (the tokens step n+1 may draw depend on step n's).
+        decoding in `plan`, none about to reach its token or context limit, pages free for all.
         The rows carry placeholder tokens; `confirm_continuation` fills them after `update` and
         drops requests that finished at step n (their pages, this extra slot included, are freed
-        by the release that finished them).
+        by the release that finished them). What a guided row, or one with bad words of several
+        tokens, may draw depends on step n's token: such rows are shaped by `confirm_continuation`
+        too (`shapes_late`), and the engine draws their tokens once it has them.
         """
         if self.waiting or len(plan.rows) != len(self.running):
             return None
@@ -300,8 +301,6 @@ class Scheduler:
                 or row.end != req.num_tokens  # the row samples the request's next token
                 or len(req.output_ids) + 2 > req.params.max_new_tokens
                 or row.end + 1 >= self.max_context
-                or any(len(s) > 1 for s in req.bad_ids)  # (what step n+1 may not draw needs step n's token)
-                or req.guide is not None  # (so does a guided request's)
             ):
                 return None
         if not self._make_room(sum(max(0, self.pages[r.rid].pages_missing(1)) for r in plan.rows)):
@@ -320,24 +319,40 @@ class Scheduler:
                     pages_epoch=rp.epoch,
                     step=len(req.output_ids) + 1,
                     penalty_prompt=(),  # (sent with the request's first sampling row only)
-                    suppress=self._suppress(req, len(req.output_ids) + 1),
+                    # (a late-shaped row's suppression and mask wait for step n's token)
+                    suppress=() if shapes_late(req) else self._suppress(req, len(req.output_ids) + 1),
+                    guide_mask=b"",
                 )
             )
         self._step += 1
         return BatchPlan(self._step, tuple(rows))
 
-    def confirm_continuation(self, nxt: BatchPlan) -> BatchPlan | None:
-        """After `update` of step n: the continuation with step n's tokens, without finished requests."""
+    def shapes_late(self, nxt: BatchPlan) -> bool:
+        """Whether a continuation has rows whose shaping waits for step n's tokens (`shapes_late`)."""
+        live = {r.rid: r for r in self.running}
+        return any(shapes_late(live[row.rid]) for row in nxt.rows if row.rid in live)
+
+    def confirm_continuation(self, nxt: BatchPlan, keep_finished: bool = False) -> BatchPlan | None:
+        """After `update` of step n: the continuation with step n's tokens, its late-shaped rows'
+        suppression and guide masks filled in, without finished requests (`keep_finished`: with their
+        rows unchanged, so the plan still lists the rows a launched continuation computes)."""
         live = {r.rid: r for r in self.running}
         rows = []
         for row in nxt.rows:
             req = live.get(row.rid)
             if req is None or req.finished:
+                if keep_finished:
+                    rows.append(row)
                 continue
             assert req.num_computed == row.start and req.num_tokens == row.end, (req, row)
-            rows.append(dataclasses.replace(row, token_ids=(req.output_ids[-1],)))
-        if not rows:
-            return None
+            row = dataclasses.replace(row, token_ids=(req.output_ids[-1],))
+            if shapes_late(req):
+                step = len(req.output_ids)
+                mask = req.guide.mask(req.output_ids) if req.guide is not None else b""
+                row = dataclasses.replace(row, suppress=self._suppress(req, step), guide_mask=mask)
+            rows.append(row)
+        if len(rows) == sum(1 for row in rows if live.get(row.rid) is None or live[row.rid].finished):
+            return None  # no live row
         self.num_overlapped += 1
         return BatchPlan(nxt.step_id, tuple(rows))
 
@@ -447,6 +462,12 @@ class Scheduler:
         if self.cache is not None:
             s["prefix_cache"] = self.cache.stats()
         return s
+
+
+def shapes_late(req: Request) -> bool:
+    """Whether what `req`'s next token may be depends on its last one: a guide, or a bad word of
+    several tokens."""
+    return req.guide is not None or any(len(w) > 1 for w in req.bad_ids)
 
 
 def common_full_pages(a: list[int], b: list[int], page_size: int) -> int:

@@ -200,8 +200,9 @@ class StageWorker:
         unless a row asked for all its logits); `resolve` reads them back.
 
         `sample=False` runs the lm_head over the same rows and stops there (no host copies, no
-        sampling, nothing to resolve): a tensor-parallel rank that does not report takes part in the
-        vocab-parallel lm_head's all-gather this way (`longctx.stages.tp`)."""
+        sampling): a tensor-parallel rank that does not report takes part in the vocab-parallel
+        lm_head's all-gather this way (`longctx.stages.tp`), and an overlapped continuation whose rows
+        are shaped late draws later, with `sample_async`."""
         out: list[RowResult] = [RowResult(r.rid) for r in plan.rows]
         last: list[int] = []  # rows that sample
         ends: list[int] = []  # their last token's index in h
@@ -224,31 +225,45 @@ class StageWorker:
                     self.model.logits, rows_h, r.prompt_lp_targets, r.prompt_logprobs
                 )
             off += n
-        toks = None
         if last:
             if last_logits is None:
                 assert h is not None
                 last_logits = self.model.logits(take_rows(h, ends))  # one lm_head GEMM for every sampling row
             else:
                 last_logits = take_rows(last_logits, last)
-            if sample:
-                toks = sample_rows_device(
-                    last_logits,
-                    [plan.rows[i] for i in last],
-                    self.penalties,
-                    "triton" if self.use_triton else "torch",
-                )
-        pending = PendingRows(plan, out, last, toks, last_logits, prompt_lps=prompt_lps)
-        if toks is not None and toks.is_cuda:
+        pending = PendingRows(plan, out, last, None, last_logits, prompt_lps=prompt_lps)
+        if last and sample:
+            self.sample_async(pending)
+        return pending
+
+    @torch.inference_mode()
+    def sample_async(self, p: PendingRows, plan: BatchPlan | None = None) -> None:
+        """Draw the tokens of a step whose logits are queued on the device (`finish_async`); they stay
+        there, on their way to the host, until `resolve`.
+
+        `plan`: the same rows as `p.plan`, shaped after the logits were launched: an overlapped
+        continuation launched with `sample=False` because what its guided rows (or rows with bad words
+        of several tokens) may draw depended on the previous step's tokens, still unread then."""
+        if plan is not None:
+            assert [r.rid for r in plan.rows] == [r.rid for r in p.plan.rows], "not the launched rows"
+            p.plan = plan
+        assert p.toks is None and p.last_logits is not None, "nothing to sample, or sampled already"
+        toks = sample_rows_device(
+            p.last_logits,
+            [p.plan.rows[i] for i in p.last],
+            self.penalties,
+            "triton" if self.use_triton else "torch",
+        )
+        p.toks = toks
+        if toks.is_cuda:
             # Start the tokens' way to the host now, behind this step's work only: a continuation
             # launched before `resolve` queues its graph behind this copy, and `resolve` waits for
             # this event, not for the stream (a `.tolist()` there would wait for the continuation
             # too, and the GPU would idle while the host prepares the step after it).
-            pending.toks_host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
-            pending.toks_host.copy_(toks, non_blocking=True)
-            pending.ready = torch.cuda.Event()
-            pending.ready.record()
-        return pending
+            p.toks_host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+            p.toks_host.copy_(toks, non_blocking=True)
+            p.ready = torch.cuda.Event()
+            p.ready.record()
 
     @torch.inference_mode()
     def resolve(self, p: PendingRows) -> list[RowResult]:
