@@ -232,7 +232,10 @@ def graph_vs_eager(d2: Path, ids: list[int], res: dict) -> None:
             # guided draws (overlapped: each step's forward launched device-fed, its masked draw queued
             # once the step before is read)
             drawn[graphs].append(
-                [o.token_ids for o in e.generate(prompts, max_new_tokens=24, guided_regex="[a-z ]{5,40}", **draw)]
+                [
+                    o.token_ids
+                    for o in e.generate(prompts, max_new_tokens=24, guided_regex="[a-z ]{5,40}", **draw)
+                ]
             )
             replays = e.runner.graphs.replays if graphs and e.runner.graphs is not None else 0
             if graphs:
