@@ -1119,9 +1119,9 @@ def test_guided_cost_times_each_guide(tmp_path: Path) -> None:
 
     assert main(["--vocab", "600", "--states", "3", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "guided-cost-cpu.json").read_text())["rows"]
-    assert [r["guide"] for r in rows] == ["regex", "json", "json_object"]
+    assert [r["guide"] for r in rows] == ["regex", "json", "json (nested)", "json_object (nested)"]
     assert all(r["states"] > 1 and r["compile_s"] > 0 and r["mask_ms"] > 0 for r in rows)
-    assert "| json_object |" in (tmp_path / "guided-cost-cpu.md").read_text()
+    assert "| json_object (nested) |" in (tmp_path / "guided-cost-cpu.md").read_text()
 
 
 def test_session_stop_kills_its_lanes_and_nothing_else(tmp_path: Path) -> None:

@@ -13,9 +13,11 @@ import pytest
 
 from longctx.checkpoint.tokenizer import make_tokenizer, token_bytes_table
 from longctx.engine.guided import (
+    MAX_JSON_DEPTH,
     Guide,
     GuideCache,
     GuideState,
+    NestedGuide,
     VocabBytes,
     guide_of,
     guide_regex,
@@ -293,8 +295,7 @@ def test_random_walks_of_a_json_schema_guide_are_valid_instances(byte_vocab):
     done = 0
     for _ in range(40):
         text = _random_walk(g, rng)
-        st = g.dfa.walk(0, text)
-        if st < 0 or not g.dfa.accept[st]:
+        if not g.matches(text):
             continue  # (hit the walk's length limit)
         value = json.loads(text.decode())
         assert _valid(value, SCHEMA), text
@@ -313,6 +314,96 @@ def test_json_object_and_choice_walks(byte_vocab):
             "green",
             "r\u00e9d",
         )
+
+
+def _json_vocab(rng: random.Random) -> VocabBytes:
+    """Single bytes, then tokens that open, close and mix several containers at once, and JSON-ish pieces."""
+    pieces: list[bytes | None] = [bytes([b]) for b in range(256)]
+    pieces += [
+        *(w.encode() for w in ('{"', '"}', "}}", "]]", "[[", "[{", "}]", '": ', "}}}", "]}]", '{"a":[{"b":')),
+        *(
+            w.encode()
+            for w in ('"x"}', ', "', "null}", "1]", "[]", "{}", "],[", "}, {", '":[', "[[[[", "]]]]")
+        ),
+    ]
+    text = b'{}[]",:ab1 '
+    pieces += [bytes(rng.choice(text) for _ in range(rng.randint(2, 6))) for _ in range(200)]
+    pieces += [None]
+    return VocabBytes.build(pieces, eos=[len(pieces) - 1])
+
+
+def _nested_allowed_ref(g: NestedGuide, state) -> np.ndarray:
+    """Token by token through the pushdown walk; EOS where the output so far is a whole match."""
+    v = g.vocab
+    ok = np.array([bool(b) and g.walk(state, b)[0] >= 0 for b in v.of])
+    q, stack = state
+    if q < 0 or (not stack and g.dfa.accept[q]) or not ok.any():
+        ok[list(v.eos)] = True
+    return ok
+
+
+FREE = {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "data": {}, "tags": {"type": "array", "items": True}},
+    "required": ["id", "data"],
+}
+
+
+@pytest.mark.parametrize("kind, spec", [("json_object", ""), ("json", json.dumps(FREE))])
+def test_nested_json_guides_masks_walks_and_depth(kind, spec):
+    """Free JSON values nest to any depth through the pushdown guide: its masks (cached ones too, shared by
+    states whose stacks differ below what a token can pop) equal a token-by-token walk, random walks are
+    valid documents nesting past the old unrolled depth of 3, and MAX_JSON_DEPTH bounds the nesting."""
+    rng = random.Random(5)
+    v = _json_vocab(rng)
+    g = GuideCache(v).get(kind, spec)
+    assert isinstance(g, NestedGuide) and g.max_pops >= 3 and g.max_pushes >= 4
+    deepest = done = 0
+    for _ in range(25):
+        st, out = GuideState(g), []
+        for _ in range(300):
+            s = st.at(out)
+            want = _nested_allowed_ref(g, s)
+            assert np.array_equal(g.allowed(s), want), (kind, s)
+            assert np.array_equal(unpack_mask(g.mask(s), v.size), want), (kind, s)
+            deepest = max(deepest, len(s[1]))
+            t = int(rng.choice(list(np.nonzero(want)[0])))
+            if t in v.eos:
+                break
+            out.append(t)
+            if st.complete(out):
+                break
+        text = b"".join(v.of[t] or b"" for t in out)
+        if g.matches(text):
+            value = json.loads(text)
+            assert isinstance(value, dict), text
+            if kind == "json":  # (FREE's instances: an integer id, any data, tags a list of anything)
+                assert set(value) - {"tags"} == {"id", "data"} and type(value["id"]) is int, text
+                assert isinstance(value.get("tags", []), list), text
+            done += 1
+    assert done >= 10 and deepest > 3
+    # nesting: up to MAX_JSON_DEPTH containers open inside the top object, not one more
+    head = b'{"id": 1, "data": ' if kind == "json" else b'{"a":'
+    opened = g.walk(g.start, head + b"[" * MAX_JSON_DEPTH)
+    assert len(opened[1]) == MAX_JSON_DEPTH and g.step(opened, ord("[")) == (-1, ())
+    assert g.matches(head + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}")
+    assert not g.matches(head + b"[" * 5 + b"]" * 4 + b"}")
+
+
+def test_marker_characters_in_a_schema_stay_text(byte_vocab):
+    """The private-use characters a nested guide's markers are written with: in a const they are text (even
+    beside free values), in a pattern they are refused."""
+    schema = {
+        "type": "object",
+        "properties": {"k": {"const": "\ue000\ue001"}, "v": {}},
+        "required": ["k", "v"],
+    }
+    g = GuideCache(byte_vocab).get("json", json.dumps(schema))
+    assert isinstance(g, NestedGuide)
+    assert g.matches('{"k": "\ue000\ue001", "v": [[{}]]}'.encode())
+    assert not g.matches(b'{"k": "", "v": 1}')
+    with pytest.raises(RequestError, match="private-use"):
+        GuideCache(byte_vocab).get("json", json.dumps({"type": "string", "pattern": "a\ue000"}))
 
 
 @pytest.mark.parametrize(
@@ -531,7 +622,8 @@ def test_random_specs_compile_or_are_request_errors(byte_vocab):
         else:
             spec = json.dumps(json_value(rng), allow_nan=True)
         try:
-            GuideCache(byte_vocab).get(kind, spec).mask(0)
+            g = GuideCache(byte_vocab).get(kind, spec)
+            g.mask(g.start)
             compiled += 1
         except RequestError as e:
             assert "\n" not in str(e) and e.param in ("guided_regex", "guided_json", "guided_choice")

@@ -14,7 +14,11 @@ Every guide is a regular expression underneath:
   * `("regex", pattern)`;
   * `("choice", json list of strings)`: exactly one of the strings;
   * `("json", json schema)`: a JSON text valid against the schema (`_Schema`: the subset below);
-  * `("json_object", "")`: any JSON object, nested up to JSON_OBJECT_DEPTH levels.
+  * `("json_object", "")`: any JSON object.
+
+Free JSON values (JSON mode's, a schema's `{}` / `true` / typeless parts) nest objects and arrays to any
+depth up to MAX_JSON_DEPTH: their regex holds a CALL marker where a value may be a container, and the guide
+is a `NestedGuide`, a pushdown automaton over that DFA.
 
 JSON is written compactly or lightly spaced: at most JSON_WS whitespace characters between tokens.
 Schemas: `type` (one or a list), `enum`, `const`, `anyOf` / `oneOf`, `allOf` of one schema, local `$ref`s
@@ -51,7 +55,7 @@ FIELD = {
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 JSON_WS = 8  # whitespace characters allowed between JSON tokens
-JSON_OBJECT_DEPTH = 3
+MAX_JSON_DEPTH = 64  # objects and arrays nested in a JSON guide's free values (`NestedGuide`)
 MAX_SCHEMA_DEPTH = 6
 MAX_OPTIONAL = 16  # optional properties of one object (the regex grows with their square)
 CACHED_GUIDES = 32
@@ -71,6 +75,13 @@ _FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
 }
 _FORMATS["date-time"] = _FORMATS["date"] + "T" + _FORMATS["time"]
+# A nested guide's regex (`NestedGuide`): marker characters, each compiled to one byte no UTF-8 text holds.
+# CALL stands where a free value may be an object or an array (a call of the container automaton); the
+# regex is TOP (the guide's own pattern) | CONT (one container whose values hold CALLs in turn).
+_CALL, _TOP, _CONT = "\ue000", "\ue001", "\ue002"
+_MARKER_BYTES = {_CALL: 0xF8, _TOP: 0xF9, _CONT: 0xFA}
+_SCALARS = [_STRING, _NUMBER, "true", "false", "null"]
+_VALUE = "(?:" + "|".join([*_SCALARS, _CALL]) + ")"  # any JSON value, containers through a call
 # keywords that only describe (no effect on what is valid), and those this module enforces
 _ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                 "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties", "discriminator"}  # fmt: skip
@@ -86,8 +97,12 @@ def _error(field: str, value: object, problem: str) -> RequestError:
 
 
 def _lit(text: str) -> str:
-    """A regex matching exactly `text` (re.escape's output is inside this module's syntax)."""
-    return re.escape(text)
+    """A regex matching exactly `text` (re.escape's output is inside this module's syntax; a marker
+    character is escaped, so it stays the text's character)."""
+    out = re.escape(text)
+    for m in _MARKER_BYTES:
+        out = out.replace(m, f"\\u{ord(m):04x}")
+    return out
 
 
 def _join(parts: Sequence[str]) -> str:
@@ -103,6 +118,7 @@ class _Schema:
 
     def __init__(self, root: Any) -> None:
         self.root = root
+        self.nested = False  # whether the regex holds free values (calls of the container automaton)
 
     def error(self, what: str) -> RequestError:
         return _error("guided_json", None, what)
@@ -111,7 +127,7 @@ class _Schema:
         if depth > MAX_SCHEMA_DEPTH:
             raise self.error(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (a recursive $ref?)")
         if s is True or s == {}:
-            return self.any_value(JSON_OBJECT_DEPTH)
+            return self.any_value()
         if not isinstance(s, dict):
             raise self.error(f"a schema must be an object, got {json.dumps(s)[:60]}")
         unknown = sorted(set(s) - _ANNOTATIONS - _HANDLED)
@@ -138,7 +154,7 @@ class _Schema:
         if t is None:
             t = "object" if "properties" in s else "array" if "items" in s else None
         if t is None:
-            return self.any_value(JSON_OBJECT_DEPTH)
+            return self.any_value()
         if isinstance(t, list):
             return _join([self.regex({**s, "type": x}, depth) for x in t])
         if t == "string":
@@ -179,6 +195,8 @@ class _Schema:
             p = s["pattern"]
             if not isinstance(p, str):
                 raise self.error("pattern must be a string")
+            if any(m in p for m in _MARKER_BYTES):
+                raise self.error("pattern holds a private-use character U+E000-U+E002")
             return f'"{p.removeprefix("^").removesuffix("$")}"'
         fmt = s.get("format")
         if fmt in _FORMATS:
@@ -230,20 +248,29 @@ class _Schema:
             body = f"(?:{body})?"
         return f"\\{{{_WS}{body}{_WS}\\}}"
 
-    def any_value(self, depth: int) -> str:
-        """Any JSON value with objects and arrays nested up to `depth` levels."""
-        scalars = [_STRING, _NUMBER, "true", "false", "null"]
-        if depth <= 0:
-            return _join(scalars)
-        inner = self.any_value(depth - 1)
-        return _join(
-            [*scalars, self.any_object(depth, inner), f"\\[{_WS}(?:{inner}(?:{_SEP}{inner})*)?{_WS}\\]"]
-        )
+    def any_value(self) -> str:
+        """Any JSON value; an object or an array through a call of the container automaton (nested up to
+        MAX_JSON_DEPTH)."""
+        self.nested = True
+        return _VALUE
 
-    @staticmethod
-    def any_object(depth: int, inner: str) -> str:
-        member = f"{_STRING}{_WS}:{_WS}{inner}"
-        return f"\\{{{_WS}(?:{member}(?:{_SEP}{member})*)?{_WS}\\}}"
+    def pattern(self) -> str:
+        """The guide's regex: the root schema's, wrapped for a `NestedGuide` when it holds free values."""
+        top = self.regex(self.root)
+        return nested_regex(top) if self.nested else top
+
+
+def any_object() -> str:
+    """A JSON object of any members, their values free (calls)."""
+    member = f"{_STRING}{_WS}:{_WS}{_VALUE}"
+    return f"\\{{{_WS}(?:{member}(?:{_SEP}{member})*)?{_WS}\\}}"
+
+
+def nested_regex(top: str) -> str:
+    """A `NestedGuide`'s regex: `top` (holding calls) after the TOP marker, or one object or array whose
+    values hold calls after the CONT marker (what a call matches)."""
+    array = f"\\[{_WS}(?:{_VALUE}(?:{_SEP}{_VALUE})*)?{_WS}\\]"
+    return f"{_TOP}(?:{top})|{_CONT}(?:{any_object()}|{array})"
 
 
 def check_guided(guided: Any) -> None:
@@ -265,8 +292,7 @@ def guide_regex(kind: str, spec: str) -> str:
     if kind == "regex":
         return spec
     if kind == "json_object":
-        sch = _Schema({})
-        return sch.any_object(JSON_OBJECT_DEPTH, sch.any_value(JSON_OBJECT_DEPTH - 1))
+        return nested_regex(any_object())
     try:
         value = json.loads(spec)
     except ValueError as e:
@@ -279,7 +305,7 @@ def guide_regex(kind: str, spec: str) -> str:
         if len(value) > MAX_CHOICES:
             raise _error(name, None, f"has {len(value)} choices, at most {MAX_CHOICES}")
         return "|".join(_lit(c) for c in value)
-    return _Schema(value).regex(value)
+    return _Schema(value).pattern()
 
 
 @dataclass(frozen=True)
@@ -311,6 +337,33 @@ class VocabBytes:
         eos_ids = tuple(sorted({e for e in eos if 0 <= e < len(pieces)}))
         return cls(len(pieces), np.array(ids, dtype=np.int64), table, active, eos_ids, tuple(pieces))
 
+    def lengths_valid(self) -> np.ndarray:
+        """bool [n, longest]: which entries of `table` are token bytes (not padding)."""
+        return np.arange(len(self.order))[:, None] < self.active[None, :]
+
+    def rows(self, which: np.ndarray) -> VocabBytes:
+        """The tokens at rows `which` (ascending) of `table`, laid out the same way."""
+        active = np.searchsorted(which, self.active).astype(np.int64)
+        keep = int((active > 0).sum())
+        return VocabBytes(
+            self.size, self.order[which], self.table[which, :keep], active[:keep], self.eos, self.of
+        )
+
+
+def _walk_tokens(trans: np.ndarray, v: VocabBytes, state: int, ok: np.ndarray) -> None:
+    """Set ok[t] for the tokens of `v` whose bytes walk the DFA `trans` from `state` without dying."""
+    # the tokens still alive (rows of v.table, ascending: longest first) and their states; a row that runs
+    # out of bytes alive is allowed, one that meets -1 drops out
+    idx = np.arange(len(v.order))
+    cur = np.full(len(v.order), state, dtype=np.int32)
+    for j, k in enumerate(v.active):
+        m = int(np.searchsorted(idx, k))
+        ok[v.order[idx[m:]]] = True  # (their j bytes are all walked)
+        nxt = trans[cur[:m], v.table[idx[:m], j]]
+        keep = nxt >= 0
+        idx, cur = idx[:m][keep], nxt[keep]
+    ok[v.order[idx]] = True
+
 
 @dataclass
 class Guide:
@@ -322,6 +375,19 @@ class Guide:
     lock: threading.Lock = field(
         default_factory=threading.Lock, repr=False
     )  # (masks: warmed on another thread)
+
+    def __post_init__(self) -> None:
+        pass  # (NestedGuide's derives its tables here)
+
+    @property
+    def start(self) -> Any:
+        """The state before any output."""
+        return 0
+
+    def matches(self, data: bytes) -> bool:
+        """Whether `data` is a whole match."""
+        st = self.dfa.walk(0, data)
+        return st >= 0 and bool(self.dfa.accept[st])
 
     def advance(self, state: int, token: int) -> int:
         b = self.vocab.of[token] if 0 <= token < self.vocab.size else None
@@ -336,39 +402,32 @@ class Guide:
         v = self.vocab
         ok = np.zeros(v.size, dtype=bool)
         if state >= 0:
-            # the tokens still alive (rows of v.table, ascending: longest first) and their states; a row
-            # that runs out of bytes alive is allowed, one that meets -1 drops out
-            idx = np.arange(len(v.order))
-            cur = np.full(len(v.order), state, dtype=np.int32)
-            trans = self.dfa.trans
-            for j, k in enumerate(v.active):
-                m = int(np.searchsorted(idx, k))
-                ok[v.order[idx[m:]]] = True  # (their j bytes are all walked)
-                nxt = trans[cur[:m], v.table[idx[:m], j]]
-                keep = nxt >= 0
-                idx, cur = idx[:m][keep], nxt[keep]
-            ok[v.order[idx]] = True
+            _walk_tokens(self.dfa.trans, v, state, ok)
         if state < 0 or bool(self.dfa.accept[state]) or not ok.any():
             ok[list(v.eos)] = True
         return ok
 
-    def mask(self, state: int) -> bytes:
+    def key(self, state: Any) -> Any:
+        """What `allowed(state)` depends on: the masks' cache key."""
+        return state
+
+    def mask(self, state: Any) -> bytes:
         """`allowed(state)` packed into bits (little-endian within each byte), as a plan row carries it."""
+        key = self.key(state)
         with self.lock:
-            got = self.masks.get(state)
+            got = self.masks.get(key)
             if got is not None:
-                self.masks.move_to_end(state)
+                self.masks.move_to_end(key)
                 return got
         got = np.packbits(self.allowed(state), bitorder="little").tobytes()
         with self.lock:
-            self.masks[state] = got
+            self.masks[key] = got
             if len(self.masks) > min(CACHED_MASKS, max(1, MASK_BYTES_PER_GUIDE // len(got))):
                 self.masks.popitem(last=False)
         return got
 
-    def warm(self, limit: int = WARM_STATES) -> None:
-        """The masks of the first `limit` states breadth-first from the start (those outputs reach first), made
-        now rather than in the steps that reach them."""
+    def reachable(self, limit: int) -> list[Any]:
+        """The first `limit` states breadth-first from the start (those outputs reach first)."""
         order, seen = [0], {0}
         for s in order:
             if len(order) >= limit:
@@ -377,8 +436,159 @@ class Guide:
                 if t >= 0 and t not in seen:
                     seen.add(t)
                     order.append(t)
-        for s in order[:limit]:
+        return order[:limit]
+
+    def warm(self, limit: int = WARM_STATES) -> None:
+        """The masks of the `reachable` states, made now rather than in the steps that reach them."""
+        for s in self.reachable(limit):
             self.mask(s)
+
+
+# A nested guide's state: (automaton state, the call stack: the states each open container returns to)
+Config = tuple[int, tuple[int, ...]]
+DEAD: Config = (-1, ())
+
+
+class NestedGuide(Guide):
+    """A guide whose free JSON values nest objects and arrays to any depth (up to MAX_JSON_DEPTH): a
+    pushdown automaton over the DFA of `nested_regex`.
+
+    Where a value may be an object or an array, the automaton has a CALL marker byte instead of an
+    unrolled nesting. A byte with no transition from state q, where q has a CALL, starts a container: the
+    state after the CALL is pushed and the walk goes on in the container automaton (entered through its
+    CONT marker). A container's closing byte leads to a state that accepts and has no way on (`done`):
+    there the pushed state is popped, and the walk resumes after the CALL. A text byte always takes its
+    own transition first, so where a schema allows a specific object and a free value at one place
+    (`anyOf`), an object follows the specific one (what is generated is valid, a subset of the schema's
+    instances). The state is a `Config`; masks are cached per (state, the top of the stack any one
+    token can pop to, the room left for tokens' pushes)."""
+
+    def __post_init__(self) -> None:
+        t = self.dfa.trans
+        self.top = int(t[0, _MARKER_BYTES[_TOP]])
+        self.entry = int(t[0, _MARKER_BYTES[_CONT]])
+        self.calls = t[:, _MARKER_BYTES[_CALL]].copy()  # the state after a call from q (-1: none)
+        self.marker = np.zeros(256, dtype=bool)
+        self.marker[list(_MARKER_BYTES.values())] = True
+        self.done = self.dfa.accept & ~(t >= 0).any(axis=1)
+        # bytes that start a container / close one; tokens push and pop at most so many times
+        opens = (t[self.entry] >= 0) & ~self.marker
+        closes = ((t >= 0) & self.done[np.maximum(t, 0)]).any(axis=0) & ~self.marker
+        v = self.vocab
+        valid = v.lengths_valid()
+        self.max_pops = int((closes[v.table] & valid).sum(axis=1).max(initial=0))
+        self.max_pushes = int((opens[v.table] & valid).sum(axis=1).max(initial=0))
+        # tokens with no byte that may open or close a container (or a marker) walk the DFA alone
+        special = ((opens | closes | self.marker)[v.table] & valid).any(axis=1)
+        self.plain = v.rows(np.nonzero(~special)[0])
+        self.structural = v.rows(np.nonzero(special)[0])
+
+    @property
+    def start(self) -> Config:
+        return (self.top, ())
+
+    def step(self, c: Config, b: int) -> Config:
+        """The state after byte `b` (DEAD once no match is possible)."""
+        q, stack = c
+        if q < 0 or self.marker[b]:
+            return DEAD
+        t = self.dfa.trans
+        n = int(t[q, b])
+        if n < 0:  # a container starts here, where a call may
+            r = int(self.calls[q])
+            n = int(t[self.entry, b])
+            if r < 0 or n < 0 or len(stack) >= MAX_JSON_DEPTH:
+                return DEAD
+            stack = (*stack, r)
+        if self.done[n] and stack:  # a container closed: back to after its call
+            n, stack = stack[-1], stack[:-1]
+        return (n, stack)
+
+    def walk(self, c: Config, data: bytes) -> Config:
+        for b in data:
+            c = self.step(c, b)
+        return c
+
+    def matches(self, data: bytes) -> bool:
+        q, stack = self.walk(self.start, data)
+        return q >= 0 and not stack and bool(self.dfa.accept[q])
+
+    def advance(self, state: Config, token: int) -> Config:  # type: ignore[override]
+        b = self.vocab.of[token] if 0 <= token < self.vocab.size else None
+        return DEAD if b is None else self.walk(state, b)
+
+    def complete(self, state: Config) -> bool:  # type: ignore[override]
+        q, stack = state
+        return q >= 0 and not stack and bool(self.done[q])
+
+    def key(self, state: Config) -> Any:
+        q, stack = state
+        room = min(MAX_JSON_DEPTH - len(stack), self.max_pushes)
+        return (q, stack[max(0, len(stack) - self.max_pops) :] if self.max_pops else (), room)
+
+    def allowed(self, state: Config) -> np.ndarray:  # type: ignore[override]
+        """bool [vocab]: `Guide.allowed` for a pushdown state. Every token walks at once; each holds its own
+        pushes (`local`) and its pops below them read the state's stack (`base`)."""
+        q0, stack = state
+        ok = np.zeros(self.vocab.size, dtype=bool)
+        v = self.structural
+        if q0 >= 0:
+            _walk_tokens(self.dfa.trans, self.plain, q0, ok)
+            base = np.array(
+                stack[max(0, len(stack) - self.max_pops) :] if self.max_pops else (), dtype=np.int32
+            )
+            off = len(stack) - len(base)
+            n = len(v.order)
+            idx = np.arange(n)
+            cur = np.full(n, q0, dtype=np.int32)
+            lsp = np.zeros(n, dtype=np.int32)  # each token's own pushes
+            bsp = np.full(n, len(stack), dtype=np.int32)  # the state's stack entries not popped yet
+            local = np.zeros((n, max(1, self.max_pushes)), dtype=np.int32)
+            trans = self.dfa.trans
+            for j, k in enumerate(v.active):
+                m = int(np.searchsorted(idx, k))
+                ok[v.order[idx[m:]]] = True  # (their j bytes are all walked)
+                idx, cur, lsp, bsp, local = idx[:m], cur[:m], lsp[:m], bsp[:m], local[:m]
+                b = v.table[idx, j]
+                nxt = trans[cur, b]
+                nxt[self.marker[b]] = -1
+                ret = self.calls[cur]
+                call = (nxt < 0) & (ret >= 0) & (bsp + lsp < MAX_JSON_DEPTH) & ~self.marker[b]
+                if call.any():
+                    ent = trans[self.entry, b]
+                    rows = np.nonzero(call & (ent >= 0))[0]
+                    local[rows, lsp[rows]] = ret[rows]
+                    lsp[rows] += 1
+                    nxt[rows] = ent[rows]
+                pop = (nxt >= 0) & self.done[np.maximum(nxt, 0)] & (bsp + lsp > 0)
+                if pop.any():
+                    rows = np.nonzero(pop)[0]
+                    has = lsp[rows] > 0
+                    mine, below = rows[has], rows[~has]
+                    lsp[mine] -= 1
+                    nxt[mine] = local[mine, lsp[mine]]
+                    bsp[below] -= 1
+                    nxt[below] = base[bsp[below] - off]
+                keep = nxt >= 0
+                idx, cur, lsp, bsp, local = idx[keep], nxt[keep], lsp[keep], bsp[keep], local[keep]
+            ok[v.order[idx]] = True
+        accepting = q0 >= 0 and not stack and bool(self.dfa.accept[q0])
+        if q0 < 0 or accepting or not ok.any():
+            ok[list(self.vocab.eos)] = True
+        return ok
+
+    def reachable(self, limit: int) -> list[Any]:
+        """`Guide.reachable` over pushdown states (breadth-first by byte, one per mask key)."""
+        order, seen = [self.start], {self.key(self.start)}
+        for c in order:
+            if len(order) >= limit:
+                break
+            for b in range(256):
+                nxt = self.step(c, b)
+                if nxt[0] >= 0 and self.key(nxt) not in seen:
+                    seen.add(self.key(nxt))
+                    order.append(nxt)
+        return order[:limit]
 
 
 @dataclass
@@ -386,10 +596,14 @@ class GuideState:
     """A request's place in its guide: the automaton state after each prefix of its output."""
 
     guide: Guide
-    states: list[int] = field(default_factory=lambda: [0])
+    states: list[Any] = field(default_factory=list)
     walked: list[int] = field(default_factory=list)
 
-    def at(self, output_ids: Sequence[int], step: int | None = None) -> int:
+    def __post_init__(self) -> None:
+        if not self.states:
+            self.states.append(self.guide.start)
+
+    def at(self, output_ids: Sequence[int], step: int | None = None) -> Any:
         """The state after output_ids[:step] (all of it by default)."""
         n = len(output_ids) if step is None else step
         k = len(self.walked)
@@ -430,7 +644,8 @@ class GuideCache:
             if g is not None:
                 self.guides.move_to_end(key)
                 return g
-        g = Guide(self._compile(kind, spec), self.vocab)
+        dfa, nested = self._compile(kind, spec)
+        g = (NestedGuide if nested else Guide)(dfa, self.vocab)
         g.warm()
         with self._lock:
             self.guides[key] = g
@@ -439,15 +654,17 @@ class GuideCache:
         return g
 
     @staticmethod
-    def _compile(kind: str, spec: str) -> DFA:
+    def _compile(kind: str, spec: str) -> tuple[DFA, bool]:
+        """The guide's DFA, and whether it is a `NestedGuide`'s."""
         pattern = guide_regex(kind, spec)
+        nested = kind in ("json", "json_object") and pattern.startswith(_TOP)
         try:
-            dfa = compile_regex(pattern)
+            dfa = compile_regex(pattern, _MARKER_BYTES if nested else None)
         except RegexError as e:
             raise _error(FIELD[kind], None, str(e)) from None
         if not dfa.accept.any() and not (dfa.trans[0] >= 0).any():
             raise _error(FIELD[kind], None, "matches no text")
-        return dfa
+        return dfa, nested
 
 
 def guide_of(

@@ -27,6 +27,7 @@ settles within MINIMISE_ROUNDS rounds).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,10 +171,11 @@ _SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "
 
 
 class _Parser:
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, raw: Mapping[str, int] | None = None) -> None:
         self.p = pattern
         self.i = 0
         self.depth = 0  # groups open
+        self.raw = raw or {}
 
     def error(self, what: str, at: int | None = None) -> RegexError:
         return RegexError(f"{what} at position {self.i if at is None else at} of the pattern")
@@ -286,6 +288,8 @@ class _Parser:
         if ch == ")":
             self.i -= 1
             raise self.error("unbalanced ')'")
+        if ch in self.raw:  # a marker character standing for one byte no UTF-8 text holds
+            return ("set", 1 << self.raw[ch])
         return _literal(ch)
 
     def escape(self) -> _Class | str:
@@ -419,13 +423,18 @@ def _byte_classes(masks: set[int]) -> list[int]:
     return classes
 
 
-def compile_regex(pattern: str) -> DFA:
-    """The DFA of `pattern` over UTF-8 bytes (see the module docstring); RegexError when it cannot be."""
+def compile_regex(pattern: str, raw: Mapping[str, int] | None = None) -> DFA:
+    """The DFA of `pattern` over UTF-8 bytes (see the module docstring); RegexError when it cannot be.
+
+    `raw` maps marker characters to single bytes: each unescaped occurrence of one outside a class matches
+    that byte alone (0xF8-0xFF: bytes no UTF-8 text holds), for automata that carry markers beside the
+    text (`guided.NestedGuide`'s calls)."""
     if not isinstance(pattern, str):
         raise RegexError(f"a pattern must be a string, got {type(pattern).__name__}")
+    assert all(0xF8 <= b <= 0xFF for b in (raw or {}).values()), raw
     nfa = _NFA()
     start = nfa.new()
-    final = nfa.emit(_Parser(pattern).parse(), start)
+    final = nfa.emit(_Parser(pattern, raw).parse(), start)
     classes = _byte_classes({m for edges in nfa.edges for m, _ in edges})
     # each edge's classes (indices); a class lies inside a mask or outside it
     of_mask = {m: [k for k, c in enumerate(classes) if c & m] for edges in nfa.edges for m, _ in edges}
