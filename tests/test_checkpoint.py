@@ -98,16 +98,47 @@ MESSAGES = [
         {"role": "assistant", "content": "hi\n"},
         {"role": "tool", "content": '{"x": 1}'},
     ],
+    [  # a tool call (OpenAI's arguments text, read as a dict for the template) and its answer
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get", "arguments": '{"city": "Pé", "n": [1]}'},
+                },
+                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ],
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
 ]
 
 
 @pytest.mark.parametrize("msgs", MESSAGES)
 @pytest.mark.parametrize("gen", [True, False])
-def test_chat_template_builtin_matches_jinja(msgs, gen):
-    a = apply_chat_template(msgs, add_generation_prompt=gen, use_jinja=True)
-    b = apply_chat_template(msgs, add_generation_prompt=gen, use_jinja=False)
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_chat_template_builtin_matches_jinja(msgs, gen, tools):
+    a = apply_chat_template(msgs, add_generation_prompt=gen, use_jinja=True, tools=tools)
+    b = apply_chat_template(msgs, add_generation_prompt=gen, use_jinja=False, tools=tools)
     assert a == b and a.startswith("[gMASK]<sop><|")
     assert a.endswith("<|assistant|>\n") == gen
+    assert ('"name": "get"' in a) == bool(tools)
+    if msgs is MESSAGES[2]:  # (GLM's call format, which the server reads back under tool_choice "auto")
+        want = "<tool_call>get<arg_key>city</arg_key><arg_value>Pé</arg_value><arg_key>n</arg_key><arg_value>[1]</arg_value></tool_call><tool_call>now</tool_call>"
+        assert want in a
 
 
 def test_chat_template_text_and_errors():
@@ -126,6 +157,10 @@ def test_transformers_autotokenizer_loads_dir(tiny_dir):
     msgs = MESSAGES[1]
     text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert text == apply_chat_template(msgs)
+    # with tools and a tool call whose arguments are a dict (what longctx hands the template too)
+    calls = [{**m, "tool_calls": [{**tc, "function": {**tc["function"], "arguments": json.loads(tc["function"]["arguments"])}} for tc in m["tool_calls"]]} if m.get("tool_calls") else m for m in MESSAGES[2]]  # fmt: skip
+    got = hf.apply_chat_template(calls, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert got == apply_chat_template(MESSAGES[2], tools=TOOLS)
     assert hf(text, add_special_tokens=True)["input_ids"] == ours.encode(text).ids
     assert load_chat_template(tiny_dir) == DEFAULT_CHAT_TEMPLATE
 

@@ -510,13 +510,12 @@ def test_an_unknown_model_name_is_repeated_on_one_short_line(srv, name, shown):
     ],
 )
 def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body):
-    """Tool calls the model chooses itself, grammar-guided decoding, beam search and logits processors were
-    ignored as unknown fields: the client got free text it had not asked for and no word of it. They are a 400
-    naming the field; the forms that change nothing (a "text" response_format, tools the model may not call,
-    empty lists) and the guides longctx makes (JSON mode and schemas, vLLM's regex / choice / json, tool calls
-    by name or "required") are served. Tool calls are a chat's: completions refuse them."""
+    """Grammar-guided decoding, beam search and logits processors were ignored as unknown fields: the client got
+    free text it had not asked for and no word of it. They are a 400 naming the field; the forms that change
+    nothing (a "text" response_format, tools the model may not call, empty lists) and the guides longctx makes
+    (JSON mode and schemas, vLLM's regex / choice / json, tool calls by name, "required" or "auto") are served.
+    Tool calls are a chat's: completions refuse them."""
     refused = {
-        "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
         "tool_choice": ({"tool_choice": "any"}, 'must be "none", "auto", "required"'),
         "functions": ({"functions": [{"name": "f"}], "function_call": "auto"}, "not supported"),
         "guided_grammar": ({"guided_grammar": "root ::= 'a'"}, "not supported"),
@@ -559,10 +558,13 @@ def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body
     for extra in served:
         r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
         assert r.status_code == 200, (extra, r.text)
-    # tool calls by name or "required": a chat's (the fake engine's output is no call: it comes back as text)
-    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+    # tool calls by name, "required" or "auto" (the default): a chat's (the fake engine's output is no call: it
+    # comes back as text)
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}, "auto", None):
         tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": choice}
-        r = httpx.post(srv.url + route, json={**body, **tools}, headers=AUTH)
+        r = httpx.post(
+            srv.url + route, json={**body, **{k: v for k, v in tools.items() if v is not None}}, headers=AUTH
+        )
         if "chat" in route:
             assert r.status_code == 200, r.text
         else:

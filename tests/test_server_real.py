@@ -250,7 +250,7 @@ def test_guided_decoding_reaches_the_real_engine(client, server, tiny_dir):
 
 def test_tool_calls_on_the_real_engine(client, server):
     """Tool calls by name or "required" (tests/test_server_tools.py: their guides and reading), whole and
-    streamed; a tool schema outside the guide subset and tool_choice auto are 400s naming the tools."""
+    streamed; "auto" reads GLM-format calls; a tool schema outside the guide subset is a 400 naming the tools."""
     from .test_server_tools import NAMED, TOOLS
 
     msgs = [{"role": "user", "content": "weather in Paris?"}]
@@ -283,9 +283,35 @@ def test_tool_calls_on_the_real_engine(client, server):
     assert deltas[0].tool_calls[0].function.name == "get_weather" and deltas[0].tool_calls[0].id
     text = "".join(d.tool_calls[0].function.arguments for d in deltas)
     assert text == call.function.arguments and chunks[-1].choices[0].finish_reason == "stop"
-    # a schema outside longctx's subset, and auto, are 400s naming the tools
+    # "auto" (the default with tools): the model's text, read for GLM-format calls. Held to one by a regex
+    # guide here (the tiny model writes none of its own), whole and streamed alike
+    call = (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>[a-z]{1,8}</arg_value>"
+        "<arg_key>unit</arg_key><arg_value>[cf]</arg_value></tool_call>"
+    )
+    auto = dict(model="tiny", messages=msgs, tools=TOOLS, max_tokens=200, temperature=0)
+    r = client.chat.completions.create(**auto, extra_body={"guided_regex": call})
+    (c,) = r.choices[0].message.tool_calls
+    args = json.loads(c.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None, r
+    assert c.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+    chunks = list(client.chat.completions.create(**auto, extra_body={"guided_regex": call}, stream=True))
+    streamed = [
+        tc
+        for ch in chunks
+        if ch.choices and ch.choices[0].delta.tool_calls
+        for tc in ch.choices[0].delta.tool_calls
+    ]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (c.function.name, c.function.arguments)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(**auto, extra_body={"guided_regex": "[a-z ]{3,12}"})
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    # a schema outside longctx's subset (for a guide: "auto" does not compile it) and a name twice are 400s
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 0}}}]
-    for body in ({"tools": bad, "tool_choice": "required"}, {"tools": TOOLS}):
+    twice = [{"type": "function", "function": {"name": "f"}}] * 2  # (a name given twice: "auto" too)
+    for body in ({"tools": bad, "tool_choice": "required"}, {"tools": twice}):
         r2 = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, **body}, timeout=60)
         err = r2.json()["error"]
         assert r2.status_code == 400 and err["param"] == "tools", r2.text

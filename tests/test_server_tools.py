@@ -1,8 +1,10 @@
-"""Tool calling by name or "required": the guide a request's tools make and the calls read back from its
+"""Tool calling by name, "required" and "auto": the guide a request's tools make and the calls read back from its
 output, whole and streamed (the HTTP route on the real engine: tests/test_server_real.py)."""
 
 from __future__ import annotations
 
+import json
+import random
 import re
 
 from longctx.engine.guided import guide_regex
@@ -88,3 +90,75 @@ def test_streamed_calls():
     cut = tools.ToolStream("required")
     cut.delta('[{"name": "no')
     assert cut.end("length") == ({"content": '[{"name": "no'}, "length")
+
+
+AUTO_TEXT = (
+    "Checking. <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+    "<arg_key>unit</arg_key><arg_value>c</arg_value>\n</tool_call>\n"
+    '<tool_call>now</tool_call><tool_call>later<arg_key>n</arg_key><arg_value>{"a": [1, 2]}</arg_value></tool_call>'
+)
+
+
+def test_auto_reads_glm_calls_typed_by_their_schemas():
+    content, calls = tools.parse_calls(AUTO_TEXT, TOOLS)
+    assert content == "Checking. " and [c["function"]["name"] for c in calls] == [
+        "get_weather",
+        "now",
+        "later",
+    ]
+    # city is a string in the schema: kept as text; an unknown tool's argument read as JSON
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "42", "unit": "c"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+    assert json.loads(calls[2]["function"]["arguments"]) == {"n": {"a": [1, 2]}}
+    assert len({c["id"] for c in calls}) == 3
+    msg, finish = tools.tool_message("auto", AUTO_TEXT, "stop", TOOLS)
+    assert finish == "tool_calls" and msg["content"] == "Checking. " and len(msg["tool_calls"]) == 3
+    # no whole call: all text, whatever the finish
+    for text in ("plain answer", "half <tool_call>get_weather<arg_key>ci"):
+        assert tools.tool_message("auto", text, "stop", TOOLS) == (
+            {"role": "assistant", "content": text},
+            "stop",
+        )
+    assert tools.tool_message("auto", "<tool_call>now</tool_call>", "stop", TOOLS)[0]["content"] is None
+
+
+def _stream(text: str, cuts: list[int], finish: str) -> tuple[str, list[dict], str | None]:
+    s = tools.ToolStream("auto", TOOLS)
+    deltas = [s.delta(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    last, fin = s.end(finish)
+    deltas.append(last)
+    content = "".join(d.get("content", "") for d in deltas if d)
+    calls = [c for d in deltas if d for c in d.get("tool_calls", [])]
+    return content, calls, fin
+
+
+def test_auto_streamed_equals_whole_for_any_chunking():
+    """Streamed, "auto" sends content as it comes, holding back what may begin <tool_call>, and each call
+    when it closes: for any cut of the text into chunks, what arrives equals the whole message."""
+    rng = random.Random(0)
+    texts = [
+        AUTO_TEXT,
+        "no calls at all <tool_",
+        "a <tool_call>get_weather<arg_key>city</arg_key>",
+        "<tool",
+        "",
+    ]
+    for text in texts:
+        for finish in ("stop", "length"):
+            msg, want_finish = tools.tool_message("auto", text, finish, TOOLS)
+            for _ in range(30):
+                cuts = (
+                    sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12))))
+                    if len(text) > 1
+                    else []
+                )
+                content, calls, fin = _stream(text, cuts, finish)
+                assert fin == want_finish and content == (msg["content"] or ""), (text, cuts)
+                want = [c["function"] for c in msg.get("tool_calls", [])]
+                assert [c["function"] for c in calls] == want and [c["index"] for c in calls] == list(
+                    range(len(want))
+                )
+    # content is never sent ahead of a possible call start
+    s = tools.ToolStream("auto", TOOLS)
+    assert s.delta("Hi <tool_") == {"content": "Hi "} and s.delta("call>now") is None
+    assert s.delta("</tool_call>")["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}

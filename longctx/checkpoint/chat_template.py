@@ -21,8 +21,19 @@ ROLES = ("system", "user", "assistant", "observation")
 DOCUMENT_QUESTION_SEPARATOR = "\n\n"
 _ROLE_ALIASES = {"tool": "observation"}
 
+# With `tools`, a system turn lists them (one JSON object a line) after this text; an assistant turn's tool calls
+# follow its content in GLM's call format, which `longctx.server.tools.parse_calls` reads back.
+TOOLS_PREAMBLE = (
+    "# Tools\n"
+    "To call a tool, write <tool_call> and its name, then for each argument <arg_key>the name of the argument"
+    "</arg_key><arg_value>its value (text as it is, anything else as JSON)</arg_value>, then </tool_call>. "
+    "The tools:"
+)
+
 DEFAULT_CHAT_TEMPLATE = (
     "[gMASK]<sop>"
+    "{% if tools %}<|system|>\n" + TOOLS_PREAMBLE + ""
+    "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% set role = 'observation' if m['role'] == 'tool' else m['role'] %}"
     "{% if role not in ['system', 'user', 'assistant', 'observation'] %}"
@@ -34,6 +45,11 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% else %}{% set c = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
     "{% endif %}"
     "{{ '<|' + role + '|>\\n' + c }}"
+    "{% for tc in m['tool_calls'] or [] %}{% set f = tc['function'] if tc['function'] is defined else tc %}"
+    "{{ '<tool_call>' + f['name'] }}{% set a = f['arguments'] %}"
+    "{% if a is mapping %}{% for k, v in a.items() %}"
+    "{{ '<arg_key>' + k + '</arg_key><arg_value>' + (v if v is string else v | tojson) + '</arg_value>' }}"
+    "{% endfor %}{% elif a %}{{ a }}{% endif %}{{ '</tool_call>' }}{% endfor %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -69,15 +85,56 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         role = str(m["role"])
         if _ROLE_ALIASES.get(role, role) not in ROLES:
             raise RequestError(f"message {i} has unknown role {role!r}; use one of {', '.join(ROLES)}, tool")
-        out.append({**m, "role": role, "content": _content_text(m.get("content"))})
+        msg = {**m, "role": role, "content": _content_text(m.get("content"))}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [_call_with_dict_arguments(tc) for tc in m["tool_calls"]]
+        out.append(msg)
     return out
 
 
-def _render_builtin(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def _call_with_dict_arguments(tc: Any) -> Any:
+    """A message's tool call with its function's `arguments` (OpenAI's JSON text) as a dict, where that text
+    is a JSON object: templates iterate the arguments (GLM's write `<arg_key>` / `<arg_value>` pairs)."""
+    if not isinstance(tc, Mapping):
+        raise RequestError(f"a tool call must be an object, got {tc!r:.60}")
+    f = tc.get("function", tc)
+    if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
+        raise RequestError(f"a tool call needs a function name, got {tc!r:.60}")
+    a = f.get("arguments")
+    if isinstance(a, str):
+        try:
+            parsed = json.loads(a)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            f = {**f, "arguments": parsed}
+            return {**tc, "function": f} if "function" in tc else f
+    return tc
+
+
+def _tojson(x: Any) -> str:
+    return json.dumps(x, ensure_ascii=False)
+
+
+def _render_builtin(
+    messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Sequence[Any] | None = None
+) -> str:
     # Same output as DEFAULT_CHAT_TEMPLATE, for environments without jinja2.
     s = "[gMASK]<sop>"
+    if tools:
+        s += "<|system|>\n" + TOOLS_PREAMBLE + "".join("\n" + _tojson(t) for t in tools)
     for m in messages:
         s += f"<|{_ROLE_ALIASES.get(m['role'], m['role'])}|>\n{m['content']}"
+        for tc in m.get("tool_calls") or []:
+            f = tc.get("function", tc)
+            s += "<tool_call>" + f["name"]
+            a = f.get("arguments")
+            if isinstance(a, Mapping):
+                for k, v in a.items():
+                    s += f"<arg_key>{k}</arg_key><arg_value>{v if isinstance(v, str) else _tojson(v)}</arg_value>"
+            elif a:
+                s += str(a)
+            s += "</tool_call>"
     if add_generation_prompt:
         s += "<|assistant|>\n"
     return s
@@ -132,7 +189,7 @@ def apply_chat_template(
         return _render_jinja(tpl, msgs, add_generation_prompt, **template_kwargs)
     if tpl != DEFAULT_CHAT_TEMPLATE:
         raise RequestError("this model's chat template needs jinja2 (pip install jinja2)")
-    return _render_builtin(msgs, add_generation_prompt)
+    return _render_builtin(msgs, add_generation_prompt, template_kwargs.get("tools"))
 
 
 def load_chat_template(model_dir: str | Path) -> str | None:

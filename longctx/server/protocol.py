@@ -2,8 +2,9 @@
 
 Validation is strict about types (no "5" for 5, no true for 1.0) and ranges; unknown fields are
 ignored so newer clients still work, except the known ones that ask for output longctx does not make
-(tool calls, grammar-guided decoding, beam search and logits processors): those are refused, naming the
-field, since ignoring them would hand back text the client did not ask for. JSON mode, JSON schemas and
+(tool calls on completions, grammar-guided decoding, beam search and logits processors): those are refused,
+naming the field, since ignoring them would hand back text the client did not ask for. Chat tool calls are
+served by name, "required" (guides) and "auto" (GLM's format read back, `longctx.server.tools`). JSON mode, JSON schemas and
 vLLM's regex / choice / json guides are served (`_SamplingFields.guided`, `longctx.engine.guided`).
 Every rejection is an `ApiError`, rendered as `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -284,6 +285,10 @@ class _SamplingFields(_Strict):
         """Whether the output is tool calls (a named tool_choice or "required", with tools)."""
         return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
 
+    def may_call_tools(self) -> bool:
+        """Whether the output is text or tool calls as the model chooses (tool_choice "auto", with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
     @model_validator(mode="after")
     def _one_guide(self) -> _SamplingFields:
         rf = self.response_format
@@ -339,11 +344,7 @@ class _SamplingFields(_Strict):
             return v
         if choice == "none":
             return v
-        if choice in (None, "auto"):  # (OpenAI's default with tools is "auto")
-            raise ValueError(
-                'tool_choice "auto" (the default with tools) is not supported: it needs a parser of the '
-                'model\'s own tool-call format; send "required", a named function or "none"'
-            )
+        auto = choice in (None, "auto")  # (OpenAI's default with tools is "auto")
         if not cls.TOOLS_SERVED:
             raise ValueError('tool calling is for chat completions (send none, or tool_choice "none")')
         if not isinstance(v, list) or len(v) > MAX_TOOLS:
@@ -366,8 +367,9 @@ class _SamplingFields(_Strict):
             names.add(f["name"])
             if not isinstance(f.get("parameters", {}), dict):
                 raise ValueError(f"{i}: function.parameters must be a JSON schema (an object)")
-            try:  # (the schema checked here, before the engine compiles it: its keywords in longctx's subset)
-                guide_regex("json", json.dumps(parameters_of(t)))
+            try:  # (a guide's schema checked here, before the engine compiles it: its keywords in longctx's subset)
+                if not auto:
+                    guide_regex("json", json.dumps(parameters_of(t)))
             except RequestError as e:
                 raise ValueError(f"{i}: function.parameters: {e.problem or e}") from None
         if isinstance(choice, dict) and choice["function"]["name"] not in names:

@@ -41,7 +41,12 @@ class Shape:
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, when asked)
     continuous_usage: bool = False  # vLLM's: every streamed chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's logprobs, top-N
-    tool_choice: Any = None  # chat: a named tool_choice or "required" (the output is tool calls), else None
+    tool_choice: Any = (
+        None  # chat: a named tool_choice, "required" or "auto" (the output read for calls), else None
+    )
+    tools: Any = (
+        None  # chat: the request's tools, when tool_choice is "auto" (their schemas type its arguments)
+    )
 
     @classmethod
     def of(cls, req: _SamplingFields, chat: bool, logprobs: int | None, echo: bool = False) -> Shape:
@@ -288,7 +293,7 @@ def _final(
     if shape.tool_choice is not None:  # the guided output read as tool calls
         for choice, d in zip(out["choices"], dones):
             choice["message"], choice["finish_reason"] = tools.tool_message(
-                shape.tool_choice, d.text, d.finish_reason
+                shape.tool_choice, d.text, d.finish_reason, shape.tools
             )
     if shape.prompt_logprobs is not None:
         for choice, g in zip(out["choices"], gens):
@@ -336,7 +341,11 @@ async def _stream(
     ntok = [0] * n  # each choice's tokens so far (continuous usage)
     text_pos = [0] * n
     dones: list[Done | None] = [None] * n
-    calls = [tools.ToolStream(shape.tool_choice) for _ in gens] if shape.tool_choice is not None else None
+    calls = (
+        [tools.ToolStream(shape.tool_choice, shape.tools) for _ in gens]
+        if shape.tool_choice is not None
+        else None
+    )
     status = "200"
 
     async def all_events() -> AsyncIterator[tuple[int, Any]]:
@@ -371,7 +380,9 @@ async def _stream(
                 if not ev.text and shape.logprobs is None:
                     continue
                 lp = _logprobs(st, shape, ev.logprobs, text_pos[i])
-                if calls is not None:  # tool calls: a named call's arguments now, "required"'s at the end
+                if (
+                    calls is not None
+                ):  # tool calls: a named call's arguments now, "required"'s at the end, "auto"'s as they close
                     delta = calls[i].delta(ev.text)
                     if delta is not None or lp is not None:
                         yield fmt.sse(fmt.chat_chunk(rid, model, delta or {}, None, lp, usage=u, index=i))
@@ -456,6 +467,8 @@ async def chat_completions(request: Request) -> Response:
     shape = Shape.of(req, True, logprobs)
     if req.calls_tools():
         shape = dataclasses.replace(shape, tool_choice=req.tool_choice)
+    elif req.may_call_tools():
+        shape = dataclasses.replace(shape, tool_choice="auto", tools=req.tools)
     return await serve(request, st, rid, gens, shape, req.stream)
 
 
