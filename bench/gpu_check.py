@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,9 @@ def fp32_vs_transformers(base: ModelConfig, tmp: Path, ids: list[int], res: dict
         print(backend, res[f"fp32_{backend}"], flush=True)
 
 
+REPS = 3  # sampled_decode: timed runs of each route, their median reported (and max - min as its spread)
+
+
 def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, device: str = "cuda") -> None:
     """ms per generated token (64 after a 40-token prompt, its prefill included), greedy against temperature
     alone (scaled in the Gumbel kernel or first), greedy with penalties (their kernel or torch form), top_p
@@ -200,13 +204,19 @@ def sampled_decode(base: ModelConfig, tmp: Path, ids: list[int], res: dict, devi
                     (f"top_p_{name}_ms", {}, top_p),
                     (f"top_p_{name}_sorted_ms", {"candidates": 0}, top_p),
                 ]
-            row = {"greedy_ms": per_step()}
-            for key, route, kw in runs:
-                with sampler_route(**route):
-                    row[key] = per_step(**kw)
+            # every route timed REPS times, the rounds interleaved (greedy, each route, greedy, ...), and the
+            # median kept: single 64-token runs at batch 32 moved by ~2 ms between two runs of one call
+            times: dict[str, list[float]] = {}
+            for _ in range(REPS):
+                times.setdefault("greedy_ms", []).append(per_step())
+                for key, route, kw in runs:
+                    with sampler_route(**route):
+                        times.setdefault(key, []).append(per_step(**kw))
+            row = {k: statistics.median(v) for k, v in times.items()}
+            out[f"batch_{batch}_spread"] = {k: max(v) - min(v) for k, v in times.items()}
             out[f"batch_{batch}"] = row
             print("sampled_decode", batch, {k: round(v, 3) for k, v in row.items()}, flush=True)
-    out.update(logit_std=std, temperatures=temps, ok=True)
+    out.update(logit_std=std, temperatures=temps, reps=REPS, ok=True)
     res["sampled_decode"] = out
 
 

@@ -16,6 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from longctx.engine.args import add_engine_args, engine_kwargs, selection_kwargs
+from longctx.server.reasoning import PARSERS as REASONING_PARSERS
 
 if TYPE_CHECKING:
     from longctx.config import ModelConfig
@@ -48,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests"
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=list(REASONING_PARSERS),
+        help="glm: a chat answer's <think> block goes to message.reasoning_content (GLM-4.5 and later)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # Hidden: a compute-free engine for tests and load benches; optional JSON of FakeEngineOptions.
@@ -157,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_queue=args.max_queue,
         drain_timeout_s=args.drain_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     try:
         sock = _bind(args.host, args.port)

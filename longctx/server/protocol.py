@@ -506,6 +506,22 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+# the template's own variables, which chat_template_kwargs may not set
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "raise_exception")
+
+
+def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's chat_template_kwargs: names of the template's own variables refused, as is a body past 64 KiB."""
+    if v is None:
+        return v
+    taken = sorted(set(v) & set(_TEMPLATE_VARIABLES))
+    if taken:
+        raise ValueError(f"{taken[0]!r} is set by the request itself, not by chat_template_kwargs")
+    if len(json.dumps(v)) > 64 * 1024:
+        raise ValueError("must be at most 64 KiB of JSON")
+    return v
+
+
 class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
     TOOLS_SERVED: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(min_length=1)
@@ -516,6 +532,13 @@ class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
     add_generation_prompt: bool = True
     # vLLM's: the last message (an answer the client began) left open for the model to go on from
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (GLM's `enable_thinking`, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -536,6 +559,12 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

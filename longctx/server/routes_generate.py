@@ -25,6 +25,7 @@ from longctx.server.protocol import (
     _SamplingFields,
     error_body,
 )
+from longctx.server.reasoning import ReasoningStream, opens_in_thought, split_reasoning
 from longctx.server.state import ServerState, get_state, read_json
 
 router = APIRouter()
@@ -41,12 +42,13 @@ class Shape:
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, when asked)
     continuous_usage: bool = False  # vLLM's: every streamed chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's logprobs, top-N
-    tool_choice: Any = (
-        None  # chat: a named tool_choice, "required" or "auto" (the output read for calls), else None
-    )
-    tools: Any = (
-        None  # chat: the request's tools, when tool_choice is "auto" (their schemas type its arguments)
-    )
+    # chat: a named tool_choice, "required" or "auto" (the output read for calls), else None; with "auto" the
+    # request's tools (their schemas type its arguments)
+    tool_choice: Any = None
+    tools: Any = None
+    # chat with --reasoning-parser glm and no guide: <think> blocks to reasoning_content ("start"; "thought":
+    # the prompt leaves a <think> open, so the output starts inside it); None: not read
+    reasoning: str | None = None
 
     @classmethod
     def of(cls, req: _SamplingFields, chat: bool, logprobs: int | None, echo: bool = False) -> Shape:
@@ -290,11 +292,18 @@ def _final(
         else:
             choices.append((d.text, d.finish_reason, _logprobs(st, shape, d.logprobs)))
     out = (fmt.chat_completion if shape.chat else fmt.completion)(rid, model, choices, _usage(dones, shape.n))
-    if shape.tool_choice is not None:  # the guided output read as tool calls
-        for choice, d in zip(out["choices"], dones):
+    for choice, d in zip(out["choices"], dones) if shape.chat else ():
+        thought, text = (None, d.text)
+        if shape.reasoning:
+            thought, text = split_reasoning(d.text, shape.reasoning == "thought")
+        if shape.tool_choice is not None:  # the output read as tool calls
             choice["message"], choice["finish_reason"] = tools.tool_message(
-                shape.tool_choice, d.text, d.finish_reason, shape.tools
+                shape.tool_choice, text, d.finish_reason, shape.tools
             )
+        else:
+            choice["message"]["content"] = text
+        if thought is not None:
+            choice["message"]["reasoning_content"] = thought
     if shape.prompt_logprobs is not None:
         for choice, g in zip(out["choices"], gens):
             choice["prompt_logprobs"] = fmt.prompt_logprobs(
@@ -342,9 +351,12 @@ async def _stream(
     text_pos = [0] * n
     dones: list[Done | None] = [None] * n
     calls = (
-        [tools.ToolStream(shape.tool_choice, shape.tools) for _ in gens]
-        if shape.tool_choice is not None
-        else None
+        None
+        if shape.tool_choice is None
+        else [tools.ToolStream(shape.tool_choice, shape.tools) for _ in gens]
+    )
+    thinking = (
+        None if shape.reasoning is None else [ReasoningStream(shape.reasoning == "thought") for _ in gens]
     )
     status = "200"
 
@@ -380,28 +392,29 @@ async def _stream(
                 if not ev.text and shape.logprobs is None:
                     continue
                 lp = _logprobs(st, shape, ev.logprobs, text_pos[i])
-                if (
-                    calls is not None
-                ):  # tool calls: a named call's arguments now, "required"'s at the end, "auto"'s as they close
-                    delta = calls[i].delta(ev.text)
-                    if delta is not None or lp is not None:
-                        yield fmt.sse(fmt.chat_chunk(rid, model, delta or {}, None, lp, usage=u, index=i))
-                elif shape.chat:
-                    yield fmt.sse(
-                        fmt.chat_chunk(rid, model, {"content": ev.text}, None, lp, usage=u, index=i)
+                if shape.chat:  # (its reasoning, then its content or the tool calls read from it)
+                    delta = _chat_delta(
+                        ev.text, calls[i] if calls else None, thinking[i] if thinking else None
                     )
+                    if delta or lp is not None:  # (a token with no text of its own yet: its logprobs)
+                        delta = delta or ({} if calls else {"content": ""})
+                        yield fmt.sse(fmt.chat_chunk(rid, model, delta, None, lp, usage=u, index=i))
                 else:
                     yield fmt.sse(fmt.completion_chunk(rid, model, ev.text, None, lp, usage=u, index=i))
                 text_pos[i] += len(ev.text)
             elif isinstance(ev, Done):
                 dones[i] = ev
-                if calls is not None:
-                    delta, finish = calls[i].end(ev.finish_reason)
-                    if delta is not None:
+                if shape.chat:  # (what the reasoning and tool streams held back, then the finish)
+                    delta = _chat_delta(
+                        "", calls[i] if calls else None, thinking[i] if thinking else None, True
+                    )
+                    finish: str | None = ev.finish_reason
+                    if calls is not None:
+                        last, finish = calls[i].end(finish)
+                        _join_delta(delta, last)
+                    if delta:
                         yield fmt.sse(fmt.chat_chunk(rid, model, delta, None, usage=u, index=i))
                     yield fmt.sse(fmt.chat_chunk(rid, model, {}, finish, usage=u, index=i))
-                elif shape.chat:
-                    yield fmt.sse(fmt.chat_chunk(rid, model, {}, ev.finish_reason, usage=u, index=i))
                 else:
                     yield fmt.sse(fmt.completion_chunk(rid, model, "", ev.finish_reason, usage=u, index=i))
         if shape.include_usage and all(d is not None for d in dones):
@@ -457,7 +470,14 @@ async def chat_completions(request: Request) -> Response:
     st = get_state(request)
     req = await read_json(request, ChatCompletionRequest)
     st.check_model(req.model)
-    text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
+    text = chat_text(
+        st,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.tools,
+        req.chat_template_kwargs,
+    )
     ids = await prompt_ids_with_documents(st, text, fits=req.truncate_prompt_tokens is None)
     ids = req.truncated(ids, st.max_context)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -469,7 +489,31 @@ async def chat_completions(request: Request) -> Response:
         shape = dataclasses.replace(shape, tool_choice=req.tool_choice)
     elif req.may_call_tools():
         shape = dataclasses.replace(shape, tool_choice="auto", tools=req.tools)
+    if st.settings.reasoning_parser == "glm" and not params.guided:  # (a guide's output has no thinking)
+        shape = dataclasses.replace(shape, reasoning="thought" if opens_in_thought(text) else "start")
     return await serve(request, st, rid, gens, shape, req.stream)
+
+
+def _chat_delta(
+    text: str, calls: tools.ToolStream | None, thinking: ReasoningStream | None, end: bool = False
+) -> dict[str, Any]:
+    """A chat chunk's delta for `text`: its reasoning part, then its content, read for tool calls where the
+    request has tools (`end`: the output is over; ending the tool stream is the caller's)."""
+    thought, content = thinking.delta(text, end) if thinking is not None else ("", text)
+    delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+    if calls is not None:
+        _join_delta(delta, calls.delta(content) if content else None)
+    elif content:
+        delta["content"] = content
+    return delta
+
+
+def _join_delta(delta: dict[str, Any], more: dict[str, Any] | None) -> None:
+    """`more`'s content appended to `delta`'s, its tool calls after `delta`'s."""
+    for key, v in (more or {}).items():
+        delta[key] = (
+            delta.get(key, "" if key == "content" else []) + v if key in ("content", "tool_calls") else v
+        )
 
 
 def chat_text(
@@ -478,6 +522,7 @@ def chat_text(
     add_generation_prompt: bool,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The chat template's text for `messages` (OpenAI's "developer" role is its newer name for "system"), with
     `tools` as the template's `tools` and each message's tool calls / call id, as transformers passes them."""
@@ -494,6 +539,7 @@ def chat_text(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools or None,
+            template_kwargs=template_kwargs,
         )
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
@@ -507,7 +553,14 @@ async def tokenize(request: Request) -> dict[str, Any]:
     req = await read_json(request, TokenizeRequest)
     st.check_model(req.model)
     if req.messages is not None:
-        text = chat_text(st, req.messages, req.add_generation_prompt, req.continue_final_message)
+        text = chat_text(
+            st,
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            None,
+            req.chat_template_kwargs,
+        )
         ids = await prompt_ids_with_documents(st, text)
     else:
         assert req.prompt is not None

@@ -38,6 +38,9 @@ class ServerSettings:
     max_body_bytes: int = 128 * 2**20
     drain_timeout_s: float = 30.0
     engine_start_timeout_s: float = 1800.0
+    reasoning_parser: str = (
+        "none"  # "glm": chat outputs' <think> blocks to `reasoning_content` (server.reasoning)
+    )
 
 
 @dataclass

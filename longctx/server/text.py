@@ -77,6 +77,7 @@ class TextCodec:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template's text for `messages` (raises ValueError on a template error).
 
@@ -85,7 +86,7 @@ class TextCodec:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            kw: dict[str, Any] = {"tools": tools} if tools else {}
+            kw: dict[str, Any] = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             text = apply_chat_template(messages, add_generation_prompt, template=self.chat_template, **kw)
         except LongctxError as e:
             raise ValueError(str(e)) from None

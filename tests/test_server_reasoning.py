@@ -1,0 +1,135 @@
+"""Reasoning output (`longctx serve --reasoning-parser glm`): a chat answer's <think> block split into
+`reasoning_content`, whole and streamed alike, with tool calls read from the rest; vLLM's chat_template_kwargs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from longctx.server.reasoning import ReasoningStream, opens_in_thought, split_reasoning
+
+from .server_helpers import fake_server, openai_client
+
+CASES = [
+    ("<think>weigh it</think>\n\nThe answer.", False, ("weigh it", "The answer.")),
+    ("  <think>a</think>b", False, ("a", "b")),
+    ("no thinking here", False, (None, "no thinking here")),
+    ("<thin", False, (None, "<thin")),
+    ("<think>cut before it ends", False, ("cut before it ends", "")),
+    ("opened by the prompt</think>\nanswer", True, ("opened by the prompt", "answer")),
+    ("</think>", True, ("", "")),
+    ("x <think>late</think>", False, (None, "x <think>late</think>")),
+    ("<think></think>\n\n\n", False, ("", "")),
+]
+
+
+@pytest.mark.parametrize("text, in_thought, want", CASES)
+def test_split_whole_and_streamed_alike(text, in_thought, want):
+    assert split_reasoning(text, in_thought) == want
+    rng = random.Random(len(text))
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) if len(text) > 1 else []
+        s = ReasoningStream(in_thought)
+        parts = [s.delta(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [s.end()]
+        thought = "".join(r for r, _ in parts)
+        content = "".join(c for _, c in parts)
+        assert (thought if want[0] is not None else None, content) == want, cuts
+    # nothing is sent ahead of a tag that may still come
+    s = ReasoningStream()
+    assert (
+        s.delta("<th") == ("", "") and s.delta("ink>so") == ("so", "") and s.delta(" on</th") == (" on", "")
+    )
+    assert s.delta("ink>\n") == ("", "") and s.delta("\nOK") == ("", "OK")
+
+
+def test_a_prompt_left_inside_a_think_block():
+    assert opens_in_thought("<|assistant|>\n<think>") and opens_in_thought("<think>\n")
+    assert not opens_in_thought("<|assistant|>\n<think></think>") and not opens_in_thought("<|assistant|>")
+
+
+TOOLS = [{"type": "function", "function": {"name": "now"}}]
+# with "enable_thinking": false the template closes the think block in the prompt, as GLM's templates do;
+# otherwise it leaves one open for the output
+TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% endif %}"
+    "{% if open_think %}{{ '<think>' }}{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reasoning")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    with fake_server(d, "--reasoning-parser", "glm", "--served-model-name", "fake", step_delay_s=0.001) as s:
+        yield s
+
+
+def test_reasoning_and_auto_tool_calls_over_http(srv):
+    """The fake engine's greedy output echoes the prompt: "\\n" + the user's text + "<|assistant|>\\n"... So
+    a user text holding a think block and a call comes back split: reasoning, content, the call."""
+    client = openai_client(srv)
+    user = "<think>check the clock</think>\n\nLet me look. <tool_call>now</tool_call>"
+    body = dict(model="fake", messages=[{"role": "user", "content": user}], tools=TOOLS, temperature=0)
+    body["max_tokens"] = len(user.encode()) + 2  # (the echo: <|user|>, a newline, then the user's text)
+    r = client.chat.completions.create(**body)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "check the clock" and msg.content == "Let me look. "
+    assert [c.function.name for c in msg.tool_calls] == ["now"] and msg.tool_calls[
+        0
+    ].function.arguments == "{}"
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = [tc.function.name for d in deltas for tc in d.tool_calls or []]
+    assert (thought, content, calls) == ("check the clock", "Let me look. ", ["now"])
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    # no think block: no reasoning_content, the text as it is
+    plain = dict(body, messages=[{"role": "user", "content": "just text"}], max_tokens=11)
+    plain.pop("tools")
+    msg = client.chat.completions.create(**plain).choices[0].message
+    assert "reasoning_content" not in (msg.model_extra or {}) and msg.content == "\njust text"
+
+
+def test_chat_template_kwargs_reach_the_template(srv):
+    """vLLM's chat_template_kwargs: enable_thinking false closes the think block in the prompt (so the output
+    is content: reasoning read from an open block only); the template's own variables are refused."""
+    msgs = [{"role": "user", "content": "hi"}]
+    tok = [
+        httpx.post(srv.url + "/tokenize", json={"messages": msgs, **kw}, timeout=30).json()["count"]
+        for kw in ({}, {"chat_template_kwargs": {"enable_thinking": False}})
+    ]
+    assert tok[1] == tok[0] + len("<think></think>")
+    # the prompt leaves no block open and the echo holds none at its start: all content
+    body = {"model": "fake", "messages": msgs, "max_tokens": 4, "temperature": 0}
+    off = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={**body, "chat_template_kwargs": {"enable_thinking": False}},
+        timeout=30,
+    ).json()
+    assert (
+        off["choices"][0]["message"]["content"] == "\nhi"
+        and "reasoning_content" not in off["choices"][0]["message"]
+    )
+    # a prompt that leaves <think> open: the output is reasoning until </think> (here cut before it)
+    opened = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={**body, "chat_template_kwargs": {"open_think": True}},
+        timeout=30,
+    ).json()["choices"][0]["message"]
+    assert opened["reasoning_content"] == "\nhi" and opened["content"] == ""
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, {"tools": []}):
+        r = httpx.post(
+            srv.url + "/v1/chat/completions", json={**body, "chat_template_kwargs": bad}, timeout=30
+        )
+        err = r.json()["error"]
+        assert (
+            r.status_code == 400
+            and err["param"] == "chat_template_kwargs"
+            and "set by the request" in err["message"]
+        )
