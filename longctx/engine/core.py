@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from longctx.checkpoint.generation_config import load_generation_config
 from longctx.checkpoint.tokenizer import load_tokenizer, token_bytes_table
 from longctx.config import (
     ModelConfig,
@@ -111,6 +112,13 @@ class EngineCore:
             )
         self.model_dir = Path(model_dir)
         self.cfg = ModelConfig.from_json(self.model_dir)
+        # generation_config.json's EOS ids end a generation too (transformers' and vLLM's rule)
+        more_eos = [
+            e for e in load_generation_config(self.model_dir).eos_token_ids if e < self.cfg.vocab_size
+        ]
+        if set(more_eos) - set(self.cfg.eos_ids()):
+            eos = list(dict.fromkeys([*self.cfg.eos_ids(), *more_eos]))
+            self.cfg = dataclasses.replace(self.cfg, eos_token_id=eos)
         # (the same weights selecting otherwise: a wider or narrower top-k, another window, a narrowing)
         self.cfg = with_selection(
             self.cfg, index_topk, index_local_window, index_topk_long, index_topk_long_from

@@ -51,6 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests"
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens) take the model's generation_config.json values (vLLM's default); "
+        "none: longctx's own defaults",
+    )
+    p.add_argument(
         "--reasoning-parser",
         default="none",
         choices=list(REASONING_PARSERS),
@@ -79,10 +87,12 @@ def _check_selection(args: argparse.Namespace, cfg: ModelConfig | None) -> None:
 def _preflight(args: argparse.Namespace) -> None:
     """What the engine process would refuse at once, refused before the server binds its port: one
     line instead of uvicorn's start and stop around it. The engine checks again (and the rest)."""
+    from longctx.checkpoint.generation_config import load_generation_config
     from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout
 
     # (`run` has checked that the model dir holds a config.json)
     cfg = ModelConfig.from_json(Path(args.model))
+    load_generation_config(args.model)  # (a file a request could not follow: refused now)
     check_layout(cfg, args.pp, args.tp)
     _check_selection(args, cfg)
     skip = engine_kwargs(args)["kv_fp8_skip_layers"]
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         drain_timeout_s=args.drain_timeout,
         reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
     )
     try:
         sock = _bind(args.host, args.port)

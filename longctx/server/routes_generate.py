@@ -91,6 +91,9 @@ def sampling(
             code="context_length_exceeded",
         )
     room = max_ctx - prompt_len
+    dflt = st.sampling_defaults  # (generation_config.json's, for the fields the request leaves out)
+    if limit is None:
+        limit = dflt.get("max_new_tokens")
     max_new = room if limit is None else min(limit, room)
     if req.min_tokens > max_new:
         raise ApiError(
@@ -100,18 +103,20 @@ def sampling(
         )
     return m.WireSamplingParams(
         max_new_tokens=max_new,
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=max(0, req.top_k or 0),
+        temperature=float(dflt.get("temperature", 1.0) if req.temperature is None else req.temperature),
+        top_p=float(dflt.get("top_p", 1.0) if req.top_p is None else req.top_p),
+        top_k=max(0, dflt.get("top_k", 0) if req.top_k is None else req.top_k),
         seed=None if req.seed == -1 else req.seed,  # (-1: no seed)
         stop=tuple(req.stop_list()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
-        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        repetition_penalty=float(
+            dflt.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty
+        ),
         min_tokens=req.min_tokens,
-        min_p=float(req.min_p or 0.0),
+        min_p=float(dflt.get("min_p", 0.0) if req.min_p is None else req.min_p),
         logit_bias=req.bias_pairs(),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from longctx.checkpoint.generation_config import load_generation_config
 from longctx.errors import clipped
 from longctx.server import messages as m
 from longctx.server.engine_client import EngineClient
@@ -25,6 +28,7 @@ from longctx.server.text import TextCodec
 M = TypeVar("M", bound=BaseModel)
 BIG_TEXT = 100_000  # tokenise texts longer than this off the event loop
 _SURROGATE = re.compile("[\ud800-\udfff]")
+log = logging.getLogger("longctx.server")
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,8 @@ class ServerSettings:
     max_body_bytes: int = 128 * 2**20
     drain_timeout_s: float = 30.0
     engine_start_timeout_s: float = 1800.0
-    reasoning_parser: str = (
-        "none"  # "glm": chat outputs' <think> blocks to `reasoning_content` (server.reasoning)
-    )
+    reasoning_parser: str = "none"  # "glm": chat outputs' <think> blocks to `reasoning_content`
+    generation_config: str = "auto"  # "auto": requests' unset sampling fields from generation_config.json
 
 
 @dataclass
@@ -68,6 +71,14 @@ class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.codec = TextCodec(settings.spec.model_dir)
+        # the sampling defaults of the model's generation_config.json (`--generation-config auto`)
+        self.sampling_defaults: dict[str, Any] = {}
+        if settings.generation_config == "auto" and Path(settings.spec.model_dir).is_dir():
+            self.sampling_defaults = load_generation_config(settings.spec.model_dir).sampling()
+            if self.sampling_defaults:
+                log.info(
+                    "sampling defaults from the model's generation_config.json: %s", self.sampling_defaults
+                )
         self.metrics = Metrics()
         self.client = EngineClient(settings.spec)
         self.documents: dict[str, Document] = {}
