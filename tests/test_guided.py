@@ -524,6 +524,8 @@ def test_guided_tokens_are_the_same_overlapped_with_graphs_and_over_stages(tiny_
         fed = ov.stats()["device_fed_steps"]
         assert run_requests(ov, ids, params) == run_requests(eng, ids, params)
         assert ov.stats()["device_fed_steps"] > fed
+        # and step n+2's forward was launched as soon as step n+1's draw was queued
+        assert ov.stats()["launched_ahead"] > 0
     with Engine(tiny_dir, device="cpu", kv_pages=16, chunk_size=29, pp=2) as e:
         assert [(c.token_ids, c.finish_reason) for c in e.generate(prompts, **kw)] == want
 

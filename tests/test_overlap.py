@@ -88,7 +88,10 @@ def test_bad_words_under_overlap(tiny_dir, graphs):
         a = [o.token_ids for o in base.generate(PROMPTS, **kw)]
         b = [o.token_ids for o in ov.generate(PROMPTS, **kw)]
         assert a == b and a[0] != free.token_ids
-        assert ov.stats()["device_fed_steps"] > 0
+        assert ov.stats()["device_fed_steps"] > 0 and ov.stats()["launched_ahead"] > 0
+        # arrivals and aborts between steps launched ahead: every request as without overlap
+        p = SamplingParams(max_new_tokens=15, ignore_eos=True, bad_words=[free.text[3:5]])
+        assert _drive(ov, p) == _drive(base, p)
 
 
 def test_a_failed_late_draw_keeps_the_finished_steps_outputs(tiny_dir, monkeypatch):
@@ -110,10 +113,10 @@ def test_a_failed_late_draw_keeps_the_finished_steps_outputs(tiny_dir, monkeypat
         assert len(out.token_ids) == 8 and out.finish_reason == "stop"
 
 
-def _drive(eng: Engine) -> dict[str, list]:
+def _drive(eng: Engine, p: SamplingParams | None = None) -> dict[str, list]:
     """Step API: requests arrive while others decode; one is aborted mid-way."""
     got: dict[str, list] = {}
-    p = SamplingParams(max_new_tokens=15, ignore_eos=True)
+    p = p or SamplingParams(max_new_tokens=15, ignore_eos=True)
     eng.add_request(Request("a", PROMPTS[0], p))
     eng.add_request(Request("b", PROMPTS[3], p))
     steps = 0

@@ -206,7 +206,11 @@ class EngineCore:
             overlap = env == "1" or (env != "0" and self.device.type == "cuda")
         self.overlap = bool(overlap) and isinstance(self.runner, LocalRunner)
         self._pending: PendingRows | None = None  # a launched step whose tokens are not read yet
+        # the continuation of `_pending` with its forward launched already (late-shaped rows: its draw waits
+        # for `_pending`'s tokens), and its plan
+        self._ahead: tuple[BatchPlan, PendingRows] | None = None
         self._deferred: Exception | None = None
+        self.launched_ahead = 0  # continuations launched by the step before the one that draws them
         self.device_fed_steps = 0  # continuations launched with their tokens still on the device
 
     # ---- step-level API (the server's engine process drives these) ----------------------------
@@ -286,6 +290,7 @@ class EngineCore:
         prefix-cache pages are only pages a finished step computed."""
         with self._lock:
             self._pending = None
+            self._ahead = None
             self._deferred = None
             rids = [req.rid for req in self.scheduler.running]
             for rid in rids:
@@ -433,20 +438,24 @@ class EngineCore:
             err, self._deferred = self._deferred, None
             raise err
         pending, self._pending = self._pending, None
+        ahead, self._ahead = self._ahead, None
         if pending is None:
             plan = self.scheduler.schedule()
             if plan is None:
                 return []
             pending = self.runner.launch(plan)
-        nxt = self.scheduler.plan_continuation(pending.plan)
         early: PendingRows | None = None
         late = False  # rows whose shaping needs step n's tokens: step n+1 draws after they are read
-        if nxt is not None and device_fed(pending):
-            late = self.scheduler.shapes_late(nxt)
-            try:
-                early = self.runner.launch(nxt, tokens=pending.toks, sample=not late)
-            except Exception as e:  # step n's outputs go back first
-                self._deferred, nxt = e, None
+        if ahead is not None:  # (launched by the last call, right after it queued step n's draw)
+            (nxt, early), late = ahead, True
+        else:
+            nxt = self.scheduler.plan_continuation(pending.plan)
+            if nxt is not None and device_fed(pending):
+                late = self.scheduler.shapes_late(nxt)
+                try:
+                    early = self.runner.launch(nxt, tokens=pending.toks, sample=not late)
+                except Exception as e:  # step n's outputs go back first
+                    self._deferred, nxt = e, None
         outs = self._finish_step(pending.plan, self.runner.resolve(pending))
         if early is not None and nxt is not None:
             # checks and counts; finished rows are skipped at update
@@ -456,8 +465,9 @@ class EngineCore:
             if late and full is not None:
                 try:  # queued behind step n+1's forward, which ran while the host read step n
                     self.runner.sample(early, full)
+                    self._launch_ahead(early)
                 except Exception as e:  # step n's outputs are already applied: deliver them first
-                    self._deferred, self._pending = e, None
+                    self._deferred, self._pending, self._ahead = e, None, None
         elif nxt is not None:
             nxt = self.scheduler.confirm_continuation(nxt)
             if nxt is not None:
@@ -466,6 +476,19 @@ class EngineCore:
                 except Exception as e:  # step n's outputs are already applied: deliver them first
                     self._deferred = e
         return outs
+
+    def _launch_ahead(self, pending: PendingRows) -> None:
+        """After step n+1's draw is queued (late-shaped rows), step n+2's forward too, device-fed from n+1's
+        tokens: the GPU then has a forward to run while the host delivers step n's outputs and comes back,
+        where it would idle after the short draw. Its own draw waits for the next call, which reads n+1.
+        (The scheduler is where the next call would find it: nothing but arrivals and aborts happen in
+        between, and those wait a step or skip their row, as for any launched continuation.)"""
+        if not (device_fed(pending) and self.scheduler.shapes_late(pending.plan)):
+            return  # (no late-shaped row left: the next call launches its continuation whole, as usual)
+        nxt = self.scheduler.plan_continuation(pending.plan)
+        if nxt is not None:
+            self._ahead = (nxt, self.runner.launch(nxt, tokens=pending.toks, sample=False))
+            self.launched_ahead += 1
 
     def _finish_step(self, plan: BatchPlan, result: BatchResult) -> list[StepOutput]:
         outs = self.scheduler.update(plan, result)
@@ -532,6 +555,7 @@ class EngineCore:
         }
         s.update(self.scheduler.stats())
         s["device_fed_steps"] = self.device_fed_steps
+        s["launched_ahead"] = self.launched_ahead
         s.update(self.runner.stats())
         hs = [st.get("hisparse") for st in s.get("stages", []) if st.get("hisparse")]
         if hs:
@@ -555,6 +579,7 @@ class EngineCore:
             if not self._closed:
                 self._closed = True
                 self._pending = None  # a launched step nobody will read
+                self._ahead = None
                 self.runner.close()
                 self._notify_watchers()
 
