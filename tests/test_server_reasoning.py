@@ -133,3 +133,23 @@ def test_chat_template_kwargs_reach_the_template(srv):
             and err["param"] == "chat_template_kwargs"
             and "set by the request" in err["message"]
         )
+
+
+def test_chat_template_flag_and_version(tmp_path):
+    """`serve --chat-template` (a file, or the template inline) replaces the model directory's; /version is
+    vLLM's. A value that is neither, or a template jinja cannot parse, is one line."""
+    from longctx import __version__
+    from longctx.cli import CLIError
+    from longctx.server.cli import read_chat_template
+
+    tpl = "{% for m in messages %}{{ '[' + m['content'] + ']' }}{% endfor %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(tpl)
+    assert read_chat_template(str(f)) == tpl == read_chat_template(tpl) and read_chat_template(None) is None
+    for bad, words in (("no-such-file", "neither a file nor"), ("{% for %}", "chat_template: line 1")):
+        with pytest.raises(CLIError, match=words):
+            read_chat_template(bad)
+    with fake_server(tmp_path, "--served-model-name", "fake", "--chat-template", str(f)) as s:
+        body = {"messages": [{"role": "user", "content": "abc"}]}
+        assert httpx.post(s.url + "/tokenize", json=body, timeout=30).json()["tokens"] == list(b"[abc]")
+        assert httpx.get(s.url + "/version", timeout=30).json() == {"version": __version__}

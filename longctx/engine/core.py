@@ -445,6 +445,7 @@ class EngineCore:
                 return []
             pending = self.runner.launch(plan)
         early: PendingRows | None = None
+        nxt: BatchPlan | None
         late = False  # rows whose shaping needs step n's tokens: step n+1 draws after they are read
         if ahead is not None:  # (launched by the last call, right after it queued step n's draw)
             (nxt, early), late = ahead, True

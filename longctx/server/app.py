@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from longctx import __version__
 from longctx.server import messages as m
 from longctx.server.protocol import ApiError, error_body, retry_headers, validation_error
 from longctx.server.routes_documents import router as documents_router
@@ -179,6 +180,11 @@ def create_app(
                 "engine_pid": state.ready.info.get("pid"),
             }
         )
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        """vLLM's /version (open, as /health is)."""
+        return {"version": __version__}
 
     def model_card() -> dict[str, Any]:
         return {

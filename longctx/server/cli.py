@@ -51,6 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests"
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a jinja chat template file, or the template itself, instead of the model directory's",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         choices=["auto", "none"],
@@ -98,6 +103,33 @@ def _preflight(args: argparse.Namespace) -> None:
     skip = engine_kwargs(args)["kv_fp8_skip_layers"]
     if skip is not None:
         check_kv_fp8_skip_layers(skip, cfg.num_hidden_layers)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the template given inline (vLLM's rule: a value with jinja tags);
+    a CLIError (one line) for neither, a file not UTF-8, or a template jinja cannot parse."""
+    from longctx.cli import CLIError
+
+    if value is None:
+        return None
+    p = Path(value)
+    if p.is_file():
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CLIError.about("chat_template", value, f"is not UTF-8 (byte {e.start})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise CLIError.about("chat_template", value, "is neither a file nor a jinja template")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise CLIError.about("chat_template", None, f"line {e.lineno}: {e.message}") from None
+    return text
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -176,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         reasoning_parser=args.reasoning_parser,
         generation_config=args.generation_config,
+        chat_template=read_chat_template(args.chat_template),
     )
     try:
         sock = _bind(args.host, args.port)

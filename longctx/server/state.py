@@ -44,6 +44,7 @@ class ServerSettings:
     engine_start_timeout_s: float = 1800.0
     reasoning_parser: str = "none"  # "glm": chat outputs' <think> blocks to `reasoning_content`
     generation_config: str = "auto"  # "auto": requests' unset sampling fields from generation_config.json
+    chat_template: str | None = None  # a template instead of the model directory's (`--chat-template`)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Document:
 class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.codec = TextCodec(settings.spec.model_dir)
+        self.codec = TextCodec(settings.spec.model_dir, settings.chat_template)
         # the sampling defaults of the model's generation_config.json (`--generation-config auto`)
         self.sampling_defaults: dict[str, Any] = {}
         if settings.generation_config == "auto" and Path(settings.spec.model_dir).is_dir():

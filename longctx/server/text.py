@@ -26,7 +26,8 @@ NORMALISER_SLACK = 4
 class TextCodec:
     """Tokenizer + chat template of one model directory."""
 
-    def __init__(self, model_dir: str | None) -> None:
+    def __init__(self, model_dir: str | None, chat_template: str | None = None) -> None:
+        """`chat_template`: this template instead of the model directory's (`serve --chat-template`)."""
         d = Path(model_dir) if model_dir else None
         tok = load_tokenizer(d) if d is not None and d.is_dir() else None
         if tok is None:
@@ -38,7 +39,9 @@ class TextCodec:
         self.max_chars_per_token = NORMALISER_SLACK * max(
             (len(k) for k in tok.get_vocab(with_added_tokens=True)), default=1
         )
-        self.chat_template = load_chat_template(d) if d is not None and d.is_dir() else None
+        self.chat_template = chat_template or (
+            load_chat_template(d) if d is not None and d.is_dir() else None
+        )
 
     # ---- tokens -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
