@@ -731,6 +731,7 @@ def test_every_route_is_served_with_one_trailing_slash(server):
         assert call("DELETE", f"{D}/{doc}", one).json()["deleted"] is True
         assert call("GET", "/v1/models", "/v1/models").json()["data"][0]["id"] == "fake"
         assert call("GET", "/v1/models/fake", "/v1/models/{model_id:path}").json()["id"] == "fake"
+        assert call("GET", "/version", "/version").json()["version"]
         assert call("GET", "/health", "/health").json()["status"] == "ok"
         call("HEAD", "/health", "/health")
         call("GET", "/metrics", "/metrics")
