@@ -390,6 +390,73 @@ def test_nested_json_guides_masks_walks_and_depth(kind, spec):
     assert not g.matches(head + b"[" * 5 + b"]" * 4 + b"}")
 
 
+TREE = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "string", "maxLength": 3},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                "tag": {"$ref": "#/$defs/tag"},
+            },
+            "required": ["n"],
+        },
+        # mutually recursive with itself through an array of pairs: a second kind of container
+        "tag": {
+            "type": "array",
+            "maxItems": 2,
+            "items": {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/tag"}]},
+        },
+    },
+    "$ref": "#/$defs/node",
+}
+
+
+def _tree_ok(v) -> bool:
+    def tag(t) -> bool:
+        return isinstance(t, list) and len(t) <= 2 and all(type(x) is int or tag(x) for x in t)
+
+    return (
+        isinstance(v, dict)
+        and set(v) <= {"n", "kids", "tag"}
+        and isinstance(v.get("n"), str)
+        and len(v["n"]) <= 3
+        and all(_tree_ok(k) for k in v.get("kids", []))
+        and isinstance(v.get("kids", []), list)
+        and ("tag" not in v or tag(v["tag"]))
+    )
+
+
+def test_recursive_refs_nest_to_any_depth():
+    """A recursive $ref (a tree of nodes, an array nesting itself) is a call of its own container automaton:
+    instances of any depth match, masks equal a token-by-token walk, random walks are valid trees."""
+    rng = random.Random(11)
+    v = _json_vocab(rng)
+    g = GuideCache(v).get("json", json.dumps(TREE))
+    assert isinstance(g, NestedGuide) and len(g.kinds) == 3  # (node, tag and the free kind)
+    deep = '{"n": "a", "kids": [' * 9 + '{"n": "b", "tag": [1, [2, [3]]]}' + "]}" * 9
+    assert g.matches(deep.encode()) and _tree_ok(json.loads(deep))
+    assert not g.matches(b'{"kids": []}') and not g.matches(b'{"n": "a", "tag": [1, 2, 3]}')
+    done = 0
+    for _ in range(25):
+        st, out = GuideState(g), []
+        for _ in range(250):
+            s = st.at(out)
+            want = _nested_allowed_ref(g, s)
+            assert np.array_equal(unpack_mask(g.mask(s), v.size), want), s
+            t = int(rng.choice(list(np.nonzero(want)[0])))
+            if t in v.eos:
+                break
+            out.append(t)
+            if st.complete(out):
+                break
+        text = b"".join(v.of[t] or b"" for t in out)
+        if g.matches(text):
+            assert _tree_ok(json.loads(text)), text
+            done += 1
+    assert done >= 5
+
+
 def test_marker_characters_in_a_schema_stay_text(byte_vocab):
     """The private-use characters a nested guide's markers are written with: in a const they are text (even
     beside free values), in a pattern they are refused."""
@@ -416,7 +483,12 @@ def test_marker_characters_in_a_schema_stay_text(byte_vocab):
         ("json", "[" * 30_000 + "]" * 30_000, "nests too deep"),
         ("json", '{"type": "integer", "minimum": 3}', "'minimum' is not supported"),
         ("json", '{"$ref": "#/$defs/missing"}', "points nowhere"),
-        ("json", '{"$ref": "#"}', "nests deeper"),
+        ("json", '{"$ref": "#"}', "must point to an object or array schema"),
+        (
+            "json",
+            '{"type": "array", "items": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/s"}]}, "$defs": {"s": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/s"}]}}}',
+            "must point to an object or array",
+        ),
         ("json", '{"type": "object", "properties": {"a": {}}, "required": ["b"]}', "required names"),
         ("json", '{"type": "tuple"}', "unknown type"),
         ("json", '{"type": "string", "pattern": "a+", "maxLength": 3}', "minLength / maxLength together"),

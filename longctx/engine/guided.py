@@ -16,9 +16,9 @@ Every guide is a regular expression underneath:
   * `("json", json schema)`: a JSON text valid against the schema (`_Schema`: the subset below);
   * `("json_object", "")`: any JSON object.
 
-Free JSON values (JSON mode's, a schema's `{}` / `true` / typeless parts) nest objects and arrays to any
-depth up to MAX_JSON_DEPTH: their regex holds a CALL marker where a value may be a container, and the guide
-is a `NestedGuide`, a pushdown automaton over that DFA.
+Free JSON values (JSON mode's, a schema's `{}` / `true` / typeless parts) and recursive `$ref`s (to an object
+or array schema) nest to any depth up to MAX_JSON_DEPTH: their regex holds a call marker where such a
+container may be, and the guide is a `NestedGuide`, a pushdown automaton over that DFA.
 
 JSON is written compactly or lightly spaced: at most JSON_WS whitespace characters between tokens.
 Schemas: `type` (one or a list), `enum`, `const`, `anyOf` / `oneOf`, `allOf` of one schema, local `$ref`s
@@ -76,10 +76,30 @@ _FORMATS = {
 }
 _FORMATS["date-time"] = _FORMATS["date"] + "T" + _FORMATS["time"]
 # A nested guide's regex (`NestedGuide`): marker characters, each compiled to one byte no UTF-8 text holds.
-# CALL stands where a free value may be an object or an array (a call of the container automaton); the
-# regex is TOP (the guide's own pattern) | CONT (one container whose values hold CALLs in turn).
-_CALL, _TOP, _CONT = "\ue000", "\ue001", "\ue002"
-_MARKER_BYTES = {_CALL: 0xF8, _TOP: 0xF9, _CONT: 0xFA}
+# CALLS[k] stands where a container of kind k may be (a call of its automaton): kind 0 any object or array
+# (a free value's), kinds 1.. a recursive $ref's target. The regex is TOP (the guide's own pattern) |
+# CONTS[k] (one container of kind k, whose values hold calls in turn) for each kind.
+MAX_CALLABLES = 6  # kinds of containers a nested guide calls (the free one and up to 5 recursive $refs)
+_TOP = "\ue000"
+_CALLS = tuple(chr(0xE001 + 2 * k) for k in range(MAX_CALLABLES))
+_CONTS = tuple(chr(0xE002 + 2 * k) for k in range(MAX_CALLABLES))
+_NOT_UTF8 = (
+    0xC0,
+    0xC1,
+    0xF5,
+    0xF6,
+    0xF7,
+    0xF8,
+    0xF9,
+    0xFA,
+    0xFB,
+    0xFC,
+    0xFD,
+    0xFE,
+    0xFF,
+)  # bytes UTF-8 never has
+_MARKER_BYTES = dict(zip((_TOP, *(c for pair in zip(_CALLS, _CONTS) for c in pair)), _NOT_UTF8, strict=True))
+_CALL, _CONT = _CALLS[0], _CONTS[0]
 _SCALARS = [_STRING, _NUMBER, "true", "false", "null"]
 _VALUE = "(?:" + "|".join([*_SCALARS, _CALL]) + ")"  # any JSON value, containers through a call
 # keywords that only describe (no effect on what is valid), and those this module enforces
@@ -119,6 +139,8 @@ class _Schema:
     def __init__(self, root: Any) -> None:
         self.root = root
         self.nested = False  # whether the regex holds free values (calls of the container automaton)
+        self.active: list[str] = []  # the $refs being expanded (one met again is a recursion: a call)
+        self.callables: dict[str, int] = {}  # a recursive $ref -> its container kind (1..)
 
     def error(self, what: str) -> RequestError:
         return _error("guided_json", None, what)
@@ -134,7 +156,15 @@ class _Schema:
         if unknown:
             raise self.error(f"the keyword {unknown[0]!r} is not supported by guided decoding")
         if "$ref" in s:
-            return self.regex(self.resolve(s["$ref"]), depth + 1)
+            ref = s["$ref"]
+            target = self.resolve(ref)
+            if ref in self.active:  # a recursion: the target through a call of its own automaton
+                return self.call(ref, target)
+            self.active.append(ref)
+            try:
+                return self.regex(target, depth + 1)
+            finally:
+                self.active.pop()
         if "const" in s:
             return _lit(json.dumps(s["const"], ensure_ascii=False))
         if "enum" in s:
@@ -196,7 +226,9 @@ class _Schema:
             if not isinstance(p, str):
                 raise self.error("pattern must be a string")
             if any(m in p for m in _MARKER_BYTES):
-                raise self.error("pattern holds a private-use character U+E000-U+E002")
+                raise self.error(
+                    f"pattern holds a private-use character U+E000-U+{ord(max(_MARKER_BYTES)):04X}"
+                )
             return f'"{p.removeprefix("^").removesuffix("$")}"'
         fmt = s.get("format")
         if fmt in _FORMATS:
@@ -248,6 +280,23 @@ class _Schema:
             body = f"(?:{body})?"
         return f"\\{{{_WS}{body}{_WS}\\}}"
 
+    def call(self, ref: str, target: Any) -> str:
+        """The call marker of a recursive $ref's kind: its target must be an object or an array (a container,
+        whose closing bracket ends it), and a guide holds at most MAX_CALLABLES - 1 of them."""
+        t = target.get("type") if isinstance(target, dict) else None
+        if not (
+            t in ("object", "array")
+            or (t is None and isinstance(target, dict) and ("properties" in target or "items" in target))
+        ):
+            raise self.error(f"the recursive $ref {ref!r} must point to an object or array schema")
+        k = self.callables.get(ref)
+        if k is None:
+            if len(self.callables) >= MAX_CALLABLES - 1:
+                raise self.error(f"more than {MAX_CALLABLES - 1} recursive $refs")
+            k = self.callables[ref] = len(self.callables) + 1
+        self.nested = True
+        return _CALLS[k]
+
     def any_value(self) -> str:
         """Any JSON value; an object or an array through a call of the container automaton (nested up to
         MAX_JSON_DEPTH)."""
@@ -255,9 +304,17 @@ class _Schema:
         return _VALUE
 
     def pattern(self) -> str:
-        """The guide's regex: the root schema's, wrapped for a `NestedGuide` when it holds free values."""
+        """The guide's regex: the root schema's, wrapped for a `NestedGuide` when it holds free values or
+        recursive $refs (each recursive target's container then an automaton of its own)."""
         top = self.regex(self.root)
-        return nested_regex(top) if self.nested else top
+        if not self.nested:
+            return top
+        bodies: dict[int, str] = {}
+        while len(bodies) < len(self.callables):  # (a body may call targets not met before)
+            ref, k = next((r, k) for r, k in self.callables.items() if k not in bodies)
+            self.active = [ref]
+            bodies[k] = self.regex(self.resolve(ref), 1)
+        return nested_regex(top, bodies)
 
 
 def any_object() -> str:
@@ -266,11 +323,14 @@ def any_object() -> str:
     return f"\\{{{_WS}(?:{member}(?:{_SEP}{member})*)?{_WS}\\}}"
 
 
-def nested_regex(top: str) -> str:
-    """A `NestedGuide`'s regex: `top` (holding calls) after the TOP marker, or one object or array whose
-    values hold calls after the CONT marker (what a call matches)."""
+def nested_regex(top: str, bodies: dict[int, str] | None = None) -> str:
+    """A `NestedGuide`'s regex: `top` (holding calls) after the TOP marker, then after each kind's CONT marker
+    the container a call of that kind matches: kind 0 one object or array whose values hold calls, kinds 1..
+    `bodies`' (recursive $refs' targets)."""
     array = f"\\[{_WS}(?:{_VALUE}(?:{_SEP}{_VALUE})*)?{_WS}\\]"
-    return f"{_TOP}(?:{top})|{_CONT}(?:{any_object()}|{array})"
+    parts = [f"{_TOP}(?:{top})", f"{_CONT}(?:{any_object()}|{array})"]
+    parts += [f"{_CONTS[k]}(?:{body})" for k, body in sorted((bodies or {}).items())]
+    return "|".join(parts)
 
 
 def check_guided(guided: Any) -> None:
@@ -453,10 +513,11 @@ class NestedGuide(Guide):
     """A guide whose free JSON values nest objects and arrays to any depth (up to MAX_JSON_DEPTH): a
     pushdown automaton over the DFA of `nested_regex`.
 
-    Where a value may be an object or an array, the automaton has a CALL marker byte instead of an
-    unrolled nesting. A byte with no transition from state q, where q has a CALL, starts a container: the
-    state after the CALL is pushed and the walk goes on in the container automaton (entered through its
-    CONT marker). A container's closing byte leads to a state that accepts and has no way on (`done`):
+    Where a value may be an object or an array, the automaton has a call marker byte instead of an
+    unrolled nesting, one per kind of container (any object or array for a free value; each recursive
+    $ref's target). A byte with no transition from state q, where q has a call of a kind whose container
+    can start with that byte, starts one: the state after the call is pushed and the walk goes on in that
+    kind's automaton (entered through its CONT marker). A container's closing byte leads to a state that accepts and has no way on (`done`):
     there the pushed state is popped, and the walk resumes after the CALL. A text byte always takes its
     own transition first, so where a schema allows a specific object and a free value at one place
     (`anyOf`), an object follows the specific one (what is generated is valid, a subset of the schema's
@@ -466,13 +527,22 @@ class NestedGuide(Guide):
     def __post_init__(self) -> None:
         t = self.dfa.trans
         self.top = int(t[0, _MARKER_BYTES[_TOP]])
-        self.entry = int(t[0, _MARKER_BYTES[_CONT]])
-        self.calls = t[:, _MARKER_BYTES[_CALL]].copy()  # the state after a call from q (-1: none)
         self.marker = np.zeros(256, dtype=bool)
         self.marker[list(_MARKER_BYTES.values())] = True
+        # each container kind's (state after a call from q, -1: none; its automaton's entry state), the
+        # recursive $refs' kinds before the free one (a call takes the first kind that can start there)
+        kinds = [*range(1, MAX_CALLABLES), 0]
+        self.kinds = [
+            (t[:, _MARKER_BYTES[_CALLS[k]]].copy(), int(t[0, _MARKER_BYTES[_CONTS[k]]]))
+            for k in kinds
+            if t[0, _MARKER_BYTES[_CONTS[k]]] >= 0
+        ]
         self.done = self.dfa.accept & ~(t >= 0).any(axis=1)
         # bytes that start a container / close one; tokens push and pop at most so many times
-        opens = (t[self.entry] >= 0) & ~self.marker
+        opens = np.zeros(256, dtype=bool)
+        for _, entry in self.kinds:
+            opens |= t[entry] >= 0
+        opens &= ~self.marker
         closes = ((t >= 0) & self.done[np.maximum(t, 0)]).any(axis=0) & ~self.marker
         v = self.vocab
         valid = v.lengths_valid()
@@ -495,11 +565,15 @@ class NestedGuide(Guide):
         t = self.dfa.trans
         n = int(t[q, b])
         if n < 0:  # a container starts here, where a call may
-            r = int(self.calls[q])
-            n = int(t[self.entry, b])
-            if r < 0 or n < 0 or len(stack) >= MAX_JSON_DEPTH:
+            if len(stack) >= MAX_JSON_DEPTH:
                 return DEAD
-            stack = (*stack, r)
+            for calls, entry in self.kinds:
+                r, n = int(calls[q]), int(t[entry, b])
+                if r >= 0 and n >= 0:
+                    stack = (*stack, r)
+                    break
+            else:
+                return DEAD
         if self.done[n] and stack:  # a container closed: back to after its call
             n, stack = stack[-1], stack[:-1]
         return (n, stack)
@@ -552,14 +626,16 @@ class NestedGuide(Guide):
                 b = v.table[idx, j]
                 nxt = trans[cur, b]
                 nxt[self.marker[b]] = -1
-                ret = self.calls[cur]
-                call = (nxt < 0) & (ret >= 0) & (bsp + lsp < MAX_JSON_DEPTH) & ~self.marker[b]
-                if call.any():
-                    ent = trans[self.entry, b]
-                    rows = np.nonzero(call & (ent >= 0))[0]
+                want = (nxt < 0) & (bsp + lsp < MAX_JSON_DEPTH) & ~self.marker[b]
+                for calls, entry in self.kinds:  # (the first kind that can start here takes the row)
+                    if not want.any():
+                        break
+                    ret, ent = calls[cur], trans[entry, b]
+                    rows = np.nonzero(want & (ret >= 0) & (ent >= 0))[0]
                     local[rows, lsp[rows]] = ret[rows]
                     lsp[rows] += 1
                     nxt[rows] = ent[rows]
+                    want[rows] = False
                 pop = (nxt >= 0) & self.done[np.maximum(nxt, 0)] & (bsp + lsp > 0)
                 if pop.any():
                     rows = np.nonzero(pop)[0]
@@ -657,7 +733,7 @@ class GuideCache:
     def _compile(kind: str, spec: str) -> tuple[DFA, bool]:
         """The guide's DFA, and whether it is a `NestedGuide`'s."""
         pattern = guide_regex(kind, spec)
-        nested = kind in ("json", "json_object") and pattern.startswith(_TOP)
+        nested = kind in ("json", "json_object") and pattern.startswith(_TOP)  # (a schema's, or JSON mode's)
         try:
             dfa = compile_regex(pattern, _MARKER_BYTES if nested else None)
         except RegexError as e:

@@ -427,11 +427,11 @@ def compile_regex(pattern: str, raw: Mapping[str, int] | None = None) -> DFA:
     """The DFA of `pattern` over UTF-8 bytes (see the module docstring); RegexError when it cannot be.
 
     `raw` maps marker characters to single bytes: each unescaped occurrence of one outside a class matches
-    that byte alone (0xF8-0xFF: bytes no UTF-8 text holds), for automata that carry markers beside the
+    that byte alone (0xC0, 0xC1, 0xF5-0xFF: bytes no UTF-8 text holds), for automata that carry markers beside the
     text (`guided.NestedGuide`'s calls)."""
     if not isinstance(pattern, str):
         raise RegexError(f"a pattern must be a string, got {type(pattern).__name__}")
-    assert all(0xF8 <= b <= 0xFF for b in (raw or {}).values()), raw
+    assert all(b in (0xC0, 0xC1) or b >= 0xF5 for b in (raw or {}).values()), raw
     nfa = _NFA()
     start = nfa.new()
     final = nfa.emit(_Parser(pattern, raw).parse(), start)
