@@ -342,6 +342,25 @@ def _nested_allowed_ref(g: NestedGuide, state) -> np.ndarray:
     return ok
 
 
+def _checked_walk(g: NestedGuide, rng: random.Random, limit: int) -> tuple[bytes, int]:
+    """A random walk of a pushdown guide, each state's mask (made now, and cached) checked against the
+    token-by-token walk on the way: (its text, the deepest stack it reached)."""
+    st, out, deepest = GuideState(g), [], 0
+    for _ in range(limit):
+        s = st.at(out)
+        want = _nested_allowed_ref(g, s)
+        assert np.array_equal(g.allowed(s), want), s
+        assert np.array_equal(unpack_mask(g.mask(s), g.vocab.size), want), s
+        deepest = max(deepest, len(s[1]))
+        t = int(rng.choice(list(np.nonzero(want)[0])))
+        if t in g.vocab.eos:
+            break
+        out.append(t)
+        if st.complete(out):
+            break
+    return b"".join(g.vocab.of[t] or b"" for t in out), deepest
+
+
 FREE = {
     "type": "object",
     "properties": {"id": {"type": "integer"}, "data": {}, "tags": {"type": "array", "items": True}},
@@ -360,20 +379,8 @@ def test_nested_json_guides_masks_walks_and_depth(kind, spec):
     assert isinstance(g, NestedGuide) and g.max_pops >= 3 and g.max_pushes >= 4
     deepest = done = 0
     for _ in range(25):
-        st, out = GuideState(g), []
-        for _ in range(300):
-            s = st.at(out)
-            want = _nested_allowed_ref(g, s)
-            assert np.array_equal(g.allowed(s), want), (kind, s)
-            assert np.array_equal(unpack_mask(g.mask(s), v.size), want), (kind, s)
-            deepest = max(deepest, len(s[1]))
-            t = int(rng.choice(list(np.nonzero(want)[0])))
-            if t in v.eos:
-                break
-            out.append(t)
-            if st.complete(out):
-                break
-        text = b"".join(v.of[t] or b"" for t in out)
+        text, depth = _checked_walk(g, rng, 300)
+        deepest = max(deepest, depth)
         if g.matches(text):
             value = json.loads(text)
             assert isinstance(value, dict), text
@@ -439,18 +446,7 @@ def test_recursive_refs_nest_to_any_depth():
     assert not g.matches(b'{"kids": []}') and not g.matches(b'{"n": "a", "tag": [1, 2, 3]}')
     done = 0
     for _ in range(25):
-        st, out = GuideState(g), []
-        for _ in range(250):
-            s = st.at(out)
-            want = _nested_allowed_ref(g, s)
-            assert np.array_equal(unpack_mask(g.mask(s), v.size), want), s
-            t = int(rng.choice(list(np.nonzero(want)[0])))
-            if t in v.eos:
-                break
-            out.append(t)
-            if st.complete(out):
-                break
-        text = b"".join(v.of[t] or b"" for t in out)
+        text, _ = _checked_walk(g, rng, 250)
         if g.matches(text):
             assert _tree_ok(json.loads(text)), text
             done += 1
