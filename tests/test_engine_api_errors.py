@@ -315,19 +315,21 @@ def _weight_bytes(model_dir, layers=None, itemsize=4, tp=1):
 
 
 def test_the_room_check_counts_the_weights_and_the_pool_it_allocates(tiny_dir, monkeypatch):
-    """The bytes checked are the loaded weights' and the device pool's own: with exactly that much
-    memory available the engine starts, with a byte less it is refused; a stage runtime's ranks each hold
-    their share of the weights, their stage's pool and its host pool; without kv_pages the line says the
-    model does not fit."""
+    """The bytes checked are the loaded weights', the device pool's own and the sampler's penalties pools
+    at their largest for max_running requests: with exactly that much memory available the engine starts,
+    with a byte less it is refused; a stage runtime's ranks each hold their share of the weights, their
+    stage's pool and its host pool; without kv_pages the line says the model does not fit."""
     import longctx.engine.sizing as sizing
 
     with Engine(tiny_dir, device="cpu", kv_pages=40) as e:
         kv = e.stats()["stages"][0]["kv_bytes_device"]
-    need = _weight_bytes(tiny_dir) + kv
+        penalties = 3 * 64 * e.cfg.vocab_size * 5  # (int32 counts + uint8 prompt set, max_running 64)
+    need = _weight_bytes(tiny_dir) + kv + penalties
     monkeypatch.setattr(sizing, "available_memory", lambda device=None: need - 1)
     with pytest.raises(
         ConfigError,
-        match=rf"^kv_pages=40: the weights \(.+\) and the KV cache \(.+\) need at least {need / 1e9:.1f} GB",
+        match=rf"^kv_pages=40: the weights \(.+\) and the KV cache \(.+\) and the penalties' state of 64 "
+        rf"requests \(.+\) need at least {need / 1e9:.1f} GB",
     ):
         Engine(tiny_dir, device="cpu", kv_pages=40)
     with pytest.raises(
@@ -375,7 +377,7 @@ def _default_pages(e, max_context, pp=1, tp=1):
 
 
 def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch):
-    """On CUDA the most loaded rank's weights and device pool are checked against the GPU's free memory
+    """On CUDA the most loaded rank's weights and device pool (max_running 0: no penalties pools) are checked against the GPU's free memory
     (per GPU under pp or tp > 1: each stage its own layers' weights and pool, each TP rank its shard of
     the weights and the stage's whole pool), the host pools against the host's RAM. (Run on a CPU engine
     with its device and memory figures patched: CI has no GPU.)"""
@@ -392,12 +394,15 @@ def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch)
         monkeypatch.setattr(
             sizing, "available_memory", lambda device=None: free[getattr(device, "type", "cpu")]
         )
-        _check_room(e, 40, False, 1, 1, 64)  # no host pool: all of it on the GPU
+        _check_room(e, 40, False, 1, 1, 0)  # no host pool: all of it on the GPU
+        # the last stage's GPU holds the sampler's penalties pools too (max_running requests' at their largest)
+        with pytest.raises(ConfigError, match=r"and the penalties' state of 1 requests \(.+\) need at least"):
+            _check_room(e, 40, False, 1, 1, 1)
         free["cuda"] = need - 1
         with pytest.raises(
             ConfigError, match=r"^kv_pages=40: the weights .+ need at least .+ of GPU memory, "
         ):
-            _check_room(e, 40, False, 1, 1, 64)
+            _check_room(e, 40, False, 1, 1, 0)
         # two stages: each GPU its stage's layers; the more loaded one decides
         (a, b), (c, d) = stage_layers(e.cfg, 2, 1, 40, 64, None)
 
@@ -407,20 +412,20 @@ def test_the_room_check_on_cuda_counts_gpu_and_host_apart(tiny_dir, monkeypatch)
 
         free["cuda"] = max(stage(a, b), stage(c, d))
         assert free["cuda"] < need
-        _check_room(e, 40, False, 2, 1, 64)
+        _check_room(e, 40, False, 2, 1, 0)
         free["cuda"] -= 1
         with pytest.raises(ConfigError, match=r"GPU memory per GPU"):
-            _check_room(e, 40, False, 2, 1, 64)
+            _check_room(e, 40, False, 2, 1, 0)
         free["cuda"] = stage(0, e.cfg.num_hidden_layers, tp=2)  # two TP ranks: a shard of the weights each
         assert free["cuda"] < need
-        _check_room(e, 40, False, 1, 2, 64)
+        _check_room(e, 40, False, 1, 2, 0)
         free["cuda"] -= 1
         with pytest.raises(ConfigError, match=r"GPU memory per GPU"):  # (and the whole pool on each)
-            _check_room(e, 40, False, 1, 2, 64)
+            _check_room(e, 40, False, 1, 2, 0)
         free.update(cuda=need, cpu=0)
-        _check_room(e, 40, False, 1, 1, 64)  # (one stage has no host pool)
+        _check_room(e, 40, False, 1, 1, 0)  # (one stage has no host pool)
         with pytest.raises(ConfigError, match=r"of host memory, 0.0 GB available$"):  # the stages' host pools
-            _check_room(e, 40, False, 2, 1, 64)
+            _check_room(e, 40, False, 2, 1, 0)
 
 
 def test_the_default_pages_on_cuda_leave_the_weights_their_room(tiny_dir, monkeypatch):

@@ -93,7 +93,8 @@ def check_engine_room(
     dtype, or block-fp8 with its scales on CUDA) and its device pool at num_pages + 1 pages (one pads
     captured batches): the stage's MLA rows and index keys (under HiSparse the index keys and the slot
     buffers: the MLA rows are in its host pool); and the host pools (HiSparse's; one per stage under
-    pp or tp > 1). A lower bound: activations, CUDA graphs and the allocator's slack come on top, so
+    pp or tp > 1); and on the last stage the sampler's penalties pools for max_running requests. A lower
+    bound: activations, CUDA graphs and the allocator's slack come on top, so
     only what cannot fit at all is refused. `default`: num_pages is `default_pages`' (no kv_pages)."""
     N = hisparse_device_tokens
     slots = (num_pages + 1) * PAGE_SIZE
@@ -110,11 +111,15 @@ def check_engine_room(
 
         blocks = preallocated_requests(max_running, num_pages, PAGE_SIZE, N, max_context)
     fp8 = keeps_fp8(cfg, device)
-    ranks = []  # (weights, device KV) of one TP rank of each stage
+    ranks = []  # (weights, device KV, the sampler's state) of one TP rank of each stage
     for a, b in stages:
         mla, index = kv_bytes_per_token(cfg, range(a, b), kv_kinds, dtype)
         kv = slots * index + (1 + blocks * N) * mla if N else slots * (mla + index)
-        ranks.append((loaded_weight_bytes(cfg, range(a, b), dtype.itemsize, fp8, tp), kv))
+        # the last stage's penalties pools (`sampling.Penalties`: int32 counts and a uint8 prompt set over
+        # the vocabulary per penalised request): up to twice max_running slots as they double, and the old
+        # pools while one is copied
+        sampler = 3 * max_running * cfg.vocab_size * 5 if b == n else 0
+        ranks.append((loaded_weight_bytes(cfg, range(a, b), dtype.itemsize, fp8, tp), kv, sampler))
     world = pp * tp
     host = host_kv_spec(cfg, range(n), slots, kv_kinds, dtype).nbytes if N or world > 1 else 0
     cap = f" with hisparse_device_tokens={N}" if N else ""
@@ -123,13 +128,17 @@ def check_engine_room(
     if device.type == "cuda":
         # the stage ranks' GPUs (and under torchrun their nodes) taken to be alike: the most loaded
         # rank against this GPU's free memory, a node's share of the host pools against its RAM
-        weights, kv = max(ranks, key=sum)
+        weights, kv, sampler = max(ranks, key=sum)
         per_gpu = " per GPU" if world > 1 else ""
         parts = {"the weights": weights, kv_name: kv}
+        if sampler:
+            parts[f"the penalties' state of {max_running} requests"] = sampler
         check_parts(subject, parts, f"GPU memory{per_gpu}", available_memory(device))
         nodes = -(-world // torch.cuda.device_count())
         check_room(f"{subject}: {kv_name}", host // nodes, "host memory", available_memory())
     else:
-        weights = tp * sum(w for w, _ in ranks)
-        kv = tp * sum(k for _, k in ranks) + host
-        check_parts(subject, {"the weights": weights, kv_name: kv}, "memory", available_memory())
+        weights = tp * sum(w for w, _, _ in ranks)
+        kv = tp * sum(k for _, k, _ in ranks) + host
+        parts = {"the weights": weights, kv_name: kv}
+        parts[f"the penalties' state of {max_running} requests"] = sum(x for _, _, x in ranks)
+        check_parts(subject, parts, "memory", available_memory())
