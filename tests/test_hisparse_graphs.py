@@ -43,8 +43,8 @@ def _drive(eng: Engine, max_running: int) -> tuple[dict[str, list[int]], dict[tu
     logits: dict[tuple[str, int], torch.Tensor] = {}
     finish = worker.finish_async
 
-    def spy(plan, h, last_logits=None):  # type: ignore[no-untyped-def]
-        p = finish(plan, h, last_logits)
+    def spy(plan, h, last_logits=None, sample=True):  # type: ignore[no-untyped-def]
+        p = finish(plan, h, last_logits, sample=sample)
         for j, i in enumerate(p.last):
             r = plan.rows[i]
             logits[(r.rid, r.end)] = p.last_logits[j].clone()
