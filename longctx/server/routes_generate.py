@@ -514,11 +514,14 @@ def _chat_delta(
 
 
 def _join_delta(delta: dict[str, Any], more: dict[str, Any] | None) -> None:
-    """`more`'s content appended to `delta`'s, its tool calls after `delta`'s."""
+    """`more`'s content appended to `delta`'s, its tool calls after `delta`'s (other keys: `more`'s)."""
     for key, v in (more or {}).items():
-        delta[key] = (
-            delta.get(key, "" if key == "content" else []) + v if key in ("content", "tool_calls") else v
-        )
+        if key == "content":
+            delta[key] = delta.get(key, "") + v
+        elif key == "tool_calls":
+            delta[key] = delta.get(key, []) + v
+        else:
+            delta[key] = v
 
 
 def chat_text(
