@@ -162,3 +162,17 @@ def test_auto_streamed_equals_whole_for_any_chunking():
     s = tools.ToolStream("auto", TOOLS)
     assert s.delta("Hi <tool_") == {"content": "Hi "} and s.delta("call>now") is None
     assert s.delta("</tool_call>")["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    """OpenAI's parallel_tool_calls: false holds "required" to one call and keeps "auto"'s first, whole and
+    streamed alike."""
+    one = re.compile(guide_regex(*tools.tool_guide(TOOLS, "required", parallel=False)))
+    assert one.fullmatch('[{"name": "now", "parameters": {}}]')
+    assert not one.fullmatch('[{"name": "now", "parameters": {}}, {"name": "now", "parameters": {}}]')
+    msg, finish = tools.tool_message("auto", AUTO_TEXT, "stop", TOOLS, parallel=False)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"] and finish == "tool_calls"
+    s = tools.ToolStream("auto", TOOLS, parallel=False)
+    deltas = [s.delta(AUTO_TEXT[i : i + 7]) for i in range(0, len(AUTO_TEXT), 7)] + [s.end("stop")[0]]
+    calls = [c["function"] for d in deltas if d for c in d.get("tool_calls", [])]
+    assert calls == [c["function"] for c in msg["tool_calls"]]

@@ -270,7 +270,7 @@ class _SamplingFields(_Strict):
         response_format ("json_object", or "json_schema" with its "schema"); () for none. Each field's shape
         is checked by its validator and that at most one guide is given by `_one_guide`."""
         if self.calls_tools():
-            return tool_guide(self.tools, self.tool_choice)
+            return tool_guide(self.tools, self.tool_choice, getattr(self, "parallel_tool_calls", True))
         rf = self.response_format
         if isinstance(rf, dict) and rf.get("type") == "json_object":
             return ("json_object", "")
@@ -534,6 +534,8 @@ class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
     continue_final_message: bool = False
     # vLLM's: more variables for the chat template (GLM's `enable_thinking`, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: false allows one tool call at most ("required" is held to one, "auto" keeps the first)
+    parallel_tool_calls: bool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -46,6 +46,7 @@ class Shape:
     # request's tools (their schemas type its arguments)
     tool_choice: Any = None
     tools: Any = None
+    parallel_tool_calls: bool = True  # ("auto": False keeps the first call)
     # chat with --reasoning-parser glm and no guide: <think> blocks to reasoning_content ("start"; "thought":
     # the prompt leaves a <think> open, so the output starts inside it); None: not read
     reasoning: str | None = None
@@ -303,7 +304,7 @@ def _final(
             thought, text = split_reasoning(d.text, shape.reasoning == "thought")
         if shape.tool_choice is not None:  # the output read as tool calls
             choice["message"], choice["finish_reason"] = tools.tool_message(
-                shape.tool_choice, text, d.finish_reason, shape.tools
+                shape.tool_choice, text, d.finish_reason, shape.tools, shape.parallel_tool_calls
             )
         else:
             choice["message"]["content"] = text
@@ -358,7 +359,7 @@ async def _stream(
     calls = (
         None
         if shape.tool_choice is None
-        else [tools.ToolStream(shape.tool_choice, shape.tools) for _ in gens]
+        else [tools.ToolStream(shape.tool_choice, shape.tools, shape.parallel_tool_calls) for _ in gens]
     )
     thinking = (
         None if shape.reasoning is None else [ReasoningStream(shape.reasoning == "thought") for _ in gens]
@@ -493,7 +494,9 @@ async def chat_completions(request: Request) -> Response:
     if req.calls_tools():
         shape = dataclasses.replace(shape, tool_choice=req.tool_choice)
     elif req.may_call_tools():
-        shape = dataclasses.replace(shape, tool_choice="auto", tools=req.tools)
+        shape = dataclasses.replace(
+            shape, tool_choice="auto", tools=req.tools, parallel_tool_calls=req.parallel_tool_calls
+        )
     if st.settings.reasoning_parser == "glm" and not params.guided:  # (a guide's output has no thinking)
         shape = dataclasses.replace(shape, reasoning="thought" if opens_in_thought(text) else "start")
     return await serve(request, st, rid, gens, shape, req.stream)

@@ -60,9 +60,11 @@ def _arguments(body: str, tool: dict[str, Any] | None) -> str:
     return json.dumps(args, ensure_ascii=False)
 
 
-def parse_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+def parse_calls(
+    text: str, tools: list[dict[str, Any]], parallel: bool = True
+) -> tuple[str, list[dict[str, Any]]]:
     """GLM's tool calls in a model's text (tool_choice "auto"): (the content before the first call, the whole
-    calls). Text with no whole call is all content."""
+    calls; the first alone unless `parallel`). Text with no whole call is all content."""
     start = text.find(CALL_OPEN)
     if start < 0:
         return text, []
@@ -73,6 +75,7 @@ def parse_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[
         name = body.split("<arg_key>", 1)[0].strip()
         if name:
             calls.append(_call(name, _arguments(body, by_name.get(name))))
+    calls = calls if parallel else calls[:1]
     return (text[:start], calls) if calls else (text, [])
 
 
@@ -84,8 +87,9 @@ def _open_prefix(text: str) -> int:
     return 0
 
 
-def tool_guide(tools: list[dict[str, Any]], choice: Any) -> tuple[str, ...]:
-    """SamplingParams.guided for a request's tools and tool_choice (already validated); () for plain text."""
+def tool_guide(tools: list[dict[str, Any]], choice: Any, parallel: bool = True) -> tuple[str, ...]:
+    """SamplingParams.guided for a request's tools and tool_choice (already validated); () for plain text.
+    `parallel` (OpenAI's parallel_tool_calls): "required" may make several calls."""
     if not tools or choice in (None, "none", "auto"):
         return ()
     if choice == "required":
@@ -97,7 +101,9 @@ def tool_guide(tools: list[dict[str, Any]], choice: Any) -> tuple[str, ...]:
             }
             for t in tools
         ]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}} | (
+            {} if parallel else {"maxItems": 1}
+        )
         return guide_of(json_schema=schema)
     return guide_of(json_schema=parameters_of(named_tool(tools, choice)))
 
@@ -149,9 +155,10 @@ class ToolStream:
     the first), "required"'s calls all at the end (their JSON is read whole), "auto"'s content as it comes
     and each of its calls once closed."""
 
-    def __init__(self, choice: Any, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, choice: Any, tools: list[dict[str, Any]] | None = None, parallel: bool = True) -> None:
         self.choice = choice
         self.tools = tools or []
+        self.parallel = parallel  # ("auto": False sends the first call alone)
         self.id = call_id()
         self.started = False
         self.text = ""
@@ -194,7 +201,7 @@ class ToolStream:
         while self.opened >= 0 and (m := _CALL.search(self.text, self.sent)) is not None:
             self.sent = m.end()
             name = m.group(1).split("<arg_key>", 1)[0].strip()
-            if name:
+            if name and (self.parallel or not self.calls):
                 tool = next((t for t in self.tools if t["function"]["name"] == name), None)
                 calls.append({"index": self.calls, **_call(name, _arguments(m.group(1), tool))})
                 self.calls += 1
@@ -222,11 +229,15 @@ class ToolStream:
 
 
 def tool_message(
-    choice: Any, text: str, finish: str | None, tools: list[dict[str, Any]] | None = None
+    choice: Any,
+    text: str,
+    finish: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    parallel: bool = True,
 ) -> tuple[dict[str, Any], str | None]:
     """A whole (not streamed) choice's message and finish reason: its calls, or its text when it holds none."""
     if choice == "auto":
-        content, auto = parse_calls(text, tools or [])
+        content, auto = parse_calls(text, tools or [], parallel)
         if not auto:
             return {"role": "assistant", "content": text}, finish
         msg = {"role": "assistant", "content": content or None, "tool_calls": auto}
