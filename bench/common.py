@@ -225,6 +225,15 @@ def kept_notes(old: str) -> str:
     return "\n".join(lines[i:]).strip("\n")
 
 
+def gpu_tag() -> str:
+    """The results files' GPU suffix: "h100", "h200", ..., from this machine's GPU name ("gpu" for another
+    one, "cpu" without CUDA), so a run on one GPU does not overwrite another's figures."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    return next((t for t in ("h100", "h200", "h800", "h20", "b200", "a100") if t in name), "gpu")
+
+
 def write_results(name: str, data: dict[str, Any], table: str, out_dir: Path | None = None) -> list[Path]:
     """bench/results/<name>.json and .md (and the same under out_dir, e.g. $OUT). The .md is the new
     table followed by the notes the committed one had below its table (`kept_notes`)."""

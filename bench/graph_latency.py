@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import capture_graph, environment, time_cuda, write_results  # noqa: E402
+from bench.common import capture_graph, environment, gpu_tag, time_cuda, write_results  # noqa: E402
 
 
 def _kernels() -> tuple[Any, Any]:
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"env": environment(), **run(args.nodes)}
     md = table(res)
     print(md)
-    write_results("graph-latency-h200", res, md, args.out)
+    write_results(f"graph-latency-{gpu_tag()}", res, md, args.out)
     return 0
 
 

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import environment, fmt_bytes, measure_ceilings, time_cuda, write_results  # noqa: E402
+from bench.common import environment, fmt_bytes, gpu_tag, measure_ceilings, time_cuda, write_results  # noqa: E402
 
 PAGE = 64
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             "hbm_copy_Bps": ceilings["hbm_copy_Bps"],
         },
     }
-    write_results("layer-h200", data, table, args.out)
+    write_results(f"layer-{gpu_tag()}", data, table, args.out)
     return 0
 
 

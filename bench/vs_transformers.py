@@ -3,7 +3,7 @@
 Prefill tokens/s at 2K/8K/16K and decode ms/token at 2K/8K/16K (batch 1) for both; the longest
 context each reaches; longctx alone at 128K (and 1M with --long), and decode throughput at batch 8
 and 32. The decode roofline at 128K is the bytes a step must read (weights touched + KV) at the HBM
-copy rate measured in the same run. Writes bench/results/vs-transformers-h200.{json,md}.
+copy rate measured in the same run. Writes bench/results/vs-transformers-<gpu>.{json,md} (h100, h200, ...).
 
     python -m bench.vs_transformers [--long] [--quick] [--out $OUT]
 """
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import environment, measure_ceilings, scratch_dir, write_results  # noqa: E402
+from bench.common import environment, gpu_tag, measure_ceilings, scratch_dir, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     table = "\n".join(rows)
     print(table)
-    write_results("vs-transformers-h200", res, table, args.out)
+    write_results(f"vs-transformers-{gpu_tag()}", res, table, args.out)
     return 0
 
 
