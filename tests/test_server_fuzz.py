@@ -558,8 +558,7 @@ def test_output_the_server_does_not_make_is_refused_not_ignored(srv, route, body
     for extra in served:
         r = httpx.post(srv.url + route, json={**body, **extra}, headers=AUTH)
         assert r.status_code == 200, (extra, r.text)
-    # tool calls by name, "required" or "auto" (the default): a chat's (the fake engine's output is no call: it
-    # comes back as text)
+    # tool calls by name, "required" or "auto" (the default): a chat's (two tokens: no whole call, text back)
     for choice in ("required", {"type": "function", "function": {"name": "f"}}, "auto", None):
         tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": choice}
         r = httpx.post(

@@ -153,3 +153,28 @@ def test_chat_template_flag_and_version(tmp_path):
         body = {"messages": [{"role": "user", "content": "abc"}]}
         assert httpx.post(s.url + "/tokenize", json=body, timeout=30).json()["tokens"] == list(b"[abc]")
         assert httpx.get(s.url + "/version", timeout=30).json() == {"version": __version__}
+
+
+def test_the_fake_engine_holds_guided_requests_to_their_guides(srv):
+    """The fake engine (load benches, server tests) keeps a guide as the real engine does: a regex's match,
+    "required" tool calls that parse, greedy and sampled alike."""
+    import re
+
+    client = openai_client(srv)
+    msgs = [{"role": "user", "content": "anything"}]
+    for temperature in (0.0, 1.0):
+        r = client.chat.completions.create(
+            model="fake", messages=msgs, max_tokens=40, temperature=temperature, seed=2,
+            extra_body={"guided_regex": "[0-9]{3}-[a-c]{2}"},
+        )  # fmt: skip
+        assert (
+            re.fullmatch("[0-9]{3}-[a-c]{2}", r.choices[0].message.content)
+            and r.choices[0].finish_reason == "stop"
+        )
+        tools = [{"type": "function", "function": {"name": "now"}}]
+        r = client.chat.completions.create(
+            model="fake", messages=msgs, max_tokens=200, temperature=temperature, seed=3, tools=tools,
+            tool_choice="required",
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls", r
+        assert {c.function.name for c in r.choices[0].message.tool_calls} == {"now"}

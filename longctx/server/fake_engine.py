@@ -5,7 +5,10 @@ num_running / pin_document / unpin_document / stats / tokenizer / config / close
 a paged scheduler in miniature: admission by a page budget (a request that does not fit waits),
 chunked prefill with progress, one token per running request per step, pinned documents whose
 full pages serve as a prefix cache. It computes nothing: greedy output echoes the prompt, sampled
-output is seeded random bytes, so the text is printable under a byte-level tokenizer.
+output is seeded random bytes, so the text is printable under a byte-level tokenizer. A guided request
+(`SamplingParams.guided`) is held to its guide as the real engine holds it: the token it would have written
+where the guide allows it, else one the guide allows (greedy: fixed by the prompt and the step), and it ends
+where the guide is whole and can go no further.
 Selected with `longctx serve --fake-engine '{"step_delay_s": 0.002, ...}'`.
 """
 
@@ -19,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from longctx.checkpoint.tokenizer import make_tokenizer, token_bytes_table
 from longctx.config import is_int, is_real
+from longctx.engine.guided import GuideCache, GuideState, VocabBytes
 from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob, check_token_ids
 from longctx.errors import LongctxError, RequestError
 
@@ -95,6 +100,7 @@ class _Live:
     req: Request
     pages: int  # reserved at admission
     rng: random.Random = field(default_factory=random.Random)
+    guide: GuideState | None = None
 
 
 class FakeEngine:
@@ -104,6 +110,7 @@ class FakeEngine:
         self.opts = fake_options(options)
         self.max_context = max_context
         self.config = FakeConfig(self.opts.vocab_size, self.opts.eos_token_id, max_context)
+        self._guide_cache: GuideCache | None = None  # (`_guides`: made for the first guided request)
         self.tokenizer = None
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
@@ -130,7 +137,16 @@ class FakeEngine:
         need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // PAGE)
         if need > self.opts.total_pages:
             raise RequestError(f"request needs {need} KV pages, the pool has {self.opts.total_pages}")
-        self._waiting.append(_Live(req, 0, random.Random(seed)))
+        guide = GuideState(self._guides().get(*req.params.guided)) if req.params.guided else None
+        self._waiting.append(_Live(req, 0, random.Random(seed), guide))
+
+    def _guides(self) -> GuideCache:
+        """Guides over this engine's vocabulary: the byte-level tokenizer's tokens, EOS the only end."""
+        if self._guide_cache is None:
+            pieces = token_bytes_table(make_tokenizer(), self.opts.vocab_size)
+            eos = [] if self.opts.eos_token_id is None else [self.opts.eos_token_id]
+            self._guide_cache = GuideCache(VocabBytes.build(pieces, eos))
+        return self._guide_cache
 
     def abort(self, rid: str) -> None:
         for q in (self._waiting, self._running):
@@ -182,12 +198,27 @@ class FakeEngine:
     def _next_token(self, live: _Live) -> int:
         req, p = live.req, live.req.params
         if p.temperature == 0:
-            return req.prompt_ids[len(req.output_ids) % len(req.prompt_ids)]
-        return (
-            live.rng.randrange(32, 127)
-            if self.opts.vocab_size > 127
-            else live.rng.randrange(self.opts.vocab_size)
+            tok = req.prompt_ids[len(req.output_ids) % len(req.prompt_ids)]
+        else:
+            tok = (
+                live.rng.randrange(32, 127)
+                if self.opts.vocab_size > 127
+                else live.rng.randrange(self.opts.vocab_size)
+            )
+        if live.guide is None:
+            return tok
+        ok = live.guide.guide.allowed(live.guide.at(req.output_ids))
+        if ok[tok]:
+            return tok
+        allowed = [int(t) for t in ok.nonzero()[0]]
+        # (greedy: a choice fixed by the prompt and the step, so the same request writes the same text; the
+        # first allowed token would loop, e.g. "," before "]" for ever)
+        rng = (
+            random.Random(len(req.output_ids) * 1_000_003 + sum(req.prompt_ids[:64]))
+            if p.temperature == 0
+            else live.rng
         )
+        return rng.choice(allowed)
 
     def step(self) -> list[StepOutput]:
         self._admit()
@@ -225,6 +256,8 @@ class FakeEngine:
             eos = self.opts.eos_token_id
             if new and eos is not None and new[-1] == eos and not req.params.ignore_eos:
                 req.finish_reason = FinishReason.STOP
+            elif new and live.guide is not None and live.guide.complete(req.output_ids):
+                req.finish_reason = FinishReason.STOP  # (a whole match nothing can extend)
             outs.append(self._out(req, tuple(new), prompt_lps))
             if req.finished:
                 self._running.remove(live)
