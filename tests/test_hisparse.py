@@ -143,3 +143,22 @@ def test_capped_matches_uncapped_in_the_cuda_kv_layouts(model_dir, kv_dtype, ski
     assert hs["misses"] > 0 and hs["swap_bytes"] > 0 and 0 < hs["device_tokens_max"] <= CAP
     assert stats["kv_kind"] == ("fp8" if kv_dtype == "fp8_e4m3" else "bf16")
     assert stats["kv_fp8_skip_layers"] == list(skip)
+
+
+def test_capped_guided_decode_overlapped_with_launches_ahead(model_dir):
+    """Guided rows under a device cap with overlapped decode and graphs: each step's forward is launched
+    before the step before it is read (and the one after it right after its draw), while HiSparse binds and
+    swaps their slots; the tokens equal the capped engine's one step at a time and the uncapped one's."""
+    prompts = [_ids(130, 5), _ids(70, 6), _ids(40, 7)]
+    kw = dict(max_new_tokens=12, temperature=0.8, seed=4, guided_regex="[a-z]{4,12}")
+    want = None
+    for cap, overlap in ((None, False), (CAP, False), (CAP, True)):
+        extra = {"hisparse_device_tokens": cap} if cap else {}
+        with Engine(model_dir, **KW, **extra, overlap=overlap, cuda_graphs=overlap) as eng:
+            got = [o.token_ids for o in eng.generate(prompts, **kw)]
+            if overlap:
+                assert eng.stats()["launched_ahead"] > 0
+                _check_stats(eng)
+        want = got if want is None else want
+        assert got == want, (cap, overlap)
+    assert all(4 <= len(t) <= 12 for t in want)  # (whole matches of the guide)
