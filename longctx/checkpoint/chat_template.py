@@ -32,8 +32,9 @@ TOOLS_PREAMBLE = (
 
 DEFAULT_CHAT_TEMPLATE = (
     "[gMASK]<sop>"
-    "{% if tools %}<|system|>\n" + TOOLS_PREAMBLE + ""
-    "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{% endif %}"
+    "{% if tools %}<|system|>\n"
+    + TOOLS_PREAMBLE
+    + "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% set role = 'observation' if m['role'] == 'tool' else m['role'] %}"
     "{% if role not in ['system', 'user', 'assistant', 'observation'] %}"
@@ -144,14 +145,29 @@ def _raise(msg: str) -> None:
     raise RequestError(str(msg).splitlines()[0] if msg else "chat template error")
 
 
+def _environment() -> Any:
+    """The jinja environment templates render in: transformers' options, so templates render identically."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[])
+
+
+def check_chat_template(template: str) -> None:
+    """A RequestError (one line, with the line number) for a template jinja cannot parse."""
+    import jinja2
+
+    try:
+        _environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"line {e.lineno}: {e.message}") from None
+
+
 def _render_jinja(
     template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **kw: Any
 ) -> str:
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    # The same environment options transformers uses, so templates render identically.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[])
+    env = _environment()
     env.globals["raise_exception"] = _raise
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     try:

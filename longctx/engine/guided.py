@@ -83,21 +83,7 @@ MAX_CALLABLES = 6  # kinds of containers a nested guide calls (the free one and 
 _TOP = "\ue000"
 _CALLS = tuple(chr(0xE001 + 2 * k) for k in range(MAX_CALLABLES))
 _CONTS = tuple(chr(0xE002 + 2 * k) for k in range(MAX_CALLABLES))
-_NOT_UTF8 = (
-    0xC0,
-    0xC1,
-    0xF5,
-    0xF6,
-    0xF7,
-    0xF8,
-    0xF9,
-    0xFA,
-    0xFB,
-    0xFC,
-    0xFD,
-    0xFE,
-    0xFF,
-)  # bytes UTF-8 never has
+_NOT_UTF8 = (0xC0, 0xC1, *range(0xF5, 0x100))  # the 13 bytes UTF-8 never has
 _MARKER_BYTES = dict(zip((_TOP, *(c for pair in zip(_CALLS, _CONTS) for c in pair)), _NOT_UTF8, strict=True))
 _CALL, _CONT = _CALLS[0], _CONTS[0]
 _SCALARS = [_STRING, _NUMBER, "true", "false", "null"]
@@ -517,8 +503,9 @@ class NestedGuide(Guide):
     unrolled nesting, one per kind of container (any object or array for a free value; each recursive
     $ref's target). A byte with no transition from state q, where q has a call of a kind whose container
     can start with that byte, starts one: the state after the call is pushed and the walk goes on in that
-    kind's automaton (entered through its CONT marker). A container's closing byte leads to a state that accepts and has no way on (`done`):
-    there the pushed state is popped, and the walk resumes after the CALL. A text byte always takes its
+    kind's automaton (entered through its CONT marker). A container's closing byte leads to a state that
+    accepts and has no way on (`done`): there the pushed state is popped, and the walk resumes after the
+    call. A text byte always takes its
     own transition first, so where a schema allows a specific object and a free value at one place
     (`anyOf`), an object follows the specific one (what is generated is valid, a subset of the schema's
     instances). The state is a `Config`; masks are cached per (state, the top of the stack any one
@@ -595,10 +582,13 @@ class NestedGuide(Guide):
         q, stack = state
         return q >= 0 and not stack and bool(self.done[q])
 
+    def _poppable(self, stack: tuple[int, ...]) -> tuple[int, ...]:
+        """The top of `stack` one token can pop to (`allowed` reads no deeper)."""
+        return stack[max(0, len(stack) - self.max_pops) :] if self.max_pops else ()
+
     def key(self, state: Config) -> Any:
         q, stack = state
-        room = min(MAX_JSON_DEPTH - len(stack), self.max_pushes)
-        return (q, stack[max(0, len(stack) - self.max_pops) :] if self.max_pops else (), room)
+        return (q, self._poppable(stack), min(MAX_JSON_DEPTH - len(stack), self.max_pushes))
 
     def allowed(self, state: Config) -> np.ndarray:  # type: ignore[override]
         """bool [vocab]: `Guide.allowed` for a pushdown state. Every token walks at once; each holds its own
@@ -608,9 +598,7 @@ class NestedGuide(Guide):
         v = self.structural
         if q0 >= 0:
             _walk_tokens(self.dfa.trans, self.plain, q0, ok)
-            base = np.array(
-                stack[max(0, len(stack) - self.max_pops) :] if self.max_pops else (), dtype=np.int32
-            )
+            base = np.array(self._poppable(stack), dtype=np.int32)
             off = len(stack) - len(base)
             n = len(v.order)
             idx = np.arange(n)
@@ -661,8 +649,9 @@ class NestedGuide(Guide):
                 break
             for b in range(256):
                 nxt = self.step(c, b)
-                if nxt[0] >= 0 and self.key(nxt) not in seen:
-                    seen.add(self.key(nxt))
+                key = self.key(nxt)
+                if nxt[0] >= 0 and key not in seen:
+                    seen.add(key)
                     order.append(nxt)
         return order[:limit]
 

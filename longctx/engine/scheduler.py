@@ -338,12 +338,14 @@ class Scheduler:
         rows unchanged, so the plan still lists the rows a launched continuation computes)."""
         live = {r.rid: r for r in self.running}
         rows = []
+        confirmed = 0
         for row in nxt.rows:
             req = live.get(row.rid)
             if req is None or req.finished:
                 if keep_finished:
                     rows.append(row)
                 continue
+            confirmed += 1
             assert req.num_computed == row.start and req.num_tokens == row.end, (req, row)
             row = dataclasses.replace(row, token_ids=(req.output_ids[-1],))
             if shapes_late(req):
@@ -351,8 +353,8 @@ class Scheduler:
                 mask = req.guide.mask(req.output_ids) if req.guide is not None else b""
                 row = dataclasses.replace(row, suppress=self._suppress(req, step), guide_mask=mask)
             rows.append(row)
-        if len(rows) == sum(1 for row in rows if live.get(row.rid) is None or live[row.rid].finished):
-            return None  # no live row
+        if not confirmed:
+            return None
         self.num_overlapped += 1
         return BatchPlan(nxt.step_id, tuple(rows))
 

@@ -139,6 +139,8 @@ def check_engine_room(
     else:
         weights = tp * sum(w for w, _, _ in ranks)
         kv = tp * sum(k for _, k, _ in ranks) + host
+        sampler = sum(x for _, _, x in ranks)
         parts = {"the weights": weights, kv_name: kv}
-        parts[f"the penalties' state of {max_running} requests"] = sum(x for _, _, x in ranks)
+        if sampler:
+            parts[f"the penalties' state of {max_running} requests"] = sampler
         check_parts(subject, parts, "memory", available_memory())

@@ -122,13 +122,13 @@ def read_chat_template(value: str | None) -> str | None:
         text = value
     else:
         raise CLIError.about("chat_template", value, "is neither a file nor a jinja template")
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from longctx.checkpoint.chat_template import check_chat_template
+    from longctx.errors import RequestError
 
     try:
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise CLIError.about("chat_template", None, f"line {e.lineno}: {e.message}") from None
+        check_chat_template(text)
+    except RequestError as e:
+        raise CLIError.about("chat_template", None, str(e)) from None
     return text
 
 

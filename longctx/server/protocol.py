@@ -367,9 +367,10 @@ class _SamplingFields(_Strict):
             names.add(f["name"])
             if not isinstance(f.get("parameters", {}), dict):
                 raise ValueError(f"{i}: function.parameters must be a JSON schema (an object)")
+            if auto:
+                continue  # (nothing compiled: "auto" reads the model's calls back)
             try:  # (a guide's schema checked here, before the engine compiles it: its keywords in longctx's subset)
-                if not auto:
-                    guide_regex("json", json.dumps(parameters_of(t)))
+                guide_regex("json", json.dumps(parameters_of(t)))
             except RequestError as e:
                 raise ValueError(f"{i}: function.parameters: {e.problem or e}") from None
         if isinstance(choice, dict) and choice["function"]["name"] not in names:

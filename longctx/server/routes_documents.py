@@ -7,7 +7,6 @@ A document's prompt is the chat template around one user turn that starts with t
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import urllib.parse
 import uuid
@@ -22,8 +21,14 @@ from longctx.server import messages as m
 from longctx.server.engine_client import RpcError
 from longctx.server.generation import new_rid
 from longctx.server.protocol import ApiError, AskRequest, DocumentCreate, engine_error
-from longctx.server.reasoning import opens_in_thought
-from longctx.server.routes_generate import Shape, generations, sampling, serve, unless_disconnected
+from longctx.server.routes_generate import (
+    Shape,
+    generations,
+    sampling,
+    serve,
+    unless_disconnected,
+    with_reasoning,
+)
 from longctx.server.state import Document, ServerState, body_stream, get_state, read_json
 
 router = APIRouter()
@@ -221,9 +226,5 @@ async def ask_document(doc_id: str, request: Request) -> Response:
     params = sampling(st, req, len(ids), req.max_tokens, logprobs)
     rid = new_rid("chatcmpl")
     gens = generations(st, rid, [(ids, params)], req.stop_list(), req.n)
-    shape = Shape.of(req, True, logprobs)
-    if (
-        st.settings.reasoning_parser == "glm" and not params.guided
-    ):  # (as a chat's: a thinking model's answer)
-        shape = dataclasses.replace(shape, reasoning="thought" if opens_in_thought(tail) else "start")
+    shape = with_reasoning(st, Shape.of(req, True, logprobs), params, tail)  # (a thinking model's answer)
     return await serve(request, st, rid, gens, shape, req.stream)

@@ -497,9 +497,15 @@ async def chat_completions(request: Request) -> Response:
         shape = dataclasses.replace(
             shape, tool_choice="auto", tools=req.tools, parallel_tool_calls=req.parallel_tool_calls
         )
-    if st.settings.reasoning_parser == "glm" and not params.guided:  # (a guide's output has no thinking)
-        shape = dataclasses.replace(shape, reasoning="thought" if opens_in_thought(text) else "start")
-    return await serve(request, st, rid, gens, shape, req.stream)
+    return await serve(request, st, rid, gens, with_reasoning(st, shape, params, text), req.stream)
+
+
+def with_reasoning(st: ServerState, shape: Shape, params: m.WireSamplingParams, prompt: str) -> Shape:
+    """`shape` reading <think> blocks into reasoning_content (`--reasoning-parser glm`; from the output's start
+    when `prompt` leaves one open), unless the request is guided (a guide's output has no thinking)."""
+    if st.settings.reasoning_parser != "glm" or params.guided:
+        return shape
+    return dataclasses.replace(shape, reasoning="thought" if opens_in_thought(prompt) else "start")
 
 
 def _chat_delta(

@@ -68,15 +68,20 @@ def parse_calls(
     start = text.find(CALL_OPEN)
     if start < 0:
         return text, []
-    by_name = {t["function"]["name"]: t for t in tools}
-    calls = []
-    for m in _CALL.finditer(text, start):
-        body = m.group(1)
-        name = body.split("<arg_key>", 1)[0].strip()
-        if name:
-            calls.append(_call(name, _arguments(body, by_name.get(name))))
+    by_name = _by_name(tools)
+    calls = [c for m in _CALL.finditer(text, start) if (c := _read_call(m.group(1), by_name)) is not None]
     calls = calls if parallel else calls[:1]
     return (text[:start], calls) if calls else (text, [])
+
+
+def _by_name(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {t["function"]["name"]: t for t in tools}
+
+
+def _read_call(body: str, by_name: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The call of one `<tool_call>` block's body (its name, then its arguments); None without a name."""
+    name = body.split("<arg_key>", 1)[0].strip()
+    return _call(name, _arguments(body, by_name.get(name))) if name else None
 
 
 def _open_prefix(text: str) -> int:
@@ -157,7 +162,7 @@ class ToolStream:
 
     def __init__(self, choice: Any, tools: list[dict[str, Any]] | None = None, parallel: bool = True) -> None:
         self.choice = choice
-        self.tools = tools or []
+        self.tools = _by_name(tools or [])
         self.parallel = parallel  # ("auto": False sends the first call alone)
         self.id = call_id()
         self.started = False
@@ -200,10 +205,9 @@ class ToolStream:
         calls = []
         while self.opened >= 0 and (m := _CALL.search(self.text, self.sent)) is not None:
             self.sent = m.end()
-            name = m.group(1).split("<arg_key>", 1)[0].strip()
-            if name and (self.parallel or not self.calls):
-                tool = next((t for t in self.tools if t["function"]["name"] == name), None)
-                calls.append({"index": self.calls, **_call(name, _arguments(m.group(1), tool))})
+            call = _read_call(m.group(1), self.tools)
+            if call is not None and (self.parallel or not self.calls):
+                calls.append({"index": self.calls, **call})
                 self.calls += 1
         if calls:
             delta["tool_calls"] = calls
