@@ -42,6 +42,7 @@ conversions). Activations are not quantised here: both kernels are weight-only (
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -335,6 +336,10 @@ def _check_experts(
     return t, hd, e, inter, topk_ids.shape[1], fp8
 
 
+def _no_join() -> None:
+    pass
+
+
 def moe_experts_ref(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -347,11 +352,13 @@ def moe_experts_ref(
     *,
     shared: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    join: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Reference: loop over the hit experts like transformers' `GlmMoeDsaExperts` (computes in x's dtype;
     fp8 weights are dequantised to fp32 and then cast to x's dtype). Returns y [T, Hd] in x's dtype,
     `residual + (y + shared)` when those [T, Hd] addends are given (the MoE block's shared experts and
-    the decoder layer's residual add, as transformers adds them)."""
+    the decoder layer's residual add, as transformers adds them). `join` is called before `shared` is
+    read (the shared experts may still run on a side stream, longctx/model/overlap.py)."""
     _, _, e, _, _, fp8 = _check_experts(
         x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale, shared, residual
     )
@@ -366,6 +373,8 @@ def moe_experts_ref(
         gate, up = F.linear(x[tok], wg.to(x.dtype)).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, wd.to(x.dtype)) * topk_w[tok, slot, None]
         y.index_add_(0, tok, h.to(x.dtype))
+    if join is not None:
+        join()
     return _add_ref(y, shared, residual)
 
 
@@ -725,6 +734,7 @@ def moe_experts(
     *,
     shared: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    join: Callable[[], None] | None = None,
     backend: str = "auto",
     tiles: tuple[int, int, int, int, int] | None = None,
     decode: bool | DecodeConfig | None = None,
@@ -742,19 +752,22 @@ def moe_experts(
     `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the grouped GEMMs' heuristic
     (bench).
     Returns y [T, Hd] in x's dtype (plus `shared` and `residual`, [T, Hd] with unit column stride,
-    added by the combine kernel).
+    added by the combine kernel). `join`, if given, is called once the experts' kernels are queued and
+    before the combine reads `shared` (which a side stream may still be making).
     """
     if not use_triton(backend, x.device):
         return moe_experts_ref(
             x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale,
-            shared=shared, residual=residual,
+            shared=shared, residual=residual, join=join,
         )  # fmt: skip
     t, hd, e, inter, k, fp8 = _check_experts(
         x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale, shared, residual
     )
     check(x.stride(1) == 1, "moe_experts: x needs unit column stride")
     check(w_gate_up.is_contiguous() and w_down.is_contiguous(), "moe_experts: weights must be contiguous")
+    join = join or _no_join
     if t == 0 or k == 0:
+        join()
         return _add_ref(torch.zeros_like(x), shared, residual)
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     if stream is None:
@@ -767,6 +780,7 @@ def moe_experts(
         assert w_gate_up_scale is not None and w_down_scale is not None  # fp8: checked above
         s_gu, s_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
         parts = experts_stream(x, ids, topk_w, w_gate_up, w_down, s_gu, s_d, scfg)
+        join()
         return _combine(parts, ids, e, shared, residual, x.dtype)
     if decode is None:
         decode = tiles is None and t * k <= DECODE_MAX_PAIRS
@@ -774,6 +788,7 @@ def moe_experts(
         cfg = decode if isinstance(decode, DecodeConfig) else None
         sgu, sd = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (None, None)  # type: ignore[union-attr]
         parts = experts_decode(x, ids, topk_w, w_gate_up, w_down, sgu, sd, cfg)
+        join()
         return _combine(parts, ids, e, shared, residual, x.dtype)
     bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(
         t, k, e, hd, inter, x.element_size(), w_gate_up.element_size()
@@ -802,4 +817,5 @@ def moe_experts(
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
         FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    join()
     return moe_combine(out.view(t, k, hd), ids, e, shared, residual, backend="triton")

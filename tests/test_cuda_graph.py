@@ -3,10 +3,14 @@ capture on CPU: it must give exactly the eager engine's tokens."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from longctx import Engine
 from longctx.engine.cuda_graph import DecodeGraphs
+from longctx.model.overlap import SideStream
 
 
 def ids_of(n: int, seed: int) -> list[int]:
@@ -100,3 +104,52 @@ def test_worker_page_rows_follow_the_plans():
     for rid, pages, epoch in seq:
         got = rows.get(RowPlan(rid, (1,), 0, tuple(pages), pages_epoch=epoch))
         assert got.tolist() == pages and got.dtype == torch.int32
+
+
+class _InlineSide(SideStream):
+    """A side stream that runs its blocks in place and is active without a capture, so the layers' fork /
+    join path runs on CPU. It checks the shape of the calls: a fork is joined before the next one."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.joins = 0
+        self.open = False
+
+    def active(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        assert not self.open, "a fork before the last one was joined"
+        self.forks += 1
+        self.open = True
+        yield
+
+    def join(self) -> None:
+        assert self.open, "a join without a fork"
+        self.open = False
+        self.joins += 1
+
+
+def test_side_stream_path_matches_eager(tiny_dir):
+    """Decode steps through the graph path with the layers' side-stream forks (the indexer beside the
+    query's path, the shared experts beside the routed ones) give the eager engine's tokens; each step
+    forks once per full indexer layer and once per MoE layer with shared experts, each fork joined."""
+    prompts = [ids_of(n, n + 1) for n in (9, 66)]
+    kw = dict(max_new_tokens=8, ignore_eos=True)
+    with Engine(tiny_dir, device="cpu") as eager:
+        want = [c.token_ids for c in eager.generate(prompts, **kw)]
+    with Engine(tiny_dir, device="cpu", cuda_graphs=True) as g:
+        graphs = g.runner.graphs
+        assert graphs.side is None  # no capture on CPU: no side stream
+        graphs.side = side = _InlineSide()
+        got = [c.token_ids for c in g.generate(prompts, **kw)]
+        model = g.runner.worker.model
+        cfg = model.cfg
+        per_step = sum(
+            cfg.is_full_indexer(i) + (cfg.is_moe(i) and cfg.n_shared_experts > 0) for i in model.layer_range
+        )
+        assert per_step >= 2 and graphs.replays > 0
+        assert side.forks == side.joins == per_step * graphs.replays and not side.open
+        assert g.stats()["cuda_graphs"]["side_forks"] == side.forks
+    assert got == want

@@ -472,6 +472,34 @@ def test_moe_experts_adds_shared_and_residual():
         moe_experts(x, ids, w, wgu, wd, "silu", residual=rs[:, :10], backend=TRITON)
 
 
+@pytest.mark.parametrize("path", ["ref", "decode", "grouped"])
+def test_moe_experts_reads_shared_after_join(path):
+    """`join` runs before the combine reads `shared` (a side stream may still be writing it): a shared
+    tensor filled only by the join gives the same sum as one filled from the start, on every path."""
+    gen = torch.Generator().manual_seed(12)
+    t, hd, inter, e, k = 3, 72, 40, 6, 3
+    wgu, wd, sgu, sd = _experts(e, hd, inter, torch.float32, gen)
+    x = torch.randn(t, hd, generator=gen)
+    ids = _skewed_ids(t, k, e, gen)
+    w = torch.rand(t, k, generator=gen)
+    sh, rs = torch.randn(t, hd, generator=gen), torch.randn(t, hd, generator=gen)
+    late = torch.zeros_like(sh)
+    joins = []
+
+    def join():
+        joins.append(1)
+        late.copy_(sh)
+
+    if path == "ref":
+        y = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd, shared=late, residual=rs, join=join)
+    else:
+        y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, shared=late, residual=rs, join=join,
+                        backend=TRITON, decode=path == "decode")  # fmt: skip
+    ref = moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd, shared=sh, residual=rs)
+    assert joins == [1]
+    _close(y, ref, torch.float32, f"moe + shared after join ({path})")
+
+
 def test_moe_align_invariants():
     gen = torch.Generator().manual_seed(5)
     e, bm = 9, 4

@@ -33,6 +33,7 @@ import torch
 from longctx.engine.plan import BatchPlan
 from longctx.engine.worker import to_device
 from longctx.model.context import ForwardContext
+from longctx.model.overlap import side_stream
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CTX_BUCKET = 4096
@@ -134,6 +135,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool: Any = None
         self._kv_version = getattr(getattr(worker, "kv", None), "layout_version", None)
+        # the layers' side stream, used while a graph is captured (longctx/model/overlap.py)
+        self.side = side_stream(worker.device) if capture else None
         self.replays = 0
         self.recaptures = 0  # times every graph was dropped because the KV cache reallocated
         # host seconds of the replays: filling the static inputs (KV binding included) and the
@@ -186,6 +189,7 @@ class DecodeGraphs:
             prefill_form="absorbed",
             page_size=self.page_size,
             extras={"valid": inp.valid, "rids": (), "kv_blocks": inp.blocks},
+            side=self.side,
         )
 
     def _forward(self, c: _Captured) -> torch.Tensor:

@@ -79,6 +79,8 @@ class LocalRunner:
                 "recaptures": g.recaptures,
                 "prep_s": g.prep_s,
                 "launch_s": g.launch_s,
+                # blocks of the layers captured on the side stream (longctx/model/overlap.py)
+                "side_forks": g.side.forks if g.side is not None else 0,
             }
         out["token_wait_s"] = self.worker.token_wait_s
         return out

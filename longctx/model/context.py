@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from longctx.model.ops import op
+from longctx.model.overlap import SideStream
 
 
 class KVCache(Protocol):
@@ -65,6 +66,8 @@ class ForwardContext:
     # [T] keys each query may see (position + 1), made by the forward's first full indexer layer
     # for all of them; `CausalLM.forward` clears it (a decode graph's context is reused)
     key_lens: torch.Tensor | None = None
+    # a second stream for a layer's independent parts while a decode graph is captured (overlap.py)
+    side: SideStream | None = None
     extras: dict = field(default_factory=dict)
 
     @property

@@ -25,7 +25,8 @@ class DecoderLayer(nn.Module):
         y, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), ctx), x)
         if isinstance(self.mlp, MoE):
             # padding rows of a captured decode batch get no expert work
+            valid = ctx.extras.get("valid")
             if self.mlp.partial_output:  # tensor parallel: the residual goes in after the reduce
-                return h + self.mlp(y, ctx.extras.get("valid"))
-            return self.mlp(y, ctx.extras.get("valid"), residual=h)  # h + experts, as one kernel
+                return h + self.mlp(y, valid, side=ctx.side)
+            return self.mlp(y, valid, residual=h, side=ctx.side)  # h + experts, as one kernel
         return h + self.mlp(y)

@@ -82,6 +82,12 @@ class MLAttention(nn.Module):
         else:
             q_a, ckv, x_idx = self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
         q_resid = self.q_a_layernorm(q_a)
+        pending: torch.Tensor | None = None
+        side = ctx.side if self.indexer is not None and ctx.side is not None and ctx.side.active() else None
+        if side is not None:  # the indexer beside the query's path, joined before the attention (overlap.py)
+            assert self.indexer is not None
+            with side.fork():
+                pending = self.indexer(x, q_resid, ctx, x_idx)
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], rope(q[..., self.nope :], cos, sin)
         kv = ctx.kv
@@ -93,7 +99,12 @@ class MLAttention(nn.Module):
         )  # fmt: skip
         kv.after_write(self.layer, ctx)
 
-        if self.indexer is not None:
+        q_lat = None
+        if side is not None:
+            q_lat = self._q_latent(q_nope)  # (still beside the indexer)
+            side.join()
+            ctx.prev_topk = pending
+        elif self.indexer is not None:
             ctx.prev_topk = self.indexer(x, q_resid, ctx, x_idx)
         topk = ctx.prev_topk
         if topk is None:
@@ -112,18 +123,30 @@ class MLAttention(nn.Module):
             else:
                 absorbed_rows.append((s, e))
         if absorbed_rows and len(absorbed_rows) == ctx.num_rows:  # all rows (decode): no gather/scatter
-            out = self._absorbed(q_nope, q_rope, kv.resolve(self.layer, topk, ctx), ctx)
+            out = self._absorbed(q_nope, q_rope, kv.resolve(self.layer, topk, ctx), ctx, q_lat)
         elif absorbed_rows:
             idx = torch.cat([torch.arange(s, e, device=x.device) for s, e in absorbed_rows])
             rows = kv.resolve(self.layer, topk, ctx)[idx]
             out[idx] = self._absorbed(q_nope[idx], q_rope[idx], rows, ctx)
         return self.o_proj(out.reshape(T, self.n_heads * self.v_dim))
 
+    def _q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """The absorbed query q_nope W_UK [t, H, L]."""
+        assert self.w_uk is not None
+        return torch.einsum("thd,hdl->thl", q_nope, self.w_uk)
+
     def _absorbed(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, ctx: ForwardContext
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        rows: torch.Tensor,
+        ctx: ForwardContext,
+        q_lat: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        assert self.w_uk is not None and self.w_uv is not None
-        q_lat = torch.einsum("thd,hdl->thl", q_nope, self.w_uk)  # [t, H, L]
+        """Attention in the latent space over `rows`; `q_lat` is `_q_latent(q_nope)` if already made."""
+        assert self.w_uv is not None
+        if q_lat is None:
+            q_lat = self._q_latent(q_nope)
         o_lat = op("sparse_mla", "sparse_mla", ctx.use_triton)(
             q_lat, q_rope, ctx.kv.attend_pool(self.layer), rows, self.scale, ctx.kv.mla_kind(self.layer)
         )  # [t, H, L]

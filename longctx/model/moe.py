@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 from longctx.config import ModelConfig
 from longctx.model.linear import Linear, linear, stack_weights
 from longctx.model.ops import op
+from longctx.model.overlap import SideStream
 
 
 class MLP(nn.Module):
@@ -89,12 +92,14 @@ class Experts(nn.Module):
         *,
         shared: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        join: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """residual + (routed experts' sum + shared); the addends are optional [T, hidden] tensors
-        (the Triton path adds them in the kernel that sums the k slots)."""
+        (the Triton path adds them in the kernel that sums the k slots), `join` is called before
+        `shared` is read."""
         return op("moe", "moe_experts", use_triton)(
             x, ids, w, self.gate_up_proj, self.down_proj, "silu", self.gate_up_scale, self.down_scale,
-            shared=shared, residual=residual,
+            shared=shared, residual=residual, join=join,
         )  # fmt: skip
 
 
@@ -114,11 +119,21 @@ class MoE(nn.Module):
         self.partial_output = False
 
     def forward(
-        self, x: torch.Tensor, valid: torch.Tensor | None = None, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        side: SideStream | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] -> routed + shared experts [T, hidden], plus `residual` if given (the decoder
         layer's residual, added in the same kernel). `valid` [T] bool masks rows out of the routed
-        experts (ids -> -1)."""
+        experts (ids -> -1). With an active `side` stream the shared experts run there, beside the
+        router and the routed experts, until the combine (overlap.py)."""
+        if self.shared_experts is not None and side is not None and side.active():
+            with side.fork():
+                shared = self.shared_experts(x)
+            ids, w = self.gate(x, self.use_triton, valid)
+            return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual, join=side.join)
         ids, w = self.gate(x, self.use_triton, valid)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual)
