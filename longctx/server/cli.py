@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from longctx.engine.args import add_engine_args, engine_kwargs, selection_kwargs
 from longctx.server.reasoning import PARSERS as REASONING_PARSERS
+from longctx.server.tools import FORMATS as TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from longctx.config import ModelConfig
@@ -68,6 +69,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="none",
         choices=list(REASONING_PARSERS),
         help="glm: a chat answer's <think> block goes to message.reasoning_content (GLM-4.5 and later)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="glm",
+        choices=list(TOOL_CALL_PARSERS),
+        help="the format a chat's tool calls are read in under tool_choice auto (vLLM's names): glm "
+        "(<tool_call>, GLM-4.5 and later), deepseek_v31 (DeepSeek-V3.1's tool-call tokens) or deepseek_v32 "
+        "(DeepSeek-V3.2's DSML)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # Hidden: a compute-free engine for tests and load benches; optional JSON of FakeEngineOptions.
@@ -207,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         drain_timeout_s=args.drain_timeout,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         generation_config=args.generation_config,
         chat_template=read_chat_template(args.chat_template),
     )

@@ -27,6 +27,8 @@ from longctx.server.protocol import (
 )
 from longctx.server.reasoning import ReasoningStream, opens_in_thought, split_reasoning
 from longctx.server.state import ServerState, get_state, read_json
+from longctx.server.tools import GLM as GLM_CALLS
+from longctx.server.tools import ToolFormat
 
 router = APIRouter()
 
@@ -43,9 +45,11 @@ class Shape:
     continuous_usage: bool = False  # vLLM's: every streamed chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's logprobs, top-N
     # chat: a named tool_choice, "required" or "auto" (the output read for calls), else None; with "auto" the
-    # request's tools (their schemas type its arguments)
+    # request's tools (their schemas type its arguments) and the format its calls are read in
+    # (--tool-call-parser)
     tool_choice: Any = None
     tools: Any = None
+    tool_format: ToolFormat = GLM_CALLS  # (`tools` here is the field above, not the module)
     parallel_tool_calls: bool = True  # ("auto": False keeps the first call)
     # chat with --reasoning-parser glm and no guide: <think> blocks to reasoning_content ("start"; "thought":
     # the prompt leaves a <think> open, so the output starts inside it); None: not read
@@ -304,7 +308,12 @@ def _final(
             thought, text = split_reasoning(d.text, shape.reasoning == "thought")
         if shape.tool_choice is not None:  # the output read as tool calls
             choice["message"], choice["finish_reason"] = tools.tool_message(
-                shape.tool_choice, text, d.finish_reason, shape.tools, shape.parallel_tool_calls
+                shape.tool_choice,
+                text,
+                d.finish_reason,
+                shape.tools,
+                shape.parallel_tool_calls,
+                shape.tool_format,
             )
         else:
             choice["message"]["content"] = text
@@ -359,7 +368,10 @@ async def _stream(
     calls = (
         None
         if shape.tool_choice is None
-        else [tools.ToolStream(shape.tool_choice, shape.tools, shape.parallel_tool_calls) for _ in gens]
+        else [
+            tools.ToolStream(shape.tool_choice, shape.tools, shape.parallel_tool_calls, shape.tool_format)
+            for _ in gens
+        ]
     )
     thinking = (
         None if shape.reasoning is None else [ReasoningStream(shape.reasoning == "thought") for _ in gens]
@@ -495,7 +507,11 @@ async def chat_completions(request: Request) -> Response:
         shape = dataclasses.replace(shape, tool_choice=req.tool_choice)
     elif req.may_call_tools():
         shape = dataclasses.replace(
-            shape, tool_choice="auto", tools=req.tools, parallel_tool_calls=req.parallel_tool_calls
+            shape,
+            tool_choice="auto",
+            tools=req.tools,
+            parallel_tool_calls=req.parallel_tool_calls,
+            tool_format=tools.FORMATS[st.settings.tool_call_parser],
         )
     return await serve(request, st, rid, gens, with_reasoning(st, shape, params, text), req.stream)
 
