@@ -87,14 +87,17 @@ def lc_prefill_decode(
 ) -> tuple[float, float]:
     """(prefill seconds for the batch, decode seconds a step), stepping the engine directly.
 
-    The decode figure is the engine's own loop: the steps after every request has its first token, timed
-    together from one device sync to the next, so each step's host work overlaps the step before it on
-    the GPU as it does in serving (transformers' figure is its `generate` loop's too). `synced`: the median
-    step with the device synced after each one instead (a step's host and GPU time in series)."""
+    The decode figure is the engine's own loop, as a client sees it: the time between the host receiving
+    the rows' first tokens and their (decode_tokens - 1)-th, over the steps between, each step's host
+    work overlapping the step before it on the GPU as in serving (transformers' figure is its `generate`
+    loop's too). The step that delivers the last token also retires the requests (their pages, the prefix
+    cache's hashes of the whole prompt) and is left out. `synced`: the median step with the device synced
+    after each one instead (a step's host and GPU time in series)."""
     import itertools
 
     from longctx.engine.request import Request, SamplingParams
 
+    assert decode_tokens >= 3, "the loop figure needs tokens 1 .. decode_tokens - 1 to span a step"
     tag = next(_ids)
     reqs = [
         Request(
@@ -109,18 +112,20 @@ def lc_prefill_decode(
     sync()
     t0 = time.perf_counter()
     first_done: float | None = None
-    steps: list[float] = []
+    steps: list[float] = []  # synced steps' seconds
+    got: dict[int, float] = {}  # tokens every row has -> when the host had them (the first time)
     live = {r.rid for r in reqs}
     for _ in itertools.count():
         t = time.perf_counter()
         outs = eng.step()
         if synced or first_done is None:
             sync()
+        now = time.perf_counter()
         if first_done is not None:
-            steps.append(time.perf_counter() - t)
+            steps.append(now - t)
         elif all(r.output_ids for r in reqs):
-            first_done = time.perf_counter() - t0
-            t_loop = time.perf_counter()
+            first_done = now - t0
+        got.setdefault(min(len(r.output_ids) for r in reqs), now)
         live -= {o.rid for o in outs if o.finished}
         if not live:
             break
@@ -130,7 +135,9 @@ def lc_prefill_decode(
     if synced:
         steps.sort()
         return first_done, steps[len(steps) // 2]
-    return first_done, (time.perf_counter() - t_loop) / len(steps)
+    lo = min(k for k in got if k >= 1)
+    hi = max(k for k in got if k <= decode_tokens - 1)
+    return first_done, (got[hi] - got[lo]) / (hi - lo)
 
 
 _ids = iter(range(1, 1 << 30))
@@ -159,7 +166,7 @@ def lc_run(
         for n in lengths + long_lengths:
             try:
                 # a first request at each length pays Triton compiles and graph captures: time the second
-                lc_prefill_decode(eng, n, 2)
+                lc_prefill_decode(eng, n, 3)
                 pre, step = lc_prefill_decode(eng, n, decode_tokens)
                 out["prefill_tok_s"][n] = n / pre
                 out["decode_ms"][n] = step * 1e3
@@ -171,6 +178,7 @@ def lc_run(
                 break
             print("longctx", n, out["prefill_tok_s"][n], out["decode_ms"][n], flush=True)
         for b in batches:
+            lc_prefill_decode(eng, 2048, 4, batch=b)  # compiles and captures this batch's bucket
             _, step = lc_prefill_decode(eng, 2048, decode_tokens, batch=b)
             out["batch_decode_tok_s"][b] = b / step
             print("longctx batch", b, out["batch_decode_tok_s"][b], flush=True)

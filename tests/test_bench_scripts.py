@@ -2096,3 +2096,22 @@ def test_retrieval_eval_refuses_bad_lengths_in_one_line(tmp_path: Path, capsys) 
     ]
     assert main(["gate", str(out), "--length", "4x"]) == 2
     assert capsys.readouterr().err.strip().startswith("retrieval_eval: lengths '4x': not a length")
+
+
+def test_vs_transformers_longctx_timing_on_cpu(tiny_dir, monkeypatch):
+    """lc_prefill_decode's loop figure (first token to the last but one, as the host receives them) and its
+    synced median run on a CPU engine: positive times, every request given all its tokens, batches too."""
+    import math
+
+    import bench.vs_transformers as vt
+    from longctx import Engine
+
+    monkeypatch.setattr(vt, "sync", lambda: None)
+    with Engine(tiny_dir, device="cpu") as eng:
+        for synced in (False, True):
+            for b in (1, 3):
+                pre, step = vt.lc_prefill_decode(eng, 70, 6, batch=b, synced=synced)
+                assert 0 < pre < 60 and 0 < step < 10 and math.isfinite(step)
+        assert not eng.has_work()
+        with pytest.raises(AssertionError, match="decode_tokens"):
+            vt.lc_prefill_decode(eng, 70, 2)
