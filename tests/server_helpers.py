@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +19,13 @@ from longctx.server.testing import ServerProcess
 def fake_server(model_dir: Any, *args: str, new_session: bool = False, **opts: Any) -> ServerProcess:
     """`longctx serve --fake-engine <opts as JSON> *args` on model_dir (not started)."""
     return ServerProcess(str(model_dir), "--fake-engine", json.dumps(opts), *args, new_session=new_session)
+
+
+def with_chat_template(model_dir: Path, template: str) -> Path:
+    """model_dir with a tokenizer_config.json holding only `template` as its chat template (the fake
+    engine's byte-level tokenizer reads it)."""
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return model_dir
 
 
 def openai_client(server: ServerProcess) -> openai.OpenAI:

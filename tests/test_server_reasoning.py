@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import httpx
@@ -11,7 +10,7 @@ import pytest
 
 from longctx.server.reasoning import ReasoningStream, opens_in_thought, split_reasoning
 
-from .server_helpers import fake_server, openai_client
+from .server_helpers import fake_server, openai_client, with_chat_template
 
 CASES = [
     ("<think>weigh it</think>\n\nThe answer.", False, ("weigh it", "The answer.")),
@@ -63,8 +62,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reasoning")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    d = with_chat_template(tmp_path_factory.mktemp("reasoning"), TEMPLATE)
     with fake_server(d, "--reasoning-parser", "glm", "--served-model-name", "fake", step_delay_s=0.001) as s:
         yield s
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from longctx.server.text import TextCodec
+
+from .server_helpers import with_chat_template
 
 # a template that closes every turn, as most do
 CLOSING = (
@@ -17,8 +17,7 @@ CLOSING = (
 
 @pytest.fixture
 def codec(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CLOSING}))
-    return TextCodec(str(tmp_path))
+    return TextCodec(str(with_chat_template(tmp_path, CLOSING)))
 
 
 def test_continue_final_message_drops_the_end_of_the_last_turn(codec):
@@ -49,7 +48,7 @@ def test_continue_final_message_over_http(tmp_path):
 
     from tests.server_helpers import fake_server
 
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CLOSING}))
+    with_chat_template(tmp_path, CLOSING)
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
     with fake_server(tmp_path) as s:
         body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}

@@ -14,7 +14,7 @@ import pytest
 from longctx.engine.guided import guide_regex
 from longctx.server import tools
 
-from .server_helpers import fake_server, openai_client
+from .server_helpers import fake_server, openai_client, with_chat_template
 
 TOOLS = [
     {
@@ -298,8 +298,7 @@ ECHO_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def deepseek_v32_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tool-formats")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": ECHO_TEMPLATE}))
+    d = with_chat_template(tmp_path_factory.mktemp("tool-formats"), ECHO_TEMPLATE)
     args = ("--tool-call-parser", "deepseek_v32", "--served-model-name", "fake")
     with fake_server(d, *args, step_delay_s=0.001) as s:
         yield s
