@@ -132,9 +132,10 @@ class _InlineSide(SideStream):
 
 
 def test_side_stream_path_matches_eager(tiny_dir):
-    """Decode steps through the graph path with the layers' side-stream forks (the indexer beside the
-    query's path, the shared experts beside the routed ones) give the eager engine's tokens; each step
-    forks once per full indexer layer and once per MoE layer with shared experts, each fork joined."""
+    """Decode steps through the graph path with the layers' side-stream forks (the MLA row's write and a
+    full layer's indexer beside the query's path, the shared experts beside the routed ones) give the eager
+    engine's tokens; each step forks once per layer's attention and once per MoE layer with shared experts,
+    each fork joined."""
     prompts = [ids_of(n, n + 1) for n in (9, 66)]
     kw = dict(max_new_tokens=8, ignore_eos=True)
     with Engine(tiny_dir, device="cpu") as eager:
@@ -146,9 +147,9 @@ def test_side_stream_path_matches_eager(tiny_dir):
         got = [c.token_ids for c in g.generate(prompts, **kw)]
         model = g.runner.worker.model
         cfg = model.cfg
-        per_step = sum(
-            cfg.is_full_indexer(i) + (cfg.is_moe(i) and cfg.n_shared_experts > 0) for i in model.layer_range
-        )
+        # every layer's attention forks (its MLA row's write, and a full layer's indexer: a paged pool is
+        # dense-readable), and each MoE layer with shared experts
+        per_step = sum(1 + (cfg.is_moe(i) and cfg.n_shared_experts > 0) for i in model.layer_range)
         assert per_step >= 2 and graphs.replays > 0
         assert side.forks == side.joins == per_step * graphs.replays and not side.open
         assert g.stats()["cuda_graphs"]["side_forks"] == side.forks

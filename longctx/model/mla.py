@@ -82,28 +82,35 @@ class MLAttention(nn.Module):
         else:
             q_a, ckv, x_idx = self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
         q_resid = self.q_a_layernorm(q_a)
+        kv = ctx.kv
+        # beside the query's path on the side stream (overlap.py), joined before the attention: a full
+        # layer's indexer, and the new token's MLA row where nothing reads it before then (not under
+        # HiSparse, whose after_write copies it at once)
+        side = ctx.side if ctx.side is not None and ctx.side.active() else None
+        write_aside = side is not None and kv.dense_readable
         pending: torch.Tensor | None = None
-        side = ctx.side if self.indexer is not None and ctx.side is not None and ctx.side.active() else None
-        if side is not None:  # the indexer beside the query's path, joined before the attention (overlap.py)
-            assert self.indexer is not None
+        if side is not None and (write_aside or self.indexer is not None):
             with side.fork():
-                pending = self.indexer(x, q_resid, ctx, x_idx)
+                if write_aside:
+                    self._write_kv(ckv, ctx)
+                if self.indexer is not None:
+                    pending = self.indexer(x, q_resid, ctx, x_idx)
+        else:
+            side = None
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], rope(q[..., self.nope :], cos, sin)
-        kv = ctx.kv
-        # kv_a_layernorm of the latent, rope of the rest, and the write of both: one kernel
-        norm = self.kv_a_layernorm
-        op("kv_fused", "norm_rope_write_mla_kv", ctx.use_triton)(
-            kv.mla_pool(self.layer), ctx.slot_mapping, ckv, norm.weight, norm.eps, cos, sin,
-            kv.mla_kind(self.layer),
-        )  # fmt: skip
-        kv.after_write(self.layer, ctx)
+        if not write_aside:
+            self._write_kv(ckv, ctx)
+            kv.after_write(self.layer, ctx)
 
         q_lat = None
         if side is not None:
-            q_lat = self._q_latent(q_nope)  # (still beside the indexer)
+            q_lat = self._q_latent(q_nope)  # (still beside the side stream's work)
             side.join()
-            ctx.prev_topk = pending
+            if write_aside:
+                kv.after_write(self.layer, ctx)
+            if pending is not None:
+                ctx.prev_topk = pending
         elif self.indexer is not None:
             ctx.prev_topk = self.indexer(x, q_resid, ctx, x_idx)
         topk = ctx.prev_topk
@@ -129,6 +136,16 @@ class MLAttention(nn.Module):
             rows = kv.resolve(self.layer, topk, ctx)[idx]
             out[idx] = self._absorbed(q_nope[idx], q_rope[idx], rows, ctx)
         return self.o_proj(out.reshape(T, self.n_heads * self.v_dim))
+
+    def _write_kv(self, ckv: torch.Tensor, ctx: ForwardContext) -> None:
+        """kv_a_layernorm of the new tokens' latent, rope of the rest, and the write of both into the
+        layer's pool: one kernel."""
+        assert ctx.cos_sin is not None
+        norm = self.kv_a_layernorm
+        op("kv_fused", "norm_rope_write_mla_kv", ctx.use_triton)(
+            ctx.kv.mla_pool(self.layer), ctx.slot_mapping, ckv, norm.weight, norm.eps, *ctx.cos_sin,
+            ctx.kv.mla_kind(self.layer),
+        )  # fmt: skip
 
     def _q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
         """The absorbed query q_nope W_UK [t, H, L]."""

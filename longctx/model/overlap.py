@@ -3,9 +3,10 @@
 At batch 1 most kernels of a decode step are too small to fill the GPU (a 576 x 2048 GEMM, a top-k
 over one row, an MoE of four experts), so two chains that do not depend on each other can run side
 by side:
-- a full layer's indexer (wq_b, its key's norm, rope and write, the logits, the top-k) beside the
-  query's path (q_b_proj, rope, the MLA row's write, the absorbed W_UK): both read only q_a's output
-  and x, and the sparse attention after them needs both;
+- a full layer's indexer (wq_b, its key's norm, rope and write, the logits, the top-k) and the new
+  token's MLA row (kv_a_layernorm, rope, the write) beside the query's path (q_b_proj, rope, the absorbed
+  W_UK): they read only the layer's input projections, and the sparse attention after them needs all of
+  them. (Under HiSparse the row's write stays on the main stream: `after_write` copies it at once.);
 - an MoE layer's shared experts beside the router and the routed experts: the combine that sums
   the routed slots waits for them (`moe_experts(join=...)`).
 
