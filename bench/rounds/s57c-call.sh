@@ -10,5 +10,5 @@ source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m bench.gpu_check --only graphs,hisparse_graphs --out $OUT/s/gc
 python3 -m bench.vs_transformers --out $OUT/s/vt
-LONGCTX_SIDE_STREAM=0 python3 -m bench.vs_transformers --skip-hf --quick --out $OUT/s/vt-side0
+LONGCTX_SIDE_STREAM=0 timeout 120 python3 -m bench.vs_transformers --skip-hf --quick --out $OUT/s/vt-side0
 pack s57c s
