@@ -107,7 +107,11 @@ def build(cfg, ctx_len: int, batch: int, device: str):
 
 
 def decode_context(cfg, kv, batch: int, ctx_len: int, pages_per_req: int, device: str):
+    """The batch's decode context, with the engine's decode graphs' side stream (`model/overlap.py`: the
+    indexer and the MLA row's write beside the query's path, the shared experts beside the routed ones;
+    used while the graph is captured; LONGCTX_SIDE_STREAM=0 leaves it out)."""
     from longctx.model.context import ForwardContext
+    from longctx.model.overlap import side_stream
 
     table = torch.arange(batch * pages_per_req, dtype=torch.int32, device=device).view(batch, pages_per_req)
     pos = torch.full((batch,), ctx_len - 1, dtype=torch.int64, device=device)
@@ -123,6 +127,7 @@ def decode_context(cfg, kv, batch: int, ctx_len: int, pages_per_req: int, device
         kv=kv,
         use_triton=True,
         prefill_form="absorbed",
+        side=side_stream(torch.device(device)),
     )
 
 
