@@ -32,6 +32,7 @@ longctx would not enforce.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -59,6 +60,9 @@ MAX_JSON_DEPTH = 64  # objects and arrays nested in a JSON guide's free values (
 MAX_SCHEMA_DEPTH = 6
 MAX_OPTIONAL = 16  # optional properties of one object (the regex grows with their square)
 CACHED_GUIDES = 32
+# a mask walks each class string of tokens once where the automaton has at most this many classes of bytes
+# (`_Classed`; a [a-z ] regex: 2 classes, 155K tokens -> 7K walks; a JSON schema ~40 classes, merging few)
+MAX_BYTE_CLASSES = 16
 WARM_STATES = 64  # masks a new guide makes as it is compiled (`Guide.warm`)
 CACHED_MASKS = 4096  # per guide, and no more than MASK_BYTES_PER_GUIDE of them
 MASK_BYTES_PER_GUIDE = 8 << 20  # (412 masks of a 154K-token vocabulary; 256 MiB for CACHED_GUIDES guides)
@@ -411,6 +415,45 @@ def _walk_tokens(trans: np.ndarray, v: VocabBytes, state: int, ok: np.ndarray) -
     ok[v.order[idx]] = True
 
 
+@dataclass(frozen=True)
+class _Classed:
+    """A vocabulary's tokens merged where an automaton cannot tell them apart: bytes whose columns of the
+    transition table are equal fall in one class, and tokens whose bytes fall in the same classes walk
+    alike from every state. `unique` holds one token of each class string (its `order` is its own row
+    number); `of_row[r]` is the unique row of `v.table`'s row r. A mask walks the unique rows only."""
+
+    unique: VocabBytes
+    of_row: np.ndarray
+    ids: np.ndarray  # the token ids of the rows (`v.order`)
+
+    @classmethod
+    def build(cls, trans: np.ndarray, v: VocabBytes) -> _Classed | None:
+        """The merged tokens, or None where the automaton has more than MAX_BYTE_CLASSES classes of bytes
+        (then few tokens merge and the merged walk is no faster than the plain one)."""
+        _, rep_at, byte_class = np.unique(trans.T, axis=0, return_index=True, return_inverse=True)
+        if len(rep_at) > MAX_BYTE_CLASSES or not len(v.order):
+            return None
+        rep = rep_at[byte_class.reshape(-1)].astype(np.uint8)  # byte -> the first byte of its class
+        valid = v.lengths_valid()
+        key = np.where(valid, rep[v.table], 0).astype(np.uint8)
+        lens = valid.sum(axis=1)
+        key = np.ascontiguousarray(np.concatenate([(lens[:, None] >> np.array([8, 0])) & 255, key], axis=1))
+        rows = key.astype(np.uint8).view(np.dtype((np.void, key.shape[1]))).reshape(-1)
+        _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+        perm = np.argsort(first)  # (the unique rows in table order: longest first, as a walk needs)
+        rank = np.empty_like(perm)
+        rank[perm] = np.arange(len(perm))
+        u = v.rows(first[perm])
+        unique = VocabBytes(len(perm), np.arange(len(perm)), u.table, u.active, (), ())
+        return cls(unique, rank[inverse.reshape(-1)], v.order)
+
+    def walk(self, trans: np.ndarray, state: int, ok: np.ndarray) -> None:
+        """`_walk_tokens(trans, v, state, ok)` over the merged tokens."""
+        hit = np.zeros(len(self.unique.order), dtype=bool)
+        _walk_tokens(trans, self.unique, state, hit)
+        ok[self.ids[hit[self.of_row]]] = True
+
+
 @dataclass
 class Guide:
     """One compiled guide over one vocabulary: allowed-token masks per automaton state, cached."""
@@ -424,6 +467,23 @@ class Guide:
 
     def __post_init__(self) -> None:
         pass  # (NestedGuide's derives its tables here)
+
+    @functools.cached_property
+    def _classed(self) -> _Classed | None:
+        """The tokens walked by the DFA alone, merged by byte classes (made by the first mask)."""
+        return _Classed.build(self.dfa.trans, self._plain_tokens())
+
+    def _plain_tokens(self) -> VocabBytes:
+        """The tokens whose walk is the DFA's alone (all of them here)."""
+        return self.vocab
+
+    def _walk_plain(self, state: int, ok: np.ndarray) -> None:
+        """Set ok[t] for the plain tokens t whose bytes walk the DFA from `state` without dying."""
+        c = self._classed
+        if c is None:
+            _walk_tokens(self.dfa.trans, self._plain_tokens(), state, ok)
+        else:
+            c.walk(self.dfa.trans, state, ok)
 
     @property
     def start(self) -> Any:
@@ -448,7 +508,7 @@ class Guide:
         v = self.vocab
         ok = np.zeros(v.size, dtype=bool)
         if state >= 0:
-            _walk_tokens(self.dfa.trans, v, state, ok)
+            self._walk_plain(state, ok)
         if state < 0 or bool(self.dfa.accept[state]) or not ok.any():
             ok[list(v.eos)] = True
         return ok
@@ -540,6 +600,9 @@ class NestedGuide(Guide):
         self.plain = v.rows(np.nonzero(~special)[0])
         self.structural = v.rows(np.nonzero(special)[0])
 
+    def _plain_tokens(self) -> VocabBytes:
+        return self.plain
+
     @property
     def start(self) -> Config:
         return (self.top, ())
@@ -597,7 +660,7 @@ class NestedGuide(Guide):
         ok = np.zeros(self.vocab.size, dtype=bool)
         v = self.structural
         if q0 >= 0:
-            _walk_tokens(self.dfa.trans, self.plain, q0, ok)
+            self._walk_plain(q0, ok)
             base = np.array(self._poppable(stack), dtype=np.int32)
             off = len(stack) - len(base)
             n = len(v.order)
