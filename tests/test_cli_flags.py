@@ -245,7 +245,7 @@ def test_each_engine_flag_sets_the_keyword_of_its_name() -> None:
     [
         (["generate", *CPU, "--max-new-tokens", "x", "hi"], "longctx generate: error: argument --max-new-tokens: invalid int value: 'x'"),
         (["serve", *CPU, "--port", "http"], "longctx serve: error: argument --port: invalid int value: 'http'"),
-        (["serve", *CPU, "--tool-call-parser", "hermes"], "longctx serve: error: argument --tool-call-parser: invalid choice: 'hermes' (choose from 'glm', 'deepseek_v31', 'deepseek_v32')"),
+        (["serve", *CPU, "--tool-call-parser", "hermes"], "longctx serve: error: argument --tool-call-parser: invalid choice: 'hermes' (choose from 'auto', 'glm', 'deepseek_v31', 'deepseek_v32')"),
         (["init-model", "--config", "tiny", "--out", "m", "--init-std", "big"], "longctx init-model: error: argument --init-std: invalid float value: 'big'"),
         (["init-model", "--config", "tiny"], "longctx init-model: error: the following arguments are required: --out"),
         (["plan", "--config", "tiny", "--kv-dtype", "fp16"], "longctx plan: error: argument --kv-dtype: invalid choice: 'fp16' (choose from 'auto', 'model', 'bf16', 'fp8_e4m3')"),

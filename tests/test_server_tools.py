@@ -325,3 +325,16 @@ def test_auto_reads_the_served_format_over_http(deepseek_v32_server):
         (tc.function.name, json.loads(tc.function.arguments)) for d in deltas for tc in d.tool_calls or []
     ]
     assert (content, calls) == (msg.content, got) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_call_parser_auto_takes_the_model_types_own_format():
+    """`--tool-call-parser auto` (the default): DeepSeek-V3.2's DSML for a deepseek_v32 checkpoint, GLM's for
+    glm_moe_dsa and where there is no config (the fake engine); a named format is kept as named."""
+    assert tools.tool_call_parser("auto", "deepseek_v32") == "deepseek_v32"
+    assert tools.tool_call_parser("auto", "glm_moe_dsa") == "glm"
+    assert tools.tool_call_parser("auto", None) == "glm"
+    assert tools.tool_call_parser("deepseek_v31", "glm_moe_dsa") == "deepseek_v31"
+    assert set(tools.FORMAT_OF_MODEL_TYPE.values()) <= set(tools.FORMATS)
+    from longctx.config import SUPPORTED_MODEL_TYPES
+
+    assert set(tools.FORMAT_OF_MODEL_TYPE) == set(SUPPORTED_MODEL_TYPES)

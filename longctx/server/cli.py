@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from longctx.engine.args import add_engine_args, engine_kwargs, selection_kwargs
 from longctx.server.reasoning import PARSERS as REASONING_PARSERS
 from longctx.server.tools import FORMATS as TOOL_CALL_PARSERS
+from longctx.server.tools import tool_call_parser
 
 if TYPE_CHECKING:
     from longctx.config import ModelConfig
@@ -72,11 +73,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        default="glm",
-        choices=list(TOOL_CALL_PARSERS),
+        default="auto",
+        choices=["auto", *TOOL_CALL_PARSERS],
         help="the format a chat's tool calls are read in under tool_choice auto (vLLM's names): glm "
         "(<tool_call>, GLM-4.5 and later), deepseek_v31 (DeepSeek-V3.1's tool-call tokens) or deepseek_v32 "
-        "(DeepSeek-V3.2's DSML)",
+        "(DeepSeek-V3.2's DSML); auto: the model's own by its config.json's model_type (deepseek_v32 for "
+        "deepseek_v32, glm for glm_moe_dsa)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # Hidden: a compute-free engine for tests and load benches; optional JSON of FakeEngineOptions.
@@ -98,9 +100,10 @@ def _check_selection(args: argparse.Namespace, cfg: ModelConfig | None) -> None:
         check_device_tokens(with_selection(cfg, **selection_kwargs(args)), args.hisparse_device_tokens)
 
 
-def _preflight(args: argparse.Namespace) -> None:
+def _preflight(args: argparse.Namespace) -> ModelConfig:
     """What the engine process would refuse at once, refused before the server binds its port: one
-    line instead of uvicorn's start and stop around it. The engine checks again (and the rest)."""
+    line instead of uvicorn's start and stop around it. The engine checks again (and the rest).
+    Returns the model's config."""
     from longctx.checkpoint.generation_config import load_generation_config
     from longctx.config import ModelConfig, check_kv_fp8_skip_layers, check_layout
 
@@ -112,6 +115,7 @@ def _preflight(args: argparse.Namespace) -> None:
     skip = engine_kwargs(args)["kv_fp8_skip_layers"]
     if skip is not None:
         check_kv_fp8_skip_layers(skip, cfg.num_hidden_layers)
+    return cfg
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -198,9 +202,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError.about("drain_timeout", args.drain_timeout, "must be a number of seconds >= 0")
     if args.api_key and not args.api_key.isascii():  # (no HTTP client sends it: every request a 401)
         raise CLIError.about("api_key", None, "must be ASCII")
-    if fake is None:
-        _preflight(args)
-    else:
+    cfg = _preflight(args) if fake is None else None
+    if cfg is None:
         _check_selection(args, None)
     spec = EngineSpec(
         model_dir=args.model,
@@ -216,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         drain_timeout_s=args.drain_timeout,
         reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=tool_call_parser(args.tool_call_parser, cfg.model_type if cfg else None),
         generation_config=args.generation_config,
         chat_template=read_chat_template(args.chat_template),
     )

@@ -172,6 +172,16 @@ DEEPSEEK_V32 = ToolFormat(
     "deepseek_v32", "<｜DSML｜function_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>", _read_v32
 )
 FORMATS = {f.name: f for f in (GLM, DEEPSEEK_V31, DEEPSEEK_V32)}  # `--tool-call-parser`'s choices
+# `--tool-call-parser auto`: each model type's own format (config.json's model_type)
+FORMAT_OF_MODEL_TYPE = {"glm_moe_dsa": "glm", "deepseek_v32": "deepseek_v32"}
+
+
+def tool_call_parser(choice: str, model_type: str | None) -> str:
+    """The format `--tool-call-parser CHOICE` reads "auto" tool calls in: CHOICE, or for "auto" the model
+    type's own (GLM's where the type is unknown: the fake engine has no config)."""
+    if choice != "auto":
+        return choice
+    return FORMAT_OF_MODEL_TYPE.get(model_type or "", "glm")
 
 
 def parse_calls(
