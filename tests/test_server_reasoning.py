@@ -1,4 +1,4 @@
-"""Reasoning output (`longctx serve --reasoning-parser glm`): a chat answer's <think> block split into
+"""Reasoning output (`longctx serve --reasoning-parser glm|deepseek_v3`): a chat answer's <think> block split into
 `reasoning_content`, whole and streamed alike, with tool calls read from the rest; vLLM's chat_template_kwargs."""
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def test_split_whole_and_streamed_alike(text, in_thought, want):
 def test_a_prompt_left_inside_a_think_block():
     assert opens_in_thought("<|assistant|>\n<think>") and opens_in_thought("<think>\n")
     assert not opens_in_thought("<|assistant|>\n<think></think>") and not opens_in_thought("<|assistant|>")
+    # DeepSeek-V3.1 / V3.2's generation prompts, thinking and not
+    assert opens_in_thought("<｜User｜>hi<｜Assistant｜><think>")
+    assert not opens_in_thought("<｜User｜>hi<｜Assistant｜></think>")
 
 
 TOOLS = [{"type": "function", "function": {"name": "now"}}]
@@ -60,10 +63,12 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+@pytest.fixture(scope="module", params=["glm", "deepseek_v3"])
+def srv(tmp_path_factory, request):
     d = with_chat_template(tmp_path_factory.mktemp("reasoning"), TEMPLATE)
-    with fake_server(d, "--reasoning-parser", "glm", "--served-model-name", "fake", step_delay_s=0.001) as s:
+    with fake_server(
+        d, "--reasoning-parser", request.param, "--served-model-name", "fake", step_delay_s=0.001
+    ) as s:
         yield s
 
 

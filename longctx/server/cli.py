@@ -69,7 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--reasoning-parser",
         default="none",
         choices=list(REASONING_PARSERS),
-        help="glm: a chat answer's <think> block goes to message.reasoning_content (GLM-4.5 and later)",
+        help="glm / deepseek_v3: a chat answer's <think> block goes to message.reasoning_content (GLM-4.5 and "
+        "later; DeepSeek-V3.1 and V3.2)",
     )
     p.add_argument(
         "--tool-call-parser",

@@ -1,9 +1,12 @@
-"""Reasoning output for chat completions (`longctx serve --reasoning-parser glm`, vLLM's `--reasoning-parser`):
-a thinking model's `<think>...</think>` block goes to the message's `reasoning_content`, the rest to `content`.
+"""Reasoning output for chat completions (`longctx serve --reasoning-parser glm|deepseek_v3`, vLLM's
+`--reasoning-parser` and names): a thinking model's `<think>...</think>` block goes to the message's
+`reasoning_content`, the rest to `content`.
 
 GLM-4.5 and later think before they answer: the output opens with `<think>`, or the prompt does (a chat
 template may end its generation prompt with it, and writes `<think></think>` there to turn thinking off), and
-`</think>` closes the thinking. So an output is read as:
+`</think>` closes the thinking. DeepSeek-V3.1 and V3.2 in thinking mode do the same (their templates end the
+generation prompt with `<think>`, or with `</think>` for no thinking), so one reader serves both names. So an
+output is read as:
   * reasoning from its start when the prompt ends inside an open `<think>` (`opens_in_thought`), else from an
     opening `<think>` (leading whitespace allowed), else not at all: all content;
   * reasoning until `</think>`; an output cut before it is all reasoning;
@@ -15,7 +18,7 @@ the start of `<think>` / `</think>` is held back until the next delta tells.
 from __future__ import annotations
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-PARSERS = ("none", "glm")
+PARSERS = ("none", "glm", "deepseek_v3")
 
 
 def opens_in_thought(prompt: str) -> bool:

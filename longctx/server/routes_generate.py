@@ -519,7 +519,7 @@ async def chat_completions(request: Request) -> Response:
 def with_reasoning(st: ServerState, shape: Shape, params: m.WireSamplingParams, prompt: str) -> Shape:
     """`shape` reading <think> blocks into reasoning_content (`--reasoning-parser glm`; from the output's start
     when `prompt` leaves one open), unless the request is guided (a guide's output has no thinking)."""
-    if st.settings.reasoning_parser != "glm" or params.guided:
+    if st.settings.reasoning_parser == "none" or params.guided:
         return shape
     return dataclasses.replace(shape, reasoning="thought" if opens_in_thought(prompt) else "start")
 

@@ -42,7 +42,9 @@ class ServerSettings:
     max_body_bytes: int = 128 * 2**20
     drain_timeout_s: float = 30.0
     engine_start_timeout_s: float = 1800.0
-    reasoning_parser: str = "none"  # "glm": chat outputs' <think> blocks to `reasoning_content`
+    reasoning_parser: str = (
+        "none"  # "glm" / "deepseek_v3": chat outputs' <think> blocks to `reasoning_content`
+    )
     tool_call_parser: str = "glm"  # the format "auto" tool calls are read in (a key of `tools.FORMATS`)
     generation_config: str = "auto"  # "auto": requests' unset sampling fields from generation_config.json
     chat_template: str | None = None  # a template instead of the model directory's (`--chat-template`)
