@@ -3,14 +3,12 @@ capture on CPU: it must give exactly the eager engine's tokens."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from longctx import Engine
 from longctx.engine.cuda_graph import DecodeGraphs
-from longctx.model.overlap import SideStream
+
+from .overlap_helpers import InlineSide
 
 
 def ids_of(n: int, seed: int) -> list[int]:
@@ -106,31 +104,6 @@ def test_worker_page_rows_follow_the_plans():
         assert got.tolist() == pages and got.dtype == torch.int32
 
 
-class _InlineSide(SideStream):
-    """A side stream that runs its blocks in place and is active without a capture, so the layers' fork /
-    join path runs on CPU. It checks the shape of the calls: a fork is joined before the next one."""
-
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-        self.joins = 0
-        self.open = False
-
-    def active(self) -> bool:
-        return True
-
-    @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
-        assert not self.open, "a fork before the last one was joined"
-        self.forks += 1
-        self.open = True
-        yield
-
-    def join(self) -> None:
-        assert self.open, "a join without a fork"
-        self.open = False
-        self.joins += 1
-
-
 def test_side_stream_path_matches_eager(tiny_dir):
     """Decode steps through the graph path with the layers' side-stream forks (the MLA row's write and a
     full layer's indexer beside the query's path, the shared experts beside the routed ones) give the eager
@@ -143,7 +116,7 @@ def test_side_stream_path_matches_eager(tiny_dir):
     with Engine(tiny_dir, device="cpu", cuda_graphs=True) as g:
         graphs = g.runner.graphs
         assert graphs.side is None  # no capture on CPU: no side stream
-        graphs.side = side = _InlineSide()
+        graphs.side = side = InlineSide()
         got = [c.token_ids for c in g.generate(prompts, **kw)]
         model = g.runner.worker.model
         cfg = model.cfg

@@ -16,6 +16,7 @@ from longctx.engine.cuda_graph import DecodeGraphs
 from longctx.engine.request import Request, SamplingParams
 
 from .conftest import make_checkpoint, tiny_config
+from .overlap_helpers import InlineSide
 
 CAP = 24  # tiny.json: index_topk 16, so a decode query fits and prefill chunks overflow
 KW = {"device": "cpu", "prefill_form": "absorbed", "chunk_size": 48, "kv_pages": 24}
@@ -95,6 +96,19 @@ def test_capped_graph_path_matches_eager(model_dir, kinds):
     assert got_logits.keys() == want_logits.keys()
     for k, v in want_logits.items():
         assert torch.allclose(got_logits[k], v, rtol=tol, atol=tol), k
+    # with the layers' side-stream forks (run in place): under HiSparse the MLA row write stays on the main
+    # stream, so a step forks once per full indexer layer and once per MoE layer with shared experts
+    with Engine(model_dir, **KW, **kinds, hisparse_device_tokens=CAP, cuda_graphs=True, max_running=1) as eng:
+        graphs = eng.runner.graphs
+        graphs.side = side = InlineSide()
+        forked, _ = _drive(eng, 3)
+        cfg = eng.runner.worker.model.cfg
+        per_step = sum(
+            cfg.is_full_indexer(i) + (cfg.is_moe(i) and cfg.n_shared_experts > 0) for i in range(6)
+        )
+        assert cfg.num_hidden_layers == 6 and per_step >= 2
+        assert side.forks == side.joins == per_step * graphs.replays > 0 and not side.open
+    assert forked == want
 
 
 def test_capped_decode_step_is_graph_safe(model_dir):
