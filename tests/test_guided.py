@@ -702,3 +702,26 @@ def test_random_specs_compile_or_are_request_errors(byte_vocab):
         except RequestError as e:
             assert "\n" not in str(e) and e.param in ("guided_regex", "guided_json", "guided_choice")
     assert compiled > 20
+
+
+def test_an_any_of_with_a_free_alternative_is_free():
+    """`anyOf` / `oneOf` holding a free value ({} / true, directly or through a $ref) accepts every value: an
+    object the specific alternative does not describe too, nested as deep as any free value."""
+    specific = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for free in ({}, True, {"$ref": "#/$defs/anything"}):
+        for key in ("anyOf", "oneOf"):
+            schema = {
+                "type": "object",
+                "properties": {"v": {key: [specific, free]}},
+                "required": ["v"],
+                "$defs": {"anything": {"description": "any value"}},
+            }
+            g = GuideCache(_json_vocab(random.Random(0))).get("json", json.dumps(schema))
+            assert isinstance(g, NestedGuide)
+            for text in ('{"v": {"a": 1}}', '{"v": {"b": [1, {"c": null}]}}', '{"v": 3}', '{"v": "x"}'):
+                assert g.matches(text.encode()), (free, key, text)
+            assert not g.matches(b'{"v": }') and not g.matches(b'{"w": 1}')
+    # without the free alternative the union stays the specific object's (and numbers)
+    only = {"anyOf": [specific, {"type": "number"}]}
+    g = GuideCache(_json_vocab(random.Random(0))).get("json", json.dumps(only))
+    assert g.matches(b'{"a": 1}') and g.matches(b"2.5") and not g.matches(b'{"b": 1}')

@@ -165,7 +165,10 @@ class _Schema:
             if key in s:
                 if not isinstance(s[key], list) or not s[key]:
                     raise self.error(f"{key} must be a non-empty list")
-                return _join([self.regex(x, depth + 1) for x in s[key]])
+                alternatives = [self.regex(x, depth + 1) for x in s[key]]
+                # a free alternative holds every value the others do: the union is free (else a pushdown
+                # guide's text transitions would follow a specific object where any object may stand)
+                return _VALUE if _VALUE in alternatives else _join(alternatives)
         if "allOf" in s:
             if not isinstance(s["allOf"], list) or len(s["allOf"]) != 1:
                 raise self.error("allOf is supported with one schema only")
@@ -566,9 +569,10 @@ class NestedGuide(Guide):
     kind's automaton (entered through its CONT marker). A container's closing byte leads to a state that
     accepts and has no way on (`done`): there the pushed state is popped, and the walk resumes after the
     call. A text byte always takes its
-    own transition first, so where a schema allows a specific object and a free value at one place
-    (`anyOf`), an object follows the specific one (what is generated is valid, a subset of the schema's
-    instances). The state is a `Config`; masks are cached per (state, the top of the stack any one
+    own transition first, so where a schema allows a specific container and a called one at one place (an
+    `anyOf` of an object and a recursive $ref's object), a container follows the specific one (what is
+    generated is valid, a subset of the schema's instances). An `anyOf` / `oneOf` with a free alternative
+    is free as a whole, so a free value never meets this. The state is a `Config`; masks are cached per (state, the top of the stack any one
     token can pop to, the room left for tokens' pushes)."""
 
     def __post_init__(self) -> None:
