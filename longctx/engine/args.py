@@ -25,6 +25,7 @@ ENGINE_FIELDS = (
     "backend",
     *SELECTION_FIELDS,
     "kv_fp8_skip_layers",
+    "scheduling_policy",
 )
 
 _CHOICES = {
@@ -32,6 +33,7 @@ _CHOICES = {
     "dtype": ["auto", *DTYPE_NAMES],
     "kv_dtype": list(KV_DTYPE_NAMES),
     "backend": ["auto", "torch", "triton"],
+    "scheduling_policy": ["fcfs", "priority"],
 }
 
 
@@ -68,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         help="device KV slots per request and layer (HiSparse); default: all on device",
     )
     p.add_argument("--max-context", type=int, default=1_048_576, help="longest prompt + output, in tokens")
+    policy = pick("scheduling_policy")
+    policy["help"] = (
+        "fcfs: arrival order (a request's priority must be 0); priority: by each request's priority, lower "
+        "first, then arrival, preempting lower-priority requests for pages (vLLM's)"
+    )
+    p.add_argument("--scheduling-policy", default="fcfs", **policy)
     add_selection_args(p)
 
 

@@ -42,7 +42,7 @@ from longctx.engine.request import (
     check_token_ids,
 )
 from longctx.engine.runner import LocalRunner, build_runner, device_fed
-from longctx.engine.scheduler import Scheduler
+from longctx.engine.scheduler import SCHEDULING_POLICIES, Scheduler
 from longctx.engine.sizing import PAGE_SIZE, check_engine_room, check_sizes, default_pages, resolve_device
 from longctx.engine.stop_strings import ends_in_stop
 from longctx.engine.turn_lock import TurnLock
@@ -88,6 +88,7 @@ class EngineCore:
         index_topk_long: int | None = None,
         index_topk_long_from: int | None = None,
         kv_fp8_skip_layers: Sequence[int] | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         if not isinstance(model_dir, str | os.PathLike):
             raise ConfigError(f"model_dir must be a path, got {model_dir!r}")
@@ -106,6 +107,10 @@ class EngineCore:
                 "hisparse_device_tokens": hisparse_device_tokens,
             },
         )
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError.about(
+                "scheduling_policy", repr(scheduling_policy), "must be 'fcfs' or 'priority'"
+            )
         if prefill_form not in ("auto", "expanded", "absorbed"):
             raise ConfigError.about(
                 "prefill_form", repr(prefill_form), "must be 'auto', 'expanded' or 'absorbed'"
@@ -193,6 +198,7 @@ class EngineCore:
             max_running=max_running,
             max_queue=max_queue,
             eos_ids=tuple(self.cfg.eos_ids()),
+            scheduling_policy=scheduling_policy,
         )
         self._documents: dict[str, list[bytes]] = {}  # doc id -> its pinned prefix-cache page keys
         self._stop_text: dict[str, str] = {}

@@ -61,6 +61,9 @@ class SamplingParams:
     # schema's instances or any JSON object (`longctx.engine.guided`; kinds "regex" / "choice" / "json" /
     # "json_object"); empty: unguided
     guided: tuple[str, ...] = ()
+    # when the scheduler serves the request under `scheduling_policy="priority"` (vLLM's priority: lower is
+    # earlier, ties by arrival); not a sampling setting, but carried with them end to end. "fcfs" takes 0 only
+    priority: int = 0
 
     def validate(self) -> None:
         """RequestError `about` the first bad field (`min_p 2.0: must be in [0, 1]`; of a wrong type too: a
@@ -147,6 +150,8 @@ class SamplingParams:
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise RequestError.about("bad_words", repr(w), "must be a word (a string that is not blank)")
+        if not is_int(self.priority):
+            raise RequestError.about("priority", repr(self.priority), "must be an integer")
         if self.guided:
             self._validate_guided()
 

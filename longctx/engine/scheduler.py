@@ -7,6 +7,11 @@ admits waiting requests while pages allow. The row that reaches a request's last
 next token. When pages run out mid-flight the most recently admitted request is preempted: its pages
 are freed and it is recomputed later (sampling is seeded per token, so it continues identically).
 
+`scheduling_policy="priority"` (vLLM's) orders all of this by each request's (priority, arrival), lower
+first: the waiting queue, decodes and prefill chunks; the victim when pages run out is the running
+request with the largest key, and a waiting head that does not fit preempts running requests of a
+strictly larger key for its pages. "fcfs" (the default) is arrival order, and takes priority 0 only.
+
 The scheduler holds no tensors; it produces `BatchPlan`s and consumes `BatchResult`s.
 """
 
@@ -33,6 +38,14 @@ class QueueFull(RequestError):
         super().__init__(message, code="queue_full")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def priority_key(req: Request) -> tuple[int, float]:
+    """A request's place under the priority policy: its priority (lower first), then its arrival."""
+    return req.params.priority, req.arrival
+
+
 class Scheduler:
     def __init__(
         self,
@@ -45,7 +58,10 @@ class Scheduler:
         max_running: int = 64,
         max_queue: int = 1024,
         eos_ids: tuple[int, ...] = (),
+        scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy {scheduling_policy!r}: must be 'fcfs' or 'priority'")
         self.alloc = allocator
         self.cache = prefix_cache
         self.page_size = allocator.page_size
@@ -55,6 +71,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_queue = max_queue
         self.eos_ids = tuple(eos_ids)
+        self.by_priority = scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pages: dict[str, RequestPages] = {}
@@ -65,6 +82,7 @@ class Scheduler:
         # rid -> its prefill's PrefixCache.extend state (full pages registered, the last one's key)
         self._chains: dict[str, tuple[int, bytes | None]] = {}
         self.num_overlapped = 0  # steps planned while the previous one ran (plan_continuation)
+        self._planned: set[str] = set()  # rids with a row in the step being planned (not preemptible)
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -89,9 +107,25 @@ class Scheduler:
             raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
         if any(r.rid == req.rid for r in self.running) or any(r.rid == req.rid for r in self.waiting):
             raise RequestError(f"duplicate request id {req.rid!r}")
+        if req.params.priority != 0 and not self.by_priority:  # (as vLLM refuses it)
+            raise RequestError(
+                f"priority {req.params.priority}: the engine schedules first come, first served; "
+                "priorities need scheduling_policy 'priority' (serve --scheduling-policy priority)",
+                "priority",
+            )
         req.seed = req.params.seed if req.params.seed is not None else random.getrandbits(31)
         req.arrival = req.arrival or time.monotonic()
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Put `req` at the waiting queue's end, or (priority) in its (priority, arrival) place: after
+        every request whose key is not larger, so equal keys keep their order."""
+        i = len(self.waiting)
+        if self.by_priority:
+            key = priority_key(req)
+            while i > 0 and priority_key(self.waiting[i - 1]) > key:
+                i -= 1
+        self.waiting.insert(i, req)
 
     def abort(self, rid: str) -> Request | None:
         for req in list(self.waiting):
@@ -113,19 +147,23 @@ class Scheduler:
     def schedule(self) -> BatchPlan | None:
         rows: list[RowPlan] = []
         budget = self.max_batch_tokens
+        self._planned.clear()
+        if self.by_priority:
+            self._preempt_for_head()
         # 1. decodes: one token each, never starved by prefills
-        for req in [r for r in self.running if not r.in_prefill]:
+        for req in self._ordered([r for r in self.running if not r.in_prefill]):
             if req not in self.running:
                 continue  # preempted while making room for an earlier one
             if not self._grow(req, 1):
                 continue
             rows.append(self._row(req, 1))
+            self._planned.add(req.rid)
             budget -= 1
         # 2. prefill chunks of admitted requests, oldest first; one that would not finish in this step
         # leaves half the budget to the requests behind it (other prefills, admissions), so a long
         # document's prefill does not hold every new request back until it is done
         # (a waiting request that waits for this very prefill's pages is not behind it)
-        prefills = [r for r in self.running if r.in_prefill]
+        prefills = self._ordered([r for r in self.running if r.in_prefill])
         admissible = (
             bool(self.waiting)
             and len(self.running) < self.max_running
@@ -140,6 +178,7 @@ class Scheduler:
             if req not in self.running or not self._grow(req, n):
                 continue
             rows.append(self._row(req, n))
+            self._planned.add(req.rid)
             budget -= n
         # 3. admission (a request that shares uncached prompt pages with one still prefilling them waits
         # for them, keeping its place in the queue, and the requests behind it go on)
@@ -166,12 +205,43 @@ class Scheduler:
             self.running.append(req)
             rp.grow(n, self.alloc)
             rows.append(self._row(req, n))
+            self._planned.add(req.rid)
             budget -= n
         self.waiting.extendleft(reversed(held))
         if not rows:
             return None
         self._step += 1
         return BatchPlan(self._step, tuple(rows))
+
+    def _ordered(self, reqs: list[Request]) -> list[Request]:
+        """`reqs` in the order the step serves them: as admitted (fcfs), or by (priority, arrival)."""
+        return sorted(reqs, key=priority_key) if self.by_priority else reqs
+
+    def _preempt_for_head(self) -> None:
+        """Priority preemption (vLLM's): while the waiting head's first chunk, with a token for each
+        decode, does not fit the free pages, preempt the running request with the largest (priority,
+        arrival) if it is strictly larger than the head's. Never for an equal or a higher priority, nor
+        when the head could not be admitted anyway (the running limit, a prefill it waits for); each
+        round preempts one request, so it ends."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or len(self.running) >= self.max_running or self._waits_for_prefill(head):
+            return
+        key = priority_key(head)
+        while self.running and not self._make_room(self._head_need(head)):
+            victim = max(self.running, key=priority_key)
+            if priority_key(victim) <= key:
+                return
+            self._preempt(victim)
+
+    def _head_need(self, head: Request) -> int:
+        """Pages this step needs to admit `head` (its first chunk past its cached prefix) and to give
+        every running decode its next token."""
+        cached = 0
+        if self.cache is not None and not head.return_logits and not head.needs_prompt_logprobs:
+            cached = self.cache.cached_tokens(head.all_ids)
+        n = min(head.num_tokens - cached, self.max_batch_tokens, self.chunk_size)
+        decodes = sum(max(0, self.pages[r.rid].pages_missing(1)) for r in self.running if not r.in_prefill)
+        return self.alloc.pages_for(cached + n) - cached // self.page_size + decodes
 
     def _waits_for_prefill(self, req: Request) -> bool:
         """Whether `req` should wait for a running request whose prefill has not yet computed the full
@@ -206,15 +276,28 @@ class Scheduler:
             if self._make_room(rp.pages_missing(n)):
                 rp.grow(n, self.alloc)
                 return True
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is req:
                 return False
 
+    def _victim(self) -> Request:
+        """Whom to preempt when pages run out: the most recently admitted request (fcfs), or the one
+        with the largest (priority, arrival) among those without a row in this step yet (priority; the
+        request growing is one of them, and a planned row's pages must stay its own)."""
+        if not self.by_priority:
+            return self.running[-1]
+        return max((r for r in self.running if r.rid not in self._planned), key=priority_key)
+
     def _preempt(self, req: Request) -> None:
+        """Free `req`'s pages and put it back in the queue to be recomputed: at its head (fcfs), or in its
+        (priority, arrival) place."""
         self._release(req, cache=False)
         req.num_computed = 0
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.appendleft(req)
         self.num_preempted += 1
 
     def _row(self, req: Request, n: int) -> RowPlan:
@@ -481,4 +564,4 @@ def common_full_pages(a: list[int], b: list[int], page_size: int) -> int:
     return i
 
 
-__all__ = ["OutOfPages", "QueueFull", "Scheduler", "common_full_pages"]
+__all__ = ["SCHEDULING_POLICIES", "OutOfPages", "QueueFull", "Scheduler", "common_full_pages", "priority_key"]

@@ -105,6 +105,11 @@ class PrefixCache:
         self.hit_tokens += n_cached
         return [n.page for n in nodes], n_cached
 
+    def cached_tokens(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """The tokens `match` would serve from the cache, without taking references, touching the pages
+        or counting a query (the priority scheduler's estimate of a waiting request's pages)."""
+        return len(self._walk(tokens, max(len(tokens) - 1, 0) // self.page_size)) * self.page_size
+
     def insert(self, tokens: Sequence[int] | np.ndarray, pages: Sequence[int]) -> int:
         """Register the full pages of a prefilled request; returns how many pages were new.
 

@@ -133,6 +133,10 @@ class FakeEngine:
                 f"prompt has {len(req.prompt_ids)} tokens, more than max_context {self.max_context}"
             )
         check_token_ids(req, self.opts.vocab_size)
+        if req.params.priority != 0:  # (it schedules first come, first served, as the real engine's default)
+            raise RequestError(
+                f"priority {req.params.priority}: the engine schedules first come, first served", "priority"
+            )
         seed = req.params.seed if req.params.seed is not None else hash(req.rid)
         need = -(-(len(req.prompt_ids) + req.params.max_new_tokens) // PAGE)
         if need > self.opts.total_pages:

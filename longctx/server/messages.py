@@ -97,6 +97,7 @@ class WireSamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()
     guided: tuple[str, ...] = ()
+    priority: int = 0
 
 
 @message("add")

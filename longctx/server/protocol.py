@@ -175,6 +175,9 @@ class _SamplingFields(_Strict):
     # -1 is no seed (vLLM's rule, and clients that always send a seed send it); other negative seeds are
     # refused: the engine's generators take a seed modulo 2**63, so each would draw what seed + 2**63 does
     seed: int | None = Field(None, ge=-1, le=I64)
+    # vLLM's: under serve --scheduling-policy priority, lower is served earlier (ties by arrival); the
+    # default fcfs policy refuses anything but 0
+    priority: int = Field(0, ge=-I64 - 1, le=I64)
     stop: StopT = None
     stream: bool = False
     stream_options: StreamOptions | None = None

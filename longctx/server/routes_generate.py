@@ -128,6 +128,7 @@ def sampling(
         allowed_token_ids=tuple(req.allowed_token_ids or ()),
         bad_words=tuple(req.bad_words or ()),
         guided=req.guided(),
+        priority=req.priority,
     )
 
 
