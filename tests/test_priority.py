@@ -175,3 +175,23 @@ def test_fcfs_server_answers_a_priority_with_400(tmp_path):
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "priority", r.text
             assert httpx.post(s.url + path, json={**body, "priority": 0}).status_code == 200
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_row_planned_in_the_step_keeps_its_pages(policy):
+    """A prefill chunk that runs out of pages never preempts a request already given a row in the same step
+    (its pages would go to the chunk while the row still writes its KV there): a is prefilling when b, admitted
+    after it, decodes first; with no page left for a's last chunk a itself is preempted (and re-admitted
+    from its start in the same step, into its own freed pages), and b's row stands."""
+    s = _sched(pages=6, policy=policy, budget=16)
+    s.chunk_size = 8
+    s.add(_req("a", 20, new=2))
+    s.add(_req("b", 4, new=12))
+    assert _step(s) == ["a", "b"] and _step(s) == ["b", "a"]
+    assert s.alloc.num_free == 0 and _ids(s.running) == ["a", "b"]
+    plan = s.schedule()  # b decodes in its page; a's last 4 prompt tokens need a page there is not
+    assert plan is not None and [(r.rid, r.start) for r in plan.rows] == [("b", 5), ("a", 0)]
+    assert s.num_preempted == 1 and _ids(s.running) == ["b", "a"]
+    for r in plan.rows:  # every planned row's request still holds the pages its row writes
+        assert r.pages == tuple(s.pages[r.rid].pages[: len(r.pages)])
+    assert not set(plan.rows[0].pages) & set(plan.rows[1].pages)

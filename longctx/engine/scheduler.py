@@ -4,8 +4,10 @@ Every request needs the KV of `all_ids[num_computed:]` computed; a decoding requ
 such token. Each step takes every decoding request first (so a long prefill never stalls other
 users' tokens), then spends the remaining token budget on prefill chunks of running requests, then
 admits waiting requests while pages allow. The row that reaches a request's last token samples its
-next token. When pages run out mid-flight the most recently admitted request is preempted: its pages
-are freed and it is recomputed later (sampling is seeded per token, so it continues identically).
+next token. When pages run out mid-flight the most recently admitted request without a row in the step
+yet is preempted (a planned row's pages are its own until the step has run; the request growing is
+always a candidate): its pages are freed and it is recomputed later (sampling is seeded per token, so it
+continues identically).
 
 `scheduling_policy="priority"` (vLLM's) orders all of this by each request's (priority, arrival), lower
 first: the waiting queue, decodes and prefill chunks; the victim when pages run out is the running
@@ -282,12 +284,11 @@ class Scheduler:
                 return False
 
     def _victim(self) -> Request:
-        """Whom to preempt when pages run out: the most recently admitted request (fcfs), or the one
-        with the largest (priority, arrival) among those without a row in this step yet (priority; the
-        request growing is one of them, and a planned row's pages must stay its own)."""
-        if not self.by_priority:
-            return self.running[-1]
-        return max((r for r in self.running if r.rid not in self._planned), key=priority_key)
+        """Whom to preempt when pages run out, among the requests without a row in this step yet (a
+        planned row's pages must stay its own; the request growing is one of them): the most recently
+        admitted (fcfs), or the one with the largest (priority, arrival)."""
+        free = [r for r in self.running if r.rid not in self._planned]
+        return max(free, key=priority_key) if self.by_priority else free[-1]
 
     def _preempt(self, req: Request) -> None:
         """Free `req`'s pages and put it back in the queue to be recomputed: at its head (fcfs), or in its
