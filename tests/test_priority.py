@@ -195,3 +195,20 @@ def test_a_row_planned_in_the_step_keeps_its_pages(policy):
     for r in plan.rows:  # every planned row's request still holds the pages its row writes
         assert r.pages == tuple(s.pages[r.rid].pages[: len(r.pages)])
     assert not set(plan.rows[0].pages) & set(plan.rows[1].pages)
+
+
+def test_generate_takes_one_priority_or_one_per_prompt(tiny_dir):
+    """Engine.generate(priority=): one value for every prompt or a list with one per prompt (vLLM's LLM); the
+    tokens are each prompt's alone; a list of the wrong length or a value that is not an integer is refused,
+    and under fcfs a nonzero priority is."""
+    prompts = [rand_ids(9, seed=1), rand_ids(30, seed=2), rand_ids(5, seed=3)]
+    with Engine(tiny_dir, device="cpu", scheduling_policy="priority") as eng:
+        alone = [eng.generate(p, max_new_tokens=6)[0].token_ids for p in prompts]
+        assert [c.token_ids for c in eng.generate(prompts, max_new_tokens=6, priority=[2, -1, 0])] == alone
+        assert [c.token_ids for c in eng.generate(prompts, max_new_tokens=6, priority=3)] == alone
+        with pytest.raises(RequestError, match="priority has 2 values for 3 prompts"):
+            eng.generate(prompts, priority=[0, 1])
+        with pytest.raises(RequestError, match="priority"):
+            eng.generate(prompts, priority=[0, 1.5, 0])  # type: ignore[list-item]
+    with Engine(tiny_dir, device="cpu") as eng, pytest.raises(RequestError, match="priority"):
+        eng.generate(prompts, priority=1)

@@ -118,6 +118,7 @@ class Engine(EngineCore):
         guided_choice: list[str] | None = None,
         guided_json: dict | str | None = None,
         guided_json_object: bool = False,
+        priority: int | list[int] = 0,
     ) -> list[Completion]:
         """Generate for a batch of prompts (token-id lists or strings), or for one prompt (a string or a
         token-id list, as SGLang's Engine and vLLM's LLM take it); one Completion each, a list either way.
@@ -125,7 +126,9 @@ class Engine(EngineCore):
         top-N alternatives of each generated / prompt token), include_stop_str_in_output (the text keeps
         the stop string that ended it), allowed_token_ids (the only tokens drawn) and bad_words (words never
         generated) are `SamplingParams`'. At most one guide holds the output to a regex, one of a list of
-        choices, a JSON schema's instances or any JSON object (vLLM's guided decoding, `engine.guided`)."""
+        choices, a JSON schema's instances or any JSON object (vLLM's guided decoding, `engine.guided`).
+        `priority` (one for every prompt, or a list with one per prompt, as vLLM's LLM takes it) orders the
+        requests under `scheduling_policy="priority"`, lower first."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list | tuple) and prompts and all(is_int(t) for t in prompts)
         ):
@@ -161,10 +164,21 @@ class Engine(EngineCore):
             guided=guide_of(guided_regex, guided_choice, guided_json, guided_json_object),
         )
         params.validate()  # before any prompt is read, once for every prompt (seed + i stays valid)
+        priorities = priority if isinstance(priority, list | tuple) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise RequestError(
+                f"priority has {len(priorities)} values for {len(prompts)} prompts (give one, or one per prompt)",
+                "priority",
+            )
+        for p in priorities:
+            if not is_int(p):
+                raise RequestError.about("priority", repr(p), "must be an integer")
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
-            one = params if seed is None else dataclasses.replace(params, seed=seed + i)
+            one = dataclasses.replace(params, priority=priorities[i])
+            if seed is not None:
+                one = dataclasses.replace(one, seed=seed + i)
             reqs.append(Request(self._new_rid("gen"), ids, one))
         lps = self._run_to_completion(reqs, desc="generate")
         return [self.completion(r, *lps[r.rid]) for r in reqs]
