@@ -170,9 +170,9 @@ class Engine(EngineCore):
                 f"priority has {len(priorities)} values for {len(prompts)} prompts (give one, or one per prompt)",
                 "priority",
             )
-        for p in priorities:
-            if not is_int(p):
-                raise RequestError.about("priority", repr(p), "must be an integer")
+        for value in priorities:
+            if not is_int(value):
+                raise RequestError.about("priority", repr(value), "must be an integer")
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")
