@@ -68,6 +68,8 @@ BAD_FLAGS = [
     ("generate", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
     ("generate", ["--max-context", "0"], "--max-context 0: must be a positive integer"),
     ("generate", ["--chunk-size", "-3"], "--chunk-size -3: must be a positive integer"),  # (was a hang)
+    ("generate", ["--max-num-seqs", "0"], "--max-running 0: must be a positive integer"),
+    ("generate", ["--kv-pages", "0"], "--kv-pages 0: must be a positive integer"),
     # (said as the keyword, after the weights were read)
     ("generate", ["--hisparse-device-tokens", "256"], "--hisparse-device-tokens 256: must be more than --index-topk (256), the tokens a full layer selects"),
     ("generate", ["--index-topk", "192", "--hisparse-device-tokens", "150"], "--hisparse-device-tokens 150: must be more than --index-topk (192), the tokens a full layer selects"),
@@ -102,6 +104,9 @@ BAD_FLAGS = [
     ("serve", ["--pp", "99"], "--pp 99: must be in [1, 6] (the layer count)"),
     ("serve", ["--tp", "3"], "--tp 3: must divide num_attention_heads = 8"),
     ("serve", ["--max-queue", "0"], "--max-queue 0: must be >= 1"),
+    ("serve", ["--max-num-seqs", "0"], "--max-running 0: must be >= 1"),
+    ("serve", ["--kv-pages", "-2"], "--kv-pages -2: must be >= 1"),
+    ("serve", ["--chunk-size", "0"], "--chunk-size 0: must be >= 1"),
     ("serve", ["--index-topk-long", "-1"], "--index-topk-long -1: must be >= 0"),
     ("serve", ["--index-topk", "64"], "--index-topk 64: leaves no room for the checkpoint's index_local_window 64 (must be > it); lower --index-local-window or raise --index-topk"),
     ("serve", ["--index-local-window", "999"], "--index-local-window 999: must be an int in [0, index_topk = 256)"),
@@ -330,3 +335,30 @@ def test_model_files_that_are_not_utf8_are_one_line(
     assert len(err) == 1 and err[0].startswith(
         f"longctx generate: error: {model / 'config.json'} is not valid JSON"
     )
+
+
+def test_engine_size_flags_reach_the_engine_keywords() -> None:
+    """--kv-pages, --chunk-size, --max-running (vLLM's --max-num-seqs) and --no-cuda-graphs (vLLM's
+    --enforce-eager) are Engine keywords for generate / score and serve alike; left out, the Engine's defaults."""
+    from longctx.engine.args import engine_kwargs
+
+    parser = build_parser()
+    for cmd in ("generate", "serve"):
+        tail = ["hi"] if cmd == "generate" else []
+        kw = engine_kwargs(parser.parse_args([cmd, "--model", WIP, *tail]))
+        assert (kw["kv_pages"], kw["chunk_size"], kw["max_running"], kw["cuda_graphs"]) == (
+            None,
+            None,
+            64,
+            None,
+        )
+        for flags, want in (
+            (["--kv-pages", "40", "--chunk-size", "96", "--max-num-seqs", "3", "--enforce-eager"], (40, 96, 3, False)),
+            (["--max-running", "5", "--no-cuda-graphs"], (None, None, 5, False)),
+            (["--cuda-graphs"], (None, None, 64, True)),
+        ):  # fmt: skip
+            kw = engine_kwargs(parser.parse_args([cmd, "--model", WIP, *flags, *tail]))
+            assert (kw["kv_pages"], kw["chunk_size"], kw["max_running"], kw["cuda_graphs"]) == want, (
+                cmd,
+                flags,
+            )

@@ -26,6 +26,10 @@ ENGINE_FIELDS = (
     *SELECTION_FIELDS,
     "kv_fp8_skip_layers",
     "scheduling_policy",
+    "kv_pages",
+    "chunk_size",
+    "max_running",
+    "cuda_graphs",
 )
 
 _CHOICES = {
@@ -76,6 +80,43 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_help: str, choices: boo
         "first, then arrival, preempting lower-priority requests for pages (vLLM's)"
     )
     p.add_argument("--scheduling-policy", default="fcfs", **policy)
+    p.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV pages of 64 tokens per stage (default: what the device's free memory holds, up to what "
+        "max_running requests of max_context need)",
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens a prefill chunk takes, and a step's token budget (default: the engine's)",
+    )
+    p.add_argument(
+        "--max-running",
+        "--max-num-seqs",
+        dest="max_running",
+        type=int,
+        default=64,
+        help="requests run together at most (--max-num-seqs: vLLM's name for it)",
+    )
+    # (before --cuda-graphs: an error names a setting by the last flag of its dest, `longctx.cli.said_as`)
+    p.add_argument(
+        "--enforce-eager",
+        dest="cuda_graphs",
+        action="store_const",
+        const=False,
+        help="vLLM's name for --no-cuda-graphs",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps replayed from CUDA graphs (default: on CUDA; --no-cuda-graphs runs them eagerly)",
+    )
     add_selection_args(p)
 
 

@@ -15,7 +15,6 @@ from longctx.errors import LongctxError
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, model_help="checkpoint directory (config.json + safetensors)", choices=False)
-    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (tokens per step)")
 
 
 def _engine(args: argparse.Namespace):
@@ -23,7 +22,7 @@ def _engine(args: argparse.Namespace):
 
     if not Path(args.model).is_dir():
         raise LongctxError(f"model directory not found: {args.model}")
-    return Engine(args.model, **engine_kwargs(args), chunk_size=args.chunk_size)
+    return Engine(args.model, **engine_kwargs(args))
 
 
 def _read_prompt(args: argparse.Namespace) -> list[str] | list[list[int]]:

@@ -193,9 +193,10 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--fake-engine: {e}") from None
     elif not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model}: no config.json there")
-    for name in ("pp", "tp", "max_queue", "max_context", "hisparse_device_tokens"):
+    for name in ("pp", "tp", "max_queue", "max_context", "max_running", "hisparse_device_tokens", "kv_pages",
+                 "chunk_size"):  # fmt: skip
         value = getattr(args, name)
-        if value is not None and value < 1:  # (the last is optional)
+        if value is not None and value < 1:  # (the last three are optional)
             raise CLIError.about(name, value, "must be >= 1")
     if not 0 <= args.port <= 65535:
         raise CLIError.about("port", args.port, "must be in [0, 65535] (0 picks a free port)")

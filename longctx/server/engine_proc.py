@@ -50,6 +50,10 @@ class EngineSpec:
     index_topk_long_from: int | None = None
     kv_fp8_skip_layers: tuple[int, ...] | None = None
     scheduling_policy: str = "fcfs"
+    kv_pages: int | None = None
+    chunk_size: int | None = None
+    max_running: int = 64
+    cuda_graphs: bool | None = None
     fake: dict[str, Any] | None = field(default=None)  # FakeEngine options; None = the real Engine
     # after a SIGTERM of its own (a whole process group signalled: systemd, `timeout`), how long the
     # engine keeps serving while its frontend drains and then shuts it down
