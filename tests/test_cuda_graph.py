@@ -3,6 +3,7 @@ capture on CPU: it must give exactly the eager engine's tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from longctx import Engine
@@ -104,16 +105,18 @@ def test_worker_page_rows_follow_the_plans():
         assert got.tolist() == pages and got.dtype == torch.int32
 
 
-def test_side_stream_path_matches_eager(tiny_dir):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_side_stream_path_matches_eager(tiny_dir, backend):
     """Decode steps through the graph path with the layers' side-stream forks (the MLA row's write and a
     full layer's indexer beside the query's path, the shared experts beside the routed ones) give the eager
     engine's tokens; each step forks once per layer's attention and once per MoE layer with shared experts,
-    each fork joined."""
-    prompts = [ids_of(n, n + 1) for n in (9, 66)]
-    kw = dict(max_new_tokens=8, ignore_eos=True)
-    with Engine(tiny_dir, device="cpu") as eager:
+    each fork joined. With the Triton kernels (the interpreter) too: the fused projections' slices, the
+    experts kernels' join before their combine."""
+    prompts = [ids_of(n, n + 1) for n in ((9, 66) if backend == "torch" else (9, 20))]
+    kw = dict(max_new_tokens=8 if backend == "torch" else 3, ignore_eos=True)
+    with Engine(tiny_dir, device="cpu", backend=backend) as eager:
         want = [c.token_ids for c in eager.generate(prompts, **kw)]
-    with Engine(tiny_dir, device="cpu", cuda_graphs=True) as g:
+    with Engine(tiny_dir, device="cpu", backend=backend, cuda_graphs=True) as g:
         graphs = g.runner.graphs
         assert graphs.side is None  # no capture on CPU: no side stream
         graphs.side = side = InlineSide()
