@@ -75,6 +75,11 @@ def srv(tmp_path_factory, request):
 def test_reasoning_and_auto_tool_calls_over_http(srv):
     """The fake engine's greedy output echoes the prompt: "\\n" + the user's text + "<|assistant|>\\n"... So
     a user text holding a think block and a call comes back split: reasoning, content, the call."""
+    # the startup log says how chats are read (--tool-call-parser auto: the fake engine's, GLM's)
+    assert (
+        f"scheduling=fcfs tool calls=glm reasoning={srv.args[srv.args.index('--reasoning-parser') + 1]}"
+        in (srv.log())
+    )
     client = openai_client(srv)
     user = "<think>check the clock</think>\n\nLet me look. <tool_call>now</tool_call>"
     body = dict(model="fake", messages=[{"role": "user", "content": user}], tools=TOOLS, temperature=0)

@@ -105,12 +105,16 @@ def create_app(
                 await state.client.close()
             return
         setting = ready.info.get("max_context_setting", ready.max_context)
+        st = state.settings
         log.info(
-            "engine ready: max_context=%d%s vocab=%d kv=%s %s",
+            "engine ready: max_context=%d%s vocab=%d kv=%s scheduling=%s tool calls=%s reasoning=%s %s",
             ready.max_context,
             f" (what the KV pool holds; --max-context {setting})" if setting > ready.max_context else "",
             ready.vocab_size,
             ready.info.get("kv", "-"),
+            st.spec.scheduling_policy,
+            st.tool_call_parser,  # (--tool-call-parser auto resolved: the format "auto" tool calls are read in)
+            st.reasoning_parser,
             "(fake engine)" if ready.info.get("fake") else "",
         )
         if on_ready is not None:
