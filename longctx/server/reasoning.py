@@ -39,8 +39,9 @@ def split_reasoning(text: str, in_thought: bool = False) -> tuple[str | None, st
     return text[:end], text[end + len(THINK_CLOSE) :].lstrip("\n")
 
 
-def _held(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (held back while streaming)."""
+def held_back(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back while streaming: the reasoning's
+    close tag here, a tool-call format's opening marker in `tools.ToolStream`)."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-k:]):
             return k
@@ -75,7 +76,7 @@ class ReasoningStream:
                 reasoning, self.buf = self.buf[:close], self.buf[close + len(THINK_CLOSE) :]
                 self.state = "answer"
             else:
-                keep = 0 if end else _held(self.buf, THINK_CLOSE)
+                keep = 0 if end else held_back(self.buf, THINK_CLOSE)
                 reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
         if self.state == "answer":
             if self.lead:

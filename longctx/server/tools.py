@@ -46,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from longctx.server.reasoning import held_back
+
 MAX_TOOLS = 128
 
 # (a call's name and its arguments' JSON text, read from the call's body; None: not a call)
@@ -68,13 +70,6 @@ class ToolFormat:
     def __post_init__(self) -> None:
         pattern = re.escape(self.open) + "(.*?)" + re.escape(self.close)
         object.__setattr__(self, "call", re.compile(pattern, re.S))
-
-    def held(self, text: str) -> int:
-        """The length of the longest end of `text` that begins `begins` (held back while streaming)."""
-        for k in range(min(len(text), len(self.begins) - 1), 0, -1):
-            if self.begins.startswith(text[-k:]):
-                return k
-        return 0
 
 
 def _is_text(schema: Any) -> bool:
@@ -327,7 +322,7 @@ class ToolStream:
             start = self.text.find(form.begins, self.sent)
             if start >= 0:
                 self.opened = start
-            upto = start if start >= 0 else len(self.text) - (0 if end else form.held(self.text))
+            upto = start if start >= 0 else len(self.text) - (0 if end else held_back(self.text, form.begins))
             if upto > self.sent:
                 delta["content"] = self.text[self.sent : upto]
                 self.sent = upto
