@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -526,6 +527,11 @@ def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
     return v
 
 
+# vLLM's chat_template_kwargs (chat completions and /tokenize): more variables for the chat template (GLM's
+# `enable_thinking`, ...)
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(check_template_kwargs)]
+
+
 class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
     TOOLS_SERVED: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(min_length=1)
@@ -536,15 +542,9 @@ class ChatCompletionRequest(_SamplingFields, _PromptLogprobs):
     add_generation_prompt: bool = True
     # vLLM's: the last message (an answer the client began) left open for the model to go on from
     continue_final_message: bool = False
-    # vLLM's: more variables for the chat template (GLM's `enable_thinking`, ...)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     # OpenAI's: false allows one tool call at most ("required" is held to one, "auto" keeps the first)
     parallel_tool_calls: bool = True
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(v)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -565,12 +565,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(v)
+    chat_template_kwargs: TemplateKwargs = None
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:
