@@ -55,6 +55,8 @@ DTYPE_ALIASES = {
 # here, and every name of bfloat16 for bf16 (`kv_dtype_name`).
 KV_DTYPE_NAMES = ("auto", "model", "bf16", "fp8_e4m3")
 KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+# The scheduler's policies (`scheduling_policy`: Engine, the Scheduler, every --scheduling-policy)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 _ROPE_TYPES = ("default", "yarn")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 

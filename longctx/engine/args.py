@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from longctx.config import DTYPE_NAMES, KV_DTYPE_NAMES, SELECTION_FIELDS, dtype_arg, kv_dtype_name
+from longctx.config import (
+    DTYPE_NAMES,
+    KV_DTYPE_NAMES,
+    SCHEDULING_POLICIES,
+    SELECTION_FIELDS,
+    dtype_arg,
+    kv_dtype_name,
+)
 from longctx.errors import ConfigError
 
 # Engine keyword arguments that both commands expose, in Engine's positional order (then keywords).
@@ -37,7 +44,7 @@ _CHOICES = {
     "dtype": ["auto", *DTYPE_NAMES],
     "kv_dtype": list(KV_DTYPE_NAMES),
     "backend": ["auto", "torch", "triton"],
-    "scheduling_policy": ["fcfs", "priority"],
+    "scheduling_policy": list(SCHEDULING_POLICIES),
 }
 
 

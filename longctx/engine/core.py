@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from longctx.checkpoint.generation_config import load_generation_config
 from longctx.checkpoint.tokenizer import load_tokenizer, token_bytes_table
 from longctx.config import (
+    SCHEDULING_POLICIES,
     ModelConfig,
     check_device_tokens,
     check_kv_fp8_skip_layers,
@@ -42,7 +43,7 @@ from longctx.engine.request import (
     check_token_ids,
 )
 from longctx.engine.runner import LocalRunner, build_runner, device_fed
-from longctx.engine.scheduler import SCHEDULING_POLICIES, Scheduler
+from longctx.engine.scheduler import Scheduler
 from longctx.engine.sizing import PAGE_SIZE, check_engine_room, check_sizes, default_pages, resolve_device
 from longctx.engine.stop_strings import ends_in_stop
 from longctx.engine.turn_lock import TurnLock

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from typing import Any
 
+from longctx.config import SCHEDULING_POLICIES
 from longctx.engine.plan import BatchPlan, BatchResult, RowPlan, RowResult
 from longctx.engine.request import FinishReason, Request, StepOutput, TokenLogprob
 from longctx.errors import RequestError
@@ -38,9 +39,6 @@ class QueueFull(RequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="queue_full")
-
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def priority_key(req: Request) -> tuple[int, float]:
@@ -193,8 +191,9 @@ class Scheduler:
                 continue
             pages: list[int] = []
             cached = 0
-            if self.cache is not None and not req.return_logits and not req.needs_prompt_logprobs:
-                pages, cached = self.cache.match(req.all_ids)
+            cache = self._cache_for(req)
+            if cache is not None:
+                pages, cached = cache.match(req.all_ids)
             rp = RequestPages(self.page_size, pages, cached)
             n = min(req.num_tokens - cached, budget, self.chunk_size)
             if not self._make_room(rp.pages_missing(n)):
@@ -239,18 +238,26 @@ class Scheduler:
         """Pages this step needs to admit `head` (its first chunk past its cached prefix) and to give
         every running decode its next token."""
         cached = 0
-        if self.cache is not None and not head.return_logits and not head.needs_prompt_logprobs:
-            cached = self.cache.cached_tokens(head.all_ids)
+        cache = self._cache_for(head)
+        if cache is not None:
+            cached = cache.cached_tokens(head.all_ids)
         n = min(head.num_tokens - cached, self.max_batch_tokens, self.chunk_size)
         decodes = sum(max(0, self.pages[r.rid].pages_missing(1)) for r in self.running if not r.in_prefill)
         return self.alloc.pages_for(cached + n) - cached // self.page_size + decodes
+
+    def _cache_for(self, req: Request) -> PrefixCache | None:
+        """The prefix cache `req`'s prompt may take computed pages from; None without one, or when every
+        position's logits or the prompt's logprobs are wanted (a cached page computes neither)."""
+        if req.return_logits or req.needs_prompt_logprobs:
+            return None
+        return self.cache
 
     def _waits_for_prefill(self, req: Request) -> bool:
         """Whether `req` should wait for a running request whose prefill has not yet computed the full
         prompt pages the two share: they enter the prefix cache as that prefill computes them
         (`_cache_prefill`), so `req` then takes them instead of computing them a second time. Two
         clients sending one long document at once prefill it once."""
-        if self.cache is None or req.return_logits or req.needs_prompt_logprobs:
+        if self._cache_for(req) is None:
             return False
         ps = self.page_size
         usable = (len(req.prompt_ids) - 1) // ps  # (a match leaves one token to compute)
@@ -565,4 +572,4 @@ def common_full_pages(a: list[int], b: list[int], page_size: int) -> int:
     return i
 
 
-__all__ = ["SCHEDULING_POLICIES", "OutOfPages", "QueueFull", "Scheduler", "common_full_pages", "priority_key"]
+__all__ = ["OutOfPages", "QueueFull", "Scheduler", "common_full_pages", "priority_key"]
