@@ -32,6 +32,7 @@ from longctx.engine.request import (
     SamplingParams,
     TokenLogprob,
     as_token_ids,
+    check_priority,
 )
 from longctx.engine.stop_strings import stop_in
 from longctx.errors import EngineDeadError, RequestError
@@ -171,8 +172,7 @@ class Engine(EngineCore):
                 "priority",
             )
         for value in priorities:
-            if not is_int(value):
-                raise RequestError.about("priority", repr(value), "must be an integer")
+            check_priority(value)
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p) if isinstance(p, str) else as_token_ids(p, f"prompts[{i}]")

@@ -21,6 +21,12 @@ MAX_BAD_WORDS = 64  # a request's bad_words (each is checked against the output'
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias (OpenAI's values are in [-100, 100])
 
 
+def check_priority(value: Any) -> None:
+    """A request's priority: an integer (`SamplingParams.priority`; `Engine.generate` takes one per prompt)."""
+    if not is_int(value):
+        raise RequestError.about("priority", repr(value), "must be an integer")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` disable them."""
@@ -150,8 +156,7 @@ class SamplingParams:
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise RequestError.about("bad_words", repr(w), "must be a word (a string that is not blank)")
-        if not is_int(self.priority):
-            raise RequestError.about("priority", repr(self.priority), "must be an integer")
+        check_priority(self.priority)
         if self.guided:
             self._validate_guided()
 
