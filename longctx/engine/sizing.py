@@ -129,18 +129,17 @@ def check_engine_room(
         # the stage ranks' GPUs (and under torchrun their nodes) taken to be alike: the most loaded
         # rank against this GPU's free memory, a node's share of the host pools against its RAM
         weights, kv, sampler = max(ranks, key=sum)
-        per_gpu = " per GPU" if world > 1 else ""
-        parts = {"the weights": weights, kv_name: kv}
-        if sampler:
-            parts[f"the penalties' state of {max_running} requests"] = sampler
-        check_parts(subject, parts, f"GPU memory{per_gpu}", available_memory(device))
-        nodes = -(-world // torch.cuda.device_count())
-        check_room(f"{subject}: {kv_name}", host // nodes, "host memory", available_memory())
     else:
         weights = tp * sum(w for w, _, _ in ranks)
         kv = tp * sum(k for _, k, _ in ranks) + host
         sampler = sum(x for _, _, x in ranks)
-        parts = {"the weights": weights, kv_name: kv}
-        if sampler:
-            parts[f"the penalties' state of {max_running} requests"] = sampler
+    parts = {"the weights": weights, kv_name: kv}
+    if sampler:
+        parts[f"the penalties' state of {max_running} requests"] = sampler
+    if device.type == "cuda":
+        per_gpu = " per GPU" if world > 1 else ""
+        check_parts(subject, parts, f"GPU memory{per_gpu}", available_memory(device))
+        nodes = -(-world // torch.cuda.device_count())
+        check_room(f"{subject}: {kv_name}", host // nodes, "host memory", available_memory())
+    else:
         check_parts(subject, parts, "memory", available_memory())
