@@ -440,8 +440,8 @@ class _Classed:
         valid = v.lengths_valid()
         key = np.where(valid, rep[v.table], 0).astype(np.uint8)
         lens = valid.sum(axis=1)
-        key = np.ascontiguousarray(np.concatenate([(lens[:, None] >> np.array([8, 0])) & 255, key], axis=1))
-        rows = key.astype(np.uint8).view(np.dtype((np.void, key.shape[1]))).reshape(-1)
+        key = np.concatenate([(lens[:, None] >> np.array([8, 0])) & 255, key], axis=1).astype(np.uint8)
+        rows = key.view(np.dtype((np.void, key.shape[1]))).reshape(-1)  # (astype's copy: C-contiguous)
         _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
         perm = np.argsort(first)  # (the unique rows in table order: longest first, as a walk needs)
         rank = np.empty_like(perm)
@@ -568,12 +568,12 @@ class NestedGuide(Guide):
     can start with that byte, starts one: the state after the call is pushed and the walk goes on in that
     kind's automaton (entered through its CONT marker). A container's closing byte leads to a state that
     accepts and has no way on (`done`): there the pushed state is popped, and the walk resumes after the
-    call. A text byte always takes its
-    own transition first, so where a schema allows a specific container and a called one at one place (an
-    `anyOf` of an object and a recursive $ref's object), a container follows the specific one (what is
-    generated is valid, a subset of the schema's instances). An `anyOf` / `oneOf` with a free alternative
-    is free as a whole, so a free value never meets this. The state is a `Config`; masks are cached per (state, the top of the stack any one
-    token can pop to, the room left for tokens' pushes)."""
+    call. A text byte always takes its own transition first, so where a schema allows a specific container
+    and a called one at one place (an `anyOf` of an object and a recursive $ref's object), a container
+    follows the specific one (what is generated is valid, a subset of the schema's instances). An `anyOf` /
+    `oneOf` with a free alternative is free as a whole, so a free value never meets this. The state is a
+    `Config`; masks are cached per (state, the top of the stack any one token can pop to, the room left for
+    tokens' pushes)."""
 
     def __post_init__(self) -> None:
         t = self.dfa.trans

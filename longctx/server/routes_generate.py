@@ -51,7 +51,7 @@ class Shape:
     tools: Any = None
     tool_format: ToolFormat = GLM_CALLS  # (`tools` here is the field above, not the module)
     parallel_tool_calls: bool = True  # ("auto": False keeps the first call)
-    # chat with --reasoning-parser glm and no guide: <think> blocks to reasoning_content ("start"; "thought":
+    # chat with a --reasoning-parser and no guide: <think> blocks to reasoning_content ("start"; "thought":
     # the prompt leaves a <think> open, so the output starts inside it); None: not read
     reasoning: str | None = None
 
@@ -518,7 +518,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 def with_reasoning(st: ServerState, shape: Shape, params: m.WireSamplingParams, prompt: str) -> Shape:
-    """`shape` reading <think> blocks into reasoning_content (`--reasoning-parser glm`; from the output's start
+    """`shape` reading <think> blocks into reasoning_content (`--reasoning-parser`; from the output's start
     when `prompt` leaves one open), unless the request is guided (a guide's output has no thinking)."""
     if st.settings.reasoning_parser == "none" or params.guided:
         return shape
