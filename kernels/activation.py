@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check, jit, next_pow2, round_as, tl, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, round_as, tl, use_triton
 
 
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,8 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_mul_kernel(x_ptr, y_ptr, I, sx, sy, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, I, sx, sy, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
@@ -43,5 +44,5 @@ def silu_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     y = torch.empty(t, i, dtype=x.dtype, device=x.device)
     if t and i:
         block = min(next_pow2(i), 1024)
-        _silu_mul_kernel[(t, -(-i // block))](x, y, i, x.stride(0), y.stride(0), BLOCK=block)
+        _silu_mul_kernel[(t, -(-i // block))](x, y, i, x.stride(0), y.stride(0), BLOCK=block, **pdl(x.device))
     return y

@@ -114,6 +114,47 @@ def jit(fn: Callable[..., Any]) -> Any:
     return triton.jit(fn) if HAS_TRITON else fn
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with `pdl(device)`'s keywords may
+# be scheduled while the kernel before it in the stream (or CUDA graph) is still finishing, so its launch
+# and CTA set-up overlap that kernel's tail. Every such kernel calls `pdl_wait(PDL)` before its first
+# global load or store: it returns once the kernel before has completed and its writes are visible, so
+# the result is the same as without PDL (and, each PDL kernel completing only after its own wait, reads
+# of any earlier kernel's output stay ordered too). Kernels launched without the keywords are ordinary
+# launches. LONGCTX_PDL=0 turns it off (for A/B runs); the interpreter and pre-Hopper GPUs never use it.
+PDL_ENABLED = os.environ.get("LONGCTX_PDL", "1").strip() != "0"
+# Tests set this to pass the keywords under the interpreter too (pdl_wait is then a no-op), which checks
+# that every kernel launched with them takes the PDL parameter.
+PDL_FORCE = False
+# griddepcontrol exists on the GPU only: under the interpreter pdl_wait never emits it
+_GDC = tl.constexpr(not triton_interpret()) if HAS_TRITON else False
+
+
+def pdl(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel with a `PDL: tl.constexpr` parameter that calls `pdl_wait(PDL)`
+    first: {"PDL": True, "launch_pdl": True} on a CUDA device of compute capability >= 9 unless
+    LONGCTX_PDL=0, else {} (the kernel's default PDL=False, a plain launch)."""
+    if PDL_FORCE:
+        return {"PDL": True, "launch_pdl": True}
+    if not PDL_ENABLED or device.type != "cuda" or triton_interpret():
+        return {}
+    return _pdl_keywords(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_keywords(index: int) -> dict[str, bool]:
+    return {"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability(index)[0] >= 9 else {}
+
+
+@jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under PDL: wait until the previous kernel's writes are visible, then let the next PDL kernel be
+    scheduled (it waits the same way, so at most one kernel waits ahead). A no-op otherwise."""
+    if PDL:
+        if _GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+
 def num_sms(device: torch.device, cpu: int = 4) -> int:
     """The device's SM count (cached: get_device_properties per call costs host time on the decode
     path), or `cpu` for a CPU device (the interpreter: a few programs, so tests split work)."""

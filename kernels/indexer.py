@@ -32,7 +32,19 @@ from typing import Any
 
 import torch
 
-from .common import check, jit, knobs_spec, next_pow2, num_sms, parse_knobs, tl, triton_interpret, use_triton
+from .common import (
+    check,
+    jit,
+    knobs_spec,
+    next_pow2,
+    num_sms,
+    parse_knobs,
+    pdl,
+    pdl_wait,
+    tl,
+    triton_interpret,
+    use_triton,
+)
 from .kv_layout import PAGE_SIZE, index_fp8_offsets, index_row_bytes, is_fp8, read_index_k_ref
 
 try:  # host-side TMA descriptors (triton >= 3.4); the TMA decode variant needs them
@@ -357,7 +369,7 @@ def _launch_decode(
         )
     consts.update(
         H=h, HP=hp, D=d, IEEE=q.dtype == torch.float32, INTERPRET=triton_interpret(),
-        num_warps=kn.warps, num_stages=kn.stages or (4 if tma else 3),
+        num_warps=kn.warps, num_stages=kn.stages or (4 if tma else 3), **pdl(q.device),
     )  # fmt: skip
 
     def args(tiles_per: int) -> tuple[Any, ...]:
@@ -546,8 +558,9 @@ def _indexer_decode_kernel(
     seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, max_len, tiles_per,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROW: tl.constexpr,
     FP8: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr, SC_AHEAD: tl.constexpr = False,
+    INTERPRET: tl.constexpr, SC_AHEAD: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Program (i, j): query i against key tiles [j*tiles_per, +tiles_per) (of the max_len columns).
     # Keys are the M side of the dot ([BLOCK_N, D] x [D, HP]): the A operand may then come from
     # registers, where fp8 keys are converted, and the head sum runs along the accumulator's rows.
@@ -648,8 +661,9 @@ def _indexer_decode_tma_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, w_scale, kdesc, pool_ptr, pt_ptr, stride_pb,
     seq_lens_ptr, q_seq_ptr, q_pos_ptr, out_ptr, stride_ot, max_len, tiles_per,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, RPP: tl.constexpr,
-    PAGES: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    PAGES: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # `_indexer_decode_kernel` with whole pages moved by TMA: the pool is seen as rows of D bytes
     # (`kdesc`, e4m3), RPP rows a page: page p's keys are the [PAGE, D] box at row p * RPP. A loop
     # iteration scores PAGES pages (tile t = pages [t * PAGES, +PAGES) of the request); same numerics

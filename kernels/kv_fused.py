@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check, jit, next_pow2, round_as, tl, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, round_as, tl, use_triton
 from .kv_layout import (
     AMAX_EPS,
     PAGE_SIZE,
@@ -83,8 +83,9 @@ def ln_rope_write_index_k_ref(
 def _norm_rope_mla_kernel(
     x_ptr, sx, w_ptr, cos_ptr, sin_ptr, sc, ss, slots_ptr, pool_ptr, eps,
     ROW: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, R2: tl.constexpr, R2P: tl.constexpr,
-    FP8: tl.constexpr, GS: tl.constexpr, GSP: tl.constexpr, EPS8: tl.constexpr,
+    FP8: tl.constexpr, GS: tl.constexpr, GSP: tl.constexpr, EPS8: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     xrow = x_ptr + t * sx
@@ -173,7 +174,7 @@ def norm_rope_write_mla_kv(
     _norm_rope_mla_kernel[(t,)](
         ckv, ckv.stride(0), norm_w, cos, sin, cos.stride(0), sin.stride(0), slots, pool, float(eps),
         ROW=pool.shape[1], L=lora, LP=next_pow2(lora), R2=r // 2, R2P=next_pow2(r // 2),
-        FP8=fp8, GS=g, GSP=next_pow2(g), EPS8=AMAX_EPS, num_warps=2,
+        FP8=fp8, GS=g, GSP=next_pow2(g), EPS8=AMAX_EPS, num_warps=2, **pdl(ckv.device),
     )  # fmt: skip
 
 
@@ -182,7 +183,9 @@ def _ln_rope_index_kernel(
     x_ptr, sx, w_ptr, b_ptr, cos_ptr, sin_ptr, sc, ss, slots_ptr, pool_ptr, eps,
     ROW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, R2: tl.constexpr, R2P: tl.constexpr,
     INTERLEAVED: tl.constexpr, FP8: tl.constexpr, EPS8: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     xrow = x_ptr + t * sx
@@ -272,5 +275,5 @@ def ln_rope_write_index_k(
     _ln_rope_index_kernel[(t,)](
         k, k.stride(0), ln_w, ln_b, cos, sin, cos.stride(0), sin.stride(0), slots, pool, float(eps),
         ROW=pool.shape[1], D=d, DP=next_pow2(d), R2=rope_dim // 2, R2P=next_pow2(rope_dim // 2),
-        INTERLEAVED=bool(interleaved), FP8=fp8, EPS8=AMAX_EPS, PAGE=PAGE_SIZE, num_warps=2,
+        INTERLEAVED=bool(interleaved), FP8=fp8, EPS8=AMAX_EPS, PAGE=PAGE_SIZE, num_warps=2, **pdl(k.device),
     )  # fmt: skip

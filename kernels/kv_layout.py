@@ -47,7 +47,7 @@ import torch
 from longctx.config import DTYPE_NAMES, canonical_dtype
 from longctx.kv_kinds import DENSE_KINDS, dense_dtype, index_row_bytes, is_fp8, mla_group_size, mla_row_bytes
 
-from .common import check, jit, next_pow2, tl, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, tl, use_triton
 
 PAGE_SIZE = 64
 FP8_MAX = 448.0
@@ -464,8 +464,9 @@ def logical_to_rows_ref(
 @jit
 def _logical_to_rows_kernel(
     pos_ptr, table_ptr, seq_ptr, out_ptr, K, s_pos, s_table,
-    PAGE: tl.constexpr, BK: tl.constexpr,
+    PAGE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     km = k < K
@@ -498,6 +499,6 @@ def logical_to_rows(
         bk = min(next_pow2(k), 1024)
         _logical_to_rows_kernel[(t, -(-k // bk))](
             positions, page_table, q_seq.contiguous(), out, k, positions.stride(0), page_table.stride(0),
-            PAGE=page_size, BK=bk,
+            PAGE=page_size, BK=bk, **pdl(positions.device),
         )  # fmt: skip
     return out

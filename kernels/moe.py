@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .common import check, jit, next_pow2, round_as, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, mma
 from .moe_decode import DecodeConfig, experts_decode
 from .moe_stream import StreamConfig, experts_stream
@@ -137,8 +137,9 @@ _LOGITS_TILE = 8192  # fp32 products per program per H chunk
 def _router_logits_kernel(
     h_ptr, w_ptr, out_ptr,
     T, E, H, stride_h, stride_w,
-    BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
+    BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # out[t, e] = sum_h fp32(hidden[t, h]) * fp32(w[e, h]) for a [BT, BE] tile. Elementwise products
     # and tl.sum, not tl.dot: the interpreter and the GPU then both compute true fp32 (tl.dot may
     # take tf32 on the GPU), and at decode sizes the GEMV is bound by reading the weights anyway.
@@ -191,8 +192,9 @@ def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if t and e:
         bt, be, bh = _logits_tiles(t, e, h)
         _router_logits_kernel[(cdiv(t, bt), cdiv(e, be))](
-            hidden, weight, out, t, e, h, hidden.stride(0), weight.stride(0), BT=bt, BE=be, BH=bh
-        )
+            hidden, weight, out, t, e, h, hidden.stride(0), weight.stride(0), BT=bt, BE=be, BH=bh,
+            **pdl(hidden.device),
+        )  # fmt: skip
     return out
 
 
@@ -202,8 +204,9 @@ def _router_select_kernel(
     E, scaling,
     EG: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, EGP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-    HAS_VALID: tl.constexpr,
+    HAS_VALID: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # One program per token: everything after the logits GEMM (sigmoid, bias, group-limited top-k,
     # the weights of the chosen experts, the padding rows' -1 ids), which torch spends ~15 kernels on.
     t = tl.program_id(0).to(tl.int64)
@@ -285,7 +288,7 @@ def moe_router(
         _router_select_kernel[(t,)](
             logits, e_score_correction_bias.float().contiguous(), vp, ids, w, e, float(routed_scaling_factor),
             EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
-            KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None,
+            KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None, **pdl(hidden.device),
         )  # fmt: skip
     return ids, w
 
@@ -391,7 +394,9 @@ def _align_kernel(
     ids_ptr, pairs_ptr, bexp_ptr,
     P, E, NB,
     BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BNB: tl.constexpr, BS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # One program: `moe_align_ref` for few pairs (decode), by a [pairs, experts] one-hot and cumsums.
     p = tl.arange(0, BP)
     ex = tl.arange(0, BE)
@@ -434,6 +439,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     _align_kernel[(1,)](
         topk_ids.reshape(-1).contiguous(), pairs, bexp, p, e, nb,
         BM=block_m, BP=bp, BE=be, BNB=next_pow2(nb), BS=min(1024, next_pow2(nb * block_m)),
+        **pdl(topk_ids.device),
     )  # fmt: skip
     return pairs, bexp
 
@@ -478,7 +484,9 @@ def _gate_up_kernel(
     P, HD, I, TOPK,
     s_xt, s_we, s_wn, s_wse, s_wsn, s_ht,
     FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m)
@@ -537,7 +545,9 @@ def _down_kernel(
     P, HD, I,
     s_ht, s_we, s_wn, s_wse, s_wsn, s_ot,
     FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     ex = tl.load(bexp_ptr + pid_m)
@@ -599,7 +609,9 @@ def _combine_kernel(
     p_ptr, ids_ptr, s_ptr, r_ptr, y_ptr,
     E, HD, K, S, s_ps, s_pt, s_pk, s_it, s_st, s_rt, s_yt,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # p_ptr: S split partials of [T, K, HD] (S = 1 but for the decode path's fp32 split-K partials).
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -672,6 +684,7 @@ def _combine(
             parts.stride(0), parts.stride(1), parts.stride(2), topk_ids.stride(0), s.stride(0), r.stride(0),
             y.stride(0),
             SHARED=shared is not None, RESIDUAL=residual is not None, KP=next_pow2(max(k, 1)), BLOCK=block,
+            **pdl(parts.device),
         )  # fmt: skip
     return y
 
@@ -809,13 +822,13 @@ def moe_experts(
         x, w_gate_up, sgu, sorted_pairs, block_expert, h,
         p, hd, inter, k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0), sgu.stride(1), h.stride(0),
-        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
     _down_kernel[(nb, cdiv(hd, bn))](
         h, w_down, sd, sorted_pairs, block_expert, tw, out,
         p, hd, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
-        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
     join()
     return moe_combine(out.view(t, k, hd), ids, e, shared, residual, backend="triton")

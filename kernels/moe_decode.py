@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, round_as, tl, triton_interpret
+from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, round_as, tl, triton_interpret
 from .fp8_gemm import FP8_BLOCK, cdiv, fp16_rows, mma
 
 # Pairs (token, slot) served by one leading program: the MMA's narrow side (16 is its minimum).
@@ -143,8 +143,9 @@ def _gate_up_kernel(
     P, E, HD, I, TOPK,
     s_xt, s_we, s_wn, s_wse, s_wsn, s_hp,
     FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr,
-    PP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Whole BK steps run without a K mask, so the weight loads keep their 16-byte vectors; the partial
     # last step, if any, runs once with the mask (as in gemv).
     lead, ex, pair, ok = _group(ids_ptr, tl.program_id(0), P, E, PP, BM)
@@ -190,8 +191,9 @@ def _down_kernel(
     P, E, HD, I, K_SPLIT,
     s_hp, s_we, s_wn, s_wse, s_wsn, s_os,
     FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr,
-    PP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     lead, ex, pair, ok = _group(ids_ptr, tl.program_id(0), P, E, PP, BM)
     if lead:
         pid_k = tl.program_id(2)
@@ -269,13 +271,13 @@ def experts_decode(
         p, e, hd, inter, k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0) if fp8 else 0,
         sgu.stride(1) if fp8 else 0, h.stride(0),
-        BN=bn_gu, num_warps=cfg.warps_gate_up, num_stages=cfg.stages_gate_up, **common,
+        BN=bn_gu, num_warps=cfg.warps_gate_up, num_stages=cfg.stages_gate_up, **common, **pdl(dev),
     )  # fmt: skip
     _down_kernel[(p, tiles_d, splits)](
         h, ids, tw, w_down, sd, out,
         p, e, hd, inter, k_split,
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0) if fp8 else 0,
         sd.stride(1) if fp8 else 0, out.stride(0),
-        BN=bn_d, num_warps=cfg.warps_down, num_stages=cfg.stages_down, **common,
+        BN=bn_d, num_warps=cfg.warps_down, num_stages=cfg.stages_down, **common, **pdl(dev),
     )  # fmt: skip
     return out.view(splits, t, k, hd)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, round_as, tl, triton_interpret
+from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, round_as, tl, triton_interpret
 from .fp8_gemm import FP8_BLOCK, cdiv, fp16_rows, mma, pow2
 from .moe_decode import BM, _group
 
@@ -133,7 +133,9 @@ def _gate_up_kernel(
     P, E, HD, I, TOPK,
     s_xt, s_we, s_wn, s_wse, s_wsn, s_hp,
     A8: tl.constexpr, F32: tl.constexpr, PP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Tiles: pair-major (pair, BN rows of I); a program takes every num_programs-th tile.
     tiles_n = I // BN
     rn = tl.arange(0, BN)
@@ -169,7 +171,9 @@ def _down_kernel(
     P, E, HD, I, K_SPLIT, S,
     s_hp, s_we, s_wn, s_wse, s_wsn, s_os,
     A8: tl.constexpr, F32: tl.constexpr, PP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Tiles: (pair, BN rows of Hd, K split) with the split fastest; K_SPLIT is whole 128-column blocks.
     tiles_n = HD // BN
     rn = tl.arange(0, BN)
@@ -281,13 +285,13 @@ def experts_stream(
         p, e, hd, inter, k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up_scale.stride(0),
         w_gate_up_scale.stride(1), h.stride(0),
-        BN=bn_gu, num_warps=cfg.warps_gate_up, num_stages=cfg.stages_gate_up, **common,
+        BN=bn_gu, num_warps=cfg.warps_gate_up, num_stages=cfg.stages_gate_up, **common, **pdl(x.device),
     )  # fmt: skip
     _down_kernel[(grid_d,)](
         h, ids, tw, w_down, w_down_scale, out,
         p, e, hd, inter, k_split, splits,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down_scale.stride(0), w_down_scale.stride(1),
         out.stride(0),
-        BN=bn_d, num_warps=cfg.warps_down, num_stages=cfg.stages_down, **common,
+        BN=bn_d, num_warps=cfg.warps_down, num_stages=cfg.stages_down, **common, **pdl(x.device),
     )  # fmt: skip
     return out.view(splits, t, k, hd)

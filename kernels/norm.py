@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check, jit, next_pow2, round_as, tl, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, round_as, tl, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,8 +38,9 @@ def add_rms_norm_ref(
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
     D, sx, sr, sy, sh, eps,
-    ADD: tl.constexpr, BLOCK: tl.constexpr,
+    ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < D
@@ -76,7 +77,7 @@ def _launch(
         block = next_pow2(d)
         _rms_norm_kernel[(t,)](
             x, r, weight, y, hh, d, x.stride(0), r.stride(0), y.stride(0), hh.stride(0), float(eps),
-            ADD=residual is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+            ADD=residual is not None, BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl(x.device),
         )  # fmt: skip
     return y, h
 

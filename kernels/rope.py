@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check, jit, next_pow2, round_as, tl, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, round_as, tl, use_triton
 
 
 def apply_rope_ref(
@@ -50,7 +50,9 @@ def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr,
     H, D, sxt, sxh, sct, sst, syt, syh,
     R2: tl.constexpr, INTERLEAVED: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = hs < H
@@ -110,5 +112,6 @@ def apply_rope(
             x3, cos, sin, y3, h, d, x3.stride(0), x3.stride(1), cos.stride(0), sin.stride(0),
             y3.stride(0), y3.stride(1),
             R2=r // 2, INTERLEAVED=interleaved, BH=bh, BR=next_pow2(r // 2), BD=next_pow2(max(d - r, 1)),
+            **pdl(x.device),
         )  # fmt: skip
     return y3 if x.dim() == 3 else y3[:, 0, :]

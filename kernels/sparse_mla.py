@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, mma
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
 from .sparse_mla_heads import (
@@ -238,10 +238,11 @@ def _sparse_mla_kernel(
 def _combine_kernel(
     op_ptr, lp_ptr, o_ptr, lse_ptr, S, L,
     s_opt, s_oph, s_ops, s_lpt, s_lph, s_ot, s_oh, s_lt,
-    BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (query, head, BLOCK_L slice of the latent): at batch 1 the 64 heads alone
     would leave half the SMs idle while each program walked all 512 columns."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     lb = tl.program_id(2)
@@ -394,7 +395,7 @@ def sparse_mla(
             s_lat, s_rope, s_scl, rope_off, scl_off,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
             L=L, R=R, BLOCK_V=block_v, NV=nv, NV_OWN=nv // n_vp, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn,
-            FP8=fp8, GROUP=group, F32=f32, num_warps=num_warps, num_stages=num_stages,
+            FP8=fp8, GROUP=group, F32=f32, num_warps=num_warps, num_stages=num_stages, **pdl(dev),
         )  # fmt: skip
     else:
         _sparse_mla_kernel[(tq * n_hb, num_splits)](
@@ -413,6 +414,6 @@ def sparse_mla(
             o_dst, l_dst, o, lse, num_splits, L,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1),
             o.stride(0), o.stride(1), lse.stride(0),
-            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_L=block_c,
+            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_L=block_c, **pdl(dev),
         )  # fmt: skip
     return (o, lse) if return_lse else o

@@ -46,7 +46,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .common import check, jit, knobs_spec, next_pow2, parse_knobs, tl
+from .common import check, jit, knobs_spec, next_pow2, parse_knobs, pdl_wait, tl
 from .fp8_gemm import cdiv
 
 MAX_NV = 4  # value blocks held per program (acc0..acc3)
@@ -159,8 +159,9 @@ def sparse_mla_heads_kernel(
     s_ot, s_oh, s_os, s_lt, s_lh, s_ls,
     L: tl.constexpr, R: tl.constexpr, BLOCK_V: tl.constexpr, NV: tl.constexpr, NV_OWN: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, F32: tl.constexpr,
+    GROUP: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # grid (Tq * N_HB * N_VP, splits), value program fastest, then head block: the programs gathering one
     # query's rows run side by side and share them through L2. N_HB = 1 whenever H <= BLOCK_H (64) and
     # N_VP = NV / NV_OWN = 1 by default, i.e. one program per (query, split).

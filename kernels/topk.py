@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import check, jit, next_pow2, tl, use_triton
+from .common import check, jit, next_pow2, pdl, pdl_wait, tl, use_triton
 
 # LONGCTX_TOPK_WINDOW=0: the window composed after the kernel's top-k with torch ops, as before the
 # twenty-third session (bench/session.sh sets it for a GPU where gpu_kernel_check's topk_window failed)
@@ -229,14 +229,14 @@ def topk_indices(
     state = scratch[_LEVELS * tq * _NB :].view(tq, _LEVELS, 2)
     counts = torch.empty((tq, nch, 2), dtype=torch.int32, device=logits.device)  # (# > T, # == T) per chunk
     grid = (tq, nch)
-    common = dict(CHUNK=chunk, NB=_NB, FROM_POS=from_pos, num_warps=8)
+    common = dict(CHUNK=chunk, NB=_NB, FROM_POS=from_pos, num_warps=8, **pdl(logits.device))
     for level in range(_LEVELS):
         _topk_hist_kernel[grid](logits, logits.stride(0), vlen, hist, state, tq, n, k, LEVEL=level, **common)
     _topk_count_kernel[grid](logits, logits.stride(0), vlen, hist, state, counts, tq, n, k, nch, **common)
     _topk_write_kernel[grid](
         logits, logits.stride(0), vlen, state, counts, out, out.stride(0), n, k, nch,
         positions if window else vlen, CHUNK=chunk, NCHP=next_pow2(nch), WINDOW=window,
-        WP=next_pow2(max(window, 1)), FROM_POS=from_pos, num_warps=8,
+        WP=next_pow2(max(window, 1)), FROM_POS=from_pos, num_warps=8, **pdl(logits.device),
     )  # fmt: skip
     return out
 
@@ -297,7 +297,9 @@ def _row_valid(valid_ptr, q, N, FROM_POS: tl.constexpr):
 def _topk_hist_kernel(
     x_ptr, stride_x, valid_ptr, hist_ptr, st_ptr, Tq, N, K,
     LEVEL: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr, FROM_POS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     q = tl.program_id(0)
     c = tl.program_id(1)
     valid = _row_valid(valid_ptr, q, N, FROM_POS)
@@ -324,8 +326,9 @@ def _topk_hist_kernel(
 @jit
 def _topk_count_kernel(
     x_ptr, stride_x, valid_ptr, hist_ptr, st_ptr, cnt_ptr, Tq, N, K, NCH,
-    CHUNK: tl.constexpr, NB: tl.constexpr, FROM_POS: tl.constexpr,
+    CHUNK: tl.constexpr, NB: tl.constexpr, FROM_POS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     q = tl.program_id(0)
     c = tl.program_id(1)
     valid = _row_valid(valid_ptr, q, N, FROM_POS)
@@ -344,7 +347,9 @@ def _topk_count_kernel(
 def _topk_write_kernel(
     x_ptr, stride_x, valid_ptr, st_ptr, cnt_ptr, out_ptr, stride_o, N, K, NCH, pos_ptr,
     CHUNK: tl.constexpr, NCHP: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr, FROM_POS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     q = tl.program_id(0)
     c = tl.program_id(1)
     valid = _row_valid(valid_ptr, q, N, FROM_POS)
