@@ -126,6 +126,17 @@ def timeline(prof: Any, top: int = 12) -> dict[str, Any]:
             buckets[b] += g / 1e3
             counts[b] += 1
         gaps.sort(reverse=True)
+        # one decode step's kernels in start order (from the step's greedy argmax to the next one's, in
+        # the middle of the trace): which GEMM is which layer's projection, and what overlaps what
+        marks = [i for i, e in enumerate(evs) if "ArgMax" in e.name]
+        step: list[dict[str, Any]] = []
+        if len(marks) >= 3:
+            lo, hi = marks[len(marks) // 2 - 1], marks[len(marks) // 2]
+            t0 = evs[lo + 1].time_range.start if hi > lo + 1 else 0.0
+            step = [
+                {"k": e.name[:70], "t": round(e.time_range.start - t0, 1), "d": round(e.time_range.end - e.time_range.start, 1)}
+                for e in evs[lo + 1 : hi + 1]
+            ]  # fmt: skip
         out = {
             "span_ms": round(span / 1e3, 4),
             "union_busy_ms": round(busy / 1e3, 4),
@@ -134,6 +145,7 @@ def timeline(prof: Any, top: int = 12) -> dict[str, Any]:
             "largest_gaps": [
                 {"us": round(g, 1), "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]
             ],
+            "one_step": step,
         }
     rt: dict[str, list[float]] = {}
     for e in prof.events():
