@@ -149,10 +149,9 @@ def _pdl_keywords(index: int) -> dict[str, bool]:
 def pdl_wait(PDL: tl.constexpr):
     """Under PDL: wait until the previous kernel's writes are visible, then let the next PDL kernel be
     scheduled (it waits the same way, so at most one kernel waits ahead). A no-op otherwise."""
-    if PDL:
-        if _GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL and _GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def num_sms(device: torch.device, cpu: int = 4) -> int:

@@ -44,6 +44,7 @@ import torch
 from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, mma
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
+from .rope import apply_rope, apply_rope_ref
 from .sparse_mla_heads import (
     HEADS_KNOBS,
     HEADS_KNOBS_ONE_QUERY,
@@ -60,6 +61,10 @@ IMPLS = ("split", "heads")
 # and faster from batch 8 (35 vs 132 us), 64 (195 vs 608 us) and an 8192-query prefill chunk (13.7 vs
 # 63.7 ms), so it is used everywhere. LONGCTX_SPARSE_MLA_IMPL (split | heads | auto) overrides for benches.
 HEADS_MIN_QUERIES = 1
+
+
+# (cos [Tq, R/2], sin [Tq, R/2], interleaved) of a q_rope passed unrotated (`kernels.rope`'s arguments)
+QueryRope = tuple[torch.Tensor, torch.Tensor, bool]
 
 
 def resolve_impl(impl: str, tq: int) -> str:
@@ -112,9 +117,14 @@ def sparse_mla_ref(
     sm_scale: float,
     kind: str = "auto",
     return_lse: bool = False,
+    rotate: QueryRope | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: gather rows, dequantise, fp32 softmax. Returns o [Tq, H, L] in q's dtype (+ lse fp32)."""
+    """Torch reference: gather rows, dequantise, fp32 softmax. Returns o [Tq, H, L] in q's dtype (+ lse fp32).
+    `rotate` = (cos [Tq, R/2], sin [Tq, R/2], interleaved): q_rope is not rotated yet; it is rotated first
+    (`kernels.rope.apply_rope_ref`)."""
     tq, h, L, R, k = _check(q_latent, q_rope, kv_pool, indices, kind)
+    if rotate is not None:
+        q_rope = apply_rope_ref(q_rope, rotate[0], rotate[1], R, rotate[2])
     out = torch.zeros(tq, h, L, dtype=torch.float32, device=q_latent.device)
     lse = torch.full((tq, h), -math.inf, dtype=torch.float32, device=q_latent.device)
     # Query chunks bound the gathered [chunk, K, L+R] fp32 copy to ~64M elements.
@@ -299,6 +309,7 @@ def sparse_mla(
     scale_gather: bool = False,
     value_split: int | None = None,
     knobs: HeadsKnobs | None = None,
+    rotate: QueryRope | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with the contract of `sparse_mla_ref` (layouts in the module docstring); Triton when
     `common.use_triton(backend, device)` says so, else the reference.
@@ -312,12 +323,26 @@ def sparse_mla(
     (default `sparse_mla_heads.HEADS_KNOBS`, or `HEADS_KNOBS_ONE_QUERY` for a single query; env
     LONGCTX_SPARSE_MLA_HEADS overrides both); the keyword knobs override them,
     value_split (value programs per query, dividing the 128-column value blocks) included.
+    `rotate` (as `sparse_mla_ref`'s): q_rope is unrotated; impl="heads" rotates it in its prologue when R is
+    a power of two >= 16 (a decode step's rope launch fewer), otherwise `kernels.rope` rotates it first.
     """
     check(impl in IMPLS + ("auto",), f"sparse_mla: impl must be one of {IMPLS} or auto, got {impl!r}")
     if not use_triton(backend, q_latent.device):
-        return sparse_mla_ref(q_latent, q_rope, kv_pool, indices, sm_scale, kind, return_lse)
+        return sparse_mla_ref(q_latent, q_rope, kv_pool, indices, sm_scale, kind, return_lse, rotate)
     tq, h, L, R, k = _check(q_latent, q_rope, kv_pool, indices, kind)
     impl = resolve_impl(impl, tq)
+    fuse_rope = False
+    if rotate is not None:
+        cos, sin, interleaved = rotate
+        fuse_rope = impl == "heads" and R >= 16 and next_pow2(R) == R
+        if fuse_rope:
+            for name, v in (("cos", cos), ("sin", sin)):
+                check(
+                    v.shape == (tq, R // 2) and v.stride(1) == 1 and v.dtype == q_rope.dtype and v.device == q_rope.device,
+                    f"sparse_mla: rope {name} must be [{tq}, {R // 2}] in q's dtype with unit column stride",
+                )  # fmt: skip
+        else:
+            q_rope = apply_rope(q_rope, cos, sin, R, interleaved, backend="triton")
     check(q_latent.stride(2) == 1 and q_rope.stride(2) == 1, "sparse_mla: q needs unit last stride")
     check(indices.stride(1) == 1 or k <= 1, "sparse_mla: indices need unit last stride")
     check(kv_pool.stride(1) == 1, "sparse_mla: kv_pool needs unit column stride")
@@ -396,6 +421,8 @@ def sparse_mla(
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2), l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
             L=L, R=R, BLOCK_V=block_v, NV=nv, NV_OWN=nv // n_vp, BLOCK_R=block_r, BLOCK_H=bh, BLOCK_N=bn,
             FP8=fp8, GROUP=group, F32=f32, num_warps=num_warps, num_stages=num_stages, **pdl(dev),
+            **(dict(cos_ptr=cos, sin_ptr=sin, s_cos=cos.stride(0), s_sin=sin.stride(0), ROPE=True,
+                    INTERLEAVED=bool(interleaved)) if fuse_rope else {}),
         )  # fmt: skip
     else:
         _sparse_mla_kernel[(tq * n_hb, num_splits)](

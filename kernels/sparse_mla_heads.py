@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from .common import check, jit, knobs_spec, next_pow2, parse_knobs, pdl_wait, tl
 from .fp8_gemm import cdiv
+from .rope import _rotate
 
 MAX_NV = 4  # value blocks held per program (acc0..acc3)
 
@@ -151,6 +152,27 @@ def _store_o(obase, o, mask_h, J, L: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @jit
+def _rotated_q(qbase, s_h, cos_row, sin_row, offs_h, mask_h, BLOCK_H: tl.constexpr, R2: tl.constexpr,
+               INTERLEAVED: tl.constexpr):  # fmt: skip
+    """[BLOCK_H, 2 * R2] rope part of the query rows, rotated as `kernels.rope` rotates it: the pairs
+    (2j, 2j+1) (INTERLEAVED) or (j, R2 + j) in, cat(rotated firsts, rotated seconds) out, each product and
+    sum rounded to the query dtype."""
+    j = tl.arange(0, R2)
+    c = tl.load(cos_row + j).to(tl.float32)
+    s = tl.load(sin_row + j).to(tl.float32)
+    rows = qbase + offs_h[:, None] * s_h
+    if INTERLEAVED:
+        a = tl.load(rows + 2 * j[None, :], mask=mask_h[:, None], other=0.0)
+        b = tl.load(rows + 2 * j[None, :] + 1, mask=mask_h[:, None], other=0.0)
+    else:
+        a = tl.load(rows + j[None, :], mask=mask_h[:, None], other=0.0)
+        b = tl.load(rows + R2 + j[None, :], mask=mask_h[:, None], other=0.0)
+    ra, rb = _rotate(a, b, c[None, :], s[None, :])
+    both = tl.join(ra.to(a.dtype), rb.to(a.dtype))  # [BH, R2, 2]
+    return tl.reshape(tl.permute(both, (0, 2, 1)), (BLOCK_H, 2 * R2))
+
+
+@jit
 def sparse_mla_heads_kernel(
     ql_ptr, qr_ptr, idx_ptr, lat_ptr, rope_ptr, scl_ptr, o_ptr, lse_ptr,
     qk_scale, H, K, CHUNK, N_HB, N_VP,
@@ -159,7 +181,9 @@ def sparse_mla_heads_kernel(
     s_ot, s_oh, s_os, s_lt, s_lh, s_ls,
     L: tl.constexpr, R: tl.constexpr, BLOCK_V: tl.constexpr, NV: tl.constexpr, NV_OWN: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-    GROUP: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr = False,
+    GROUP: tl.constexpr, F32: tl.constexpr,
+    cos_ptr=None, sin_ptr=None, s_cos=0, s_sin=0,
+    ROPE: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_wait(PDL)
     # grid (Tq * N_HB * N_VP, splits), value program fastest, then head block: the programs gathering one
@@ -196,11 +220,17 @@ def sparse_mla_heads_kernel(
         q2 = _load_q(qbase, offs_h, mask_h, s_qlh, b2, L, BLOCK_V)
     if NV > 3:
         q3 = _load_q(qbase, offs_h, mask_h, s_qlh, b3, L, BLOCK_V)
-    qr = tl.load(
-        qr_ptr + t * s_qrt + offs_h[:, None] * s_qrh + offs_r[None, :],
-        mask=mask_h[:, None] & mask_r[None, :],
-        other=0.0,
-    )  # [BH, BR]
+    if ROPE:
+        # q_rope arrives unrotated: rotate it here (kernels.rope's numerics, bit for bit), once per program
+        # and off the key loop, instead of a rope launch before this kernel (R == BLOCK_R, the wrapper checks)
+        qr = _rotated_q(qr_ptr + t * s_qrt, s_qrh, cos_ptr + t * s_cos, sin_ptr + t * s_sin, offs_h, mask_h,
+                        BLOCK_H, BLOCK_R // 2, INTERLEAVED)  # fmt: skip
+    else:
+        qr = tl.load(
+            qr_ptr + t * s_qrt + offs_h[:, None] * s_qrh + offs_r[None, :],
+            mask=mask_h[:, None] & mask_r[None, :],
+            other=0.0,
+        )  # [BH, BR]
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     # Unused accumulators (NV_OWN < 4) are carried unchanged and folded away by the compiler.

@@ -121,6 +121,45 @@ def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits, impl):
     assert (lse - rlse).abs().max().item() <= lse_tol
 
 
+@pytest.mark.parametrize(
+    "L,R,H,kind,dtype,interleaved,impl",
+    [
+        (64, 16, 4, "fp8_e4m3", torch.bfloat16, True, "heads"),
+        (32, 16, 3, "auto", torch.float32, False, "heads"),
+        (64, 8, 2, "auto", torch.float32, True, "heads"),  # R below 16: rotated by kernels.rope first
+        (64, 16, 2, "bf16", torch.bfloat16, False, "split"),  # split rotates first too
+    ],
+)
+def test_sparse_mla_rotates_an_unrotated_q_rope(L, R, H, kind, dtype, interleaved, impl):
+    """`rotate=(cos, sin, interleaved)`: q_rope is rotated inside the call (in the heads kernel's prologue when R
+    is a power of two >= 16). The result is the call on the query rotated by kernels.rope, bit for bit (the
+    rotation rounds as the rope kernel does), and the reference's within tolerance."""
+    from longctx.kernels.rope import apply_rope, apply_rope_ref
+
+    gen = torch.Generator().manual_seed(L + R + H)
+    n, tq = 50, 3
+    pool, _, _ = _pool(n, L, R, kind, dtype, gen)
+    ql = torch.randn(tq, H, L, generator=gen).to(dtype)
+    q = torch.randn(tq, H, 2 * R, generator=gen).to(dtype)
+    qr = q[..., R:]  # a strided slice, as the model's q_b output is
+    ang = torch.rand(tq, R // 2, generator=gen) * 6.0
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    idx = _indices(tq, 40, n, gen)
+    scale = 1.0 / math.sqrt(L + R)
+    rope = (cos, sin, interleaved)
+    o, lse = sparse_mla(
+        ql, qr, pool, idx, scale, kind, True, backend=TRITON, impl=impl, num_splits=2, rotate=rope
+    )
+    rotated = apply_rope(qr, cos, sin, R, interleaved, backend=TRITON)
+    assert torch.equal(rotated, apply_rope_ref(qr, cos, sin, R, interleaved))
+    o2, lse2 = sparse_mla(ql, rotated, pool, idx, scale, kind, True, backend=TRITON, impl=impl, num_splits=2)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    ro, rlse = sparse_mla_ref(ql, qr, pool, idx, scale, kind, True, rope)
+    ro2 = sparse_mla_ref(ql, rotated, pool, idx, scale, kind)
+    assert torch.equal(ro, ro2)
+    _close(o, ro, dtype, "o")
+
+
 @pytest.mark.parametrize("impl", ["split", "heads"])
 def test_sparse_mla_topk_larger_than_context_and_empty_queries(impl):
     """Many -1 (top-k > context), a query with no valid index (zeros, lse=-inf), int64 indices."""

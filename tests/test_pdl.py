@@ -50,9 +50,12 @@ def _scan(path: Path) -> tuple[dict[str, bool], list[tuple[str, int]]]:
         # names of dicts that carry the keywords: x = dict(..., **pdl(...)) or x.update(..., **pdl(...))
         carriers: set[str] = set()
         for node in ast.walk(fn):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-                if any(_is_pdl_call(k.value) for k in node.value.keywords if k.arg is None):
-                    carriers |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and any(_is_pdl_call(k.value) for k in node.value.keywords if k.arg is None)
+            ):
+                carriers |= {t.id for t in node.targets if isinstance(t, ast.Name)}
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)

@@ -98,7 +98,13 @@ class MLAttention(nn.Module):
         else:
             side = None
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., : self.nope], rope(q[..., self.nope :], cos, sin)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        # a decode step (every row absorbed) passes q_pe unrotated: the sparse MLA call rotates it (on
+        # the Triton path in its kernel's prologue, one launch fewer a layer); prefill rotates it here
+        absorb_all = not kv.dense_readable or all(
+            ctx.q_start[b + 1] - ctx.q_start[b] == 1 for b in range(ctx.num_rows)
+        )
+        q_rope = None if absorb_all else rope(q_pe, cos, sin)
         if not write_aside:
             self._write_kv(ckv, ctx)
             kv.after_write(self.layer, ctx)
@@ -126,12 +132,18 @@ class MLAttention(nn.Module):
             if form == "auto":
                 form = "expanded" if (n_q > 1 and n_q * n_k <= EXPANDED_MAX_PAIRS) else "absorbed"
             if form == "expanded" and n_q > 1:
+                assert q_rope is not None  # (a row of several queries: not absorb_all)
                 out[s:e] = self._expanded(q_nope[s:e], q_rope[s:e], topk[s:e], b, ctx)
             else:
                 absorbed_rows.append((s, e))
         if absorbed_rows and len(absorbed_rows) == ctx.num_rows:  # all rows (decode): no gather/scatter
-            out = self._absorbed(q_nope, q_rope, kv.resolve(self.layer, topk, ctx), ctx, q_lat)
+            rows = kv.resolve(self.layer, topk, ctx)
+            if q_rope is None:  # (interleaved, as rope() above)
+                out = self._absorbed(q_nope, q_pe, rows, ctx, q_lat, (cos, sin, True))
+            else:
+                out = self._absorbed(q_nope, q_rope, rows, ctx, q_lat)
         elif absorbed_rows:
+            assert q_rope is not None
             idx = torch.cat([torch.arange(s, e, device=x.device) for s, e in absorbed_rows])
             rows = kv.resolve(self.layer, topk, ctx)[idx]
             out[idx] = self._absorbed(q_nope[idx], q_rope[idx], rows, ctx)
@@ -159,14 +171,16 @@ class MLAttention(nn.Module):
         rows: torch.Tensor,
         ctx: ForwardContext,
         q_lat: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
     ) -> torch.Tensor:
-        """Attention in the latent space over `rows`; `q_lat` is `_q_latent(q_nope)` if already made."""
+        """Attention in the latent space over `rows`; `q_lat` is `_q_latent(q_nope)` if already made; with
+        `rope` (cos, sin, interleaved) q_rope is still unrotated and the sparse MLA call rotates it."""
         assert self.w_uv is not None
         if q_lat is None:
             q_lat = self._q_latent(q_nope)
-        o_lat = op("sparse_mla", "sparse_mla", ctx.use_triton)(
-            q_lat, q_rope, ctx.kv.attend_pool(self.layer), rows, self.scale, ctx.kv.mla_kind(self.layer)
-        )  # [t, H, L]
+        attend = op("sparse_mla", "sparse_mla", ctx.use_triton)
+        pool, kind = ctx.kv.attend_pool(self.layer), ctx.kv.mla_kind(self.layer)
+        o_lat = attend(q_lat, q_rope, pool, rows, self.scale, kind, rotate=rope)  # [t, H, L]
         return torch.einsum("thl,hvl->thv", o_lat.to(q_nope.dtype), self.w_uv)
 
     def _expanded(
