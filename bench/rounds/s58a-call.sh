@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fifty-eighth session: programmatic dependent launch (kernels/common.py `pdl`) on the decode step's Triton
-# kernels. First the engine against transformers and graph replays against eager steps with it on
-# (gpu_check fp32, bf16, graphs, hisparse_graphs), then the 128K batch-1 decode profile with PDL on and off
-# (LONGCTX_PDL=0), same process tree, same machine, then with moe_decode's experts path. Into $OUT/s58a.tgz.
-# ~6 minutes warm.
+# kernels, and the heads sparse-MLA kernel rotating q's rope part itself (one rope launch fewer a layer).
+# First the engine against transformers and graph replays against eager steps (gpu_check fp32, bf16, graphs,
+# hisparse_graphs), then the 128K batch-1 decode profile with PDL on and off (LONGCTX_PDL=0), same process
+# tree, same machine, then with moe_decode's experts path. Into $OUT/s58a.tgz. ~6 minutes warm.
 source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__, torch.version.cuda)"
