@@ -63,6 +63,50 @@ def test_prefix_cache_reuse_gives_same_tokens(eng):
     assert a.token_ids == b.token_ids
 
 
+def test_reset_prefix_cache_makes_the_next_prefill_cold(eng):
+    """`reset_prefix_cache` (vLLM's): a repeated prompt hits the cache; after the reset it is prefilled again,
+    with the same tokens. A pinned document's pages stay cached; the freed ones count as reset, not evicted."""
+    prompt = rand_ids(200, 41)  # 3 full pages
+    cold = eng.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+    before = eng.stats()["prefix_cache"]
+    warm = eng.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+    assert warm.cached_tokens == 192
+    assert eng.stats()["prefix_cache"]["hit_tokens"] - before["hit_tokens"] == 192
+    doc, _ = eng.pin_document(rand_ids(150, 42))
+    done = eng.reset_prefix_cache()
+    st = eng.stats()
+    cache = st["prefix_cache"]
+    assert done["freed_pages"] >= 3 and cache["reset_pages"] - before["reset_pages"] == done["freed_pages"]
+    assert cache["evicted_pages"] == before["evicted_pages"]
+    # nothing runs: what is left is the document's pages, pinned
+    assert done["kept_pages"] == cache["cached_pages"] == cache["pinned_pages"] == st["pages_used"] >= 2
+    again = eng.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+    assert again.cached_tokens == 0 and cold.token_ids == warm.token_ids == again.token_ids
+    eng.unpin_document(doc)
+
+
+def test_reset_prefix_cache_keeps_a_running_requests_pages(eng):
+    """A reset between two steps frees nothing a running request holds: its prompt's cached pages stay (kept),
+    and it goes on to the tokens it gives alone; once it is done, they are freed."""
+    prompt = rand_ids(200, 43)
+    want = eng.generate([prompt], max_new_tokens=8, ignore_eos=True)[0].token_ids
+    eng.reset_prefix_cache()
+    eng.add_request(Request("reset-run", list(prompt), SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    got: list[int] = []
+    while not got:  # its prefill ends: its 3 full prompt pages are cached and still its own
+        got += [t for o in eng.step() if o.rid == "reset-run" for t in o.new_token_ids]
+    done = eng.reset_prefix_cache()
+    assert done["freed_pages"] == 0 and done["kept_pages"] >= 3
+    finished = False
+    while not finished:
+        for o in eng.step():
+            if o.rid == "reset-run":
+                got += list(o.new_token_ids)
+                finished = o.finished
+    assert got == want
+    assert eng.reset_prefix_cache()["freed_pages"] >= 3
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(eng):
     p = rand_ids(30, 4)
     kw = dict(max_new_tokens=12, temperature=1.3, top_p=0.9, top_k=50, ignore_eos=True)

@@ -4,7 +4,7 @@ import pytest
 
 from longctx.kvstore.allocator import PageAllocator
 from longctx.kvstore.page_table import RequestPages
-from longctx.kvstore.prefix_cache import PrefixCache, PrefixCacheError
+from longctx.kvstore.prefix_cache import PrefixCache, PrefixCacheError, ResetResult
 
 PS = 4
 
@@ -171,3 +171,52 @@ def test_extend_registers_a_prefill_chunk_by_chunk_like_insert():
     r3.append(len(tokens), a2)
     assert chunked.extend(tokens[: 9 * PS], r3.pages[:9], *state) == state  # (the same keys again)
     assert chunked.num_cached_pages == 9
+
+
+def test_reset_frees_every_unheld_chain_from_its_leaves_up():
+    """`reset` drops every page nobody holds, parents once their children are gone (one chain registered chunk
+    by chunk has its leaves newer than its root: a second pass frees the root's half), back to the allocator;
+    it counts them as reset, not evicted, and leaves the hit counters alone."""
+    a = PageAllocator(32, PS)
+    c = PrefixCache(a)
+    root = [7] * 8  # 2 pages, shared by two branches
+    _prefill(c, a, root + [1] * 8 + [0]).release(a)  # 4 pages
+    _prefill(c, a, root + [2] * 4 + [0]).release(a)  # the root's 2 pages reused, 1 more
+    chunked = [3] * 16
+    r = RequestPages(PS)
+    r.append(len(chunked), a)
+    state = c.extend(chunked, r.pages, 0, None, n_pages=2)
+    c.extend(chunked, r.pages, *state, n_pages=4)  # (pages 2-3 now newer than 0-1)
+    r.release(a)
+    assert c.num_cached_pages == 9 and a.num_free == 32 - 9
+    hits = c.stats()["hit_tokens"]
+    assert hits == 8 and c.reset() == ResetResult(freed_pages=9, kept_pages=0)
+    assert a.num_free == 32 and c.num_cached_pages == 0
+    st = c.stats()
+    assert (st["reset_pages"], st["evicted_pages"], st["hit_tokens"]) == (9, 0, hits)
+    assert c.match(root + [1] * 8 + [0]) == ([], 0)
+    assert c.reset() == ResetResult(0, 0)
+
+
+def test_reset_keeps_pinned_chains_and_pages_a_request_holds():
+    """A pinned document's chain and the pages a running request took from the cache stay (their KV still
+    valid); a branch beyond the request's pages and a chain nobody holds go. Once released, they go too."""
+    a = PageAllocator(32, PS)
+    c = PrefixCache(a)
+    doc = [5] * 12  # 3 pages, pinned
+    _prefill(c, a, doc + [0]).release(a)
+    keys = c.pin_prefix(doc)
+    shared = [6] * 8  # 2 pages a running request holds, and a third page past them nobody does
+    _prefill(c, a, shared + [1] * 4 + [0]).release(a)
+    held, n = c.match(shared + [0])
+    assert n == 8
+    _prefill(c, a, [4] * 8 + [0]).release(a)  # 2 pages nobody holds
+    free = a.num_free
+    assert c.reset() == ResetResult(freed_pages=3, kept_pages=5)
+    assert a.num_free == free + 3 and all(a.refcount(p) == 2 for p in held)
+    pages, n = c.match(doc + [0])
+    assert n == 12  # the document still hits
+    a.free(pages)
+    a.free(held)  # the request ends, the document is unpinned: nothing holds the rest
+    c.unpin_keys(keys)
+    assert c.reset() == ResetResult(freed_pages=5, kept_pages=0) and a.num_free == 32

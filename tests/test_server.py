@@ -100,6 +100,7 @@ def test_models_health_metrics(server, client):
         "longctx_prefix_cache_hit_tokens",
         "longctx_host_pool_bytes",
         "longctx_hisparse_hit_rate",
+        "longctx_prefix_cache_resets_total",
     ):
         assert name in text, name
 
@@ -497,6 +498,26 @@ def test_document_qa(server, client):
     )
 
 
+def test_reset_prefix_cache_and_flush_cache(server):
+    """vLLM's POST /reset_prefix_cache and SGLang's POST /flush_cache, one handler: the two counts, a pinned
+    document's pages kept (the fake engine caches nothing else), each reset counted in /metrics."""
+
+    def resets() -> float:
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        return float(next(s for s in lines if s.startswith("longctx_prefix_cache_resets_total ")).split()[1])
+
+    doc = httpx.post(server.url + "/v1/documents", json={"text": DOC}, timeout=30).json()
+    n = resets()
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        r = httpx.post(server.url + path, timeout=30)
+        assert r.status_code == 200, r.text
+        assert set(r.json()) == {"freed_pages", "kept_pages"} and r.json()["freed_pages"] == 0
+        assert r.json()["kept_pages"] >= doc["tokens"] // 64
+    assert resets() == n + 2
+    assert httpx.get(server.url + "/flush_cache").status_code == 405
+    assert httpx.delete(server.url + f"/v1/documents/{doc['id']}").status_code == 200
+
+
 def test_document_multipart_upload(server):
     r = httpx.post(server.url + "/v1/documents", files={"file": ("notes.txt", DOC.encode(), "text/plain")})
     assert r.status_code == 200, r.text
@@ -736,6 +757,8 @@ def test_every_route_is_served_with_one_trailing_slash(server):
         call("HEAD", "/health", "/health")
         call("GET", "/metrics", "/metrics")
         call("GET", "/v1/stats", "/v1/stats")
+        call("POST", "/reset_prefix_cache", "/reset_prefix_cache")
+        call("POST", "/flush_cache", "/flush_cache")
 
         from longctx.server.app import create_app, route_leaves
         from longctx.server.engine_proc import EngineSpec

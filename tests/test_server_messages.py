@@ -20,6 +20,7 @@ SP = m.WireSamplingParams(max_new_tokens=3, temperature=0.0, stop=("out", "batch
         m.PinDocument(7, (5, 6)),
         m.UnpinDocument(8, "doc-1"),
         m.StatsQuery(9),
+        m.ResetPrefixCache(10),
         m.Shutdown(),
         m.EngineReady(4096, 320, (257,), {"fake": True}),
         m.EngineFailed("boom"),
@@ -114,9 +115,11 @@ def test_loop_generates_aborts_and_isolates_errors(loop):
 def test_loop_rpcs(loop):
     loop.send(m.PinDocument(1, tuple(range(100))))
     loop.send(m.StatsQuery(2))
+    loop.send(m.ResetPrefixCache(5))
     _, replies = loop.run(1)
     assert replies[0] == m.RpcReply(1, True, ("doc-1", 100))
     assert replies[1].ok and replies[1].result["pages_used"] == 1
+    assert replies[2] == m.RpcReply(5, True, {"freed_pages": 0, "kept_pages": 1})  # (the document's page)
     loop.send(m.UnpinDocument(3, "doc-404"))
     loop.send(m.UnpinDocument(4, "doc-1"))
     _, replies = loop.run(1)

@@ -136,6 +136,34 @@ def test_document_cached_and_progress_real_engine(server):
     assert lines[-1] == "data: [DONE]"
 
 
+def test_reset_prefix_cache_real_engine(server):
+    """POST /reset_prefix_cache (vLLM's), then POST /flush_cache (SGLang's): a repeated prompt hits the cache;
+    the reset frees its pages (a pinned document's would stay), and the prompt is then prefilled cold, with
+    the same text; the second reset frees its pages again."""
+    prompt = "".join(f"row {i} of a prompt to flush\n" for i in range(6))  # 162 tokens: 2 full pages
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def complete() -> dict:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    cold, warm = complete(), complete()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    done = r.json()
+    st = stats(server)
+    assert set(done) == {"freed_pages", "kept_pages"} and done["freed_pages"] >= 2
+    assert done["kept_pages"] == st["prefix_cache_cached_pages"] == st["prefix_cache_pinned_pages"]
+    assert st["prefix_cache_reset_pages"] >= done["freed_pages"]
+    again = complete()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold["choices"][0]["text"] == warm["choices"][0]["text"] == again["choices"][0]["text"]
+    r = httpx.post(server.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200 and r.json()["freed_pages"] >= 2, r.text
+
+
 def test_penalties_reach_the_real_engine(client, tiny_dir):
     """presence / frequency penalties and vLLM's repetition_penalty change the greedy tokens exactly as
     the engine's own `generate` with them does."""

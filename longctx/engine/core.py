@@ -574,6 +574,23 @@ class EngineCore:
         s["host_pool_bytes"] = sum(st.get("host_pool_bytes", 0) for st in s.get("stages", []))
         return s
 
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop every prefix-cache page that no request or document holds, so the next prompt is prefilled
+        cold (vLLM's `LLM.reset_prefix_cache()`, SGLang's `/flush_cache`): {"freed_pages", "kept_pages"},
+        kept being the pages running requests and pinned documents hold, which stay cached and valid.
+
+        Safe while requests run: it takes a turn at the engine, between steps (an overlapped step still on
+        the device writes past its requests' cached pages only, and a freed page's next owner writes it in a
+        later step, behind it on the stream, as after `evict`). Freeing the pages in the allocator is all it
+        takes, with stages or HiSparse too: the scheduler owns every page id (one allocator for all
+        stages), stage workers and HiSparse's host pool only hold KV rows at those ids, and HiSparse's
+        device slots belong to requests, not pages. No watcher is told: admission could already evict
+        exactly these pages (`PrefixCache.ensure_free`), so no stalled step can move now."""
+        with self._lock:
+            self._check_open()
+            done = self.prefix_cache.reset()
+            return {"freed_pages": done.freed_pages, "kept_pages": done.kept_pages}
+
     @property
     def config(self) -> ModelConfig:
         return self.cfg

@@ -1,14 +1,14 @@
-"""`Engine`: the public, in-process API (score, generate, documents, stats, close) and the step-level
-serving API.
+"""`Engine`: the public, in-process API (score, generate, documents, stats, reset_prefix_cache, close) and
+the step-level serving API.
 
 Every call goes through the real path: the scheduler plans batches over paged KV, stage workers
 run the layers (sparse attention over the indexer's top-k), the last stage samples. With pp=1 and
 tp=1 the single stage runs in this process; otherwise `longctx.stages` runs stage processes.
 
-The stepping (set-up, the step-level API and its driver's contract, overlapped decode, stats and
-lifecycle) is `EngineCore`'s (core.py); this module adds the blocking calls over it, which any
-number of threads make at once: each call's requests go into the engine, and whichever thread runs a
-step posts their outputs to the call's mailbox.
+The stepping (set-up, the step-level API and its driver's contract, overlapped decode, stats, the
+prefix-cache reset and lifecycle) is `EngineCore`'s (core.py); this module adds the blocking calls over
+it, which any number of threads make at once: each call's requests go into the engine, and whichever
+thread runs a step posts their outputs to the call's mailbox.
 """
 
 from __future__ import annotations

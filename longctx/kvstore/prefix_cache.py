@@ -5,7 +5,8 @@ i's tokens)`, so a key names the whole prefix up to and including that page (a r
 flattened into a dict). The cache holds one allocator reference per cached page; a request that
 reuses a page holds another. Only pages nobody else references (refcount 1), that are not pinned
 and that have no cached child page are evictable, least recently used first — evicting leaves
-first keeps every cached chain reachable from its root. Pure bookkeeping: no tensors.
+first keeps every cached chain reachable from its root; `reset` drops all of them at once (a cold
+cache between benchmark runs). Pure bookkeeping: no tensors.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ class _Node:
     pins: int = 0
 
 
+@dataclass(frozen=True)
+class ResetResult:
+    """What `PrefixCache.reset` did: pages it dropped, and pages that stay cached (pinned, or held by a
+    running request, or an ancestor of such a page)."""
+
+    freed_pages: int
+    kept_pages: int
+
+
 class PrefixCache:
     """Maps chain keys of full pages to physical pages held in `allocator`.
 
@@ -51,6 +61,7 @@ class PrefixCache:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.evicted_pages = 0
+        self.reset_pages = 0
 
     # ---- keys ----------------------------------------------------------------------------
     def _chunks(self, tokens: Sequence[int] | np.ndarray, n_pages: int, start: int = 0) -> list[bytes]:
@@ -205,6 +216,25 @@ class PrefixCache:
 
     def evict(self, n_pages: int) -> int:
         """Free up to `n_pages` unreferenced, unpinned leaf pages, LRU first; returns the count."""
+        freed = self._drop(n_pages)
+        self.evicted_pages += freed
+        return freed
+
+    def reset(self) -> ResetResult:
+        """Drop every page `evict` could reach, chains cascading from their leaves up (vLLM's
+        `reset_prefix_cache`, SGLang's `/flush_cache`: the next prompt is prefilled cold). Pinned pages,
+        pages a running request holds and their ancestors stay, still valid for that request or document.
+
+        Counted in `reset_pages`, not `evicted_pages`: that one says how often the pool ran out of room,
+        and a benchmark's deliberate flush would read as cache pressure there. `hit_tokens` and
+        `query_tokens` stay cumulative."""
+        freed = self._drop(len(self._nodes))
+        self.reset_pages += freed
+        return ResetResult(freed, len(self._nodes))
+
+    def _drop(self, n_pages: int) -> int:
+        """Free up to `n_pages` evictable pages, LRU first, passing again while a pass frees a page (its
+        parent may have become a leaf); returns the count."""
         freed = 0
         progress = True
         while freed < n_pages and progress:
@@ -220,7 +250,6 @@ class PrefixCache:
                 self.allocator.decref(node.page)
                 freed += 1
                 progress = True
-        self.evicted_pages += freed
         return freed
 
     def num_evictable(self) -> int:
@@ -254,4 +283,5 @@ class PrefixCache:
             "hit_tokens": self.hit_tokens,
             "query_tokens": self.query_tokens,
             "evicted_pages": self.evicted_pages,
+            "reset_pages": self.reset_pages,
         }

@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from longctx import __version__
 from longctx.server import messages as m
-from longctx.server.protocol import ApiError, error_body, retry_headers, validation_error
+from longctx.server.engine_client import RpcError
+from longctx.server.protocol import ApiError, engine_error, error_body, retry_headers, validation_error
 from longctx.server.routes_documents import router as documents_router
 from longctx.server.routes_generate import router as generate_router
 from longctx.server.state import ServerSettings, ServerState, get_state
@@ -224,5 +225,21 @@ def create_app(
             return await state.client.call(lambda cid: m.StatsQuery(cid), timeout=30.0)
         except Exception as e:
             raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
+
+    async def reset_prefix_cache() -> dict[str, int]:
+        """vLLM's POST /reset_prefix_cache, SGLang's POST /flush_cache: the prefix cache drops every page
+        no running request or pinned document holds, so a benchmark's next run prefills cold; the engine
+        does it between two steps, requests in flight go on. {"freed_pages", "kept_pages"}."""
+        try:
+            done = await state.client.call(lambda cid: m.ResetPrefixCache(cid), timeout=30.0)
+        except RpcError as e:
+            raise engine_error(str(e), e.code) from None
+        except Exception as e:
+            raise ApiError(503, f"engine unavailable: {e}", "server_error", code="engine_dead") from None
+        state.metrics.prefix_cache_resets.inc()
+        return {"freed_pages": int(done["freed_pages"]), "kept_pages": int(done["kept_pages"])}
+
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        app.add_api_route(path, reset_prefix_cache, methods=["POST"], dependencies=auth)
 
     return app

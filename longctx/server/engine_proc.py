@@ -1,9 +1,9 @@
 """The engine process: owns an `Engine`, talks to the frontend over two ZMQ PUSH/PULL sockets.
 
-Loop: drain every pending message (add / abort / pin / unpin / stats / shutdown), run one
-`step()` when there is work, send one `OutputBatch` with everything that progressed. A bad
-request becomes an error output for that rid only; the loop itself never raises. It exits on
-`Shutdown`, or when the frontend process disappears (so a killed server leaves no orphan).
+Loop: drain every pending message (add / abort / pin / unpin / stats / prefix-cache reset /
+shutdown), run one `step()` when there is work, send one `OutputBatch` with everything that
+progressed. A bad request becomes an error output for that rid only; the loop itself never raises.
+It exits on `Shutdown`, or when the frontend process disappears (so a killed server leaves no orphan).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class EngineLoop:
                 self.eng.prefix_cache.unpin_keys(self.doc_keys.pop(msg.rid))
         elif isinstance(msg, m.PinDocument) and self._pins_in_loop():
             self._start_pin(msg)
-        elif isinstance(msg, (m.PinDocument, m.UnpinDocument, m.StatsQuery)):
+        elif isinstance(msg, (m.PinDocument, m.UnpinDocument, m.StatsQuery, m.ResetPrefixCache)):
             try:
                 if isinstance(msg, m.PinDocument):
                     doc_id, n = self.eng.pin_document(list(msg.token_ids))
@@ -201,6 +201,8 @@ class EngineLoop:
                     else:
                         self.eng.unpin_document(msg.doc_id)
                     result = None
+                elif isinstance(msg, m.ResetPrefixCache):
+                    result = self.eng.reset_prefix_cache()
                 else:
                     result = self._stats()
                 reply = m.RpcReply(msg.call_id, True, result)

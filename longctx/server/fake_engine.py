@@ -1,8 +1,8 @@
 """A stand-in for `longctx.Engine`'s step API, for fast server tests and load benches.
 
 It has the same serving surface (add_request / abort / step / has_work / num_waiting /
-num_running / pin_document / unpin_document / stats / tokenizer / config / close) and behaves like
-a paged scheduler in miniature: admission by a page budget (a request that does not fit waits),
+num_running / pin_document / unpin_document / reset_prefix_cache / stats / tokenizer / config / close)
+and behaves like a paged scheduler in miniature: admission by a page budget (a request that does not fit waits),
 chunked prefill with progress, one token per running request per step, pinned documents whose
 full pages serve as a prefix cache. It computes nothing: greedy output echoes the prompt, sampled
 output is seeded random bytes, so the text is printable under a byte-level tokenizer. A guided request
@@ -310,6 +310,10 @@ class FakeEngine:
         if doc is None:
             raise RequestError(f"no pinned document {doc_id!r}")
         self._pages_used -= len(doc) // PAGE
+
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """`Engine.reset_prefix_cache`: the only cached pages here are pinned documents', which stay."""
+        return {"freed_pages": 0, "kept_pages": sum(len(doc) // PAGE for doc in self._docs.values())}
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -5,9 +5,11 @@ a msgpack extension holding `[tag, field0, field1, ...]` (positional, so the wir
 nested registered dataclasses are packed the same way.
 Arrays decode as tuples, which is what frozen dataclasses want.
 
-Frontend -> engine: AddRequest, AbortRequest, PinDocument, UnpinDocument, StatsQuery, Shutdown.
+Frontend -> engine: AddRequest, AbortRequest, PinDocument, UnpinDocument, StatsQuery,
+ResetPrefixCache, Shutdown.
 Engine -> frontend: EngineReady, EngineFailed, OutputBatch (TokenOutput per request that
-progressed, plus the queue counts), RpcReply (answers PinDocument / UnpinDocument / StatsQuery).
+progressed, plus the queue counts), RpcReply (answers PinDocument / UnpinDocument / StatsQuery /
+ResetPrefixCache).
 """
 
 from __future__ import annotations
@@ -138,6 +140,15 @@ class UnpinDocument:
 @message("statsq")
 @dataclass(frozen=True)
 class StatsQuery:
+    call_id: int
+
+
+@message("resetpc")
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Drop the prefix cache's pages no request or document holds; the reply's result is
+    {"freed_pages", "kept_pages"} (`Engine.reset_prefix_cache`)."""
+
     call_id: int
 
 

@@ -83,6 +83,11 @@ class Metrics:
         self.prefix_hits = Gauge(
             "longctx_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
+        self.prefix_cache_resets = Counter(
+            "longctx_prefix_cache_resets",
+            "Prefix-cache resets (POST /reset_prefix_cache or /flush_cache)",
+            registry=r,
+        )
         self.host_bytes = Gauge("longctx_host_pool_bytes", "Bytes of the host KV pool", registry=r)
         self.hisparse_rate = Gauge("longctx_hisparse_hit_rate", "HiSparse device-buffer hit rate", registry=r)
         self.healthy = Gauge("longctx_engine_healthy", "1 while the engine process is up", registry=r)
