@@ -73,9 +73,11 @@ def test_streams_carry_the_sync_paths_tokens_logits_and_completions(tiny_dir) ->
                 sampled = await aeng.complete(p[:20], seeded)
                 logits = await aeng.score(p)
                 stats = await aeng.stats()
-            return outs, text, sampled, logits, stats
+                reset = await aeng.reset_prefix_cache()
+            return outs, text, sampled, logits, stats, reset
 
-        outs, text, sampled, logits, stats = _run(main())
+        outs, text, sampled, logits, stats, reset = _run(main())
+        assert reset["kept_pages"] == 0 and eng.stats()["prefix_cache"]["cached_pages"] == 0
         assert [t for o in outs for t in o.new_token_ids] == want.token_ids
         assert {o.rid for o in outs} == {"r1"}
         assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH

@@ -146,6 +146,11 @@ class AsyncEngine:
         s["async_streams"] = len(self._live)
         return s
 
+    async def reset_prefix_cache(self) -> dict[str, int]:
+        """`Engine.reset_prefix_cache()` on an executor thread (it takes its turn between steps); streams in
+        flight go on, their pages kept."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.reset_prefix_cache)
+
     async def close(self) -> None:
         """End the streams in flight with `the engine is closed`, stop the thread (after the step it is
         running) and close the engine unless `close_engine=False`. Idempotent."""
