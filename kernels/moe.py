@@ -52,6 +52,7 @@ from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, m
 from .moe_decode import DecodeConfig, experts_decode
 from .moe_stream import StreamConfig, experts_stream
 from .moe_stream import supports as stream_supports
+from .norm import rms_norm_ref
 
 # Up to this many (token, slot) pairs the Triton path runs `moe_decode` (a weight stream of the selected
 # experts, no align kernel) instead of the grouped GEMMs below. Off (0) by default: on the H200 at
@@ -356,12 +357,14 @@ def moe_experts_ref(
     shared: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     join: Callable[[], None] | None = None,
+    norm_out: NormOut | None = None,
 ) -> torch.Tensor:
     """Reference: loop over the hit experts like transformers' `GlmMoeDsaExperts` (computes in x's dtype;
     fp8 weights are dequantised to fp32 and then cast to x's dtype). Returns y [T, Hd] in x's dtype,
     `residual + (y + shared)` when those [T, Hd] addends are given (the MoE block's shared experts and
     the decoder layer's residual add, as transformers adds them). `join` is called before `shared` is
-    read (the shared experts may still run on a side stream, longctx/model/overlap.py)."""
+    read (the shared experts may still run on a side stream, longctx/model/overlap.py). With `norm_out`
+    the RMSNorm of the result goes into its buffer too (`NormOut`)."""
     _, _, e, _, _, fp8 = _check_experts(
         x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale, shared, residual
     )
@@ -378,7 +381,7 @@ def moe_experts_ref(
         y.index_add_(0, tok, h.to(x.dtype))
     if join is not None:
         join()
-    return _add_ref(y, shared, residual)
+    return _norm_out_ref(_add_ref(y, shared, residual), norm_out)
 
 
 def _add_ref(y: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
@@ -387,6 +390,32 @@ def _add_ref(y: torch.Tensor, shared: torch.Tensor | None, residual: torch.Tenso
     if residual is not None:
         y = residual + y
     return y
+
+
+# (out [T, Hd], weight [Hd], eps): the combine also writes rms_norm(y) * weight into `out` (a decoder layer's
+# next input norm, `kernels.norm`'s numerics), so the next layer starts without a norm launch of its own
+NormOut = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _norm_out_ref(y: torch.Tensor, norm_out: NormOut | None) -> torch.Tensor:
+    _check_norm_out(norm_out, (y.shape[0], y.shape[1]), y.dtype)
+    if norm_out is not None:
+        norm_out[0].copy_(rms_norm_ref(y, norm_out[1], norm_out[2]))
+    return y
+
+
+def _check_norm_out(norm_out: NormOut | None, y_shape: tuple[int, int], dtype: torch.dtype) -> None:
+    if norm_out is None:
+        return
+    out, w, _ = norm_out
+    check(
+        tuple(out.shape) == y_shape and out.dtype == dtype and out.is_contiguous(),
+        f"norm_out: out must be a contiguous {dtype} {list(y_shape)}, got {list(out.shape)} {out.dtype}",
+    )
+    check(
+        tuple(w.shape) == (y_shape[1],) and w.dtype == dtype and w.is_contiguous(),
+        f"norm_out: weight must be a contiguous {dtype} [{y_shape[1]}]",
+    )
 
 
 @jit
@@ -595,31 +624,23 @@ def moe_combine_ref(
     num_experts: int,
     shared: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    norm_out: NormOut | None = None,
 ) -> torch.Tensor:
-    """The routed experts' per-pair outputs [T, k, Hd] -> residual + (their sum + shared) [T, Hd].
+    """The routed experts' per-pair outputs [T, k, Hd] -> residual + (their sum + shared) [T, Hd] (and its
+    RMSNorm into `norm_out`'s buffer, `NormOut`).
 
     Slots whose id is outside [0, num_experts) count as zero (their rows may hold anything)."""
     ok = (topk_ids >= 0) & (topk_ids < num_experts)
     y = torch.where(ok[..., None], pair_out, torch.zeros((), dtype=pair_out.dtype)).sum(dim=1)
-    return _add_ref(y, shared, residual)
+    return _norm_out_ref(_add_ref(y, shared, residual), norm_out)
 
 
 @jit
-def _combine_kernel(
-    p_ptr, ids_ptr, s_ptr, r_ptr, y_ptr,
-    E, HD, K, S, s_ps, s_pt, s_pk, s_it, s_st, s_rt, s_yt,
+def _combine_cols(
+    p_ptr, s_ptr, r_ptr, y_ptr, t, c, cm, ks, ok, like, S, s_ps, s_pt, s_pk, s_st, s_rt, s_yt,
     SHARED: tl.constexpr, RESIDUAL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_wait(PDL)
-    # p_ptr: S split partials of [T, K, HD] (S = 1 but for the decode path's fp32 split-K partials).
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cm = c < HD
-    ks = tl.arange(0, KP)
-    ids = tl.load(ids_ptr + t * s_it + ks, mask=ks < K, other=-1)
-    ok = (ids >= 0) & (ids < E)
-    like = tl.zeros([1], dtype=y_ptr.dtype.element_ty)
+    """Row t's columns c of the combine, stored; returns them (fp32 values of y's dtype)."""
     v = tl.zeros([KP, BLOCK], dtype=tl.float32)
     for s in range(0, S):
         ptrs = p_ptr + s * s_ps + t * s_pt + ks[:, None] * s_pk + c[None, :]
@@ -631,6 +652,50 @@ def _combine_kernel(
     if RESIDUAL:
         y = round_as(tl.load(r_ptr + t * s_rt + c, mask=cm, other=0.0).to(tl.float32) + y, like)
     tl.store(y_ptr + t * s_yt + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+    return y
+
+
+@jit
+def _combine_kernel(
+    p_ptr, ids_ptr, s_ptr, r_ptr, y_ptr, w_ptr, n_ptr,
+    E, HD, K, S, s_ps, s_pt, s_pk, s_it, s_st, s_rt, s_yt, s_nt, eps,
+    SHARED: tl.constexpr, RESIDUAL: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_wait(PDL)
+    # p_ptr: S split partials of [T, K, HD] (S = 1 but for the decode path's fp32 split-K partials).
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + t * s_it + ks, mask=ks < K, other=-1)
+    ok = (ids >= 0) & (ids < E)
+    like = tl.zeros([1], dtype=y_ptr.dtype.element_ty)
+    if NORM:
+        # one program per row: its columns block by block, then the RMSNorm of the row (kernels.norm's
+        # rounding) from the values this program stored, read back after a barrier
+        ssq = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, HD, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            cm = c < HD
+            y = _combine_cols(
+                p_ptr, s_ptr, r_ptr, y_ptr, t, c, cm, ks, ok, like, S, s_ps, s_pt, s_pk, s_st, s_rt, s_yt,
+                SHARED, RESIDUAL, KP, BLOCK,
+            )  # fmt: skip
+            ssq += y * y
+        inv = 1.0 / tl.sqrt(tl.sum(ssq, axis=0) / HD + eps)
+        tl.debug_barrier()
+        for c0 in range(0, HD, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            cm = c < HD
+            y = tl.load(y_ptr + t * s_yt + c, mask=cm, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+            n = round_as(round_as(y * inv, like) * w, like)
+            tl.store(n_ptr + t * s_nt + c, n.to(n_ptr.dtype.element_ty), mask=cm)
+    else:
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        _combine_cols(
+            p_ptr, s_ptr, r_ptr, y_ptr, t, c, c < HD, ks, ok, like, S, s_ps, s_pt, s_pk, s_st, s_rt, s_yt,
+            SHARED, RESIDUAL, KP, BLOCK,
+        )  # fmt: skip
 
 
 def moe_combine(
@@ -639,14 +704,16 @@ def moe_combine(
     num_experts: int,
     shared: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    norm_out: NormOut | None = None,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """`moe_combine_ref` in one kernel (a program per token and column block). pair_out [T, k, Hd]
-    float with unit last stride; topk_ids [T, k] int with unit last stride; shared and residual
-    [T, Hd] in pair_out's dtype with unit last stride. Returns a new contiguous [T, Hd]."""
+    """`moe_combine_ref` in one kernel (a program per token and column block; with `norm_out` a program
+    per token). pair_out [T, k, Hd] float with unit last stride; topk_ids [T, k] int with unit last
+    stride; shared and residual [T, Hd] in pair_out's dtype with unit last stride. Returns a new
+    contiguous [T, Hd]."""
     if not use_triton(backend, pair_out.device):
-        return moe_combine_ref(pair_out, topk_ids, num_experts, shared, residual)
+        return moe_combine_ref(pair_out, topk_ids, num_experts, shared, residual, norm_out)
     check(
         pair_out.dim() == 3 and pair_out.stride(2) == 1, "moe_combine: pair_out [T, k, Hd], unit last stride"
     )
@@ -660,7 +727,7 @@ def moe_combine(
             a is None or (a.shape == (t, hd) and a.dtype == pair_out.dtype and a.stride(1) == 1),
             f"moe_combine: {name} must be {pair_out.dtype} [{t}, {hd}] with unit last stride",
         )
-    return _combine(pair_out[None], topk_ids, num_experts, shared, residual, pair_out.dtype)
+    return _combine(pair_out[None], topk_ids, num_experts, shared, residual, pair_out.dtype, norm_out)
 
 
 def _combine(
@@ -670,21 +737,26 @@ def _combine(
     shared: torch.Tensor | None,
     residual: torch.Tensor | None,
     dtype: torch.dtype,
+    norm_out: NormOut | None = None,
 ) -> torch.Tensor:
     """The combine kernel over S split partials parts [S, T, k, Hd] (summed in fp32 in split order,
     then rounded to `dtype` as one [T, k, Hd] of that dtype would be); inputs as `moe_combine`'s."""
     _, t, k, hd = parts.shape
+    _check_norm_out(norm_out, (t, hd), dtype)
     y = torch.empty(t, hd, dtype=dtype, device=parts.device)
     if t and hd:
         s = shared if shared is not None else y
         r = residual if residual is not None else y
-        block = min(next_pow2(hd), 1024)
-        _combine_kernel[(t, cdiv(hd, block))](
-            parts, topk_ids, s, r, y, num_experts, hd, k, parts.shape[0],
+        n, w, eps = norm_out if norm_out is not None else (y, y, 0.0)
+        kp = next_pow2(max(k, 1))
+        # NORM: one program a row, [KP, BLOCK] fp32 a block (at most 8K values in registers)
+        block = min(next_pow2(hd), 1024 if norm_out is None else max(16, 8192 // kp))
+        _combine_kernel[(t, 1 if norm_out is not None else cdiv(hd, block))](
+            parts, topk_ids, s, r, y, w, n, num_experts, hd, k, parts.shape[0],
             parts.stride(0), parts.stride(1), parts.stride(2), topk_ids.stride(0), s.stride(0), r.stride(0),
-            y.stride(0),
-            SHARED=shared is not None, RESIDUAL=residual is not None, KP=next_pow2(max(k, 1)), BLOCK=block,
-            **pdl(parts.device),
+            y.stride(0), n.stride(0), float(eps),
+            SHARED=shared is not None, RESIDUAL=residual is not None, KP=kp, BLOCK=block,
+            NORM=norm_out is not None, **pdl(parts.device),
         )  # fmt: skip
     return y
 
@@ -748,6 +820,7 @@ def moe_experts(
     shared: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     join: Callable[[], None] | None = None,
+    norm_out: NormOut | None = None,
     backend: str = "auto",
     tiles: tuple[int, int, int, int, int] | None = None,
     decode: bool | DecodeConfig | None = None,
@@ -766,12 +839,13 @@ def moe_experts(
     (bench).
     Returns y [T, Hd] in x's dtype (plus `shared` and `residual`, [T, Hd] with unit column stride,
     added by the combine kernel). `join`, if given, is called once the experts' kernels are queued and
-    before the combine reads `shared` (which a side stream may still be making).
+    before the combine reads `shared` (which a side stream may still be making). `norm_out` (`NormOut`):
+    the combine also writes the result's RMSNorm into its buffer.
     """
     if not use_triton(backend, x.device):
         return moe_experts_ref(
             x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale,
-            shared=shared, residual=residual, join=join,
+            shared=shared, residual=residual, join=join, norm_out=norm_out,
         )  # fmt: skip
     t, hd, e, inter, k, fp8 = _check_experts(
         x, topk_ids, topk_w, w_gate_up, w_down, act, w_gate_up_scale, w_down_scale, shared, residual
@@ -781,7 +855,7 @@ def moe_experts(
     join = join or _no_join
     if t == 0 or k == 0:
         join()
-        return _add_ref(torch.zeros_like(x), shared, residual)
+        return _norm_out_ref(_add_ref(torch.zeros_like(x), shared, residual), norm_out)
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     if stream is None:
         stream = (
@@ -794,7 +868,7 @@ def moe_experts(
         s_gu, s_d = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
         parts = experts_stream(x, ids, topk_w, w_gate_up, w_down, s_gu, s_d, scfg)
         join()
-        return _combine(parts, ids, e, shared, residual, x.dtype)
+        return _combine(parts, ids, e, shared, residual, x.dtype, norm_out)
     if decode is None:
         decode = tiles is None and t * k <= DECODE_MAX_PAIRS
     if decode is not False:
@@ -802,7 +876,7 @@ def moe_experts(
         sgu, sd = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (None, None)  # type: ignore[union-attr]
         parts = experts_decode(x, ids, topk_w, w_gate_up, w_down, sgu, sd, cfg)
         join()
-        return _combine(parts, ids, e, shared, residual, x.dtype)
+        return _combine(parts, ids, e, shared, residual, x.dtype, norm_out)
     bm, bn, bk, warps, stages = tiles or _pick_moe_tiles(
         t, k, e, hd, inter, x.element_size(), w_gate_up.element_size()
     )
@@ -831,4 +905,4 @@ def moe_experts(
         FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
     join()
-    return moe_combine(out.view(t, k, hd), ids, e, shared, residual, backend="triton")
+    return moe_combine(out.view(t, k, hd), ids, e, shared, residual, norm_out, backend="triton")

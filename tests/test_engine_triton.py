@@ -55,3 +55,29 @@ def test_triton_sampling_draws_the_torch_paths_tokens(tiny_dir):
             ]  # fmt: skip
     assert got["triton"] == got["torch"]
     assert len({tuple(t) for t in got["torch"][0]}) == 3
+
+
+def test_moe_layers_make_the_next_layers_input_norm(tiny_dir, monkeypatch):
+    """On the Triton path an MoE layer's combine kernel also writes the next layer's input norm (the final norm
+    after the last layer): one norm launch fewer per MoE layer, the same logits as the layers norming for
+    themselves."""
+    from longctx.kernels import norm
+
+    from longctx.model.layer import DecoderLayer
+
+    launches = []
+    launch = norm._launch
+    monkeypatch.setattr(norm, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    ids = rand_ids(40, 3)
+    with Engine(tiny_dir, device="cpu", backend="triton", chunk_size=64) as e:
+        n_moe = sum(e.cfg.is_moe(i) for i in range(e.cfg.num_hidden_layers))
+        fused = e.score(ids)
+        n_fused = len(launches)
+        step = DecoderLayer.step
+        monkeypatch.setattr(
+            DecoderLayer, "step", lambda self, x, ctx, xn=None, nn=None: step(self, x, ctx, xn, None)
+        )
+        launches.clear()
+        plain = e.score(ids)
+    assert n_moe >= 2 and len(launches) - n_fused == n_moe
+    assert rel(fused, plain) <= 1e-6

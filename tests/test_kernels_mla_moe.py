@@ -493,6 +493,59 @@ def test_moe_combine_kernel_matches_reference(t, k, hd, dtype, shared, residual)
         assert torch.equal(y, ref)
 
 
+@pytest.mark.parametrize(
+    "t,k,hd,dtype,path",
+    [
+        (1, 8, 200, torch.float32, "combine"),  # one row: one column block of 1024 (8192 // KP 8)
+        (3, 2, 5000, torch.bfloat16, "combine"),  # 2 blocks of 4096 (8192 // KP 2), the last one masked
+        (2, 4, 96, torch.bfloat16, "grouped"),
+        (2, 4, 96, torch.bfloat16, "decode"),
+        (0, 4, 96, torch.float32, "grouped"),  # no tokens: the buffer is left as it is
+    ],
+)
+def test_combine_writes_the_next_norm(t, k, hd, dtype, path):
+    """`norm_out`: the combine also writes RMSNorm(y) * w (the next layer's input norm) into the buffer, the
+    result y unchanged; it equals kernels.norm's rms_norm of y (the sum of squares in another order: at most
+    a rounding step apart), and the reference path gives the same."""
+    from longctx.kernels.norm import rms_norm, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(t * 7 + hd)
+    e = 6
+    w = (1 + 0.1 * torch.randn(hd, generator=gen)).to(dtype)
+    if path == "combine":
+        pair_out = torch.randn(t, k, hd, generator=gen).to(dtype)
+        ids = torch.randint(0, e, (t, k), generator=gen)
+        rs = torch.randn(t, hd, generator=gen).to(dtype)
+        run = lambda no, backend: moe_combine(pair_out, ids, e, None, rs, no, backend=backend)  # noqa: E731
+    else:
+        x = torch.randn(t, hd, generator=gen).to(dtype)
+        gate_up, down, _, _ = _experts(e, hd, 32, dtype, gen)
+        ids = torch.randint(0, e, (t, k), generator=gen)
+        tw = torch.rand(t, k, generator=gen)
+        rs = torch.randn(t, hd, generator=gen).to(dtype)
+
+        def run(no, backend):
+            return moe_experts(
+                x, ids, tw, gate_up, down, residual=rs, norm_out=no, backend=backend, decode=path == "decode"
+            )
+
+    outs = {}
+    for backend in ("torch", TRITON):
+        buf = torch.full((t, hd), 7.0, dtype=dtype)
+        y = run((buf, w, 1e-5), backend)
+        assert torch.equal(y, run(None, backend))
+        outs[backend] = (y, buf)
+        if t == 0:
+            continue
+        want = rms_norm(y, w, 1e-5, backend=backend)
+        ulp = 2.0 ** {torch.float32: -22, torch.bfloat16: -7}[dtype]
+        torch.testing.assert_close(buf.float(), want.float(), rtol=ulp, atol=ulp)
+        if backend == "torch":
+            assert torch.equal(buf, rms_norm_ref(y, w, 1e-5))
+    with pytest.raises(KernelInputError, match="norm_out"):
+        run((torch.empty(t, hd + 1, dtype=dtype), w, 1e-5), TRITON)
+
+
 def test_moe_experts_adds_shared_and_residual():
     """moe_experts(shared=, residual=) == residual + (moe_experts() + shared), on both paths."""
     gen = torch.Generator().manual_seed(11)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -73,11 +73,14 @@ class CausalLM(nn.Module):
             h = x
         ctx.cos_sin = self.rotary(ctx.positions, h.dtype)
         ctx.key_lens = None  # made afresh by each forward, as cos_sin (a reused context keeps neither)
-        for layer in self.model.layers.values():
-            h = layer(h, ctx)
+        layers = [cast(DecoderLayer, m) for m in self.model.layers.values()]
+        normed: torch.Tensor | None = None  # the next layer's input norm, when the layer made it
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, normed = layer.step(h, ctx, normed, nxt)
         if self.has_head:
             assert self.model.norm is not None
-            h = self.model.norm(h)
+            h = normed if normed is not None else self.model.norm(h)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

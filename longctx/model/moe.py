@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from longctx.config import ModelConfig
 from longctx.model.linear import Linear, linear, stack_weights
 from longctx.model.ops import op
 from longctx.model.overlap import SideStream
+
+if TYPE_CHECKING:
+    from longctx.kernels.moe import NormOut
 
 
 class MLP(nn.Module):
@@ -93,13 +97,14 @@ class Experts(nn.Module):
         shared: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         join: Callable[[], None] | None = None,
+        norm_out: NormOut | None = None,
     ) -> torch.Tensor:
         """residual + (routed experts' sum + shared); the addends are optional [T, hidden] tensors
         (the Triton path adds them in the kernel that sums the k slots), `join` is called before
-        `shared` is read."""
+        `shared` is read; `norm_out` gets the result's RMSNorm (`kernels.moe.NormOut`)."""
         return op("moe", "moe_experts", use_triton)(
             x, ids, w, self.gate_up_proj, self.down_proj, "silu", self.gate_up_scale, self.down_scale,
-            shared=shared, residual=residual, join=join,
+            shared=shared, residual=residual, join=join, norm_out=norm_out,
         )  # fmt: skip
 
 
@@ -124,16 +129,27 @@ class MoE(nn.Module):
         valid: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         side: SideStream | None = None,
+        norm_out: NormOut | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] -> routed + shared experts [T, hidden], plus `residual` if given (the decoder
         layer's residual, added in the same kernel). `valid` [T] bool masks rows out of the routed
         experts (ids -> -1). With an active `side` stream the shared experts run there, beside the
-        router and the routed experts, until the combine (overlap.py)."""
+        router and the routed experts, until the combine (overlap.py). `norm_out` (`kernels.moe.NormOut`):
+        the combine also writes the result's RMSNorm into its buffer (the next layer's input norm)."""
         if self.shared_experts is not None and side is not None and side.active():
             with side.fork():
                 shared = self.shared_experts(x)
             ids, w = self.gate(x, self.use_triton, valid)
-            return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual, join=side.join)
+            return self.experts(
+                x,
+                w,
+                ids,
+                self.use_triton,
+                shared=shared,
+                residual=residual,
+                join=side.join,
+                norm_out=norm_out,
+            )
         ids, w = self.gate(x, self.use_triton, valid)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual)
+        return self.experts(x, w, ids, self.use_triton, shared=shared, residual=residual, norm_out=norm_out)
