@@ -1161,13 +1161,18 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     combine (slots + shared + residual) are one kernel each, the router two (its logits straight from
     the hidden rows, no fp32 copy or cuBLAS GEMV; then the selection), the routed experts three more
     (align, gate-up, down; the align-free decode path measured slower on the H200 and is off), the
-    projections of x one GEMM, and the step stays near its measured 176 launches (825 before the fused
-    kernels, 229 before the second round): a regression here is a slower decode on the GPU."""
+    projections of x one GEMM, and the step stays near its measured 171 launches (825 before the fused
+    kernels, 229 before the second round, 176 before the MoE combine made the next layer's input norm): a
+    regression here is a slower decode on the GPU."""
     from bench.launch_count import count_decode_step
 
     ops = count_decode_step(ROOT / "configs" / "tiny.json", batch=1, context=70)
-    assert ops["triton._rms_norm_kernel"] == 6 * 3 + 1  # input, q_a, post-attention; the final norm
-    assert ops["triton._rope_kernel"] == 6 + 3  # MLA q every layer, indexer q per full layer
+    # input, q_a, post-attention a layer and the final norm, less the five MoE layers' next input norms
+    # (their combine kernel writes it)
+    assert ops["triton._rms_norm_kernel"] == 6 * 3 + 1 - 5
+    # MLA q every layer (tiny's rope dim 8 is below the 16 the sparse MLA kernel rotates itself), indexer q
+    # per full layer
+    assert ops["triton._rope_kernel"] == 6 + 3
     assert ops["triton._norm_rope_mla_kernel"] == 6 and ops["triton._ln_rope_index_kernel"] == 3
     assert ops["triton._router_logits_kernel"] == 5 and ops["triton._router_select_kernel"] == 5
     assert ops["triton._align_kernel"] == 5
@@ -1180,7 +1185,19 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert ops["aten.linear"] == 6 * 3 + 3 + 5 * 2 + 2 + 1
     assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk", "aten.silu"} & set(ops)
     assert not {"aten.layer_norm", "aten.zeros_like", "aten.sum"} & set(ops)
-    assert sum(ops.values()) <= 182, ops.most_common(20)
+    assert sum(ops.values()) <= 177, ops.most_common(20)
+
+
+def test_launch_count_sparse_mla_rotates_q(tmp_path: Path) -> None:
+    """With a rope dim of 16 (GLM's and small-1m's is 64) the sparse MLA kernel rotates q's rope part
+    itself: the step's rope launches are the indexer's alone (165 launches, 171 at rope dim 8)."""
+    from bench.launch_count import count_decode_step
+
+    cfg = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    (tmp_path / "r.json").write_text(json.dumps({**cfg, "qk_rope_head_dim": 16}))
+    ops = count_decode_step(tmp_path / "r.json", batch=1, context=70)
+    assert ops["triton._rope_kernel"] == 3 and ops["triton.sparse_mla_heads_kernel"] == 6
+    assert sum(ops.values()) <= 170, ops.most_common(20)
 
 
 def test_launch_count_of_a_windowed_decode_step(tmp_path: Path) -> None:
