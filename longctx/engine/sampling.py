@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from longctx.kernels.argmax import argmax_rows
 from longctx.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref, scale_logits_ref
 from longctx.kernels.penalties import penalise
 from longctx.seeds import MASK63, generator_seed
@@ -521,7 +522,7 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         else:
             rest.append(i)
     if len(greedy) == d:
-        return torch.argmax(logits, dim=-1)
+        return argmax_rows(logits, backend=backend)
     groups = [g for g in (plain, rest) if g]
     if not greedy and len(groups) == 1:
         return _draw(logits, rows, _DrawColumns(_all_on(dev, *_DrawColumns.spec(rows, vocab))), backend)
@@ -531,7 +532,7 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[Any], backend: str = "auto") 
         *(c for g in groups for c in _DrawColumns.spec([rows[i] for i in g], vocab)),
     )
     if greedy:
-        toks = torch.argmax(logits, dim=-1)
+        toks = argmax_rows(logits, backend=backend)
     else:
         toks = torch.empty(d, dtype=torch.int64, device=dev)
     a = 0
