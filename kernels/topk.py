@@ -46,6 +46,10 @@ from .common import check, jit, next_pow2, pdl, pdl_wait, tl, use_triton
 # LONGCTX_TOPK_WINDOW=0: the window composed after the kernel's top-k with torch ops, as before the
 # twenty-third session (bench/session.sh sets it for a GPU where gpu_kernel_check's topk_window failed)
 WINDOW_IN_WRITE = os.environ.get("LONGCTX_TOPK_WINDOW", "1").strip() != "0"
+# Rows of at least this many keys go in chunks of 4096 a program, shorter ones in 1024 (more programs a pass
+# for fewer keys). LONGCTX_TOPK_BIG_CHUNK_FROM sets it for a process (A/B: 128K decode's six passes of one
+# full layer sit on its critical path, bench/results/pdl-s58-h100.md).
+BIG_CHUNK_FROM = int(os.environ.get("LONGCTX_TOPK_BIG_CHUNK_FROM", "65536"))
 _NB = 256  # bins per radix pass (8-bit digits, 4 passes cover the 32-bit key)
 _LEVELS = 4
 
@@ -220,7 +224,7 @@ def topk_indices(
         return torch.full((tq, k), -1, dtype=torch.int32, device=logits.device)
     # No fill of `out`: the write pass stores the -1 padding (and the window) itself (one launch fewer).
     out = torch.empty((tq, k + window), dtype=torch.int32, device=logits.device)
-    chunk = 4096 if n >= 65536 else 1024
+    chunk = 4096 if n >= BIG_CHUNK_FROM else 1024
     nch = (n + chunk - 1) // chunk
     # One zeroed buffer (one memset launch) for the histograms and, per query and level, (prefix of the
     # k-th largest key, how many keys are still needed).
