@@ -126,9 +126,9 @@ def timeline(prof: Any, top: int = 12) -> dict[str, Any]:
             buckets[b] += g / 1e3
             counts[b] += 1
         gaps.sort(reverse=True)
-        # one decode step's kernels in start order (from the step's greedy argmax, torch's or kernels.argmax's
-        # pick, to the next one's, in
-        # the middle of the trace): which GEMM is which layer's projection, and what overlaps what
+        # one decode step's kernels in start order, from the step's greedy argmax (torch's, or kernels.argmax's
+        # pick) to the next one's, in the middle of the trace: which GEMM is which layer's projection, and
+        # what overlaps what
         marks = [i for i, e in enumerate(evs) if "ArgMax" in e.name or "_argmax_pick_kernel" in e.name]
         step: list[dict[str, Any]] = []
         if len(marks) >= 3:
