@@ -115,3 +115,72 @@ def apply_rope(
             **pdl(x.device),
         )  # fmt: skip
     return y3 if x.dim() == 3 else y3[:, 0, :]
+
+
+def rope_cos_sin_ref(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary angles' cos / sin [T, R/2] in `dtype` for positions [T] (`model.rope.RotaryEmbedding`'s
+    math: fp32 angles position * inv_freq, times `scaling` (yarn) unless it is 1)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    if scaling != 1.0:  # x * 1.0 == x: default rope skips the two multiplies
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+@jit
+def _cos_sin_kernel(
+    pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, R2, scaling,
+    SCALE: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_wait(PDL)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    j = tl.arange(0, BR)
+    rm = rows < T
+    jm = j < R2
+    p = tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.float32)
+    inv = tl.load(inv_ptr + j, mask=jm, other=0.0)
+    f = p[:, None] * inv[None, :]
+    c = tl.cos(f)
+    s = tl.sin(f)
+    if SCALE:
+        c = c * scaling
+        s = s * scaling
+    m = rm[:, None] & jm[None, :]
+    off = rows.to(tl.int64)[:, None] * R2 + j[None, :]
+    tl.store(cos_ptr + off, c.to(cos_ptr.dtype.element_ty), mask=m)
+    tl.store(sin_ptr + off, s.to(sin_ptr.dtype.element_ty), mask=m)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    dtype: torch.dtype,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cos_sin_ref` in one kernel (a decode step's six small torch kernels before its first layer).
+    positions [T] int, inv_freq [R/2] fp32 contiguous on positions' device. The cos / sin are the device
+    math library's (the interpreter's: numpy's), which may differ from torch's in the last fp32 bit."""
+    if not use_triton(backend, positions.device):
+        return rope_cos_sin_ref(positions, inv_freq, scaling, dtype)
+    check(
+        positions.dim() == 1 and not positions.is_floating_point(), "rope_cos_sin: positions must be int [T]"
+    )
+    check(
+        inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+        and inv_freq.device == positions.device,
+        "rope_cos_sin: inv_freq must be a contiguous fp32 [R/2] on positions' device",
+    )  # fmt: skip
+    t, r2 = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(t, r2, dtype=dtype, device=positions.device)
+    sin = torch.empty(t, r2, dtype=dtype, device=positions.device)
+    if t and r2:
+        bt = 16
+        _cos_sin_kernel[(-(-t // bt),)](
+            positions.contiguous(), inv_freq, cos, sin, t, r2, float(scaling),
+            SCALE=scaling != 1.0, BT=bt, BR=next_pow2(r2), **pdl(positions.device),
+        )  # fmt: skip
+    return cos, sin

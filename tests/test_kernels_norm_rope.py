@@ -115,3 +115,22 @@ def test_silu_mul_matches_reference(dtype, t, i):
     torch.testing.assert_close(got, want, **tol)
     with pytest.raises(KernelInputError):
         silu_mul(torch.randn(2, 5), backend="triton")
+
+
+@pytest.mark.parametrize(
+    ("t", "r2", "scaling", "dtype"), [(1, 32, 1.0, torch.bfloat16), (37, 4, 1.25, torch.float32)]
+)
+def test_rope_cos_sin_kernel_matches_reference(t, r2, scaling, dtype):
+    """The rotary cos / sin in one kernel: positions up to 1M, yarn's scaling; the math library's cos / sin may
+    differ from torch's in the last fp32 bit, so within two fp32 ulps (and one step of bf16)."""
+    from longctx.kernels.rope import rope_cos_sin, rope_cos_sin_ref
+
+    gen = torch.Generator().manual_seed(t + r2)
+    pos = torch.randint(0, 1 << 20, (t,), generator=gen)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 2 * r2, 2, dtype=torch.float32) / (2 * r2)))
+    got = rope_cos_sin(pos, inv, scaling, dtype, backend="triton")
+    want = rope_cos_sin_ref(pos, inv, scaling, dtype)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype and g.shape == (t, r2)
+        tol = 2 * 2.0**-23 * scaling if dtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=tol)

@@ -90,7 +90,7 @@ class CausalLM(nn.Module):
 
     def set_backend(self, use_triton: bool) -> None:
         for m in self.modules():
-            if isinstance(m, Linear | MoE | RMSNorm | MLP):
+            if isinstance(m, Linear | MoE | RMSNorm | MLP | RotaryEmbedding):
                 m.use_triton = use_triton
 
     # ---- weights -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from longctx.config import ModelConfig
+from longctx.model.ops import op
 
 
 def _yarn_inv_freq(rp: dict, dim: int) -> tuple[torch.Tensor, float]:
@@ -70,17 +71,16 @@ class RotaryEmbedding(nn.Module):
         # a plain attribute, not a buffer: the model is built on the meta device
         self.inv_freq = inv_freq
         self._cached: dict[torch.device, torch.Tensor] = {}
+        self.use_triton = False  # (CausalLM.set_backend) one kernel for cos and sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, dim // 2] (one angle per rotated pair)."""
         inv = self._cached.get(positions.device)
         if inv is None:
-            inv = self._cached.setdefault(positions.device, self.inv_freq.to(positions.device))
-        freqs = positions.float()[:, None] * inv[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.attention_scaling != 1.0:  # yarn; x * 1.0 == x, so default rope skips two kernels a step
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+            inv = self._cached.setdefault(positions.device, self.inv_freq.to(positions.device).contiguous())
+        fn = op("rope", "rope_cos_sin", self.use_triton)
+        cos, sin = fn(positions, inv, self.attention_scaling, dtype)
+        return cos, sin
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
