@@ -142,7 +142,8 @@ def pdl(device: torch.device) -> dict[str, bool]:
 
 @functools.cache
 def _pdl_keywords(index: int) -> dict[str, bool]:
-    return {"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability(index)[0] >= 9 else {}
+    hopper = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9  # (ROCm: no PDL)
+    return {"PDL": True, "launch_pdl": True} if hopper else {}
 
 
 @jit
