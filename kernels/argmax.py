@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, tl, use_triton
-from .fp8_gemm import cdiv
+from .common import check, jit, next_pow2, pdl, pdl_wait, row_split, tl, use_triton
 
 
 def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
@@ -79,10 +78,7 @@ def argmax_rows(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     block = min(1024, next_pow2(v))
-    # enough programs a row to fill the SMs at batch 1, each at least a couple of blocks long
-    s = max(1, min(cdiv(v, 2 * block), cdiv(2 * num_sms(x.device), d)))
-    chunk = cdiv(cdiv(v, s), block) * block
-    s = cdiv(v, chunk)
+    s, chunk = row_split(v, d, block, x.device, min_blocks=2)
     bn = torch.empty(d, s, dtype=torch.int32, device=x.device)
     bv = torch.empty(d, s, dtype=torch.float32, device=x.device)
     bi = torch.empty(d, s, dtype=torch.int64, device=x.device)

@@ -168,6 +168,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def row_split(width: int, rows: int, block: int, device: torch.device, min_blocks: int) -> tuple[int, int]:
+    """(programs a row, columns a program) for a kernel that reduces each of `rows` rows of `width` columns in
+    `block`-column steps: enough programs a row to fill the SMs twice over at batch 1, each at least
+    `min_blocks` blocks long; a program's columns are whole blocks."""
+    s = max(1, min(-(-width // (min_blocks * block)), -(-2 * num_sms(device) // rows)))
+    per = -(-width // s)
+    chunk = -(-per // block) * block
+    return -(-width // chunk), chunk
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1) (Triton block sizes must be powers of two)."""
     return 1 << max(int(n) - 1, 0).bit_length()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, tl, use_triton
+from .common import check, jit, next_pow2, row_split, tl, use_triton
 
 M32 = 0xFFFFFFFF
 MIX_A, MIX_B = 0x21F0AAAD, 0x735A2D97  # the mixer's multipliers (shifts 16, 15, 15)
@@ -258,11 +258,7 @@ def gumbel_argmax(
     if temperature is not None:
         temperature = temperature.contiguous()
     block = min(1024, next_pow2(w))
-    # enough programs per row to fill the SMs at batch 1, each at least a few blocks long
-    s = max(1, min(-(-w // (4 * block)), -(-2 * num_sms(x.device) // d)))
-    chunk = -(-w // s)
-    chunk = -(-chunk // block) * block
-    s = -(-w // chunk)
+    s, chunk = row_split(w, d, block, x.device, min_blocks=4)
     bl = torch.empty(d, s, dtype=torch.int32, device=x.device) if temperature is not None else keys
     bs = torch.empty(d, s, dtype=torch.float32, device=x.device)
     bh = torch.empty(d, s, dtype=torch.int64, device=x.device)
