@@ -52,7 +52,7 @@ from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, m
 from .moe_decode import DecodeConfig, experts_decode
 from .moe_stream import StreamConfig, experts_stream
 from .moe_stream import supports as stream_supports
-from .norm import rms_norm_ref
+from .norm import rms_norm_ref, rms_scale
 
 # Up to this many (token, slot) pairs the Triton path runs `moe_decode` (a weight stream of the selected
 # experts, no align kernel) instead of the grouped GEMMs below. Off (0) by default: on the H200 at
@@ -688,8 +688,7 @@ def _combine_kernel(
             cm = c < HD
             y = tl.load(y_ptr + t * s_yt + c, mask=cm, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
-            n = round_as(round_as(y * inv, like) * w, like)
-            tl.store(n_ptr + t * s_nt + c, n.to(n_ptr.dtype.element_ty), mask=cm)
+            tl.store(n_ptr + t * s_nt + c, rms_scale(y, inv, w, like).to(n_ptr.dtype.element_ty), mask=cm)
     else:
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         _combine_cols(

@@ -35,6 +35,14 @@ def add_rms_norm_ref(
 
 
 @jit
+def rms_scale(xf, inv, w, like):
+    """RMSNorm's output from fp32 values `xf` of a row, its 1 / rms `inv` and the fp32 weight `w`, rounded
+    as the reference rounds: the normalised row to `like`'s dtype, then its product with the weight (fp32
+    values of that dtype; kernels fusing a norm after their own work use it too, e.g. the MoE combine)."""
+    return round_as(round_as(xf * inv, like) * w, like)
+
+
+@jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
     D, sx, sr, sy, sh, eps,
@@ -52,9 +60,8 @@ def _rms_norm_kernel(
         tl.store(h_ptr + row * sh + cols, x, mask=m)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    n = round_as(xf * inv, x)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * sy + cols, round_as(n * w, x).to(x.dtype), mask=m)
+    tl.store(y_ptr + row * sy + cols, rms_scale(xf, inv, w, x).to(x.dtype), mask=m)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:

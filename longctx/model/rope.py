@@ -78,9 +78,9 @@ class RotaryEmbedding(nn.Module):
         inv = self._cached.get(positions.device)
         if inv is None:
             inv = self._cached.setdefault(positions.device, self.inv_freq.to(positions.device).contiguous())
-        fn = op("rope", "rope_cos_sin", self.use_triton)
-        cos, sin = fn(positions, inv, self.attention_scaling, dtype)
-        return cos, sin
+        return op("rope", "rope_cos_sin", self.use_triton)(
+            positions, inv, self.attention_scaling, dtype
+        )
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
