@@ -2134,3 +2134,14 @@ def test_vs_transformers_longctx_timing_on_cpu(tiny_dir, monkeypatch):
         assert not eng.has_work()
         with pytest.raises(AssertionError, match="decode_tokens"):
             vt.lc_prefill_decode(eng, 70, 2)
+
+
+@pytest.mark.parametrize("part", ["smla", "topk", "wuk", "router"])
+def test_ncu_decode_parts_check_their_kernels_on_cpu(part: str, capsys) -> None:
+    """bench.ncu_decode's parts (what Nsight Compute reads on the GPU) run at toy sizes under the
+    interpreter, each checked against its reference first."""
+    from bench.ncu_decode import main
+
+    assert main(["--part", part, "--device", "cpu", "--context", "1024", "--calls", "1"]) == 0
+    out = capsys.readouterr().out
+    assert part == "wuk" or ("rel err" in out or "equal to the reference" in out)

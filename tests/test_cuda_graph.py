@@ -130,3 +130,53 @@ def test_side_stream_path_matches_eager(tiny_dir, backend):
         assert side.forks == side.joins == per_step * graphs.replays and not side.open
         assert g.stats()["cuda_graphs"]["side_forks"] == side.forks
     assert got == want
+
+
+def test_side_stream_runs_the_indexer_before_the_row_write_at_high_priority(tiny_dir, monkeypatch):
+    """On a full layer the side stream queues the indexer's chain (the layer's critical path) before the
+    MLA row's write, which only the join needs; the stream is asked for the highest priority (a captured
+    kernel keeps its stream's priority in the replay), or the default one under LONGCTX_SIDE_PRIORITY=0."""
+    from longctx.model import mla as mla_mod
+    from longctx.model import overlap
+
+    log: list[tuple[str, int]] = []
+    real_write = mla_mod.MLAttention._write_kv
+
+    def write(self, ckv, ctx):
+        log.append(("write", self.layer))
+        return real_write(self, ckv, ctx)
+
+    monkeypatch.setattr(mla_mod.MLAttention, "_write_kv", write)
+    with Engine(tiny_dir, device="cpu", cuda_graphs=True) as g:
+        model = g.runner.worker.model
+        full = model.full_layers
+        assert full
+        for i in full:
+            ind = model.model.layers[str(i)].self_attn.indexer
+            real = ind.forward
+
+            def traced(*a, _real=real, _i=i, **k):
+                log.append(("indexer", _i))
+                return _real(*a, **k)
+
+            monkeypatch.setattr(ind, "forward", traced)
+        g.runner.graphs.side = InlineSide()
+        g.generate([ids_of(12, 5)], max_new_tokens=3, ignore_eos=True)
+        assert g.runner.graphs.replays > 0
+    for i in full:
+        calls = [what for what, layer in log if layer == i]
+        # prefill (eager: write, then the indexer) and each graph step (indexer, then write)
+        assert calls[-2:] == ["indexer", "write"]
+
+    made: list[int] = []
+
+    class FakeStream:
+        def __init__(self, device, priority=0):
+            made.append(priority)
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(overlap, "HIGH_PRIORITY", True)
+    overlap.SideStream(torch.device("cuda", 0))
+    monkeypatch.setattr(overlap, "HIGH_PRIORITY", False)
+    overlap.SideStream(torch.device("cuda", 0))
+    assert made[0] < 0 and made[1] == 0

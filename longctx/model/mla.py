@@ -91,10 +91,12 @@ class MLAttention(nn.Module):
         pending: torch.Tensor | None = None
         if side is not None and (write_aside or self.indexer is not None):
             with side.fork():
-                if write_aside:
-                    self._write_kv(ckv, ctx)
+                # the indexer first: its chain (wq_b .. the top-k) is the layer's critical path, and the
+                # row's write is needed only at the join
                 if self.indexer is not None:
                     pending = self.indexer(x, q_resid, ctx, x_idx)
+                if write_aside:
+                    self._write_kv(ckv, ctx)
         else:
             side = None
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)

@@ -21,6 +21,12 @@ until the join (the callers hold them in locals), and what it makes is consumed 
 only after the join; the next fork waits for everything the main stream queued before it.
 
 `LONGCTX_SIDE_STREAM=0` keeps the layers on one stream (A/B benches).
+
+The side stream has the device's highest stream priority (`LONGCTX_SIDE_PRIORITY=0`: the default priority).
+PyTorch instantiates graphs with `cudaGraphInstantiateFlagUseNodePriority`, so a kernel captured on it keeps
+that priority in the replay: when the query's path's GEMMs (q_b_proj, the routed experts) hold the SMs, the
+block scheduler hands the next free SM to the side chain's waiting blocks first. That chain (the indexer's
+logits and top-k) is the longer one on a full layer.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from collections.abc import Iterator
 import torch
 
 ENABLED = os.environ.get("LONGCTX_SIDE_STREAM", "1").strip() != "0"
+HIGH_PRIORITY = os.environ.get("LONGCTX_SIDE_PRIORITY", "1").strip() != "0"
 
 
 class SideStream:
@@ -39,7 +46,10 @@ class SideStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            # a lower number is a higher priority; torch maps one below the range to the highest
+            self.stream = torch.cuda.Stream(device, priority=-(1 << 10) if HIGH_PRIORITY else 0)
         self.forks = 0  # blocks run on the side stream (counted at capture: once per captured graph)
 
     def active(self) -> bool:

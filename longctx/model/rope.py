@@ -78,9 +78,7 @@ class RotaryEmbedding(nn.Module):
         inv = self._cached.get(positions.device)
         if inv is None:
             inv = self._cached.setdefault(positions.device, self.inv_freq.to(positions.device).contiguous())
-        return op("rope", "rope_cos_sin", self.use_triton)(
-            positions, inv, self.attention_scaling, dtype
-        )
+        return op("rope", "rope_cos_sin", self.use_triton)(positions, inv, self.attention_scaling, dtype)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
