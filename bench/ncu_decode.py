@@ -4,7 +4,8 @@ read their counters (`bench/rounds/s59b-call.sh` runs `ncu -k regex:NAME -s SKIP
 - `smla`: the sparse MLA heads kernel (64 heads, latent 512 + rope 64, top-2048 of an fp8 656-byte pool of
   --context tokens in random 64-token pages, q's rope rotated in the prologue) and its combine;
 - `topk`: the radix top-2048 of one --context-key row (histogram, count and write passes);
-- `wuk`: the absorbed query q_nope [1, 64, 192] x W_UK [64, 192, 512] (torch.einsum, as `MLAttention`);
+- `wuk`: the absorbed query q_nope [1, 64, 192] x W_UK (stored [64, 512, 192]): torch's batched GEMM, then
+  `kernels.gemv.head_gemv` (`MLAttention` at decode);
 - `router`: the MoE router's logits, select and align (16 experts, top-4, hidden 2048).
 
 Every part first checks its kernel against the torch reference on the GPU, then calls it --calls times
@@ -76,12 +77,19 @@ def _topk(dev: torch.device, context: int, calls: int, k: int) -> None:
 
 
 def _wuk(dev: torch.device, calls: int) -> None:
+    from longctx.kernels.gemv import head_gemv
+
     heads, nope, lat = (64, 192, 512) if dev.type == "cuda" else (4, 16, 32)
     gen = torch.Generator(device=dev).manual_seed(2)
     q = torch.randn(1, heads, nope, device=dev, dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(heads, nope, lat, device=dev, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(heads, lat, nope, device=dev, dtype=torch.bfloat16, generator=gen)  # MLAttention.w_uk
+    ref = torch.einsum("thd,hld->thl", q.float(), w.float())
+    err = (head_gemv(q, w, backend="triton").float() - ref).abs().max().item() / ref.abs().max().item()
+    print(f"head_gemv rel err {err:.3g}")
+    assert err < 1e-2
     for _ in range(calls):
-        torch.einsum("thd,hdl->thl", q, w)
+        torch.einsum("thd,hld->thl", q, w)  # torch's batched GEMM (LONGCTX_HEAD_GEMV_MAX_T=0)
+        head_gemv(q, w, backend="triton")
 
 
 def _router(dev: torch.device, calls: int) -> None:

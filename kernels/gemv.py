@@ -33,11 +33,12 @@ host sync and no host->device copy: safe inside CUDA graph capture.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, round_as, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, fp16_rows, mma
 
 # Up to this many rows the FMA form, above it the tensor cores (swap-AB `tl.dot`). 0: the tensor-core
@@ -100,14 +101,21 @@ def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, o_ptr,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
+    stride_xb, stride_wb, stride_ob,
     FP8: tl.constexpr, X16: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # Program (pid_n, pid_k): rows [pid_n*BN, +BN) over K in [pid_k*K_SPLIT, +K_SPLIT) (K_SPLIT a multiple
-    # of 128). Whole BK steps run without a K mask, so the loads keep their 16-byte vectors (a mask that
-    # varies along K would split them); the partial last step, if any, runs once with the mask.
+    pdl_wait(PDL)
+    # Program (pid_n, pid_k, pid_b): rows [pid_n*BN, +BN) over K in [pid_k*K_SPLIT, +K_SPLIT) (K_SPLIT a
+    # multiple of 128) of batch entry pid_b (`head_gemv`'s head; one entry for `gemv`). Whole BK steps run
+    # without a K mask, so the loads keep their 16-byte vectors (a mask that varies along K would split
+    # them); the partial last step, if any, runs once with the mask.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    x_ptr += pid_b * stride_xb
+    w_ptr += pid_b * stride_wb
+    o_ptr += pid_b * stride_ob
     offs_m = tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
@@ -241,11 +249,60 @@ def gemv(
     ws = scale_inv if scale_inv is not None else w  # not read unless FP8
     _gemv_kernel[(tiles_n, splits)](
         x, w, ws, dst, m, n, k, k_split,
-        x.stride(0), w.stride(0), ws.stride(0) if fp8 else 0, n, m * n if splits > 1 else 0,
+        x.stride(0), w.stride(0), ws.stride(0) if fp8 else 0, n, m * n if splits > 1 else 0, 0, 0, 0,
         FP8=fp8, X16=fp8 and x.dtype == torch.bfloat16, DOT=cfg.dot, F32=x.dtype == torch.float32 or triton_interpret(),
         BM=bm, BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     if splits > 1:
         blk = 1024
         _splitk_sum_kernel[(cdiv(m * n, blk),)](dst, out, splits, m * n, BLOCK=blk, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------ per-head GEMV
+# Token rows up to which `head_gemv` runs the kernel; above it (prefill chunks) torch's batched GEMM.
+# LONGCTX_HEAD_GEMV_MAX_T=0: always torch (A/B benches).
+HEAD_GEMV_MAX_T = int(os.environ.get("LONGCTX_HEAD_GEMV_MAX_T", "64"))
+
+
+def head_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Reference: y[t, h, n] = sum_k x[t, h, k] w[h, n, k] (torch.einsum in x's dtype)."""
+    _check_heads(x, w)
+    return torch.einsum("thk,hnk->thn", x, w)
+
+
+def _check_heads(x: torch.Tensor, w: torch.Tensor) -> None:
+    check(
+        x.dim() == 3 and w.dim() == 3 and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[2],
+        f"head_gemv: x [T, H, K] and w [H, N, K], got {tuple(x.shape)}, {tuple(w.shape)}",
+    )
+    check(x.dtype == w.dtype, f"head_gemv: x and w dtypes differ ({x.dtype}, {w.dtype})")
+    check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"head_gemv: x dtype {x.dtype}")
+
+
+def head_gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Per-head small-M products y [T, H, N] = x[:, h] @ w[h]^T: MLA's absorbed W_UK (w stored [H, L,
+    nope]) and W_UV ([H, v, L]) at decode. One launch over (N slabs, heads), each program a weight stream
+    of its head's [BN, K] slab (`_gemv_kernel` with a batch stride), where torch's batched GEMM tiles M=1.
+    Up to `HEAD_GEMV_MAX_T` rows; more rows (prefill) take the reference. x any strides with a unit last
+    one (q_nope is a slice of q_b's output), w unit last stride. Graph-safe: no sync, no host copy."""
+    _check_heads(x, w)
+    t, h, k = x.shape
+    if not use_triton(backend, x.device) or t > HEAD_GEMV_MAX_T:
+        return head_gemv_ref(x, w)
+    check(x.stride(2) == 1 and w.stride(2) == 1, "head_gemv: x and w need a unit last stride")
+    check(x.device == w.device, "head_gemv: x and w on different devices")
+    n = w.shape[1]
+    out = torch.empty(t, h, n, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = TILES_DOT_PLAIN
+    _gemv_kernel[(cdiv(n, cfg.bn), 1, h)](
+        x, w, w, out, t, n, k, k, x.stride(0), w.stride(1), 0, h * n, 0, x.stride(1), w.stride(0), n,
+        FP8=False, X16=False, DOT=True, F32=x.dtype == torch.float32 or triton_interpret(),
+        BM=max(16, next_pow2(t)), BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl(x.device),
+    )  # fmt: skip
     return out

@@ -1187,6 +1187,8 @@ def test_launch_count_of_a_decode_step_stays_fused() -> None:
     assert not {"aten.pow", "aten.rsqrt", "aten.cat", "aten.index_put_", "aten.topk", "aten.silu"} & set(ops)
     assert not {"aten.layer_norm", "aten.zeros_like", "aten.sum", "aten.cos", "aten.sin"} & set(ops)
     assert ops["triton._cos_sin_kernel"] == 1
+    # MLA's absorbed W_UK and W_UV: one per-head GEMV launch each a layer, no torch batched GEMM
+    assert ops["triton._gemv_kernel"] == 2 * 6 and not {"aten.einsum", "aten.bmm"} & set(ops)
     assert sum(ops.values()) <= 175, ops.most_common(20)
 
 

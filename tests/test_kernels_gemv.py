@@ -132,3 +132,40 @@ def test_linear_dispatches_small_m_to_gemv(monkeypatch, fp8):
         x = torch.randn(m, 256, generator=gen)
         _close(lin(x), gemv_ref(x, lin.weight, lin.weight_scale_inv), torch.float32)
     assert calls == [1, limit]
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hnk", [(4, 64, 48), (3, 40, 100)])
+def test_head_gemv_matches_ref(t, dtype, hnk):
+    """Per-head products (MLA's absorbed W_UK / W_UV) against torch.einsum: N and K off the tiles, x a
+    column slice of a wider [T, H, *] tensor (q_nope of q_b's output), several rows."""
+    from longctx.kernels.gemv import head_gemv, head_gemv_ref
+
+    h, n, k = hnk
+    gen = torch.Generator().manual_seed(t * 100 + n)
+    wide = torch.randn(t, h, k + 16, generator=gen).to(dtype)
+    x = wide[..., :k]
+    w = (torch.randn(h, n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    got = head_gemv(x, w, backend="triton")
+    ref = head_gemv_ref(x.float(), w.float()).to(dtype)
+    assert got.shape == (t, h, n) and got.dtype == dtype
+    _close(got, ref, dtype)
+
+
+def test_head_gemv_refuses_bad_inputs_and_takes_the_reference_for_many_rows(monkeypatch):
+    from longctx.kernels import gemv as g
+
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(KernelInputError, match="x \\[T, H, K\\] and w \\[H, N, K\\]"):
+        g.head_gemv(x, torch.randn(3, 5, 8), backend="triton")
+    with pytest.raises(KernelInputError, match="dtypes differ"):
+        g.head_gemv(x, torch.randn(4, 5, 8, dtype=torch.bfloat16), backend="triton")
+    with pytest.raises(KernelInputError, match="unit last stride"):
+        g.head_gemv(x, torch.randn(4, 8, 5).transpose(1, 2), backend="triton")
+    assert g.head_gemv(torch.randn(0, 4, 8), torch.randn(4, 5, 8), backend="triton").shape == (0, 4, 5)
+    calls = []
+    monkeypatch.setattr(g, "HEAD_GEMV_MAX_T", 1)
+    monkeypatch.setattr(g, "head_gemv_ref", lambda *a: calls.append(1) or torch.zeros(2, 4, 5))
+    g.head_gemv(x, torch.randn(4, 5, 8), backend="triton")
+    assert calls == [1]

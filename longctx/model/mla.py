@@ -41,7 +41,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg, layer) if cfg.is_full_indexer(layer) else None
-        self.w_uk: torch.Tensor | None = None  # [H, nope, L]
+        self.w_uk: torch.Tensor | None = None  # [H, L, nope] (nope the unit-stride dim, as a GEMV reads it)
         self.w_uv: torch.Tensor | None = None  # [H, v, L]
         self.x_proj: torch.Tensor | None = None  # [q_lora + L + R (+ D + H_idx), hidden], see finalize
 
@@ -49,7 +49,7 @@ class MLAttention(nn.Module):
         """Split kv_b_proj into the absorbed W_UK / W_UV once the weights are loaded, and stack the
         projections of the input x (`_stack_x_projections`)."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        self.w_uk = w[:, : self.nope].contiguous()
+        self.w_uk = w[:, : self.nope].transpose(1, 2).contiguous()
         self.w_uv = w[:, self.nope :].contiguous()
         self._stack_x_projections(dtype)
 
@@ -113,7 +113,7 @@ class MLAttention(nn.Module):
 
         q_lat = None
         if side is not None:
-            q_lat = self._q_latent(q_nope)  # (still beside the side stream's work)
+            q_lat = self._q_latent(q_nope, ctx)  # (still beside the side stream's work)
             side.join()
             if write_aside:
                 kv.after_write(self.layer, ctx)
@@ -161,10 +161,10 @@ class MLAttention(nn.Module):
             ctx.kv.mla_kind(self.layer),
         )  # fmt: skip
 
-    def _q_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """The absorbed query q_nope W_UK [t, H, L]."""
+    def _q_latent(self, q_nope: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The absorbed query q_nope W_UK [t, H, L] (a decode step's rows: one per-head GEMV kernel)."""
         assert self.w_uk is not None
-        return torch.einsum("thd,hdl->thl", q_nope, self.w_uk)
+        return op("gemv", "head_gemv", ctx.use_triton)(q_nope, self.w_uk)
 
     def _absorbed(
         self,
@@ -179,11 +179,11 @@ class MLAttention(nn.Module):
         `rope` (cos, sin, interleaved) q_rope is still unrotated and the sparse MLA call rotates it."""
         assert self.w_uv is not None
         if q_lat is None:
-            q_lat = self._q_latent(q_nope)
+            q_lat = self._q_latent(q_nope, ctx)
         attend = op("sparse_mla", "sparse_mla", ctx.use_triton)
         pool, kind = ctx.kv.attend_pool(self.layer), ctx.kv.mla_kind(self.layer)
         o_lat = attend(q_lat, q_rope, pool, rows, self.scale, kind, rotate=rope)  # [t, H, L]
-        return torch.einsum("thl,hvl->thv", o_lat.to(q_nope.dtype), self.w_uv)
+        return op("gemv", "head_gemv", ctx.use_triton)(o_lat.to(q_nope.dtype), self.w_uv)
 
     def _expanded(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, topk: torch.Tensor, b: int, ctx: ForwardContext
