@@ -1,5 +1,6 @@
 """Compile the HiSparse placement kernels (kernels/lru_place.py), the sampler's Gumbel draw
-(kernels/gumbel.py) and its penalties (kernels/penalties.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
+(kernels/gumbel.py) and its penalties (kernels/penalties.py), the router's one launch (kernels/moe.py)
+and MLA's per-head GEMV (kernels/gemv.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
 with and without the parallel passes or the step's candidates, the passes' three phases, with and
@@ -16,6 +17,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,8 +54,16 @@ def compile_kernel(kernel, arch: int, **over: object) -> int:  # type: ignore[no
 
     sig: dict[str, str] = {}
     cons: dict[str, object] = {}
+    # this variant's argument types, and constexprs outside _CONST
+    sig_over = cast("dict[str, str]", over.get("sig", {}))
+    const_over = cast("dict[str, object]", over.get("const", {}))
     for name in inspect.signature(kernel.fn).parameters:
-        if name in _PTR:
+        if name in sig_over:
+            sig[name] = sig_over[name]
+        elif name in const_over:
+            sig[name] = "constexpr"
+            cons[name] = const_over[name]
+        elif name in _PTR:
             sig[name] = str(over.get(name, _PTR[name]))
         elif name in _CONST:
             sig[name] = "constexpr"
@@ -126,7 +136,40 @@ def variants() -> list[tuple[str, dict]]:
         ("_penalise_kernel", {"BLOCK": 2048, "num_warps": 4, "lx_ptr": x, "enable_fp_fusion": False})
         for x in ("*fp32", "*bf16")
     ]
-    return out
+    # the router's one launch (kernels/moe.py): GLM-5's routing (256 experts in 8 groups) and small-1m's
+    router = {
+        "h_ptr": "*bf16",
+        "w_ptr": "*fp32",
+        "logits_ptr": "*fp32",
+        "bias_ptr": "*fp32",
+        "valid_ptr": "*u8",
+        "ids_ptr": "*i64",
+        "wt_ptr": "*fp32",
+        "done_ptr": "*i32",
+        "scaling": "fp32",
+    }
+    for e, g, tg, k, bh in ((256, 8, 4, 8, 256), (16, 1, 1, 4, 2048)):
+        const = {
+            "BT": 1,
+            "BE": 2 if e == 256 else 1,
+            "BH": bh,
+            "EG": e // g,
+            "G": g,
+            "GP": g,
+            "EGP": e // g,
+            "TOPK_GROUP": tg,
+            "K": k,
+            "KP": k,
+            "NORM": True,
+            "HAS_VALID": True,
+            "PDL": True,
+        }
+        out.append(("_router_fused_kernel", {"sig": router, "const": const, "num_warps": 4}))
+    # MLA's absorbed W_UK / W_UV at decode (kernels/gemv.py's head_gemv: a batch stride, PDL)
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}
+    const = {"FP8": False, "X16": False, "DOT": True, "F32": False, "BM": 16, "BN": 64, "BK": 64, "PDL": True}
+    out.append(("_gemv_kernel", {"sig": gemv, "const": const, "num_warps": 4}))
+    return out  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     if "nvidia" not in backends:
         print("compile_check: this triton has no nvidia backend")
         return 2
-    from longctx.kernels import gumbel, lru_place, penalties
+    from longctx.kernels import gemv, gumbel, lru_place, moe, penalties
 
-    modules = {"_gumbel_argmax_kernel": gumbel, "_gumbel_pick_kernel": gumbel, "_penalise_kernel": penalties}
+    modules = {
+        "_gumbel_argmax_kernel": gumbel, "_gumbel_pick_kernel": gumbel, "_penalise_kernel": penalties,
+        "_router_fused_kernel": moe, "_gemv_kernel": gemv,
+    }  # fmt: skip
 
     failed = 0
     for name, over in variants():

@@ -100,12 +100,14 @@ def moe_router_ref(
     routed_scaling_factor: float,
     *,
     valid: torch.Tensor | None = None,
+    done: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """noaux_tc routing exactly as transformers' `GlmMoeDsaTopkRouter.forward`.
 
     hidden [T, Hd] (any float dtype), weight [E, Hd], bias [E] -> (topk_ids int64 [T, k], topk_w fp32 [T, k]).
     The k slots are unordered (torch.topk(sorted=False)); ties may break differently on CPU and GPU.
-    `valid` [T] bool (optional) marks padding rows: their ids are all -1 and their weights 0.
+    `valid` [T] bool (optional) marks padding rows: their ids are all -1 and their weights 0. `done` is
+    `moe_router`'s counter (unused here).
     """
     e = _check_router(hidden, weight, n_group, topk_group, valid)
     logits = F.linear(hidden.float(), weight.float())
@@ -141,8 +143,15 @@ def _router_logits_kernel(
     BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_wait(PDL)
-    # out[t, e] = sum_h fp32(hidden[t, h]) * fp32(w[e, h]) for a [BT, BE] tile. Elementwise products
-    # and tl.sum, not tl.dot: the interpreter and the GPU then both compute true fp32 (tl.dot may
+    _logits_tile(h_ptr, w_ptr, out_ptr, T, E, H, stride_h, stride_w, BT, BE, BH)
+
+
+@jit
+def _logits_tile(
+    h_ptr, w_ptr, out_ptr, T, E, H, stride_h, stride_w, BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr
+):
+    # out[t, e] = sum_h fp32(hidden[t, h]) * fp32(w[e, h]) for this program's [BT, BE] tile. Elementwise
+    # products and tl.sum, not tl.dot: the interpreter and the GPU then both compute true fp32 (tl.dot may
     # take tf32 on the GPU), and at decode sizes the GEMV is bound by reading the weights anyway.
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     re = tl.program_id(1) * BE + tl.arange(0, BE)
@@ -210,13 +219,26 @@ def _router_select_kernel(
     pdl_wait(PDL)
     # One program per token: everything after the logits GEMM (sigmoid, bias, group-limited top-k,
     # the weights of the chosen experts, the padding rows' -1 ids), which torch spends ~15 kernels on.
-    t = tl.program_id(0).to(tl.int64)
+    _select_row(
+        logits_ptr, bias_ptr, valid_ptr, ids_ptr, w_ptr, tl.program_id(0).to(tl.int64), E, scaling,
+        EG, G, GP, EGP, TOPK_GROUP, K, KP, NORM, HAS_VALID,
+    )  # fmt: skip
+
+
+@jit
+def _select_row(
+    logits_ptr, bias_ptr, valid_ptr, ids_ptr, w_ptr, t, E, scaling,
+    EG: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, EGP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_VALID: tl.constexpr,
+):  # fmt: skip
+    # token t's k experts and weights from its logits row (read past L1: `_router_fused_kernel`'s last
+    # program reads rows the other programs wrote)
     g = tl.arange(0, GP)
     j = tl.arange(0, EGP)
     ok = (g[:, None] < G) & (j[None, :] < EG)
     e = g[:, None] * EG + j[None, :]  # [GP, EGP] expert ids
     NEG = float("-inf")
-    lg = tl.load(logits_ptr + t * E + e, mask=ok, other=0.0)
+    lg = tl.load(logits_ptr + t * E + e, mask=ok, other=0.0, cache_modifier=".cg")
     scores = tl.sigmoid(lg)
     choice = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), NEG)
     # group score: the sum of the two best choices in the group (the first best masked by position)
@@ -252,6 +274,36 @@ def _router_select_kernel(
     tl.store(w_ptr + t * K + ks, ws, mask=ks < K)
 
 
+@jit
+def _router_fused_kernel(
+    h_ptr, w_ptr, logits_ptr, bias_ptr, valid_ptr, ids_ptr, wt_ptr, done_ptr,
+    T, E, H, stride_h, stride_w, scaling,
+    BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr,
+    EG: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, EGP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+    HAS_VALID: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_wait(PDL)
+    # `_router_logits_kernel`'s tile, then the program that finishes last (a device-wide counter,
+    # `done`, taken with acquire-release after a CTA barrier, so every tile's stores are visible to it)
+    # selects every token's experts, and puts the counter back to 0 for the next call.
+    _logits_tile(h_ptr, w_ptr, logits_ptr, T, E, H, stride_h, stride_w, BT, BE, BH)
+    tl.debug_barrier()
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == programs - 1:
+        tl.store(done_ptr, 0)
+        for t in range(0, T):
+            _select_row(
+                logits_ptr, bias_ptr, valid_ptr, ids_ptr, wt_ptr, tl.cast(t, tl.int64), E, scaling,
+                EG, G, GP, EGP, TOPK_GROUP, K, KP, NORM, HAS_VALID,
+            )  # fmt: skip
+
+
+# Up to this many tokens `moe_router` given a `done` counter runs one kernel (logits, then the last program
+# selects every token, one after another); more take the logits and select kernels (a program per token).
+ROUTER_FUSED_MAX_TOKENS = 4
+
+
 def moe_router(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -263,13 +315,18 @@ def moe_router(
     routed_scaling_factor: float,
     *,
     valid: torch.Tensor | None = None,
+    done: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_router_ref`'s contract in two kernels: the [T, E] fp32 logits (`router_logits`: no copy
     of hidden to fp32; one torch GEMM above `ROUTER_LOGITS_MAX_TOKENS` tokens), then everything after
     them, the padding rows' -1 ids and 0 weights included, in one (a program per token). The k slots
     come out best first; which of two tied experts wins may differ from torch.topk (the reference
-    leaves that unspecified too)."""
+    leaves that unspecified too).
+
+    `done`: a zeroed int32 [1] on hidden's device that only this call uses while it runs (the model's
+    `Router` owns one): up to `ROUTER_FUSED_MAX_TOKENS` tokens then take one launch, the logits kernel
+    whose last program to finish also does the selection (and sets `done` back to 0). Same results."""
     if not use_triton(backend, hidden.device):
         return moe_router_ref(
             hidden, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
@@ -277,6 +334,15 @@ def moe_router(
         )  # fmt: skip
     t, e = hidden.shape[0], _check_router(hidden, weight, n_group, topk_group, valid)
     check(0 < top_k <= e and e_score_correction_bias.shape == (e,), "moe_router: top_k in (0, E], bias [E]")
+    check(
+        done is None or (done.shape == (1,) and done.dtype == torch.int32 and done.device == hidden.device),
+        "moe_router: done must be an int32 [1] counter on hidden's device",
+    )
+    if done is not None and 0 < t <= ROUTER_FUSED_MAX_TOKENS:
+        return _router_fused(
+            hidden, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+            routed_scaling_factor, valid, done,
+        )  # fmt: skip
     if t <= ROUTER_LOGITS_MAX_TOKENS:
         logits = router_logits(hidden, weight)
     else:
@@ -291,6 +357,39 @@ def moe_router(
             EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
             KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None, **pdl(hidden.device),
         )  # fmt: skip
+    return ids, w
+
+
+def _router_fused(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    valid: torch.Tensor | None,
+    done: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_router` for a few tokens in one launch (`_router_fused_kernel`)."""
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    weight = weight.contiguous()
+    (t, h), e = hidden.shape, weight.shape[0]
+    dev = hidden.device
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    bt, be, bh = _logits_tiles(t, e, h)
+    eg = e // n_group
+    vp = valid.contiguous().view(torch.uint8) if valid is not None else ids  # ids: never read
+    _router_fused_kernel[(cdiv(t, bt), cdiv(e, be))](
+        hidden, weight, logits, bias.float().contiguous(), vp, ids, w, done,
+        t, e, h, hidden.stride(0), weight.stride(0), float(scaling), BT=bt, BE=be, BH=bh,
+        EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
+        KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None, **pdl(dev),
+    )  # fmt: skip
     return ids, w
 
 

@@ -731,6 +731,54 @@ def test_moe_router_two_kernels_match_reference(t, e, k, n_group, topk_group, dt
         assert torch.equal(rids, plain.masked_fill(~valid[:, None], -1))
 
 
+@pytest.mark.parametrize("t", [1, 3, 4])
+@pytest.mark.parametrize(
+    "e,k,n_group,topk_group,hd", [(256, 8, 8, 4, 96), (16, 4, 1, 1, 2048), (12, 3, 3, 2, 40)]
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_moe_router_one_launch_equals_two_kernels(t, e, k, n_group, topk_group, hd, masked):
+    """With a `done` counter a few tokens route in one launch (`_router_fused_kernel`: every program
+    writes its logits tile, the last one to finish selects every token): the same ids and weights, bit
+    for bit, as the logits + select kernels, over many programs (256 experts: 128 of them), the counter
+    back at 0 after each call, and a second call on the same counter the same again."""
+    from longctx.kernels import moe as moe_mod
+
+    gen = torch.Generator().manual_seed(t * 10 + e + masked)
+    h = torch.randn(t, hd, generator=gen).bfloat16()
+    wt = torch.randn(e, hd, generator=gen) * 0.1
+    bias = torch.randn(e, generator=gen) * 0.05
+    valid = None
+    if masked:
+        valid = torch.ones(t, dtype=torch.bool)
+        valid[0] = t == 1  # (a padding row, unless it is the only one)
+    args = (h, wt, bias, k, n_group, topk_group, True, 2.5)
+    done = torch.zeros(1, dtype=torch.int32)
+    calls = []
+    real = moe_mod._router_fused
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_mod, "_router_fused", lambda *a: calls.append(1) or real(*a))
+        for _ in range(2):
+            ids, w = moe_router(*args, valid=valid, done=done, backend=TRITON)
+            assert done.item() == 0
+    assert len(calls) == 2
+    want_ids, want_w = moe_router(*args, valid=valid, backend=TRITON)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    rids, _ = moe_router_ref(*args, valid=valid)
+    assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
+
+
+def test_moe_router_counter_is_checked_and_many_tokens_take_two_kernels(monkeypatch):
+    from longctx.kernels import moe as moe_mod
+
+    h, wt, bias = torch.randn(9, 32).bfloat16(), torch.randn(16, 32), torch.zeros(16)
+    args = (h, wt, bias, 4, 1, 1, True, 1.0)
+    with pytest.raises(KernelInputError, match="done must be an int32"):
+        moe_router(*args, done=torch.zeros(2, dtype=torch.int32), backend=TRITON)
+    monkeypatch.setattr(moe_mod, "_router_fused", lambda *a: pytest.fail("9 tokens took the one launch"))
+    ids, _ = moe_router(*args, done=torch.zeros(1, dtype=torch.int32), backend=TRITON)
+    assert ids.shape == (9, 4)
+
+
 @pytest.mark.parametrize("t,k,e,bm", [(1, 4, 16, 16), (1, 8, 256, 16), (8, 4, 16, 16), (64, 4, 16, 16),
                                       (11, 3, 9, 4), (32, 8, 256, 16), (5, 2, 8, 64)])  # fmt: skip
 def test_moe_align_kernel_equals_reference(t, k, e, bm):

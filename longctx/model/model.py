@@ -20,7 +20,7 @@ from longctx.errors import CheckpointError
 from longctx.model.context import ForwardContext
 from longctx.model.layer import DecoderLayer
 from longctx.model.linear import Linear
-from longctx.model.moe import MLP, MoE
+from longctx.model.moe import MLP, MoE, Router
 from longctx.model.norm import RMSNorm
 from longctx.model.params import KEPT_FP32
 from longctx.model.rope import RotaryEmbedding
@@ -207,5 +207,5 @@ class CausalLM(nn.Module):
         for layer in self.model.layers.values():
             layer.self_attn.finalize(dtype)  # type: ignore[operator, union-attr]
         for m in self.modules():
-            if isinstance(m, MLP):
+            if isinstance(m, (MLP, Router)):
                 m.finalize()

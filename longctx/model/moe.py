@@ -56,6 +56,12 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
         )
+        self.done: torch.Tensor | None = None  # `kernels.moe.moe_router`'s counter (finalize)
+
+    def finalize(self) -> None:
+        """The one-launch router's counter (`kernels.moe.moe_router(done=)`), on the weight's device; this
+        layer's router calls run one at a time (a stream's order, or a graph replayed in order)."""
+        self.done = torch.zeros(1, dtype=torch.int32, device=self.weight.device)
 
     def forward(
         self, x: torch.Tensor, use_triton: bool = False, valid: torch.Tensor | None = None
@@ -73,6 +79,7 @@ class Router(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
             valid=valid,
+            done=self.done,
         )
 
 
