@@ -301,7 +301,8 @@ def _router_fused_kernel(
 
 # Up to this many tokens `moe_router` given a `done` counter runs one kernel (logits, then the last program
 # selects every token, one after another); more take the logits and select kernels (a program per token).
-ROUTER_FUSED_MAX_TOKENS = 4
+# LONGCTX_ROUTER_FUSED_MAX_TOKENS=0: always the two kernels (A/B benches).
+ROUTER_FUSED_MAX_TOKENS = int(os.environ.get("LONGCTX_ROUTER_FUSED_MAX_TOKENS", "4"))
 
 
 def moe_router(
