@@ -169,6 +169,10 @@ def variants() -> list[tuple[str, dict]]:
     gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}
     const = {"FP8": False, "X16": False, "DOT": True, "F32": False, "BM": 16, "BN": 64, "BK": 64, "PDL": True}
     out.append(("_gemv_kernel", {"sig": gemv, "const": const, "num_warps": 4}))
+    # batch-1 decode's split attention merged into W_UV's GEMV (32 splits)
+    merge = {"p_ptr": "*fp32", "l_ptr": "*fp32", "w_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}
+    const = {"F32": False, "BS": 32, "BN": 64, "BK": 64, "PDL": True}
+    out.append(("_merge_gemv_kernel", {"sig": merge, "const": const, "num_warps": 4}))
     return out  # fmt: skip
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     modules = {
         "_gumbel_argmax_kernel": gumbel, "_gumbel_pick_kernel": gumbel, "_penalise_kernel": penalties,
-        "_router_fused_kernel": moe, "_gemv_kernel": gemv,
+        "_router_fused_kernel": moe, "_gemv_kernel": gemv, "_merge_gemv_kernel": gemv,
     }  # fmt: skip
 
     failed = 0

@@ -306,3 +306,100 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto") -> tor
         **pdl(x.device),
     )  # fmt: skip
     return out
+
+
+# ------------------------------------------------------- split-K attention merge + per-head GEMV (W_UV)
+def merge_head_gemv_ref(parts: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Reference: one query's attention over S key splits, merged (`sparse_mla`'s combine: the splits'
+    outputs weighted by softmax(lse), empty splits (lse -inf) weigh 0, all empty gives 0), rounded to w's
+    dtype, then `head_gemv_ref` by w. parts [H, S, K] fp32, lse [H, S] fp32, w [H, N, K] -> [1, H, N]."""
+    _check_merge(parts, lse, w)
+    m = lse.max(dim=1, keepdim=True).values
+    a = torch.exp(lse - torch.where(torch.isinf(m), 0.0, m))
+    tot = a.sum(dim=1, keepdim=True)
+    a = a / torch.where(tot > 0, tot, 1.0)
+    o = (parts * a[..., None]).sum(dim=1).to(w.dtype)  # [H, K]
+    return head_gemv_ref(o[None], w)
+
+
+def _check_merge(parts: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> None:
+    check(
+        parts.dim() == 3 and lse.shape == parts.shape[:2] and w.dim() == 3,
+        f"merge_head_gemv: parts [H, S, K], lse [H, S], w [H, N, K], got {tuple(parts.shape)}, "
+        f"{tuple(lse.shape)}, {tuple(w.shape)}",
+    )
+    check(
+        w.shape[0] == parts.shape[0] and w.shape[2] == parts.shape[2],
+        f"merge_head_gemv: w {tuple(w.shape)} does not match parts {tuple(parts.shape)}",
+    )
+    check(parts.dtype == lse.dtype == torch.float32, "merge_head_gemv: parts and lse must be fp32")
+    check(w.dtype in (torch.bfloat16, torch.float16, torch.float32), f"merge_head_gemv: w dtype {w.dtype}")
+
+
+@jit
+def _merge_gemv_kernel(
+    p_ptr, l_ptr, w_ptr, o_ptr, S, N, K,
+    s_ph, s_ps, s_lh, s_wh, s_wn,
+    F32: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_wait(PDL)
+    # Program (pid_n, head h): the split weights from h's lse (as `sparse_mla._combine_kernel`), then per K
+    # step the merged row x = sum_s a_s parts[h, s, k-step], rounded to w's dtype, times W[h]'s [BN, BK] tile
+    # on the tensor cores (x in row 0 of a 16-row operand, swap-AB as `_gemv_kernel`).
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BS)
+    ms = offs_s < S
+    lse = tl.load(l_ptr + h * s_lh + offs_s, mask=ms, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    a = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    tot = tl.sum(a, axis=0)
+    a = a / tl.where(tot > 0.0, tot, 1.0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mn = offs_n < N
+    rows = tl.arange(0, 16)
+    like = tl.zeros([1], dtype=w_ptr.dtype.element_ty)
+    acc = tl.zeros([BN, 16], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < K
+        part = tl.load(
+            p_ptr + h * s_ph + offs_s[:, None] * s_ps + offs_k[None, :],
+            mask=ms[:, None] & mk[None, :],
+            other=0.0,
+        )
+        x = round_as(tl.sum(part * a[:, None], axis=0), like).to(w_ptr.dtype.element_ty)  # [BK]
+        x16 = tl.where(rows[:, None] == 0, x[None, :], tl.zeros([16, BK], dtype=x.dtype))
+        wt = tl.load(
+            w_ptr + h * s_wh + offs_n[:, None] * s_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :]
+        )
+        acc += mma(wt, tl.trans(x16), F32)
+    out = tl.sum(tl.where(rows[None, :] == 0, acc, 0.0), axis=1)  # [BN]: the product of row 0
+    y = round_as(out, tl.zeros([1], dtype=o_ptr.dtype.element_ty))
+    tl.store(o_ptr + h * N + offs_n, y.to(o_ptr.dtype.element_ty), mask=mn)
+
+
+def merge_head_gemv(
+    parts: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """`merge_head_gemv_ref` in one launch: a batch-1 decode step's sparse attention split over the top-k,
+    merged straight into W_UV (`sparse_mla(out_proj=)`), in place of the combine kernel and `head_gemv`.
+    One program per (N slab, head), each re-reading its head's [S, K] partials (L2) beside its weight slab.
+    parts / lse any strides with a unit last one on parts; w unit last stride. Graph-safe."""
+    _check_merge(parts, lse, w)
+    if not use_triton(backend, parts.device):
+        return merge_head_gemv_ref(parts, lse, w)
+    check(parts.stride(2) == 1 and w.stride(2) == 1, "merge_head_gemv: parts and w need a unit last stride")
+    check(lse.stride(1) == 1, "merge_head_gemv: lse needs a unit last stride")
+    h, s, k = parts.shape
+    n = w.shape[1]
+    out = torch.empty(1, h, n, dtype=w.dtype, device=w.device)
+    if out.numel() == 0:
+        return out
+    cfg = TILES_DOT_PLAIN
+    _merge_gemv_kernel[(cdiv(n, cfg.bn), h)](
+        parts, lse, w, out, s, n, k, parts.stride(0), parts.stride(1), lse.stride(0), w.stride(0), w.stride(1),
+        F32=w.dtype == torch.float32 or triton_interpret(), BS=max(2, next_pow2(s)), BN=cfg.bn, BK=cfg.bk,
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl(w.device),
+    )  # fmt: skip
+    return out

@@ -43,6 +43,7 @@ import torch
 
 from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, tl, triton_interpret, use_triton
 from .fp8_gemm import cdiv, mma
+from .gemv import head_gemv, head_gemv_ref, merge_head_gemv
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
 from .rope import apply_rope, apply_rope_ref
 from .sparse_mla_heads import (
@@ -118,11 +119,14 @@ def sparse_mla_ref(
     kind: str = "auto",
     return_lse: bool = False,
     rotate: QueryRope | None = None,
+    out_proj: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: gather rows, dequantise, fp32 softmax. Returns o [Tq, H, L] in q's dtype (+ lse fp32).
     `rotate` = (cos [Tq, R/2], sin [Tq, R/2], interleaved): q_rope is not rotated yet; it is rotated first
-    (`kernels.rope.apply_rope_ref`)."""
+    (`kernels.rope.apply_rope_ref`). `out_proj` w [H, V, L] (MLA's W_UV): returns `head_gemv_ref(o, w)`
+    [Tq, H, V] instead of o (no lse)."""
     tq, h, L, R, k = _check(q_latent, q_rope, kv_pool, indices, kind)
+    _check_out_proj(out_proj, q_latent, return_lse)
     if rotate is not None:
         q_rope = apply_rope_ref(q_rope, rotate[0], rotate[1], R, rotate[2])
     out = torch.zeros(tq, h, L, dtype=torch.float32, device=q_latent.device)
@@ -146,7 +150,25 @@ def sparse_mla_ref(
         out[t0 : t0 + step] = torch.einsum("thk,tkl->thl", p, lat)
         lse[t0 : t0 + step] = m
     o = out.to(q_latent.dtype)
+    if out_proj is not None:
+        return head_gemv_ref(o, out_proj)
     return (o, lse) if return_lse else o
+
+
+def _check_out_proj(w: torch.Tensor | None, q_latent: torch.Tensor, return_lse: bool) -> None:
+    if w is None:
+        return
+    h, L = q_latent.shape[1], q_latent.shape[2]
+    check(not return_lse, "sparse_mla: out_proj returns no lse")
+    check(
+        w.dim() == 3
+        and w.shape[0] == h
+        and w.shape[2] == L
+        and w.dtype == q_latent.dtype
+        and w.stride(2) == 1,
+        f"sparse_mla: out_proj must be [{h}, V, {L}] in q's dtype with a unit last stride, got "
+        f"{tuple(w.shape)} {w.dtype}",
+    )
 
 
 @jit
@@ -310,6 +332,7 @@ def sparse_mla(
     value_split: int | None = None,
     knobs: HeadsKnobs | None = None,
     rotate: QueryRope | None = None,
+    out_proj: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with the contract of `sparse_mla_ref` (layouts in the module docstring); Triton when
     `common.use_triton(backend, device)` says so, else the reference.
@@ -328,8 +351,11 @@ def sparse_mla(
     """
     check(impl in IMPLS + ("auto",), f"sparse_mla: impl must be one of {IMPLS} or auto, got {impl!r}")
     if not use_triton(backend, q_latent.device):
-        return sparse_mla_ref(q_latent, q_rope, kv_pool, indices, sm_scale, kind, return_lse, rotate)
+        return sparse_mla_ref(
+            q_latent, q_rope, kv_pool, indices, sm_scale, kind, return_lse, rotate, out_proj
+        )
     tq, h, L, R, k = _check(q_latent, q_rope, kv_pool, indices, kind)
+    _check_out_proj(out_proj, q_latent, return_lse)
     impl = resolve_impl(impl, tq)
     fuse_rope = False
     if rotate is not None:
@@ -349,11 +375,12 @@ def sparse_mla(
     dev = q_latent.device
     o = torch.empty(tq, h, L, dtype=q_latent.dtype, device=dev)
     lse = torch.empty(tq, h, dtype=torch.float32, device=dev)
-    if tq == 0 or h == 0:
-        return (o, lse) if return_lse else o
-    if k == 0:
-        o.zero_()
-        lse.fill_(-math.inf)
+    if tq == 0 or h == 0 or k == 0:
+        if k == 0:  # (nothing selected: o 0, lse -inf; torch launches nothing for empty tensors)
+            o.zero_()
+            lse.fill_(-math.inf)
+        if out_proj is not None:
+            return head_gemv(o, out_proj, backend="triton")
         return (o, lse) if return_lse else o
 
     fp8 = is_fp8(kind)
@@ -435,6 +462,9 @@ def sparse_mla(
             NG=ng, NG_PAD=next_pow2(ng), SCALE_GATHER=scale_gather, F32=f32,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
+    if num_splits > 1 and out_proj is not None and tq == 1:
+        # one query (batch-1 decode): the splits merge inside W_UV's GEMV, no combine launch
+        return merge_head_gemv(o_dst[0], l_dst[0], out_proj, backend="triton")
     if num_splits > 1:
         block_c = min(128, block_l)
         _combine_kernel[(tq, h, cdiv(L, block_c))](
@@ -443,4 +473,6 @@ def sparse_mla(
             o.stride(0), o.stride(1), lse.stride(0),
             BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_L=block_c, **pdl(dev),
         )  # fmt: skip
+    if out_proj is not None:
+        return head_gemv(o, out_proj, backend="triton")
     return (o, lse) if return_lse else o

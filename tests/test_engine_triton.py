@@ -81,3 +81,29 @@ def test_moe_layers_make_the_next_layers_input_norm(tiny_dir, monkeypatch):
         plain = e.score(ids)
     assert n_moe >= 2 and len(launches) - n_fused == n_moe
     assert rel(fused, plain) <= 1e-6
+
+
+def test_batch_one_decode_merges_split_attention_into_w_uv(tmp_path, monkeypatch):
+    """On a GPU a batch-1 decode step splits each query's sparse attention over the top-k (the CPU has
+    too few "SMs" to): with the splits forced, the splits merge inside W_UV's GEMV (no combine kernel),
+    and the greedy tokens and decode logits are the reference's."""
+    from dataclasses import replace
+
+    from longctx.kernels import gemv, sparse_mla_heads
+    from longctx.kernels import sparse_mla as smla_mod
+
+    monkeypatch.setattr(
+        smla_mod,
+        "HEADS_KNOBS_ONE_QUERY",
+        replace(sparse_mla_heads.HEADS_KNOBS_ONE_QUERY, splits=3, block_n=16),
+    )
+    merged = []
+    real = gemv.merge_head_gemv
+    monkeypatch.setattr(smla_mod, "merge_head_gemv", lambda *a, **k: merged.append(1) or real(*a, **k))
+    d = make_checkpoint(tmp_path / "k64", tiny_config(index_topk=64), seed=5)  # (3 tiles of 16 to split)
+    ids = rand_ids(60, 4)
+    ref = hf_model(d)
+    with Engine(d, device="cpu", backend="triton") as e:
+        out = e.generate([ids], max_new_tokens=3, ignore_eos=True)[0].token_ids
+    assert merged  # every layer of each decode step
+    assert out == hf_greedy(ref, ids, 3)

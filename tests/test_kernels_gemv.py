@@ -169,3 +169,38 @@ def test_head_gemv_refuses_bad_inputs_and_takes_the_reference_for_many_rows(monk
     monkeypatch.setattr(g, "head_gemv_ref", lambda *a: calls.append(1) or torch.zeros(2, 4, 5))
     g.head_gemv(x, torch.randn(4, 5, 8), backend="triton")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,s,n,k", [(4, 32, 64, 128), (3, 5, 40, 100), (2, 1, 16, 64)])
+def test_merge_head_gemv_matches_ref(dtype, h, s, n, k):
+    """One query's split-K attention partials merged by their lse weights into W_UV's per-head GEMV,
+    against the combine-then-GEMV reference: an empty split (lse -inf) weighs nothing, a head with every
+    split empty gives 0, N and K off the tiles, parts a strided view."""
+    from longctx.kernels.gemv import merge_head_gemv, merge_head_gemv_ref
+
+    gen = torch.Generator().manual_seed(h * 100 + s + k)
+    parts = torch.randn(h, s + 1, k + 8, generator=gen)[:, :s, :k]  # (strided rows, as o_dst[0])
+    lse = torch.randn(h, s, generator=gen) * 3
+    lse[0, 0] = float("-inf")
+    if h > 2:
+        lse[2] = float("-inf")
+    w = (torch.randn(h, n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    got = merge_head_gemv(parts, lse, w, backend="triton")
+    ref = merge_head_gemv_ref(parts, lse, w)
+    assert got.shape == (1, h, n) and got.dtype == dtype
+    _close(got, ref, dtype)
+    if h > 2:
+        assert (got[0, 2] == 0).all()
+
+
+def test_merge_head_gemv_refuses_bad_inputs():
+    from longctx.kernels.gemv import merge_head_gemv
+
+    parts, lse, w = torch.randn(2, 4, 8), torch.randn(2, 4), torch.randn(2, 5, 8)
+    with pytest.raises(KernelInputError, match="parts \\[H, S, K\\]"):
+        merge_head_gemv(parts, lse[:, :3], w, backend="triton")
+    with pytest.raises(KernelInputError, match="does not match"):
+        merge_head_gemv(parts, lse, torch.randn(2, 5, 7), backend="triton")
+    with pytest.raises(KernelInputError, match="fp32"):
+        merge_head_gemv(parts.bfloat16(), lse, w, backend="triton")

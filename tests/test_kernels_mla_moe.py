@@ -122,6 +122,56 @@ def test_sparse_mla_triton_matches_ref(L, R, H, K, kind, dtype, splits, impl):
 
 
 @pytest.mark.parametrize(
+    "tq,splits,kind,dtype,impl",
+    [
+        (1, 4, "fp8_e4m3", torch.bfloat16, "heads"),  # batch 1 with K splits: merged inside W_UV's GEMV
+        (1, 3, "auto", torch.float32, "heads"),
+        (1, 2, "fp8_e4m3", torch.bfloat16, "split"),
+        (1, 1, "bf16", torch.bfloat16, "heads"),  # one split: no merge, o then the GEMV
+        (3, 2, "fp8_e4m3", torch.bfloat16, "heads"),  # several queries: combine, then the GEMV
+    ],
+)
+def test_sparse_mla_out_proj_equals_attention_then_w_uv(tq, splits, kind, dtype, impl, monkeypatch):
+    """`out_proj=W_UV` [H, V, L] returns the attention output times W_UV per head [Tq, H, V]: against
+    the reference (sparse_mla_ref, then head_gemv_ref) and against the kernel's own o then `head_gemv`; a
+    query with nothing selected gives 0. One query over K splits takes the merge-into-GEMV kernel. Bad
+    projections are refused."""
+    from longctx.kernels import sparse_mla as smla_mod
+    from longctx.kernels.gemv import head_gemv
+
+    merged = []
+    real_merge = smla_mod.merge_head_gemv
+    monkeypatch.setattr(smla_mod, "merge_head_gemv", lambda *a, **k: merged.append(1) or real_merge(*a, **k))
+
+    L, R, H, V = 64, 16, 4, 24
+    gen = torch.Generator().manual_seed(tq * 10 + splits)
+    n = 140
+    pool, _, _ = _pool(n, L, R, kind, dtype, gen)
+    ql = torch.randn(tq, H, L, generator=gen).to(dtype)
+    qr = torch.randn(tq, H, R, generator=gen).to(dtype)
+    idx = _indices(tq, 130, n, gen)  # (the split impl's 64-token tiles: 3 of them)
+    if tq > 1:
+        idx[1] = -1
+    w = (torch.randn(H, V, L, generator=gen) / math.sqrt(L)).to(dtype)
+    scale = 1.0 / math.sqrt(L + R)
+    kw = dict(backend=TRITON, impl=impl, num_splits=splits)
+    got = sparse_mla(ql, qr, pool, idx, scale, kind, out_proj=w, **kw)
+    assert got.shape == (tq, H, V) and got.dtype == dtype
+    assert merged == ([1] if tq == 1 and splits > 1 else [])
+    ref = sparse_mla_ref(ql, qr, pool, idx, scale, kind, out_proj=w)
+    _close(got, ref, dtype, "out_proj")
+    o = sparse_mla(ql, qr, pool, idx, scale, kind, **kw)
+    _close(got, head_gemv(o, w, backend=TRITON), dtype, "out_proj vs o")
+    if tq > 1:
+        assert (got[1] == 0).all()
+    for bad in (w[:, :, :-1], w.float() if dtype != torch.float32 else w.bfloat16(), w[:-1]):
+        with pytest.raises(KernelInputError, match="out_proj"):
+            sparse_mla(ql, qr, pool, idx, scale, kind, out_proj=bad, **kw)
+    with pytest.raises(KernelInputError, match="no lse"):
+        sparse_mla(ql, qr, pool, idx, scale, kind, True, out_proj=w, **kw)
+
+
+@pytest.mark.parametrize(
     "L,R,H,kind,dtype,interleaved,impl",
     [
         (64, 16, 4, "fp8_e4m3", torch.bfloat16, True, "heads"),

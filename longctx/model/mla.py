@@ -182,8 +182,9 @@ class MLAttention(nn.Module):
             q_lat = self._q_latent(q_nope, ctx)
         attend = op("sparse_mla", "sparse_mla", ctx.use_triton)
         pool, kind = ctx.kv.attend_pool(self.layer), ctx.kv.mla_kind(self.layer)
-        o_lat = attend(q_lat, q_rope, pool, rows, self.scale, kind, rotate=rope)  # [t, H, L]
-        return op("gemv", "head_gemv", ctx.use_triton)(o_lat.to(q_nope.dtype), self.w_uv)
+        # [t, H, L] attention output times W_UV -> [t, H, v] (at batch 1 the kernel's K splits merge
+        # inside that GEMV)
+        return attend(q_lat, q_rope, pool, rows, self.scale, kind, rotate=rope, out_proj=self.w_uv)
 
     def _expanded(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, topk: torch.Tensor, b: int, ctx: ForwardContext
