@@ -68,6 +68,11 @@ HEADS_MIN_QUERIES = 1
 QueryRope = tuple[torch.Tensor, torch.Tensor, bool]
 
 
+# `sparse_mla(out_proj=)` with one query over K splits: merge the splits inside the projection's GEMV
+# (`gemv.merge_head_gemv`); LONGCTX_SPARSE_MLA_MERGE=0: the combine kernel, then `gemv.head_gemv` (A/B benches).
+MERGE_IN_PROJ = os.environ.get("LONGCTX_SPARSE_MLA_MERGE", "1").strip() != "0"
+
+
 def resolve_impl(impl: str, tq: int) -> str:
     """The kernel variant `impl` means for `tq` queries ("auto" -> HEADS_MIN_QUERIES, or the env override)."""
     if impl == "auto":
@@ -462,7 +467,7 @@ def sparse_mla(
             NG=ng, NG_PAD=next_pow2(ng), SCALE_GATHER=scale_gather, F32=f32,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
-    if num_splits > 1 and out_proj is not None and tq == 1:
+    if num_splits > 1 and out_proj is not None and tq == 1 and MERGE_IN_PROJ:
         # one query (batch-1 decode): the splits merge inside W_UV's GEMV, no combine launch
         return merge_head_gemv(o_dst[0], l_dst[0], out_proj, backend="triton")
     if num_splits > 1:
