@@ -1,5 +1,6 @@
 """Single kernels of small-1m's 128K batch-1 decode step, each called a few times, for Nsight Compute to
-read their counters (`bench/rounds/s59b-call.sh` runs `ncu -k regex:NAME -s SKIP -c 1` over one part):
+read their counters (`ncu --clock-control none -k regex:NAME -s SKIP -c N python -m bench.ncu_decode --part
+P`, SKIP the reference check's launches):
 
 - `smla`: the sparse MLA heads kernel (64 heads, latent 512 + rope 64, top-2048 of an fp8 656-byte pool of
   --context tokens in random 64-token pages, q's rope rotated in the prologue) and its combine;
