@@ -303,9 +303,10 @@ def _held_bytes(model) -> int:
     """Bytes of every tensor the model's modules hold (parameters, fp8 scales, the absorbed and stacked
     weights `finalize` derives), each storage once at its largest tensor: what a GPU holds (there the load
     copies a row shard alone; on the CPU it stays a view of the checkpoint tensor). The rotary
-    frequencies are not weights."""
+    frequencies and the router's 4-byte launch counter (`Router.done`) are not weights."""
     import torch
 
+    from longctx.model.moe import Router
     from longctx.model.rope import RotaryEmbedding
 
     held: dict[int, int] = {}
@@ -313,6 +314,8 @@ def _held_bytes(model) -> int:
         if isinstance(m, RotaryEmbedding):
             continue
         for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+            if isinstance(m, Router) and t is m.done:
+                continue
             if isinstance(t, torch.Tensor):
                 key = t.untyped_storage().data_ptr()
                 held[key] = max(held.get(key, 0), t.numel() * t.element_size())
