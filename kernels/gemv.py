@@ -303,8 +303,10 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto") -> tor
         x, w, w, out, t, n, k, k, x.stride(0), w.stride(1), 0, h * n, 0, x.stride(1), w.stride(0), n,
         FP8=False, X16=False, DOT=True, F32=x.dtype == torch.float32 or triton_interpret(),
         BM=max(16, next_pow2(t)), BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
-        **pdl(x.device),
     )  # fmt: skip
+    # A plain launch, not PDL: the sparse MLA kernel after W_UK would be scheduled onto the SMs while this
+    # grid's 512 programs still run, and on the H200 it then took 18.3 us after it against 13.9 us after
+    # cuBLAS (bench/results/s59-h100.md, s59f). Its own predecessor, q_b_proj, is cuBLAS anyway.
     return out
 
 

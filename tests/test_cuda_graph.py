@@ -134,8 +134,8 @@ def test_side_stream_path_matches_eager(tiny_dir, backend):
 
 def test_side_stream_runs_the_indexer_before_the_row_write_at_high_priority(tiny_dir, monkeypatch):
     """On a full layer the side stream queues the indexer's chain (the layer's critical path) before the
-    MLA row's write, which only the join needs; the stream is asked for the highest priority (a captured
-    kernel keeps its stream's priority in the replay), or the default one under LONGCTX_SIDE_PRIORITY=0."""
+    MLA row's write, which only the join needs; under LONGCTX_SIDE_PRIORITY=1 the stream is asked for the
+    highest priority (a captured kernel keeps its stream's priority in the replay), else the default one."""
     from longctx.model import mla as mla_mod
     from longctx.model import overlap
 

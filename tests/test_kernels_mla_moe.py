@@ -806,6 +806,7 @@ def test_moe_router_one_launch_equals_two_kernels(t, e, k, n_group, topk_group, 
     calls = []
     real = moe_mod._router_fused
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_mod, "ROUTER_FUSED_MAX_TOKENS", 4)  # (off by default)
         mp.setattr(moe_mod, "_router_fused", lambda *a: calls.append(1) or real(*a))
         for _ in range(2):
             ids, w = moe_router(*args, valid=valid, done=done, backend=TRITON)
@@ -824,6 +825,7 @@ def test_moe_router_counter_is_checked_and_many_tokens_take_two_kernels(monkeypa
     args = (h, wt, bias, 4, 1, 1, True, 1.0)
     with pytest.raises(KernelInputError, match="done must be an int32"):
         moe_router(*args, done=torch.zeros(2, dtype=torch.int32), backend=TRITON)
+    monkeypatch.setattr(moe_mod, "ROUTER_FUSED_MAX_TOKENS", 4)
     monkeypatch.setattr(moe_mod, "_router_fused", lambda *a: pytest.fail("9 tokens took the one launch"))
     ids, _ = moe_router(*args, done=torch.zeros(1, dtype=torch.int32), backend=TRITON)
     assert ids.shape == (9, 4)

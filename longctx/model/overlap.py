@@ -22,11 +22,12 @@ only after the join; the next fork waits for everything the main stream queued b
 
 `LONGCTX_SIDE_STREAM=0` keeps the layers on one stream (A/B benches).
 
-The side stream has the device's highest stream priority (`LONGCTX_SIDE_PRIORITY=0`: the default priority).
-PyTorch instantiates graphs with `cudaGraphInstantiateFlagUseNodePriority`, so a kernel captured on it keeps
-that priority in the replay: when the query's path's GEMMs (q_b_proj, the routed experts) hold the SMs, the
-block scheduler hands the next free SM to the side chain's waiting blocks first. That chain (the indexer's
-logits and top-k) is the longer one on a full layer.
+`LONGCTX_SIDE_PRIORITY=1` gives the side stream the device's highest stream priority. PyTorch instantiates
+graphs with `cudaGraphInstantiateFlagUseNodePriority`, so a kernel captured on it keeps that priority in the
+replay: when the query's path's GEMMs (q_b_proj, the routed experts) hold the SMs, the block scheduler hands
+the next free SM to the side chain's waiting blocks first. That chain (the indexer's logits and top-k) is the
+longer one on a full layer, but on the H200 it started no earlier with the priority than without
+(bench/results/s59-h100.md), so the default is the default priority.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from collections.abc import Iterator
 import torch
 
 ENABLED = os.environ.get("LONGCTX_SIDE_STREAM", "1").strip() != "0"
-HIGH_PRIORITY = os.environ.get("LONGCTX_SIDE_PRIORITY", "1").strip() != "0"
+HIGH_PRIORITY = os.environ.get("LONGCTX_SIDE_PRIORITY", "0").strip() not in ("", "0")
 
 
 class SideStream:
