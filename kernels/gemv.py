@@ -306,7 +306,7 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto") -> tor
     )  # fmt: skip
     # A plain launch, not PDL: the sparse MLA kernel after W_UK would be scheduled onto the SMs while this
     # grid's 512 programs still run, and on the H200 it then took 18.3 us after it against 13.9 us after
-    # cuBLAS (bench/results/s59-h100.md, s59f). Its own predecessor, q_b_proj, is cuBLAS anyway.
+    # cuBLAS (bench/results/s59.md, s59f). Its own predecessor, q_b_proj, is cuBLAS anyway.
     return out
 
 

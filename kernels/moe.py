@@ -302,7 +302,7 @@ def _router_fused_kernel(
 # Up to this many tokens `moe_router` given a `done` counter runs one kernel (logits, then the last program
 # selects every token, one after another); more take the logits and select kernels (a program per token).
 # Off (0) by default: on the H200 at small-1m's 16 experts the one launch was no faster than the two under
-# PDL (norm to align ~10.9 us against ~10.4 a layer, bench/results/s59-h100.md); LONGCTX_ROUTER_FUSED_MAX_TOKENS
+# PDL (norm to align ~10.9 us against ~10.4 a layer, bench/results/s59.md); LONGCTX_ROUTER_FUSED_MAX_TOKENS
 # sets it for a process (4 turns it on for up to 4 rows; GLM-5.3's 256 experts are unmeasured).
 ROUTER_FUSED_MAX_TOKENS = int(os.environ.get("LONGCTX_ROUTER_FUSED_MAX_TOKENS", "0"))
 

@@ -27,7 +27,7 @@ graphs with `cudaGraphInstantiateFlagUseNodePriority`, so a kernel captured on i
 replay: when the query's path's GEMMs (q_b_proj, the routed experts) hold the SMs, the block scheduler hands
 the next free SM to the side chain's waiting blocks first. That chain (the indexer's logits and top-k) is the
 longer one on a full layer, but on the H200 it started no earlier with the priority than without
-(bench/results/s59-h100.md), so the default is the default priority.
+(bench/results/s59.md), so the default is the default priority.
 """
 
 from __future__ import annotations
