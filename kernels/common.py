@@ -191,6 +191,17 @@ def check(cond: bool, msg: str) -> None:
 
 
 @jit
+def lse_weights(lse):
+    """The weights of an attention's key splits from their log-sum-exps `lse` [S] (-inf: an empty split):
+    softmax(lse), 0 for empty splits, all 0 when every split is empty. Returns (weights, max(lse), their
+    unnormalised sum tot): the merged lse is `max + log(tot)` where tot > 0 (max is then finite), else max."""
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
+    tot = tl.sum(w, axis=0)
+    return w / tl.where(tot > 0.0, tot, 1.0), m, tot
+
+
+@jit
 def round_as(x, like):
     """fp32 `x` rounded to the nearest value of `like`'s dtype (ties to even), still in fp32.
 

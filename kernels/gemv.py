@@ -38,7 +38,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, round_as, tl, triton_interpret, use_triton
+from .common import (
+    check,
+    jit,
+    lse_weights,
+    next_pow2,
+    num_sms,
+    pdl,
+    pdl_wait,
+    round_as,
+    tl,
+    triton_interpret,
+    use_triton,
+)
 from .fp8_gemm import FP8_BLOCK, cdiv, fp8_block_linear_ref, fp16_rows, mma
 
 # Up to this many rows the FMA form, above it the tensor cores (swap-AB `tl.dot`). 0: the tensor-core
@@ -352,11 +364,7 @@ def _merge_gemv_kernel(
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BS)
     ms = offs_s < S
-    lse = tl.load(l_ptr + h * s_lh + offs_s, mask=ms, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    a = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
-    tot = tl.sum(a, axis=0)
-    a = a / tl.where(tot > 0.0, tot, 1.0)
+    a, _, _ = lse_weights(tl.load(l_ptr + h * s_lh + offs_s, mask=ms, other=float("-inf")))
     offs_n = pid_n * BN + tl.arange(0, BN)
     mn = offs_n < N
     rows = tl.arange(0, 16)

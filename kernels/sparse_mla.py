@@ -41,7 +41,18 @@ import os
 
 import torch
 
-from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, tl, triton_interpret, use_triton
+from .common import (
+    check,
+    jit,
+    lse_weights,
+    next_pow2,
+    num_sms,
+    pdl,
+    pdl_wait,
+    tl,
+    triton_interpret,
+    use_triton,
+)
 from .fp8_gemm import cdiv, mma
 from .gemv import head_gemv, head_gemv_ref, merge_head_gemv
 from .kv_layout import is_fp8, mla_group_size, mla_row_bytes, read_mla_kv_ref
@@ -285,11 +296,7 @@ def _combine_kernel(
     lb = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
     lse_s = tl.load(lp_ptr + t * s_lpt + h * s_lph + offs_s, mask=offs_s < S, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_use)  # 0 for empty splits
-    tot = tl.sum(w, axis=0)
-    w = w / tl.where(tot > 0.0, tot, 1.0)
+    w, m, tot = lse_weights(lse_s)  # (0 for empty splits)
     base = op_ptr + t * s_opt + h * s_oph
     offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
     part = tl.load(
@@ -300,9 +307,7 @@ def _combine_kernel(
     o = tl.sum(part * w[:, None], axis=0)
     tl.store(o_ptr + t * s_ot + h * s_oh + offs_l, o.to(o_ptr.dtype.element_ty), mask=offs_l < L)
     if lb == 0:
-        tl.store(
-            lse_ptr + t * s_lt + h, tl.where(tot > 0.0, m_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), m)
-        )
+        tl.store(lse_ptr + t * s_lt + h, tl.where(tot > 0.0, m + tl.log(tl.where(tot > 0.0, tot, 1.0)), m))
 
 
 def _pick_splits(tq: int, n_hb: int, k: int, block_n: int, num_sms: int) -> int:
