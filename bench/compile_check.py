@@ -165,9 +165,9 @@ def variants() -> list[tuple[str, dict]]:
             "PDL": True,
         }
         out.append(("_router_fused_kernel", {"sig": router, "const": const, "num_warps": 4}))
-    # MLA's absorbed W_UK / W_UV at decode (kernels/gemv.py's head_gemv: a batch stride, PDL)
+    # MLA's absorbed W_UK / W_UV at decode (kernels/gemv.py's head_gemv: a batch stride)
     gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}
-    const = {"FP8": False, "X16": False, "DOT": True, "F32": False, "BM": 16, "BN": 64, "BK": 64, "PDL": True}
+    const = {"FP8": False, "X16": False, "DOT": True, "F32": False, "BM": 16, "BN": 64, "BK": 64}
     out.append(("_gemv_kernel", {"sig": gemv, "const": const, "num_warps": 4}))
     # batch-1 decode's split attention merged into W_UV's GEMV (32 splits)
     merge = {"p_ptr": "*fp32", "l_ptr": "*fp32", "w_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}

@@ -115,9 +115,8 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
     stride_xb, stride_wb, stride_ob,
     FP8: tl.constexpr, X16: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     # Program (pid_n, pid_k, pid_b): rows [pid_n*BN, +BN) over K in [pid_k*K_SPLIT, +K_SPLIT) (K_SPLIT a
     # multiple of 128) of batch entry pid_b (`head_gemv`'s head; one entry for `gemv`). Whole BK steps run
     # without a K mask, so the loads keep their 16-byte vectors (a mask that varies along K would split
