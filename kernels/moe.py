@@ -353,14 +353,23 @@ def moe_router(
     ids = torch.empty(t, top_k, dtype=torch.int64, device=hidden.device)
     w = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
     if t:
-        eg = e // n_group
         vp = valid.contiguous().view(torch.uint8) if valid is not None else ids  # ids: never read
         _router_select_kernel[(t,)](
             logits, e_score_correction_bias.float().contiguous(), vp, ids, w, e, float(routed_scaling_factor),
-            EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
-            KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None, **pdl(hidden.device),
+            **_select_constexprs(e, n_group, topk_group, top_k, norm_topk_prob, valid), **pdl(hidden.device),
         )  # fmt: skip
     return ids, w
+
+
+def _select_constexprs(
+    e: int, n_group: int, topk_group: int, top_k: int, norm: bool, valid: torch.Tensor | None
+) -> dict[str, object]:
+    """`_select_row`'s compile-time arguments, for the select kernel and the one-launch router."""
+    eg = e // n_group
+    return dict(
+        EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
+        KP=next_pow2(top_k), NORM=bool(norm), HAS_VALID=valid is not None,
+    )  # fmt: skip
 
 
 def _router_fused(
@@ -385,13 +394,11 @@ def _router_fused(
     ids = torch.empty(t, top_k, dtype=torch.int64, device=dev)
     w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
     bt, be, bh = _logits_tiles(t, e, h)
-    eg = e // n_group
     vp = valid.contiguous().view(torch.uint8) if valid is not None else ids  # ids: never read
     _router_fused_kernel[(cdiv(t, bt), cdiv(e, be))](
         hidden, weight, logits, bias.float().contiguous(), vp, ids, w, done,
         t, e, h, hidden.stride(0), weight.stride(0), float(scaling), BT=bt, BE=be, BH=bh,
-        EG=eg, G=n_group, GP=next_pow2(n_group), EGP=next_pow2(eg), TOPK_GROUP=topk_group, K=top_k,
-        KP=next_pow2(top_k), NORM=bool(norm_topk_prob), HAS_VALID=valid is not None, **pdl(dev),
+        **_select_constexprs(e, n_group, topk_group, top_k, norm_topk_prob, valid), **pdl(dev),
     )  # fmt: skip
     return ids, w
 
