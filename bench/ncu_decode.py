@@ -4,6 +4,8 @@ P`, SKIP the reference check's launches):
 
 - `smla`: the sparse MLA heads kernel (64 heads, latent 512 + rope 64, top-2048 of an fp8 656-byte pool of
   --context tokens in random 64-token pages, q's rope rotated in the prologue) and its combine;
+- `smla_uv`: the same attention as decode runs it at batch 1: its splits merged inside W_UV's per-head
+  GEMV (`sparse_mla(out_proj=)`, `kernels.gemv.merge_head_gemv`; W_UV [64, 256, 512]);
 - `topk`: the radix top-2048 of one --context-key row (histogram, count and write passes);
 - `wuk`: the absorbed query q_nope [1, 64, 192] x W_UK (stored [64, 512, 192]): torch's batched GEMM, then
   `kernels.gemv.head_gemv` (`MLAttention` at decode);
@@ -26,10 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PARTS = ("smla", "topk", "wuk", "router")
+PARTS = ("smla", "smla_uv", "topk", "wuk", "router")
 
 
-def _smla(dev: torch.device, context: int, calls: int, topk: int) -> None:
+def _smla(dev: torch.device, context: int, calls: int, topk: int, uv: bool = False) -> None:
+    from longctx.kernels.gemv import head_gemv_ref
     from longctx.kernels.kv_layout import alloc_mla_pool, write_mla_kv
     from longctx.kernels.rope import apply_rope, rope_cos_sin_ref
     from longctx.kernels.sparse_mla import sparse_mla, sparse_mla_ref
@@ -49,14 +52,22 @@ def _smla(dev: torch.device, context: int, calls: int, topk: int) -> None:
     inv_freq = 1e6 ** (-torch.arange(0, rope, 2, device=dev).float() / rope)
     cos, sin = rope_cos_sin_ref(torch.tensor([context - 1], device=dev), inv_freq, 1.0, torch.bfloat16)
     scale = (192 + 64) ** -0.5
+    w_uv = None
+    if uv:  # MLAttention.w_uv [H, v_head, L]
+        w_uv = torch.randn(heads, lat // 2, lat, device=dev, dtype=torch.bfloat16, generator=gen) * lat**-0.5
 
     def call() -> torch.Tensor:
-        out = sparse_mla(q_lat, q_pe, pool, idx, scale, "fp8_e4m3", rotate=(cos, sin, True), backend="triton")
+        rot = (cos, sin, True)
+        out = sparse_mla(
+            q_lat, q_pe, pool, idx, scale, "fp8_e4m3", rotate=rot, backend="triton", out_proj=w_uv
+        )
         assert isinstance(out, torch.Tensor)
         return out
 
     ref = sparse_mla_ref(q_lat, apply_rope(q_pe, cos, sin, backend="torch"), pool, idx, scale, "fp8_e4m3")
     assert isinstance(ref, torch.Tensor)
+    if w_uv is not None:
+        ref = head_gemv_ref(ref, w_uv)
     err = (call().float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
     print(f"smla rel err {err:.3g}")
     assert err < 2e-2
@@ -122,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     topk = 2048 if dev.type == "cuda" else 64
-    if a.part == "smla":
-        _smla(dev, a.context, a.calls, topk)
+    if a.part in ("smla", "smla_uv"):
+        _smla(dev, a.context, a.calls, topk, uv=a.part == "smla_uv")
     elif a.part == "topk":
         _topk(dev, a.context, a.calls, topk)
     elif a.part == "wuk":

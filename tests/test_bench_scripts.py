@@ -2140,7 +2140,7 @@ def test_vs_transformers_longctx_timing_on_cpu(tiny_dir, monkeypatch):
             vt.lc_prefill_decode(eng, 70, 2)
 
 
-@pytest.mark.parametrize("part", ["smla", "topk", "wuk", "router"])
+@pytest.mark.parametrize("part", ["smla", "smla_uv", "topk", "wuk", "router"])
 def test_ncu_decode_parts_check_their_kernels_on_cpu(part: str, capsys) -> None:
     """bench.ncu_decode's parts (what Nsight Compute reads on the GPU) run at toy sizes under the
     interpreter, each checked against its reference first."""
