@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .common import check, jit, next_pow2, pdl, pdl_wait, round_as, tl, triton_interpret, use_triton
+from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, mma
 from .moe_decode import DecodeConfig, experts_decode
 from .moe_stream import StreamConfig, experts_stream
@@ -65,6 +65,11 @@ DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "0"))
 # weight stream, no align). Off (0) until `python -m bench.moe8_sweep` has measured it on the H200;
 # LONGCTX_MOE_STREAM_MAX_PAIRS sets it for a process (A/B benches). Checked before DECODE_MAX_PAIRS.
 STREAM_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_STREAM_MAX_PAIRS", "0"))
+# The grouped GEMMs' decode tiles shrink BLOCK_N (to 16) per kernel until the grid has a program for every
+# SM: small-1m at batch 1 (top-4 of 16, I = 512) ran its gate-up as 4 experts x 8 slabs of 64 rows = 32
+# programs, each streaming 512 KB alone (15 us for 16 MB, ~1.1 TB/s on the H200). LONGCTX_MOE_FILL_SMS=0
+# keeps the heuristic's BLOCK_N for both kernels (A/B benches).
+FILL_SMS = os.environ.get("LONGCTX_MOE_FILL_SMS", "1").strip() != "0"
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -915,6 +920,15 @@ def _pick_moe_tiles(
     return bm, bn, bk, warps, stages
 
 
+def fill_sms_bn(bn: int, blocks: int, n: int, sms: int) -> int:
+    """BLOCK_N for a grid of `blocks` row blocks x cdiv(n, BLOCK_N) slabs: `bn` halved (not below 16) while
+    the grid has fewer programs than `sms`. A weight-streaming program moves its slab at one SM's rate, so
+    an underfilled grid leaves HBM idle however large its tiles (GLM-5.3's 8 experts x 32 slabs keep 64)."""
+    while bn > 16 and blocks * cdiv(n, bn) < sms:
+        bn //= 2
+    return bn
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -993,6 +1007,10 @@ def moe_experts(
     p = t * k
     sorted_pairs, block_expert = moe_align(topk_ids, e, bm)
     nb = block_expert.numel()
+    bn_gu = bn_d = bn
+    if tiles is None and FILL_SMS:
+        sms = num_sms(x.device)
+        bn_gu, bn_d = fill_sms_bn(bn, nb, inter, sms), fill_sms_bn(bn, nb, hd, sms)
     h = torch.empty(p, inter, dtype=x.dtype, device=dev)
     out = torch.empty(p, hd, dtype=x.dtype, device=dev)  # the combine skips the rows of ignored ids
     tw = topk_w.reshape(-1).float().contiguous()
@@ -1000,17 +1018,17 @@ def moe_experts(
     x16 = fp8 and x.dtype == torch.bfloat16 and bm <= FP16_MMA_MAX_BM
     sgu = w_gate_up_scale.contiguous() if fp8 else w_gate_up  # type: ignore[union-attr]
     sd = w_down_scale.contiguous() if fp8 else w_down  # type: ignore[union-attr]
-    _gate_up_kernel[(nb, cdiv(inter, bn))](
+    _gate_up_kernel[(nb, cdiv(inter, bn_gu))](
         x, w_gate_up, sgu, sorted_pairs, block_expert, h,
         p, hd, inter, k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0), sgu.stride(1), h.stride(0),
-        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn_gu, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
-    _down_kernel[(nb, cdiv(hd, bn))](
+    _down_kernel[(nb, cdiv(hd, bn_d))](
         h, w_down, sd, sorted_pairs, block_expert, tw, out,
         p, hd, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
-        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn_d, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
     join()
     return moe_combine(out.view(t, k, hd), ids, e, shared, residual, norm_out, backend="triton")

@@ -436,6 +436,39 @@ def test_moe_experts_triton_matches_ref(t, hd, inter, e, k, xdtype, wdtype):
     _close(y, ref, xdtype, "moe")
 
 
+def test_moe_fill_sms_bn_rule():
+    """BLOCK_N halves (not below 16) until blocks x slabs covers the SMs; a full grid keeps its tiles."""
+    from longctx.kernels.moe import fill_sms_bn
+
+    assert fill_sms_bn(64, 5, 512, 132) == 16  # small-1m batch 1 gate-up: 5 x 32 = 160 programs
+    assert fill_sms_bn(64, 5, 2048, 132) == 64  # its down projection: 5 x 32 already
+    assert fill_sms_bn(64, 9, 2048, 132) == 64  # GLM-5.3 batch 1 gate-up (8 experts + the spare block)
+    assert fill_sms_bn(64, 1, 64, 132) == 16  # never below 16
+    assert fill_sms_bn(16, 1, 64, 132) == 16
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_moe_experts_fill_the_sms_at_decode(fill, monkeypatch):
+    """Batch 1 on a "132-SM" device: the gate-up and down grids take smaller BLOCK_N (LONGCTX_MOE_FILL_SMS=0
+    keeps the heuristic's), and the result still matches the reference."""
+    from longctx.kernels import moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "num_sms", lambda device, cpu=4: 132)
+    monkeypatch.setattr(moe_mod, "FILL_SMS", fill)
+    seen: list[int] = []
+    real = moe_mod.fill_sms_bn
+    monkeypatch.setattr(moe_mod, "fill_sms_bn", lambda *a: seen.append(real(*a)) or seen[-1])
+    gen = torch.Generator().manual_seed(7)
+    e, hd, inter, k = 16, 128, 256, 4
+    wgu, wd, sgu, sd = _experts(e, hd, inter, torch.float32, gen)
+    x = torch.randn(1, hd, generator=gen)
+    ids = torch.randperm(e, generator=gen)[:k][None]
+    w = torch.rand(1, k, generator=gen)
+    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON, decode=False)
+    _close(y, moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd), torch.float32, "moe")
+    assert seen == ([16, 16] if fill else [])
+
+
 @pytest.mark.parametrize(
     "t,k,wdtype,xdtype,cfg",
     [
