@@ -4,7 +4,8 @@
 # under gpu_check and the 128K batch-1 profile, then Nsight Compute on the attention as decode runs it
 # (heads kernel + merge into W_UV), the heads kernel with its combine, and the radix top-k passes, then the
 # profile with W_UK / W_UV on torch's batched GEMM and with the combine instead of the merge. Each step packs
-# its own archive. ~6-7 minutes warm.
+# its own archive. ~6-7 minutes warm. From 34e2e39 on: the profile also with LONGCTX_MOE_FILL_SMS=0 (the MoE
+# grouped GEMMs' decode BLOCK_N as before, 32 gate-up programs at batch 1) right after the default.
 source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m bench.gpu_check --only fp32,bf16,graphs,hisparse_graphs --out $OUT/gc
@@ -16,6 +17,7 @@ prof() {  # prof NAME [ENV=VALUE]: the 128K batch-1 decode profile into $OUT/NAM
   pack s60a-$name $name
 }
 prof prof
+prof moefill0 LONGCTX_MOE_FILL_SMS=0
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 mkdir -p $OUT/ncu
@@ -31,4 +33,3 @@ ncu_part smla 'sparse_mla_heads_kernel|_combine_kernel' 2 2
 ncu_part topk '_topk_' 6 6
 pack s60a-ncu ncu
 prof gemv0 LONGCTX_HEAD_GEMV_MAX_T=0
-prof combine LONGCTX_SPARSE_MLA_MERGE=0
