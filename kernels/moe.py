@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .common import check, jit, next_pow2, num_sms, pdl, pdl_wait, round_as, tl, triton_interpret, use_triton
 from .fp8_gemm import FP16_MMA_MAX_BM, cdiv, dequant_block_fp8_ref, fp16_rows, mma
-from .moe_decode import DecodeConfig, experts_decode
+from .moe_decode import FILL_SMS, DecodeConfig, experts_decode, fill_sms_bn
 from .moe_stream import StreamConfig, experts_stream
 from .moe_stream import supports as stream_supports
 from .norm import rms_norm_ref, rms_scale
@@ -65,11 +65,6 @@ DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "0"))
 # weight stream, no align). Off (0) until `python -m bench.moe8_sweep` has measured it on the H200;
 # LONGCTX_MOE_STREAM_MAX_PAIRS sets it for a process (A/B benches). Checked before DECODE_MAX_PAIRS.
 STREAM_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_STREAM_MAX_PAIRS", "0"))
-# The grouped GEMMs' decode tiles shrink BLOCK_N (to 16) per kernel until the grid has a program for every
-# SM: small-1m at batch 1 (top-4 of 16, I = 512) ran its gate-up as 4 experts x 8 slabs of 64 rows = 32
-# programs, each streaming 512 KB alone (15 us for 16 MB, ~1.1 TB/s on the H200). LONGCTX_MOE_FILL_SMS=0
-# keeps the heuristic's BLOCK_N for both kernels (A/B benches).
-FILL_SMS = os.environ.get("LONGCTX_MOE_FILL_SMS", "1").strip() != "0"
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -918,15 +913,6 @@ def _pick_moe_tiles(
         else:
             break
     return bm, bn, bk, warps, stages
-
-
-def fill_sms_bn(bn: int, blocks: int, n: int, sms: int) -> int:
-    """BLOCK_N for a grid of `blocks` row blocks x cdiv(n, BLOCK_N) slabs: `bn` halved (not below 16) while
-    the grid has fewer programs than `sms`. A weight-streaming program moves its slab at one SM's rate, so
-    an underfilled grid leaves HBM idle however large its tiles (GLM-5.3's 8 experts x 32 slabs keep 64)."""
-    while bn > 16 and blocks * cdiv(n, bn) < sms:
-        bn //= 2
-    return bn
 
 
 def moe_experts(

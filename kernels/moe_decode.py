@@ -40,6 +40,21 @@ BM = 16
 # Down-projection programs to aim for per SM (split-K supplies them when the experts' row tiles do not):
 # two waves of ~4 resident programs, so the last programs to start do not leave most SMs idle.
 PROGRAMS_PER_SM = 8
+# Weight-streaming grids at decode shrink their BLOCK_N (not below 16) until they have a program for every
+# SM (`fill_sms_bn`): small-1m at batch 1 (top-4 of 16, I = 512) ran `moe`'s gate-up as 4 experts x 8 slabs
+# of 64 rows = 32 programs, each streaming 512 KB alone (15 us for 16 MB, ~1.1 TB/s on the H200). Applies
+# to `moe`'s grouped GEMMs (both kernels) and this path's gate-up at its default tiles;
+# LONGCTX_MOE_FILL_SMS=0 keeps the configured BLOCK_N (A/B benches).
+FILL_SMS = os.environ.get("LONGCTX_MOE_FILL_SMS", "1").strip() != "0"
+
+
+def fill_sms_bn(bn: int, blocks: int, n: int, sms: int) -> int:
+    """BLOCK_N for a grid of `blocks` row blocks x cdiv(n, BLOCK_N) slabs: `bn` halved (not below 16) while
+    the grid has fewer programs than `sms`. A weight-streaming program moves its slab at one SM's rate, so
+    an underfilled grid leaves HBM idle however large its tiles (GLM-5.3's 8 experts x 32 slabs keep 64)."""
+    while bn > 16 and blocks * cdiv(n, bn) < sms:
+        bn //= 2
+    return bn
 
 
 @dataclass(frozen=True)
@@ -253,6 +268,8 @@ def experts_decode(
     tw = topk_w.reshape(-1).float().contiguous()
     bk = min(cfg.bk or 128 // w_gate_up.element_size(), max(16, next_pow2(min(hd, inter))))
     bn_gu = min(cfg.bn_gate_up, max(16, next_pow2(inter)))
+    if config is None and FILL_SMS:
+        bn_gu = fill_sms_bn(bn_gu, p, inter, num_sms(dev))
     bn_d = min(cfg.bn_down, max(16, next_pow2(hd)))
     tiles_d = cdiv(hd, bn_d)
     splits = cfg.splits_down or pick_splits(min(p, e), tiles_d, inter, num_sms(dev))

@@ -438,7 +438,7 @@ def test_moe_experts_triton_matches_ref(t, hd, inter, e, k, xdtype, wdtype):
 
 def test_moe_fill_sms_bn_rule():
     """BLOCK_N halves (not below 16) until blocks x slabs covers the SMs; a full grid keeps its tiles."""
-    from longctx.kernels.moe import fill_sms_bn
+    from longctx.kernels.moe_decode import fill_sms_bn
 
     assert fill_sms_bn(64, 5, 512, 132) == 16  # small-1m batch 1 gate-up: 5 x 32 = 160 programs
     assert fill_sms_bn(64, 5, 2048, 132) == 64  # its down projection: 5 x 32 already
@@ -447,26 +447,31 @@ def test_moe_fill_sms_bn_rule():
     assert fill_sms_bn(16, 1, 64, 132) == 16
 
 
+@pytest.mark.parametrize("path", ["grouped", "decode"])
 @pytest.mark.parametrize("fill", [True, False])
-def test_moe_experts_fill_the_sms_at_decode(fill, monkeypatch):
-    """Batch 1 on a "132-SM" device: the gate-up and down grids take smaller BLOCK_N (LONGCTX_MOE_FILL_SMS=0
-    keeps the heuristic's), and the result still matches the reference."""
+def test_moe_experts_fill_the_sms_at_decode(fill, path, monkeypatch):
+    """Batch 1 on a "132-SM" device: the grouped gate-up and down grids (or the decode path's gate-up) take
+    smaller BLOCK_N (LONGCTX_MOE_FILL_SMS=0 keeps the configured ones), and the result still matches the
+    reference."""
     from longctx.kernels import moe as moe_mod
+    from longctx.kernels import moe_decode as dec_mod
 
-    monkeypatch.setattr(moe_mod, "num_sms", lambda device, cpu=4: 132)
-    monkeypatch.setattr(moe_mod, "FILL_SMS", fill)
+    mod = moe_mod if path == "grouped" else dec_mod
+    monkeypatch.setattr(mod, "num_sms", lambda device, cpu=4: 132)
+    monkeypatch.setattr(mod, "FILL_SMS", fill)
     seen: list[int] = []
-    real = moe_mod.fill_sms_bn
-    monkeypatch.setattr(moe_mod, "fill_sms_bn", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = dec_mod.fill_sms_bn
+    monkeypatch.setattr(mod, "fill_sms_bn", lambda *a: seen.append(real(*a)) or seen[-1])
     gen = torch.Generator().manual_seed(7)
     e, hd, inter, k = 16, 128, 256, 4
     wgu, wd, sgu, sd = _experts(e, hd, inter, torch.float32, gen)
     x = torch.randn(1, hd, generator=gen)
     ids = torch.randperm(e, generator=gen)[:k][None]
     w = torch.rand(1, k, generator=gen)
-    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON, decode=False)
+    y = moe_experts(x, ids, w, wgu, wd, "silu", sgu, sd, backend=TRITON, decode=path == "decode")
     _close(y, moe_experts_ref(x, ids, w, wgu, wd, "silu", sgu, sd), torch.float32, "moe")
-    assert seen == ([16, 16] if fill else [])
+    want = [16, 16] if path == "grouped" else [16]  # (decode: 4 pairs x 16 slabs = 64 programs)
+    assert seen == (want if fill else [])
 
 
 @pytest.mark.parametrize(

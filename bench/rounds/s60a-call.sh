@@ -5,7 +5,8 @@
 # (heads kernel + merge into W_UV), the heads kernel with its combine, and the radix top-k passes, then the
 # profile with W_UK / W_UV on torch's batched GEMM and with the combine instead of the merge. Each step packs
 # its own archive. ~6-7 minutes warm. From 34e2e39 on: the profile also with LONGCTX_MOE_FILL_SMS=0 (the MoE
-# grouped GEMMs' decode BLOCK_N as before, 32 gate-up programs at batch 1) right after the default.
+# grouped GEMMs' decode BLOCK_N as before, 32 gate-up programs at batch 1) right after the default; last,
+# moe_decode's path (no align kernel; its gate-up now fills the SMs too) with LONGCTX_MOE_DECODE_MAX_PAIRS=4.
 source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m bench.gpu_check --only fp32,bf16,graphs,hisparse_graphs --out $OUT/gc
@@ -33,3 +34,4 @@ ncu_part smla 'sparse_mla_heads_kernel|_combine_kernel' 2 2
 ncu_part topk '_topk_' 6 6
 pack s60a-ncu ncu
 prof gemv0 LONGCTX_HEAD_GEMV_MAX_T=0
+prof moedec LONGCTX_MOE_DECODE_MAX_PAIRS=4
