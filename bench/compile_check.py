@@ -1,6 +1,6 @@
 """Compile the HiSparse placement kernels (kernels/lru_place.py), the sampler's Gumbel draw
 (kernels/gumbel.py) and its penalties (kernels/penalties.py), the router's one launch (kernels/moe.py)
-and MLA's per-head GEMV (kernels/gemv.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
+and MLA's per-head GEMV with its split merge (kernels/gemv.py, with and without its L2 prefetch) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
 with and without the parallel passes or the step's candidates, the passes' three phases, with and
@@ -171,7 +171,10 @@ def variants() -> list[tuple[str, dict]]:
     out.append(("_gemv_kernel", {"sig": gemv, "const": const, "num_warps": 4}))
     # batch-1 decode's split attention merged into W_UV's GEMV (32 splits)
     merge = {"p_ptr": "*fp32", "l_ptr": "*fp32", "w_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}
-    const = {"F32": False, "BS": 32, "BN": 64, "BK": 64, "PDL": True}
+    const = {"F32": False, "BS": 32, "BN": 64, "BK": 64, "PDL": True, "PREFETCH": False, "KL": 1, "EPL": 64}
+    out.append(("_merge_gemv_kernel", {"sig": merge, "const": const, "num_warps": 4}))
+    # ... asking L2 for its W_UV slab before the PDL wait (LONGCTX_MERGE_PREFETCH=1: inline PTX prefetch)
+    const = {**const, "PREFETCH": True, "KL": 8, "EPL": 64}
     out.append(("_merge_gemv_kernel", {"sig": merge, "const": const, "num_warps": 4}))
     return out  # fmt: skip
 

@@ -155,6 +155,23 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@jit
+def prefetch_l2(ptrs, mask, ON: tl.constexpr):
+    """Ask L2 for the 128-byte lines `ptrs` point into, where `mask` (PTX `prefetch.global.L2::evict_last`):
+    no register result and nothing waits for it. A PDL kernel calls it on data its predecessor does not write
+    (weights) BEFORE `pdl_wait`, so the reads overlap the predecessor's run instead of following it. ON False
+    (the interpreter, which has no inline PTX): nothing."""
+    if ON:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptrs, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 def num_sms(device: torch.device, cpu: int = 4) -> int:
     """The device's SM count (cached: get_device_properties per call costs host time on the decode
     path), or `cpu` for a CPU device (the interpreter: a few programs, so tests split work)."""

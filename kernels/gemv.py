@@ -46,6 +46,7 @@ from .common import (
     num_sms,
     pdl,
     pdl_wait,
+    prefetch_l2,
     round_as,
     tl,
     triton_interpret,
@@ -274,6 +275,10 @@ def gemv(
 # Token rows up to which `head_gemv` runs the kernel; above it (prefill chunks) torch's batched GEMM.
 # LONGCTX_HEAD_GEMV_MAX_T=0: always torch (A/B benches).
 HEAD_GEMV_MAX_T = int(os.environ.get("LONGCTX_HEAD_GEMV_MAX_T", "64"))
+# LONGCTX_MERGE_PREFETCH=1: `merge_head_gemv` (launched with PDL) asks L2 for its W_UV slab before waiting
+# for the attention ahead, whose batch-1 run is latency-bound (HBM idle), so the slab's reads (16.8 MB at
+# small-1m) overlap it. Off until a GPU A/B has measured it (bench/rounds/s60b-call.sh).
+MERGE_PREFETCH = os.environ.get("LONGCTX_MERGE_PREFETCH", "0").strip() == "1"
 
 
 def head_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -354,18 +359,26 @@ def _merge_gemv_kernel(
     p_ptr, l_ptr, w_ptr, o_ptr, S, N, K,
     s_ph, s_ps, s_lh, s_wh, s_wn,
     F32: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, KL: tl.constexpr = 1, EPL: tl.constexpr = 64,
 ):  # fmt: skip
-    pdl_wait(PDL)
     # Program (pid_n, head h): the split weights from h's lse (as `sparse_mla._combine_kernel`), then per K
     # step the merged row x = sum_s a_s parts[h, s, k-step], rounded to w's dtype, times W[h]'s [BN, BK] tile
     # on the tensor cores (x in row 0 of a 16-row operand, swap-AB as `_gemv_kernel`).
     pid_n = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mn = offs_n < N
+    if PREFETCH:  # W[h]'s slab into L2 while the attention ahead still runs (KL lines of EPL elements a row)
+        lines = tl.arange(0, KL) * EPL
+        prefetch_l2(
+            w_ptr + h * s_wh + offs_n[:, None] * s_wn + lines[None, :],
+            mn[:, None] & (lines < K)[None, :],
+            True,
+        )
+    pdl_wait(PDL)
     offs_s = tl.arange(0, BS)
     ms = offs_s < S
     a, _, _ = lse_weights(tl.load(l_ptr + h * s_lh + offs_s, mask=ms, other=float("-inf")))
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mn = offs_n < N
     rows = tl.arange(0, 16)
     like = tl.zeros([1], dtype=w_ptr.dtype.element_ty)
     acc = tl.zeros([BN, 16], dtype=tl.float32)
@@ -406,9 +419,13 @@ def merge_head_gemv(
     if out.numel() == 0:
         return out
     cfg = TILES_DOT_PLAIN
+    kw: dict[str, bool | int] = dict(pdl(w.device))
+    epl = 128 // w.element_size()  # elements of a 128-byte line
+    if MERGE_PREFETCH and kw:  # (PDL only: without it the kernel starts after the attention anyway)
+        kw = dict(kw, PREFETCH=True, KL=next_pow2(cdiv(k, epl)), EPL=epl)
     _merge_gemv_kernel[(cdiv(n, cfg.bn), h)](
         parts, lse, w, out, s, n, k, parts.stride(0), parts.stride(1), lse.stride(0), w.stride(0), w.stride(1),
         F32=w.dtype == torch.float32 or triton_interpret(), BS=max(2, next_pow2(s)), BN=cfg.bn, BK=cfg.bk,
-        num_warps=cfg.warps, num_stages=cfg.stages, **pdl(w.device),
+        num_warps=cfg.warps, num_stages=cfg.stages, **kw,
     )  # fmt: skip
     return out
