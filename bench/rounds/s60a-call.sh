@@ -7,6 +7,8 @@
 # its own archive. ~6-7 minutes warm. From 34e2e39 on: the profile also with LONGCTX_MOE_FILL_SMS=0 (the MoE
 # grouped GEMMs' decode BLOCK_N as before, 32 gate-up programs at batch 1) right after the default; last,
 # moe_decode's path (no align kernel; its gate-up now fills the SMs too) with LONGCTX_MOE_DECODE_MAX_PAIRS=4.
+# From 5850d23 on: the merge's L2 prefetch of W_UV before its PDL wait (LONGCTX_MERGE_PREFETCH=1) after the
+# MoE A/B; the head_gemv A/B (LONGCTX_HEAD_GEMV_MAX_T=0) is dropped for time.
 source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m bench.gpu_check --only fp32,bf16,graphs,hisparse_graphs --out $OUT/gc
@@ -19,6 +21,7 @@ prof() {  # prof NAME [ENV=VALUE]: the 128K batch-1 decode profile into $OUT/NAM
 }
 prof prof
 prof moefill0 LONGCTX_MOE_FILL_SMS=0
+prof mpf LONGCTX_MERGE_PREFETCH=1
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 mkdir -p $OUT/ncu
@@ -33,5 +36,4 @@ ncu_part smla_uv 'sparse_mla_heads_kernel|_merge_gemv_kernel' 2 2
 ncu_part smla 'sparse_mla_heads_kernel|_combine_kernel' 2 2
 ncu_part topk '_topk_' 6 6
 pack s60a-ncu ncu
-prof gemv0 LONGCTX_HEAD_GEMV_MAX_T=0
 prof moedec LONGCTX_MOE_DECODE_MAX_PAIRS=4
