@@ -996,3 +996,33 @@ def test_sparse_mla_impl_auto_resolves(monkeypatch):
     monkeypatch.setenv("LONGCTX_SPARSE_MLA_IMPL", "bogus")
     with pytest.raises(Exception, match="LONGCTX_SPARSE_MLA_IMPL"):
         sm.resolve_impl("auto", 1)
+
+
+@pytest.mark.parametrize("prefetch,pdl_on", [(True, True), (True, False), (False, True)])
+def test_moe_down_prefetch_launch(prefetch, pdl_on, monkeypatch):
+    """LONGCTX_MOE_PREFETCH=1 asks the grouped down projection for its L2 prefetch of w_down (KL lines of
+    EPL elements a row) only under PDL; the interpreter has no inline PTX, so the down launch is recorded
+    (bench.compile_check compiles the prefetch for sm_90)."""
+    from longctx.kernels import moe as moe_mod
+
+    seen: list[dict] = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw)
+
+    monkeypatch.setattr(moe_mod, "MOE_PREFETCH", prefetch)
+    monkeypatch.setattr(moe_mod, "pdl", lambda dev: {"PDL": True, "launch_pdl": True} if pdl_on else {})
+    monkeypatch.setattr(moe_mod, "_gate_up_kernel", Kernel())
+    monkeypatch.setattr(moe_mod, "_down_kernel", Kernel())
+    monkeypatch.setattr(moe_mod, "moe_combine", lambda out, *a, **kw: out.sum(dim=1))  # (out never written)
+    gen = torch.Generator().manual_seed(3)
+    wgu, wd, sgu, sd = _experts(8, 64, 200, torch.bfloat16, gen)
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    moe_experts(
+        x, torch.tensor([[1, 5]]), torch.rand(1, 2), wgu, wd, "silu", sgu, sd, backend=TRITON, decode=False
+    )
+    down = seen[1]
+    want = {"PREFETCH": True, "KL": 4, "EPL": 64} if prefetch and pdl_on else {}
+    assert {k: down[k] for k in ("PREFETCH", "KL", "EPL") if k in down} == want
+    assert "PREFETCH" not in seen[0] and down.get("PDL", False) == pdl_on
