@@ -8,7 +8,9 @@
 # grouped GEMMs' decode BLOCK_N as before, 32 gate-up programs at batch 1) right after the default; last,
 # moe_decode's path (no align kernel; its gate-up now fills the SMs too) with LONGCTX_MOE_DECODE_MAX_PAIRS=4.
 # From 5850d23 on: the merge's L2 prefetch of W_UV before its PDL wait (LONGCTX_MERGE_PREFETCH=1) after the
-# MoE A/B; the head_gemv A/B (LONGCTX_HEAD_GEMV_MAX_T=0) is dropped for time.
+# MoE A/B; the head_gemv A/B (LONGCTX_HEAD_GEMV_MAX_T=0) is dropped for time. From b3eea61: the MoE down
+# projection's w_down prefetch (LONGCTX_MOE_PREFETCH=1) after it, in place of ncu on the heads kernel with
+# its combine (the merge form, smla_uv, stays).
 source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m bench.gpu_check --only fp32,bf16,graphs,hisparse_graphs --out $OUT/gc
@@ -22,6 +24,7 @@ prof() {  # prof NAME [ENV=VALUE]: the 128K batch-1 decode profile into $OUT/NAM
 prof prof
 prof moefill0 LONGCTX_MOE_FILL_SMS=0
 prof mpf LONGCTX_MERGE_PREFETCH=1
+prof mopf LONGCTX_MOE_PREFETCH=1
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 mkdir -p $OUT/ncu
@@ -33,7 +36,6 @@ ncu_part() {  # ncu_part PART REGEX SKIP COUNT
   echo "ncu $1 rc $?"; grep -E "Duration|Achieved Occupancy|Registers Per|Memory Throughput" $OUT/ncu/$1.txt | head -12
 }
 ncu_part smla_uv 'sparse_mla_heads_kernel|_merge_gemv_kernel' 2 2
-ncu_part smla 'sparse_mla_heads_kernel|_combine_kernel' 2 2
 ncu_part topk '_topk_' 6 6
 pack s60a-ncu ncu
 prof moedec LONGCTX_MOE_DECODE_MAX_PAIRS=4
