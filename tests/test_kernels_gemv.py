@@ -213,18 +213,16 @@ def test_merge_head_gemv_prefetch_launch(prefetch, pdl_on, monkeypatch):
     PTX, so the launch is recorded instead of run (bench.compile_check compiles the PTX for sm_90)."""
     from longctx.kernels import gemv as g
 
-    seen: list[dict] = []
+    from .conftest_kernels import LaunchRecorder
 
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: seen.append(kw)
-
+    kernel = LaunchRecorder()
     monkeypatch.setattr(g, "MERGE_PREFETCH", prefetch)
     monkeypatch.setattr(g, "pdl", lambda dev: {"PDL": True, "launch_pdl": True} if pdl_on else {})
-    monkeypatch.setattr(g, "_merge_gemv_kernel", Kernel())
+    monkeypatch.setattr(g, "_merge_gemv_kernel", kernel)
     g.merge_head_gemv(
         torch.randn(2, 4, 200), torch.randn(2, 4), torch.randn(2, 5, 200).bfloat16(), backend="triton"
     )
     want = {"PREFETCH": True, "KL": 4, "EPL": 64} if prefetch and pdl_on else {}
-    assert {k: seen[0][k] for k in ("PREFETCH", "KL", "EPL") if k in seen[0]} == want
-    assert seen[0].get("PDL", False) == pdl_on
+    ((_, kw),) = kernel.launches
+    assert {k: kw[k] for k in ("PREFETCH", "KL", "EPL") if k in kw} == want
+    assert kw.get("PDL", False) == pdl_on

@@ -1005,16 +1005,13 @@ def test_moe_down_prefetch_launch(prefetch, pdl_on, monkeypatch):
     (bench.compile_check compiles the prefetch for sm_90)."""
     from longctx.kernels import moe as moe_mod
 
-    seen: list[dict] = []
+    from .conftest_kernels import LaunchRecorder
 
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: seen.append(kw)
-
+    gate_up, down = LaunchRecorder(), LaunchRecorder()
     monkeypatch.setattr(moe_mod, "MOE_PREFETCH", prefetch)
     monkeypatch.setattr(moe_mod, "pdl", lambda dev: {"PDL": True, "launch_pdl": True} if pdl_on else {})
-    monkeypatch.setattr(moe_mod, "_gate_up_kernel", Kernel())
-    monkeypatch.setattr(moe_mod, "_down_kernel", Kernel())
+    monkeypatch.setattr(moe_mod, "_gate_up_kernel", gate_up)
+    monkeypatch.setattr(moe_mod, "_down_kernel", down)
     monkeypatch.setattr(moe_mod, "moe_combine", lambda out, *a, **kw: out.sum(dim=1))  # (out never written)
     gen = torch.Generator().manual_seed(3)
     wgu, wd, sgu, sd = _experts(8, 64, 200, torch.bfloat16, gen)
@@ -1022,7 +1019,7 @@ def test_moe_down_prefetch_launch(prefetch, pdl_on, monkeypatch):
     moe_experts(
         x, torch.tensor([[1, 5]]), torch.rand(1, 2), wgu, wd, "silu", sgu, sd, backend=TRITON, decode=False
     )
-    down = seen[1]
+    ((_, kw_gu),), ((_, kw),) = gate_up.launches, down.launches
     want = {"PREFETCH": True, "KL": 4, "EPL": 64} if prefetch and pdl_on else {}
-    assert {k: down[k] for k in ("PREFETCH", "KL", "EPL") if k in down} == want
-    assert "PREFETCH" not in seen[0] and down.get("PDL", False) == pdl_on
+    assert {k: kw[k] for k in ("PREFETCH", "KL", "EPL") if k in kw} == want
+    assert "PREFETCH" not in kw_gu and kw.get("PDL", False) == pdl_on
