@@ -1025,7 +1025,7 @@ def moe_experts(
     nb = block_expert.numel()
     bn_gu = bn_d = bn
     if tiles is None and FILL_SMS:
-        sms = num_sms(x.device)
+        sms = num_sms(x.device, cpu=0)  # (the interpreter's tiny grids: no point in more programs)
         bn_gu, bn_d = fill_sms_bn(bn, nb, inter, sms), fill_sms_bn(bn, nb, hd, sms)
     h = torch.empty(p, inter, dtype=x.dtype, device=dev)
     out = torch.empty(p, hd, dtype=x.dtype, device=dev)  # the combine skips the rows of ignored ids

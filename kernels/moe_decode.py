@@ -269,7 +269,7 @@ def experts_decode(
     bk = min(cfg.bk or 128 // w_gate_up.element_size(), max(16, next_pow2(min(hd, inter))))
     bn_gu = min(cfg.bn_gate_up, max(16, next_pow2(inter)))
     if config is None and FILL_SMS:
-        bn_gu = fill_sms_bn(bn_gu, p, inter, num_sms(dev))
+        bn_gu = fill_sms_bn(bn_gu, p, inter, num_sms(dev, cpu=0))  # (not on the interpreter)
     bn_d = min(cfg.bn_down, max(16, next_pow2(hd)))
     tiles_d = cdiv(hd, bn_d)
     splits = cfg.splits_down or pick_splits(min(p, e), tiles_d, inter, num_sms(dev))
