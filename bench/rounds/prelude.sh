@@ -9,3 +9,9 @@ pack() {  # pack NAME DIR...: $OUT/NAME.tgz from the directories under $OUT, whi
   local name=$1; shift
   tar -czf "$OUT/$name.tgz" -C "$OUT" "$@" && (cd "$OUT" && rm -rf "$@")
 }
+prof_step() {  # prof_step ARCHIVE [ENV=VALUE...]: the 128K batch-1 decode profile into $OUT/ARCHIVE.tgz
+  local name=$1; shift
+  env "$@" python3 -m bench.step_profile --phase decode --tokens 131072 --steps 96 --out $OUT/$name \
+    | grep -E "^decode batch|decode run plain"
+  pack $name $name
+}

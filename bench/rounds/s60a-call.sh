@@ -15,16 +15,10 @@ source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m bench.gpu_check --only fp32,bf16,graphs,hisparse_graphs --out $OUT/gc
 pack s60a-gc gc
-prof() {  # prof NAME [ENV=VALUE]: the 128K batch-1 decode profile into $OUT/NAME.tgz
-  local name=$1; shift
-  env "$@" python3 -m bench.step_profile --phase decode --tokens 131072 --steps 96 --out $OUT/$name \
-    | grep -E "^decode batch|decode run plain"
-  pack s60a-$name $name
-}
-prof prof
-prof moefill0 LONGCTX_MOE_FILL_SMS=0
-prof mpf LONGCTX_MERGE_PREFETCH=1
-prof mopf LONGCTX_MOE_PREFETCH=1
+prof_step s60a-prof
+prof_step s60a-moefill0 LONGCTX_MOE_FILL_SMS=0
+prof_step s60a-mpf LONGCTX_MERGE_PREFETCH=1
+prof_step s60a-mopf LONGCTX_MOE_PREFETCH=1
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 mkdir -p $OUT/ncu
@@ -38,4 +32,4 @@ ncu_part() {  # ncu_part PART REGEX SKIP COUNT
 ncu_part smla_uv 'sparse_mla_heads_kernel|_merge_gemv_kernel' 2 2
 ncu_part topk '_topk_' 6 6
 pack s60a-ncu ncu
-prof moedec LONGCTX_MOE_DECODE_MAX_PAIRS=4
+prof_step s60a-moedec LONGCTX_MOE_DECODE_MAX_PAIRS=4

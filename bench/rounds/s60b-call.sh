@@ -4,13 +4,7 @@
 # packs its own archive.
 source bench/rounds/prelude.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-prof() {  # prof NAME [ENV=VALUE]: the 128K batch-1 decode profile into $OUT/NAME.tgz
-  local name=$1; shift
-  env "$@" python3 -m bench.step_profile --phase decode --tokens 131072 --steps 96 --out $OUT/$name \
-    | grep -E "^decode batch|decode run plain"
-  pack s60b-$name $name
-}
-prof prof
-prof moefill0 LONGCTX_MOE_FILL_SMS=0
+prof_step s60b-prof
+prof_step s60b-moefill0 LONGCTX_MOE_FILL_SMS=0
 python3 -m bench.gpu_check --only fp32,bf16,graphs --out $OUT/gc
 pack s60b-gc gc
