@@ -156,20 +156,38 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @jit
-def prefetch_l2(ptrs, mask, ON: tl.constexpr):
+def prefetch_l2(ptrs, mask):
     """Ask L2 for the 128-byte lines `ptrs` point into, where `mask` (PTX `prefetch.global.L2::evict_last`):
     no register result and nothing waits for it. A PDL kernel calls it on data its predecessor does not write
-    (weights) BEFORE `pdl_wait`, so the reads overlap the predecessor's run instead of following it. ON False
-    (the interpreter, which has no inline PTX): nothing."""
-    if ON:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptrs, mask.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    (weights) BEFORE `pdl_wait`, so the reads overlap the predecessor's run instead of following it. Compiled
+    GPUs only (the interpreter has no inline PTX): kernels call it under a PREFETCH constexpr that
+    `prefetch_keywords` sets."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@jit
+def prefetch_rows_l2(rows, row_mask, K, KL: tl.constexpr, EPL: tl.constexpr):
+    """`prefetch_l2` of the first K elements of each row starting at `rows` [BN] (pointers, unit column
+    stride): KL lines of EPL elements a row, as `prefetch_keywords` sizes them."""
+    lines = tl.arange(0, KL) * EPL
+    prefetch_l2(rows[:, None] + lines[None, :], row_mask[:, None] & (lines < K)[None, :])
+
+
+def prefetch_keywords(on: bool, pdl_kw: dict[str, bool], w: torch.Tensor, k: int) -> dict[str, bool | int]:
+    """A launch's `pdl(device)` keywords `pdl_kw`, plus (when `on` and under PDL: without it the kernel starts
+    after its predecessor anyway) those of a kernel that prefetches the first k elements of rows of `w`
+    before its pdl_wait (`prefetch_rows_l2`): PREFETCH, KL lines of EPL elements (128 bytes) a row."""
+    if not (on and pdl_kw):
+        return dict(pdl_kw)
+    epl = 128 // w.element_size()
+    return dict(pdl_kw, PREFETCH=True, KL=next_pow2(-(-k // epl)), EPL=epl)
 
 
 def num_sms(device: torch.device, cpu: int = 4) -> int:

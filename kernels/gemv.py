@@ -46,7 +46,8 @@ from .common import (
     num_sms,
     pdl,
     pdl_wait,
-    prefetch_l2,
+    prefetch_keywords,
+    prefetch_rows_l2,
     round_as,
     tl,
     triton_interpret,
@@ -368,13 +369,8 @@ def _merge_gemv_kernel(
     h = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mn = offs_n < N
-    if PREFETCH:  # W[h]'s slab into L2 while the attention ahead still runs (KL lines of EPL elements a row)
-        lines = tl.arange(0, KL) * EPL
-        prefetch_l2(
-            w_ptr + h * s_wh + offs_n[:, None] * s_wn + lines[None, :],
-            mn[:, None] & (lines < K)[None, :],
-            True,
-        )
+    if PREFETCH:  # W[h]'s slab into L2 while the attention ahead still runs
+        prefetch_rows_l2(w_ptr + h * s_wh + offs_n * s_wn, mn, K, KL, EPL)
     pdl_wait(PDL)
     offs_s = tl.arange(0, BS)
     ms = offs_s < S
@@ -419,10 +415,7 @@ def merge_head_gemv(
     if out.numel() == 0:
         return out
     cfg = TILES_DOT_PLAIN
-    kw: dict[str, bool | int] = dict(pdl(w.device))
-    epl = 128 // w.element_size()  # elements of a 128-byte line
-    if MERGE_PREFETCH and kw:  # (PDL only: without it the kernel starts after the attention anyway)
-        kw = dict(kw, PREFETCH=True, KL=next_pow2(cdiv(k, epl)), EPL=epl)
+    kw = prefetch_keywords(MERGE_PREFETCH, pdl(w.device), w, k)
     _merge_gemv_kernel[(cdiv(n, cfg.bn), h)](
         parts, lse, w, out, s, n, k, parts.stride(0), parts.stride(1), lse.stride(0), w.stride(0), w.stride(1),
         F32=w.dtype == torch.float32 or triton_interpret(), BS=max(2, next_pow2(s)), BN=cfg.bn, BK=cfg.bk,

@@ -54,7 +54,8 @@ from .common import (
     num_sms,
     pdl,
     pdl_wait,
-    prefetch_l2,
+    prefetch_keywords,
+    prefetch_rows_l2,
     round_as,
     tl,
     triton_interpret,
@@ -708,15 +709,8 @@ def _down_kernel(
         # was written by moe_align, which finished before the gate-up's PDL wait let this kernel launch.
         ex0 = tl.load(bexp_ptr + pid_m)
         rows = pid_n * BN + tl.arange(0, BN)
-        lines = tl.arange(0, KL) * EPL
-        prefetch_l2(
-            w_ptr
-            + tl.maximum(ex0, 0).to(tl.int64) * s_we
-            + rows[:, None].to(tl.int64) * s_wn
-            + lines[None, :],
-            (ex0 >= 0) & (rows < HD)[:, None] & (lines < I)[None, :],
-            True,
-        )
+        base = w_ptr + tl.maximum(ex0, 0).to(tl.int64) * s_we
+        prefetch_rows_l2(base + rows.to(tl.int64) * s_wn, (ex0 >= 0) & (rows < HD), I, KL, EPL)
     pdl_wait(PDL)
     ex = tl.load(bexp_ptr + pid_m)
     if ex >= 0:
@@ -1040,10 +1034,7 @@ def moe_experts(
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0), sgu.stride(1), h.stride(0),
         FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn_gu, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
-    kw_d: dict[str, bool | int] = dict(pdl(dev))
-    if MOE_PREFETCH and kw_d:  # (PDL only: the prefetch runs beside the gate-up)
-        epl = 128 // w_down.element_size()
-        kw_d.update(PREFETCH=True, KL=next_pow2(cdiv(inter, epl)), EPL=epl)
+    kw_d = prefetch_keywords(MOE_PREFETCH, pdl(dev), w_down, inter)  # (the prefetch runs beside the gate-up)
     _down_kernel[(nb, cdiv(hd, bn_d))](
         h, w_down, sd, sorted_pairs, block_expert, tw, out,
         p, hd, inter,

@@ -42,8 +42,8 @@ PRE_WAIT_READS = {("_down_kernel", "bexp_ptr")}
 
 def _pre_wait_ok(kernel: str, stmt: ast.stmt) -> bool:
     """A statement allowed before pdl_wait(PDL): program ids and index arithmetic, or an `if PREFETCH:` block
-    whose only memory operations are `prefetch_l2` (L2 prefetches of weights no kernel writes) and the reads
-    of PRE_WAIT_READS."""
+    whose only memory operations are `prefetch_rows_l2` / `prefetch_l2` (L2 prefetches of weights no kernel
+    writes) and the reads of PRE_WAIT_READS."""
     if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "PREFETCH":
         nodes = [n for b in stmt.body for n in ast.walk(b)]
     elif isinstance(stmt, ast.Assign):
@@ -80,19 +80,14 @@ def _scan(path: Path) -> tuple[dict[str, bool], list[tuple[str, int]]]:
         # names of dicts that carry the keywords: x = dict(..., **pdl(...)) or x.update(..., **pdl(...))
         carriers: set[str] = set()
         for node in ast.walk(fn):
+            # x = dict(..., **pdl(...)), x = prefetch_keywords(..., pdl(...), ...), x: T = ...: a pdl() call anywhere
             if (
-                isinstance(node, ast.Assign)
-                and isinstance(node.value, ast.Call)
-                and any(_is_pdl_call(k.value) for k in node.value.keywords if k.arg is None)
-            ):
-                carriers |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-            if (  # kw: dict[...] = dict(pdl(device)), a dict later given more keywords
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
+                isinstance(node, (ast.Assign, ast.AnnAssign))
                 and node.value is not None
                 and any(_is_pdl_call(n) for n in ast.walk(node.value))
             ):
-                carriers.add(node.target.id)
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                carriers |= {t.id for t in targets if isinstance(t, ast.Name)}
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
