@@ -53,3 +53,35 @@ def test_helper_calls_reuse_the_launch_patch_and_compute_the_same(monkeypatch):
     assert patches.count("_helpers_kernel") == 1 and "_scaled" not in patches, patches
     assert len(patches) <= 2
     assert tl.core.is_builtin(tl.load)  # restored after the launch
+
+
+@jit
+def _scale_kernel(x_ptr, o_ptr, s, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=m, other=0) * s, mask=m)
+
+
+def test_the_interpreters_overflow_checks_are_dead_and_skipped(monkeypatch):
+    """kernels/common.py turns off the interpreter's int32 overflow checks, which it builds for every int op
+    and then drops (`device_assert` does nothing without `debug`): with them on an overflowing product still
+    passes, and with them off the same launch gives the same wrapped values, as the compiled kernel would."""
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+
+    assert common.INTERPRETER_SKIPS_OVERFLOW_CHECKS
+    opts = ti.interpreter_builder.options
+    assert not opts.sanitize_overflow and not opts.debug
+    n = int(torch.randint(3, 16, ()).item())
+    x = torch.randint(1 << 20, 1 << 21, (n,), dtype=torch.int32)
+    want = (x.long() * (1 << 12)).to(torch.int32)  # every product overflows int32 and wraps
+    outs = []
+    for checks in (True, False):
+        monkeypatch.setattr(
+            ti.interpreter_builder, "options", dataclasses.replace(opts, sanitize_overflow=checks)
+        )
+        out = torch.empty_like(x)
+        _scale_kernel[(1,)](x, out, 1 << 12, n, BLOCK=16)
+        outs.append(out)
+    assert torch.equal(outs[0], want) and torch.equal(outs[1], want)
