@@ -1,6 +1,6 @@
 """Compile the HiSparse placement kernels (kernels/lru_place.py), the sampler's Gumbel draw
 (kernels/gumbel.py) and its penalties (kernels/penalties.py), the router's one launch and the grouped down projection (kernels/moe.py)
-and MLA's per-head GEMV with its split merge (kernels/gemv.py, with and without its L2 prefetch) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
+and MLA's per-head GEMV with its split merge (kernels/gemv.py) for an sm_90 GPU on a machine without one: Triton's own front end, optimiser and ptxas run, so a kernel the CPU interpreter accepts but
 the compiler rejects (types that differ between the branches of an `if`, an op with no lowering)
 fails here instead of in a device session. Every variant the wrapper launches: the full kernel
 with and without the parallel passes or the step's candidates, the passes' three phases, with and
@@ -171,13 +171,9 @@ def variants() -> list[tuple[str, dict]]:
     out.append(("_gemv_kernel", {"sig": gemv, "const": const, "num_warps": 4}))
     # batch-1 decode's split attention merged into W_UV's GEMV (32 splits)
     merge = {"p_ptr": "*fp32", "l_ptr": "*fp32", "w_ptr": "*bf16", "o_ptr": "*bf16", "K": "i32"}
-    const = {"F32": False, "BS": 32, "BN": 64, "BK": 64, "PDL": True, "PREFETCH": False, "KL": 1, "EPL": 64}
+    const = {"F32": False, "BS": 32, "BN": 64, "BK": 64, "PDL": True}
     out.append(("_merge_gemv_kernel", {"sig": merge, "const": const, "num_warps": 4}))
-    # ... asking L2 for its W_UV slab before the PDL wait (LONGCTX_MERGE_PREFETCH=1: inline PTX prefetch)
-    const = {**const, "PREFETCH": True, "KL": 8, "EPL": 64}
-    out.append(("_merge_gemv_kernel", {"sig": merge, "const": const, "num_warps": 4}))
-    # the grouped MoE down projection at small-1m's decode tiles (bf16), with and without its L2 prefetch of
-    # w_down before the PDL wait (LONGCTX_MOE_PREFETCH=1)
+    # the grouped MoE down projection at small-1m's decode tiles (bf16)
     down = {
         "h_ptr": "*bf16",
         "w_ptr": "*bf16",
@@ -188,9 +184,7 @@ def variants() -> list[tuple[str, dict]]:
         "o_ptr": "*bf16",
     }
     const = {"FP8": False, "X16": False, "F32": False, "BM": 16, "BN": 64, "BK": 128, "PDL": True}
-    for pre in (False, True):
-        const_p = {**const, "PREFETCH": pre, "KL": 8 if pre else 1, "EPL": 64}
-        out.append(("_down_kernel", {"sig": down, "const": const_p, "num_warps": 4}))
+    out.append(("_down_kernel", {"sig": down, "const": const, "num_warps": 4}))
     return out  # fmt: skip
 
 

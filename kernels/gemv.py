@@ -46,8 +46,6 @@ from .common import (
     num_sms,
     pdl,
     pdl_wait,
-    prefetch_keywords,
-    prefetch_rows_l2,
     round_as,
     tl,
     triton_interpret,
@@ -276,10 +274,6 @@ def gemv(
 # Token rows up to which `head_gemv` runs the kernel; above it (prefill chunks) torch's batched GEMM.
 # LONGCTX_HEAD_GEMV_MAX_T=0: always torch (A/B benches).
 HEAD_GEMV_MAX_T = int(os.environ.get("LONGCTX_HEAD_GEMV_MAX_T", "64"))
-# LONGCTX_MERGE_PREFETCH=1: `merge_head_gemv` (launched with PDL) asks L2 for its W_UV slab before waiting
-# for the attention ahead, whose batch-1 run is latency-bound (HBM idle), so the slab's reads (16.8 MB at
-# small-1m) overlap it. Off until a GPU A/B has measured it (bench/rounds/s60b-call.sh).
-MERGE_PREFETCH = os.environ.get("LONGCTX_MERGE_PREFETCH", "0").strip() == "1"
 
 
 def head_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -360,7 +354,6 @@ def _merge_gemv_kernel(
     p_ptr, l_ptr, w_ptr, o_ptr, S, N, K,
     s_ph, s_ps, s_lh, s_wh, s_wn,
     F32: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, KL: tl.constexpr = 1, EPL: tl.constexpr = 64,
 ):  # fmt: skip
     # Program (pid_n, head h): the split weights from h's lse (as `sparse_mla._combine_kernel`), then per K
     # step the merged row x = sum_s a_s parts[h, s, k-step], rounded to w's dtype, times W[h]'s [BN, BK] tile
@@ -369,8 +362,6 @@ def _merge_gemv_kernel(
     h = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mn = offs_n < N
-    if PREFETCH:  # W[h]'s slab into L2 while the attention ahead still runs
-        prefetch_rows_l2(w_ptr + h * s_wh + offs_n * s_wn, mn, K, KL, EPL)
     pdl_wait(PDL)
     offs_s = tl.arange(0, BS)
     ms = offs_s < S
@@ -415,10 +406,9 @@ def merge_head_gemv(
     if out.numel() == 0:
         return out
     cfg = TILES_DOT_PLAIN
-    kw = prefetch_keywords(MERGE_PREFETCH, pdl(w.device), w, k)
     _merge_gemv_kernel[(cdiv(n, cfg.bn), h)](
         parts, lse, w, out, s, n, k, parts.stride(0), parts.stride(1), lse.stride(0), w.stride(0), w.stride(1),
         F32=w.dtype == torch.float32 or triton_interpret(), BS=max(2, next_pow2(s)), BN=cfg.bn, BK=cfg.bk,
-        num_warps=cfg.warps, num_stages=cfg.stages, **kw,
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl(w.device),
     )  # fmt: skip
     return out

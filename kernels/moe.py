@@ -54,8 +54,6 @@ from .common import (
     num_sms,
     pdl,
     pdl_wait,
-    prefetch_keywords,
-    prefetch_rows_l2,
     round_as,
     tl,
     triton_interpret,
@@ -78,10 +76,6 @@ DECODE_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_DECODE_MAX_PAIRS", "0"))
 # weight stream, no align). Off (0) until `python -m bench.moe8_sweep` has measured it on the H200;
 # LONGCTX_MOE_STREAM_MAX_PAIRS sets it for a process (A/B benches). Checked before DECODE_MAX_PAIRS.
 STREAM_MAX_PAIRS = int(os.environ.get("LONGCTX_MOE_STREAM_MAX_PAIRS", "0"))
-# LONGCTX_MOE_PREFETCH=1: the grouped down projection (launched with PDL) asks L2 for its expert's w_down slab
-# before waiting for the gate-up ahead (`common.prefetch_l2`), so its weight reads overlap the gate-up's
-# instead of following them. Off until a GPU A/B has measured it.
-MOE_PREFETCH = os.environ.get("LONGCTX_MOE_PREFETCH", "0").strip() == "1"
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -700,17 +694,10 @@ def _down_kernel(
     P, HD, I,
     s_ht, s_we, s_wn, s_wse, s_wsn, s_ot,
     FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, KL: tl.constexpr = 1, EPL: tl.constexpr = 64,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if PREFETCH:
-        # This expert's [BN, I] slab of w_down into L2 while the gate-up ahead still runs: the block's expert
-        # was written by moe_align, which finished before the gate-up's PDL wait let this kernel launch.
-        ex0 = tl.load(bexp_ptr + pid_m)
-        rows = pid_n * BN + tl.arange(0, BN)
-        base = w_ptr + tl.maximum(ex0, 0).to(tl.int64) * s_we
-        prefetch_rows_l2(base + rows.to(tl.int64) * s_wn, (ex0 >= 0) & (rows < HD), I, KL, EPL)
     pdl_wait(PDL)
     ex = tl.load(bexp_ptr + pid_m)
     if ex >= 0:
@@ -1034,12 +1021,11 @@ def moe_experts(
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0), sgu.stride(1), h.stride(0),
         FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn_gu, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
-    kw_d = prefetch_keywords(MOE_PREFETCH, pdl(dev), w_down, inter)  # (the prefetch runs beside the gate-up)
     _down_kernel[(nb, cdiv(hd, bn_d))](
         h, w_down, sd, sorted_pairs, block_expert, tw, out,
         p, hd, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), sd.stride(0), sd.stride(1), out.stride(0),
-        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn_d, BK=bk, num_warps=warps, num_stages=stages, **kw_d,
+        FP8=fp8, X16=x16, F32=f32, BM=bm, BN=bn_d, BK=bk, num_warps=warps, num_stages=stages, **pdl(dev),
     )  # fmt: skip
     join()
     return moe_combine(out.view(t, k, hd), ids, e, shared, residual, norm_out, backend="triton")

@@ -40,12 +40,13 @@ BM = 16
 # Down-projection programs to aim for per SM (split-K supplies them when the experts' row tiles do not):
 # two waves of ~4 resident programs, so the last programs to start do not leave most SMs idle.
 PROGRAMS_PER_SM = 8
-# Weight-streaming grids at decode shrink their BLOCK_N (not below 16) until they have a program for every
-# SM (`fill_sms_bn`): small-1m at batch 1 (top-4 of 16, I = 512) ran `moe`'s gate-up as 4 experts x 8 slabs
-# of 64 rows = 32 programs, each streaming 512 KB alone (15 us for 16 MB, ~1.1 TB/s on the H200). Applies
-# to `moe`'s grouped GEMMs (both kernels) and this path's gate-up at its default tiles;
-# LONGCTX_MOE_FILL_SMS=0 keeps the configured BLOCK_N (A/B benches).
-FILL_SMS = os.environ.get("LONGCTX_MOE_FILL_SMS", "1").strip() != "0"
+# LONGCTX_MOE_FILL_SMS=1: weight-streaming grids at decode shrink their BLOCK_N (not below 16) until they have
+# a program for every SM (`fill_sms_bn`), for `moe`'s grouped GEMMs (both kernels) and this path's gate-up at
+# its default tiles. Off by default: small-1m's 128K batch-1 decode on an H100 (s61, bench/results/s61.md)
+# ran its gate-up (4 experts x 32 slabs of 16 rows instead of 8 of 64) 1.8 us slower a MoE layer, align end
+# to gate-up end 12.7 against 10.9 us, and the down projection's end 1.2 us later; the step's median was
+# 1.185 against 1.179 ms.
+FILL_SMS = os.environ.get("LONGCTX_MOE_FILL_SMS", "0").strip() == "1"
 
 
 def fill_sms_bn(bn: int, blocks: int, n: int, sms: int) -> int:

@@ -17,14 +17,3 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         "triton was imported before TRITON_INTERPRET=1 was set; kernel tests need the interpreter"
     )
 os.environ["TRITON_INTERPRET"] = "1"
-
-
-class LaunchRecorder:
-    """Stands in for a `@jit` kernel: `kernel[grid](*args, **kw)` records (grid, kw) in `launches` instead of
-    running (a launch the interpreter cannot run, e.g. one with inline PTX)."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple[object, dict]] = []
-
-    def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
-        return lambda *args, **kw: self.launches.append((grid, kw))

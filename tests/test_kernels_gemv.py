@@ -204,25 +204,3 @@ def test_merge_head_gemv_refuses_bad_inputs():
         merge_head_gemv(parts, lse, torch.randn(2, 5, 7), backend="triton")
     with pytest.raises(KernelInputError, match="fp32"):
         merge_head_gemv(parts.bfloat16(), lse, w, backend="triton")
-
-
-@pytest.mark.parametrize("prefetch,pdl_on", [(True, True), (True, False), (False, True)])
-def test_merge_head_gemv_prefetch_launch(prefetch, pdl_on, monkeypatch):
-    """LONGCTX_MERGE_PREFETCH=1 asks the kernel for its L2 prefetch (lines of 128 bytes: KL a row, EPL
-    elements each) only under PDL, where it can run before the attention ends; the interpreter has no inline
-    PTX, so the launch is recorded instead of run (bench.compile_check compiles the PTX for sm_90)."""
-    from longctx.kernels import gemv as g
-
-    from .conftest_kernels import LaunchRecorder
-
-    kernel = LaunchRecorder()
-    monkeypatch.setattr(g, "MERGE_PREFETCH", prefetch)
-    monkeypatch.setattr(g, "pdl", lambda dev: {"PDL": True, "launch_pdl": True} if pdl_on else {})
-    monkeypatch.setattr(g, "_merge_gemv_kernel", kernel)
-    g.merge_head_gemv(
-        torch.randn(2, 4, 200), torch.randn(2, 4), torch.randn(2, 5, 200).bfloat16(), backend="triton"
-    )
-    want = {"PREFETCH": True, "KL": 4, "EPL": 64} if prefetch and pdl_on else {}
-    ((_, kw),) = kernel.launches
-    assert {k: kw[k] for k in ("PREFETCH", "KL", "EPL") if k in kw} == want
-    assert kw.get("PDL", False) == pdl_on
