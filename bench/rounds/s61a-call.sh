@@ -15,3 +15,6 @@ prof_step s61a-gemv LONGCTX_GEMV_MAX_M=1
 prof_step s61a-sp64 LONGCTX_SPARSE_MLA_HEADS=splits=64
 prof_step s61a-tk1k LONGCTX_TOPK_BIG_CHUNK_FROM=262144
 prof_step s61a-prof2
+# last, if time is left: longctx's side of issue 9's table alone (transformers skipped), quick sizes
+timeout 200 python3 -m bench.vs_transformers --skip-hf --quick --out $OUT/vt
+pack s61a-vt vt
