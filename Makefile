@@ -34,7 +34,7 @@ serve: $(BIN)/.installed $(MODEL)/config.json
 	$(BIN)/longctx serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

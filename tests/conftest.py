@@ -16,6 +16,21 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
+def heaviest_files_first(items: list, seconds: dict[str, float]) -> None:
+    """Sort `items` (stably: a file's tests keep their order) by their file's recorded seconds, longest first;
+    a file with no record counts as the median one."""
+    known = sorted(seconds.values())
+    default = known[len(known) // 2] if known else 0.0
+    items.sort(key=lambda item: -seconds.get(item.path.name, default))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long test files first (tests/file_seconds.py says why and how to refresh the record)."""
+    from .file_seconds import load
+
+    heaviest_files_first(items, load())
+
+
 def tiny_config(**overrides):
     """configs/tiny.json with overrides (indexer_types / mlp_layer_types follow num_hidden_layers)."""
     from pathlib import Path
