@@ -355,6 +355,7 @@ def _merge_gemv_kernel(
     s_ph, s_ps, s_lh, s_wh, s_wn,
     F32: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Program (pid_n, head h): the split weights from h's lse (as `sparse_mla._combine_kernel`), then per K
     # step the merged row x = sum_s a_s parts[h, s, k-step], rounded to w's dtype, times W[h]'s [BN, BK] tile
     # on the tensor cores (x in row 0 of a 16-row operand, swap-AB as `_gemv_kernel`).
@@ -362,7 +363,6 @@ def _merge_gemv_kernel(
     h = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mn = offs_n < N
-    pdl_wait(PDL)
     offs_s = tl.arange(0, BS)
     ms = offs_s < S
     a, _, _ = lse_weights(tl.load(l_ptr + h * s_lh + offs_s, mask=ms, other=float("-inf")))

@@ -696,9 +696,9 @@ def _down_kernel(
     FP8: tl.constexpr, X16: tl.constexpr, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pdl_wait(PDL)
     ex = tl.load(bexp_ptr + pid_m)
     if ex >= 0:
         pair = tl.load(pairs_ptr + pid_m * BM + tl.arange(0, BM))
